@@ -1,0 +1,52 @@
+"""Shared test helpers: gradients under a recipe, relative errors, CUDA lowering text."""
+from __future__ import annotations
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+def loss_fn(graphdef, state, tokens):
+    logits = nnx.merge(graphdef, state)(tokens).astype(jnp.float32)
+    targets = jnp.roll(tokens, -1, axis=1)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def grads_under(model, recipe, tokens):
+    """(loss, grads) of a next-token loss with `recipe` set on `model` (same parameters)."""
+    model.set_recipe(recipe)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    f = jax.jit(jax.value_and_grad(lambda p: loss_fn(graphdef, nnx.merge_state(p, rest), tokens)))
+    return f(params)
+
+
+def max_rel_err(a, b) -> float:
+    errs = [np.linalg.norm(np.asarray(x, np.float64) - np.asarray(y, np.float64)) /
+            max(np.linalg.norm(np.asarray(y, np.float64)), 1e-30)
+            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
+    return max(errs)
+
+
+def cuda_lowering(model, tokens) -> str:
+    """StableHLO text of the training gradient lowered for CUDA (no GPU needed)."""
+    graphdef, state = nnx.split(model)
+    grad = jax.jit(jax.grad(lambda s: loss_fn(graphdef, s, tokens)))
+    return grad.trace(state).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def pinned_host_shapes(hlo_text: str) -> collections.Counter:
+    """Counter of tensor types moved to pinned host memory in lowered text."""
+    out = collections.Counter()
+    for line in hlo_text.splitlines():
+        if "annotate_device_placement" in line and '"pinned_host"' in line:
+            out[line.rsplit("->", 1)[-1].strip()] += 1
+    return out
+
+
+def hlo_type(shape, dtype) -> str:
+    names = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+    return "tensor<" + "x".join(str(d) for d in shape) + "x" + names[jnp.dtype(dtype).name] + ">"

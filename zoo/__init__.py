@@ -1,0 +1,6 @@
+"""offload-zoo: Flax NNX models whose every offloadable intermediate is named, and recipes that place them."""
+from zoo import layers, models, tags
+from zoo.recipe import Recipe
+
+__all__ = ["Recipe", "layers", "models", "tags"]
+__version__ = "0.1.0"

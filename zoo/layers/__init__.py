@@ -1,0 +1,9 @@
+"""Offload-first layers: they compute and name their intermediates; they never decide where those live."""
+from zoo.layers.attention import Attention, causal_attention
+from zoo.layers.embed import Embed, LMHead
+from zoo.layers.mlp import MLP
+from zoo.layers.norm import RMSNorm
+from zoo.layers.rope import Llama3Scaling, Rope, YarnScaling
+
+__all__ = ["Attention", "causal_attention", "Embed", "LMHead", "MLP", "RMSNorm", "Rope", "Llama3Scaling",
+           "YarnScaling"]

@@ -1,0 +1,26 @@
+"""RMSNorm (Zhang & Sennrich, 2019), statistics in float32.
+
+Written out rather than `nnx.RMSNorm` so that the order of operations is the published one (normalise in float32,
+cast to the activation dtype, then scale), which is what the Llama and DeepSeek checkpoints were trained with.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zoo.layers.linear import logical
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, *, eps: float = 1e-5, dtype=jnp.float32, param_dtype=jnp.float32,
+                 axis_name: str = "embed", rngs: nnx.Rngs | None = None):
+        del rngs  # deterministic init: ones
+        self.eps = eps
+        self.dtype = dtype
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), **logical((axis_name,)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return self.scale[...].astype(self.dtype) * y.astype(self.dtype)

@@ -1,0 +1,104 @@
+"""Rotary position embeddings (Su et al., 2021) with the frequency scalings of Llama 3.1 and of YaRN.
+
+Layout: the "rotate half" layout of the Hugging Face checkpoints: a head vector is split into two halves
+[x1, x2] and rotated as (x1 cos - x2 sin, x2 cos + x1 sin). Frequencies are constants of the config, computed
+with NumPy in float64, so they fold into the compiled program.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Llama3Scaling:
+    """Llama 3.1's rope_scaling: long wavelengths divided by `factor`, short ones kept, a smooth band between."""
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __call__(self, inv_freq: np.ndarray, theta: float) -> np.ndarray:
+        del theta
+        low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
+        high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor)
+        scaled = np.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
+        mid = (1 - smooth) * scaled / self.factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return np.where(is_mid, mid, scaled)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class YarnScaling:
+    """YaRN (Peng et al., 2023) as DeepSeek-V3 uses it: interpolate low frequencies by `factor` with a linear ramp
+    between beta_slow and beta_fast rotations; `attention_factor` scales cos/sin (1.0 for DeepSeek-V3, whose
+    mscale correction goes into the softmax scale instead; see `softmax_mscale`)."""
+    factor: float = 40.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+
+    def __call__(self, inv_freq: np.ndarray, theta: float) -> np.ndarray:
+        dim, base = 2 * len(inv_freq), theta
+
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+                2 * math.log(base))
+
+        low = max(math.floor(correction_dim(self.beta_fast)), 0)
+        high = min(math.ceil(correction_dim(self.beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+        extrapolation = 1 - ramp
+        return inv_freq / self.factor * (1 - extrapolation) + inv_freq * extrapolation
+
+    def attention_factor(self) -> float:
+        return yarn_get_mscale(self.factor, self.mscale) / yarn_get_mscale(self.factor, self.mscale_all_dim)
+
+    def softmax_mscale(self) -> float:
+        """DeepSeek multiplies the softmax scale by mscale(factor, mscale_all_dim)^2."""
+        return yarn_get_mscale(self.factor, self.mscale_all_dim) ** 2
+
+
+def yarn_get_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Rope:
+    """Rotary embedding of `dim` dimensions with base `theta` and an optional frequency scaling."""
+    dim: int
+    theta: float = 10000.0
+    scaling: Llama3Scaling | YarnScaling | None = None
+
+    def inv_freq(self) -> np.ndarray:
+        inv = 1.0 / (self.theta ** (np.arange(0, self.dim, 2, dtype=np.float64) / self.dim))
+        return inv if self.scaling is None else self.scaling(inv, self.theta)
+
+    def cos_sin(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """cos and sin of shape positions.shape + (dim,), float32."""
+        angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(self.inv_freq(), jnp.float32)
+        angles = jnp.concatenate([angles, angles], axis=-1)
+        factor = self.scaling.attention_factor() if isinstance(self.scaling, YarnScaling) else 1.0
+        return jnp.cos(angles) * factor, jnp.sin(angles) * factor
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """Rotate x [B, S, H, dim] at `positions` [S] or [B, S]; computed in float32, returned in x.dtype."""
+        cos, sin = self.cos_sin(positions)
+        if cos.ndim == 2:  # [S, dim] -> broadcast over batch
+            cos, sin = cos[None], sin[None]
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+        x32 = x.astype(jnp.float32)
+        x1, x2 = jnp.split(x32, 2, axis=-1)
+        rotated = jnp.concatenate([-x2, x1], axis=-1)
+        return (x32 * cos + rotated * sin).astype(x.dtype)

@@ -1,0 +1,49 @@
+"""Validation shared by the model configs: every bad value is a ValueError naming its field."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
+
+
+def dtype_of(field: str, value: str):
+    if value not in DTYPES:
+        raise ValueError(f"{field}={value!r} is not a supported dtype; choose one of {sorted(DTYPES)}")
+    return DTYPES[value]
+
+
+def check_positive(cfg, *fields: str) -> None:
+    for f in fields:
+        v = getattr(cfg, f)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{type(cfg).__name__}.{f} must be a positive int, got {v!r}")
+
+
+def check_positive_float(cfg, *fields: str) -> None:
+    for f in fields:
+        v = getattr(cfg, f)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise ValueError(f"{type(cfg).__name__}.{f} must be a positive number, got {v!r}")
+
+
+def check_divides(cfg, small: str, big: str) -> None:
+    a, b = getattr(cfg, small), getattr(cfg, big)
+    if b % a:
+        raise ValueError(f"{type(cfg).__name__}.{small}={a} must divide {big}={b}")
+
+
+def check_common(cfg) -> None:
+    """dtype and attention-implementation fields every model config has."""
+    dtype_of(f"{type(cfg).__name__}.dtype", cfg.dtype)
+    dtype_of(f"{type(cfg).__name__}.param_dtype", cfg.param_dtype)
+    if cfg.attention_impl not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"{type(cfg).__name__}.attention_impl must be one of {ATTENTION_IMPLEMENTATIONS}, "
+                         f"got {cfg.attention_impl!r}")
+
+
+def replace(cfg, **changes):
+    """`dataclasses.replace` (validates again)."""
+    return dataclasses.replace(cfg, **changes)

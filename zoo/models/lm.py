@@ -1,0 +1,87 @@
+"""A causal language model: embedding, one or more scanned decoder stacks under one recipe, norm, LM head.
+
+Model files (llama.py, deepseek.py) say what the layers are; this class says how they are stacked and checks
+the recipe against what the stacks really emit, when the model is built.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zoo.layers import Embed, LMHead, RMSNorm
+from zoo.models.config import dtype_of
+from zoo.models.stack import Stack
+from zoo.recipe import Recipe
+
+# Tags are the same for any batch and length: the recipe check at build time traces this small shape.
+_CHECK_BATCH, _CHECK_SEQ = 1, 8
+
+
+@dataclasses.dataclass(frozen=True)
+class StackTags:
+    """What one stack emits: its number of layers and, per layer, {tag: shape and dtype}."""
+    num_layers: int
+    tags: dict[str, jax.ShapeDtypeStruct]
+
+
+class CausalLM(nnx.Module):
+    """Embedding -> stacks (in order) -> RMSNorm -> LM head. `stacks` maps a stack's attribute name to
+    (make_layer, num_layers)."""
+
+    def __init__(self, cfg, *, stacks: dict[str, tuple[Callable[[nnx.Rngs], nnx.Module], int]],
+                 recipe: Recipe | None, rngs: nnx.Rngs):
+        dtype, param_dtype = dtype_of("dtype", cfg.dtype), dtype_of("param_dtype", cfg.param_dtype)
+        self.config = cfg
+        self.embed = Embed(vocab=cfg.vocab_size, dim=cfg.dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.stack_names = tuple(stacks)
+        for stack_name, (make_layer, num_layers) in stacks.items():
+            setattr(self, stack_name, Stack(make_layer, num_layers=num_layers, rngs=rngs))
+        self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.lm_head = None if cfg.tie_embeddings else LMHead(
+            dim=cfg.dim, vocab=cfg.vocab_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.recipe = Recipe.none()
+        self.set_recipe(recipe if recipe is not None else Recipe.none())
+
+    # -- the recipe ---------------------------------------------------------------------------------------
+    def set_recipe(self, recipe: Recipe) -> None:
+        """Use `recipe` from now on. ValueError if it names a tag (or pattern) that no stack emits."""
+        if not isinstance(recipe, Recipe):
+            raise ValueError(f"recipe must be a zoo.Recipe, got {type(recipe).__name__}")
+        emitted = {t for st in self.tag_shapes(_CHECK_BATCH, _CHECK_SEQ).values() for t in st.tags}
+        recipe.check_emitted(emitted, where=type(self).__name__)
+        self.recipe = recipe
+
+    def stacks(self) -> dict[str, Stack]:
+        return {n: getattr(self, n) for n in self.stack_names}
+
+    def tag_shapes(self, batch: int, seq: int) -> dict[str, StackTags]:
+        """Per stack: layers and the {tag: shape} of one layer for a [batch, seq] input (abstract trace)."""
+        x = jax.ShapeDtypeStruct((batch, seq, self.config.dim), dtype_of("dtype", self.config.dtype))
+        return {n: StackTags(s.num_layers, s.tag_shapes(x)) for n, s in self.stacks().items()}
+
+    # -- the forward pass ---------------------------------------------------------------------------------
+    def __call__(self, tokens: jax.Array, *, return_aux: bool = False):
+        """int tokens [B, S] -> logits [B, S, vocab]; with return_aux, also {stack: aux stacked over layers}."""
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"tokens must be an integer array [batch, seq], got {tokens.dtype}{list(tokens.shape)}")
+        x = self.embed(tokens)
+        policy = self.recipe.policy()
+        aux: dict[str, Any] = {}
+        for stack_name, stack in self.stacks().items():
+            x, aux[stack_name] = stack(x, policy)
+        x = self.norm(x)
+        logits = self.embed_attend(x) if self.lm_head is None else self.lm_head(x)
+        return (logits, aux) if return_aux else logits
+
+    def embed_attend(self, x: jax.Array) -> jax.Array:
+        return jnp.einsum("bsd,vd->bsv", x, self.embed.embedding[...].astype(x.dtype))
+
+
+def count_params(model: nnx.Module) -> int:
+    """Number of parameters (works on `nnx.eval_shape` models: nothing is allocated)."""
+    return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -1,0 +1,59 @@
+"""The scanned, rematerialized decoder stack: where a recipe is applied.
+
+Parameters of `num_layers` identical layers are created with `nnx.split_rngs` + `nnx.vmap` (layer axis first,
+logical axis name `layers`) and applied by one `nnx.scan` over `nnx.remat(policy=recipe.policy(),
+prevent_cse=False)` of a plain `(layer, x)` function. Three traps this file is built around:
+
+- `decoder_layer_input` is named on the first line of the rematerialized body. Naming the layer's output or
+  the scan carry outside the body silently offloads nothing (jax#23869).
+- `prevent_cse=False`: inside a scan, CSE cannot undo the remat, and `True` only adds optimization barriers.
+- one scan level: offload inside nested scans is known to break, so a layer may not contain a scan
+  (`zoo.tags.emitted` refuses one).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+from flax import nnx
+
+from zoo import tags as tags_lib
+
+
+def layer_body(layer: nnx.Module, x: jax.Array) -> tuple[jax.Array, Any]:
+    """One layer as the scan sees it: name the input first, then run the layer. Returns (x, aux)."""
+    x = tags_lib.name(x, "decoder_layer_input")
+    out = layer(x)
+    return out if isinstance(out, tuple) else (out, {})
+
+
+class Stack(nnx.Module):
+    """`num_layers` copies of the layer `make_layer(rngs)` builds, stacked on a leading `layers` axis."""
+
+    def __init__(self, make_layer: Callable[[nnx.Rngs], nnx.Module], *, num_layers: int, rngs: nnx.Rngs):
+        if num_layers <= 0:
+            raise ValueError(f"Stack: num_layers must be positive, got {num_layers}")
+
+        @nnx.split_rngs(splits=num_layers)
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def create(rngs: nnx.Rngs) -> nnx.Module:
+            return make_layer(rngs)
+
+        self.layers = create(rngs)
+        self.num_layers = num_layers
+
+    def __call__(self, x: jax.Array, policy) -> tuple[jax.Array, Any]:
+        """Apply every layer in order under the checkpoint `policy`. Returns (x, aux stacked over layers)."""
+        body = nnx.remat(layer_body, policy=policy, prevent_cse=False)
+        scan = nnx.scan(body, in_axes=(0, nnx.Carry), out_axes=(nnx.Carry, 0))
+        return scan(self.layers, x)
+
+    def abstract_layer(self) -> tuple[nnx.GraphDef, Any]:
+        """Graph definition and abstract state (ShapeDtypeStructs) of one layer of the stack."""
+        graphdef, state = nnx.split(self.layers)
+        return graphdef, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state)
+
+    def tag_shapes(self, x: jax.ShapeDtypeStruct) -> dict[str, jax.ShapeDtypeStruct]:
+        """{tag: shape} that one layer of this stack emits for an input shaped like `x`, read from a trace."""
+        graphdef, state = self.abstract_layer()
+        return tags_lib.emitted(lambda s, x: layer_body(nnx.merge(graphdef, s), x), state, x)

@@ -1,0 +1,111 @@
+"""The tag vocabulary: one name per offloadable intermediate.
+
+Every layer in the zoo passes the tensors a training step might keep, offload or recompute through
+:func:`name`, which is `jax.ad_checkpoint.checkpoint_name` plus a check that the tag is in this closed
+vocabulary. Names follow MaxText where MaxText has one, so a MaxText `custom` remat config carries over.
+
+Shapes are never written down twice: :func:`emitted` traces a function abstractly (no FLOPs, no memory) and
+reads the tags and their shapes off the jaxpr. The planner, the recipe check at model build and the tests
+all use that.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.extend.core
+from jax.ad_checkpoint import checkpoint_name
+
+
+@dataclasses.dataclass(frozen=True)
+class Tag:
+    name: str
+    shape: str  # symbolic, for people; the real shape comes from tracing a layer
+    meaning: str
+
+
+_TAGS = (
+    Tag("decoder_layer_input", "[B,S,D]", "the decoder layer's input (the scan carry), named on the first line of "
+        "the rematerialized layer body; naming the carry outside the body offloads nothing (jax#23869)"),
+    Tag("query_proj", "[B,S,H,dq]", "queries after RoPE (GQA) or after concatenating nope and rope parts (MLA)"),
+    Tag("key_proj", "[B,S,Hkv,dq]", "keys after RoPE (GQA) or after concatenating nope and shared rope parts (MLA)"),
+    Tag("value_proj", "[B,S,Hkv,dv]", "values"),
+    Tag("attention_out", "[B,S,H,dv]", "attention output before the output projection"),
+    Tag("out_proj", "[B,S,D]", "attention output projection"),
+    Tag("context", "kernel-defined", "an attention kernel's own residuals (output, logsumexp) where the kernel "
+        "exposes them; jax.nn.dot_product_attention does not, so no zoo layer emits it yet"),
+    Tag("query_wa_proj", "[B,S,q_lora_rank]", "MLA query down-projection, before its RMSNorm"),
+    Tag("mla_q", "[B,S,q_lora_rank]", "MLA query latent after its RMSNorm"),
+    Tag("kv_wa_proj", "[B,S,kv_lora_rank+qk_rope]", "MLA key/value down-projection (latent and shared rope key)"),
+    Tag("mla_kv", "[B,S,kv_lora_rank]", "MLA key/value latent after its RMSNorm"),
+    Tag("mlpwi_0", "[B,S,F]", "dense MLP gate projection, before the activation"),
+    Tag("mlpwi_1", "[B,S,F]", "dense MLP up projection"),
+    Tag("mlpwo", "[B,S,D]", "dense MLP down projection"),
+    Tag("moe_mlpwi_0", "[B*S*k,Fe]", "routed experts' gate projection over the dispatched rows, before the activation"),
+    Tag("moe_mlpwi_1", "[B*S*k,Fe]", "routed experts' up projection over the dispatched rows"),
+    Tag("moe_mlpwo", "[B*S*k,D]", "routed experts' down projection over the dispatched rows"),
+    Tag("shared_mlpwi_0", "[B,S,Fs]", "shared expert gate projection, before the activation"),
+    Tag("shared_mlpwi_1", "[B,S,Fs]", "shared expert up projection"),
+    Tag("shared_mlpwo", "[B,S,D]", "shared expert down projection"),
+)
+
+TAGS: dict[str, Tag] = {t.name: t for t in _TAGS}
+NAMES: tuple[str, ...] = tuple(TAGS)
+
+
+def vocabulary() -> str:
+    """The vocabulary as text, for error messages and `--help`."""
+    return ", ".join(NAMES)
+
+
+def name(x: jax.Array, tag: str) -> jax.Array:
+    """Tag `x` as the intermediate `tag`: `checkpoint_name` restricted to the vocabulary."""
+    if tag not in TAGS:
+        raise ValueError(f"unknown tag {tag!r}; the vocabulary is: {vocabulary()}")
+    return checkpoint_name(x, tag)
+
+
+def _sub_jaxprs(params: dict[str, Any]):
+    for value in params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, jax.extend.core.ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, jax.extend.core.Jaxpr):
+                yield v
+
+
+def _collect(jaxpr, found: dict[str, jax.ShapeDtypeStruct], prefix: tuple[int, ...] = ()) -> None:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "name":
+            aval = eqn.outvars[0].aval
+            sds = jax.ShapeDtypeStruct(prefix + tuple(aval.shape), aval.dtype)
+            tag = eqn.params["name"]
+            if tag in found:
+                raise ValueError(f"tag {tag!r} is emitted twice in one layer; each tag names one tensor")
+            found[tag] = sds
+        elif eqn.primitive.name == "scan":
+            raise ValueError("a tagged layer contains a scan: offload inside nested scans is known to break; "
+                             "the zoo keeps one scan level (the layer stack)")
+        else:
+            for sub in _sub_jaxprs(eqn.params):
+                _collect(sub, found, prefix)
+
+
+def emitted(fn: Callable[..., Any], *args: Any) -> dict[str, jax.ShapeDtypeStruct]:
+    """Trace `fn(*args)` abstractly and return {tag: shape and dtype} for every tag it emits, in order.
+
+    `args` may be arrays or `jax.ShapeDtypeStruct`s; nothing is computed.
+    """
+    found: dict[str, jax.ShapeDtypeStruct] = {}
+    _collect(jax.make_jaxpr(fn)(*args).jaxpr, found)
+    return found
+
+
+def emitted_by(module, x: jax.ShapeDtypeStruct) -> dict[str, jax.ShapeDtypeStruct]:
+    """Tags emitted by an NNX module applied to an input of shape `x`, read from an abstract trace."""
+    from flax import nnx
+
+    graphdef, state = nnx.split(module)
+    state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+    return emitted(lambda s, x: nnx.merge(graphdef, s)(x), state, x)
