@@ -241,3 +241,71 @@ def test_bad_configs_raise_naming_the_field(change, field):
 def test_configs_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         CFG.dim = 3
+
+
+# -- parity with transformers' DeepseekV3ForCausalLM (Python 3.11 CI env: torch CPU + transformers) -----------
+def _to_hf_state_dict(model, cfg):
+    """Our parameters under transformers' names and layouts (torch Linear weights are [out, in])."""
+    import torch
+
+    def t(a):
+        return torch.from_numpy(np.array(a, np.float32))
+
+    def linear(kernel, n_in=1):  # ours [in..., out...] -> torch [out, in]
+        k = np.asarray(kernel)
+        return t(k.reshape(int(np.prod(k.shape[:n_in])), -1).T)
+
+    sd = {"model.embed_tokens.weight": t(model.embed.embedding[...]), "model.norm.weight": t(model.norm.scale[...]),
+          "lm_head.weight": linear(model.lm_head.proj.kernel[...])}
+    for i in range(cfg.num_layers):
+        stack, j = ("dense_layers", i) if i < cfg.first_dense_layers else ("moe_layers", i - cfg.first_dense_layers)
+        layer = jax.tree.map(lambda v: v[j], nnx.state(getattr(model, stack).layers))
+        p, a = f"model.layers.{i}.", layer["attn"]
+        sd[p + "input_layernorm.weight"] = t(layer["attn_norm"]["scale"][...])
+        sd[p + "post_attention_layernorm.weight"] = t(layer["mlp_norm"]["scale"][...])
+        for n in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"):
+            sd[p + f"self_attn.{n}.weight"] = linear(a[n]["kernel"][...])
+        sd[p + "self_attn.o_proj.weight"] = linear(a["o_proj"]["kernel"][...], n_in=2)
+        sd[p + "self_attn.q_a_layernorm.weight"] = t(a["q_a_layernorm"]["scale"][...])
+        sd[p + "self_attn.kv_a_layernorm.weight"] = t(a["kv_a_layernorm"]["scale"][...])
+        m = layer["mlp"]
+        mlp = m["shared_experts"] if stack == "moe_layers" else m
+        q = p + ("mlp.shared_experts." if stack == "moe_layers" else "mlp.")
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            sd[q + f"{n}.weight"] = linear(mlp[n]["kernel"][...])
+        if stack == "moe_layers":
+            e = m["experts"]
+            gate_up = np.concatenate([np.asarray(e["gate_proj"][...]), np.asarray(e["up_proj"][...])], axis=-1)
+            sd[p + "mlp.experts.gate_up_proj"] = t(gate_up.transpose(0, 2, 1))
+            sd[p + "mlp.experts.down_proj"] = t(np.asarray(e["down_proj"][...]).transpose(0, 2, 1))
+            sd[p + "mlp.gate.weight"] = linear(m["gate"]["kernel"][...])
+            sd[p + "mlp.gate.e_score_correction_bias"] = t(m["gate"]["e_score_correction_bias"][...])
+    return sd
+
+
+def test_logits_match_transformers(tokens):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = CFG
+    model = zoo.models.deepseek_v3(cfg, rngs=nnx.Rngs(3))
+    bias = model.moe_layers.layers.mlp.gate.e_score_correction_bias  # a bias that changes the routing
+    bias[...] = 0.05 * jax.random.normal(jax.random.key(4), bias.shape)
+    hf_cfg = transformers.DeepseekV3Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.mlp_dim,
+        moe_intermediate_size=cfg.moe_mlp_dim, num_hidden_layers=cfg.num_layers,
+        first_k_dense_replace=cfg.first_dense_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+        n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok, n_group=cfg.n_group,
+        topk_group=cfg.topk_group, n_shared_experts=cfg.num_shared_experts,
+        routed_scaling_factor=cfg.routed_scaling_factor, rms_norm_eps=cfg.norm_eps, rope_interleave=True,
+        max_position_embeddings=163840, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
+                             beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))
+    hf_cfg._attn_implementation = "eager"
+    hf = transformers.DeepseekV3ForCausalLM(hf_cfg).eval()
+    missing, unexpected = hf.load_state_dict(_to_hf_state_dict(model, cfg), strict=False)
+    assert not unexpected and not [k for k in missing if "layers." in k or "embed" in k or "lm_head" in k], missing
+    with torch.no_grad():
+        want = hf(torch.from_numpy(np.asarray(tokens, np.int64))).logits.numpy()
+    np.testing.assert_allclose(np.asarray(model(tokens)), want, rtol=1e-4, atol=1e-4)
