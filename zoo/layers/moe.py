@@ -32,6 +32,9 @@ Balance. `MoE.__call__` returns (y, aux) with
 A scanned stack stacks them over layers ([L, experts], [L], [L]). The training loop applies the bias update
 b += rate * sign(mean(load) - load) with `update_routing_bias(model, aux, rate)` (or `routing_bias_update` in a
 functional loop). The bias is a `RoutingBias`, not an `nnx.Param`: optimizers over `nnx.Param` leave it alone.
+A functional loop that splits (params, rest) and merges inside `jax.grad` must merge with
+`nnx.merge(graphdef, params, rest, copy=True)`: otherwise the bias variable belongs to the outer trace and
+`nnx.scan` refuses it ("Cannot extract graph node from different trace level").
 
 Parameter names follow transformers' `DeepseekV3MoE`: gate (kernel [D, experts] and e_score_correction_bias),
 experts (gate_proj, up_proj [experts, D, F], down_proj [experts, F, D]), shared_experts (an `MLP`).
@@ -70,7 +73,7 @@ def route(scores: jax.Array, bias: jax.Array, *, k: int, n_group: int, topk_grou
     grouped = biased.reshape(t, n_group, e // n_group)
     group_scores = jnp.sum(jax.lax.top_k(grouped, min(2, e // n_group))[0], axis=-1)        # [T, G]
     _, top_groups = jax.lax.top_k(group_scores, topk_group)                                 # [T, topk_group]
-    group_mask = jnp.sum(jax.nn.one_hot(top_groups, n_group, dtype=jnp.bool_), axis=1, dtype=jnp.bool_)
+    group_mask = jnp.any(jax.nn.one_hot(top_groups, n_group, dtype=jnp.bool_), axis=1)                 # [T, G]
     expert_mask = jnp.repeat(group_mask, e // n_group, axis=1)                              # [T, E]
     _, idx = jax.lax.top_k(jnp.where(expert_mask, jax.lax.stop_gradient(biased), -jnp.inf), k)
     weights = jnp.take_along_axis(scores, idx, axis=1)
