@@ -59,7 +59,8 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax
     grad_norm = optax.global_norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
-    before = nnx.state((model, optimizer))
+    # nnx.state holds the live Variables; mapping over it snapshots their current values.
+    before = jax.tree.map(lambda x: x, nnx.state((model, optimizer)))
     optimizer.update(model, grads)
     after_update(model, aux)
     # The NaN guard: keep the old state where the step is not finite (a select, no host round trip).
@@ -155,6 +156,11 @@ def _source(cfg: RunConfig, vocab: int) -> data_lib.Source:
     return data_lib.Poisoned(src, cfg.poison_step) if cfg.poison_step is not None else src
 
 
+def build_model(model_entry: ModelEntry, model_cfg, recipe: zoo.Recipe, *, seed: int) -> nnx.Module:
+    """Initialise the model in one compiled program (eagerly, every initializer would compile on its own)."""
+    return nnx.jit(lambda: model_entry.build(model_cfg, recipe=recipe, rngs=nnx.Rngs(seed)))()
+
+
 def memory_plan(model_cfg, model: nnx.Module, recipe: zoo.Recipe, *, batch: int, seq: int):
     """The recipe's memory plan as something `rich` prints. The one place the planner plugs in."""
     if hasattr(zoo, "plan"):
@@ -202,8 +208,16 @@ def run(cfg: RunConfig, console: Console | None = None) -> Result:
     recipe = model_entry.recipe(recipe_name)
     model_cfg = model_entry.config(cfg.preset, **dict(cfg.overrides))
     device = jax.devices()[0]
+    # Refuse to overwrite a run, or to resume a different one, before spending time on the model.
+    ckpts = Checkpoints(cfg.ckpt_dir) if cfg.ckpt_dir else None
+    resuming = ckpts is not None and ckpts.latest_step() is not None
+    if resuming and not cfg.resume:
+        raise ValueError(f"{ckpts.directory} already holds checkpoints (latest step {ckpts.latest_step()}): "
+                         f"pass --resume to continue that run, or choose another --ckpt-dir")
+    if resuming:
+        _check_resumable(ckpts.record(), cfg, ckpts.directory)
 
-    model = model_entry.build(model_cfg, recipe=recipe, rngs=nnx.Rngs(cfg.seed))
+    model = build_model(model_entry, model_cfg, recipe, seed=cfg.seed)
     warmup = cfg.warmup if cfg.warmup is not None else max(1, cfg.steps // 10)
     schedule = lr_schedule(lr=cfg.lr, steps=cfg.steps, warmup=warmup)
     optimizer = make_optimizer(model, schedule, clip=cfg.clip, weight_decay=cfg.weight_decay)
@@ -221,14 +235,9 @@ def run(cfg: RunConfig, console: Console | None = None) -> Result:
                       "nothing (use a GPU to see HBM fall)")
     console.print(f"MFU against {peak} TFLOP/s ({peak_src})" if peak else f"MFU: {peak_src}")
 
-    ckpts = Checkpoints(cfg.ckpt_dir) if cfg.ckpt_dir else None
     record = {"run": cfg.identity(), "recipe": recipe_name}
     start = 0
-    if ckpts is not None and ckpts.latest_step() is not None:
-        if not cfg.resume:
-            raise ValueError(f"{ckpts.directory} already holds checkpoints (latest step {ckpts.latest_step()}): "
-                             f"pass --resume to continue that run, or choose another --ckpt-dir")
-        _check_resumable(ckpts.record(), cfg, ckpts.directory)
+    if ckpts is not None and resuming:
         start = ckpts.restore(model, optimizer)["step"]
         console.print(f"resumed from {ckpts.directory} at step {start}")
     elif cfg.resume:
