@@ -23,8 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from rich.console import Console
+from rich.console import Console, Group
 from rich.table import Table
+from rich.text import Text
 
 import zoo
 from recipes import data as data_lib
@@ -165,7 +166,7 @@ def memory_plan(model_cfg, model: nnx.Module, recipe: zoo.Recipe, *, batch: int,
     """The recipe's memory plan as something `rich` prints. The one place the planner plugs in."""
     if hasattr(zoo, "plan"):
         return zoo.plan(model_cfg, recipe, batch=batch, seq=seq)
-    table = Table(title=f"memory plan of {recipe.name!r} (batch {batch}, seq {seq}; saved residuals per layer)")
+    table = Table(title=f"memory plan of {recipe.name!r}, batch {batch}, seq {seq}", title_justify="left")
     for col in ("stack", "tag", "shape", "per layer", "placement"):
         table.add_column(col, justify="right" if col == "per layer" else "left")
     totals = {"device": 0, "offload": 0}
@@ -176,9 +177,9 @@ def memory_plan(model_cfg, model: nnx.Module, recipe: zoo.Recipe, *, batch: int,
             if where in totals:
                 totals[where] += nbytes * st.num_layers
             table.add_row(stack, tag, f"{sds.dtype}{list(sds.shape)}", meter.fmt_bytes(nbytes), where)
-    table.caption = (f"saved in HBM over all layers: {meter.fmt_bytes(totals['device'])}; "
-                     f"in pinned host memory: {meter.fmt_bytes(totals['offload'])}; every other tag recomputed")
-    return table
+    return Group(table, Text(f"over all layers: {meter.fmt_bytes(totals['device'])} saved in HBM, "
+                             f"{meter.fmt_bytes(totals['offload'])} in pinned host memory, every other tag "
+                             f"recomputed (from model.tag_shapes)"))
 
 
 def _open_metrics(path: str, start: int):
@@ -229,7 +230,10 @@ def run(cfg: RunConfig, console: Console | None = None) -> Result:
     console.print(f"model {cfg.model} {cfg.preset}: {n_params:,} parameters; batch {cfg.batch} x seq {cfg.seq}; "
                   f"{cfg.steps} steps on {device.platform} ({device.device_kind})")
     console.print(f"recipe {recipe}")
-    console.print(memory_plan(model_cfg, model, recipe, batch=cfg.batch, seq=cfg.seq))
+    plan = memory_plan(model_cfg, model, recipe, batch=cfg.batch, seq=cfg.seq)
+    console.print(plan)
+    for warning in getattr(plan, "warnings", ()):
+        console.print(f"[bold yellow]warning:[/] {warning}")
     if device.platform == "cpu":
         console.print("on the CPU there is no pinned host memory: offload placements compile and run but move "
                       "nothing (use a GPU to see HBM fall)")

@@ -74,6 +74,36 @@ MODELS: dict[str, ModelEntry] = {
                          llama_flops_per_token),
 }
 
+# DeepSeek-V3's bias update speed (gamma): 0.001 for most of its pre-training (the technical report, 4.2).
+ROUTING_BIAS_RATE = 1e-3
+
+
+def deepseek_flops_per_token(cfg, model: nnx.Module, seq: int) -> float:
+    """6 N_active (the routed experts a token does not visit excluded) plus causal MLA attention."""
+    idle_experts = cfg.num_experts - cfg.num_experts_per_tok
+    n = count_params(model) - _embedding_params(cfg) - cfg.num_moe_layers * idle_experts * 3 * cfg.dim * cfg.moe_mlp_dim
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    attention = 3 * 2 * seq * cfg.num_heads * (qk + cfg.v_head_dim) / 2 * cfg.num_layers
+    return 6 * n + attention
+
+
+def deepseek_aux_loss(cfg, aux) -> jnp.ndarray:
+    """The sequence-wise balance loss of every MoE layer (already times cfg.balance_loss_weight)."""
+    from zoo.models.deepseek import balance_loss
+    return balance_loss(aux)
+
+
+def deepseek_after_update(model, aux) -> None:
+    """The auxiliary-loss-free balance: move each routing bias towards the under-loaded experts."""
+    from zoo.layers.moe import update_routing_bias
+    update_routing_bias(model, aux, ROUTING_BIAS_RATE)
+
+
+if hasattr(zoo.models, "DeepSeekV3Config"):
+    MODELS["deepseek_v3"] = ModelEntry("deepseek_v3", zoo.models.DeepSeekV3Config, zoo.models.deepseek_v3,
+                                       "recipes.deepseek_v3", "mla_moe_offload", deepseek_flops_per_token,
+                                       deepseek_aux_loss, deepseek_after_update)
+
 
 def entry(name: str) -> ModelEntry:
     if name not in MODELS:
