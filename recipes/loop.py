@@ -146,6 +146,7 @@ class Result:
     losses: list[float]
     stopped: str | None          # None: ran to the end; "nonfinite"; "stop_after"
     last_checkpoint: int | None
+    model: nnx.Module | None = None  # the trained model (its last good state)
 
 
 def _source(cfg: RunConfig, vocab: int) -> data_lib.Source:
@@ -297,7 +298,8 @@ def run(cfg: RunConfig, console: Console | None = None) -> Result:
                 n_since = 0
                 tok_s = tokens_per_step * n / dt
                 tflops = flops_per_step * n / dt / 1e12
-                row = {"step": step, "loss": loss, "grad_norm": float(m["grad_norm"]),
+                row = {"step": step, "loss": loss, "aux_loss": float(m["total_loss"]) - loss,
+                       "grad_norm": float(m["grad_norm"]),
                        "lr": float(schedule(step - 1)), "tokens_per_s": tok_s, "model_tflops": tflops,
                        "mfu": tflops / peak if peak else None, "peak_hbm_bytes": meter.peak_hbm_bytes(device),
                        "host_bytes": host}
@@ -322,7 +324,7 @@ def run(cfg: RunConfig, console: Console | None = None) -> Result:
         if ckpts is not None:
             ckpts.close()
     nnx.update((model, optimizer), state)
-    result.last_checkpoint = last_ckpt
+    result.last_checkpoint, result.model = last_ckpt, model
     if result.losses:
         console.print(f"loss {result.losses[0]:.4f} (step {result.steps[0]}) -> {result.losses[-1]:.4f} "
                       f"(step {result.steps[-1]})" + (f"; checkpoint: step {last_ckpt}" if last_ckpt else ""))

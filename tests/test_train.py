@@ -33,10 +33,15 @@ def _env():
 def test_tiny_deepseek_v3_learns_in_60_steps_under_the_study_recipe():
     if "deepseek_v3" not in registry.MODELS:
         pytest.skip("deepseek_v3 is not built on this branch yet (zoo.models has no DeepSeekV3Config)")
-    result = loop.run(loop.RunConfig(model="deepseek_v3", preset="tiny", recipe="mla_moe_offload", steps=60))
+    result = loop.run(loop.RunConfig(model="deepseek_v3", preset="tiny", recipe="mla_moe_offload", steps=60,
+                                     batch=4, seq=32))
     assert result.stopped is None and len(result.losses) == 60
     assert np.all(np.isfinite(result.losses))
     assert result.losses[-1] < 0.9 * result.losses[0], (result.losses[0], result.losses[-1])
+    # The routing-bias update ran: every MoE layer's bias moved off zero, by multiples of the update rate.
+    from zoo.layers.moe import RoutingBias
+    biases = [np.asarray(v[...]) for _, v in nnx.iter_graph(result.model) if isinstance(v, RoutingBias)]
+    assert biases and all(np.abs(b).max() > 0 for b in biases)
 
 
 def test_bad_names_are_clear_errors():
