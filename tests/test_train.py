@@ -2,7 +2,6 @@
 README's command runs as printed. Small batch and sequence so the file runs in well under a minute per worker."""
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import os
@@ -21,7 +20,6 @@ from recipes import flags, loop, registry
 from recipes.checkpoint import Checkpoints
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SMALL = dict(batch=4, seq=32, log_every=1)
 
 
 def _env():
@@ -56,57 +54,86 @@ def test_bad_names_are_clear_errors():
 
 
 # -- checkpoints: resume equals the uninterrupted run; the NaN guard keeps the last good one ----------------------
+# These drive the command itself, in subprocesses sharing a JAX compilation cache: every run compiles the same
+# step, so only the first pays for it.
+RUN = ["--steps", "12", "--batch", "4", "--seq", "32", "--log-every", "1"]
+
+
 @pytest.fixture(scope="module")
-def full(tmp_path_factory):
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("jax_cache")
+
+
+def cli(args, cache, **kw) -> subprocess.CompletedProcess:
+    env = {**_env(), "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    return subprocess.run([sys.executable, "-m", "recipes.train", *map(str, args)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, **kw)
+
+
+def losses(metrics) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, open(metrics))}
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory, cache):
     """The uninterrupted 12-step run every interrupted one is compared with (checkpointed at its end)."""
-    ckpt = tmp_path_factory.mktemp("full")
-    result = loop.run(loop.RunConfig(steps=12, ckpt_dir=str(ckpt), **SMALL))
-    assert result.stopped is None and result.last_checkpoint == 12
-    return result, ckpt
+    d = tmp_path_factory.mktemp("full")
+    out = cli(RUN + ["--ckpt-dir", d / "ckpt", "--metrics", d / "m.jsonl"], cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return losses(d / "m.jsonl"), d / "ckpt"
 
 
-def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, full):
+def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, full, cache):
     full, _ = full
-    cfg = loop.RunConfig(steps=12, ckpt_dir=str(tmp_path / "cut"), ckpt_every=3, metrics=str(tmp_path / "m.jsonl"),
-                         **SMALL)
-    first = loop.run(dataclasses.replace(cfg, stop_after=7))   # killed after step 7: the checkpoint is step 6
-    assert first.stopped == "stop_after" and first.last_checkpoint == 6
-    assert first.losses == full.losses[:7]
-    second = loop.run(dataclasses.replace(cfg, resume=True))
-    assert second.steps == list(range(7, 13))
-    assert second.losses == full.losses[6:]                    # exactly, not approximately
-    rows = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
-    assert [r["step"] for r in rows] == list(range(1, 13))     # step 7 logged once
-    assert [r["loss"] for r in rows] == full.losses
+    run = RUN + ["--ckpt-dir", tmp_path / "ckpt", "--ckpt-every", 3, "--metrics", tmp_path / "m.jsonl"]
+    out = cli(run + ["--stop-after", 7], cache)                  # killed after step 7: the checkpoint is step 6
+    assert out.returncode == 0 and "stopping as if preempted (last checkpoint: 6)" in out.stdout, out.stdout
+    assert Checkpoints(tmp_path / "ckpt").latest_step() == 6
+    assert losses(tmp_path / "m.jsonl") == {k: full[k] for k in range(1, 8)}
+    out = cli(run + ["--resume"], cache)
+    assert out.returncode == 0 and "resumed from" in out.stdout and "at step 6" in out.stdout, out.stdout + out.stderr
+    assert losses(tmp_path / "m.jsonl") == full                   # steps 7..12 exactly equal, step 7 logged once
+    assert len(open(tmp_path / "m.jsonl").readlines()) == 12
 
 
 def test_resume_refuses_a_different_run_and_a_fresh_run_refuses_a_used_directory(full):
     _, ckpt = full
     with pytest.raises(ValueError, match="different run .*batch"):
-        loop.run(loop.RunConfig(steps=12, ckpt_dir=str(ckpt), resume=True, **{**SMALL, "batch": 2}))
+        loop.run(loop.RunConfig(steps=12, ckpt_dir=str(ckpt), resume=True, batch=2, seq=32))
     with pytest.raises(ValueError, match="already holds checkpoints"):
-        loop.run(loop.RunConfig(steps=12, ckpt_dir=str(ckpt), **SMALL))
+        loop.run(loop.RunConfig(steps=12, ckpt_dir=str(ckpt), batch=4, seq=32))
 
 
-def test_nan_guard_stops_and_keeps_the_last_good_checkpoint(tmp_path, full):
-    """Step 8's batch has NaN loss weights (a corrupted record): the step is not applied, the run stops, and the
-    checkpoint on disk is the state after step 7, the one an unpoisoned run continues from identically."""
+def test_nan_guard_stops_and_keeps_the_last_good_checkpoint(tmp_path, full, cache):
+    """Step 8's batch has NaN loss weights (a corrupted record): the step is not applied, the run stops with a
+    clear message, and the checkpoint on disk is the state after step 7, the one the uninterrupted run had."""
     full, _ = full
     ckpt = tmp_path / "ckpt"
-    bad = loop.run(loop.RunConfig(steps=12, ckpt_dir=str(ckpt), ckpt_every=3, poison_step=8, **SMALL))
-    assert bad.stopped == "nonfinite" and bad.steps == list(range(1, 8))
-    assert Checkpoints(ckpt).latest_step() == 7 == bad.last_checkpoint
+    out = cli(RUN + ["--ckpt-dir", ckpt, "--ckpt-every", 3, "--poison-step", 8, "--metrics", tmp_path / "m.jsonl"],
+              cache)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "step 8: the loss (nan) or the gradient norm (nan) is not finite" in out.stdout
+    assert "The last good checkpoint is step 7" in out.stdout
+    assert losses(tmp_path / "m.jsonl") == {k: full[k] for k in range(1, 8)}
+    assert Checkpoints(ckpt).latest_step() == 7
 
-    # It loads, and its parameters are finite...
+    # It loads (into an abstract model: no initialisation), and every parameter and moment is finite...
     entry = registry.entry("llama3")
-    model = loop.build_model(entry, entry.config("tiny"), entry.recipe("qkv_offload"), seed=1)
-    optimizer = loop.make_optimizer(model, loop.lr_schedule(lr=3e-3, steps=12, warmup=1), clip=1.0, weight_decay=0.1)
+    model, optimizer = nnx.eval_shape(lambda: _model_and_optimizer(entry))
     record = Checkpoints(ckpt).restore(model, optimizer)
     assert record["step"] == 7 and int(optimizer.step[...]) == 7
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(nnx.state((model, optimizer))))
     # ...and it is the uninterrupted run's state after step 7: resuming from it gives the same losses.
-    resumed = loop.run(loop.RunConfig(steps=12, ckpt_dir=str(ckpt), resume=True, **SMALL))
-    assert resumed.losses == full.losses[7:]
+    out = cli(RUN + ["--ckpt-dir", ckpt, "--resume", "--metrics", tmp_path / "m.jsonl"], cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert losses(tmp_path / "m.jsonl") == full
+
+
+def _model_and_optimizer(entry):
+    model = entry.build(entry.config("tiny"), recipe=entry.recipe("qkv_offload"), rngs=nnx.Rngs(0))
+    return model, loop.make_optimizer(model, loop.lr_schedule(lr=3e-3, steps=12, warmup=1), clip=1.0,
+                                      weight_decay=0.1)
 
 
 # -- data ---------------------------------------------------------------------------------------------------------
@@ -132,11 +159,12 @@ def test_token_file_round_trip(tmp_path, dtype):
         data_lib.TokenFile(path, vocab=100, batch=4, seq=16, dtype=dtype).batch(1)
 
 
-def test_training_on_a_token_file(tmp_path):
+def test_training_on_a_token_file(tmp_path, cache):
     path = tmp_path / "tokens.bin"
     data_lib.write_tokens(path, np.random.default_rng(0).integers(256, size=5000), "uint16")
-    result = loop.run(loop.RunConfig(steps=3, data=str(path), **SMALL))
-    assert len(result.losses) == 3 and np.all(np.isfinite(result.losses))
+    out = cli(RUN + ["--data", path, "--data-dtype", "uint16", "--metrics", tmp_path / "m.jsonl"], cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert len(losses(tmp_path / "m.jsonl")) == 12 and np.all(np.isfinite(list(losses(tmp_path / "m.jsonl").values())))
 
 
 # -- XLA flags, the README command, the custom-loop example -------------------------------------------------------
