@@ -163,10 +163,24 @@ def build_model(model_entry: ModelEntry, model_cfg, recipe: zoo.Recipe, *, seed:
     return nnx.jit(lambda: model_entry.build(model_cfg, recipe=recipe, rngs=nnx.Rngs(seed)))()
 
 
-def memory_plan(model_cfg, model: nnx.Module, recipe: zoo.Recipe, *, batch: int, seq: int):
-    """The recipe's memory plan as something `rich` prints. The one place the planner plugs in."""
+def show_memory_plan(console: Console, model_cfg, model: nnx.Module, recipe: zoo.Recipe, *, batch: int, seq: int,
+                     device: jax.Device) -> None:
+    """Print the recipe's memory plan: the planner's (`zoo.plan`, with the device's HBM as its budget) where it
+    exists, else the bytes of each tag from `model.tag_shapes`. The one place the planner plugs in."""
     if hasattr(zoo, "plan"):
-        return zoo.plan(model_cfg, recipe, batch=batch, seq=seq)
+        limit = (device.memory_stats() or {}).get("bytes_limit")
+        kwargs = {"hbm_gib": limit / 2 ** 30} if limit else {}
+        plan = zoo.plan(model_cfg, recipe, batch=batch, seq=seq, **kwargs)
+        if hasattr(plan, "print"):
+            plan.print(console)
+        else:
+            console.print(plan)
+        return
+    console.print(tag_bytes_table(model, recipe, batch=batch, seq=seq))
+
+
+def tag_bytes_table(model: nnx.Module, recipe: zoo.Recipe, *, batch: int, seq: int):
+    """Per stack and tag: shape, bytes per layer, placement; then the totals over all layers."""
     table = Table(title=f"memory plan of {recipe.name!r}, batch {batch}, seq {seq}", title_justify="left")
     for col in ("stack", "tag", "shape", "per layer", "placement"):
         table.add_column(col, justify="right" if col == "per layer" else "left")
@@ -231,10 +245,7 @@ def run(cfg: RunConfig, console: Console | None = None) -> Result:
     console.print(f"model {cfg.model} {cfg.preset}: {n_params:,} parameters; batch {cfg.batch} x seq {cfg.seq}; "
                   f"{cfg.steps} steps on {device.platform} ({device.device_kind})")
     console.print(f"recipe {recipe}")
-    plan = memory_plan(model_cfg, model, recipe, batch=cfg.batch, seq=cfg.seq)
-    console.print(plan)
-    for warning in getattr(plan, "warnings", ()):
-        console.print(f"[bold yellow]warning:[/] {warning}")
+    show_memory_plan(console, model_cfg, model, recipe, batch=cfg.batch, seq=cfg.seq, device=device)
     if device.platform == "cpu":
         console.print("on the CPU there is no pinned host memory: offload placements compile and run but move "
                       "nothing (use a GPU to see HBM fall)")
