@@ -321,6 +321,7 @@ def run(cfg: RunConfig, console: Console | None = None) -> Result:
             progress.advance(step, loss)
             if ckpts is not None and cfg.ckpt_every and step % cfg.ckpt_every == 0:
                 save(step)
+                t_last, n_since = time.perf_counter(), 0   # checkpoint time is not step time
             if cfg.stop_after is not None and step == cfg.stop_after and step < cfg.steps:
                 result.stopped = "stop_after"
                 console.print(f"--stop-after {step}: stopping as if preempted (last checkpoint: {last_ckpt})")
