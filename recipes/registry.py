@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import inspect
 from typing import Any, Callable
 
 import jax.numpy as jnp
