@@ -358,9 +358,13 @@ class _Progress:
 
     def log(self, row: dict) -> None:
         mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "-"
-        self.console.print(f"step {row['step']:>6}  loss {row['loss']:.4f}  grad {row['grad_norm']:.3f}  "
-                           f"tok/s {row['tokens_per_s']:,.0f}  TFLOP/s {row['model_tflops']:.3g}  MFU {mfu}  "
-                           f"HBM peak {meter.fmt_bytes(row['peak_hbm_bytes'])}  host {meter.fmt_bytes(row['host_bytes'])}")
+        line = (f"step {row['step']:>6}  loss {row['loss']:.4f}  grad {row['grad_norm']:.3f}  "
+                f"tok/s {row['tokens_per_s']:,.0f}  TFLOP/s {row['model_tflops']:.3g}  MFU {mfu}")
+        if row["peak_hbm_bytes"] is not None:   # backends that keep memory statistics (GPU, TPU)
+            line += f"  HBM peak {meter.fmt_bytes(row['peak_hbm_bytes'])}"
+        if row["host_bytes"] is not None:
+            line += f"  host {meter.fmt_bytes(row['host_bytes'])}"
+        self.console.print(line, soft_wrap=True)
 
     def advance(self, step: int, loss: float) -> None:
         if self.bar is not None:
