@@ -5,7 +5,7 @@ anything imports JAX.
 """
 import importlib
 
-__all__ = ["llama3"]
+__all__ = ["deepseek_v3", "llama3"]
 
 
 def __getattr__(name):
