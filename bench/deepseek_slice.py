@@ -30,6 +30,7 @@ def main():
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--moe-layers", type=int, default=3)
     ap.add_argument("--backend", default="ragged_dot", choices=["ragged_dot", "capacity", "tokamax"])
+    ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script only)")
     a = ap.parse_args()
     common = dict(param_dtype="bfloat16", dtype="bfloat16", moe_backend=a.backend, capacity_factor=1.25)
@@ -49,7 +50,7 @@ def main():
         for st in model.tag_shapes(a.batch, a.seq).values():
             planned += st.num_layers * sum(math.prod(st.tags[t].shape) * st.tags[t].dtype.itemsize
                                            for t in recipe.offload if t in st.tags)
-        return dict(measure(model, tokens, flops_per_step=flops), planned_host_gib=round(planned / 2**30, 3))
+        return dict(measure(model, tokens, flops_per_step=flops, steps=a.steps, warmup=1), planned_host_gib=round(planned / 2**30, 3))
 
     guarded(run, bench="deepseek-slice", impl="zoo", backend=a.backend, recipe=a.recipe, B=a.batch, S=a.seq,
             E=a.experts, L=1 + a.moe_layers)
