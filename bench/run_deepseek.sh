@@ -19,5 +19,5 @@ if [ "$mode" = ragged ]; then
   zoo lowrank_wa_offload ragged_dot 4; anchor lowrank_offload 4
 else
   zoo full capacity 4; zoo mla_moe_offload capacity 4; zoo lowrank_wa_offload capacity 4
-  zoo save_mla_moe capacity 4; zoo mla_moe_offload capacity 8; zoo full capacity 8
+  zoo save_mla_moe capacity 4; zoo mla_moe_offload capacity 8; zoo full ragged_dot 2
 fi
