@@ -305,6 +305,16 @@ class _Layer:
         return self._cache[saved]
 
 
+@functools.lru_cache(maxsize=32)
+def _layer(cfg, stack_name: str, batch: int, seq: int) -> _Layer:
+    return _Layer(abstract_model(cfg), stack_name, batch, seq)
+
+
+@functools.lru_cache(maxsize=32)
+def _residual_tags(cfg, stack_name: str) -> frozenset[str]:
+    return frozenset(audit.residual_tags(abstract_model(cfg), stack_name))
+
+
 def _recipe_flops(layer: _Layer, recipe: Recipe, emitted) -> int:
     if recipe.special == "none":
         return 0
@@ -425,8 +435,8 @@ def plan(cfg, recipe: Recipe | str = "none", *, batch: int, seq: int, shard: int
     hbm_budget = None if hbm_gib is None else int(hbm_gib * GiB)
     pool, pool_warning = host_pool_bytes()
     shapes = model.tag_shapes(batch, seq)
-    needed = {s: set(audit.residual_tags(model, s)) for s in shapes}
-    layers = {s: _Layer(model, s, batch, seq) for s in shapes}
+    needed = {s: _residual_tags(cfg, s) for s in shapes}
+    layers = {s: _layer(cfg, s, batch, seq) for s in shapes}
 
     notes: dict[str, str] = {}
     if isinstance(recipe, str) and recipe == "auto":
