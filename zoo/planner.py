@@ -4,8 +4,9 @@
 stack's tags and their shapes from the layers themselves (``model.tag_shapes``) and returns a :class:`Plan`:
 
 - per stack and tag: the shape, the bytes one layer's tensor takes, and its placement. Only tags the backward
-  pass needs count (``zoo.audit.residual_tags``: Llama's ``mlpwo``, for one, only flows into the residual sum
-  and is never saved, whatever the recipe says; it is listed as "not a residual" with 0 bytes).
+  pass needs count: those JAX saves when every tag may be saved (as ``zoo.audit.residual_tags``). Llama's
+  ``mlpwo``, for one, only flows into the residual sum and is never saved, whatever the recipe says; it is
+  listed as "not a residual" with 0 bytes.
 - the scan carry (``decoder_layer_input``) is saved once per layer on the device by every recipe (the
   rematerialized body needs its input in the backward pass) unless the recipe offloads it.
 - JAX's own list of what the stack saves (``saved_residuals`` of the scanned stack, at the planned shape) is
@@ -37,11 +38,13 @@ import dataclasses
 import functools
 import heapq
 import importlib
+import itertools
 import math
 import os
 from typing import Any, Callable
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 from flax import nnx
 
@@ -280,23 +283,37 @@ def _flops(jaxpr) -> int:
 
 
 class _Layer:
-    """One layer of a stack, abstract, at the planned [batch, seq]: its forward FLOPs and, for any set of saved
-    tags, the FLOPs its backward pass re-runs (cached)."""
+    """One layer of a stack, abstract, at the planned [batch, seq], traced once to a jaxpr: its forward FLOPs,
+    the tags its backward pass needs, and, for any set of saved tags, the FLOPs its backward pass re-runs
+    (cached). Differentiating the traced jaxpr rather than the module keeps each question to a fraction of a
+    second for a 671B layer."""
 
     def __init__(self, model, stack_name: str, batch: int, seq: int):
-        self.graphdef, self.state = model.stacks()[stack_name].abstract_layer()
-        self.x = jax.ShapeDtypeStruct((batch, seq, model.config.dim), dtype_of("dtype", model.config.dtype))
-        self.forward_flops = _flops(jax.make_jaxpr(self._apply)(self.state, self.x).jaxpr)
+        graphdef, state = model.stacks()[stack_name].abstract_layer()
+        x = jax.ShapeDtypeStruct((batch, seq, model.config.dim), dtype_of("dtype", model.config.dtype))
+        self.args, treedef = jax.tree.flatten((state, x))
+        closed = jax.make_jaxpr(
+            lambda *a: layer_body(nnx.merge(graphdef, jax.tree.unflatten(treedef, a)[0]), a[-1])[0])(*self.args)
+        self.forward_flops = _flops(closed.jaxpr)
+        fn = jax.extend.core.jaxpr_as_fun(closed)
+        self._fn = lambda *a: fn(*a)[0]
+        self._wrt = tuple(i for i, a in enumerate(self.args) if jnp.issubdtype(a.dtype, jnp.inexact))
         self._cache: dict = {}
         self._grad_none = self._grad_flops(Recipe.none().policy())
 
-    def _apply(self, state, x):
-        return layer_body(nnx.merge(self.graphdef, state), x)[0]
+    def _loss(self, policy):
+        body = jax.checkpoint(self._fn, policy=policy, prevent_cse=False)
+        return lambda *a: jnp.sum(body(*a).astype(jnp.float32))
 
     def _grad_flops(self, policy) -> int:
-        body = jax.checkpoint(self._apply, policy=policy, prevent_cse=False)
-        grad = jax.grad(lambda s, x: jnp.sum(body(s, x).astype(jnp.float32)), argnums=(0, 1))
-        return _flops(jax.make_jaxpr(grad)(self.state, self.x).jaxpr)
+        grad = jax.grad(self._loss(policy), argnums=self._wrt)
+        return _flops(jax.make_jaxpr(grad)(*self.args).jaxpr)
+
+    def residual_tags(self, emitted) -> frozenset[str]:
+        """Tags JAX saves when every tag may be saved: those the backward pass needs (as zoo.audit.residual_tags,
+        at the planned shape)."""
+        policy = Recipe("all_saved", device=tuple(emitted)).policy()
+        return frozenset(r.tag for r in audit.residuals(self._loss(policy), *self.args) if r.tag is not None)
 
     def remat_flops(self, saved: frozenset[str]) -> int:
         if saved not in self._cache:
@@ -308,11 +325,6 @@ class _Layer:
 @functools.lru_cache(maxsize=32)
 def _layer(cfg, stack_name: str, batch: int, seq: int) -> _Layer:
     return _Layer(abstract_model(cfg), stack_name, batch, seq)
-
-
-@functools.lru_cache(maxsize=32)
-def _residual_tags(cfg, stack_name: str) -> frozenset[str]:
-    return frozenset(audit.residual_tags(abstract_model(cfg), stack_name))
 
 
 def _recipe_flops(layer: _Layer, recipe: Recipe, emitted) -> int:
@@ -435,8 +447,8 @@ def plan(cfg, recipe: Recipe | str = "none", *, batch: int, seq: int, shard: int
     hbm_budget = None if hbm_gib is None else int(hbm_gib * GiB)
     pool, pool_warning = host_pool_bytes()
     shapes = model.tag_shapes(batch, seq)
-    needed = {s: _residual_tags(cfg, s) for s in shapes}
     layers = {s: _layer(cfg, s, batch, seq) for s in shapes}
+    needed = {s: layers[s].residual_tags(shapes[s].tags) for s in shapes}
 
     notes: dict[str, str] = {}
     if isinstance(recipe, str) and recipe == "auto":
@@ -504,13 +516,18 @@ def _choose(shapes, needed, layers, state: ModelState, shard: int, hbm_budget: i
     A recipe names a tag once for every stack, so each decision weighs all stacks (bytes and FLOPs times their
     layers). The scan carry is saved whatever the recipe: it stays in HBM if it fits, else it is offloaded if
     its transfer hides. Every other tag the backward pass needs is taken in order of value, the recompute
-    FLOPs it saves per byte, given the tags kept so far (a lazy greedy: values only fall as more is kept):
+    FLOPs it saves per byte given the tags kept so far (a lazy greedy: values only fall as more is kept):
 
     1. keep it on the device if it fits in what is left of the HBM budget;
     2. else offload it if its transfer, added to the transfers already chosen, hides under the forward pass of
        every layer that emits it (device-to-host during the forward; host-to-device has the longer backward)
-       at the given link speed, and fits the host budget;
-    3. else recompute it. A tag whose saving is zero given those kept (a norm of a kept tensor) is recomputed.
+       at the given link speed, and fits the host budget (if one is given);
+    3. else recompute it.
+
+    A tag whose saving alone is zero (the norm of a kept tensor; MLA's key and value, two slices of one
+    up-projection) is then tried in pairs with the other such tags, and a pair that saves FLOPs goes through the
+    same three steps. Hidden transfers are taken as free, so on a fast link everything that hides is offloaded;
+    `host_gib` bounds that.
     """
     notes: dict[str, str] = {}
     device: list[str] = []
@@ -518,87 +535,108 @@ def _choose(shapes, needed, layers, state: ModelState, shard: int, hbm_budget: i
     window = {s: layers[s].forward_flops / shard / rate for s in shapes}  # seconds per layer, per device
     moved = {s: 0.0 for s in shapes}  # seconds of transfer per layer already chosen
 
-    def nbytes(tag: str, s: str) -> int:
-        sds = shapes[s].tags.get(tag)
-        return _ceil_div(_nbytes(sds), shard) if sds is not None and tag in needed[s] else 0
+    def nbytes(group, s: str) -> int:
+        return sum(_ceil_div(_nbytes(shapes[s].tags[t]), shard) for t in group
+                   if t in shapes[s].tags and t in needed[s])
 
-    def total(tag: str) -> int:
-        return sum(shapes[s].num_layers * nbytes(tag, s) for s in shapes)
+    def total(group) -> int:
+        return sum(shapes[s].num_layers * nbytes(group, s) for s in shapes)
 
-    def hides(tag: str) -> tuple[bool, str]:
+    def hides(group) -> tuple[bool, str]:
         worst = ""
         for s in shapes:
-            b = nbytes(tag, s)
+            b = nbytes(group, s)
             if b and moved[s] + b / link > window[s]:
-                return False, (f"its transfer would not hide in {s}: {1e3 * (moved[s] + b / link):.2f} ms per layer "
-                               f"> forward {1e3 * window[s]:.2f} ms at {link / 1e9:g} GB/s")
+                return False, (f"its transfer would not hide in {s}: {1e3 * (moved[s] + b / link):.2f} ms per "
+                               f"layer > forward {1e3 * window[s]:.2f} ms at {link / 1e9:g} GB/s")
             if b:
                 worst = (f"its transfer hides: {1e3 * (moved[s] + b / link):.2f} ms per layer <= forward "
                          f"{1e3 * window[s]:.2f} ms at {link / 1e9:g} GB/s")
         return True, worst
 
-    def move(tag: str) -> None:
-        for s in shapes:
-            moved[s] += nbytes(tag, s) / link
+    def saving(group, kept: frozenset) -> int:  # recompute FLOPs per step per device that keeping `group` saves
+        return sum(shapes[s].num_layers * _ceil_div(layers[s].remat_flops(kept) - layers[s].remat_flops(kept | set(group)),
+                                                    shard) for s in shapes if any(t in needed[s] for t in group))
 
     hbm_left = hbm_budget - state.total
     host_used = 0
-    # the scan carry
-    carry = total(CARRY)
+    kept = frozenset()
+
+    def place(group, value: int, what: str) -> None:
+        nonlocal hbm_left, host_used, kept
+        size = total(group)
+        gain = f"saves {value / 1e12:.3g} TFLOP of recompute per step ({value / size:.0f} FLOP/byte)"
+        if size <= hbm_left:
+            device.extend(group)
+            hbm_left -= size
+            kept |= set(group)
+            note = f"kept in HBM: {fmt_bytes(size)} fits ({fmt_bytes(hbm_left + size)} left); {gain}"
+        else:
+            ok, why = hides(group)
+            if ok and (host_budget is None or host_used + size <= host_budget):
+                offload.extend(group)
+                for s in shapes:
+                    moved[s] += nbytes(group, s) / link
+                host_used += size
+                kept |= set(group)
+                note = (f"offloaded: {fmt_bytes(size)} does not fit in HBM ({fmt_bytes(max(hbm_left, 0))} left); "
+                        f"{why}; {gain}")
+            else:
+                reason = why if not ok else f"the host budget is full ({fmt_bytes(host_used)} used)"
+                note = (f"recomputed: {fmt_bytes(size)} does not fit in HBM ({fmt_bytes(max(hbm_left, 0))} left) "
+                        f"and {reason}")
+        for t in group:
+            notes[t] = what + note
+
+    # the scan carry: saved whatever the recipe says, so the only question is where
+    carry = total([CARRY])
     if carry:
-        ok, why = hides(CARRY)
+        ok, why = hides([CARRY])
         if carry <= hbm_left:
             device.append(CARRY)
             notes[CARRY] = f"scan carry kept in HBM: fits ({fmt_bytes(hbm_left)} left of the budget)"
             hbm_left -= carry
         elif ok and (host_budget is None or carry <= host_budget):
             offload.append(CARRY)
-            move(CARRY)
+            for s in shapes:
+                moved[s] += nbytes([CARRY], s) / link
             host_used += carry
             notes[CARRY] = f"scan carry offloaded: does not fit in HBM; {why}"
         else:
             device.append(CARRY)
+            hbm_left -= carry
             notes[CARRY] = "scan carry kept in HBM although over budget: it cannot be recomputed and " + (
                 why if not ok else "the host budget is full")
-            hbm_left -= carry
 
-    def saving(tag: str, kept: frozenset) -> int:  # FLOPs per step per device
-        return sum(shapes[s].num_layers * _ceil_div(layers[s].remat_flops(kept) - layers[s].remat_flops(kept | {tag}), shard)
-                   for s in shapes if tag in needed[s])
-
+    # single tags, by value
     candidates = [t for t in dict.fromkeys(t for s in shapes for t in shapes[s].tags)
                   if t != CARRY and any(t in needed[s] for s in shapes)]
-    kept = frozenset()
     order = {t: i for i, t in enumerate(candidates)}
-    heap = [(-saving(t, kept) / total(t), order[t], t) for t in candidates]
+    heap = [(-saving([t], kept) / total([t]), order[t], t) for t in candidates]
     heapq.heapify(heap)
+    alone_useless: list[str] = []
     while heap:
         _, i, tag = heapq.heappop(heap)
-        value = saving(tag, kept)
-        if heap and -value / total(tag) > heap[0][0] + 1e-12:  # stale: its value fell below the next one's
-            heapq.heappush(heap, (-value / total(tag), i, tag))
-            continue
-        size = total(tag)
-        gain = f"saves {value / 1e12:.3g} TFLOP of recompute per step ({value / size:.0f} FLOP/byte)"
-        if value <= 0:
-            notes[tag] = "recomputed: keeping it saves no recompute, given the tags already kept"
-            continue
-        if size <= hbm_left:
-            device.append(tag)
-            hbm_left -= size
-            kept |= {tag}
-            notes[tag] = f"kept in HBM: {fmt_bytes(size)} fits ({fmt_bytes(hbm_left + size)} left); {gain}"
-            continue
-        ok, why = hides(tag)
-        if ok and (host_budget is None or host_used + size <= host_budget):
-            offload.append(tag)
-            move(tag)
-            host_used += size
-            kept |= {tag}
-            notes[tag] = f"offloaded: {fmt_bytes(size)} does not fit in HBM ({fmt_bytes(max(hbm_left, 0))} left); {why}; {gain}"
+        value = saving([tag], kept)
+        if heap and -value / total([tag]) > heap[0][0] + 1e-12:  # stale: its value fell below the next one's
+            heapq.heappush(heap, (-value / total([tag]), i, tag))
+        elif value <= 0:
+            alone_useless.append(tag)
+            notes[tag] = "recomputed: keeping it alone saves no recompute, given the tags already kept"
         else:
-            reason = why if not ok else f"the host budget is full ({fmt_bytes(host_used)} used)"
-            notes[tag] = f"recomputed: {fmt_bytes(size)} does not fit in HBM ({fmt_bytes(max(hbm_left, 0))} left) and {reason}"
+            place([tag], value, "")
+
+    # tags that only pay off together, in pairs, by value
+    while len(alone_useless) > 1:
+        pairs = [(saving(pair, kept), pair) for pair in itertools.combinations(alone_useless, 2)]
+        pairs = [(v / total(pair), v, pair) for v, pair in pairs if v > 0]
+        if not pairs:
+            break
+        _, value, pair = max(pairs, key=lambda p: (p[0], -order[p[2][0]], -order[p[2][1]]))
+        place(list(pair), value, "")
+        for t, other in (pair, pair[::-1]):
+            notes[t] = f"together with {other} (alone it saves nothing): {notes[t]}"
+            alone_useless.remove(t)
     return Recipe("auto", offload=tuple(offload), device=tuple(device),
                   description="chosen by zoo.plan for an HBM budget, a link and a FLOP rate"), notes
 
@@ -624,30 +662,22 @@ def render(p: Plan, console=None) -> None:
 
     console = console or Console()
     shard = f", split over {p.shard} devices (per-device figures)" if p.shard > 1 else ""
-    multi = len(p.stacks) > 1
-    t = Table(title=f"{p.model}: recipe {p.recipe.name!r}, batch {p.batch}, seq {p.seq}{shard}",
-              title_justify="left")
-    cols = (["stack"] if multi else []) + ["tag", "shape", "per layer", "placement", "note"]
-    for col in cols:
-        t.add_column(col, justify="right" if col == "per layer" else "left", no_wrap=col != "note")
+    console.print(f"[bold]{p.model}[/]: recipe {p.recipe.name!r}, batch {p.batch}, seq {p.seq}{shard}")
     colour = {"device": "green", "offload": "cyan", "remat": "magenta"}
     for s in p.stacks:
+        t = Table(title=f"{s.name}: {s.num_layers} layers", title_justify="left")
+        for col in ("tag", "shape", "per layer", "placement", "note"):
+            t.add_column(col, justify="right" if col == "per layer" else "left", no_wrap=col != "note")
         for tp in s.tags:
             place = tp.placement if tp.residual else "-"
-            note = ("scan carry" if tp.tag == CARRY else "") if p.recipe.name == "auto" or not tp.residual \
-                else ("scan carry, always saved" if tp.tag == CARRY else "")
-            if not tp.residual:
-                note = "not a residual"
-            row = [tp.tag, "x".join(map(str, tp.shape)) + " " + _SHORT.get(tp.dtype, tp.dtype),
-                   fmt_bytes(tp.nbytes) if tp.residual else "0", f"[{colour.get(place, 'white')}]{place}[/]", note]
-            t.add_row(*([s.name] if multi else []), *row)
+            note = "not a residual" if not tp.residual else "scan carry" if tp.tag == CARRY else ""
+            t.add_row(tp.tag, "x".join(map(str, tp.shape)) + " " + _SHORT.get(tp.dtype, tp.dtype),
+                      fmt_bytes(tp.nbytes) if tp.residual else "0", f"[{colour.get(place, 'white')}]{place}[/]", note)
         if s.untagged_bytes:
-            t.add_row(*([s.name] if multi else []), "(untagged)", "", fmt_bytes(s.untagged_bytes),
-                      "[green]device[/]", "saved by JAX, no tag")
+            t.add_row("(untagged)", "", fmt_bytes(s.untagged_bytes), "[green]device[/]", "saved by JAX, no tag")
         if s.invariant_bytes:
-            t.add_row(*([s.name] if multi else []), "(invariant)", "", fmt_bytes(s.invariant_bytes),
-                      "[green]device[/]", "once per stack")
-    console.print(t)
+            t.add_row("(invariant)", "", fmt_bytes(s.invariant_bytes), "[green]device[/]", "once per stack")
+        console.print(t)
 
     st = Table(title="per stack", title_justify="left")
     for col in ("stack", "layers", "HBM/layer", "host/layer", "HBM", "host", "recompute/step"):
