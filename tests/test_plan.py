@@ -100,9 +100,16 @@ def test_planned_bytes_equal_the_residuals_jax_saves(family, name):
                 if t.tag != "decoder_layer_input":  # the carry is saved by the scan, checked below
                     assert sum(r.nbytes for r in res if r.tag == t.tag and not r.host) == t.device_bytes, t.tag
             assert sp.untagged_bytes == 0
-    # the whole model: residuals stacked over each scan's layers, on the device and on the host
+    # the whole model: residuals stacked over each scan's layers, on the device and on the host, for a loss that
+    # also differentiates the stacks' aux (the MoE balance loss), as training does
     tokens = jax.random.randint(jax.random.key(0), (B, S), 0, cfg.vocab_size, dtype=jnp.int32)
-    res = audit.model_residuals(model, tokens)
+    graphdef, state = nnx.split(model)
+
+    def loss(state, tokens):
+        logits, aux = nnx.merge(graphdef, state)(tokens, return_aux=True)
+        return jnp.mean(logits.astype(jnp.float32)) + sum(jnp.sum(a.astype(jnp.float32)) for a in jax.tree.leaves(aux))
+
+    res = audit.residuals(loss, state, tokens)
     lengths = {(sp.num_layers,) for sp in p.stacks}
     assert B not in {sp.num_layers for sp in p.stacks}  # the last carry [B, S, D] is no stacked residual
     stacked = [r for r in res if r.host or (r.source.startswith("output of scan") and r.shape[:1] in lengths)]
@@ -265,3 +272,51 @@ def test_zoo_plan_is_the_function_and_importing_the_module_keeps_it_callable():
     r = _run("-c", code)
     assert r.returncode == 0, r.stderr
     assert int(r.stdout) > 0
+
+
+# -- DeepSeek-V3 ------------------------------------------------------------------------------------------------
+DS_SLICE = dict(batch=4, seq=4096)  # the DeepSeek-shaped slice of ANCHORS.md
+
+
+@needs_deepseek
+def test_deepseek_study_bytes_per_token():
+    from recipes.deepseek_v3 import RECIPES
+    cfg = zoo.models.DeepSeekV3Config.deepseek_v3_671b()
+    tokens = DS_SLICE["batch"] * DS_SLICE["seq"]
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    study = 2 * (2 * cfg.num_heads * qk + cfg.num_heads * cfg.v_head_dim + 2 * cfg.num_experts_per_tok * cfg.moe_mlp_dim)
+    lowrank = 2 * (cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim + 2 * cfg.num_experts_per_tok * cfg.moe_mlp_dim)
+    p = zoo.plan(cfg, RECIPES["mla_moe_offload"], **DS_SLICE)
+    moe = {s.name: s for s in p.stacks}["moe_layers"]
+    assert moe.num_layers == cfg.num_moe_layers and moe.host_bytes_per_layer == study * tokens
+    assert study == 192 * 1024  # ANCHORS.md: ~192 KiB per token and layer
+    p = zoo.plan(cfg, RECIPES["lowrank_wa_offload"], **DS_SLICE)
+    assert {s.name: s for s in p.stacks}["moe_layers"].host_bytes_per_layer == lowrank * tokens
+    assert round(lowrank / 1024) == 68  # ~68 KiB
+
+
+@needs_deepseek
+def test_auto_deepseek_is_link_aware():
+    """At the study's 450 GB/s the study's tensors hide under a MoE layer's forward pass; at PCIe's 55 GB/s they
+    cannot, and the low-rank tensors (MLA down-projections, MoE up-projections) are offloaded instead."""
+    from recipes.deepseek_v3 import RECIPES, STUDY
+    cfg = zoo.models.DeepSeekV3Config.deepseek_v3_671b()
+    budget = _tight_budget(cfg, **DS_SLICE)
+    fast = zoo.plan(cfg, "auto", hbm_gib=budget, link_gbps=450, tflops=600, **DS_SLICE)
+    assert set(STUDY) <= set(fast.recipe.offload)
+    slow = zoo.plan(cfg, "auto", hbm_gib=budget, link_gbps=55, tflops=600, **DS_SLICE)
+    assert set(RECIPES["lowrank_wa_offload"].offload) <= set(slow.recipe.offload)
+    assert {"query_proj", "key_proj", "value_proj"}.isdisjoint(slow.recipe.offload)
+    notes = {t.tag: t.note for s in slow.stacks for t in s.tags}
+    assert "would not hide" in notes["query_proj"] and "at 55 GB/s" in notes["query_proj"]
+    # the estimate agrees: on PCIe the study's recipe is link-bound, the low-rank one is not
+    est = {n: zoo.plan(cfg, n, link_gbps=55, tflops=600, **DS_SLICE).step_time() for n in ("mla_moe_offload",
+                                                                                            "lowrank_wa_offload")}
+    assert est["mla_moe_offload"]["exposed_transfer_s"] > 0 == est["lowrank_wa_offload"]["exposed_transfer_s"]
+
+
+@needs_deepseek
+def test_cli_knows_deepseek():
+    assert {"deepseek-v3", "deepseek-v3-tiny"} <= set(planner.model_names())
+    p = zoo.plan("deepseek-v3-tiny", "mla_moe_offload", batch=B, seq=S)
+    assert [s.name for s in p.stacks] == ["dense_layers", "moe_layers"] and p.host_bytes > 0

@@ -9,8 +9,8 @@ stack's tags and their shapes from the layers themselves (``model.tag_shapes``) 
   listed as "not a residual" with 0 bytes.
 - the scan carry (``decoder_layer_input``) is saved once per layer on the device by every recipe (the
   rematerialized body needs its input in the backward pass) unless the recipe offloads it.
-- JAX's own list of what the stack saves (``saved_residuals`` of the scanned stack, at the planned shape) is
-  read too: residuals beyond the tags (recipe ``none`` keeps every intermediate, e.g. the attention
+- JAX's own list of what the stack saves (``saved_residuals`` of the scanned stack at the planned shape, its
+  aux outputs such as the MoE balance loss differentiated too, as in training) is read too: residuals beyond the tags (recipe ``none`` keeps every intermediate, e.g. the attention
   probabilities) are reported per layer as "untagged", and values JAX hoists out of the scan (masks, RoPE
   tables) once per stack as "invariant". If JAX saves less than the tags the plan counts, or other host bytes,
   the plan says so in a warning. Constants baked into the program are not counted.
