@@ -665,7 +665,7 @@ def render(p: Plan, console=None) -> None:
     console.print(f"[bold]{p.model}[/]: recipe {p.recipe.name!r}, batch {p.batch}, seq {p.seq}{shard}")
     colour = {"device": "green", "offload": "cyan", "remat": "magenta"}
     for s in p.stacks:
-        t = Table(title=f"{s.name}: {s.num_layers} layers", title_justify="left")
+        t = Table(title=f"stack {s.name!r}: {s.num_layers} layers", title_justify="left")
         for col in ("tag", "shape", "per layer", "placement", "note"):
             t.add_column(col, justify="right" if col == "per layer" else "left", no_wrap=col != "note")
         for tp in s.tags:
