@@ -259,10 +259,10 @@ def test_cli_table_renders():
 
 def test_cli_auto_and_bad_names():
     r = _run("-m", "zoo.plan", "--model", "llama3.1-tiny", "--recipe", "auto", "--batch", "2", "--seq", "8",
-             "--hbm", "1", "--link", "55", "--flops", "800")
+             "--hbm", "1", "--link", "55", "--flops", "800", env={"COLUMNS": "200"})
     assert r.returncode == 0, r.stderr
     assert "chosen:" in r.stdout and "kept in HBM" in r.stdout
-    r = _run("-m", "zoo.plan", "--model", "gpt2", "--batch", "2", "--seq", "8")
+    r = _run("-m", "zoo.plan", "--model", "gpt2", "--recipe", "full", "--batch", "2", "--seq", "8")
     assert r.returncode == 2 and "llama3.1-405b" in r.stderr
 
 

@@ -10,9 +10,10 @@ stack's tags and their shapes from the layers themselves (``model.tag_shapes``) 
 - the scan carry (``decoder_layer_input``) is saved once per layer on the device by every recipe (the
   rematerialized body needs its input in the backward pass) unless the recipe offloads it.
 - JAX's own list of what the stack saves (``saved_residuals`` of the scanned stack at the planned shape, its
-  aux outputs such as the MoE balance loss differentiated too, as in training) is read too: residuals beyond the tags (recipe ``none`` keeps every intermediate, e.g. the attention
-  probabilities) are reported per layer as "untagged", and values JAX hoists out of the scan (masks, RoPE
-  tables) once per stack as "invariant". If JAX saves less than the tags the plan counts, or other host bytes,
+  aux outputs such as the MoE balance loss differentiated too, as in training) is read as well: residuals
+  beyond the tags (recipe ``none`` keeps every intermediate, e.g. the attention probabilities) are reported
+  per layer as "untagged", and values JAX hoists out of the scan (masks, RoPE tables) once per stack as
+  "invariant". If JAX saves less than the tags the plan counts, or other host bytes,
   the plan says so in a warning. Constants baked into the program are not counted.
 - recompute FLOPs: per layer, the matmul FLOPs (``dot_general`` and ``ragged_dot``, 2*M*N*K) of the gradient's
   jaxpr under the recipe minus those under ``none``. This is what the rematerialized backward pass re-runs of
@@ -402,6 +403,13 @@ def fmt_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def _fmt_flops(n: float) -> str:
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n:,.0f} FLOP"
+
+
 def _warnings(p_host: int, activation: int, state: ModelState, hbm_budget: int | None, pool: int,
               extra: list[str]) -> tuple[str, ...]:
     out = list(extra)
@@ -425,11 +433,12 @@ def _check_positive(name: str, value, kind=int):
         raise ValueError(f"{name} must be a positive {'number' if kind is float else 'int'}, got {value!r}")
 
 
-def plan(cfg, recipe: Recipe | str = "none", *, batch: int, seq: int, shard: int = 1, optimizer: str = "adamw",
+def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, optimizer: str = "adamw",
          opt_dtype: str = "float32", hbm_gib: float | None = None, host_gib: float | None = None,
          link_gbps: float | None = None, tflops: float | None = None, model_name: str | None = None) -> Plan:
     """Plan `recipe` (a `zoo.Recipe`, a key of the family's `RECIPES`, or "auto") for the model `cfg` (a config,
-    or a model name such as "llama3.1-405b") at global [batch, seq] split over `shard` devices.
+    a model name such as "llama3.1-405b", or a built model, whose config is used) at global [batch, seq] split
+    over `shard` devices.
 
     `hbm_gib` is the HBM budget per device (warned about; required by "auto"); `host_gib` bounds host memory per
     device for "auto"; `link_gbps` (GB/s per direction) and `tflops` (TFLOP/s) feed "auto" and the step-time
@@ -437,12 +446,23 @@ def plan(cfg, recipe: Recipe | str = "none", *, batch: int, seq: int, shard: int
     """
     if isinstance(cfg, str):
         model_name, cfg = cfg, config_for(cfg)
+    elif isinstance(cfg, nnx.Module) and hasattr(cfg, "config"):
+        cfg = cfg.config
     _check_positive("batch", batch)
     _check_positive("seq", seq)
     _check_positive("shard", shard)
     for n, v in (("hbm_gib", hbm_gib), ("host_gib", host_gib), ("link_gbps", link_gbps), ("tflops", tflops)):
         _check_positive(n, v, float)
+    auto = isinstance(recipe, str) and recipe == "auto"
+    if auto:
+        missing = [n for n, v in (("hbm_gib", hbm_gib), ("link_gbps", link_gbps), ("tflops", tflops)) if v is None]
+        if missing:
+            raise ValueError(f"recipe 'auto' needs {', '.join(missing)} (HBM budget, link speed, FLOP rate)")
+    else:
+        recipe = recipe_for(cfg, recipe)
     model = abstract_model(cfg)
+    if not auto:
+        model.set_recipe(recipe)  # raises if the recipe names a tag no stack emits
     state = _model_state(model, shard, optimizer, opt_dtype)
     hbm_budget = None if hbm_gib is None else int(hbm_gib * GiB)
     pool, pool_warning = host_pool_bytes()
@@ -451,15 +471,10 @@ def plan(cfg, recipe: Recipe | str = "none", *, batch: int, seq: int, shard: int
     needed = {s: layers[s].residual_tags(shapes[s].tags) for s in shapes}
 
     notes: dict[str, str] = {}
-    if isinstance(recipe, str) and recipe == "auto":
-        missing = [n for n, v in (("hbm_gib", hbm_gib), ("link_gbps", link_gbps), ("tflops", tflops)) if v is None]
-        if missing:
-            raise ValueError(f"recipe 'auto' needs {', '.join(missing)} (HBM budget, link speed, FLOP rate)")
+    if auto:
         recipe, notes = _choose(shapes, needed, layers, state, shard, hbm_budget,
                                 None if host_gib is None else int(host_gib * GiB), link_gbps * 1e9, tflops * 1e12)
-    else:
-        recipe = recipe_for(cfg, recipe)
-    model.set_recipe(recipe)  # raises if the recipe names a tag no stack emits
+    model.set_recipe(recipe)
 
     stacks, extra = [], []
     for s, st in shapes.items():
@@ -565,7 +580,7 @@ def _choose(shapes, needed, layers, state: ModelState, shard: int, hbm_budget: i
     def place(group, value: int, what: str) -> None:
         nonlocal hbm_left, host_used, kept
         size = total(group)
-        gain = f"saves {value / 1e12:.3g} TFLOP of recompute per step ({value / size:.0f} FLOP/byte)"
+        gain = f"saves {_fmt_flops(value)} of recompute per step ({value / size:.0f} FLOP/byte)"
         if size <= hbm_left:
             device.extend(group)
             hbm_left -= size
@@ -648,8 +663,6 @@ def auto_recipe(cfg, *, batch: int, seq: int, hbm_gib: float, link_gbps: float, 
 
 
 # -- the tables -------------------------------------------------------------------------------------------------
-def _fmt_flops(n: float) -> str:
-    return f"{n / 1e12:,.1f} TFLOP" if n >= 1e11 else f"{n / 1e9:,.2f} GFLOP"
 
 
 _SHORT = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
@@ -726,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
     names = model_names()
     ap = argparse.ArgumentParser(prog="python -m zoo.plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help=f"one of: {', '.join(names)}")
-    ap.add_argument("--recipe", default="none", help="a key of the model's RECIPES, or 'auto'")
+    ap.add_argument("--recipe", required=True, help="a key of the model's RECIPES, or 'auto'")
     ap.add_argument("--batch", type=int, required=True, help="global batch")
     ap.add_argument("--seq", type=int, required=True)
     ap.add_argument("--shard", type=int, default=1, help="devices the batch and the model state are split over")
