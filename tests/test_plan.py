@@ -320,3 +320,10 @@ def test_cli_knows_deepseek():
     assert {"deepseek-v3", "deepseek-v3-tiny"} <= set(planner.model_names())
     p = zoo.plan("deepseek-v3-tiny", "mla_moe_offload", batch=B, seq=S)
     assert [s.name for s in p.stacks] == ["dense_layers", "moe_layers"] and p.host_bytes > 0
+
+
+def test_a_cudnn_config_is_planned_on_the_xla_path():
+    cudnn = zoo.plan(dataclasses.replace(LLAMA_TINY, attention_impl="cudnn"), "qkv_offload", batch=B, seq=S)
+    xla = zoo.plan(LLAMA_TINY, "qkv_offload", batch=B, seq=S)
+    assert (cudnn.host_bytes, cudnn.activation_bytes, cudnn.remat_flops) == (xla.host_bytes, xla.activation_bytes,
+                                                                            xla.remat_flops)

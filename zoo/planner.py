@@ -19,7 +19,8 @@ stack's tags and their shapes from the layers themselves (``model.tag_shapes``) 
   jaxpr under the recipe minus those under ``none``. This is what the rematerialized backward pass re-runs of
   the forward pass, counted by JAX's own partial evaluation rather than by a second model of the layer. It
   counts the attention kernel as the XLA path computes it (the full S x S scores, masked), and no elementwise
-  FLOPs.
+  FLOPs. A config that asks for cuDNN attention is planned on the XLA path (it traces on any machine, and a
+  custom call has no FLOPs to count): the tags and their bytes are the same.
 - model state: parameters (their dtype), gradients (same dtype), optimizer state (``OPTIMIZERS``: moments per
   parameter, ``opt_dtype``), and other variables.
 
@@ -448,6 +449,8 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
         model_name, cfg = cfg, config_for(cfg)
     elif isinstance(cfg, nnx.Module) and hasattr(cfg, "config"):
         cfg = cfg.config
+    if getattr(cfg, "attention_impl", None) == "cudnn":
+        cfg = dataclasses.replace(cfg, attention_impl=None)
     _check_positive("batch", batch)
     _check_positive("seq", seq)
     _check_positive("shard", shard)
