@@ -31,7 +31,7 @@ def sgd_step_fn(graphdef, lr: float = 1e-4):
     """A plain SGD step (as the plain-JAX anchors do): memory is params + grads + activations."""
 
     def loss_fn(params, rest, tokens):
-        model = nnx.merge(graphdef, params, rest)
+        model = nnx.merge(graphdef, params, rest, copy=True)  # copy: non-Param variables (routing bias) under scan
         logits = model(tokens)
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         targets = jnp.roll(tokens, -1, axis=1)

@@ -1,0 +1,60 @@
+"""deepseek-slice: the DeepSeek-V3 671B preset cut to 1 dense + 3 MoE layers and 16 experts (top-8 kept, the
+study's hidden sizes), batch 4, seq 4096, SGD step, bf16.
+
+    XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true \
+        python -m bench.deepseek_slice mla_moe_offload --batch 4 --backend ragged_dot
+
+`../shared/anchor/plain_jax_deepseek.py` (E=16 NL=3) is its plain-JAX anchor: the same MoE layers and dispatch
+(sort + jax.lax.ragged_dot), without the dense layer, the embedding and the LM head. Prints one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import zoo
+from bench.common import guarded, measure
+from recipes.deepseek_v3 import RECIPES
+from recipes.registry import deepseek_flops_per_token
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("recipe", choices=sorted(RECIPES))
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--moe-layers", type=int, default=3)
+    ap.add_argument("--backend", default="ragged_dot", choices=["ragged_dot", "capacity", "tokamax"])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script only)")
+    a = ap.parse_args()
+    common = dict(param_dtype="bfloat16", dtype="bfloat16", moe_backend=a.backend, capacity_factor=1.25)
+    if a.smoke:
+        cfg = zoo.models.DeepSeekV3Config.tiny(**common)
+    else:
+        cfg = zoo.models.DeepSeekV3Config.deepseek_v3_671b(
+            num_layers=1 + a.moe_layers, first_dense_layers=1, num_experts=a.experts, attention_impl="cudnn",
+            **common)
+    recipe = RECIPES[a.recipe]
+
+    def run():
+        model = zoo.models.deepseek_v3(cfg, recipe=recipe, rngs=nnx.Rngs(0))
+        tokens = jax.random.randint(jax.random.key(1), (a.batch, a.seq), 0, cfg.vocab_size, jnp.int32)
+        flops = deepseek_flops_per_token(cfg, model, a.seq) * a.batch * a.seq
+        planned = 0
+        for st in model.tag_shapes(a.batch, a.seq).values():
+            planned += st.num_layers * sum(math.prod(st.tags[t].shape) * st.tags[t].dtype.itemsize
+                                           for t in recipe.offload if t in st.tags)
+        return dict(measure(model, tokens, flops_per_step=flops, steps=a.steps, warmup=1), planned_host_gib=round(planned / 2**30, 3))
+
+    guarded(run, bench="deepseek-slice", impl="zoo", backend=a.backend, recipe=a.recipe, B=a.batch, S=a.seq,
+            E=a.experts, L=1 + a.moe_layers)
+
+
+if __name__ == "__main__":
+    main()
