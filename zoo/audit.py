@@ -12,6 +12,7 @@ Two views of what JAX saves between the forward and the backward pass under the 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
@@ -40,7 +41,7 @@ class Residual:
 
     @property
     def nbytes(self) -> int:
-        return int(jnp.dtype(self.dtype).itemsize) * int(jnp.prod(jnp.array(self.shape))) if self.shape else 0
+        return int(jnp.dtype(self.dtype).itemsize) * math.prod(self.shape)  # math.prod: no int32 overflow
 
 
 def _is_host(aval) -> bool:
