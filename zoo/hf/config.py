@@ -127,5 +127,5 @@ def llama_to_hf(cfg) -> dict:
         num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_act="silu", rms_norm_eps=cfg.norm_eps,
         rope_theta=cfg.rope_theta, rope_scaling=rope_scaling, tie_word_embeddings=cfg.tie_embeddings,
         attention_bias=False, mlp_bias=False,
-        max_position_embeddings=131072 if s is None else int(s.original_max_position_embeddings * s.factor),
+        max_position_embeddings=131072,  # Llama 3.1's context; metadata only (RoPE needs no maximum)
         torch_dtype=cfg.param_dtype)

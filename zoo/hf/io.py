@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import safetensors.numpy
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 from safetensors import safe_open
 
 from zoo.hf import config as hf_config
@@ -133,31 +134,38 @@ def check_tensors(entries: list[keymap.Entry], shapes: dict[tuple, tuple], found
                              f"{list(want)}")
         if info.dtype not in FLOAT_DTYPES:
             raise ValueError(f"tensor {key!r} has dtype {info.dtype}; zoo reads {sorted(FLOAT_DTYPES)}")
-    for key in found:
-        if key not in expected and not keymap.is_buffer(key) and not allowed_extra(key):
-            raise ValueError(f"checkpoint has tensor {key!r}, which the model config.json describes has no place "
-                             "for (does config.json match the tensors?)")
+    unexpected = sorted(k for k in found if k not in expected and not keymap.is_buffer(k) and not allowed_extra(k))
+    if unexpected:
+        raise ValueError(f"checkpoint has tensors the model config.json describes has no place for (does config.json "
+                         f"match the tensors?): {unexpected[:4]}{' ...' if len(unexpected) > 4 else ''}")
 
 
 def target_shardings(params: nnx.State, mesh, rules) -> dict[tuple, Any]:
-    """{path: sharding}: None without a mesh (default device); with one, each parameter's logical axes mapped to
-    mesh axes by `rules` ((logical, mesh axis) pairs; default: a logical axis shards over the mesh axis of the same
-    name, if there is one, and is replicated otherwise)."""
-    flat = nnx.to_flat_state(params)
+    """{path: sharding}: None without a mesh (default device); with one, a NamedSharding whose spec maps each
+    logical axis of the parameter (its `out_sharding` metadata) to a mesh axis by `rules`, (logical, mesh axis)
+    pairs where the first rule for a name whose mesh axis is still free in that spec wins, as in flax's
+    logical-axis rules. Default rules: a logical axis shards over the mesh axis of the same name, if any."""
     if mesh is None or mesh.empty:
-        return {path: None for path, _ in flat}
-    import flax.linen as nn
-    rules = tuple(rules) if rules is not None else tuple((a, a) for a in mesh.axis_names)
-    specs = nnx.get_partition_spec(params)
+        return {path: None for path, _ in nnx.to_flat_state(params)}
+    rules = list(rules) if rules is not None else [(a, a) for a in mesh.axis_names]
     out = {}
-    for path, spec in nnx.to_flat_state(specs):
-        spec = spec.get_value() if hasattr(spec, "get_value") else spec
-        out[path] = nn.logical_to_mesh_sharding(spec, mesh, rules)
+    for path, spec in nnx.to_flat_state(nnx.get_partition_spec(params)):
+        spec = spec.get_value() if isinstance(spec, nnx.Variable) else spec
+        axes, used = [], set()
+        for logical_axis in spec:
+            mesh_axis = next((m for n, m in rules if n == logical_axis and m not in used), None)
+            if mesh_axis is not None and mesh_axis not in mesh.axis_names:
+                raise ValueError(f"rules map {logical_axis!r} to {mesh_axis!r}, which is not an axis of the mesh "
+                                 f"{mesh.axis_names}")
+            used.add(mesh_axis)
+            axes.append(mesh_axis)
+        out[path] = NamedSharding(mesh, PartitionSpec(*axes))
     return out
 
 
 def _allocate(shape, dtype, sharding):
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+    """Zeros of the whole stacked parameter, made directly on its sharding (no host copy)."""
+    return jnp.zeros(shape, dtype, device=sharding)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -184,7 +192,12 @@ def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *
     param_dtype = hf_config.param_dtype_of(hf, dtype, FLOAT_DTYPES.get(first.dtype) if first else None)
     cfg = arch.from_hf(hf, param_dtype=param_dtype)
 
-    abstract = nnx.eval_shape(lambda: arch.build(cfg, recipe=recipe, rngs=nnx.Rngs(0)))
+    if mesh is None:
+        mesh = jax.sharding.get_mesh()
+    # Parameters carry logical axis names, which nnx.eval_shape would read as mesh axes under an active mesh:
+    # build the abstract model outside it, and map logical names to mesh axes ourselves (target_shardings).
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        abstract = nnx.eval_shape(lambda: arch.build(cfg, recipe=recipe, rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     if jax.tree.leaves(rest):
         raise RuntimeError(f"zoo bug: {arch.name} model has non-parameter state {rest}")
@@ -193,13 +206,19 @@ def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *
     if set(flat) != {e.path for e in entries}:
         raise RuntimeError(f"zoo bug: the {arch.name} key map does not cover the model: "
                            f"{sorted(set(flat) ^ {e.path for e in entries})}")
-    check_tensors(entries, {p: v.shape for p, v in flat.items()}, found, lambda key: arch.extra_keys(cfg, key))
+    tied_head = cfg.tie_embeddings and "lm_head.weight" in found  # checked against the embedding below
+    check_tensors(entries, {p: v.shape for p, v in flat.items()}, found,
+                  lambda key: arch.extra_keys(cfg, key) or (tied_head and key == "lm_head.weight"))
     if cfg.tie_embeddings and "lm_head.weight" in found:
         check_tied(path, found)
 
-    if mesh is None:
-        mesh = jax.sharding.get_mesh()
-    shardings = target_shardings(params, mesh, rules)
+    loaded = stream(path, found, entries, flat, target_shardings(params, mesh, rules))
+    return nnx.merge(graphdef, nnx.from_flat_state(loaded), rest)
+
+
+def stream(path: Path, found: dict[str, TensorInfo], entries: list[keymap.Entry], flat: dict[tuple, nnx.Variable],
+           shardings: dict[tuple, Any]) -> list[tuple[tuple, nnx.Variable]]:
+    """Read every parameter (checked already) onto its sharding, one layer at a time: [(path, filled variable)]."""
     loaded = []
     with contextlib.ExitStack() as stack:
         files = {name: stack.enter_context(safe_open(path / name, framework="numpy"))
@@ -219,7 +238,7 @@ def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *
                     layer = np.asarray(e.to_zoo(read(key), var.shape[1:]), dt)
                     value = _set_layer(value, layer, np.int32(i))
             loaded.append((e.path, var.replace(value)))
-    return nnx.merge(graphdef, nnx.from_flat_state(loaded), rest)
+    return loaded
 
 
 def check_tied(path: Path, found: dict[str, TensorInfo]) -> None:

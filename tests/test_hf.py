@@ -1,0 +1,258 @@
+"""Hugging Face checkpoints without torch: zoo -> safetensors -> zoo round trips, config mapping against the
+published Llama 3.1 config, sharded placement, and bad checkpoints refused before anything is loaded."""
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.numpy
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import zoo
+from zoo.hf import config as hf_config
+from zoo.hf import io as hf_io
+from zoo.layers import Llama3Scaling
+
+TINY = dict(vocab_size=48, dim=24, num_layers=2, num_heads=3, num_kv_heads=1, head_dim=8, mlp_dim=40,
+            rope_scaling=Llama3Scaling(original_max_position_embeddings=16), dtype="float32", param_dtype="float32")
+
+
+def random_params(cfg, build, seed=0):
+    """A model of `cfg` with random parameters drawn by NumPy into its abstract state: no compilation, so each
+    new config costs nothing (the zoo's own initializers compile per shape)."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: build(cfg, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(seed)
+    flat = [(p, v.replace(jnp.asarray(0.3 * rng.standard_normal(v.shape), v.dtype)))
+            for p, v in nnx.to_flat_state(state)]
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def llama(seed=0, **overrides):
+    return random_params(zoo.models.LlamaConfig(**{**TINY, **overrides}), zoo.models.llama3, seed)
+
+
+def params(model):
+    return {p: v[...] for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def assert_identical(a, b):
+    pa, pb = params(a), params(b)
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        assert pa[k].dtype == pb[k].dtype and pa[k].shape == pb[k].shape, k
+        assert np.array_equal(np.asarray(pa[k]), np.asarray(pb[k])), k
+
+
+# -- round trips ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides,shard_bytes", [
+    ({}, 4000),                                                       # several shards + index
+    (dict(tie_embeddings=True, num_heads=6, num_kv_heads=3, head_dim=4), 2**30),  # one file, tied, odd heads
+    (dict(param_dtype="bfloat16", dtype="bfloat16", rope_scaling=None, num_layers=3), 3000),
+])
+def test_round_trip_is_bit_identical(tmp_path, overrides, shard_bytes):
+    model = llama(**overrides)
+    zoo.to_hf(model, tmp_path, max_shard_bytes=shard_bytes)
+    files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert (len(files) > 1) == (tmp_path / hf_io.INDEX).exists()
+    back = zoo.from_hf(tmp_path)
+    assert back.config == model.config
+    assert_identical(back, model)
+    if model.config.tie_embeddings:   # same config and parameters: the same model (logits: test_hf_parity.py)
+        assert back.lm_head is None
+
+
+def test_written_layout_is_transformers(tmp_path):
+    """HF names and [out, in] layouts, heads flattened head-major; the index lists every tensor once."""
+    model = llama()
+    zoo.to_hf(model, tmp_path, max_shard_bytes=4000)
+    index = json.loads((tmp_path / hf_io.INDEX).read_text())["weight_map"]
+    tensors = {}
+    for name in set(index.values()):
+        tensors.update(safetensors.numpy.load_file(tmp_path / name))
+    assert set(tensors) == set(index)
+    assert "lm_head.weight" in tensors and len(tensors) == 3 + 2 * 9
+    p, L = params(model), ("layers", "layers")
+    q = np.asarray(p[L + ("attn", "q_proj", "kernel")][1])                      # [D, H, hd]
+    np.testing.assert_array_equal(tensors["model.layers.1.self_attn.q_proj.weight"][2 * 8 + 5], q[:, 2, 5])
+    o = np.asarray(p[L + ("attn", "o_proj", "kernel")][0])                      # [H, hd, D]
+    np.testing.assert_array_equal(tensors["model.layers.0.self_attn.o_proj.weight"][:, 1 * 8 + 3], o[1, 3])
+    np.testing.assert_array_equal(tensors["lm_head.weight"], np.asarray(p[("lm_head", "proj", "kernel")]).T)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["rope_scaling"]["rope_type"] == "llama3"
+
+
+def test_dtype_argument_casts_parameters(tmp_path):
+    model = llama()
+    zoo.to_hf(model, tmp_path)
+    bf = zoo.from_hf(tmp_path, dtype=jnp.bfloat16)
+    assert bf.config.param_dtype == "bfloat16" and bf.config.dtype == "bfloat16"
+    for k, v in params(bf).items():
+        assert v.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(v), np.asarray(params(model)[k].astype(jnp.bfloat16)))
+    with pytest.raises(ValueError, match="dtype"):
+        zoo.from_hf(tmp_path, dtype=jnp.int32)
+
+
+def test_to_hf_refuses_a_directory_with_a_checkpoint(tmp_path):
+    zoo.to_hf(llama(), tmp_path)
+    with pytest.raises(ValueError, match="already holds"):
+        zoo.to_hf(llama(), tmp_path)
+
+
+# -- placement ------------------------------------------------------------------------------------------------
+
+def test_parameters_land_on_their_mesh_sharding(tmp_path):
+    model = llama()
+    zoo.to_hf(model, tmp_path)
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    rules = [("heads", "model"), ("kv_heads", "model"), ("mlp", "model"), ("vocab", "model"), ("embed", "data")]
+    loaded = zoo.from_hf(tmp_path, mesh=mesh, rules=rules)
+    p, L = params(loaded), ("layers", "layers")
+    assert p[L + ("attn", "q_proj", "kernel")].sharding == NamedSharding(mesh, P(None, "data", "model", None))
+    assert p[("embed", "embedding")].sharding == NamedSharding(mesh, P("model", "data"))
+    assert_identical(loaded, model)
+    with jax.set_mesh(mesh):   # the active mesh is used when none is passed; default rules: same-name axes
+        q = params(zoo.from_hf(tmp_path))[L + ("attn", "q_proj", "kernel")]
+    assert q.sharding.spec == P(None, None, None, None)
+    named = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("layers", "heads"))
+    q = params(zoo.from_hf(tmp_path, mesh=named))[L + ("attn", "q_proj", "kernel")]
+    assert q.sharding.spec == P("layers", None, "heads", None)
+
+
+# -- config mapping -------------------------------------------------------------------------------------------
+
+# The published meta-llama/Llama-3.1-8B config.json (transformers 4.43 spelling).
+LLAMA_3_1_8B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
+    "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256}
+
+
+def test_published_llama_config_maps_to_the_preset():
+    cfg = hf_config.llama_from_hf(LLAMA_3_1_8B, param_dtype="bfloat16")
+    assert cfg == zoo.models.LlamaConfig.llama3_1_8b(param_dtype="bfloat16", dtype="bfloat16")
+    back = hf_config.llama_to_hf(cfg)
+    for field in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rope_theta",
+                  "rope_scaling", "rms_norm_eps", "tie_word_embeddings", "vocab_size", "max_position_embeddings"):
+        assert back[field] == LLAMA_3_1_8B[field], field
+
+
+def test_transformers5_rope_parameters_spelling():
+    hf = {k: v for k, v in LLAMA_3_1_8B.items() if k not in ("rope_scaling", "rope_theta")}
+    hf["rope_parameters"] = {**LLAMA_3_1_8B["rope_scaling"], "rope_theta": 500000.0}
+    assert hf_config.llama_from_hf(hf, param_dtype="float32") == hf_config.llama_from_hf(
+        LLAMA_3_1_8B, param_dtype="float32")
+    hf["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    cfg = hf_config.llama_from_hf(hf, param_dtype="float32")
+    assert cfg.rope_scaling is None and cfg.rope_theta == 10000.0
+
+
+def test_full_size_key_map_matches_the_published_shapes():
+    """Llama 3.1 8B: HF tensor shapes read off the zoo's abstract model (nothing allocated)."""
+    cfg = zoo.models.LlamaConfig.llama3_1_8b()
+    model = nnx.eval_shape(lambda: zoo.models.llama3(cfg, rngs=nnx.Rngs(0)))
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    shapes = {k: e.hf_shape(flat[e.path].shape) for e in zoo.hf.keymap.llama(cfg) for k in e.keys()}
+    assert len(shapes) == 3 + 32 * 9
+    assert shapes["model.layers.31.self_attn.q_proj.weight"] == (4096, 4096)
+    assert shapes["model.layers.0.self_attn.k_proj.weight"] == (1024, 4096)
+    assert shapes["model.layers.0.self_attn.o_proj.weight"] == (4096, 4096)
+    assert shapes["model.layers.0.mlp.down_proj.weight"] == (4096, 14336)
+    assert shapes["lm_head.weight"] == shapes["model.embed_tokens.weight"] == (128256, 4096)
+
+
+# -- bad checkpoints ------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def ckpt(tmp_path):
+    zoo.to_hf(llama(), tmp_path, max_shard_bytes=4000)
+    return tmp_path
+
+
+def edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def edit_tensor(path, key, fn):
+    """Rewrite the shard holding `key` with fn(tensor) in its place (fn returns None to drop it)."""
+    name = json.loads((path / hf_io.INDEX).read_text())["weight_map"][key]
+    tensors = safetensors.numpy.load_file(path / name)
+    new = fn(tensors.pop(key))
+    if new is not None:
+        tensors[key] = new
+    safetensors.numpy.save_file(tensors, path / name, metadata={"format": "pt"})
+
+
+BAD = {
+    "missing tensor": (lambda p: edit_tensor(p, "model.layers.1.mlp.up_proj.weight", lambda t: None),
+                       "missing tensor 'model.layers.1.mlp.up_proj.weight'"),
+    "wrong shape": (lambda p: edit_tensor(p, "model.layers.0.self_attn.k_proj.weight", lambda t: t[:-1]),
+                    "'model.layers.0.self_attn.k_proj.weight' has shape \\[7, 24\\]"),
+    "integer tensor": (lambda p: edit_tensor(p, "model.norm.weight", lambda t: t.astype(np.int32)),
+                       "'model.norm.weight' has dtype I32"),
+    "unexpected tensor": (lambda p: edit_tensor(p, "model.norm.weight",
+                                                lambda t: t) or safetensors.numpy.save_file(
+        {"model.layers.0.self_attn.q_proj.bias": np.zeros(24, np.float32)}, p / "extra.safetensors"), None),
+    "unknown architecture": (lambda p: edit_config(p, architectures=["MistralForCausalLM"], model_type="mistral"),
+                             "MistralForCausalLM"),
+    "fewer layers than tensors": (lambda p: edit_config(p, num_hidden_layers=1),
+                                  "'model.layers.1."),
+    "more layers than tensors": (lambda p: edit_config(p, num_hidden_layers=3),
+                                 "missing tensor 'model.layers.2.self_attn.q_proj.weight'"),
+    "hidden size disagrees": (lambda p: edit_config(p, hidden_size=32, head_dim=8),
+                              "'model.embed_tokens.weight' has shape \\[48, 24\\]"),
+    "kv heads disagree": (lambda p: edit_config(p, num_key_value_heads=3),
+                          "'model.layers.0.self_attn.k_proj.weight'"),
+    "tied but a different head": (lambda p: edit_config(p, tie_word_embeddings=True), "tie_word_embeddings"),
+    "attention bias": (lambda p: edit_config(p, attention_bias=True), "attention_bias"),
+    "mlp bias": (lambda p: edit_config(p, mlp_bias=True), "mlp_bias"),
+    "activation": (lambda p: edit_config(p, hidden_act="gelu"), "hidden_act"),
+    "rope type": (lambda p: edit_config(p, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+                  "rope_scaling.rope_type='dynamic'"),
+    "rope field": (lambda p: edit_config(p, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                           "high_freq_factor": 4.0, "beta_fast": 3.0,
+                                                           "original_max_position_embeddings": 16}), "beta_fast"),
+    "missing field": (lambda p: edit_config(p, vocab_size=None), "vocab_size"),
+    "bad config value": (lambda p: edit_config(p, num_key_value_heads=2), "num_kv_heads=2 must divide"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_checkpoint_is_refused_before_loading(ckpt, case, monkeypatch):
+    corrupt, message = BAD[case]
+    corrupt(ckpt)
+    if message is None:  # the unexpected tensor is in a file the index does not list: add it
+        index = json.loads((ckpt / hf_io.INDEX).read_text())
+        index["weight_map"]["model.layers.0.self_attn.q_proj.bias"] = "extra.safetensors"
+        (ckpt / hf_io.INDEX).write_text(json.dumps(index))
+        message = "'model.layers.0.self_attn.q_proj.bias'"
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("from_hf started loading tensors before the checkpoint was checked")
+
+    monkeypatch.setattr(hf_io, "stream", no_loading)
+    with pytest.raises(ValueError, match=message):
+        zoo.from_hf(ckpt)
+
+
+def test_missing_files_are_named(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        zoo.from_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_1_8B))
+    with pytest.raises(ValueError, match="safetensors"):
+        zoo.from_hf(tmp_path)
