@@ -1,0 +1,107 @@
+"""Logits parity with transformers (float32, relative error < 1e-4): tiny random checkpoints built offline by
+transformers load with `zoo.from_hf`, and zoo models written by `zoo.to_hf` load in transformers. Needs torch and
+transformers (the Python 3.11 environment); skipped where they are absent."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import zoo  # noqa: E402
+from tests.helpers import max_rel_err  # noqa: E402
+from tests.test_hf import assert_identical, llama  # noqa: E402
+
+TOL = 1e-4
+torch.set_num_threads(1)  # two pytest workers on two cores
+forward = nnx.jit(lambda model, tokens: model(tokens))
+
+
+def tokens(vocab, batch=2, seq=11, seed=0):
+    return np.random.default_rng(seed).integers(0, vocab, (batch, seq)).astype(np.int32)
+
+
+def hf_logits(model, toks):
+    with torch.no_grad():
+        return model(torch.tensor(toks, dtype=torch.long)).logits.float().numpy()
+
+
+def save_hf(cfg, path, seed=0, shard="6KB"):
+    """A random transformers model of `cfg`, saved as safetensors (several shards + index unless `shard` is big).
+    Norm weights are randomised too (transformers initialises them to ones, which would hide a swap)."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    model.save_pretrained(path, max_shard_size=shard)
+    return model
+
+
+LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=16)
+LLAMA_CONFIGS = {
+    # odd head counts: 3 query heads sharing 1 kv head; Llama 3 RoPE scaling; untied; several shards
+    "3h-1kv-llama3rope": dict(hidden_size=24, num_attention_heads=3, num_key_value_heads=1, head_dim=8,
+                              rope_scaling=LLAMA3_ROPE, rope_theta=500000.0, rms_norm_eps=1e-5),
+    # 6 heads / 3 kv heads, head_dim from hidden_size (36 / 6), tied embeddings, plain RoPE, one file
+    "6h-3kv-tied": dict(hidden_size=36, num_attention_heads=6, num_key_value_heads=3, tie_word_embeddings=True,
+                        rope_theta=10000.0, rms_norm_eps=1e-6),
+    # head_dim independent of hidden_size/heads, 5 heads (MHA), 3 layers, Llama 3 scaling with other factors
+    "5h-mha-headdim": dict(hidden_size=20, num_attention_heads=5, num_key_value_heads=5, head_dim=6,
+                           num_hidden_layers=3, rope_theta=50000.0,
+                           rope_scaling=dict(LLAMA3_ROPE, factor=4.0, high_freq_factor=2.0)),
+}
+
+
+def llama_hf_config(**kw):
+    # initializer_range 0.3, not 0.02: attention scores of order one, so that RoPE (and its scaling) matter.
+    base = dict(vocab_size=61, intermediate_size=40, num_hidden_layers=2, hidden_act="silu",
+                max_position_embeddings=64, tie_word_embeddings=False, initializer_range=0.3)
+    return transformers.LlamaConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("name", sorted(LLAMA_CONFIGS))
+def test_llama_from_transformers(tmp_path, name):
+    cfg = llama_hf_config(**LLAMA_CONFIGS[name])
+    ref_model = save_hf(cfg, tmp_path, shard="2GB" if cfg.tie_word_embeddings else "6KB")
+    toks = tokens(cfg.vocab_size)
+    ref = hf_logits(ref_model, toks)
+    model = zoo.from_hf(tmp_path)
+    assert (model.lm_head is None) == cfg.tie_word_embeddings
+    assert max_rel_err(forward(model, jnp.asarray(toks)), ref) < TOL
+    if LLAMA_CONFIGS[name].get("rope_scaling"):  # the test would notice an ignored scaling: without it, transformers' logits move
+        plain = transformers.AutoModelForCausalLM.from_config(
+            llama_hf_config(**{**LLAMA_CONFIGS[name], "rope_scaling": None}), dtype=torch.float32).eval()
+        plain.load_state_dict(ref_model.state_dict())
+        assert max_rel_err(hf_logits(plain, toks), ref) > 10 * TOL
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(tie_embeddings=True, num_heads=6, num_kv_heads=3, head_dim=4)],
+                         ids=["llama3rope", "tied"])
+def test_llama_to_transformers(tmp_path, overrides):
+    model = llama(seed=3, **overrides)
+    zoo.to_hf(model, tmp_path, max_shard_bytes=5000)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    toks = tokens(model.config.vocab_size, seed=1)
+    assert max_rel_err(forward(model, jnp.asarray(toks)), hf_logits(hf, toks)) < TOL
+    assert_identical(zoo.from_hf(tmp_path), model)
+
+
+def test_bfloat16_checkpoint(tmp_path):
+    """A bf16 checkpoint loads as bf16 parameters (bit-exact) and computes close to transformers in float32."""
+    cfg = llama_hf_config(**LLAMA_CONFIGS["3h-1kv-llama3rope"])
+    ref_model = save_hf(cfg, tmp_path / "f32")
+    ref_model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    model = zoo.from_hf(tmp_path / "bf16")
+    assert model.config.param_dtype == "bfloat16"
+    emb = model.embed.embedding[...]
+    assert emb.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(emb.astype(jnp.float32)),
+                                  ref_model.model.embed_tokens.weight.detach().float().numpy())
+    toks = tokens(cfg.vocab_size)
+    assert max_rel_err(forward(model, jnp.asarray(toks)).astype(jnp.float32), hf_logits(ref_model.float(), toks)) < 3e-2
