@@ -46,7 +46,8 @@ class Arch:
     build: Callable[..., nnx.Module]    # (cfg, recipe=, rngs=) -> model
     keys: Callable[[Any], list[keymap.Entry]]
     config_type: Callable[[], type]
-    extra_keys: Callable[[Any, str], bool] = lambda cfg, key: False  # checkpoint keys with no zoo parameter
+    # config.json -> which extra checkpoint keys hold nothing the zoo model has (and are skipped)
+    extra_keys: Callable[[dict], Callable[[str], bool]] = lambda hf: lambda key: False
 
 
 def _llama_arch() -> Arch:
@@ -169,9 +170,11 @@ def _allocate(shape, dtype, sharding):
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _set_layer(buf, layer, i):
-    """buf[i] = layer, in place (buf is donated)."""
-    return jax.lax.dynamic_update_index_in_dim(buf, layer.astype(buf.dtype), i, 0)
+def _set_slice(buf, piece, index):
+    """buf[index] = piece for a leading `index` (layer, or layer and expert), in place (buf is donated)."""
+    piece = piece.astype(buf.dtype).reshape((1,) * index.shape[0] + piece.shape)
+    starts = tuple(index) + (0,) * (buf.ndim - index.shape[0])
+    return jax.lax.dynamic_update_slice(buf, piece, starts)
 
 
 def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *, mesh=None,
@@ -198,22 +201,21 @@ def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *
     # build the abstract model outside it, and map logical names to mesh axes ourselves (target_shardings).
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
         abstract = nnx.eval_shape(lambda: arch.build(cfg, recipe=recipe, rngs=nnx.Rngs(0)))
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-    if jax.tree.leaves(rest):
-        raise RuntimeError(f"zoo bug: {arch.name} model has non-parameter state {rest}")
-    flat = dict(nnx.to_flat_state(params))
+    graphdef, state = nnx.split(abstract)   # parameters, and DeepSeek's routing biases: all from the checkpoint
+    flat = dict(nnx.to_flat_state(state))
     entries = arch.keys(cfg)
     if set(flat) != {e.path for e in entries}:
         raise RuntimeError(f"zoo bug: the {arch.name} key map does not cover the model: "
                            f"{sorted(set(flat) ^ {e.path for e in entries})}")
     tied_head = cfg.tie_embeddings and "lm_head.weight" in found  # checked against the embedding below
+    skip = arch.extra_keys(hf)
     check_tensors(entries, {p: v.shape for p, v in flat.items()}, found,
-                  lambda key: arch.extra_keys(cfg, key) or (tied_head and key == "lm_head.weight"))
+                  lambda key: skip(key) or (tied_head and key == "lm_head.weight"))
     if cfg.tie_embeddings and "lm_head.weight" in found:
         check_tied(path, found)
 
-    loaded = stream(path, found, entries, flat, target_shardings(params, mesh, rules))
-    return nnx.merge(graphdef, nnx.from_flat_state(loaded), rest)
+    loaded = stream(path, found, entries, flat, target_shardings(state, mesh, rules))
+    return nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
 
 def stream(path: Path, found: dict[str, TensorInfo], entries: list[keymap.Entry], flat: dict[tuple, nnx.Variable],
@@ -230,13 +232,14 @@ def stream(path: Path, found: dict[str, TensorInfo], entries: list[keymap.Entry]
         for e in entries:
             var = flat[e.path]
             dt, sharding = var.dtype, shardings[e.path]
-            if e.layers is None:
-                value = jax.device_put(np.asarray(e.to_zoo(read(e.hf), var.shape), dt), sharding)
+            slice_shape = var.shape[e.depth:]
+            if e.depth == 0:
+                value = jax.device_put(np.asarray(e.to_zoo(read(e.hf), slice_shape), dt), sharding)
             else:
                 value = _allocate(var.shape, dt, sharding)
-                for i, key in enumerate(e.keys()):
-                    layer = np.asarray(e.to_zoo(read(key), var.shape[1:]), dt)
-                    value = _set_layer(value, layer, np.int32(i))
+                for index, key in e.tensors():
+                    piece = np.asarray(e.to_zoo(read(key), slice_shape), dt)
+                    value = _set_slice(value, piece, np.asarray(index, np.int32))
             loaded.append((e.path, var.replace(value)))
     return loaded
 
@@ -262,18 +265,18 @@ def to_hf(model: nnx.Module, path: str | os.PathLike, *, max_shard_bytes: int = 
     path.mkdir(parents=True, exist_ok=True)
     if any(path.glob("*.safetensors")) or (path / INDEX).exists():
         raise ValueError(f"to_hf: {path} already holds safetensors files; write to an empty directory")
-    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    flat = dict(nnx.to_flat_state(nnx.state(model)))
     entries = arch.keys(cfg)
     if set(flat) != {e.path for e in entries}:
         raise RuntimeError(f"zoo bug: the {arch.name} key map does not cover the model: "
                            f"{sorted(set(flat) ^ {e.path for e in entries})}")
 
     # Plan shards from shapes alone, then materialize one shard's tensors at a time.
-    tensors = []  # (key, entry, layer index in the stack or None, nbytes)
+    tensors = []  # (key, entry, index of its slice in the zoo array, nbytes)
     for e in entries:
         var = flat[e.path]
         nbytes = int(np.prod(e.hf_shape(var.shape))) * jnp.dtype(var.dtype).itemsize
-        tensors += [(key, e, None if e.layers is None else i, nbytes) for i, key in enumerate(e.keys())]
+        tensors += [(key, e, index, nbytes) for index, key in e.tensors()]
     shards, size = [[]], 0
     for t in tensors:
         if shards[-1] and size + t[3] > max_shard_bytes:
@@ -286,9 +289,8 @@ def to_hf(model: nnx.Module, path: str | os.PathLike, *, max_shard_bytes: int = 
     weight_map = {}
     for name, shard in zip(names, shards):
         out = {}
-        for key, e, i, _ in shard:
-            value = flat[e.path][...]
-            out[key] = e.to_hf(np.asarray(jax.device_get(value if i is None else value[i])))
+        for key, e, index, _ in shard:
+            out[key] = e.to_hf(np.asarray(jax.device_get(flat[e.path][...][index])))
             weight_map[key] = name
         safetensors.numpy.save_file(out, path / name, metadata={"format": "pt"})
     if len(shards) > 1:
