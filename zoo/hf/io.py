@@ -56,8 +56,16 @@ def _llama_arch() -> Arch:
                 lambda: llama.LlamaConfig)
 
 
-ARCHS: dict[str, Callable[[], Arch]] = {"LlamaForCausalLM": _llama_arch}
-MODEL_TYPES = {"llama": "LlamaForCausalLM"}
+def _deepseek_arch() -> Arch:
+    from zoo.models import deepseek
+    return Arch("DeepseekV3ForCausalLM", hf_config.deepseek_from_hf, hf_config.deepseek_to_hf, deepseek.deepseek_v3,
+                keymap.deepseek_v3, lambda: deepseek.DeepSeekV3Config,
+                lambda hf: keymap.deepseek_mtp_key(hf.get("num_hidden_layers", 0),
+                                                   hf.get("num_nextn_predict_layers") or 0))
+
+
+ARCHS: dict[str, Callable[[], Arch]] = {"LlamaForCausalLM": _llama_arch, "DeepseekV3ForCausalLM": _deepseek_arch}
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 def arch_for_config(hf: dict) -> Arch:
@@ -73,10 +81,17 @@ def arch_for_config(hf: dict) -> Arch:
 
 def arch_for_model(cfg) -> Arch:
     for make in ARCHS.values():
-        arch = make()
-        if isinstance(cfg, arch.config_type()):
+        arch = _importable(make)
+        if arch is not None and isinstance(cfg, arch.config_type()):
             return arch
     raise ValueError(f"to_hf: no Hugging Face architecture for a {type(cfg).__name__}")
+
+
+def _importable(make: Callable[[], Arch]) -> Arch | None:
+    try:
+        return make()
+    except ImportError:  # a model not in this build of the zoo
+        return None
 
 
 # -- reading --------------------------------------------------------------------------------------------------
