@@ -1,5 +1,6 @@
 """Hugging Face checkpoints without torch: zoo -> safetensors -> zoo round trips, config mapping against the
 published Llama 3.1 config, sharded placement, and bad checkpoints refused before anything is loaded."""
+import dataclasses
 import json
 
 import jax
@@ -34,8 +35,21 @@ def llama(seed=0, **overrides):
     return random_params(zoo.models.LlamaConfig(**{**TINY, **overrides}), zoo.models.llama3, seed)
 
 
+def deepseek(seed=0, **overrides):
+    """A tiny DeepSeek-V3: one dense layer, two MoE layers, YaRN, 2 groups of 2 experts (1 kept), random biases."""
+    ds = pytest.importorskip("zoo.models.deepseek")
+    from zoo.layers import YarnScaling
+    cfg = ds.DeepSeekV3Config.tiny(**{**dict(
+        vocab_size=48, dim=24, num_layers=3, first_dense_layers=1, num_heads=3, q_lora_rank=12, kv_lora_rank=8,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, mlp_dim=40, num_experts=4, num_experts_per_tok=2,
+        moe_mlp_dim=12, n_group=2, topk_group=1, moe_backend="ragged_dot",
+        rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=16)), **overrides})
+    return random_params(cfg, ds.deepseek_v3, seed)
+
+
 def params(model):
-    return {p: v[...] for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    """Every variable of the model (parameters and DeepSeek's routing biases), by path."""
+    return {p: v[...] for p, v in nnx.to_flat_state(nnx.state(model))}
 
 
 def assert_identical(a, b):
@@ -49,9 +63,9 @@ def assert_identical(a, b):
 # -- round trips ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides,shard_bytes", [
-    ({}, 4000),                                                       # several shards + index
-    (dict(tie_embeddings=True, num_heads=6, num_kv_heads=3, head_dim=4), 2**30),  # one file, tied, odd heads
-    (dict(param_dtype="bfloat16", dtype="bfloat16", rope_scaling=None, num_layers=3), 3000),
+    ({}, 4000),                                                       # several shards + index, Llama 3 RoPE
+    (dict(tie_embeddings=True, num_heads=6, num_kv_heads=3, head_dim=4, num_layers=3, rope_scaling=None,
+          param_dtype="bfloat16", dtype="bfloat16"), 2**30),          # one file, tied, odd heads, bf16
 ])
 def test_round_trip_is_bit_identical(tmp_path, overrides, shard_bytes):
     model = llama(**overrides)
@@ -256,3 +270,129 @@ def test_missing_files_are_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_1_8B))
     with pytest.raises(ValueError, match="safetensors"):
         zoo.from_hf(tmp_path)
+
+
+# -- DeepSeek-V3 ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides", [{}, dict(first_dense_layers=0, num_layers=2, tie_embeddings=True,
+                                                rope_scaling=None, rope_interleave=False, param_dtype="bfloat16",
+                                                dtype="bfloat16")], ids=["1dense-yarn", "allmoe-tied-bf16"])
+def test_deepseek_round_trip_is_bit_identical(tmp_path, overrides):
+    model = deepseek(**overrides)
+    zoo.to_hf(model, tmp_path, max_shard_bytes=6000)
+    back = zoo.from_hf(tmp_path)
+    assert back.config == dataclasses.replace(model.config, moe_backend=back.config.moe_backend)
+    assert_identical(back, model)
+    bias = params(back)[("moe_layers", "layers", "mlp", "gate", "e_score_correction_bias")]
+    assert bias.dtype == jnp.float32 and bias.shape == (model.config.num_moe_layers, 4)
+
+
+def test_deepseek_written_layout(tmp_path):
+    """Published layout: one tensor per expert, [out, in]; the bias as is; layers numbered across both stacks."""
+    model = deepseek()
+    zoo.to_hf(model, tmp_path)
+    t = safetensors.numpy.load_file(tmp_path / "model.safetensors")
+    p = params(model)
+    assert "model.layers.0.mlp.gate_proj.weight" in t and "model.layers.0.mlp.gate.weight" not in t
+    np.testing.assert_array_equal(t["model.layers.2.mlp.experts.3.down_proj.weight"],
+                                  np.asarray(p[("moe_layers", "layers", "mlp", "experts", "down_proj")][1, 3]).T)
+    np.testing.assert_array_equal(t["model.layers.1.mlp.gate.e_score_correction_bias"],
+                                  np.asarray(p[("moe_layers", "layers", "mlp", "gate", "e_score_correction_bias")][0]))
+    np.testing.assert_array_equal(t["model.layers.1.self_attn.q_b_proj.weight"][1 * 12 + 9],   # head 1, rope col 1
+                                  np.asarray(p[("moe_layers", "layers", "attn", "q_b_proj", "kernel")][0, :, 1, 9]))
+    assert len(t) == 3 + 1 * (7 + 2 + 3) + 2 * (7 + 2 + 2 + 3 * 4 + 3)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["first_k_dense_replace"] == 1 and cfg["n_routed_experts"] == 4 and cfg["num_nextn_predict_layers"] == 0
+
+
+# The published deepseek-ai/DeepSeek-V3 config.json (its FP8 quantization_config taken out: see the test below).
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3,
+    "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "pretraining_tp": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+    "transformers_version": "4.46.3", "use_cache": True, "v_head_dim": 128, "vocab_size": 129280}
+
+
+def test_published_deepseek_config_maps_to_the_preset():
+    ds = pytest.importorskip("zoo.models.deepseek")
+    cfg = hf_config.deepseek_from_hf(DEEPSEEK_V3, param_dtype="bfloat16")
+    assert cfg == ds.DeepSeekV3Config.deepseek_v3_671b(param_dtype="bfloat16", dtype="bfloat16")
+    back = hf_config.deepseek_to_hf(cfg)
+    for field in ("hidden_size", "intermediate_size", "moe_intermediate_size", "n_routed_experts", "n_group",
+                  "topk_group", "first_k_dense_replace", "q_lora_rank", "kv_lora_rank", "routed_scaling_factor",
+                  "max_position_embeddings", "rope_theta", "v_head_dim", "num_key_value_heads"):
+        assert back[field] == DEEPSEEK_V3[field], field
+    assert {k: back["rope_scaling"][k] for k in DEEPSEEK_V3["rope_scaling"]} == DEEPSEEK_V3["rope_scaling"]
+    fp8 = {**DEEPSEEK_V3, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}
+    with pytest.raises(ValueError, match="quantization_config"):
+        hf_config.deepseek_from_hf(fp8, param_dtype="bfloat16")
+
+
+@pytest.fixture
+def ds_ckpt(tmp_path):
+    zoo.to_hf(deepseek(), tmp_path, max_shard_bytes=6000)
+    return tmp_path
+
+
+DS_BAD = {
+    "missing expert": (lambda p: edit_tensor(p, "model.layers.2.mlp.experts.3.up_proj.weight", lambda t: None),
+                       "missing tensor 'model.layers.2.mlp.experts.3.up_proj.weight'"),
+    "missing bias": (lambda p: edit_tensor(p, "model.layers.1.mlp.gate.e_score_correction_bias", lambda t: None),
+                     "'model.layers.1.mlp.gate.e_score_correction_bias'"),
+    "wrong expert shape": (lambda p: edit_tensor(p, "model.layers.1.mlp.experts.0.gate_proj.weight", lambda t: t.T),
+                           "'model.layers.1.mlp.experts.0.gate_proj.weight' has shape \\[24, 12\\]"),
+    "more experts than tensors": (lambda p: edit_config(p, n_routed_experts=6, n_group=2),
+                                  "'model.layers.1.mlp.gate.weight'"),
+    "dense layers disagree": (lambda p: edit_config(p, first_k_dense_replace=2),
+                              "model.layers.1.mlp.gate_proj.weight"),
+    "routing method": (lambda p: edit_config(p, topk_method="greedy"), "topk_method"),
+    "scoring": (lambda p: edit_config(p, scoring_func="softmax"), "scoring_func"),
+    "rope type": (lambda p: edit_config(p, rope_scaling={"type": "linear", "factor": 2.0}),
+                  "rope_scaling.rope_type='linear'"),
+    "yarn attention factor": (lambda p: edit_config(p, rope_scaling={
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "attention_factor": 0.5}),
+        "attention_factor"),
+    "no q latent": (lambda p: edit_config(p, q_lora_rank=None), "q_lora_rank"),
+    "missing group field": (lambda p: edit_config(p, n_group=None), "n_group"),
+    "kv heads": (lambda p: edit_config(p, num_key_value_heads=1), "num_key_value_heads"),
+    "mtp layer not announced": (lambda p: safetensors.numpy.save_file(
+        {"model.layers.3.eh_proj.weight": np.zeros((4, 4), np.float32)}, p / "mtp.safetensors") or add_to_index(
+        p, "model.layers.3.eh_proj.weight", "mtp.safetensors"), "'model.layers.3.eh_proj.weight'"),
+}
+
+
+def add_to_index(path, key, file):
+    index = json.loads((path / hf_io.INDEX).read_text())
+    index["weight_map"][key] = file
+    (path / hf_io.INDEX).write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("case", sorted(DS_BAD))
+def test_bad_deepseek_checkpoint_is_refused_before_loading(ds_ckpt, case, monkeypatch):
+    corrupt, message = DS_BAD[case]
+    corrupt(ds_ckpt)
+    monkeypatch.setattr(hf_io, "stream", lambda *a, **k: pytest.fail("loading began before the checks"))
+    with pytest.raises(ValueError, match=message):
+        zoo.from_hf(ds_ckpt)
+
+
+def test_deepseek_mtp_layers_are_skipped(tmp_path):
+    """Published checkpoints append the multi-token-prediction layer(s) after the main model's layers."""
+    model = deepseek()
+    zoo.to_hf(model, tmp_path, max_shard_bytes=6000)
+    safetensors.numpy.save_file({"model.layers.3.eh_proj.weight": np.ones((4, 4), np.float32),
+                                 "model.layers.3.mlp.experts.0.up_proj.weight": np.ones((4, 4), np.float32)},
+                                tmp_path / "mtp.safetensors")
+    for key in ("model.layers.3.eh_proj.weight", "model.layers.3.mlp.experts.0.up_proj.weight"):
+        add_to_index(tmp_path, key, "mtp.safetensors")
+    edit_config(tmp_path, num_nextn_predict_layers=1)
+    assert_identical(zoo.from_hf(tmp_path), model)
