@@ -4,8 +4,10 @@ Reading is check-then-stream. Everything about the checkpoint is checked against
 describes BEFORE any array is made: the architecture, every config field that changes the math, every tensor's
 presence, shape and dtype, and that no tensor is left over; a failure is a ValueError naming the field or key, and
 nothing has been loaded. Then each parameter is streamed in: the model is built with `nnx.eval_shape` (no memory),
-each parameter is allocated once on its target sharding and filled one layer at a time (a donated in-place update),
-so at most one layer of one parameter is held beyond the model itself, on host or device.
+each parameter is allocated once on its target sharding and filled one HF tensor at a time (one layer, or one
+expert of one layer; a donated in-place update), so beyond the model itself at most one HF tensor is held, on host
+and on device (the largest is the embedding, which is not stacked). Single-process: the arrays are made by this
+process (a multi-host loader would make each host's shards with `jax.make_array_from_callback`).
 
 Writing needs no torch: tensors go through `safetensors.numpy` (bfloat16 via ml_dtypes) one layer at a time, into
 shards of at most `max_shard_bytes`, with the index transformers expects.
@@ -170,7 +172,8 @@ def target_shardings(params: nnx.State, mesh, rules) -> dict[tuple, Any]:
         axes, used = [], set()
         for logical_axis in spec:
             mesh_axis = next((m for n, m in rules if n == logical_axis and m not in used), None)
-            if mesh_axis is not None and mesh_axis not in mesh.axis_names:
+            named = () if mesh_axis is None else mesh_axis if isinstance(mesh_axis, tuple) else (mesh_axis,)
+            if any(a not in mesh.axis_names for a in named):
                 raise ValueError(f"rules map {logical_axis!r} to {mesh_axis!r}, which is not an axis of the mesh "
                                  f"{mesh.axis_names}")
             used.add(mesh_axis)
@@ -194,8 +197,8 @@ def _set_slice(buf, piece, index):
 
 def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *, mesh=None,
             rules: Sequence[tuple[str, Any]] | None = None) -> nnx.Module:
-    """Load a Hugging Face `LlamaForCausalLM` (or another architecture in `ARCHS`) checkpoint directory as a
-    scanned zoo model.
+    """Load a Hugging Face checkpoint directory (`LlamaForCausalLM` or `DeepseekV3ForCausalLM`: config.json and
+    one or many *.safetensors, with model.safetensors.index.json when sharded) as a scanned zoo model.
 
     `dtype`: parameter dtype (default: the checkpoint's); float32 parameters compute in float32, others in
     bfloat16. `mesh` (default: the mesh set with `jax.set_mesh`, if any) and `rules` (logical axis -> mesh axis)
