@@ -1,0 +1,91 @@
+"""Shared pieces of the GPU benchmarks: an SGD training step on a zoo model, timing, memory figures.
+
+Each benchmark process measures ONE configuration (XLA reads its flags at start and `peak_bytes_in_use`
+never resets), and prints one JSON line. Figures follow DESIGN section 8: median of several steps after
+warm-up; model FLOPs = 6 * matmul parameters * tokens + causal attention (counted as half).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def matmul_params(model) -> int:
+    """Parameters that take part in matmuls: all but the embedding table and the norm scales."""
+    total = 0
+    for path, p in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if path[-1] == "kernel":
+            total += math.prod(p.shape)
+    return total
+
+
+def sgd_step_fn(graphdef, lr: float = 1e-4):
+    """A plain SGD step (as the plain-JAX anchors do): memory is params + grads + activations."""
+
+    def loss_fn(params, rest, tokens):
+        model = nnx.merge(graphdef, params, rest)
+        logits = model(tokens)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        targets = jnp.roll(tokens, -1, axis=1)
+        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+    def step(params, rest, tokens):
+        loss, grads = jax.value_and_grad(loss_fn)(params, rest, tokens)
+        params = jax.tree.map(lambda p, g: (p - lr * g.astype(p.dtype)).astype(p.dtype), params, grads)
+        return loss, params
+
+    return jax.jit(step, donate_argnums=(0,))
+
+
+def measure(model, tokens, *, flops_per_step: float, steps: int = 6, warmup: int = 2) -> dict:
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    step = sgd_step_fn(graphdef)
+    t0 = time.perf_counter()
+    compiled = step.lower(params, rest, tokens).compile()
+    compile_s = time.perf_counter() - t0
+    ma = compiled.memory_analysis()
+    text = compiled.as_text()
+    for _ in range(warmup):
+        loss, params = compiled(params, rest, tokens)
+        loss.block_until_ready()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        loss, params = compiled(params, rest, tokens)
+        loss.block_until_ready()
+        times.append(time.perf_counter() - t)
+    step_s = statistics.median(times)
+    stats = jax.devices()[0].memory_stats() or {}
+    return dict(
+        step_s=round(step_s, 4), step_s_spread=round(max(times) - min(times), 4),
+        tflops=round(flops_per_step / step_s / 1e12, 1),
+        peak_gib=round(stats.get("peak_bytes_in_use", 0) / 2**30, 2),
+        temp_gib=round(ma.temp_size_in_bytes / 2**30, 2),
+        host_temp_gib=round(getattr(ma, "host_temp_size_in_bytes", 0) / 2**30, 2),
+        has_S5="S(5)" in text, compile_s=round(compile_s, 1), loss=float(loss))
+
+
+def emit(record: dict) -> None:
+    record.update(jax=jax.__version__, flags=os.environ.get("XLA_FLAGS", ""))
+    line = json.dumps(record)
+    print(line, flush=True)
+    out = os.environ.get("BENCH_OUT")
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
+
+
+def guarded(fn, **ident):
+    try:
+        emit({**ident, **fn()})
+    except Exception as e:  # report OOM and friends as data, not as a crash of the whole sweep
+        emit({**ident, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        sys.exit(0)

@@ -1,0 +1,52 @@
+"""llama405b-slice: the Llama 3.1 405B preset cut to a few layers, batch 2, seq 8192, SGD step, bf16.
+
+    XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true python -m bench.llama_slice qkv_offload --batch 2
+
+Same shapes as ../shared/anchor/plain_jax_llama.py (SHAPE=405b NL=3), plus the zoo model's embedding and
+untied LM head (counted in its FLOPs). Prints one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import zoo
+from bench.common import guarded, matmul_params, measure
+from recipes.llama3 import RECIPES
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("recipe", choices=sorted(RECIPES))
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script only)")
+    a = ap.parse_args()
+    if a.smoke:
+        cfg = zoo.models.LlamaConfig.tiny(num_layers=a.layers, param_dtype="bfloat16", dtype="bfloat16")
+    else:
+        cfg = zoo.models.LlamaConfig.llama3_1_405b(num_layers=a.layers, param_dtype="bfloat16", dtype="bfloat16",
+                                                   attention_impl="cudnn")
+    recipe = RECIPES[a.recipe]
+
+    def run():
+        model = zoo.models.llama3(cfg, recipe=recipe, rngs=nnx.Rngs(0))
+        tokens = jax.random.randint(jax.random.key(1), (a.batch, a.seq), 0, cfg.vocab_size, jnp.int32)
+        tok = a.batch * a.seq
+        attn = 2 * 2 * a.batch * a.seq * a.seq * cfg.num_heads * cfg.head_dim / 2 * cfg.num_layers
+        flops = 3 * (2 * tok * matmul_params(model) + attn)
+        tags = model.tag_shapes(a.batch, a.seq)["layers"].tags
+        off = sum(math.prod(tags[t].shape) * tags[t].dtype.itemsize for t in recipe.offload)
+        return dict(measure(model, tokens, flops_per_step=flops),
+                    planned_host_gib=round(off * cfg.num_layers / 2**30, 3))
+
+    guarded(run, bench="llama405b-slice", impl="zoo", recipe=a.recipe, B=a.batch, S=a.seq, L=a.layers)
+
+
+if __name__ == "__main__":
+    main()
