@@ -396,3 +396,24 @@ def test_deepseek_mtp_layers_are_skipped(tmp_path):
         add_to_index(tmp_path, key, "mtp.safetensors")
     edit_config(tmp_path, num_nextn_predict_layers=1)
     assert_identical(zoo.from_hf(tmp_path), model)
+
+
+def test_full_size_deepseek_key_map_matches_the_published_shapes():
+    """DeepSeek-V3 671B: HF tensor shapes read off the zoo's abstract model (nothing allocated)."""
+    ds = pytest.importorskip("zoo.models.deepseek")
+    cfg = ds.DeepSeekV3Config.deepseek_v3_671b()
+    model = nnx.eval_shape(lambda: ds.deepseek_v3(cfg, rngs=nnx.Rngs(0)))
+    flat = dict(nnx.to_flat_state(nnx.state(model)))
+    shapes = {k: e.hf_shape(flat[e.path].shape) for e in zoo.hf.keymap.deepseek_v3(cfg) for k in e.keys()}
+    assert len(shapes) == 3 + 3 * 12 + 58 * (7 + 2 + 2 + 3 * 256 + 3)
+    assert shapes["model.layers.0.self_attn.q_b_proj.weight"] == (128 * 192, 1536)
+    assert shapes["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] == (512 + 64, 7168)
+    assert shapes["model.layers.60.self_attn.kv_b_proj.weight"] == (128 * 256, 512)
+    assert shapes["model.layers.60.self_attn.o_proj.weight"] == (7168, 128 * 128)
+    assert shapes["model.layers.2.mlp.down_proj.weight"] == (7168, 18432)
+    assert shapes["model.layers.3.mlp.gate.weight"] == (256, 7168)
+    assert shapes["model.layers.3.mlp.gate.e_score_correction_bias"] == (256,)
+    assert shapes["model.layers.60.mlp.experts.255.gate_proj.weight"] == (2048, 7168)
+    assert shapes["model.layers.60.mlp.experts.0.down_proj.weight"] == (7168, 2048)
+    assert shapes["model.layers.3.mlp.shared_experts.up_proj.weight"] == (2048, 7168)
+    assert "model.layers.2.mlp.gate.weight" not in shapes and "model.layers.61.mlp.gate.weight" not in shapes
