@@ -417,3 +417,11 @@ def test_full_size_deepseek_key_map_matches_the_published_shapes():
     assert shapes["model.layers.60.mlp.experts.0.down_proj.weight"] == (7168, 2048)
     assert shapes["model.layers.3.mlp.shared_experts.up_proj.weight"] == (2048, 7168)
     assert "model.layers.2.mlp.gate.weight" not in shapes and "model.layers.61.mlp.gate.weight" not in shapes
+
+
+@pytest.mark.parametrize("published,arch", [(LLAMA_3_1_8B, "LLAMA"), (DEEPSEEK_V3, "DEEPSEEK")])
+def test_every_published_field_is_accounted_for(published, arch):
+    """Each field of the published config.json is read, ignored as math-neutral, or refused unless neutral."""
+    known = (set(getattr(hf_config, f"{arch}_SUPPORTED")) | set(getattr(hf_config, f"{arch}_IGNORED"))
+             | set(getattr(hf_config, f"{arch}_UNSUPPORTED")))
+    assert set(published) - known == set()

@@ -73,7 +73,8 @@ def test_llama_from_transformers(tmp_path, name):
     model = zoo.from_hf(tmp_path)
     assert (model.lm_head is None) == cfg.tie_word_embeddings
     assert max_rel_err(forward(model, jnp.asarray(toks)), ref) < TOL
-    if LLAMA_CONFIGS[name].get("rope_scaling"):  # the test would notice an ignored scaling: without it, transformers' logits move
+    # The test would notice an ignored scaling: without it, transformers' logits move.
+    if LLAMA_CONFIGS[name].get("rope_scaling"):
         plain = transformers.AutoModelForCausalLM.from_config(
             llama_hf_config(**{**LLAMA_CONFIGS[name], "rope_scaling": None}), dtype=torch.float32).eval()
         plain.load_state_dict(ref_model.state_dict())
@@ -121,10 +122,13 @@ DEEPSEEK_CONFIGS = {
                              n_routed_experts=6, num_experts_per_tok=3, n_group=2, topk_group=1,
                              norm_topk_prob=False, routed_scaling_factor=1.5, n_shared_experts=2,
                              rope_scaling=dict(YARN, factor=8.0, mscale=0.707, mscale_all_dim=1.0, beta_fast=16)),
-    # 5 heads, two dense layers, no scaling, rope stored in rotate-half order, tied embeddings
-    "5h-2dense-plainrope-tied": dict(num_attention_heads=5, first_k_dense_replace=2, num_hidden_layers=3,
+    # 5 heads, two dense layers, YaRN without mscale fields (the paper's cos/sin factor, softmax scale as is),
+    # rope stored in rotate-half order, tied embeddings
+    "5h-2dense-yarnpaper-tied": dict(num_attention_heads=5, first_k_dense_replace=2, num_hidden_layers=3,
                                      n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=2,
-                                     rope_interleave=False, tie_word_embeddings=True),
+                                     rope_interleave=False, tie_word_embeddings=True,
+                                     rope_scaling=dict(rope_type="yarn", factor=2.0, beta_fast=8, beta_slow=2,
+                                                       original_max_position_embeddings=8)),
 }
 
 

@@ -166,8 +166,10 @@ def yarn_from_hf(scaling: dict):
     # 0.1 ln(factor) + 1, and the softmax scale is left alone); YarnScaling reads 0 the same way.
     return YarnScaling(factor=float(require(scaling, "factor")),
                        original_max_position_embeddings=int(require(scaling, "original_max_position_embeddings")),
-                       beta_fast=float(scaling.get("beta_fast") or 32.0), beta_slow=float(scaling.get("beta_slow") or 1.0),
-                       mscale=float(scaling.get("mscale") or 0.0), mscale_all_dim=float(scaling.get("mscale_all_dim") or 0.0))
+                       beta_fast=float(scaling.get("beta_fast") or 32.0),
+                       beta_slow=float(scaling.get("beta_slow") or 1.0),
+                       mscale=float(scaling.get("mscale") or 0.0),
+                       mscale_all_dim=float(scaling.get("mscale_all_dim") or 0.0))
 
 
 def deepseek_from_hf(hf: dict, *, param_dtype: str):
@@ -202,8 +204,9 @@ def deepseek_from_hf(hf: dict, *, param_dtype: str):
 def deepseek_to_hf(cfg) -> dict:
     s = cfg.rope_scaling
     rope_scaling = None if s is None else dict(
-        type="yarn", rope_type="yarn", factor=s.factor, original_max_position_embeddings=s.original_max_position_embeddings,
-        beta_fast=s.beta_fast, beta_slow=s.beta_slow, mscale=s.mscale or None, mscale_all_dim=s.mscale_all_dim or None)
+        type="yarn", rope_type="yarn", factor=s.factor,
+        original_max_position_embeddings=s.original_max_position_embeddings, beta_fast=s.beta_fast,
+        beta_slow=s.beta_slow, mscale=s.mscale or None, mscale_all_dim=s.mscale_all_dim or None)
     return dict(
         architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=cfg.vocab_size,
         hidden_size=cfg.dim, intermediate_size=cfg.mlp_dim, moe_intermediate_size=cfg.moe_mlp_dim,
