@@ -109,6 +109,10 @@ def test_dtype_argument_casts_parameters(tmp_path):
         np.testing.assert_array_equal(np.asarray(v), np.asarray(params(model)[k].astype(jnp.bfloat16)))
     with pytest.raises(ValueError, match="dtype"):
         zoo.from_hf(tmp_path, dtype=jnp.int32)
+    recipe = zoo.Recipe("qkv", offload=("query_proj", "key_proj", "value_proj"))
+    assert zoo.from_hf(tmp_path, recipe=recipe).recipe == recipe
+    with pytest.raises(ValueError, match="moe_mlpwi_0"):   # a recipe for tags this model never emits
+        zoo.from_hf(tmp_path, recipe=zoo.Recipe("moe", offload=("moe_mlpwi_0",)))
 
 
 def test_to_hf_refuses_a_directory_with_a_checkpoint(tmp_path):
@@ -129,6 +133,8 @@ def test_parameters_land_on_their_mesh_sharding(tmp_path):
     assert p[L + ("attn", "q_proj", "kernel")].sharding == NamedSharding(mesh, P(None, "data", "model", None))
     assert p[("embed", "embedding")].sharding == NamedSharding(mesh, P("model", "data"))
     assert_identical(loaded, model)
+    zoo.to_hf(loaded, tmp_path / "again")     # sharded arrays write the same checkpoint
+    assert_identical(zoo.from_hf(tmp_path / "again"), model)
     with jax.set_mesh(mesh):   # the active mesh is used when none is passed; default rules: same-name axes
         q = params(zoo.from_hf(tmp_path))[L + ("attn", "q_proj", "kernel")]
     assert q.sharding.spec == P(None, None, None, None)
