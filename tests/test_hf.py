@@ -431,3 +431,37 @@ def test_every_published_field_is_accounted_for(published, arch):
     known = (set(getattr(hf_config, f"{arch}_SUPPORTED")) | set(getattr(hf_config, f"{arch}_IGNORED"))
              | set(getattr(hf_config, f"{arch}_UNSUPPORTED")))
     assert set(published) - known == set()
+
+
+SHARDED_LOAD = """
+import sys, numpy as np, jax
+from jax.sharding import Mesh, PartitionSpec as P
+import zoo
+from tests.test_hf import llama, params
+model = llama()
+zoo.to_hf(model, sys.argv[1], max_shard_bytes=4000)
+mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+with jax.set_mesh(mesh):
+    loaded = zoo.from_hf(sys.argv[1], rules=[("vocab", "model"), ("embed", "data"), ("mlp", "model")])
+p, want = params(loaded), params(model)
+up = p[("layers", "layers", "mlp", "up_proj", "kernel")]
+assert up.sharding.spec == P(None, "data", "model"), up.sharding
+assert {s.data.shape for s in up.addressable_shards} == {(2, 12, 20)}
+emb = p[("embed", "embedding")]
+assert emb.sharding.spec == P("model", "data") and {s.data.shape for s in emb.addressable_shards} == {(24, 12)}
+assert all(np.array_equal(np.asarray(p[k]), np.asarray(want[k])) for k in want)
+print("OK")
+"""
+
+
+def test_parameters_are_split_over_a_real_mesh(tmp_path):
+    """Four CPU devices (a subprocess: the device count is fixed when JAX starts)."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", SHARDED_LOAD, str(tmp_path)], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-3000:]
