@@ -10,7 +10,9 @@ from flax import nnx
 
 
 def loss_fn(graphdef, state, tokens):
-    logits = nnx.merge(graphdef, state)(tokens).astype(jnp.float32)
+    # copy=True: variables that are not differentiated (DeepSeek-V3's routing biases) must be made afresh at this
+    # trace level, or nnx.scan refuses them ("different trace level").
+    logits = nnx.merge(graphdef, state, copy=True)(tokens).astype(jnp.float32)
     targets = jnp.roll(tokens, -1, axis=1)
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))

@@ -63,10 +63,17 @@ class YarnScaling:
         return inv_freq / self.factor * (1 - extrapolation) + inv_freq * extrapolation
 
     def attention_factor(self) -> float:
-        return yarn_get_mscale(self.factor, self.mscale) / yarn_get_mscale(self.factor, self.mscale_all_dim)
+        """The factor on cos/sin (transformers' `_compute_yarn_parameters`): mscale / mscale_all_dim when both are
+        set (1.0 for DeepSeek-V3), else the paper's 0.1 ln(factor) + 1."""
+        if self.mscale and self.mscale_all_dim:
+            return yarn_get_mscale(self.factor, self.mscale) / yarn_get_mscale(self.factor, self.mscale_all_dim)
+        return yarn_get_mscale(self.factor, 1.0)
 
     def softmax_mscale(self) -> float:
-        """DeepSeek multiplies the softmax scale by mscale(factor, mscale_all_dim)^2."""
+        """DeepSeek multiplies the softmax scale by mscale(factor, mscale_all_dim)^2 when mscale_all_dim is set
+        (transformers' `yarn_apply_mscale`): (0.1 ln 40 + 1)^2 = 1.8438... for DeepSeek-V3."""
+        if not self.mscale_all_dim:
+            return 1.0
         return yarn_get_mscale(self.factor, self.mscale_all_dim) ** 2
 
 

@@ -83,5 +83,8 @@ class CausalLM(nnx.Module):
 
 
 def count_params(model: nnx.Module) -> int:
-    """Number of parameters (works on `nnx.eval_shape` models: nothing is allocated)."""
-    return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    """Number of parameters (works on `nnx.eval_shape` models: nothing is allocated): every `nnx.Param`, and
+    DeepSeek-V3's routing biases, which the published checkpoints store though no gradient trains them."""
+    from zoo.layers.moe import RoutingBias
+
+    return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, (nnx.Param, RoutingBias))))

@@ -1,0 +1,33 @@
+"""Recipes for DeepSeek-V3.
+
+The reference study offloads DeepSeek-V3 671B's MLA query and key/value projections and its MoE up-projections
+to host memory and recomputes the rest: 57% faster than full remat on GB200 (NVLink-C2C, 450 GB/s a direction)
+at the same batch, and the HBM freed runs 4x the batch of keeping those tensors on device. One recipe covers
+both stacks: the dense stack emits no moe_* tags and simply ignores them.
+
+On a slower link (the H200's PCIe: ~55 GB/s) the study's ~192 KiB/token/layer cannot hide behind the compute;
+the low-rank recipes move the small MLA latents instead and recompute the up-projections from them (ANCHORS.md).
+"""
+from zoo import Recipe
+
+MLA_QKV = ("query_proj", "key_proj", "value_proj")
+MOE_UP = ("moe_mlpwi_0", "moe_mlpwi_1")
+STUDY = MLA_QKV + MOE_UP
+
+RECIPES: dict[str, Recipe] = {
+    "none": Recipe.none(),
+    "full": Recipe.full(),
+    "save_mla_moe": Recipe("save_mla_moe", device=STUDY,
+                           description="the study's tensors kept in HBM (its on-device twin)"),
+    "mla_moe_offload": Recipe("mla_moe_offload", offload=STUDY,
+                              description="the study's recipe: MLA q, k, v and the MoE up-projections to pinned "
+                                          "host memory"),
+    "lowrank_offload": Recipe("lowrank_offload", offload=("mla_q", "mla_kv") + MOE_UP,
+                              description="the normed MLA latents and the MoE up-projections to pinned host "
+                                          "memory: ~1/3 of the study's bytes, for slower links"),
+    "lowrank_wa_offload": Recipe("lowrank_wa_offload", offload=("query_wa_proj", "kv_wa_proj") + MOE_UP,
+                                 description="the MLA down-projections (before their norms; kv_wa_proj holds the "
+                                             "rope key too) and the MoE up-projections to pinned host memory: the "
+                                             "low-rank recipe measured in ANCHORS.md; the backward pass recomputes "
+                                             "no down-projection"),
+}

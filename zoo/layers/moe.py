@@ -1,0 +1,264 @@
+"""DeepSeek-V3's mixture of experts (DeepSeek-AI, 2024, "DeepSeek-V3 Technical Report", sections 2.1.2 and 2.1.3).
+
+Routing. Each token's affinity to expert i is s_i = sigmoid(x . g_i), in float32. A score-correction bias b_i,
+used only to *choose* experts, keeps the load balanced without an auxiliary loss. Choice is group-limited: the
+experts are split into `n_group` groups; a group scores the sum of its two best biased affinities; the
+`topk_group` best groups are kept and the top-k experts are chosen among them by biased affinity. The chosen
+experts' weights are their *unbiased* affinities, normalised to sum to one and times `routed_scaling_factor`.
+
+Dispatch. The B*S*k token copies are sorted by expert, run through the experts' SwiGLU as a grouped matmul, put
+back in token order and summed with the routing weights. One shared expert sees every token. Backends:
+
+- ``"ragged_dot"``: `jax.lax.ragged_dot`, dropless; the reference, and right on CPU. On GPUs (jax 0.11) XLA
+  computes every expert for every row: 48 TFLOP/s on an H200 where a batched einsum reaches 805 (ANCHORS.md).
+- ``"tokamax"``: tokamax's `ragged_dot` (a real grouped GEMM; Mosaic GPU kernel), dropless, same API and
+  results; imported only when chosen (it needs jax >= 0.11.1 and is not a dependency of the zoo).
+- ``"capacity"``: each expert takes at most C = ceil(capacity_factor * B*S*k / experts) copies (the first ones
+  in token order); the experts run as a batched einsum over an [experts, C, hidden] buffer. Copies over an
+  expert's capacity are dropped (they add nothing) and counted in the aux output. Its tags moe_mlpwi_0,
+  moe_mlpwi_1, moe_mlpwo are the [experts, C, F] / [experts, C, D] buffers, not [B*S*k, ...] rows.
+- ``"auto"``: tokamax when it is installed and the default backend is a GPU, else ragged_dot.
+
+Every backend gives the same outputs when nothing is dropped.
+
+Tags: moe_mlpwi_0 (experts' gate, before the activation), moe_mlpwi_1 (up), moe_mlpwo (down) over the dispatched
+rows; shared_mlpwi_0, shared_mlpwi_1, shared_mlpwo (the shared expert). No scan inside: the stack is the only scan.
+
+Balance. `MoE.__call__` returns (y, aux) with
+- ``aux["load"]``: float32 [experts], token copies routed to each expert (before any drop),
+- ``aux["balance_loss"]``: float32 [], the complementary sequence-wise balance loss, already times
+  `balance_loss_weight` (add it to the training loss; its gradient reaches the router weights),
+- ``aux["dropped"]``: int32 [], token copies dropped by capacity dispatch (0 for the dropless backends).
+A scanned stack stacks them over layers ([L, experts], [L], [L]). The training loop applies the bias update
+b += rate * sign(mean(load) - load) with `update_routing_bias(model, aux, rate)` (or `routing_bias_update` in a
+functional loop). The bias is a `RoutingBias`, not an `nnx.Param`: optimizers over `nnx.Param` leave it alone.
+A functional loop that splits (params, rest) and merges inside `jax.grad` must merge with
+`nnx.merge(graphdef, params, rest, copy=True)`: otherwise the bias variable belongs to the outer trace and
+`nnx.scan` refuses it ("Cannot extract graph node from different trace level").
+
+Parameter names follow transformers' `DeepseekV3MoE`: gate (kernel [D, experts] and e_score_correction_bias),
+experts (gate_proj, up_proj [experts, D, F], down_proj [experts, F, D]), shared_experts (an `MLP`).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zoo.layers.linear import fan_in_init, logical
+from zoo.layers.mlp import MLP
+from zoo.tags import name
+
+Backend = Literal["auto", "ragged_dot", "tokamax", "capacity"]
+BACKENDS: tuple[str, ...] = ("auto", "ragged_dot", "tokamax", "capacity")
+
+
+class RoutingBias(nnx.Variable):
+    """DeepSeek-V3's e_score_correction_bias: set by the load-balancing update, never by gradients."""
+
+
+# -- routing ------------------------------------------------------------------------------------------------
+def route(scores: jax.Array, bias: jax.Array, *, k: int, n_group: int, topk_group: int,
+          routed_scaling_factor: float, norm_topk_prob: bool = True) -> tuple[jax.Array, jax.Array]:
+    """Group-limited top-k of DeepSeek-V3 over sigmoid `scores` [T, E] (float32) with the selection `bias` [E].
+
+    Returns (weights [T, k] float32, expert indices [T, k] int32). The bias only chooses; weights are unbiased."""
+    t, e = scores.shape
+    biased = scores + jax.lax.stop_gradient(bias)
+    grouped = biased.reshape(t, n_group, e // n_group)
+    group_scores = jnp.sum(jax.lax.top_k(grouped, min(2, e // n_group))[0], axis=-1)        # [T, G]
+    _, top_groups = jax.lax.top_k(group_scores, topk_group)                                 # [T, topk_group]
+    group_mask = jnp.any(jax.nn.one_hot(top_groups, n_group, dtype=jnp.bool_), axis=1)                 # [T, G]
+    expert_mask = jnp.repeat(group_mask, e // n_group, axis=1)                              # [T, E]
+    _, idx = jax.lax.top_k(jnp.where(expert_mask, jax.lax.stop_gradient(biased), -jnp.inf), k)
+    weights = jnp.take_along_axis(scores, idx, axis=1)
+    if norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * routed_scaling_factor, idx.astype(jnp.int32)
+
+
+class Router(nnx.Module):
+    """Sigmoid affinities of each token to each expert, and DeepSeek-V3's group-limited choice."""
+
+    def __init__(self, *, dim: int, num_experts: int, k: int, n_group: int, topk_group: int,
+                 routed_scaling_factor: float, norm_topk_prob: bool = True, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        self.kernel = nnx.Param(fan_in_init((dim, num_experts), 1)(rngs.params(), (dim, num_experts), param_dtype),
+                                **logical(("embed", "experts")))
+        self.e_score_correction_bias = RoutingBias(jnp.zeros((num_experts,), jnp.float32), **logical(("experts",)))
+        self.k, self.n_group, self.topk_group = k, n_group, topk_group
+        self.routed_scaling_factor, self.norm_topk_prob = routed_scaling_factor, norm_topk_prob
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [T, D] -> (scores [T, E], weights [T, k], indices [T, k]); scores and weights in float32."""
+        scores = jax.nn.sigmoid(x.astype(jnp.float32) @ self.kernel[...].astype(jnp.float32))
+        weights, idx = route(scores, self.e_score_correction_bias[...], k=self.k, n_group=self.n_group,
+                             topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor,
+                             norm_topk_prob=self.norm_topk_prob)
+        return scores, weights, idx
+
+
+def balance_loss(scores: jax.Array, idx: jax.Array, *, batch: int, weight: float) -> jax.Array:
+    """The complementary sequence-wise balance loss: weight * mean over sequences of sum_i f_i P_i, where
+    f_i = E / (k S) * (copies of the sequence routed to i) and P_i = mean over the sequence of s_i / sum_j s_j."""
+    t, e = scores.shape
+    k = idx.shape[1]
+    s = t // batch
+    counts = jnp.sum(jax.nn.one_hot(idx.reshape(batch, s * k), e, dtype=jnp.float32), axis=1)   # [B, E]
+    f = jax.lax.stop_gradient(counts * (e / (k * s)))
+    p = jnp.mean((scores / jnp.sum(scores, axis=-1, keepdims=True)).reshape(batch, s, e), axis=1)
+    return weight * jnp.mean(jnp.sum(f * p, axis=-1))
+
+
+def routing_bias_update(load: jax.Array, rate: float) -> jax.Array:
+    """The auxiliary-loss-free update of the bias for per-expert `load` [..., E]: rate * sign(mean - load)."""
+    load = jnp.asarray(load, jnp.float32)
+    return rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+
+
+def update_routing_bias(model: nnx.Module, aux: dict[str, Any], rate: float) -> None:
+    """Apply `routing_bias_update` in place to every stack of `model` whose aux has a "load" ([L, E] from
+    `model(tokens, return_aux=True)`), or to a single MoE layer given its own aux ([E])."""
+    if "load" in aux:
+        targets = [(model, aux["load"])]
+    else:
+        targets = [(getattr(model, n), a["load"]) for n, a in aux.items() if isinstance(a, dict) and "load" in a]
+    for module, load in targets:
+        biases = [v for _, v in nnx.iter_graph(module) if isinstance(v, RoutingBias)]
+        if len(biases) != 1 or biases[0].shape != load.shape:
+            raise ValueError(f"update_routing_bias: expected one RoutingBias of shape {load.shape} in "
+                             f"{type(module).__name__}, found {[b.shape for b in biases]}")
+        biases[0][...] = biases[0][...] + routing_bias_update(load, rate).astype(biases[0].dtype)
+
+
+# -- the experts and their dispatch ---------------------------------------------------------------------------
+def resolve_backend(backend: str) -> str:
+    """The backend that runs: "auto" picks tokamax on a GPU when it is installed, else ragged_dot."""
+    if backend not in BACKENDS:
+        raise ValueError(f"moe_backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "tokamax" if tokamax_available() and jax.default_backend() == "gpu" else "ragged_dot"
+    if backend == "tokamax" and not tokamax_available():
+        raise ValueError("moe_backend='tokamax' needs the tokamax package (pip install tokamax; jax >= 0.11.1), "
+                         "which is not installed; use 'ragged_dot' or 'capacity'")
+    return backend
+
+
+def tokamax_available() -> bool:
+    return importlib.util.find_spec("tokamax") is not None
+
+
+def capacity(num_rows: int, num_experts: int, capacity_factor: float) -> int:
+    """Rows each expert takes under capacity dispatch: ceil(capacity_factor * rows / experts), at least 1."""
+    return max(1, math.ceil(capacity_factor * num_rows / num_experts))
+
+
+class Experts(nnx.Module):
+    """`num_experts` SwiGLU experts, stored stacked: gate_proj, up_proj [E, D, F], down_proj [E, F, D]."""
+
+    def __init__(self, *, num_experts: int, dim: int, hidden: int, dtype=jnp.float32, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        def param(shape, axes):
+            init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=1, out_axis=2,
+                                                     batch_axis=(0,))
+            return nnx.Param(init(rngs.params(), shape, param_dtype), **logical(axes))
+
+        self.gate_proj = param((num_experts, dim, hidden), ("experts", "embed", "moe_mlp"))
+        self.up_proj = param((num_experts, dim, hidden), ("experts", "embed", "moe_mlp"))
+        self.down_proj = param((num_experts, hidden, dim), ("experts", "moe_mlp", "embed"))
+        self.dtype = dtype
+
+    def weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return tuple(w[...].astype(self.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
+
+    def grouped(self, rows: jax.Array, group_sizes: jax.Array, backend: str) -> jax.Array:
+        """rows [N, D] sorted by expert, group_sizes [E] -> [N, D] through each row's expert (dropless)."""
+        if backend == "tokamax":
+            matmul = importlib.import_module("tokamax").ragged_dot
+        else:
+            matmul = jax.lax.ragged_dot
+        w_gate, w_up, w_down = self.weights()
+        gate = name(matmul(rows, w_gate, group_sizes), "moe_mlpwi_0")
+        up = name(matmul(rows, w_up, group_sizes), "moe_mlpwi_1")
+        return name(matmul(jax.nn.silu(gate) * up, w_down, group_sizes), "moe_mlpwo")
+
+    def batched(self, buf: jax.Array) -> jax.Array:
+        """buf [E, C, D] (expert e's rows in buf[e]) -> [E, C, D]: a batched einsum per expert."""
+        w_gate, w_up, w_down = self.weights()
+        gate = name(jnp.einsum("ecd,edf->ecf", buf, w_gate), "moe_mlpwi_0")
+        up = name(jnp.einsum("ecd,edf->ecf", buf, w_up), "moe_mlpwi_1")
+        return name(jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, w_down), "moe_mlpwo")
+
+
+class MoE(nnx.Module):
+    def __init__(self, *, dim: int, num_experts: int, k: int, hidden: int, num_shared_experts: int = 1,
+                 n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
+                 norm_topk_prob: bool = True, backend: Backend = "auto", capacity_factor: float = 1.25,
+                 balance_loss_weight: float = 1e-4, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        if num_experts % n_group:
+            raise ValueError(f"MoE: n_group={n_group} must divide num_experts={num_experts}")
+        if not 0 < topk_group <= n_group:
+            raise ValueError(f"MoE: topk_group={topk_group} must be in [1, n_group={n_group}]")
+        if not 0 < k <= topk_group * (num_experts // n_group):
+            raise ValueError(f"MoE: num_experts_per_tok={k} must be in [1, {topk_group * (num_experts // n_group)}] "
+                             f"(topk_group * experts per group)")
+        resolve_backend(backend)  # fail early on an unknown or missing backend
+        self.gate = Router(dim=dim, num_experts=num_experts, k=k, n_group=n_group, topk_group=topk_group,
+                           routed_scaling_factor=routed_scaling_factor, norm_topk_prob=norm_topk_prob,
+                           param_dtype=param_dtype, rngs=rngs)
+        self.experts = Experts(num_experts=num_experts, dim=dim, hidden=hidden, dtype=dtype, param_dtype=param_dtype,
+                               rngs=rngs)
+        self.shared_experts = MLP(dim=dim, hidden=hidden * num_shared_experts, dtype=dtype, param_dtype=param_dtype,
+                                  tag_prefix="shared_", rngs=rngs) if num_shared_experts else None
+        self.num_experts, self.k = num_experts, k
+        self.backend, self.capacity_factor = backend, capacity_factor
+        self.balance_loss_weight = balance_loss_weight
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """x [B, S, D] -> (y [B, S, D], aux); see the module docstring for aux."""
+        b, s, d = x.shape
+        t, e, k = b * s, self.num_experts, self.k
+        flat = x.reshape(t, d)
+        scores, weights, idx = self.gate(flat)
+
+        # Sort the T*k token copies by expert (stable: token order within an expert).
+        expert_of_copy = idx.reshape(t * k)
+        order = jnp.argsort(expert_of_copy, stable=True)
+        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype), unique_indices=True)
+        group_sizes = jnp.bincount(expert_of_copy, length=e).astype(jnp.int32)
+        rows = jnp.broadcast_to(flat[:, None, :], (t, k, d)).reshape(t * k, d)
+        rows = rows.at[order].get(unique_indices=True)                                  # [T*k, D] by expert
+
+        backend = resolve_backend(self.backend)
+        if backend == "capacity":
+            out, dropped = self._capacity_dispatch(rows, expert_of_copy[order], group_sizes)
+        else:
+            out, dropped = self.experts.grouped(rows, group_sizes, backend), jnp.zeros((), jnp.int32)
+
+        # Back to token order, weighted sum over each token's k experts (accumulated in float32).
+        out = out.at[inverse].get(unique_indices=True).reshape(t, k, d)
+        y = jnp.einsum("tkd,tk->td", out, weights.astype(out.dtype), preferred_element_type=jnp.float32)
+        y = y.astype(self.dtype).reshape(b, s, d)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        aux = {"load": group_sizes.astype(jnp.float32),
+               "balance_loss": balance_loss(scores, idx, batch=b, weight=self.balance_loss_weight),
+               "dropped": dropped}
+        return y, aux
+
+    def _capacity_dispatch(self, rows: jax.Array, expert: jax.Array, group_sizes: jax.Array):
+        """rows [N, D] sorted by `expert` [N] -> (out [N, D] with dropped rows zero, number dropped)."""
+        n, d = rows.shape
+        c = capacity(n, self.num_experts, self.capacity_factor)
+        starts = jnp.cumsum(group_sizes) - group_sizes
+        slot = jnp.arange(n, dtype=jnp.int32) - starts[expert].astype(jnp.int32)      # rank within its expert
+        buf = jnp.zeros((self.num_experts, c, d), rows.dtype).at[expert, slot].set(rows, mode="drop")
+        out = self.experts.batched(buf)
+        out = out.at[expert, slot].get(mode="fill", fill_value=0)
+        return out, jnp.sum(slot >= c, dtype=jnp.int32)

@@ -1,0 +1,184 @@
+"""DeepSeek-V3 (DeepSeek-AI, 2024, "DeepSeek-V3 Technical Report").
+
+A pre-norm decoder: x += MLA(RMSNorm(x)); x += FFN(RMSNorm(x)). The first `first_dense_layers` layers have a
+dense SwiGLU FFN, the rest a mixture of experts (256 routed experts, 8 active per token, group-limited routing
+with the auxiliary-loss-free bias, one shared expert). Two scanned stacks under one recipe: `dense_layers`, then
+`moe_layers`. Multi-head latent attention with YaRN RoPE. The embedding and the LM head are untied.
+
+The MoE stack returns per-layer aux (see `zoo.layers.moe`): `model(tokens, return_aux=True)` gives
+`(logits, {"dense_layers": {}, "moe_layers": {"load": [L, E], "balance_loss": [L], "dropped": [L]}})`. A training
+step adds `balance_loss(aux)` to its loss and calls `update_routing_bias(model, aux, rate)` after the step.
+
+The multi-token-prediction module (one extra layer predicting token t+2) is not built: the model is the 61-layer
+main model, and the 671B preset counts 671,026,419,200 parameters (the routing biases included), as published
+without MTP.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zoo.layers import MLP, RMSNorm, Rope, YarnScaling
+from zoo.layers.mla import MLA
+from zoo.layers.moe import BACKENDS, MoE, resolve_backend, update_routing_bias
+from zoo.models.config import check_common, check_positive, check_positive_float, dtype_of
+from zoo.models.lm import CausalLM
+from zoo.recipe import Recipe
+
+__all__ = ["DeepSeekV3Config", "DeepSeekV3", "deepseek_v3", "balance_loss", "update_routing_bias"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeepSeekV3Config:
+    vocab_size: int
+    dim: int
+    num_layers: int
+    first_dense_layers: int            # transformers: first_k_dense_replace
+    num_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    mlp_dim: int                       # the dense layers' FFN
+    num_experts: int                   # routed experts
+    num_experts_per_tok: int
+    moe_mlp_dim: int                   # each routed (and shared) expert's hidden size
+    num_shared_experts: int = 1
+    n_group: int = 8
+    topk_group: int = 4
+    routed_scaling_factor: float = 2.5
+    norm_topk_prob: bool = True
+    rope_theta: float = 10000.0
+    rope_scaling: YarnScaling | None = YarnScaling()
+    rope_interleave: bool = True       # rope columns stored in interleaved pairs, as published (see mla.py)
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    moe_backend: str = "auto"          # "ragged_dot" | "tokamax" | "capacity" | "auto" (see zoo.layers.moe)
+    capacity_factor: float = 1.25      # capacity dispatch only
+    balance_loss_weight: float = 1e-4  # the sequence-wise balance loss's alpha
+    dtype: str = "bfloat16"            # activations
+    param_dtype: str = "float32"       # parameters
+    attention_impl: str | None = None  # None: XLA (any device); "cudnn": cuDNN flash attention (GPU, bf16)
+
+    def __post_init__(self):
+        name = type(self).__name__
+        check_positive(self, "vocab_size", "dim", "num_layers", "num_heads", "q_lora_rank", "kv_lora_rank",
+                       "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mlp_dim", "num_experts",
+                       "num_experts_per_tok", "moe_mlp_dim", "n_group", "topk_group")
+        check_positive_float(self, "rope_theta", "norm_eps", "routed_scaling_factor", "capacity_factor")
+        for f in ("first_dense_layers", "num_shared_experts"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name}.{f} must be a non-negative int, got {v!r}")
+        if self.first_dense_layers > self.num_layers:
+            raise ValueError(f"{name}.first_dense_layers={self.first_dense_layers} must be at most "
+                             f"num_layers={self.num_layers}")
+        if self.num_experts % self.n_group:
+            raise ValueError(f"{name}.n_group={self.n_group} must divide num_experts={self.num_experts}")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"{name}.topk_group={self.topk_group} must be at most n_group={self.n_group}")
+        allowed = self.topk_group * (self.num_experts // self.n_group)
+        if self.num_experts_per_tok > allowed:
+            raise ValueError(f"{name}.num_experts_per_tok={self.num_experts_per_tok} is more than the group limit "
+                             f"allows: topk_group * num_experts / n_group = {allowed}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"{name}.qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, YarnScaling):
+            raise ValueError(f"{name}.rope_scaling must be a YarnScaling or None, got {self.rope_scaling!r}")
+        if isinstance(self.balance_loss_weight, bool) or not isinstance(self.balance_loss_weight, (int, float)) \
+                or self.balance_loss_weight < 0:
+            raise ValueError(f"{name}.balance_loss_weight must be a non-negative number, got "
+                             f"{self.balance_loss_weight!r}")
+        if self.moe_backend not in BACKENDS:
+            raise ValueError(f"{name}.moe_backend must be one of {BACKENDS}, got {self.moe_backend!r}")
+        try:
+            resolve_backend(self.moe_backend)
+        except ValueError as e:
+            raise ValueError(f"{name}.moe_backend: {e}") from None
+        check_common(self)
+
+    # -- presets (published sizes) ------------------------------------------------------------------------
+    @classmethod
+    def deepseek_v3_671b(cls, **overrides) -> "DeepSeekV3Config":
+        """DeepSeek-V3 / R1: 61 layers (3 dense), 256 experts top-8 in 8 groups (4 kept), 1 shared expert."""
+        return cls(**{**dict(vocab_size=129280, dim=7168, num_layers=61, first_dense_layers=3, num_heads=128,
+                             q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                             v_head_dim=128, mlp_dim=18432, num_experts=256, num_experts_per_tok=8,
+                             moe_mlp_dim=2048, num_shared_experts=1, n_group=8, topk_group=4), **overrides})
+
+    @classmethod
+    def tiny(cls, **overrides) -> "DeepSeekV3Config":
+        """Three layers (one dense) in float32 with every DeepSeek-V3 mechanism, for tests and CPU runs. Sizes
+        are chosen so that no two tags of a layer have the same shape."""
+        return cls(**{**dict(vocab_size=256, dim=64, num_layers=3, first_dense_layers=1, num_heads=4,
+                             q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                             v_head_dim=16, mlp_dim=128, num_experts=8, num_experts_per_tok=2, moe_mlp_dim=40,
+                             num_shared_experts=1, n_group=4, topk_group=2, moe_backend="ragged_dot",
+                             dtype="float32", param_dtype="float32"), **overrides})
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.first_dense_layers
+
+    def rope(self) -> Rope:
+        return Rope(dim=self.qk_rope_head_dim, theta=self.rope_theta, scaling=self.rope_scaling)
+
+
+class DeepSeekDecoderLayer(nnx.Module):
+    """One decoder layer; `moe=True` for the mixture-of-experts FFN, which also returns its aux."""
+
+    def __init__(self, cfg: DeepSeekV3Config, *, moe: bool, rngs: nnx.Rngs):
+        dtype, param_dtype = dtype_of("dtype", cfg.dtype), dtype_of("param_dtype", cfg.param_dtype)
+        common = dict(dtype=dtype, param_dtype=param_dtype)
+        self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, **common)
+        self.attn = MLA(dim=cfg.dim, num_heads=cfg.num_heads, q_lora_rank=cfg.q_lora_rank,
+                        kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+                        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, rope=cfg.rope(),
+                        rope_interleave=cfg.rope_interleave, norm_eps=cfg.norm_eps,
+                        implementation=cfg.attention_impl, rngs=rngs, **common)
+        self.mlp_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, **common)
+        if moe:
+            self.mlp = MoE(dim=cfg.dim, num_experts=cfg.num_experts, k=cfg.num_experts_per_tok,
+                           hidden=cfg.moe_mlp_dim, num_shared_experts=cfg.num_shared_experts, n_group=cfg.n_group,
+                           topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
+                           norm_topk_prob=cfg.norm_topk_prob, backend=cfg.moe_backend,
+                           capacity_factor=cfg.capacity_factor, balance_loss_weight=cfg.balance_loss_weight,
+                           rngs=rngs, **common)
+        else:
+            self.mlp = MLP(dim=cfg.dim, hidden=cfg.mlp_dim, rngs=rngs, **common)
+        self.moe = moe
+
+    def __call__(self, x: jax.Array):
+        x = x + self.attn(self.attn_norm(x))
+        if not self.moe:
+            return x + self.mlp(self.mlp_norm(x))
+        y, aux = self.mlp(self.mlp_norm(x))
+        return x + y, aux
+
+
+class DeepSeekV3(CausalLM):
+    def __init__(self, cfg: DeepSeekV3Config, *, recipe: Recipe | None = None, rngs: nnx.Rngs):
+        if not isinstance(cfg, DeepSeekV3Config):
+            raise ValueError(f"DeepSeekV3 needs a DeepSeekV3Config, got {type(cfg).__name__}")
+        stacks = {}
+        if cfg.first_dense_layers:
+            stacks["dense_layers"] = (lambda r: DeepSeekDecoderLayer(cfg, moe=False, rngs=r), cfg.first_dense_layers)
+        if cfg.num_moe_layers:
+            stacks["moe_layers"] = (lambda r: DeepSeekDecoderLayer(cfg, moe=True, rngs=r), cfg.num_moe_layers)
+        super().__init__(cfg, stacks=stacks, recipe=recipe, rngs=rngs)
+
+
+def deepseek_v3(cfg: DeepSeekV3Config, *, recipe: Recipe | None = None, rngs: nnx.Rngs) -> DeepSeekV3:
+    """Build DeepSeek-V3. `recipe` (default: `Recipe.none()`) decides each tag's placement in both stacks."""
+    return DeepSeekV3(cfg, recipe=recipe, rngs=rngs)
+
+
+def balance_loss(aux: dict[str, Any]) -> jax.Array:
+    """The sequence-wise balance loss summed over every MoE layer of `model(tokens, return_aux=True)[1]`."""
+    losses = [jnp.sum(a["balance_loss"]) for a in aux.values() if isinstance(a, dict) and "balance_loss" in a]
+    return sum(losses, jnp.zeros((), jnp.float32))
