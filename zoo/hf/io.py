@@ -1,0 +1,318 @@
+"""Read and write Hugging Face checkpoints (config.json + sharded safetensors) as scanned zoo models.
+
+Reading is check-then-stream. Everything about the checkpoint is checked against the model its config.json
+describes BEFORE any array is made: the architecture, every config field that changes the math, every tensor's
+presence, shape and dtype, and that no tensor is left over; a failure is a ValueError naming the field or key, and
+nothing has been loaded. Then each parameter is streamed in: the model is built with `nnx.eval_shape` (no memory),
+each parameter is allocated once on its target sharding and filled one HF tensor at a time (one layer, or one
+expert of one layer; a donated in-place update), so beyond the model itself at most one HF tensor is held, on host
+and on device (the largest is the embedding, which is not stacked). Single-process: the arrays are made by this
+process (a multi-host loader would make each host's shards with `jax.make_array_from_callback`).
+
+Writing needs no torch: tensors go through `safetensors.numpy` (bfloat16 via ml_dtypes) one layer at a time, into
+shards of at most `max_shard_bytes`, with the index transformers expects.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import safetensors.numpy
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+from safetensors import safe_open
+
+from zoo.hf import config as hf_config
+from zoo.hf import keymap
+from zoo.recipe import Recipe
+
+INDEX = "model.safetensors.index.json"
+# safetensors dtype names a parameter may be stored in (quantized or integer tensors are refused).
+FLOAT_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    """One supported HF architecture: config mapping, builder and key map."""
+    name: str
+    from_hf: Callable[..., Any]         # (hf config dict, param_dtype=) -> zoo config
+    to_hf: Callable[[Any], dict]        # zoo config -> hf config dict
+    build: Callable[..., nnx.Module]    # (cfg, recipe=, rngs=) -> model
+    keys: Callable[[Any], list[keymap.Entry]]
+    config_type: Callable[[], type]
+    # config.json -> which extra checkpoint keys hold nothing the zoo model has (and are skipped)
+    extra_keys: Callable[[dict], Callable[[str], bool]] = lambda hf: lambda key: False
+
+
+def _llama_arch() -> Arch:
+    from zoo.models import llama
+    return Arch("LlamaForCausalLM", hf_config.llama_from_hf, hf_config.llama_to_hf, llama.llama3, keymap.llama,
+                lambda: llama.LlamaConfig)
+
+
+def _deepseek_arch() -> Arch:
+    from zoo.models import deepseek
+    return Arch("DeepseekV3ForCausalLM", hf_config.deepseek_from_hf, hf_config.deepseek_to_hf, deepseek.deepseek_v3,
+                keymap.deepseek_v3, lambda: deepseek.DeepSeekV3Config,
+                lambda hf: keymap.deepseek_mtp_key(hf.get("num_hidden_layers", 0),
+                                                   hf.get("num_nextn_predict_layers") or 0))
+
+
+ARCHS: dict[str, Callable[[], Arch]] = {"LlamaForCausalLM": _llama_arch, "DeepseekV3ForCausalLM": _deepseek_arch}
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+
+
+def arch_for_config(hf: dict) -> Arch:
+    names = hf.get("architectures") or []
+    if not names and hf.get("model_type") in MODEL_TYPES:
+        names = [MODEL_TYPES[hf["model_type"]]]
+    for name in names:
+        if name in ARCHS:
+            return ARCHS[name]()
+    raise ValueError(f"config.json: architectures={names!r} (model_type={hf.get('model_type')!r}) is not supported; "
+                     f"zoo reads {sorted(ARCHS)}")
+
+
+def arch_for_model(cfg) -> Arch:
+    for make in ARCHS.values():
+        arch = _importable(make)
+        if arch is not None and isinstance(cfg, arch.config_type()):
+            return arch
+    raise ValueError(f"to_hf: no Hugging Face architecture for a {type(cfg).__name__}")
+
+
+def _importable(make: Callable[[], Arch]) -> Arch | None:
+    try:
+        return make()
+    except ImportError:  # a model not in this build of the zoo
+        return None
+
+
+# -- reading --------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    file: str
+    shape: tuple[int, ...]
+    dtype: str  # safetensors name: F32, BF16, ...
+
+
+def read_config(path: Path) -> dict:
+    file = path / "config.json"
+    if not file.is_file():
+        raise ValueError(f"{path}: no config.json; from_hf reads a Hugging Face checkpoint directory")
+    with open(file) as f:
+        return json.load(f)
+
+
+def list_tensors(path: Path) -> dict[str, TensorInfo]:
+    """{key: file, shape, dtype} of every tensor in the checkpoint, read from the headers only."""
+    if (path / INDEX).is_file():
+        with open(path / INDEX) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors files")
+    out: dict[str, TensorInfo] = {}
+    for name in files:
+        if not (path / name).is_file():
+            raise ValueError(f"{path}: {INDEX} names {name!r}, which does not exist")
+        with safe_open(path / name, framework="numpy") as f:
+            for key in f.keys():
+                if key in out:
+                    raise ValueError(f"{path}: tensor {key!r} is in both {out[key].file} and {name}")
+                s = f.get_slice(key)
+                out[key] = TensorInfo(name, tuple(s.get_shape()), s.get_dtype())
+    return out
+
+
+def check_tensors(entries: list[keymap.Entry], shapes: dict[tuple, tuple], found: dict[str, TensorInfo],
+                  allowed_extra: Callable[[str], bool]) -> None:
+    """ValueError naming the first missing, mis-shaped, non-float or unexpected tensor."""
+    expected = {}
+    for e in entries:
+        want = e.hf_shape(shapes[e.path])
+        for key in e.keys():
+            expected[key] = want
+    for key, want in expected.items():
+        if key not in found:
+            raise ValueError(f"checkpoint is missing tensor {key!r} (expected shape {list(want)})")
+        info = found[key]
+        if info.shape != want:
+            raise ValueError(f"tensor {key!r} has shape {list(info.shape)} in {info.file}, but config.json implies "
+                             f"{list(want)}")
+        if info.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"tensor {key!r} has dtype {info.dtype}; zoo reads {sorted(FLOAT_DTYPES)}")
+    unexpected = sorted(k for k in found if k not in expected and not keymap.is_buffer(k) and not allowed_extra(k))
+    if unexpected:
+        raise ValueError(f"checkpoint has tensors the model config.json describes has no place for (does config.json "
+                         f"match the tensors?): {unexpected[:4]}{' ...' if len(unexpected) > 4 else ''}")
+
+
+def target_shardings(params: nnx.State, mesh, rules) -> dict[tuple, Any]:
+    """{path: sharding}: None without a mesh (default device); with one, a NamedSharding whose spec maps each
+    logical axis of the parameter (its `out_sharding` metadata) to a mesh axis by `rules`, (logical, mesh axis)
+    pairs where the first rule for a name whose mesh axis is still free in that spec wins, as in flax's
+    logical-axis rules. Default rules: a logical axis shards over the mesh axis of the same name, if any."""
+    if mesh is None or mesh.empty:
+        return {path: None for path, _ in nnx.to_flat_state(params)}
+    rules = list(rules) if rules is not None else [(a, a) for a in mesh.axis_names]
+    out = {}
+    for path, spec in nnx.to_flat_state(nnx.get_partition_spec(params)):
+        spec = spec.get_value() if isinstance(spec, nnx.Variable) else spec
+        axes, used = [], set()
+        for logical_axis in spec:
+            mesh_axis = next((m for n, m in rules if n == logical_axis and m not in used), None)
+            named = () if mesh_axis is None else mesh_axis if isinstance(mesh_axis, tuple) else (mesh_axis,)
+            if any(a not in mesh.axis_names for a in named):
+                raise ValueError(f"rules map {logical_axis!r} to {mesh_axis!r}, which is not an axis of the mesh "
+                                 f"{mesh.axis_names}")
+            used.add(mesh_axis)
+            axes.append(mesh_axis)
+        out[path] = NamedSharding(mesh, PartitionSpec(*axes))
+    return out
+
+
+def _allocate(shape, dtype, sharding):
+    """Zeros of the whole stacked parameter, made directly on its sharding (no host copy)."""
+    return jnp.zeros(shape, dtype, device=sharding)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_slice(buf, piece, index):
+    """buf[index] = piece for a leading `index` (layer, or layer and expert), in place (buf is donated)."""
+    piece = piece.astype(buf.dtype).reshape((1,) * index.shape[0] + piece.shape)
+    starts = tuple(index) + (0,) * (buf.ndim - index.shape[0])
+    return jax.lax.dynamic_update_slice(buf, piece, starts)
+
+
+def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *, mesh=None,
+            rules: Sequence[tuple[str, Any]] | None = None) -> nnx.Module:
+    """Load a Hugging Face checkpoint directory (`LlamaForCausalLM` or `DeepseekV3ForCausalLM`: config.json and
+    one or many *.safetensors, with model.safetensors.index.json when sharded) as a scanned zoo model.
+
+    `dtype`: parameter dtype (default: the checkpoint's); float32 parameters compute in float32, others in
+    bfloat16. `mesh` (default: the mesh set with `jax.set_mesh`, if any) and `rules` (logical axis -> mesh axis)
+    place each parameter on its target sharding as it is read. Raises ValueError, before loading anything, for an
+    unknown architecture, an unsupported config field, or a tensor that is missing, mis-shaped or left over.
+    """
+    path = Path(path)
+    hf = read_config(path)
+    arch = arch_for_config(hf)
+    found = list_tensors(path)
+    first = next((found[k] for k in ("model.embed_tokens.weight",) if k in found), None)
+    param_dtype = hf_config.param_dtype_of(hf, dtype, FLOAT_DTYPES.get(first.dtype) if first else None)
+    cfg = arch.from_hf(hf, param_dtype=param_dtype)
+
+    if mesh is None:
+        mesh = jax.sharding.get_mesh()
+    # Parameters carry logical axis names, which nnx.eval_shape would read as mesh axes under an active mesh:
+    # build the abstract model outside it, and map logical names to mesh axes ourselves (target_shardings).
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        abstract = nnx.eval_shape(lambda: arch.build(cfg, recipe=recipe, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)   # parameters, and DeepSeek's routing biases: all from the checkpoint
+    flat = dict(nnx.to_flat_state(state))
+    entries = arch.keys(cfg)
+    if set(flat) != {e.path for e in entries}:
+        raise RuntimeError(f"zoo bug: the {arch.name} key map does not cover the model: "
+                           f"{sorted(set(flat) ^ {e.path for e in entries})}")
+    tied_head = cfg.tie_embeddings and "lm_head.weight" in found  # checked against the embedding below
+    skip = arch.extra_keys(hf)
+    check_tensors(entries, {p: v.shape for p, v in flat.items()}, found,
+                  lambda key: skip(key) or (tied_head and key == "lm_head.weight"))
+    if cfg.tie_embeddings and "lm_head.weight" in found:
+        check_tied(path, found)
+
+    loaded = stream(path, found, entries, flat, target_shardings(state, mesh, rules))
+    return nnx.merge(graphdef, nnx.from_flat_state(loaded))
+
+
+def stream(path: Path, found: dict[str, TensorInfo], entries: list[keymap.Entry], flat: dict[tuple, nnx.Variable],
+           shardings: dict[tuple, Any]) -> list[tuple[tuple, nnx.Variable]]:
+    """Read every parameter (checked already) onto its sharding, one layer at a time: [(path, filled variable)]."""
+    loaded = []
+    with contextlib.ExitStack() as stack:
+        files = {name: stack.enter_context(safe_open(path / name, framework="numpy"))
+                 for name in sorted({found[k].file for e in entries for k in e.keys()})}
+
+        def read(key):
+            return files[found[key].file].get_tensor(key)
+
+        for e in entries:
+            var = flat[e.path]
+            dt, sharding = var.dtype, shardings[e.path]
+            slice_shape = var.shape[e.depth:]
+            if e.depth == 0:
+                value = jax.device_put(np.asarray(e.to_zoo(read(e.hf), slice_shape), dt), sharding)
+            else:
+                value = _allocate(var.shape, dt, sharding)
+                for index, key in e.tensors():
+                    piece = np.asarray(e.to_zoo(read(key), slice_shape), dt)
+                    value = _set_slice(value, piece, np.asarray(index, np.int32))
+            loaded.append((e.path, var.replace(value)))
+    return loaded
+
+
+def check_tied(path: Path, found: dict[str, TensorInfo]) -> None:
+    """A tied checkpoint may still carry lm_head.weight; it must then equal the embedding."""
+    a, b = "model.embed_tokens.weight", "lm_head.weight"
+    with safe_open(path / found[a].file, framework="numpy") as fa, safe_open(path / found[b].file,
+                                                                            framework="numpy") as fb:
+        if found[a].shape != found[b].shape or not np.array_equal(fa.get_tensor(a), fb.get_tensor(b)):
+            raise ValueError(f"config.json: tie_word_embeddings=true, but tensor {b!r} differs from {a!r}")
+
+
+# -- writing --------------------------------------------------------------------------------------------------
+
+def to_hf(model: nnx.Module, path: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write `model` as a Hugging Face checkpoint: config.json and safetensors shards (with
+    model.safetensors.index.json when there is more than one) that `transformers.AutoModelForCausalLM`
+    loads. `path` is created if needed and must not already hold safetensors files."""
+    cfg = model.config
+    arch = arch_for_model(cfg)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if any(path.glob("*.safetensors")) or (path / INDEX).exists():
+        raise ValueError(f"to_hf: {path} already holds safetensors files; write to an empty directory")
+    flat = dict(nnx.to_flat_state(nnx.state(model)))
+    entries = arch.keys(cfg)
+    if set(flat) != {e.path for e in entries}:
+        raise RuntimeError(f"zoo bug: the {arch.name} key map does not cover the model: "
+                           f"{sorted(set(flat) ^ {e.path for e in entries})}")
+
+    # Plan shards from shapes alone, then materialize one shard's tensors at a time.
+    tensors = []  # (key, entry, index of its slice in the zoo array, nbytes)
+    for e in entries:
+        var = flat[e.path]
+        nbytes = int(np.prod(e.hf_shape(var.shape))) * jnp.dtype(var.dtype).itemsize
+        tensors += [(key, e, index, nbytes) for index, key in e.tensors()]
+    shards, size = [[]], 0
+    for t in tensors:
+        if shards[-1] and size + t[3] > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t[3]
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        out = {}
+        for key, e, index, _ in shard:
+            out[key] = e.to_hf(np.asarray(jax.device_get(flat[e.path][...][index])))
+            weight_map[key] = name
+        safetensors.numpy.save_file(out, path / name, metadata={"format": "pt"})
+    if len(shards) > 1:
+        with open(path / INDEX, "w") as f:
+            json.dump({"metadata": {"total_size": sum(t[3] for t in tensors)}, "weight_map": weight_map}, f, indent=2)
+    with open(path / "config.json", "w") as f:
+        json.dump(arch.to_hf(cfg), f, indent=2)

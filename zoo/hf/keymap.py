@@ -1,0 +1,145 @@
+"""Where each zoo parameter lives in a Hugging Face checkpoint, and how its layout differs.
+
+A zoo model keeps one array per parameter, with the layers of a stack on a leading axis (and, for routed experts,
+the experts on the next one); a checkpoint keeps one tensor per layer (and per expert). An `Entry` ties a zoo
+variable path to those tensors: `hf` is a key template with `{i}` for the HF layer index and `{e}` for the expert;
+`layers` lists the HF layer indices in stack order (None: not stacked); `experts` is the number of experts (None:
+not per expert). The layout change between one HF tensor and its zoo slice:
+
+- `n_in=None`: same layout (embeddings, norm scales, biases).
+- `n_in=k`: a projection. HF keeps `nn.Linear.weight` as [out, in] with heads flattened; the zoo keeps an einsum
+  kernel with its k input axes first, heads unflattened: zoo = weight.T.reshape(zoo_shape).
+
+Published checkpoints are the reference layout (DeepSeek-V3's experts one tensor each, its rope columns
+interleaved, which the zoo's MLA takes as they are: see `zoo.layers.mla`), and what `to_hf` writes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import re
+from typing import Iterator
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    path: tuple[str, ...]             # zoo variable path in nnx.state(model)
+    hf: str                           # HF key, with "{i}" (layer) and "{e}" (expert) where stacked
+    n_in: int | None = None           # None: same layout; k: projection with k input axes
+    layers: tuple[int, ...] | None = None
+    experts: int | None = None
+
+    @property
+    def depth(self) -> int:
+        """Leading zoo axes that index HF tensors (layers, experts)."""
+        return (self.layers is not None) + (self.experts is not None)
+
+    def tensors(self) -> Iterator[tuple[tuple[int, ...], str]]:
+        """(index of the slice in the zoo array, HF key) for every HF tensor of this parameter, in order."""
+        if self.layers is None:
+            yield (), self.hf
+            return
+        experts = range(self.experts) if self.experts is not None else [None]
+        for (pos, i), e in itertools.product(enumerate(self.layers), experts):
+            yield ((pos,) if e is None else (pos, e)), self.hf.format(i=i, e=e)
+
+    def keys(self) -> list[str]:
+        return [k for _, k in self.tensors()]
+
+    def hf_shape(self, zoo_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Shape of one HF tensor for a zoo parameter of `zoo_shape` (with its layer / expert axes)."""
+        shape = zoo_shape[self.depth:]
+        if self.n_in is None:
+            return tuple(shape)
+        return (math.prod(shape[self.n_in:]), math.prod(shape[:self.n_in]))
+
+    def to_zoo(self, tensor: np.ndarray, slice_shape: tuple[int, ...]) -> np.ndarray:
+        return tensor if self.n_in is None else tensor.T.reshape(slice_shape)
+
+    def to_hf(self, array: np.ndarray) -> np.ndarray:
+        if self.n_in is None:
+            return array
+        return np.ascontiguousarray(
+            array.reshape(math.prod(array.shape[:self.n_in]), math.prod(array.shape[self.n_in:])).T)
+
+
+def stacked(prefix: tuple[str, ...], layers: range | tuple[int, ...],
+            table: list[tuple[str, str, int | None]], experts: int | None = None) -> list[Entry]:
+    """Entries of one scanned stack: `table` rows are (zoo path below the layer, HF key below
+    `model.layers.{i}.`, n_in). Rows whose HF key holds "{e}" are per expert."""
+    return [Entry(prefix + tuple(zoo.split(".")), f"model.layers.{{i}}.{hf}", n_in, tuple(layers),
+                  experts if "{e}" in hf else None)
+            for zoo, hf, n_in in table]
+
+
+def embed_and_head(cfg) -> list[Entry]:
+    out = [Entry(("embed", "embedding"), "model.embed_tokens.weight"), Entry(("norm", "scale"), "model.norm.weight")]
+    if not cfg.tie_embeddings:
+        out.append(Entry(("lm_head", "proj", "kernel"), "lm_head.weight", n_in=1))
+    return out
+
+
+def is_buffer(key: str) -> bool:
+    """Keys a checkpoint may carry that hold no parameter (RoPE buffers saved by old transformers versions)."""
+    return key.endswith("rotary_emb.inv_freq")
+
+
+# -- Llama --------------------------------------------------------------------------------------------------
+
+NORMS = [("attn_norm.scale", "input_layernorm.weight", None),
+         ("mlp_norm.scale", "post_attention_layernorm.weight", None)]
+SWIGLU = [("mlp.gate_proj.kernel", "mlp.gate_proj.weight", 1),
+          ("mlp.up_proj.kernel", "mlp.up_proj.weight", 1),
+          ("mlp.down_proj.kernel", "mlp.down_proj.weight", 1)]
+LLAMA_ATTENTION = [("attn.q_proj.kernel", "self_attn.q_proj.weight", 1),
+                   ("attn.k_proj.kernel", "self_attn.k_proj.weight", 1),
+                   ("attn.v_proj.kernel", "self_attn.v_proj.weight", 1),
+                   ("attn.o_proj.kernel", "self_attn.o_proj.weight", 2)]
+
+
+def llama(cfg) -> list[Entry]:
+    return embed_and_head(cfg) + stacked(("layers", "layers"), range(cfg.num_layers),
+                                         LLAMA_ATTENTION + NORMS + SWIGLU)
+
+
+# -- DeepSeek-V3 --------------------------------------------------------------------------------------------
+
+MLA = [("attn.q_a_proj.kernel", "self_attn.q_a_proj.weight", 1),
+       ("attn.q_a_layernorm.scale", "self_attn.q_a_layernorm.weight", None),
+       ("attn.q_b_proj.kernel", "self_attn.q_b_proj.weight", 1),
+       ("attn.kv_a_proj_with_mqa.kernel", "self_attn.kv_a_proj_with_mqa.weight", 1),
+       ("attn.kv_a_layernorm.scale", "self_attn.kv_a_layernorm.weight", None),
+       ("attn.kv_b_proj.kernel", "self_attn.kv_b_proj.weight", 1),
+       ("attn.o_proj.kernel", "self_attn.o_proj.weight", 2)]
+MOE = [("mlp.gate.kernel", "mlp.gate.weight", 1),
+       ("mlp.gate.e_score_correction_bias", "mlp.gate.e_score_correction_bias", None),
+       ("mlp.experts.gate_proj", "mlp.experts.{e}.gate_proj.weight", 1),
+       ("mlp.experts.up_proj", "mlp.experts.{e}.up_proj.weight", 1),
+       ("mlp.experts.down_proj", "mlp.experts.{e}.down_proj.weight", 1),
+       ("mlp.shared_experts.gate_proj.kernel", "mlp.shared_experts.gate_proj.weight", 1),
+       ("mlp.shared_experts.up_proj.kernel", "mlp.shared_experts.up_proj.weight", 1),
+       ("mlp.shared_experts.down_proj.kernel", "mlp.shared_experts.down_proj.weight", 1)]
+
+
+def deepseek_v3(cfg) -> list[Entry]:
+    k = cfg.first_dense_layers
+    out = embed_and_head(cfg)
+    if k:
+        out += stacked(("dense_layers", "layers"), range(k), MLA + NORMS + SWIGLU)
+    if cfg.num_layers > k:
+        out += stacked(("moe_layers", "layers"), range(k, cfg.num_layers), MLA + NORMS + MOE, cfg.num_experts)
+    return out
+
+
+def deepseek_mtp_key(num_layers: int, num_nextn_predict_layers: int):
+    """The published checkpoints carry the multi-token-prediction module as layers num_layers.. (not part of the
+    main model's logits; the zoo does not build it): those keys are skipped."""
+    pattern = re.compile(r"model\.layers\.(\d+)\.")
+
+    def skip(key: str) -> bool:
+        m = pattern.match(key)
+        return bool(m) and num_layers <= int(m.group(1)) < num_layers + num_nextn_predict_layers
+    return skip
