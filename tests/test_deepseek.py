@@ -309,3 +309,16 @@ def test_logits_match_transformers(tokens):
     with torch.no_grad():
         want = hf(torch.from_numpy(np.asarray(tokens, np.int64))).logits.numpy()
     np.testing.assert_allclose(np.asarray(model(tokens)), want, rtol=1e-4, atol=1e-4)
+
+
+def test_every_layer_reports_its_tags_for_a_config():
+    from zoo.models.deepseek import DeepSeekDecoderLayer
+    cfg = zoo.models.DeepSeekV3Config.deepseek_v3_671b()
+    layer = nnx.eval_shape(lambda: DeepSeekDecoderLayer(cfg, moe=True, rngs=nnx.Rngs(0)))
+    tags = layer.tag_shapes(1, 4096)
+    assert tags["query_wa_proj"].shape == (1, 4096, 1536) and tags["mla_kv"].shape == (1, 4096, 512)
+    assert tags["query_proj"].shape == (1, 4096, 128, 192) and tags["value_proj"].shape == (1, 4096, 128, 128)
+    assert tags["moe_mlpwi_0"].shape == (4096 * 8, 2048)
+    assert set(layer.attn.tag_shapes(1, 16)) == {"query_wa_proj", "mla_q", "kv_wa_proj", "mla_kv", "query_proj",
+                                                 "key_proj", "value_proj", "attention_out", "out_proj"}
+    assert {"moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo", "shared_mlpwi_0"} <= set(layer.mlp.tag_shapes(1, 16))

@@ -188,3 +188,15 @@ def test_bad_tokens_raise(model):
 def test_configs_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         CFG.dim = 3
+
+
+def test_every_layer_reports_its_tags_for_a_config():
+    """`layer.tag_shapes(batch, seq)` on an abstract layer built from a full-size config: no memory."""
+    cfg = zoo.models.LlamaConfig.llama3_1_405b()
+    layer = nnx.eval_shape(lambda: LlamaDecoderLayer(cfg, rngs=nnx.Rngs(0)))
+    tags = layer.tag_shapes(2, 8192)
+    assert tags["query_proj"].shape == (2, 8192, 128, 128) and tags["query_proj"].dtype == jnp.bfloat16
+    assert tags["key_proj"].shape == tags["value_proj"].shape == (2, 8192, 8, 128)
+    assert tags["mlpwi_0"].shape == (2, 8192, 53248)
+    assert list(layer.attn.tag_shapes(2, 8192)) == ["query_proj", "key_proj", "value_proj", "attention_out", "out_proj"]
+    assert list(layer.mlp.tag_shapes(2, 8192)) == ["mlpwi_0", "mlpwi_1", "mlpwo"]

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zoo.layers.tagged import TaggedLayer
 from zoo.layers.linear import projection
 from zoo.layers.rope import Rope
 from zoo.tags import name
@@ -29,10 +30,11 @@ def positions_for(x: jax.Array) -> jax.Array:
     return jnp.arange(x.shape[1], dtype=jnp.int32)
 
 
-class Attention(nnx.Module):
+class Attention(TaggedLayer):
     def __init__(self, *, dim: int, num_heads: int, num_kv_heads: int, head_dim: int, rope: Rope,
                  dtype=jnp.float32, param_dtype=jnp.float32, implementation: Implementation = None,
                  rngs: nnx.Rngs):
+        self.dim, self.dtype = dim, dtype
         common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.q_proj = projection("bsd,dhk->bshk", (dim, num_heads, head_dim), ("embed", "heads", "head_dim"), n_in=1, **common)
         self.k_proj = projection("bsd,dhk->bshk", (dim, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), n_in=1, **common)

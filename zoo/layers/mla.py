@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zoo.layers.tagged import TaggedLayer
 from zoo.layers.attention import Implementation, causal_attention, positions_for
 from zoo.layers.linear import projection
 from zoo.layers.norm import RMSNorm
@@ -52,11 +53,12 @@ def _pad_to(x: jax.Array, size: int) -> jax.Array:
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) if pad > 0 else x
 
 
-class MLA(nnx.Module):
+class MLA(TaggedLayer):
     def __init__(self, *, dim: int, num_heads: int, q_lora_rank: int, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, rope: Rope, rope_interleave: bool = True,
                  norm_eps: float = 1e-6, dtype=jnp.float32, param_dtype=jnp.float32,
                  implementation: Implementation = None, rngs: nnx.Rngs):
+        self.dim, self.dtype = dim, dtype
         if rope.dim != qk_rope_head_dim:
             raise ValueError(f"MLA: rope.dim={rope.dim} must equal qk_rope_head_dim={qk_rope_head_dim}")
         common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)

@@ -9,15 +9,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zoo.layers.tagged import TaggedLayer
 from zoo.layers.linear import projection
 from zoo.tags import name
 
 PREFIXES = ("", "shared_")
 
 
-class MLP(nnx.Module):
+class MLP(TaggedLayer):
     def __init__(self, *, dim: int, hidden: int, dtype=jnp.float32, param_dtype=jnp.float32, tag_prefix: str = "",
                  rngs: nnx.Rngs):
+        self.dim, self.dtype = dim, dtype
         if tag_prefix not in PREFIXES:
             raise ValueError(f"MLP tag_prefix must be one of {PREFIXES}, got {tag_prefix!r}")
         common = dict(dtype=dtype, param_dtype=param_dtype, n_in=1, rngs=rngs)

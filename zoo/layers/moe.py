@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zoo.layers.tagged import TaggedLayer
 from zoo.layers.linear import fan_in_init, logical
 from zoo.layers.mlp import MLP
 from zoo.tags import name
@@ -195,11 +196,12 @@ class Experts(nnx.Module):
         return name(jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, w_down), "moe_mlpwo")
 
 
-class MoE(nnx.Module):
+class MoE(TaggedLayer):
     def __init__(self, *, dim: int, num_experts: int, k: int, hidden: int, num_shared_experts: int = 1,
                  n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
                  norm_topk_prob: bool = True, backend: Backend = "auto", capacity_factor: float = 1.25,
                  balance_loss_weight: float = 1e-4, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.dim, self.dtype = dim, dtype
         if num_experts % n_group:
             raise ValueError(f"MoE: n_group={n_group} must divide num_experts={num_experts}")
         if not 0 < topk_group <= n_group:
@@ -218,7 +220,6 @@ class MoE(nnx.Module):
         self.num_experts, self.k = num_experts, k
         self.backend, self.capacity_factor = backend, capacity_factor
         self.balance_loss_weight = balance_loss_weight
-        self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """x [B, S, D] -> (y [B, S, D], aux); see the module docstring for aux."""

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zoo.layers.tagged import TaggedLayer
 from zoo.layers import MLP, RMSNorm, Rope, YarnScaling
 from zoo.layers.mla import MLA
 from zoo.layers.moe import BACKENDS, MoE, resolve_backend, update_routing_bias
@@ -129,10 +130,11 @@ class DeepSeekV3Config:
         return Rope(dim=self.qk_rope_head_dim, theta=self.rope_theta, scaling=self.rope_scaling)
 
 
-class DeepSeekDecoderLayer(nnx.Module):
+class DeepSeekDecoderLayer(TaggedLayer):
     """One decoder layer; `moe=True` for the mixture-of-experts FFN, which also returns its aux."""
 
     def __init__(self, cfg: DeepSeekV3Config, *, moe: bool, rngs: nnx.Rngs):
+        self.dim, self.dtype = cfg.dim, dtype_of("dtype", cfg.dtype)
         dtype, param_dtype = dtype_of("dtype", cfg.dtype), dtype_of("param_dtype", cfg.param_dtype)
         common = dict(dtype=dtype, param_dtype=param_dtype)
         self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, **common)

@@ -10,6 +10,7 @@ import dataclasses
 import jax
 from flax import nnx
 
+from zoo.layers.tagged import TaggedLayer
 from zoo.layers import MLP, Attention, Llama3Scaling, RMSNorm, Rope
 from zoo.models.config import check_common, check_divides, check_positive, check_positive_float, dtype_of
 from zoo.models.lm import CausalLM
@@ -69,8 +70,9 @@ class LlamaConfig:
         return Rope(dim=self.head_dim, theta=self.rope_theta, scaling=self.rope_scaling)
 
 
-class LlamaDecoderLayer(nnx.Module):
+class LlamaDecoderLayer(TaggedLayer):
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+        self.dim, self.dtype = cfg.dim, dtype_of("dtype", cfg.dtype)
         dtype, param_dtype = dtype_of("dtype", cfg.dtype), dtype_of("param_dtype", cfg.param_dtype)
         self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.attn = Attention(dim=cfg.dim, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
