@@ -39,7 +39,7 @@ def tokens():
 
 def test_stacks_and_their_tags(model):
     assert model.stack_names == STACKS
-    assert model.dense_layers.num_layers == 1 and model.moe_layers.num_layers == 2
+    assert model.dense_layers.num_layers == 2 and model.moe_layers.num_layers == 2
     shapes = model.tag_shapes(B, S)
     mla = {"decoder_layer_input": (B, S, 64), "query_wa_proj": (B, S, 32), "mla_q": (B, S, 32),
            "query_proj": (B, S, 4, 24), "kv_wa_proj": (B, S, 24), "mla_kv": (B, S, 16), "key_proj": (B, S, 4, 24),
@@ -224,7 +224,7 @@ def test_yarn_matches_transformers():
     (dict(num_experts_per_tok=5), "num_experts_per_tok=5 is more than the group limit allows"),
     (dict(n_group=3), "n_group=3 must divide num_experts=8"),
     (dict(topk_group=5), "topk_group=5 must be at most n_group=4"),
-    (dict(first_dense_layers=4), "first_dense_layers=4 must be at most num_layers=3"),
+    (dict(first_dense_layers=5), "first_dense_layers=5 must be at most num_layers=4"),
     (dict(first_dense_layers=-1), "first_dense_layers must be a non-negative int"),
     (dict(qk_rope_head_dim=7), "qk_rope_head_dim must be even"),
     (dict(moe_backend="megablox"), "moe_backend must be one of"),

@@ -353,8 +353,11 @@ def stack_residuals(model, stack_name: str, batch: int, seq: int) -> tuple[int, 
     x = jax.ShapeDtypeStruct((batch, seq, model.config.dim), dtype_of("dtype", model.config.dtype))
     policy = model.recipe.policy()
     res = audit.residuals(lambda s, x: audit._sum_outputs(nnx.merge(graphdef, s)(x, policy)), state, x)
-    stacked = [r for r in res if r.source.startswith("output of scan") and r.shape[:1] == (stack.num_layers,)]
-    hoisted = [r for r in res if r not in stacked and not r.source.startswith("from a constant")]
+    if stack.num_layers == 1:  # applied without a scan (see Stack.__call__): every residual is the layer's own
+        stacked, hoisted = [r for r in res if not r.source.startswith("from a constant")], []
+    else:
+        stacked = [r for r in res if r.source.startswith("output of scan") and r.shape[:1] == (stack.num_layers,)]
+        hoisted = [r for r in res if r not in stacked and not r.source.startswith("from a constant")]
     return (sum(r.nbytes for r in stacked if not r.host), sum(r.nbytes for r in stacked if r.host),
             sum(r.nbytes for r in hoisted if not r.host))
 

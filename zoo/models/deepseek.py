@@ -114,9 +114,9 @@ class DeepSeekV3Config:
 
     @classmethod
     def tiny(cls, **overrides) -> "DeepSeekV3Config":
-        """Three layers (one dense) in float32 with every DeepSeek-V3 mechanism, for tests and CPU runs. Sizes
-        are chosen so that no two tags of a layer have the same shape."""
-        return cls(**{**dict(vocab_size=256, dim=64, num_layers=3, first_dense_layers=1, num_heads=4,
+        """Four layers (two dense, so that both stacks scan) in float32 with every DeepSeek-V3 mechanism, for
+        tests and CPU runs. Sizes are chosen so that no two tags of a layer have the same shape."""
+        return cls(**{**dict(vocab_size=256, dim=64, num_layers=4, first_dense_layers=2, num_heads=4,
                              q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
                              v_head_dim=16, mlp_dim=128, num_experts=8, num_experts_per_tok=2, moe_mlp_dim=40,
                              num_shared_experts=1, n_group=4, topk_group=2, moe_backend="ragged_dot",

@@ -1,0 +1,33 @@
+"""Does offload survive every stack depth? Compile a small Llama under `qkv_offload` with 1, 2 and 3 layers on
+the GPU and report XLA's host bytes against the plan. `python -m bench.stack_depth` (one JSON line per depth)."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import zoo
+from bench.common import emit, sgd_step_fn
+from recipes.llama3 import RECIPES
+
+
+def main():
+    recipe = RECIPES["qkv_offload"]
+    for layers in (1, 2, 3):
+        cfg = zoo.models.LlamaConfig.tiny(num_layers=layers, dim=1024, num_heads=8, num_kv_heads=8, head_dim=128,
+                                          mlp_dim=2048, dtype="bfloat16", param_dtype="bfloat16")
+        model = zoo.models.llama3(cfg, recipe=recipe, rngs=nnx.Rngs(0))
+        tokens = jnp.zeros((2, 2048), jnp.int32)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        compiled = sgd_step_fn(graphdef).lower(params, rest, tokens).compile()
+        tags = model.tag_shapes(2, 2048)["layers"].tags
+        planned = layers * sum(math.prod(tags[t].shape) * tags[t].dtype.itemsize for t in recipe.offload)
+        emit(dict(bench="stack-depth", layers=layers, planned_host_bytes=planned,
+                  host_temp_bytes=int(getattr(compiled.memory_analysis(), "host_temp_size_in_bytes", 0)),
+                  has_S5="S(5)" in compiled.as_text()))
+
+
+if __name__ == "__main__":
+    main()
