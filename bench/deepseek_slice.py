@@ -10,7 +10,6 @@ study's hidden sizes), batch 4, seq 4096, SGD step, bf16.
 from __future__ import annotations
 
 import argparse
-import math
 
 import jax
 import jax.numpy as jnp
@@ -46,10 +45,7 @@ def main():
         model = zoo.models.deepseek_v3(cfg, recipe=recipe, rngs=nnx.Rngs(0))
         tokens = jax.random.randint(jax.random.key(1), (a.batch, a.seq), 0, cfg.vocab_size, jnp.int32)
         flops = deepseek_flops_per_token(cfg, model, a.seq) * a.batch * a.seq
-        planned = 0
-        for st in model.tag_shapes(a.batch, a.seq).values():
-            planned += st.num_layers * sum(math.prod(st.tags[t].shape) * st.tags[t].dtype.itemsize
-                                           for t in recipe.offload if t in st.tags)
+        planned = zoo.plan(cfg, recipe, batch=a.batch, seq=a.seq).host_bytes
         return dict(measure(model, tokens, flops_per_step=flops, steps=a.steps, warmup=1), planned_host_gib=round(planned / 2**30, 3))
 
     guarded(run, bench="deepseek-slice", impl="zoo", backend=a.backend, recipe=a.recipe, B=a.batch, S=a.seq,

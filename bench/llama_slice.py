@@ -8,7 +8,6 @@ untied LM head (counted in its FLOPs). Prints one JSON line.
 from __future__ import annotations
 
 import argparse
-import math
 
 import jax
 import jax.numpy as jnp
@@ -40,10 +39,9 @@ def main():
         tok = a.batch * a.seq
         attn = 2 * 2 * a.batch * a.seq * a.seq * cfg.num_heads * cfg.head_dim / 2 * cfg.num_layers
         flops = 3 * (2 * tok * matmul_params(model) + attn)
-        tags = model.tag_shapes(a.batch, a.seq)["layers"].tags
-        off = sum(math.prod(tags[t].shape) * tags[t].dtype.itemsize for t in recipe.offload)
+        planned = zoo.plan(cfg, recipe, batch=a.batch, seq=a.seq).host_bytes
         return dict(measure(model, tokens, flops_per_step=flops),
-                    planned_host_gib=round(off * cfg.num_layers / 2**30, 3))
+                    planned_host_gib=round(planned / 2**30, 3))
 
     guarded(run, bench="llama405b-slice", impl="zoo", recipe=a.recipe, B=a.batch, S=a.seq, L=a.layers)
 

@@ -1,7 +1,6 @@
 """Logits parity with transformers (float32, relative error < 1e-4): tiny random checkpoints built offline by
 transformers load with `zoo.from_hf`, and zoo models written by `zoo.to_hf` load in transformers. Needs torch and
 transformers (the Python 3.11 environment); skipped where they are absent."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -60,7 +60,7 @@ def residuals(fn, *args) -> list[Residual]:
     return out
 
 
-def _sum_outputs(tree) -> jax.Array:
+def sum_outputs(tree) -> jax.Array:
     return sum(jnp.sum(leaf.astype(jnp.float32)) for leaf in jax.tree.leaves(tree))
 
 
@@ -71,7 +71,7 @@ def layer_residuals(model, stack_name: str, batch: int, seq: int) -> list[Residu
     x = jax.ShapeDtypeStruct((batch, seq, model.config.dim), dtype_of("dtype", model.config.dtype))
     body = jax.checkpoint(lambda s, x: layer_body(nnx.merge(graphdef, s), x), policy=model.recipe.policy(),
                           prevent_cse=False)
-    return residuals(lambda s, x: _sum_outputs(body(s, x)), state, x)
+    return residuals(lambda s, x: sum_outputs(body(s, x)), state, x)
 
 
 def placements_seen(model, stack_name: str, batch: int = 1, seq: int = 8) -> dict[str, str]:

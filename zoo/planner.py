@@ -352,7 +352,7 @@ def stack_residuals(model, stack_name: str, batch: int, seq: int) -> tuple[int, 
     state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
     x = jax.ShapeDtypeStruct((batch, seq, model.config.dim), dtype_of("dtype", model.config.dtype))
     policy = model.recipe.policy()
-    res = audit.residuals(lambda s, x: audit._sum_outputs(nnx.merge(graphdef, s)(x, policy)), state, x)
+    res = audit.residuals(lambda s, x: audit.sum_outputs(nnx.merge(graphdef, s)(x, policy)), state, x)
     if stack.num_layers == 1:  # applied without a scan (see Stack.__call__): every residual is the layer's own
         stacked, hoisted = [r for r in res if not r.source.startswith("from a constant")], []
     else:
