@@ -7,6 +7,10 @@ import jax.numpy as jnp
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
+# How a stack moves its offloaded residuals (zoo/models/offload_scan.py): "xla" = JAX's checkpoint-policy offload;
+# "explicit" = the stack's own custom VJP, stores one layer late and prefetches one layer early;
+# "explicit_prefetch" = the same, storing in the layer that makes them.
+OFFLOAD_IMPLS = ("xla", "explicit", "explicit_prefetch")
 
 
 def dtype_of(field: str, value: str):
@@ -36,12 +40,15 @@ def check_divides(cfg, small: str, big: str) -> None:
 
 
 def check_common(cfg) -> None:
-    """dtype and attention-implementation fields every model config has."""
+    """dtype, attention- and offload-implementation fields every model config has."""
     dtype_of(f"{type(cfg).__name__}.dtype", cfg.dtype)
     dtype_of(f"{type(cfg).__name__}.param_dtype", cfg.param_dtype)
     if cfg.attention_impl not in ATTENTION_IMPLEMENTATIONS:
         raise ValueError(f"{type(cfg).__name__}.attention_impl must be one of {ATTENTION_IMPLEMENTATIONS}, "
                          f"got {cfg.attention_impl!r}")
+    if getattr(cfg, "offload_impl", "xla") not in OFFLOAD_IMPLS:
+        raise ValueError(f"{type(cfg).__name__}.offload_impl must be one of {OFFLOAD_IMPLS}, "
+                         f"got {cfg.offload_impl!r}")
 
 
 def replace(cfg, **changes):

@@ -65,6 +65,7 @@ class DeepSeekV3Config:
     dtype: str = "bfloat16"            # activations
     param_dtype: str = "float32"       # parameters
     attention_impl: str | None = None  # None: XLA (any device); "cudnn": cuDNN flash attention (GPU, bf16)
+    offload_impl: str = "xla"          # how offloaded residuals move: "xla" | "explicit" | "explicit_prefetch"
 
     def __post_init__(self):
         name = type(self).__name__

@@ -33,6 +33,7 @@ class LlamaConfig:
     dtype: str = "bfloat16"           # activations
     param_dtype: str = "float32"      # parameters
     attention_impl: str | None = None  # None: XLA (any device); "cudnn": cuDNN flash attention (GPU, bf16)
+    offload_impl: str = "xla"          # how offloaded residuals move: "xla" | "explicit" | "explicit_prefetch"
 
     def __post_init__(self):
         check_positive(self, "vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim")
