@@ -188,11 +188,24 @@ def apply(stack, x: jax.Array, policy, impl: str):
     if not off_tags and not input_offloaded:
         return None  # the offloaded tags are not residuals of this stack (e.g. moe_* in a dense stack)
     fn = _explicit(graphdef, frozenset(dev_tags + off_tags), dev_tags, off_tags, input_offloaded,
-                   num_layers=stack.num_layers, defer_store=impl == "explicit")
+                   num_layers=stack.num_layers, defer_store=impl in ("explicit", "explicit_stream"),
+                   on_stream=impl == "explicit_stream")
     return fn(state, x)
 
 
-def _explicit(graphdef, tags, dev_tags, off_tags, input_offloaded, *, num_layers: int, defer_store: bool):
+def on_second_stream(fn):
+    """`fn` annotated to run on GPU stream 1 (`compute_on("gpu_stream:1")`; needs the XLA flag
+    --xla_gpu_experimental_stream_annotation=true), its outputs in device memory. Elsewhere the annotation is
+    ignored. The host copies stay on the main stream, where XLA issues them, and can run beside the compute."""
+    try:
+        from jax.experimental.compute_on import compute_on2 as con  # jax 0.10
+    except ImportError:
+        from jax.experimental.compute_on import compute_on as con   # jax >= 0.11
+    return con(compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)(fn)
+
+
+def _explicit(graphdef, tags, dev_tags, off_tags, input_offloaded, *, num_layers: int, defer_store: bool,
+              on_stream: bool = False):
     L = num_layers
     run = functools.partial(_run_layer, graphdef, tags=tags)
 
@@ -273,9 +286,11 @@ def _explicit(graphdef, tags, dev_tags, off_tags, input_offloaded, *, num_layers
         else:
             pending0 = None
 
+        layer = on_second_stream(run) if on_stream else run
+
         def body(carry, p):
             x, pending = carry
-            y, aux, seen = run(p, x)
+            y, aux, seen = layer(p, x)
             dev, off = split_saved(x, seen)
             if defer_store:
                 store, pending = to_host(pending), off
@@ -297,12 +312,14 @@ def _explicit(graphdef, tags, dev_tags, off_tags, input_offloaded, *, num_layers
             # host[j] holds layer j's: layer j-1's are read at an index computed from the layer number.
             first, ahead = to_device(_index(host, L - 1)), jnp.arange(L)
 
+        grads = on_second_stream(layer_vjp) if on_stream else layer_vjp
+
         def body(carry, inp):
             ct_x, cur = carry
             p, x_keep, d, ct_a, a = inp
             h = a if defer_store else _index(host, jnp.maximum(a - 1, 0))
             nxt = to_device(h)                                       # layer j-1's: arrives during this iteration
-            d_pf, dx = layer_vjp(p, x_keep, d, cur, ct_x, ct_a)
+            d_pf, dx = grads(p, x_keep, d, cur, ct_x, ct_a)
             return (dx, nxt), d_pf
 
         (dx, _), d_pf = jax.lax.scan(body, (ct_y, first), (state, xs, dev, float_cts(ct_aux), ahead), reverse=True)
