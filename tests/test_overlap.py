@@ -34,22 +34,19 @@ def with_impl(model, impl: str):
 
 
 def grads_and_aux(model, recipe, tokens):
-    """(loss, grads of loss + balance loss, grads of the balance loss alone, aux) under `recipe`, one compile."""
+    """(loss, balance loss, grads of loss + balance loss, aux) under `recipe`."""
     model.set_recipe(recipe)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-    def parts(p):
+    def f(p):
         logits, aux = nnx.merge(graphdef, p, rest, copy=True)(tokens, return_aux=True)
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         lm = -jnp.mean(jnp.take_along_axis(logp, jnp.roll(tokens, -1, axis=1)[..., None], axis=-1))
-        return lm, balance_loss(aux), aux
+        bal = balance_loss(aux)
+        return lm + bal, (lm, bal, aux)
 
-    def f(p):
-        (lm, aux), g = jax.value_and_grad(lambda p: (lambda l, b, a: (l + b, a))(*parts(p)), has_aux=True)(p)
-        g_bal = jax.grad(lambda p: parts(p)[1])(p)
-        return lm, g, g_bal, aux
-
-    return jax.jit(f)(params)
+    (_, (lm, bal, aux)), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+    return lm, bal, grads, aux
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +85,8 @@ def test_recipes_that_offload_nothing_take_the_ordinary_path(llama):
 
 
 @pytest.mark.parametrize("impl, name", [("explicit", "minimal_offload"), ("explicit", "qkv_offload"),
-                                        ("explicit_prefetch", "minimal_offload")])
+                                        ("explicit_prefetch", "minimal_offload"),
+                                        ("explicit_stream", "minimal_offload")])
 def test_llama_gradients_equal_none(llama, tokens, llama_ref, impl, name):
     """A reload one layer early or a store one layer late (an off-by-one in the double buffering) would give
     each layer another layer's tensors: these gradients would be wrong by O(1)."""
@@ -101,18 +99,22 @@ def test_llama_gradients_equal_none(llama, tokens, llama_ref, impl, name):
     assert max_rel_err(grads, ref) < 1e-5
 
 
-@pytest.mark.parametrize("impl, name", [("explicit", "mla_moe_offload"), ("explicit_prefetch", "lowrank_wa_offload")])
-def test_deepseek_gradients_and_aux_equal_none(impl, name):
+@pytest.fixture(scope="module")
+def deepseek():
     model = zoo.models.deepseek_v3(DEEPSEEK, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(2), (B, S), 0, DEEPSEEK.vocab_size, dtype=jnp.int32)
-    ref_loss, ref, ref_bal, ref_aux = grads_and_aux(model, ds_recipes.RECIPES["none"], tokens)
-    loss, got, got_bal, aux = grads_and_aux(with_impl(model, impl), ds_recipes.RECIPES[name], tokens)
+    return model, tokens, grads_and_aux(model, ds_recipes.RECIPES["none"], tokens)
+
+
+@pytest.mark.parametrize("impl, name", [("explicit", "mla_moe_offload"), ("explicit_stream", "lowrank_wa_offload")])
+def test_deepseek_gradients_and_aux_equal_none(deepseek, impl, name):
+    """The balance loss reaches the router only through the aux output: were its cotangent lost in the custom VJP,
+    the router's gradient would be off by ~17% (checked by breaking it on purpose)."""
+    model, tokens, (ref_loss, ref_bal, ref, ref_aux) = deepseek
+    loss, bal, got, aux = grads_and_aux(with_impl(model, impl), ds_recipes.RECIPES[name], tokens)
+    assert float(ref_bal) > 1e-3  # the aux path carries a real gradient
     assert abs(float(loss) - float(ref_loss)) < 1e-6
     assert max_rel_err(got, ref) < 1e-5
-    # the balance loss reaches the router only through the aux output: its gradient flows through the custom VJP
-    router = [g for path, g in nnx.to_flat_state(got_bal) if "gate" in path and path[-1] == "kernel"]
-    assert router and all(float(jnp.abs(g).max()) > 0 for g in router)
-    assert max_rel_err(got_bal, ref_bal) < 1e-5
     assert jax.tree.structure(aux) == jax.tree.structure(ref_aux)
     assert aux["moe_layers"]["load"].shape == (2, DEEPSEEK.num_experts)
     assert max_rel_err(aux, ref_aux) < 1e-6
