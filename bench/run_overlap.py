@@ -71,6 +71,7 @@ def jobs(anchor_dir: str, out: str) -> list[Job]:
         zoo("minimal_offload", "explicit", extra=prof("explicit"), est=100),
         zoo("minimal_offload", "xla", extra=["--hlo"]),
         zoo("full", "xla"),
+        zoo("minimal_offload", "explicit_unrolled", extra=prof("unrolled"), est=110),
         zoo("qkv_offload", "explicit_stream", flags="stream"),
         zoo("save_qkv", "xla"),
         zoo("qkv_offload", "xla"),

@@ -86,7 +86,8 @@ def test_recipes_that_offload_nothing_take_the_ordinary_path(llama):
 
 @pytest.mark.parametrize("impl, name", [("explicit", "minimal_offload"), ("explicit", "qkv_offload"),
                                         ("explicit_prefetch", "minimal_offload"),
-                                        ("explicit_stream", "minimal_offload")])
+                                        ("explicit_stream", "minimal_offload"),
+                                        ("explicit_unrolled", "minimal_offload")])
 def test_llama_gradients_equal_none(llama, tokens, llama_ref, impl, name):
     """A reload one layer early or a store one layer late (an off-by-one in the double buffering) would give
     each layer another layer's tensors: these gradients would be wrong by O(1)."""

@@ -189,7 +189,7 @@ def apply(stack, x: jax.Array, policy, impl: str):
         return None  # the offloaded tags are not residuals of this stack (e.g. moe_* in a dense stack)
     fn = _explicit(graphdef, frozenset(dev_tags + off_tags), dev_tags, off_tags, input_offloaded,
                    num_layers=stack.num_layers, defer_store=impl in ("explicit", "explicit_stream"),
-                   on_stream=impl == "explicit_stream")
+                   on_stream=impl == "explicit_stream", unrolled=impl == "explicit_unrolled")
     return fn(state, x)
 
 
@@ -205,7 +205,7 @@ def on_second_stream(fn):
 
 
 def _explicit(graphdef, tags, dev_tags, off_tags, input_offloaded, *, num_layers: int, defer_store: bool,
-              on_stream: bool = False):
+              on_stream: bool = False, unrolled: bool = False):
     L = num_layers
     run = functools.partial(_run_layer, graphdef, tags=tags)
 
@@ -275,6 +275,32 @@ def _explicit(graphdef, tags, dev_tags, off_tags, input_offloaded, *, num_layers
         d_pf, dx = layer_vjp(_index(state, 0), x_keep, dev, to_device(off_host), ct_y, ct_a)
         return join_grads(state, [d[None] for d in d_pf]), dx
 
+    # -- unrolled: a Python loop, one host array per layer and tag (whole-array copies, no dynamic slicing) -----
+    def fwd_unrolled(state, x):
+        xs, devs, hosts, auxs = [], [], [], []
+        for i in range(L):
+            y, aux, seen = run(_index(state, i), x)
+            dev, off = split_saved(x, seen)
+            xs.append(None if input_offloaded else x)
+            devs.append(dev)
+            hosts.append(to_host(off))
+            auxs.append(aux)
+            x = y
+        return (x, jax.tree.map(lambda *a: jnp.stack(a), *auxs)), (state, xs, devs, hosts)
+
+    def bwd_unrolled(res, cts):
+        state, xs, devs, hosts = res
+        ct_x, ct_aux = cts
+        cts_a = float_cts(ct_aux)
+        d_layers = [None] * L
+        cur = to_device(hosts[L - 1])
+        for j in reversed(range(L)):
+            nxt = to_device(hosts[j - 1]) if j else None              # layer j-1's, during layer j's backward
+            ct_a = [None if c is None else c[j] for c in cts_a]
+            d_layers[j], ct_x = layer_vjp(_index(state, j), xs[j], devs[j], cur, ct_x, ct_a)
+            cur = nxt
+        return join_grads(state, [jnp.stack(d) for d in zip(*d_layers)]), ct_x
+
     # -- a scanned stack --------------------------------------------------------------------------------------
     def fwd_scan(state, x):
         if defer_store:
@@ -327,6 +353,8 @@ def _explicit(graphdef, tags, dev_tags, off_tags, input_offloaded, *, num_layers
 
     if L == 1:
         stack_fn.defvjp(fwd_one, bwd_one)
+    elif unrolled:
+        stack_fn.defvjp(fwd_unrolled, bwd_unrolled)
     else:
         stack_fn.defvjp(fwd_scan, bwd_scan)
     return stack_fn
