@@ -30,9 +30,11 @@ def main():
     ap.add_argument("--moe-layers", type=int, default=3)
     ap.add_argument("--backend", default="ragged_dot", choices=["ragged_dot", "capacity", "tokamax"])
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--impl", default="xla", help="the config's offload_impl (how offloaded residuals move)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script only)")
     a = ap.parse_args()
-    common = dict(param_dtype="bfloat16", dtype="bfloat16", moe_backend=a.backend, capacity_factor=1.25)
+    common = dict(param_dtype="bfloat16", dtype="bfloat16", moe_backend=a.backend, capacity_factor=1.25,
+                  offload_impl=a.impl)
     if a.smoke:
         cfg = zoo.models.DeepSeekV3Config.tiny(**common)
     else:
@@ -48,7 +50,7 @@ def main():
         planned = zoo.plan(cfg, recipe, batch=a.batch, seq=a.seq).host_bytes
         return dict(measure(model, tokens, flops_per_step=flops, steps=a.steps, warmup=1), planned_host_gib=round(planned / 2**30, 3))
 
-    guarded(run, bench="deepseek-slice", impl="zoo", backend=a.backend, recipe=a.recipe, B=a.batch, S=a.seq,
+    guarded(run, bench="deepseek-slice", impl="zoo", mechanism=a.impl, backend=a.backend, recipe=a.recipe, B=a.batch, S=a.seq,
             E=a.experts, L=1 + a.moe_layers)
 
 

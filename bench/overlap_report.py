@@ -20,7 +20,7 @@ def _shape(r: dict) -> str:
 
 def table(recs: list[dict]) -> str:
     twin = {"minimal_offload": "minimal", "qkv_offload": "save_qkv", "offload_minimal": "minimal",
-            "offload_qkv": "save_qkv"}
+            "offload_qkv": "save_qkv", "mla_moe_offload": "save_mla_moe", "lowrank_wa_offload": "save_mla_moe"}
     base = {}
     for r in recs:
         if "step_s" in r and r.get("flag_set") == "lhs" and r.get("mechanism", "xla") == "xla":
@@ -29,6 +29,8 @@ def table(recs: list[dict]) -> str:
            "host (GiB) | planned host | note |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in recs:
         key = (_shape(r), r.get("impl"))
+        if r.get("bench") == "loss-curve":
+            continue
         if "step_s" not in r:
             note = r.get("error") or r.get("skipped") or ""
             out.append(f"| {_shape(r)} | {r.get('impl')} | {r.get('mechanism')} | {r.get('flag_set')} | "

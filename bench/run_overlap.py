@@ -52,6 +52,13 @@ def zoo(recipe, impl, shape="405b", layers=3, flags="lhs", extra=(), est=85, nam
                       "flag_set": flags})
 
 
+def deepseek(recipe, impl, flags="lhs", est=70):
+    return Job(f"zoo-deepseek-{recipe}-{impl}-{flags}",
+               [sys.executable, "-m", "bench.deepseek_slice", recipe, "--backend", "capacity", "--batch", "4",
+                "--impl", impl], FLAGS[flags], est, 150,
+               ident={"bench": "deepseek-slice", "impl": "zoo", "mechanism": impl, "recipe": recipe, "flag_set": flags})
+
+
 def anchor(policy, shape="405b", layers=3, flags="lhs", est=65, anchor_dir="."):
     return Job(f"anchor-{shape}-{policy}-{flags}",
                [sys.executable, os.path.join(anchor_dir, "plain_jax_llama.py"), policy, "2"], FLAGS[flags], est, 150,
@@ -98,6 +105,9 @@ def jobs(anchor_dir: str, out: str) -> list[Job]:
         zoo("qkv_offload", "explicit_stream", shape="8b", layers=8, flags="stream", est=55),
         zoo("qkv_offload", "xla", shape="8b", layers=8, est=55),
         a("full", shape="8b", layers=8, est=45),
+        deepseek("save_mla_moe", "xla"), deepseek("mla_moe_offload", "explicit_stream", flags="stream"),
+        deepseek("mla_moe_offload", "xla"), deepseek("full", "xla"),
+        deepseek("lowrank_wa_offload", "explicit_stream", flags="stream"),
         Job("loss-curve-explicit", [sys.executable, "-m", "bench.loss_curve", "--recipe", "minimal_offload",
                                     "--impl", "explicit"], FLAGS["lhs"], 120, 240,
             ident={"bench": "loss-curve", "mechanism": "explicit", "recipe": "minimal_offload"}),
@@ -111,7 +121,7 @@ def smoke(job: Job) -> Job:
         argv = [x for x in argv if not x.startswith("/tmp/overlap-prof")]
         argv = [x for x in argv if x != "--profile"] + ["--smoke", "--steps", "2", "--warmup", "1"]
         argv[argv.index("--layers") + 1] = "2"
-    elif "bench.loss_curve" in argv:
+    elif "bench.loss_curve" in argv or "bench.deepseek_slice" in argv:
         argv += ["--smoke"]
     else:
         job.env = {**job.env, "SMALL": "1", "NL": "2"}
