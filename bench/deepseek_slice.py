@@ -56,6 +56,7 @@ def main():
         tokens = jax.random.randint(jax.random.key(1), (a.batch, a.seq), 0, cfg.vocab_size, jnp.int32)
         flops = deepseek_flops_per_token(cfg, model, a.seq) * a.batch * a.seq
         return dict(measure(model, tokens, flops_per_step=flops, steps=a.steps, warmup=1), attention=attention,
+                    E=cfg.num_experts, L=cfg.num_layers,
                     **planned(cfg, recipe, batch=a.batch, seq=a.seq, optimizer="sgd"))
 
     guarded(run, bench="deepseek-slice", impl="zoo", backend=backend, backend_asked=a.backend,

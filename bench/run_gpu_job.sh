@@ -69,10 +69,10 @@ sgd8b() {  # limit
 ds full tokamax 100
 ds full capacity 90
 ds mla_moe_offload tokamax 90
-main8b 150
+main8b 180
 sgd8b 80
-ds lowrank_wa_offload tokamax 90
 ds_anchor full 90
+ds lowrank_wa_offload tokamax 90
 ds lowrank_offload tokamax 90   # the rest of the recipes, while time is left
 ds save_mla_moe tokamax 90
 echo "done in $SECONDS s; records in $out"
