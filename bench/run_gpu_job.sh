@@ -40,18 +40,22 @@ cap() {  # cap SECONDS: the smaller of SECONDS and the time left
 skipped() {  # bench impl recipe backend
   echo "{\"bench\": \"$1\", \"impl\": \"$2\", \"recipe\": \"$3\", \"backend\": \"$4\", \"error\": \"skipped: the call's time budget ($budget s) was spent\"}" >> "$out"
 }
-failed() {
-  echo "{\"bench\": \"$1\", \"impl\": \"$2\", \"recipe\": \"$3\", \"backend\": \"$4\", \"error\": \"timeout or crash\"}" >> "$out"
+failed() {  # bench impl recipe backend rc (124: the process's timeout)
+  local why="crash (exit $5)"; [ "$5" = 124 ] && why="timeout"
+  echo "{\"bench\": \"$1\", \"impl\": \"$2\", \"recipe\": \"$3\", \"backend\": \"$4\", \"error\": \"$why\"}" >> "$out"
 }
 ds() {  # recipe backend limit
   local t; t=$(cap "$3"); if [ "$t" -lt 30 ]; then skipped deepseek-slice zoo "$1" "$2"; return; fi
   timeout "$t" $py -m bench.deepseek_slice "$1" --backend "$2" --batch $dsb --steps 4 "${s[@]}" ||
-    failed deepseek-slice zoo "$1" "$2"
+    failed deepseek-slice zoo "$1" "$2" $?
 }
 ds_anchor() {  # policy limit
   local t; t=$(cap "$2"); if [ "$t" -lt 30 ]; then skipped deepseek-slice anchor "$1" ragged_dot; return; fi
-  E=16 NL=3 timeout "$t" $py "$anchor" "$1" $dsb > "$outdir/anchor.json" || failed deepseek-slice anchor "$1" ragged_dot
-  $py -m bench.anchor_record deepseek-slice "$outdir/anchor.json" --S 4096 "${s[@]}"
+  if E=16 NL=3 timeout "$t" $py "$anchor" "$1" $dsb > "$outdir/anchor.json"; then
+    $py -m bench.anchor_record deepseek-slice "$outdir/anchor.json" --S 4096 "${s[@]}"
+  else
+    failed deepseek-slice anchor "$1" ragged_dot $?
+  fi
 }
 main8b() {  # limit
   local t; t=$(cap "$1"); if [ "$t" -lt 60 ]; then skipped main-job-8b zoo-main-job qkv_offload none; return; fi
@@ -62,7 +66,7 @@ main8b() {  # limit
 }
 sgd8b() {  # limit
   local t; t=$(cap "$1"); if [ "$t" -lt 30 ]; then skipped main-job-8b zoo-sgd-bench qkv_offload none; return; fi
-  timeout "$t" $py -m bench.main_job_8b sgd --recipe qkv_offload "${s[@]}" || failed main-job-8b zoo-sgd-bench qkv_offload none
+  timeout "$t" $py -m bench.main_job_8b sgd --recipe qkv_offload "${s[@]}" || failed main-job-8b zoo-sgd-bench qkv_offload none $?
 }
 
 # Most important first: the dropless-vs-capacity comparison, the study's recipe, the main job, then the rest.
