@@ -58,6 +58,7 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax
     (loss, (lm_loss, aux)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
     grad_norm = optax.global_norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    dropped, routed = moe_drops(aux)
 
     # nnx.state holds the live Variables; mapping over it snapshots their current values.
     before = jax.tree.map(lambda x: x, nnx.state((model, optimizer)))
@@ -66,7 +67,39 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax
     # The NaN guard: keep the old state where the step is not finite (a select, no host round trip).
     nnx.update((model, optimizer), jax.tree.map(lambda new, old: jnp.where(ok, new, old),
                                                 nnx.state((model, optimizer)), before))
-    return {"loss": lm_loss, "total_loss": loss, "grad_norm": grad_norm, "ok": ok}
+    return {"loss": lm_loss, "total_loss": loss, "grad_norm": grad_norm, "ok": ok, "dropped": dropped,
+            "routed": routed}
+
+
+def moe_drops(aux: Any) -> tuple[jax.Array, jax.Array]:
+    """(token copies dropped by capacity dispatch, token copies routed), summed over every MoE layer in the
+    model's aux ({stack: {"dropped": [L], "load": [L, E]}}); zeros for a model without experts."""
+    stacks = [a for a in (aux.values() if isinstance(aux, dict) else ()) if isinstance(a, dict)]
+    dropped = sum((jnp.sum(a["dropped"]).astype(jnp.int32) for a in stacks if "dropped" in a), jnp.zeros((), jnp.int32))
+    routed = sum((jnp.sum(a["load"]).astype(jnp.int32) for a in stacks if "load" in a), jnp.zeros((), jnp.int32))
+    return dropped, routed
+
+
+class DropWatch:
+    """Capacity dispatch drops token copies over an expert's capacity: warn when a step drops more than
+    `threshold` of its routed copies (at the first such step, then at most once per `every` steps)."""
+
+    def __init__(self, console: Console, threshold: float, every: int):
+        self.console, self.threshold, self.every, self.last = console, threshold, every, None
+
+    def fraction(self, m: dict) -> float | None:
+        routed = int(m.get("routed", 0))
+        return int(m["dropped"]) / routed if routed else None
+
+    def check(self, step: int, m: dict) -> None:
+        frac = self.fraction(m)
+        if frac is None or frac <= self.threshold or (self.last is not None and step - self.last < self.every):
+            return
+        self.last = step
+        self.console.print(f"[bold yellow]step {step}: capacity dispatch dropped {int(m['dropped']):,} of "
+                           f"{int(m['routed']):,} token copies ({100 * frac:.2f}% > --max-drop-warn "
+                           f"{100 * self.threshold:g}%): raise capacity_factor (--set capacity_factor=...) or use "
+                           f"a dropless moe_backend (tokamax, ragged_dot)[/]", soft_wrap=True)
 
 
 def lr_schedule(*, lr: float, steps: int, warmup: int) -> optax.Schedule:
@@ -118,6 +151,7 @@ class RunConfig:
     resume: bool = False
     log_every: int = 10
     peak_tflops: float | None = None
+    max_drop_warn: float = 0.01        # warn when capacity dispatch drops more than this fraction of token copies
     stop_after: int | None = None      # debug: stop after this step without a final checkpoint (a preemption)
     poison_step: int | None = None     # debug: NaN loss weights at this step (a corrupted record)
 
@@ -127,6 +161,8 @@ class RunConfig:
                 raise ValueError(f"--{field.replace('_', '-')} must be positive, got {getattr(self, field)}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
+        if not 0 <= self.max_drop_warn <= 1:
+            raise ValueError(f"--max-drop-warn must be a fraction in [0, 1], got {self.max_drop_warn}")
         if self.ckpt_every < 0:
             raise ValueError(f"--ckpt-every must be >= 0, got {self.ckpt_every}")
         if self.resume and not self.ckpt_dir:
@@ -155,6 +191,20 @@ def _source(cfg: RunConfig, vocab: int) -> data_lib.Source:
     else:
         src = data_lib.Synthetic(vocab=vocab, batch=cfg.batch, seq=cfg.seq, seed=cfg.seed)
     return data_lib.Poisoned(src, cfg.poison_step) if cfg.poison_step is not None else src
+
+
+def kernel_choices(model_cfg, device: jax.Device) -> dict[str, str]:
+    """What runs on `device` for this config: the attention kernel and, for a mixture of experts, the grouped
+    matmul. Raises ValueError for an explicit choice that cannot run there (before anything is built)."""
+    from zoo.layers.attention import resolve_impl
+
+    out = {"attention": str(resolve_impl(model_cfg, device))}
+    if hasattr(model_cfg, "moe_backend"):
+        from zoo.layers.moe import backend_choice
+
+        name, why = backend_choice(model_cfg.moe_backend, dtype=jnp.dtype(model_cfg.dtype), device=device)
+        out["moe backend"] = f"{name} ({why})"
+    return out
 
 
 def build_model(model_entry: ModelEntry, model_cfg, recipe: zoo.Recipe, *, seed: int) -> nnx.Module:
@@ -232,6 +282,7 @@ def run(cfg: RunConfig, console: Console | None = None) -> Result:
     if resuming:
         _check_resumable(ckpts.record(), cfg, ckpts.directory)
 
+    kernels = kernel_choices(model_cfg, device)   # before building: an impossible explicit choice is a ValueError
     model = build_model(model_entry, model_cfg, recipe, seed=cfg.seed)
     warmup = cfg.warmup if cfg.warmup is not None else max(1, cfg.steps // 10)
     schedule = lr_schedule(lr=cfg.lr, steps=cfg.steps, warmup=warmup)
@@ -244,6 +295,8 @@ def run(cfg: RunConfig, console: Console | None = None) -> Result:
     console.print(f"model {cfg.model} {cfg.preset}: {n_params:,} parameters; batch {cfg.batch} x seq {cfg.seq}; "
                   f"{cfg.steps} steps on {device.platform} ({device.device_kind})")
     console.print(f"recipe {recipe}")
+    for what, choice in kernels.items():
+        console.print(f"{what}: {choice}", soft_wrap=True)
     show_memory_plan(console, model_cfg, model, recipe, batch=cfg.batch, seq=cfg.seq, device=device)
     if device.platform == "cpu":
         console.print("on the CPU there is no pinned host memory: offload placements compile and run but move "
@@ -279,6 +332,7 @@ def run(cfg: RunConfig, console: Console | None = None) -> Result:
     metrics_file = _open_metrics(cfg.metrics, start) if cfg.metrics else None
     result = Result([], [], None, last_ckpt)
     progress = _Progress(console, cfg.steps, start)
+    drops = DropWatch(console, cfg.max_drop_warn, cfg.log_every)
     t_last, n_since = time.perf_counter(), 0
     try:
         for step in range(start + 1, cfg.steps + 1):
@@ -298,6 +352,7 @@ def run(cfg: RunConfig, console: Console | None = None) -> Result:
                 result.stopped = "nonfinite"
                 break
             loss = float(m["loss"])
+            drops.check(step, m)
             result.steps.append(step)
             result.losses.append(loss)
             n_since += 1
@@ -312,7 +367,7 @@ def run(cfg: RunConfig, console: Console | None = None) -> Result:
                        "grad_norm": float(m["grad_norm"]),
                        "lr": float(schedule(step - 1)), "tokens_per_s": tok_s, "model_tflops": tflops,
                        "mfu": tflops / peak if peak else None, "peak_hbm_bytes": meter.peak_hbm_bytes(device),
-                       "host_bytes": host}
+                       "host_bytes": host, "dropped": int(m["dropped"]), "drop_fraction": drops.fraction(m)}
                 progress.log(row)
                 if metrics_file:
                     metrics_file.write(json.dumps(row) + "\n")

@@ -54,6 +54,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt-every", type=int, default=0, metavar="K", help="checkpoint every K steps (and at the end)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
     p.add_argument("--peak-tflops", type=float, default=None, help="the device's peak for MFU (default: a table)")
+    p.add_argument("--max-drop-warn", type=float, default=0.01, metavar="FRACTION",
+                   help="warn when MoE capacity dispatch drops more than this fraction of a step's token copies")
     p.add_argument("--xla-flags", choices=tuple(flags.FLAG_SETS), default=flags.DEFAULT,
                    help="XLA flag set for overlap, applied before JAX starts (see recipes/flags.py)")
     p.add_argument("--stop-after", type=int, default=None, metavar="K",

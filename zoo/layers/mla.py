@@ -26,7 +26,8 @@ query and key states do. With `rope_interleave=False` the weights are taken to b
 
 Value head dim. `jax.nn.dot_product_attention` (jax 0.10-0.11) needs one head dim for q, k and v; DeepSeek-V3 has
 qk 192 and v 128. The values are padded with zeros to the qk head dim for the kernel and its output is sliced
-back: exact, and the tags value_proj and attention_out are the un-padded [B,S,H,v_head] tensors.
+back: exact, and the tags value_proj and attention_out are the un-padded [B,S,H,v_head] tensors. Head dim 192 is
+within cuDNN flash attention's limit on Hopper (256), so the kernel is chosen as for GQA (zoo.layers.attention).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo.layers.tagged import TaggedLayer
-from zoo.layers.attention import Implementation, causal_attention, positions_for
+from zoo.layers.attention import AttentionChoice, Implementation, causal_attention, choose_impl, positions_for
 from zoo.layers.linear import projection
 from zoo.layers.norm import RMSNorm
 from zoo.layers.rope import Rope, YarnScaling
@@ -83,8 +84,13 @@ class MLA(TaggedLayer):
         self.qk_nope_head_dim = qk_nope_head_dim
         self.v_head_dim = v_head_dim
         self.implementation = implementation
+        self.kernel_head_dim = max(qk_head_dim, v_head_dim)  # values are padded to the q/k head dim
         mscale = rope.scaling.softmax_mscale() if isinstance(rope.scaling, YarnScaling) else 1.0
         self.scale = qk_head_dim ** -0.5 * mscale
+
+    def attention_choice(self, device: jax.Device | None = None) -> AttentionChoice:
+        """The attention implementation this layer runs on `device` (default: the first device)."""
+        return choose_impl(self.implementation, dtype=self.dtype, head_dim=self.kernel_head_dim, device=device)
 
     def _rotate(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         return self.rope(deinterleave(x) if self.rope_interleave else x, positions)

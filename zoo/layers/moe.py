@@ -12,17 +12,25 @@ back in token order and summed with the routing weights. One shared expert sees 
 - ``"ragged_dot"``: `jax.lax.ragged_dot`, dropless; the reference, and right on CPU. On GPUs (jax 0.11) XLA
   computes every expert for every row: 48 TFLOP/s on an H200 where a batched einsum reaches 805 (ANCHORS.md).
 - ``"tokamax"``: tokamax's `ragged_dot` (a real grouped GEMM; Mosaic GPU kernel), dropless, same API and
-  results; imported only when chosen (it needs jax >= 0.11.1 and is not a dependency of the zoo).
+  results; imported only when chosen (it needs jax >= 0.11.1 and is not a dependency of the zoo). On an NVIDIA
+  GPU the zoo asks for its Mosaic kernel by name, so an unsupported case fails loudly instead of falling back to
+  XLA's dense ragged_dot; elsewhere tokamax picks (XLA on a CPU). Its kernel has a scan of its own, with no tag
+  and no offload inside: `zoo.tags` allows that (it refuses only a loop that holds a tag or an offload).
 - ``"capacity"``: each expert takes at most C = ceil(capacity_factor * B*S*k / experts) copies (the first ones
   in token order); the experts run as a batched einsum over an [experts, C, hidden] buffer. Copies over an
   expert's capacity are dropped (they add nothing) and counted in the aux output. Its tags moe_mlpwi_0,
   moe_mlpwi_1, moe_mlpwo are the [experts, C, F] / [experts, C, D] buffers, not [B*S*k, ...] rows.
-- ``"auto"``: tokamax when it is installed and the default backend is a GPU, else ragged_dot.
+- ``"auto"``: only a backend known to run well on the device. On an NVIDIA GPU: tokamax when it imports and its
+  Mosaic kernel covers the case (bf16/fp16, compute capability 8.x, 9.x or 10.x); otherwise capacity dispatch,
+  with a warning that it drops copies over capacity, since ragged_dot computes every expert for every row there
+  (48 against 805 TFLOP/s on an H200, and out of memory at the deepseek-slice batch; ANCHORS.md). On any other
+  device: ragged_dot (exact, and what XLA does well on CPUs and TPUs). `backend_choice` says which and why.
 
 Every backend gives the same outputs when nothing is dropped.
 
 Tags: moe_mlpwi_0 (experts' gate, before the activation), moe_mlpwi_1 (up), moe_mlpwo (down) over the dispatched
-rows; shared_mlpwi_0, shared_mlpwi_1, shared_mlpwo (the shared expert). No scan inside: the stack is the only scan.
+rows; shared_mlpwi_0, shared_mlpwi_1, shared_mlpwo (the shared expert). No tag sits inside a loop: the stack is the
+only scan that holds tags (a grouped-matmul kernel may loop internally).
 
 Balance. `MoE.__call__` returns (y, aux) with
 - ``aux["load"]``: float32 [experts], token copies routed to each expert (before any drop),
@@ -41,10 +49,11 @@ experts (gate_proj, up_proj [experts, D, F], down_proj [experts, F, D]), shared_
 """
 from __future__ import annotations
 
+import functools
 import importlib
-import importlib.util
 import math
-from typing import Any, Literal
+import warnings
+from typing import Any, Callable, Literal
 
 import jax
 import jax.numpy as jnp
@@ -138,20 +147,87 @@ def update_routing_bias(model: nnx.Module, aux: dict[str, Any], rate: float) -> 
 
 
 # -- the experts and their dispatch ---------------------------------------------------------------------------
-def resolve_backend(backend: str) -> str:
-    """The backend that runs: "auto" picks tokamax on a GPU when it is installed, else ragged_dot."""
-    if backend not in BACKENDS:
-        raise ValueError(f"moe_backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "tokamax" if tokamax_available() and jax.default_backend() == "gpu" else "ragged_dot"
-    if backend == "tokamax" and not tokamax_available():
-        raise ValueError("moe_backend='tokamax' needs the tokamax package (pip install tokamax; jax >= 0.11.1), "
-                         "which is not installed; use 'ragged_dot' or 'capacity'")
-    return backend
+@functools.cache
+def tokamax_status() -> tuple[bool, str]:
+    """(True, version) if tokamax imports here, else (False, why not). Imported once, only when asked."""
+    try:
+        tokamax = importlib.import_module("tokamax")
+    except Exception as e:  # noqa: BLE001: ImportError, or a dependency failing at import
+        return False, f"tokamax does not import ({type(e).__name__}: {str(e)[:200]})"
+    return True, f"tokamax {getattr(tokamax, '__version__', '?')}"
 
 
 def tokamax_available() -> bool:
-    return importlib.util.find_spec("tokamax") is not None
+    return tokamax_status()[0]
+
+
+def _is_nvidia(device: jax.Device) -> bool:
+    return device.platform == "gpu" and "cuda" in str(getattr(device.client, "platform_version", "")).lower()
+
+
+def _tokamax_kernel_covers(device: jax.Device, dtype) -> str | None:
+    """None if tokamax's Mosaic GPU grouped matmul covers `dtype` on `device`, else the reason it does not."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"its Mosaic GPU kernel takes bf16/fp16, not {jnp.dtype(dtype).name}"
+    cc = str(getattr(device, "compute_capability", ""))
+    if cc.split(".")[0] not in ("8", "9", "10"):
+        return f"its Mosaic GPU kernel has no version for compute capability {cc or 'unknown'}"
+    return None
+
+
+def backend_choice(backend: str, *, dtype=jnp.bfloat16, device: jax.Device | None = None) -> tuple[str, str]:
+    """(the backend that runs, why) for the configured `backend` on `device` (default: the first device)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"moe_backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "tokamax":
+        ok, why = tokamax_status()
+        if not ok:
+            raise ValueError(f"moe_backend='tokamax' needs the tokamax package (pip install tokamax; jax >= 0.11.1): "
+                             f"{why}; use 'ragged_dot' or 'capacity'")
+        return "tokamax", f"asked for ({why})"
+    if backend != "auto":
+        return backend, "asked for"
+    device = device or jax.devices()[0]
+    if not _is_nvidia(device):
+        return "ragged_dot", f"auto on {device.platform}: jax.lax.ragged_dot, dropless"
+    ok, why = tokamax_status()
+    if ok:
+        why = _tokamax_kernel_covers(device, dtype)
+        if why is None:
+            return "tokamax", f"auto on {device.device_kind}: tokamax's Mosaic GPU grouped matmul, dropless"
+    return "capacity", (f"auto on {device.device_kind}: capacity dispatch (drops copies over capacity; counted in "
+                        f"aux['dropped']), because tokamax is unusable ({why}) and jax.lax.ragged_dot computes "
+                        f"every expert for every row on GPUs")
+
+
+def resolve_backend(backend: str, *, dtype=jnp.bfloat16, device: jax.Device | None = None) -> str:
+    """The backend that runs for the configured `backend` (see `backend_choice`)."""
+    return backend_choice(backend, dtype=dtype, device=device)[0]
+
+
+def _tokamax_ragged_dot() -> Callable:
+    tokamax = importlib.import_module("tokamax")
+    # On an NVIDIA GPU name the Mosaic kernel: an unsupported case raises instead of silently taking XLA's dense
+    # ragged_dot. Elsewhere (CPU tests) tokamax chooses, i.e. XLA.
+    impl = "mosaic" if _is_nvidia(jax.devices()[0]) else None
+    return functools.partial(tokamax.ragged_dot, implementation=impl)
+
+
+# backend -> a factory of its grouped matmul, with `jax.lax.ragged_dot`'s signature (rows [N, D] sorted by group,
+# weights [G, D, F], group_sizes [G]) -> [N, F]. Tests swap an entry for a stand-in (with monkeypatch).
+GROUPED_MATMULS: dict[str, Callable[[], Callable]] = {
+    "ragged_dot": lambda: jax.lax.ragged_dot,
+    "tokamax": _tokamax_ragged_dot,
+}
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
 
 
 def capacity(num_rows: int, num_experts: int, capacity_factor: float) -> int:
@@ -179,10 +255,7 @@ class Experts(nnx.Module):
 
     def grouped(self, rows: jax.Array, group_sizes: jax.Array, backend: str) -> jax.Array:
         """rows [N, D] sorted by expert, group_sizes [E] -> [N, D] through each row's expert (dropless)."""
-        if backend == "tokamax":
-            matmul = importlib.import_module("tokamax").ragged_dot
-        else:
-            matmul = jax.lax.ragged_dot
+        matmul = GROUPED_MATMULS[backend]()
         w_gate, w_up, w_down = self.weights()
         gate = name(matmul(rows, w_gate, group_sizes), "moe_mlpwi_0")
         up = name(matmul(rows, w_up, group_sizes), "moe_mlpwi_1")
@@ -209,7 +282,7 @@ class MoE(TaggedLayer):
         if not 0 < k <= topk_group * (num_experts // n_group):
             raise ValueError(f"MoE: num_experts_per_tok={k} must be in [1, {topk_group * (num_experts // n_group)}] "
                              f"(topk_group * experts per group)")
-        resolve_backend(backend)  # fail early on an unknown or missing backend
+        backend_choice(backend, dtype=dtype)  # fail early on an unknown or missing backend
         self.gate = Router(dim=dim, num_experts=num_experts, k=k, n_group=n_group, topk_group=topk_group,
                            routed_scaling_factor=routed_scaling_factor, norm_topk_prob=norm_topk_prob,
                            param_dtype=param_dtype, rngs=rngs)
@@ -236,7 +309,9 @@ class MoE(TaggedLayer):
         rows = jnp.broadcast_to(flat[:, None, :], (t, k, d)).reshape(t * k, d)
         rows = rows.at[order].get(unique_indices=True)                                  # [T*k, D] by expert
 
-        backend = resolve_backend(self.backend)
+        backend, why = backend_choice(self.backend, dtype=self.dtype)
+        if backend == "capacity" and self.backend == "auto":
+            _warn_once(f"MoE: {why}")
         if backend == "capacity":
             out, dropped = self._capacity_dispatch(rows, expert_of_copy[order], group_sizes)
         else:
