@@ -44,8 +44,9 @@ def one_device(model, tokens):
     return jax.device_get(f(params, tokens))
 
 
-def sharded(build, cfg, recipe, spec, tokens, want_host):
-    """Build under `spec`, check parameter shardings, run the step, check the offloaded values' shardings."""
+def sharded(build, cfg, recipe, spec, tokens, want_host, all_to_all=False):
+    """Build under `spec`, check parameter shardings, run the step, check the offloaded values' shardings (and,
+    with `all_to_all`, that the compiled step moves token copies between devices with all-to-alls)."""
     mesh = sharding.make_mesh(spec)
     rules = sharding.rules_for(mesh)
     sharding.check_mesh(cfg, mesh, batch=tokens.shape[0])
@@ -55,10 +56,14 @@ def sharded(build, cfg, recipe, spec, tokens, want_host):
     with sharding.use(mesh, rules):
         t = jax.device_put(tokens, sharding.batch_sharding(mesh))
         traced = f.trace(params, t)   # one trace: compiled for the CPU devices, lowered for CUDA to read
-        out = jax.device_get(traced.lower().compile()(params, t))
+        compiled = traced.lower().compile()
+        out = jax.device_get(compiled(params, t))
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
     got = offloaded_shardings(text)
     assert got == want_host, f"{spec}: offloaded values {got}, expected {want_host}"
+    if all_to_all:  # forward dispatch, combine, and their transposes in the backward pass
+        n = compiled.as_text().count(" all-to-all(")
+        assert n >= 2, f"{spec}: {n} all-to-alls in the compiled step"
     return out
 
 
@@ -79,6 +84,24 @@ def check_parameters(model, build, cfg, mesh, rules):
             assert all(rule[n] is None for n in logical[path]), (path, logical[path])
         shards = np.prod([mesh.shape[a] for axes in want if axes for a in ((axes,) if isinstance(axes, str) else axes)])
         assert {s.data.size for s in value.addressable_shards} == {value.size // shards}, path
+
+
+def check_optimizer_state(cfg):
+    """`sharding.init` of (model, AdamW): the moments are sharded like their parameters (fsdp=4 x tp=2)."""
+    import optax
+    mesh = sharding.make_mesh("fsdp=4,tp=2")
+
+    def make():
+        model = zoo.models.llama3(cfg, rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+
+    model, opt = sharding.init(make, mesh)
+    params = {k: v.get_value().sharding.spec for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    for moment in ("mu", "nu"):
+        got = {k[3:]: v.get_value().sharding.spec for k, v in nnx.to_flat_state(nnx.state(opt))
+               if k[:3] == ("opt_state", 0, moment)}
+        assert got == params, (moment, got, params)
+    assert params[("layers", "layers", "mlp", "up_proj", "kernel")] == P(None, "fsdp", "tp")
 
 
 DEF = re.compile(r"^\s*(%[\w#]+) = sdy\.sharding_constraint (%[\w#]+) <@\w+, \[(.*)\]> : (tensor<[^>]+>)")
@@ -126,6 +149,7 @@ def llama():
     tokens = jax.random.randint(jax.random.key(1), (8, 16), 0, cfg.vocab_size, dtype=jnp.int32)
     ref = one_device(zoo.models.llama3(cfg, recipe=recipe, rngs=nnx.Rngs(0)), tokens)
     # tensor<B x S x heads x head_dim>: q [8,16,4,16], k and v [8,16,2,16]; batch over the data axes, heads over tp.
+    check_optimizer_state(cfg)
     for spec, host in [("fsdp=8", {"tensor<8x16x4x16xf32>": "[fsdp,,,]", "tensor<8x16x2x16xf32>": "[fsdp,,,]"}),
                        ("fsdp=4,tp=2", {"tensor<8x16x4x16xf32>": "[fsdp,,tp,]", "tensor<8x16x2x16xf32>": "[fsdp,,tp,]"}),
                        ("dp=4,tp=2", {"tensor<8x16x4x16xf32>": "[dp,,tp,]", "tensor<8x16x2x16xf32>": "[dp,,tp,]"})]:
@@ -146,10 +170,11 @@ def deepseek():
     compare("fsdp=8 ragged_dot", sharded(zoo.models.deepseek_v3, ragged_cfg, recipe, "fsdp=8", tokens,
                                          {**{t: "[fsdp,,,]" for t in qkv}, "tensor<128x40xf32>": "[,]"}), ref)
     compare("ep=8 capacity", sharded(zoo.models.deepseek_v3, cfg, recipe, "ep=8", tokens,
-                                     {**{t: "[ep,,,]" for t in qkv}, "tensor<8x64x40xf32>": "[ep,,]"}), ref)
+                                     {**{t: "[ep,,,]" for t in qkv}, "tensor<8x64x40xf32>": "[ep,,]"},
+                                     all_to_all=True), ref)
     compare("fsdp=2,ep=4 capacity", sharded(zoo.models.deepseek_v3, cfg, recipe, "fsdp=2,ep=4", tokens,
                                             {**{t: "[fsdp ep,,,]" for t in qkv},
-                                             "tensor<8x64x40xf32>": "[ep,fsdp,]"}), ref)
+                                             "tensor<8x64x40xf32>": "[ep,fsdp,]"}, all_to_all=True), ref)
 
 
 def dataclass_replace(cfg, **kw):

@@ -82,6 +82,17 @@ def test_bad_meshes_for_a_model_raise_naming_both_numbers(cfg, mesh, batch, matc
         sharding.check_mesh(cfg, mesh, batch=batch)
 
 
+def test_per_device_shapes_on_an_abstract_mesh():
+    """The planner's view: per-device shapes under a mesh of no devices (fsdp=4 x tp=2 x ep=2 of 16)."""
+    mesh = jax.sharding.AbstractMesh((1, 4, 2, 2), sharding.MESH_ORDER)
+    assert sharding.shard_shape((8, 128, 4, 16), sharding.BSH, mesh) == (1, 128, 2, 16)   # batch / (fsdp x ep)
+    assert sharding.shard_shape((126, 16384, 128, 128), ("layers", "embed", "heads", "head_dim"), mesh) == (
+        126, 4096, 64, 128)
+    assert sharding.shard_shape((8, 64, 40), ("experts", "exp_batch", "moe_mlp"), mesh) == (4, 16, 20)
+    with sharding.use(mesh):
+        assert sharding.size_of("batch") == 8 and sharding.size_of("experts") == 2 and sharding.size_of("seq") == 1
+
+
 def test_constraints_are_no_ops_without_a_mesh():
     """Outside `sharding.use` the tag sites add no sharding constraint; inside, each tagged value gets one."""
     model = zoo.models.llama3(zoo.models.LlamaConfig.tiny(), rngs=nnx.Rngs(0))

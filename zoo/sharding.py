@@ -131,10 +131,12 @@ def rules_for(mesh) -> tuple[tuple[str, Any], ...]:
 # -- the context ---------------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def use(mesh, rules: Iterable[tuple[str, Any]] | None = None):
-    """Activate `mesh` (`jax.set_mesh`) and its logical-axis rules (`nn.logical_axis_rules`; default
+    """Activate `mesh` (`jax.set_mesh`; an AbstractMesh for tracing without devices) and its logical-axis rules (`nn.logical_axis_rules`; default
     `rules_for(mesh)`). Trace (first call) jitted steps inside it: the activation constraints read both then."""
     rules = tuple(rules) if rules is not None else rules_for(mesh)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    mesh_context = (jax.sharding.use_abstract_mesh(mesh) if isinstance(mesh, jax.sharding.AbstractMesh)
+                    else jax.set_mesh(mesh))
+    with mesh_context, nn.logical_axis_rules(rules):
         yield
 
 
@@ -194,32 +196,50 @@ def check_divisible(state, mesh, rules: Iterable[tuple[str, Any]] | None = None)
                                  f"which {'x'.join(axes)}={shards} does not divide")
 
 
-def create(build: Callable[..., nnx.Module], cfg, *, recipe=None, mesh=None,
-           rules: Iterable[tuple[str, Any]] | None = None, seed: int = 0) -> nnx.Module:
-    """`build(cfg, recipe=recipe, rngs=nnx.Rngs(seed))` with every variable created on its sharding: an abstract
-    init (`nnx.eval_shape`, nothing allocated), then one jitted init whose `out_shardings` are the rules' shardings,
-    so no device ever holds a full copy of a sharded parameter. Same values as the unsharded build with that seed.
-    `mesh` defaults to the active one (`jax.set_mesh`); without any, the plain build."""
+def init(make: Callable[[], Any], mesh=None, rules: Iterable[tuple[str, Any]] | None = None):
+    """`make()` (any nnx graph: a model, or `(model, optimizer)`) with every variable created on its sharding: an
+    abstract init (`nnx.eval_shape`, nothing allocated), then one jitted init whose `out_shardings` are the rules'
+    shardings, so no device ever holds a full copy of a sharded variable. Values are those `make()` gives.
+    Optimizer state inherits its parameters' logical axes, so it is sharded like them. `mesh` defaults to the
+    active one (`jax.set_mesh`); without any, `make()`."""
     mesh = mesh if mesh is not None else jax.sharding.get_mesh()
-
-    def make():
-        return build(cfg, recipe=recipe, rngs=nnx.Rngs(seed))
-
     if mesh is None or mesh.empty:
         return make()
     rules = tuple(rules) if rules is not None else rules_for(mesh)
-    if hasattr(cfg, "num_heads"):
-        check_mesh(cfg, mesh)
     # Logical names are not mesh axes: build the abstract model with no mesh active (nnx.eval_shape would read
     # them as mesh axes), then map them with the rules.
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+    no_mesh = jax.sharding.AbstractMesh((), ())
+    with jax.sharding.use_abstract_mesh(no_mesh):
         abstract = nnx.eval_shape(make)
     graphdef, state = nnx.split(abstract)
     check_divisible(state, mesh, rules)
     out = shardings(state, mesh, rules)
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+    with jax.sharding.use_abstract_mesh(no_mesh):
         state = jax.jit(lambda: nnx.state(make()), out_shardings=out)()
     return nnx.merge(graphdef, state)
+
+
+def create(build: Callable[..., nnx.Module], cfg, *, recipe=None, mesh=None,
+           rules: Iterable[tuple[str, Any]] | None = None, seed: int = 0) -> nnx.Module:
+    """`build(cfg, recipe=recipe, rngs=nnx.Rngs(seed))` created sharded (`init`), after `check_mesh(cfg, mesh)`."""
+    mesh = mesh if mesh is not None else jax.sharding.get_mesh()
+    if mesh is not None and not mesh.empty:
+        check_mesh(cfg, mesh)
+    return init(lambda: build(cfg, recipe=recipe, rngs=nnx.Rngs(seed)), mesh, rules)
+
+
+def shard_shape(shape: Sequence[int], axes: Sequence[str | None], mesh,
+                rules: Iterable[tuple[str, Any]] | None = None) -> tuple[int, ...]:
+    """Per-device shape of a [shape] array with logical `axes` under `mesh` (a Mesh or an AbstractMesh) and
+    `rules`: what the planner divides by (`--mesh`)."""
+    rules = tuple(rules) if rules is not None else rules_for(mesh)
+    spec = nn.logical_to_mesh_axes(tuple(axes), rules)
+    sizes = dict(mesh.shape)
+    out = []
+    for size, a in zip(shape, spec):
+        n = math.prod(sizes[x] for x in (() if a is None else (a,) if isinstance(a, str) else a))
+        out.append(-(-size // n))
+    return tuple(out)
 
 
 # -- checks --------------------------------------------------------------------------------------------------------

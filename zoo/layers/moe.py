@@ -21,6 +21,18 @@ back in token order and summed with the routing weights. One shared expert sees 
 
 Every backend gives the same outputs when nothing is dropped.
 
+Under a mesh (`zoo.sharding`). The capacity backend is GShard's: the batch is cut into G groups, one per shard of
+the batch (dp x fsdp x ep; G = 1 on one device), each group routes and fills its own C = ceil(capacity_factor *
+group copies / experts) slots, and the buffer is laid out [experts, G*C, ...] with experts over `ep` and the groups
+over dp x fsdp: XLA moves each copy to its expert's device and back with all-to-alls, and every expert's
+activations stay on its device (the tags are these sharded buffers: per-device host bytes = plan / shards).
+Capacity is per group, so which copies drop can depend on the mesh; with nothing dropped the results equal one
+device's. The dropless backends (ragged_dot, tokamax) sort all copies at once: under a mesh they run correctly,
+XLA gathering the rows and the expert weights (no expert parallelism; their moe_* tags are not sharded over the
+batch). A `jax.lax.ragged_all_to_all` dispatch under `shard_map` is not built (XLA:CPU has no ragged-all-to-all,
+so it could not be tested here). Load statistics (`aux["load"]`, summed over groups) and the balance loss are
+global: the routing-bias update is the same on any mesh.
+
 Tags: moe_mlpwi_0 (experts' gate, before the activation), moe_mlpwi_1 (up), moe_mlpwo (down) over the dispatched
 rows; shared_mlpwi_0, shared_mlpwi_1, shared_mlpwo (the shared expert). No scan inside: the stack is the only scan.
 
