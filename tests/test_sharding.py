@@ -9,6 +9,7 @@ value moved to pinned host memory is the constrained (sharded) activation.
 """
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -91,6 +92,31 @@ def test_per_device_shapes_on_an_abstract_mesh():
     assert sharding.shard_shape((8, 64, 40), ("experts", "exp_batch", "moe_mlp"), mesh) == (4, 16, 20)
     with sharding.use(mesh):
         assert sharding.size_of("batch") == 8 and sharding.size_of("experts") == 2 and sharding.size_of("seq") == 1
+
+
+@pytest.mark.parametrize("model,spec", [("llama", "fsdp=4,tp=2"), ("llama", "dp=2,fsdp=4"),
+                                        ("deepseek", "fsdp=2,ep=4"), ("deepseek", "ep=8")])
+def test_offloaded_bytes_per_device_are_the_plan_over_the_shards(model, spec):
+    """Traced on an abstract 8-device mesh: every tag the offload recipe moves to host memory is split over all 8
+    devices (per-device bytes = one device's plan / 8); read from the constraint at each tag site."""
+    if model == "llama":
+        from recipes.llama3 import RECIPES
+        recipe = RECIPES["qkv_offload"]
+        m = nnx.eval_shape(lambda: zoo.models.llama3(zoo.models.LlamaConfig.tiny(), rngs=nnx.Rngs(0)))
+    else:
+        from recipes.deepseek_v3 import RECIPES
+        recipe = RECIPES["mla_moe_offload"]
+        cfg = zoo.models.DeepSeekV3Config.tiny(moe_backend="capacity", capacity_factor=4.0)
+        m = nnx.eval_shape(lambda: zoo.models.deepseek_v3(cfg, rngs=nnx.Rngs(0)))
+    mesh = sharding.abstract_mesh(spec, 8)
+    per_device = sharding.tag_shard_shapes(m, 8, 16, mesh)
+    offloaded = 0
+    for stack, st in m.tag_shapes(8, 16).items():
+        for tag, sds in st.tags.items():
+            if recipe.placement(tag) == "offload":
+                offloaded += 1
+                assert 8 * math.prod(per_device[stack][tag]) == math.prod(sds.shape), (stack, tag, per_device[stack][tag])
+    assert offloaded >= 3
 
 
 def test_constraints_are_no_ops_without_a_mesh():

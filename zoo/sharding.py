@@ -109,6 +109,13 @@ def make_mesh(spec: str | Mapping[str, int] | None = None, devices: Sequence[Any
     return jax.make_mesh(tuple(sizes[a] for a in MESH_ORDER), MESH_ORDER, axis_types=auto, devices=devices)
 
 
+def abstract_mesh(spec: str | Mapping[str, int] | None, num_devices: int) -> jax.sharding.AbstractMesh:
+    """The mesh of `make_mesh(spec)` over `num_devices` devices, without devices (for planning and tracing)."""
+    sizes = parse_mesh(spec, num_devices)
+    auto = (jax.sharding.AxisType.Auto,) * len(MESH_ORDER)
+    return jax.sharding.AbstractMesh(tuple(sizes[a] for a in MESH_ORDER), MESH_ORDER, axis_types=auto)
+
+
 def mesh_sizes(mesh) -> dict[str, int]:
     """{axis: size} for the four axes (1 for an axis the mesh lacks)."""
     shape = dict(mesh.shape) if mesh is not None and not mesh.empty else {}
@@ -273,3 +280,37 @@ def batch_sharding(mesh, rules: Iterable[tuple[str, Any]] | None = None, ndim: i
     """The sharding of a [batch, seq, ...] input: batch over the data axes, the rest whole."""
     rules = tuple(rules) if rules is not None else rules_for(mesh)
     return NamedSharding(mesh, nn.logical_to_mesh_axes(("batch",) + (None,) * (ndim - 1), rules))
+
+
+# -- per-device tag shapes (for the planner) -------------------------------------------------------------------------
+def _walk(jaxpr, constrained: dict, found: dict) -> None:
+    from zoo.tags import _sub_jaxprs
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "sharding_constraint":
+            constrained[eqn.outvars[0]] = eqn.params["sharding"]
+        elif eqn.primitive.name == "name":
+            aval = eqn.outvars[0].aval
+            s = constrained.get(eqn.invars[0])
+            found[eqn.params["name"]] = tuple(aval.shape) if s is None else tuple(s.shard_shape(aval.shape))
+        else:
+            for sub in _sub_jaxprs(eqn.params):
+                _walk(sub, constrained, found)
+
+
+def tag_shard_shapes(model, batch: int, seq: int, mesh, rules: Iterable[tuple[str, Any]] | None = None
+                     ) -> dict[str, dict[str, tuple[int, ...]]]:
+    """{stack: {tag: per-device shape}} of one layer of each stack of a `CausalLM` for a global [batch, seq]
+    input under `mesh` (an AbstractMesh is enough: nothing runs) and `rules`: each tag's shape divided by the
+    sharding constraint at its tag site (a tag with no constraint keeps its global shape). Host bytes per device
+    of a recipe = these shapes' bytes over the offloaded tags, times the layers."""
+    from zoo.models.stack import layer_body
+    x = jax.ShapeDtypeStruct((batch, seq, model.config.dim), jax.numpy.dtype(model.config.dtype))
+    out = {}
+    for stack_name, stack in model.stacks().items():
+        graphdef, state = stack.abstract_layer()
+        with use(mesh, rules):
+            jaxpr = jax.make_jaxpr(lambda s, x: layer_body(nnx.merge(graphdef, s), x))(state, x)
+        found: dict[str, tuple[int, ...]] = {}
+        _walk(jaxpr.jaxpr, {}, found)
+        out[stack_name] = found
+    return out
