@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -309,7 +310,7 @@ def tag_shard_shapes(model, batch: int, seq: int, mesh, rules: Iterable[tuple[st
     for stack_name, stack in model.stacks().items():
         graphdef, state = stack.abstract_layer()
         with use(mesh, rules):
-            jaxpr = jax.make_jaxpr(lambda s, x: layer_body(nnx.merge(graphdef, s), x))(state, x)
+            jaxpr = jax.make_jaxpr(lambda s, x, g=graphdef: layer_body(nnx.merge(g, s), x))(state, x)
         found: dict[str, tuple[int, ...]] = {}
         _walk(jaxpr.jaxpr, {}, found)
         out[stack_name] = found

@@ -64,9 +64,9 @@ from einops import rearrange, repeat
 from flax import nnx
 
 from zoo import sharding
-from zoo.layers.tagged import TaggedLayer
 from zoo.layers.linear import fan_in_init, logical
 from zoo.layers.mlp import MLP
+from zoo.layers.tagged import TaggedLayer
 from zoo.tags import name
 
 Backend = Literal["auto", "ragged_dot", "tokamax", "capacity"]
@@ -240,7 +240,7 @@ class MoE(TaggedLayer):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """x [B, S, D] -> (y [B, S, D], aux); see the module docstring for aux."""
-        b, s, d = x.shape
+        b, s, _ = x.shape
         e, k = self.num_experts, self.k
         backend = resolve_backend(self.backend)
         # Dispatch groups: one per shard of the batch under a mesh (GShard), one on a single device (a batch the
@@ -250,7 +250,6 @@ class MoE(TaggedLayer):
         flat = rearrange(x, "(g b) s d -> g (b s) d", g=g)
         if g > 1:
             flat = sharding.constrain(flat, ("batch", None, "embed"))
-        t = flat.shape[1]                                                                # tokens per group
         scores, weights, idx = self.gate(rearrange(flat, "g t d -> (g t) d"))
         idx_g = rearrange(idx, "(g t) k -> g (t k)", g=g)                               # expert of each copy
 
@@ -282,7 +281,7 @@ class MoE(TaggedLayer):
         """rows [G, N, D] sorted by `expert` [G, N] within each group -> (out [G, N, D] with dropped rows zero,
         number dropped). Each group fills its own [E, C] slots; the buffer is laid out [E, G*C, D] with experts
         over `ep`, so under expert parallelism XLA moves the copies to their experts' devices (an all-to-all)."""
-        g, n, d = rows.shape
+        g, n, d = rows.shape                                                             # n: copies per group
         e = self.num_experts
         c = capacity(n, e, self.capacity_factor)
         starts = jnp.cumsum(group_sizes, axis=-1) - group_sizes                          # [G, E]
