@@ -59,10 +59,16 @@ def vocabulary() -> str:
     return ", ".join(NAMES)
 
 
-def name(x: jax.Array, tag: str) -> jax.Array:
-    """Tag `x` as the intermediate `tag`: `checkpoint_name` restricted to the vocabulary."""
+def name(x: jax.Array, tag: str, axes: tuple[str | None, ...] | None = None) -> jax.Array:
+    """Tag `x` as the intermediate `tag`: `checkpoint_name` restricted to the vocabulary.
+
+    `axes`: the logical axis names of `x`. Under an active mesh and rules (`zoo.sharding.use`) a sharding constraint
+    by those names comes first, so an offloaded residual keeps its sharding in host memory; a no-op otherwise."""
     if tag not in TAGS:
         raise ValueError(f"unknown tag {tag!r}; the vocabulary is: {vocabulary()}")
+    if axes is not None:
+        from zoo import sharding
+        x = sharding.constrain(x, axes)
     return checkpoint_name(x, tag)
 
 

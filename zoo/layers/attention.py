@@ -31,6 +31,7 @@ from flax import nnx
 from zoo.layers.tagged import TaggedLayer
 from zoo.layers.linear import projection
 from zoo.layers.rope import Rope
+from zoo.sharding import BSD, BSH, BSK
 from zoo.tags import name
 
 Implementation = Literal["xla", "cudnn"] | None
@@ -147,8 +148,8 @@ class Attention(TaggedLayer):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         pos = positions_for(x)
-        q = name(self.rope(self.q_proj(x), pos), "query_proj")
-        k = name(self.rope(self.k_proj(x), pos), "key_proj")
-        v = name(self.v_proj(x), "value_proj")
-        out = name(causal_attention(q, k, v, implementation=self.implementation), "attention_out")
-        return name(self.o_proj(out), "out_proj")
+        q = name(self.rope(self.q_proj(x), pos), "query_proj", BSH)
+        k = name(self.rope(self.k_proj(x), pos), "key_proj", BSK)
+        v = name(self.v_proj(x), "value_proj", BSK)
+        out = name(causal_attention(q, k, v, implementation=self.implementation), "attention_out", BSH)
+        return name(self.o_proj(out), "out_proj", BSD)

@@ -28,6 +28,18 @@ back in token order and summed with the routing weights. One shared expert sees 
 
 Every backend gives the same outputs when nothing is dropped.
 
+Under a mesh (`zoo.sharding`). The capacity backend is GShard's: the batch is cut into G groups, one per shard of
+the batch (dp x fsdp x ep; G = 1 on one device), each group routes and fills its own C = ceil(capacity_factor *
+group copies / experts) slots, and the buffer is laid out [experts, G*C, ...] with experts over `ep` and the groups
+over dp x fsdp: XLA moves each copy to its expert's device and back with all-to-alls, and every expert's
+activations stay on its device (the tags are these sharded buffers: per-device host bytes = plan / shards).
+Capacity is per group, so which copies drop can depend on the mesh; with nothing dropped the results equal one
+device's. The dropless backends (ragged_dot, tokamax) sort all copies at once: under a mesh they run correctly,
+XLA gathering the rows and the expert weights (no expert parallelism; their moe_* tags are not sharded over the
+batch). A `jax.lax.ragged_all_to_all` dispatch under `shard_map` is not built (XLA:CPU has no ragged-all-to-all,
+so it could not be tested here). Load statistics (`aux["load"]`, summed over groups) and the balance loss are
+global: the routing-bias update is the same on any mesh.
+
 Tags: moe_mlpwi_0 (experts' gate, before the activation), moe_mlpwi_1 (up), moe_mlpwo (down) over the dispatched
 rows; shared_mlpwi_0, shared_mlpwi_1, shared_mlpwo (the shared expert). No tag sits inside a loop: the stack is the
 only scan that holds tags (a grouped-matmul kernel may loop internally).
@@ -57,11 +69,13 @@ from typing import Any, Callable, Literal
 
 import jax
 import jax.numpy as jnp
+from einops import rearrange, repeat
 from flax import nnx
 
-from zoo.layers.tagged import TaggedLayer
+from zoo import sharding
 from zoo.layers.linear import fan_in_init, logical
 from zoo.layers.mlp import MLP
+from zoo.layers.tagged import TaggedLayer
 from zoo.tags import name
 
 Backend = Literal["auto", "ragged_dot", "tokamax", "capacity"]
@@ -257,16 +271,19 @@ class Experts(nnx.Module):
         """rows [N, D] sorted by expert, group_sizes [E] -> [N, D] through each row's expert (dropless)."""
         matmul = GROUPED_MATMULS[backend]()
         w_gate, w_up, w_down = self.weights()
-        gate = name(matmul(rows, w_gate, group_sizes), "moe_mlpwi_0")
-        up = name(matmul(rows, w_up, group_sizes), "moe_mlpwi_1")
-        return name(matmul(jax.nn.silu(gate) * up, w_down, group_sizes), "moe_mlpwo")
+        gate = name(matmul(rows, w_gate, group_sizes), "moe_mlpwi_0", (None, "moe_mlp"))
+        up = name(matmul(rows, w_up, group_sizes), "moe_mlpwi_1", (None, "moe_mlp"))
+        return name(matmul(jax.nn.silu(gate) * up, w_down, group_sizes), "moe_mlpwo", (None, "embed"))
 
     def batched(self, buf: jax.Array) -> jax.Array:
-        """buf [E, C, D] (expert e's rows in buf[e]) -> [E, C, D]: a batched einsum per expert."""
+        """buf [E, C, D] (expert e's rows in buf[e]) -> [E, C, D]: a batched einsum per expert. Under a mesh the
+        buffers are constrained experts -> ep (and their rows over the batch groups' data axes)."""
         w_gate, w_up, w_down = self.weights()
-        gate = name(jnp.einsum("ecd,edf->ecf", buf, w_gate), "moe_mlpwi_0")
-        up = name(jnp.einsum("ecd,edf->ecf", buf, w_up), "moe_mlpwi_1")
-        return name(jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, w_down), "moe_mlpwo")
+        buf = sharding.constrain(buf, ("experts", "exp_batch", "embed"))
+        gate = name(jnp.einsum("ecd,edf->ecf", buf, w_gate), "moe_mlpwi_0", ("experts", "exp_batch", "moe_mlp"))
+        up = name(jnp.einsum("ecd,edf->ecf", buf, w_up), "moe_mlpwi_1", ("experts", "exp_batch", "moe_mlp"))
+        return name(jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, w_down), "moe_mlpwo",
+                    ("experts", "exp_batch", "embed"))
 
 
 class MoE(TaggedLayer):
@@ -296,45 +313,58 @@ class MoE(TaggedLayer):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """x [B, S, D] -> (y [B, S, D], aux); see the module docstring for aux."""
-        b, s, d = x.shape
-        t, e, k = b * s, self.num_experts, self.k
-        flat = x.reshape(t, d)
-        scores, weights, idx = self.gate(flat)
-
-        # Sort the T*k token copies by expert (stable: token order within an expert).
-        expert_of_copy = idx.reshape(t * k)
-        order = jnp.argsort(expert_of_copy, stable=True)
-        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype), unique_indices=True)
-        group_sizes = jnp.bincount(expert_of_copy, length=e).astype(jnp.int32)
-        rows = jnp.broadcast_to(flat[:, None, :], (t, k, d)).reshape(t * k, d)
-        rows = rows.at[order].get(unique_indices=True)                                  # [T*k, D] by expert
-
+        b, s, _ = x.shape
+        e, k = self.num_experts, self.k
         backend, why = backend_choice(self.backend, dtype=self.dtype)
         if backend == "capacity" and self.backend == "auto":
             _warn_once(f"MoE: {why}")
+        # Dispatch groups: one per shard of the batch under a mesh (GShard), one on a single device (a batch the
+        # mesh does not divide, e.g. the recipe check's batch of 1, gets gcd(batch, shards)). The dropless backends
+        # sort all copies at once (one group).
+        g = math.gcd(b, sharding.size_of("batch")) if backend == "capacity" else 1
+        flat = rearrange(x, "(g b) s d -> g (b s) d", g=g)
+        if g > 1:
+            flat = sharding.constrain(flat, ("batch", None, "embed"))
+        scores, weights, idx = self.gate(rearrange(flat, "g t d -> (g t) d"))
+        idx_g = rearrange(idx, "(g t) k -> g (t k)", g=g)                               # expert of each copy
+
+        # Sort each group's T*k token copies by expert (stable: token order within an expert).
+        order = jnp.argsort(idx_g, axis=-1, stable=True)
+        inverse = jnp.argsort(order, axis=-1)
+        group_sizes = jax.vmap(lambda i: jnp.bincount(i, length=e))(idx_g).astype(jnp.int32)        # [G, E]
+        rows = jnp.take_along_axis(repeat(flat, "g t d -> g (t k) d", k=k), order[..., None], axis=1)  # by expert
+        expert = jnp.take_along_axis(idx_g, order, axis=-1)
+
         if backend == "capacity":
-            out, dropped = self._capacity_dispatch(rows, expert_of_copy[order], group_sizes)
+            out, dropped = self._capacity_dispatch(rows, expert, group_sizes)
         else:
-            out, dropped = self.experts.grouped(rows, group_sizes, backend), jnp.zeros((), jnp.int32)
+            out = self.experts.grouped(rows[0], group_sizes[0], backend)[None]
+            dropped = jnp.zeros((), jnp.int32)
 
         # Back to token order, weighted sum over each token's k experts (accumulated in float32).
-        out = out.at[inverse].get(unique_indices=True).reshape(t, k, d)
+        out = rearrange(jnp.take_along_axis(out, inverse[..., None], axis=1), "g (t k) d -> (g t) k d", k=k)
         y = jnp.einsum("tkd,tk->td", out, weights.astype(out.dtype), preferred_element_type=jnp.float32)
-        y = y.astype(self.dtype).reshape(b, s, d)
+        y = rearrange(y.astype(self.dtype), "(g b s) d -> (g b) s d", g=g, s=s)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
-        aux = {"load": group_sizes.astype(jnp.float32),
+        aux = {"load": jnp.sum(group_sizes, axis=0).astype(jnp.float32),     # global: summed over the groups
                "balance_loss": balance_loss(scores, idx, batch=b, weight=self.balance_loss_weight),
                "dropped": dropped}
         return y, aux
 
     def _capacity_dispatch(self, rows: jax.Array, expert: jax.Array, group_sizes: jax.Array):
-        """rows [N, D] sorted by `expert` [N] -> (out [N, D] with dropped rows zero, number dropped)."""
-        n, d = rows.shape
-        c = capacity(n, self.num_experts, self.capacity_factor)
-        starts = jnp.cumsum(group_sizes) - group_sizes
-        slot = jnp.arange(n, dtype=jnp.int32) - starts[expert].astype(jnp.int32)      # rank within its expert
-        buf = jnp.zeros((self.num_experts, c, d), rows.dtype).at[expert, slot].set(rows, mode="drop")
-        out = self.experts.batched(buf)
-        out = out.at[expert, slot].get(mode="fill", fill_value=0)
+        """rows [G, N, D] sorted by `expert` [G, N] within each group -> (out [G, N, D] with dropped rows zero,
+        number dropped). Each group fills its own [E, C] slots; the buffer is laid out [E, G*C, D] with experts
+        over `ep`, so under expert parallelism XLA moves the copies to their experts' devices (an all-to-all)."""
+        g, n, d = rows.shape                                                             # n: copies per group
+        e = self.num_experts
+        c = capacity(n, e, self.capacity_factor)
+        starts = jnp.cumsum(group_sizes, axis=-1) - group_sizes                          # [G, E]
+        slot = jnp.arange(n, dtype=jnp.int32) - jnp.take_along_axis(starts, expert, axis=-1)  # rank in its expert
+        group = jnp.broadcast_to(jnp.arange(g, dtype=jnp.int32)[:, None], (g, n))
+        buf = jnp.zeros((g, e, c, d), rows.dtype).at[group, expert, slot].set(rows, mode="drop")
+        buf = rearrange(buf, "g e c d -> e (g c) d")
+        out = rearrange(self.experts.batched(buf), "e (g c) d -> g e c d", g=g)
+        out = sharding.constrain(out, ("batch", None, None, "embed"))
+        out = out.at[group, expert, slot].get(mode="fill", fill_value=0)
         return out, jnp.sum(slot >= c, dtype=jnp.int32)

@@ -25,7 +25,7 @@ from zoo import tags as tags_lib
 
 def layer_body(layer: nnx.Module, x: jax.Array) -> tuple[jax.Array, Any]:
     """One layer as the scan sees it: name the input first, then run the layer. Returns (x, aux)."""
-    x = tags_lib.name(x, "decoder_layer_input")
+    x = tags_lib.name(x, "decoder_layer_input", ("batch", "seq", "embed"))
     out = layer(x)
     return out if isinstance(out, tuple) else (out, {})
 
