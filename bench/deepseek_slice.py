@@ -17,8 +17,11 @@ from flax import nnx
 
 import zoo
 from bench.common import guarded, measure
-from recipes.deepseek_v3 import RECIPES
-from recipes.registry import deepseek_flops_per_token
+from recipes.registry import recipes_of
+from zoo.models.registry import family
+
+FAMILY = family("deepseek_v3")
+RECIPES = recipes_of(FAMILY)
 
 
 def main():
@@ -34,17 +37,17 @@ def main():
     a = ap.parse_args()
     common = dict(param_dtype="bfloat16", dtype="bfloat16", moe_backend=a.backend, capacity_factor=1.25)
     if a.smoke:
-        cfg = zoo.models.DeepSeekV3Config.tiny(**common)
+        cfg = FAMILY.config("tiny", **common)
     else:
-        cfg = zoo.models.DeepSeekV3Config.deepseek_v3_671b(
-            num_layers=1 + a.moe_layers, first_dense_layers=1, num_experts=a.experts, attention_impl="cudnn",
+        cfg = FAMILY.config(
+            "deepseek_v3_671b", num_layers=1 + a.moe_layers, first_dense_layers=1, num_experts=a.experts, attention_impl="cudnn",
             **common)
     recipe = RECIPES[a.recipe]
 
     def run():
-        model = zoo.models.deepseek_v3(cfg, recipe=recipe, rngs=nnx.Rngs(0))
+        model = FAMILY.build(cfg, recipe=recipe, rngs=nnx.Rngs(0))
         tokens = jax.random.randint(jax.random.key(1), (a.batch, a.seq), 0, cfg.vocab_size, jnp.int32)
-        flops = deepseek_flops_per_token(cfg, model, a.seq) * a.batch * a.seq
+        flops = FAMILY.flops_per_token(cfg, model, a.seq) * a.batch * a.seq
         planned = zoo.plan(cfg, recipe, batch=a.batch, seq=a.seq).host_bytes
         return dict(measure(model, tokens, flops_per_step=flops, steps=a.steps, warmup=1), planned_host_gib=round(planned / 2**30, 3))
 

@@ -11,10 +11,10 @@ from flax import nnx
 import zoo
 from recipes.deepseek_v3 import RECIPES
 from tests.helpers import cuda_lowering, grads_under, hlo_type, max_rel_err, pinned_host_shapes
-from zoo import audit
+from zoo.plan import measure as audit
 from zoo.layers import MLA, Rope, RoutingBias, YarnScaling
 from zoo.layers.moe import update_routing_bias
-from zoo.models.deepseek import balance_loss
+from zoo.models.deepseek import total_balance_loss
 
 CFG = zoo.models.DeepSeekV3Config.tiny()
 B, S = 2, 8
@@ -60,7 +60,7 @@ def test_model_shapes_aux_and_finite_gradients(model, tokens, forward):
     assert moe["load"].shape == (2, CFG.num_experts) and moe["balance_loss"].shape == (2,)
     assert moe["dropped"].shape == (2,) and int(moe["dropped"].sum()) == 0
     np.testing.assert_array_equal(np.asarray(moe["load"].sum(-1)), B * S * CFG.num_experts_per_tok)
-    assert float(balance_loss(aux)) == pytest.approx(float(moe["balance_loss"].sum()))
+    assert float(total_balance_loss(aux)) == pytest.approx(float(moe["balance_loss"].sum()))
     loss, grads = grads_under(model, RECIPES["mla_moe_offload"], tokens)
     assert np.isfinite(float(loss))
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))

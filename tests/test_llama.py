@@ -12,7 +12,7 @@ from flax import nnx
 import zoo
 from recipes.llama3 import RECIPES
 from tests.helpers import cuda_lowering, grads_under, hlo_type, max_rel_err, pinned_host_shapes
-from zoo import audit
+from zoo.plan import measure as audit
 from zoo.layers import MLP, Attention, Embed, LMHead, Llama3Scaling, RMSNorm, Rope
 from zoo.models.llama import LlamaDecoderLayer
 

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 import zoo
-from zoo.layers.moe import MoE, RoutingBias, capacity, route, routing_bias_update, tokamax_available, update_routing_bias
+from zoo.layers.moe import MoE, RoutingBias, capacity, route, routing_bias_delta, tokamax_available, update_routing_bias
 
 D, E, K, F, G, TOPK_GROUP = 32, 16, 4, 24, 4, 2
 B, S = 2, 16
@@ -186,7 +186,7 @@ def test_bias_update_moves_load_toward_balance():
     _, aux = moe(x)
     start = imbalance(aux["load"])
     assert start > 2.0
-    np.testing.assert_array_equal(np.asarray(routing_bias_update(aux["load"], 0.1)),
+    np.testing.assert_array_equal(np.asarray(routing_bias_delta(aux["load"], 0.1)),
                                   0.1 * np.sign(np.asarray(aux["load"]).mean() - np.asarray(aux["load"])))
     for _ in range(40):
         _, aux = moe(x)
