@@ -103,7 +103,7 @@ def test_residuals_are_placed_as_the_recipe_says_in_each_stack(model, tokens, na
     assert collections.Counter(r.shape for r in res if r.host) == want_host
 
 
-@pytest.mark.parametrize("name", ["mla_moe_offload", "save_mla_moe"])
+@pytest.mark.parametrize("name", [n for n in RECIPES if RECIPES[n].offload] + ["save_mla_moe"])  # every offload recipe
 def test_cuda_lowering_places_offloaded_tags_in_pinned_host(model, tokens, name):
     recipe = RECIPES[name]
     model.set_recipe(recipe)

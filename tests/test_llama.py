@@ -102,7 +102,7 @@ def test_residuals_are_placed_as_the_recipe_says(model, tokens, name):
             assert device[(CFG.num_layers,) + shapes[t].shape] >= 1, t
 
 
-@pytest.mark.parametrize("name", ["qkv_offload", "minimal_offload", "save_qkv"])
+@pytest.mark.parametrize("name", [n for n in RECIPES if RECIPES[n].offload] + ["save_qkv"])  # every offload recipe
 def test_cuda_lowering_places_offloaded_tags_in_pinned_host(model, tokens, name):
     recipe = RECIPES[name]
     model.set_recipe(recipe)
