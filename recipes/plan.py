@@ -38,7 +38,8 @@ def parser() -> argparse.ArgumentParser:
                    help="host link speed, GB/s per direction: for --recipe auto and the step-time estimate "
                         "(PCIe gen5: 55; GB200's NVLink-C2C: 450)")
     p.add_argument("--flops", type=cli.positive_float, metavar="TFLOPS",
-                   help="matmul rate, TFLOP/s: for --recipe auto and the step-time estimate (an H200 in bf16: ~600-800)")
+                   help="matmul rate, TFLOP/s: for --recipe auto and the step-time estimate (an H200 in bf16: "
+                        "~600-800)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
     return p
 

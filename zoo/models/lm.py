@@ -67,7 +67,8 @@ class CausalLM(nnx.Module):
 
     def tag_shapes(self, batch: int, seq: int) -> dict[str, StackTags]:
         """Per stack: layers and the {tag: shape} of one layer for a [batch, seq] input (abstract trace)."""
-        return {n: StackTags(s.num_layers, s.tag_shapes(s.abstract_input(batch, seq))) for n, s in self.stacks().items()}
+        return {n: StackTags(s.num_layers, s.tag_shapes(s.abstract_input(batch, seq)))
+                for n, s in self.stacks().items()}
 
     # -- the forward pass ---------------------------------------------------------------------------------
     def __call__(self, tokens: jax.Array, *, return_aux: bool = False):

@@ -12,8 +12,8 @@ from zoo.plan.types import CARRY, ModelState, ceil_div, fmt_bytes, fmt_flops
 from zoo.recipe import Recipe
 
 
-def choose(shapes, needed, costs: dict[str, LayerCost], state: ModelState, shard: int, hbm_budget: int, host_budget: int | None,
-            link: float, rate: float) -> tuple[Recipe, dict[str, str]]:
+def choose(shapes, needed, costs: dict[str, LayerCost], state: ModelState, shard: int, hbm_budget: int,
+           host_budget: int | None, link: float, rate: float) -> tuple[Recipe, dict[str, str]]:
     """Choose each tag's placement to minimise the estimated step time within the HBM budget.
 
     A recipe names a tag once for every stack, so each decision weighs all stacks (bytes and FLOPs times their
