@@ -16,8 +16,9 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if ("default" not in text and action.default not in (None, False, [], argparse.SUPPRESS)
-                and action.option_strings and not action.required):
+        shown = not (action.default is None or action.default is False or action.default == []
+                     or action.default == argparse.SUPPRESS)
+        if "default" not in text and shown and action.option_strings and not action.required:
             text += " (default: %(default)s)"
         return text
 

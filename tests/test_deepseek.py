@@ -221,17 +221,23 @@ def test_yarn_matches_transformers():
 @pytest.mark.parametrize("change, field", [
     (dict(kv_lora_rank=0), "DeepSeekV3Config.kv_lora_rank must be a positive int"),
     (dict(q_lora_rank=-1), "DeepSeekV3Config.q_lora_rank"),
-    (dict(num_experts_per_tok=5), "num_experts_per_tok=5 is more than the group limit allows"),
+    (dict(num_experts_per_tok=5), r"num_experts_per_tok=5 must be in \[1, 4\]"),
     (dict(n_group=3), "n_group=3 must divide num_experts=8"),
-    (dict(topk_group=5), "topk_group=5 must be at most n_group=4"),
+    (dict(topk_group=5), r"topk_group=5 must be in \[1, n_group=4\]"),
     (dict(first_dense_layers=5), "first_dense_layers=5 must be at most num_layers=4"),
-    (dict(first_dense_layers=-1), "first_dense_layers must be a non-negative int"),
+    (dict(first_dense_layers=-1), "first_dense_layers must be non-negative"),
     (dict(qk_rope_head_dim=7), "qk_rope_head_dim must be even"),
     (dict(moe_backend="megablox"), "moe_backend must be one of"),
     (dict(capacity_factor=0.0), "capacity_factor"),
     (dict(balance_loss_weight=-1.0), "balance_loss_weight"),
     (dict(rope_scaling=zoo.layers.Llama3Scaling()), "rope_scaling must be a YarnScaling"),
     (dict(dtype="float8"), "dtype='float8'"),
+    # every field against its type (issue 12, case 4)
+    (dict(tie_embeddings="no"), "tie_embeddings must be a bool, got 'no'"),
+    (dict(balance_loss_weight=float("nan")), "balance_loss_weight must be a finite number, got nan"),
+    (dict(routed_scaling_factor=float("inf")), "routed_scaling_factor must be a finite number, got inf"),
+    (dict(num_layers=True), "num_layers must be an int, got True"),
+    (dict(norm_topk_prob=1), "norm_topk_prob must be a bool"),
 ])
 def test_bad_configs_raise_naming_the_field(change, field):
     with pytest.raises(ValueError, match=field):

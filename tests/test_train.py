@@ -16,7 +16,9 @@ import pytest
 from flax import nnx
 
 from recipes import data as data_lib
-from recipes import cli, flags, loop
+from recipes import flags, loop
+from recipes.cli import family as model_family
+from recipes.cli import recipe as model_recipe
 from recipes.checkpoint import Checkpoints
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -117,7 +119,7 @@ def test_nan_guard_stops_and_keeps_the_last_good_checkpoint(tmp_path, full, cach
     assert Checkpoints(ckpt).latest_step() == 7
 
     # It loads (into an abstract model: no initialisation), and every parameter and moment is finite...
-    model, optimizer = nnx.eval_shape(lambda: _model_and_optimizer(cli.family("llama3")))
+    model, optimizer = nnx.eval_shape(lambda: _model_and_optimizer(model_family("llama3")))
     record = Checkpoints(ckpt).restore(model, optimizer)
     assert record["step"] == 7 and int(optimizer.step[...]) == 7
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(nnx.state((model, optimizer))))
@@ -128,7 +130,7 @@ def test_nan_guard_stops_and_keeps_the_last_good_checkpoint(tmp_path, full, cach
 
 
 def _model_and_optimizer(family):
-    model = family.build(family.config("tiny"), recipe=cli.recipe(family, "qkv_offload"), rngs=nnx.Rngs(0))
+    model = family.build(family.config("tiny"), recipe=model_recipe(family, "qkv_offload"), rngs=nnx.Rngs(0))
     return model, loop.make_optimizer(model, loop.lr_schedule(lr=3e-3, steps=12, warmup=1), clip=1.0,
                                       weight_decay=0.1)
 
