@@ -13,9 +13,9 @@ import argparse
 import json
 import sys
 
+import zoo
 from recipes import cli
-
-OPTIMIZERS = ("adamw", "adam", "lion", "momentum", "sgd")  # zoo.plan.types.OPTIMIZERS (checked there too)
+from zoo.plan.types import OPTIMIZERS
 
 
 def parser() -> argparse.ArgumentParser:
@@ -26,7 +26,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shard", type=cli.positive_int, default=1, metavar="N",
                    help="devices the batch and the model state are split over (data parallel + FSDP); must divide "
                         "--batch; figures are then per device")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+    p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adamw",
                    help="optimizer whose moments count as model state")
     p.add_argument("--opt-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="dtype of the optimizer moments")
@@ -54,8 +54,6 @@ def main(argv: list[str] | None = None) -> int:
                      f"the matmul rate in TFLOP/s), e.g. --hbm 141 --link 55 --flops 600")
     if args.batch % args.shard:
         ap.error(f"--shard {args.shard} does not divide --batch {args.batch}: each device must hold whole sequences")
-
-    import zoo  # JAX loads only now: --help and flag errors stay fast
 
     try:
         family = cli.family(args.model)
