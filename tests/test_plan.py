@@ -406,3 +406,19 @@ def test_a_cudnn_config_is_planned_on_the_xla_path():
     xla = zoo.plan(LLAMA_TINY, qkv, batch=B, seq=S)
     assert (cudnn.host_bytes, cudnn.activation_bytes, cudnn.remat_flops) == (xla.host_bytes, xla.activation_bytes,
                                                                             xla.remat_flops)
+
+
+def test_tags_are_traced_once_per_stack_and_shape(monkeypatch):
+    """Building a model, planning it and auditing it trace each layer's tags once per input shape, and measuring
+    a recipe never changes the model's own."""
+    from zoo.models import stack
+    calls = []
+    real = stack.tags_lib.emitted
+    monkeypatch.setattr(stack.tags_lib, "emitted", lambda *a: calls.append(a[-1].shape) or real(*a))
+    cfg = dataclasses.replace(LLAMA_TINY, dim=48)  # a layer no other test has traced
+    model = nnx.eval_shape(lambda: zoo.models.llama3(cfg, recipe=LLAMA_RECIPES["full"], rngs=nnx.Rngs(0)))
+    zoo.plan(cfg, LLAMA_RECIPES["qkv_offload"], batch=B, seq=S)
+    audit.residual_tags(model, "layers")
+    audit.placements_seen(model, "layers", B, S, recipe=LLAMA_RECIPES["qkv_offload"])
+    assert calls == [(1, 8, 48), (B, S, 48)]
+    assert model.recipe == LLAMA_RECIPES["full"]
