@@ -1,7 +1,9 @@
 """Does offload survive every stack depth? Compile a small Llama under `qkv_offload` with 1, 2 and 3 layers on
-the GPU and report XLA's host bytes against the plan. `python -m bench.stack_depth` (one JSON line per depth)."""
+the GPU and report XLA's host bytes against the plan. `python -m bench.stack_depth --variant LABEL` (one JSON
+line per depth; LABEL names the version of the stack being measured, e.g. "one layer without a scan (after)")."""
 from __future__ import annotations
 
+import argparse
 import math
 
 import jax.numpy as jnp
@@ -16,17 +18,20 @@ FAMILY = family("llama3")
 
 
 def main():
+    ap = argparse.ArgumentParser(description="host bytes against the plan at 1, 2 and 3 layers")
+    ap.add_argument("--variant", required=True, help="a label for the version of the stack being measured")
+    variant = ap.parse_args().variant
     recipe = recipes_of(FAMILY)["qkv_offload"]
     for layers in (1, 2, 3):
         cfg = FAMILY.config("tiny", num_layers=layers, dim=1024, num_heads=8, num_kv_heads=8, head_dim=128,
-                                          mlp_dim=2048, dtype="bfloat16", param_dtype="bfloat16")
+                            mlp_dim=2048, dtype="bfloat16", param_dtype="bfloat16")
         model = FAMILY.build(cfg, recipe=recipe, rngs=nnx.Rngs(0))
         tokens = jnp.zeros((2, 2048), jnp.int32)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         compiled = sgd_step_fn(graphdef).lower(params, rest, tokens).compile()
         tags = model.tag_shapes(2, 2048)["layers"].tags
         planned = layers * sum(math.prod(tags[t].shape) * tags[t].dtype.itemsize for t in recipe.offload)
-        emit(dict(bench="stack-depth", layers=layers, planned_host_bytes=planned,
+        emit(dict(bench="stack-depth", variant=variant, layers=layers, planned_host_bytes=planned,
                   host_temp_bytes=int(getattr(compiled.memory_analysis(), "host_temp_size_in_bytes", 0)),
                   has_S5="S(5)" in compiled.as_text()))
 

@@ -1,0 +1,62 @@
+"""Profile a few training steps of a zoo Llama slice under one recipe and summarise where the time goes.
+
+    XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true \
+        python -m bench.profile_step minimal_offload --shape 405b --layers 3 --out /tmp/prof
+
+Same step as bench/llama_slice.py (SGD, bf16, cuDNN attention on a GPU). After 2 warm-up steps, `--steps` steps
+run under `jax.profiler.trace`; `bench.trace_summary` then reads the trace: per stream busy time, the host copies
+(bytes, time, bandwidth while copying, overlap with compute) and the compute stream's idle time per step.
+Prints one JSON line (the summary under "profile").
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import zoo
+from bench import trace_summary
+from bench.common import emit, sgd_step_fn
+from recipes.llama3 import RECIPES
+
+SHAPES = {"405b": zoo.models.LlamaConfig.llama3_1_405b, "8b": zoo.models.LlamaConfig.llama3_1_8b,
+          "tiny": zoo.models.LlamaConfig.tiny}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("recipe", choices=sorted(RECIPES))
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="405b")
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=2, help="steps inside the trace")
+    ap.add_argument("--out", default="/tmp/zoo-profile", help="profiler log directory")
+    a = ap.parse_args()
+    on_gpu = jax.devices()[0].platform == "gpu"
+    cfg = SHAPES[a.shape](num_layers=a.layers, param_dtype="bfloat16", dtype="bfloat16",
+                          attention_impl="cudnn" if on_gpu else "xla")
+    model = zoo.models.llama3(cfg, recipe=RECIPES[a.recipe], rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (a.batch, a.seq), 0, cfg.vocab_size, jnp.int32)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    del model
+    compiled = sgd_step_fn(graphdef).lower(params, rest, tokens).compile()
+    for _ in range(2):
+        loss, params = compiled(params, rest, tokens)
+    loss.block_until_ready()
+    t = time.perf_counter()
+    with jax.profiler.trace(a.out):
+        for _ in range(a.steps):
+            loss, params = compiled(params, rest, tokens)
+        loss.block_until_ready()
+    traced_s = time.perf_counter() - t
+    summary = trace_summary.summarise(trace_summary._load(a.out), a.steps)
+    emit(dict(bench="profile", impl="zoo", recipe=a.recipe, shape=a.shape, B=a.batch, S=a.seq, L=a.layers,
+              traced_step_s=round(traced_s / a.steps, 4), profile=summary))
+
+
+if __name__ == "__main__":
+    main()
