@@ -9,7 +9,6 @@ import math
 import jax.numpy as jnp
 from flax import nnx
 
-import zoo
 from bench.common import emit, sgd_step_fn
 from recipes.registry import recipes_of
 from zoo.models.registry import family
