@@ -20,10 +20,13 @@ from flax import nnx
 
 import zoo
 from bench.common import guarded, measure, planned
-from recipes.deepseek_v3 import RECIPES
-from recipes.registry import deepseek_flops_per_token
+from recipes.registry import recipes_of
 from zoo.layers.attention import resolve_impl
 from zoo.layers.moe import backend_choice
+from zoo.models.registry import family
+
+FAMILY = family("deepseek_v3")
+RECIPES = recipes_of(FAMILY)
 
 
 def main():
@@ -47,14 +50,14 @@ def main():
 
     def run():
         if a.smoke:
-            cfg = zoo.models.DeepSeekV3Config.tiny(**common)
+            cfg = FAMILY.config("tiny", **common)
         else:
-            cfg = zoo.models.DeepSeekV3Config.deepseek_v3_671b(
-                num_layers=1 + a.moe_layers, first_dense_layers=1, num_experts=a.experts, **common)
+            cfg = FAMILY.config("deepseek_v3_671b", num_layers=1 + a.moe_layers, first_dense_layers=1,
+                                num_experts=a.experts, **common)
         attention = str(resolve_impl(cfg))  # auto: cuDNN flash attention on the GPU (head dim 192)
-        model = zoo.models.deepseek_v3(cfg, recipe=recipe, rngs=nnx.Rngs(0))
+        model = FAMILY.build(cfg, recipe=recipe, rngs=nnx.Rngs(0))
         tokens = jax.random.randint(jax.random.key(1), (a.batch, a.seq), 0, cfg.vocab_size, jnp.int32)
-        flops = deepseek_flops_per_token(cfg, model, a.seq) * a.batch * a.seq
+        flops = FAMILY.flops_per_token(cfg, model, a.seq) * a.batch * a.seq
         return dict(measure(model, tokens, flops_per_step=flops, steps=a.steps, warmup=1), attention=attention,
                     E=cfg.num_experts, L=cfg.num_layers,
                     **planned(cfg, recipe, batch=a.batch, seq=a.seq, optimizer="sgd"))

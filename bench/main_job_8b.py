@@ -89,7 +89,7 @@ def run_sgd(a) -> None:
     import zoo
     from bench.common import guarded, measure, planned
     from recipes.llama3 import RECIPES
-    from recipes.registry import llama_flops_per_token
+    from zoo.models.registry import llama_flops_per_token
     from zoo.layers.attention import resolve_impl
 
     m = _shape(a)

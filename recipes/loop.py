@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import time
 from typing import Any, Callable
@@ -22,15 +21,13 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from rich.console import Console, Group
-from rich.table import Table
-from rich.text import Text
+from rich.console import Console
 
 import zoo
+from recipes import cli, meter
 from recipes import data as data_lib
-from recipes import meter
 from recipes.checkpoint import Checkpoints
-from recipes.registry import ModelEntry, entry
+from zoo.models.registry import Family
 
 
 # -- the step (copy this) ---------------------------------------------------------------------------------------
@@ -207,43 +204,17 @@ def kernel_choices(model_cfg, device: jax.Device) -> dict[str, str]:
     return out
 
 
-def build_model(model_entry: ModelEntry, model_cfg, recipe: zoo.Recipe, *, seed: int) -> nnx.Module:
+def build_model(family: Family, model_cfg, recipe: zoo.Recipe, *, seed: int) -> nnx.Module:
     """Initialise the model in one compiled program (eagerly, every initializer would compile on its own)."""
-    return nnx.jit(lambda: model_entry.build(model_cfg, recipe=recipe, rngs=nnx.Rngs(seed)))()
+    return nnx.jit(lambda: family.build(model_cfg, recipe=recipe, rngs=nnx.Rngs(seed)))()
 
 
-def show_memory_plan(console: Console, model_cfg, model: nnx.Module, recipe: zoo.Recipe, *, batch: int, seq: int,
+def show_memory_plan(console: Console, model_cfg, recipe: zoo.Recipe, *, batch: int, seq: int,
                      device: jax.Device) -> None:
-    """Print the recipe's memory plan: the planner's (`zoo.plan`, with the device's HBM as its budget) where it
-    exists, else the bytes of each tag from `model.tag_shapes`. The one place the planner plugs in."""
-    if hasattr(zoo, "plan"):
-        limit = (device.memory_stats() or {}).get("bytes_limit")
-        kwargs = {"hbm_gib": limit / 2 ** 30} if limit else {}
-        plan = zoo.plan(model_cfg, recipe, batch=batch, seq=seq, **kwargs)
-        if hasattr(plan, "print"):
-            plan.print(console)
-        else:
-            console.print(plan)
-        return
-    console.print(tag_bytes_table(model, recipe, batch=batch, seq=seq))
-
-
-def tag_bytes_table(model: nnx.Module, recipe: zoo.Recipe, *, batch: int, seq: int):
-    """Per stack and tag: shape, bytes per layer, placement; then the totals over all layers."""
-    table = Table(title=f"memory plan of {recipe.name!r}, batch {batch}, seq {seq}", title_justify="left")
-    for col in ("stack", "tag", "shape", "per layer", "placement"):
-        table.add_column(col, justify="right" if col == "per layer" else "left")
-    totals = {"device": 0, "offload": 0}
-    for stack, st in model.tag_shapes(batch, seq).items():
-        for tag, sds in st.tags.items():
-            nbytes = math.prod(sds.shape) * jnp.dtype(sds.dtype).itemsize
-            where = recipe.placement(tag)
-            if where in totals:
-                totals[where] += nbytes * st.num_layers
-            table.add_row(stack, tag, f"{sds.dtype}{list(sds.shape)}", meter.fmt_bytes(nbytes), where)
-    return Group(table, Text(f"over all layers: {meter.fmt_bytes(totals['device'])} saved in HBM, "
-                             f"{meter.fmt_bytes(totals['offload'])} in pinned host memory, every other tag "
-                             f"recomputed (from model.tag_shapes)"))
+    """Print the recipe's memory plan (`zoo.plan`, with the device's HBM as its budget)."""
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    kwargs = {"hbm_gib": limit / 2 ** 30} if limit else {}
+    zoo.plan.render(zoo.plan(model_cfg, recipe, batch=batch, seq=seq, **kwargs), console)
 
 
 def _open_metrics(path: str, start: int):
@@ -268,10 +239,10 @@ def _check_resumable(record: dict, cfg: RunConfig, directory: str) -> None:
 def run(cfg: RunConfig, console: Console | None = None) -> Result:
     # Off a terminal (a log file, CI), print wide lines rather than wrapping at 80 columns.
     console = console or Console(highlight=False, width=None if os.isatty(1) else 160)
-    model_entry: ModelEntry = entry(cfg.model)
-    recipe_name = cfg.recipe or model_entry.default_recipe
-    recipe = model_entry.recipe(recipe_name)
-    model_cfg = model_entry.config(cfg.preset, **dict(cfg.overrides))
+    family = cli.family(cfg.model)
+    recipe_name = cfg.recipe or family.default_recipe
+    recipe = cli.recipe(family, recipe_name)
+    model_cfg = cli.model_config(family, cfg.preset, cfg.overrides)
     device = jax.devices()[0]
     # Refuse to overwrite a run, or to resume a different one, before spending time on the model.
     ckpts = Checkpoints(cfg.ckpt_dir) if cfg.ckpt_dir else None
@@ -283,13 +254,13 @@ def run(cfg: RunConfig, console: Console | None = None) -> Result:
         _check_resumable(ckpts.record(), cfg, ckpts.directory)
 
     kernels = kernel_choices(model_cfg, device)   # before building: an impossible explicit choice is a ValueError
-    model = build_model(model_entry, model_cfg, recipe, seed=cfg.seed)
+    model = build_model(family, model_cfg, recipe, seed=cfg.seed)
     warmup = cfg.warmup if cfg.warmup is not None else max(1, cfg.steps // 10)
     schedule = lr_schedule(lr=cfg.lr, steps=cfg.steps, warmup=warmup)
     optimizer = make_optimizer(model, schedule, clip=cfg.clip, weight_decay=cfg.weight_decay)
     n_params = zoo.models.count_params(model)
     tokens_per_step = cfg.batch * cfg.seq
-    flops_per_step = model_entry.flops_per_token(model_cfg, model, cfg.seq) * tokens_per_step
+    flops_per_step = family.flops_per_token(model_cfg, model, cfg.seq) * tokens_per_step
     peak, peak_src = meter.peak_tflops(device, cfg.peak_tflops)
 
     console.print(f"model {cfg.model} {cfg.preset}: {n_params:,} parameters; batch {cfg.batch} x seq {cfg.seq}; "
@@ -297,7 +268,7 @@ def run(cfg: RunConfig, console: Console | None = None) -> Result:
     console.print(f"recipe {recipe}")
     for what, choice in kernels.items():
         console.print(f"{what}: {choice}", soft_wrap=True)
-    show_memory_plan(console, model_cfg, model, recipe, batch=cfg.batch, seq=cfg.seq, device=device)
+    show_memory_plan(console, model_cfg, recipe, batch=cfg.batch, seq=cfg.seq, device=device)
     if device.platform == "cpu":
         console.print("on the CPU there is no pinned host memory: offload placements compile and run but move "
                       "nothing (use a GPU to see HBM fall)")
@@ -312,8 +283,8 @@ def run(cfg: RunConfig, console: Console | None = None) -> Result:
         console.print(f"--resume: no checkpoint in {ckpts.directory} yet; starting from step 0")
     last_ckpt = start if start else None
 
-    step_fn = lambda m, o, b: train_step(m, o, b, aux_loss=model_entry.aux_loss,  # noqa: E731
-                                         after_update=model_entry.after_update)
+    step_fn = lambda m, o, b: train_step(m, o, b, aux_loss=family.aux_loss,  # noqa: E731
+                                         after_update=family.after_update)
     jitted, graphdef, state = compile_step(model, optimizer, step_fn)
     source = _source(cfg, model_cfg.vocab_size)
     t0 = time.perf_counter()

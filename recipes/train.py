@@ -9,47 +9,28 @@ module imports nothing of JAX until the arguments are parsed. The loop itself is
 from __future__ import annotations
 
 import argparse
-import ast
 import os
 import sys
 
-from recipes import flags
-
-MODELS = ("llama3", "deepseek_v3")
-
-
-def _override(text: str) -> tuple[str, object]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"--set takes FIELD=VALUE, got {text!r}")
-    try:
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return key, value
+from recipes import cli, flags
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recipes.train", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", choices=MODELS, default="llama3")
-    p.add_argument("--preset", default="tiny", help="a config classmethod of the model: tiny, llama3_1_8b, ...")
-    p.add_argument("--recipe", default=None, help="a key of the model's RECIPES (default: the study's recipe)")
-    p.add_argument("--set", dest="overrides", type=_override, action="append", default=[], metavar="FIELD=VALUE",
-                   help="replace a config field, e.g. --set num_layers=3 (repeatable)")
+                                formatter_class=cli.HelpFormatter)
+    cli.add_model_args(p, preset="tiny", batch=8, seq=64)
     p.add_argument("--steps", type=int, default=60, help="total optimizer steps (the schedule's length)")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: steps // 10)")
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
-    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's decoupled weight decay")
     p.add_argument("--seed", type=int, default=0, help="seeds the parameters and the data")
     p.add_argument("--data", default=None, help="a token file (flat little-endian uint16/uint32 ids, see "
                    "recipes/data.py); default: synthetic Markov-chain sequences")
     p.add_argument("--data-dtype", choices=("uint16", "uint32"), default=None,
                    help="ids' type in --data (default: uint16 if the vocabulary fits, else uint32)")
     p.add_argument("--metrics", default=None, metavar="PATH", help="write one JSON line per logged step")
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--log-every", type=int, default=10, help="print (and write to --metrics) every K steps")
     p.add_argument("--ckpt-dir", default=None, metavar="DIR", help="orbax checkpoints here")
     p.add_argument("--ckpt-every", type=int, default=0, metavar="K", help="checkpoint every K steps (and at the end)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")

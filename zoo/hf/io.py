@@ -39,61 +39,18 @@ INDEX = "model.safetensors.index.json"
 FLOAT_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
-@dataclasses.dataclass(frozen=True)
-class Arch:
-    """One supported HF architecture: config mapping, builder and key map."""
-    name: str
-    from_hf: Callable[..., Any]         # (hf config dict, param_dtype=) -> zoo config
-    to_hf: Callable[[Any], dict]        # zoo config -> hf config dict
-    build: Callable[..., nnx.Module]    # (cfg, recipe=, rngs=) -> model
-    keys: Callable[[Any], list[keymap.Entry]]
-    config_type: Callable[[], type]
-    # config.json -> which extra checkpoint keys hold nothing the zoo model has (and are skipped)
-    extra_keys: Callable[[dict], Callable[[str], bool]] = lambda hf: lambda key: False
+def arch_for_config(hf: dict):
+    """The model family (zoo.models.registry) whose Hugging Face architecture config.json names."""
+    from zoo.models import registry  # the table imports zoo.hf's mappings: look it up at call time
+    return registry.family_for_hf(hf)
 
 
-def _llama_arch() -> Arch:
-    from zoo.models import llama
-    return Arch("LlamaForCausalLM", hf_config.llama_from_hf, hf_config.llama_to_hf, llama.llama3, keymap.llama,
-                lambda: llama.LlamaConfig)
-
-
-def _deepseek_arch() -> Arch:
-    from zoo.models import deepseek
-    return Arch("DeepseekV3ForCausalLM", hf_config.deepseek_from_hf, hf_config.deepseek_to_hf, deepseek.deepseek_v3,
-                keymap.deepseek_v3, lambda: deepseek.DeepSeekV3Config,
-                lambda hf: keymap.deepseek_mtp_key(hf.get("num_hidden_layers", 0),
-                                                   hf.get("num_nextn_predict_layers") or 0))
-
-
-ARCHS: dict[str, Callable[[], Arch]] = {"LlamaForCausalLM": _llama_arch, "DeepseekV3ForCausalLM": _deepseek_arch}
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
-
-
-def arch_for_config(hf: dict) -> Arch:
-    names = hf.get("architectures") or []
-    if not names and hf.get("model_type") in MODEL_TYPES:
-        names = [MODEL_TYPES[hf["model_type"]]]
-    for name in names:
-        if name in ARCHS:
-            return ARCHS[name]()
-    raise ValueError(f"config.json: architectures={names!r} (model_type={hf.get('model_type')!r}) is not supported; "
-                     f"zoo reads {sorted(ARCHS)}")
-
-
-def arch_for_model(cfg) -> Arch:
-    for make in ARCHS.values():
-        arch = _importable(make)
-        if arch is not None and isinstance(cfg, arch.config_type()):
-            return arch
-    raise ValueError(f"to_hf: no Hugging Face architecture for a {type(cfg).__name__}")
-
-
-def _importable(make: Callable[[], Arch]) -> Arch | None:
+def arch_for_model(cfg):
+    from zoo.models import registry
     try:
-        return make()
-    except ImportError:  # a model not in this build of the zoo
-        return None
+        return registry.family_of(cfg)
+    except ValueError:
+        raise ValueError(f"to_hf: no Hugging Face architecture for a {type(cfg).__name__}") from None
 
 
 # -- reading --------------------------------------------------------------------------------------------------
@@ -211,7 +168,7 @@ def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *
     found = list_tensors(path)
     first = next((found[k] for k in ("model.embed_tokens.weight",) if k in found), None)
     param_dtype = hf_config.param_dtype_of(hf, dtype, FLOAT_DTYPES.get(first.dtype) if first else None)
-    cfg = arch.from_hf(hf, param_dtype=param_dtype)
+    cfg = arch.hf.from_hf(hf, param_dtype=param_dtype)
 
     if mesh is None:
         mesh = jax.sharding.get_mesh()
@@ -221,12 +178,12 @@ def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *
         abstract = nnx.eval_shape(lambda: arch.build(cfg, recipe=recipe, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)   # parameters, and DeepSeek's routing biases: all from the checkpoint
     flat = dict(nnx.to_flat_state(state))
-    entries = arch.keys(cfg)
+    entries = arch.hf.keys(cfg)
     if set(flat) != {e.path for e in entries}:
-        raise RuntimeError(f"zoo bug: the {arch.name} key map does not cover the model: "
+        raise RuntimeError(f"zoo bug: the {arch.hf.architecture} key map does not cover the model: "
                            f"{sorted(set(flat) ^ {e.path for e in entries})}")
     tied_head = cfg.tie_embeddings and "lm_head.weight" in found  # checked against the embedding below
-    skip = arch.extra_keys(hf)
+    skip = arch.hf.extra_keys(hf)
     check_tensors(entries, {p: v.shape for p, v in flat.items()}, found,
                   lambda key: skip(key) or (tied_head and key == "lm_head.weight"))
     if cfg.tie_embeddings and "lm_head.weight" in found:
@@ -284,9 +241,9 @@ def to_hf(model: nnx.Module, path: str | os.PathLike, *, max_shard_bytes: int = 
     if any(path.glob("*.safetensors")) or (path / INDEX).exists():
         raise ValueError(f"to_hf: {path} already holds safetensors files; write to an empty directory")
     flat = dict(nnx.to_flat_state(nnx.state(model)))
-    entries = arch.keys(cfg)
+    entries = arch.hf.keys(cfg)
     if set(flat) != {e.path for e in entries}:
-        raise RuntimeError(f"zoo bug: the {arch.name} key map does not cover the model: "
+        raise RuntimeError(f"zoo bug: the {arch.hf.architecture} key map does not cover the model: "
                            f"{sorted(set(flat) ^ {e.path for e in entries})}")
 
     # Plan shards from shapes alone, then materialize one shard's tensors at a time.
@@ -315,4 +272,4 @@ def to_hf(model: nnx.Module, path: str | os.PathLike, *, max_shard_bytes: int = 
         with open(path / INDEX, "w") as f:
             json.dump({"metadata": {"total_size": sum(t[3] for t in tensors)}, "weight_map": weight_map}, f, indent=2)
     with open(path / "config.json", "w") as f:
-        json.dump(arch.to_hf(cfg), f, indent=2)
+        json.dump(arch.hf.to_hf(cfg), f, indent=2)

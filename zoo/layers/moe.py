@@ -50,7 +50,7 @@ Balance. `MoE.__call__` returns (y, aux) with
   `balance_loss_weight` (add it to the training loss; its gradient reaches the router weights),
 - ``aux["dropped"]``: int32 [], token copies dropped by capacity dispatch (0 for the dropless backends).
 A scanned stack stacks them over layers ([L, experts], [L], [L]). The training loop applies the bias update
-b += rate * sign(mean(load) - load) with `update_routing_bias(model, aux, rate)` (or `routing_bias_update` in a
+b += rate * sign(mean(load) - load) with `update_routing_bias(model, aux, rate)` (or `routing_bias_delta` in a
 functional loop). The bias is a `RoutingBias`, not an `nnx.Param`: optimizers over `nnx.Param` leave it alone.
 A functional loop that splits (params, rest) and merges inside `jax.grad` must merge with
 `nnx.merge(graphdef, params, rest, copy=True)`: otherwise the bias variable belongs to the outer trace and
@@ -139,14 +139,14 @@ def balance_loss(scores: jax.Array, idx: jax.Array, *, batch: int, weight: float
     return weight * jnp.mean(jnp.sum(f * p, axis=-1))
 
 
-def routing_bias_update(load: jax.Array, rate: float) -> jax.Array:
-    """The auxiliary-loss-free update of the bias for per-expert `load` [..., E]: rate * sign(mean - load)."""
+def routing_bias_delta(load: jax.Array, rate: float) -> jax.Array:
+    """The auxiliary-loss-free step of the bias for per-expert `load` [..., E]: rate * sign(mean - load)."""
     load = jnp.asarray(load, jnp.float32)
     return rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
 
 
 def update_routing_bias(model: nnx.Module, aux: dict[str, Any], rate: float) -> None:
-    """Apply `routing_bias_update` in place to every stack of `model` whose aux has a "load" ([L, E] from
+    """Add `routing_bias_delta` in place to every stack of `model` whose aux has a "load" ([L, E] from
     `model(tokens, return_aux=True)`), or to a single MoE layer given its own aux ([E])."""
     if "load" in aux:
         targets = [(model, aux["load"])]
@@ -157,7 +157,7 @@ def update_routing_bias(model: nnx.Module, aux: dict[str, Any], rate: float) -> 
         if len(biases) != 1 or biases[0].shape != load.shape:
             raise ValueError(f"update_routing_bias: expected one RoutingBias of shape {load.shape} in "
                              f"{type(module).__name__}, found {[b.shape for b in biases]}")
-        biases[0][...] = biases[0][...] + routing_bias_update(load, rate).astype(biases[0].dtype)
+        biases[0][...] = biases[0][...] + routing_bias_delta(load, rate).astype(biases[0].dtype)
 
 
 # -- the experts and their dispatch ---------------------------------------------------------------------------
@@ -286,19 +286,24 @@ class Experts(nnx.Module):
                     ("experts", "exp_batch", "embed"))
 
 
+def check_routing(*, num_experts: int, k: int, n_group: int, topk_group: int, where: str) -> None:
+    """The group-limited router's limits (the one place they are checked: the MoE layer and DeepSeekV3Config)."""
+    if num_experts % n_group:
+        raise ValueError(f"{where}: n_group={n_group} must divide num_experts={num_experts}")
+    if not 0 < topk_group <= n_group:
+        raise ValueError(f"{where}: topk_group={topk_group} must be in [1, n_group={n_group}]")
+    if not 0 < k <= topk_group * (num_experts // n_group):
+        raise ValueError(f"{where}: num_experts_per_tok={k} must be in [1, {topk_group * (num_experts // n_group)}] "
+                         f"(topk_group * experts per group)")
+
+
 class MoE(TaggedLayer):
     def __init__(self, *, dim: int, num_experts: int, k: int, hidden: int, num_shared_experts: int = 1,
                  n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
                  norm_topk_prob: bool = True, backend: Backend = "auto", capacity_factor: float = 1.25,
                  balance_loss_weight: float = 1e-4, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.dim, self.dtype = dim, dtype
-        if num_experts % n_group:
-            raise ValueError(f"MoE: n_group={n_group} must divide num_experts={num_experts}")
-        if not 0 < topk_group <= n_group:
-            raise ValueError(f"MoE: topk_group={topk_group} must be in [1, n_group={n_group}]")
-        if not 0 < k <= topk_group * (num_experts // n_group):
-            raise ValueError(f"MoE: num_experts_per_tok={k} must be in [1, {topk_group * (num_experts // n_group)}] "
-                             f"(topk_group * experts per group)")
+        check_routing(num_experts=num_experts, k=k, n_group=n_group, topk_group=topk_group, where="MoE")
         backend_choice(backend, dtype=dtype)  # fail early on an unknown or missing backend
         self.gate = Router(dim=dim, num_experts=num_experts, k=k, n_group=n_group, topk_group=topk_group,
                            routed_scaling_factor=routed_scaling_factor, norm_topk_prob=norm_topk_prob,

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo.layers import Embed, LMHead, RMSNorm
-from zoo.models.config import dtype_of
+from zoo.models.config import LMConfig
 from zoo.models.stack import Stack
 from zoo.recipe import Recipe
 
@@ -33,9 +33,11 @@ class CausalLM(nnx.Module):
     """Embedding -> stacks (in order) -> RMSNorm -> LM head. `stacks` maps a stack's attribute name to
     (make_layer, num_layers)."""
 
-    def __init__(self, cfg, *, stacks: dict[str, tuple[Callable[[nnx.Rngs], nnx.Module], int]],
+    def __init__(self, cfg: LMConfig, *, stacks: dict[str, tuple[Callable[[nnx.Rngs], nnx.Module], int]],
                  recipe: Recipe | None, rngs: nnx.Rngs):
-        dtype, param_dtype = dtype_of("dtype", cfg.dtype), dtype_of("param_dtype", cfg.param_dtype)
+        if not isinstance(cfg, LMConfig):
+            raise ValueError(f"{type(self).__name__} needs a zoo.models.LMConfig, got {type(cfg).__name__}")
+        dtype, param_dtype = cfg.compute_dtype, cfg.weight_dtype
         self.config = cfg
         self.embed = Embed(vocab=cfg.vocab_size, dim=cfg.dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.stack_names = tuple(stacks)
@@ -50,19 +52,23 @@ class CausalLM(nnx.Module):
     # -- the recipe ---------------------------------------------------------------------------------------
     def set_recipe(self, recipe: Recipe) -> None:
         """Use `recipe` from now on. ValueError if it names a tag (or pattern) that no stack emits."""
+        self.check_recipe(recipe)
+        self.recipe = recipe
+
+    def check_recipe(self, recipe: Recipe) -> None:
+        """ValueError unless `recipe` is a Recipe naming only tags (or patterns) that some stack emits."""
         if not isinstance(recipe, Recipe):
             raise ValueError(f"recipe must be a zoo.Recipe, got {type(recipe).__name__}")
         emitted = {t for st in self.tag_shapes(_CHECK_BATCH, _CHECK_SEQ).values() for t in st.tags}
         recipe.check_emitted(emitted, where=type(self).__name__)
-        self.recipe = recipe
 
     def stacks(self) -> dict[str, Stack]:
         return {n: getattr(self, n) for n in self.stack_names}
 
     def tag_shapes(self, batch: int, seq: int) -> dict[str, StackTags]:
         """Per stack: layers and the {tag: shape} of one layer for a [batch, seq] input (abstract trace)."""
-        x = jax.ShapeDtypeStruct((batch, seq, self.config.dim), dtype_of("dtype", self.config.dtype))
-        return {n: StackTags(s.num_layers, s.tag_shapes(x)) for n, s in self.stacks().items()}
+        return {n: StackTags(s.num_layers, s.tag_shapes(s.abstract_input(batch, seq)))
+                for n, s in self.stacks().items()}
 
     # -- the forward pass ---------------------------------------------------------------------------------
     def __call__(self, tokens: jax.Array, *, return_aux: bool = False):
