@@ -9,7 +9,6 @@ module imports nothing of JAX until the arguments are parsed. The loop itself is
 from __future__ import annotations
 
 import argparse
-import ast
 import os
 import sys
 
@@ -18,14 +17,13 @@ from recipes import flags
 MODELS = ("llama3", "deepseek_v3")
 
 
-def _override(text: str) -> tuple[str, object]:
+def _override(text: str) -> tuple[str, str]:
+    """FIELD=VALUE, the value kept as text: `recipes.overrides` converts it by the field's type, once the model's
+    config class is known."""
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"--set takes FIELD=VALUE, got {text!r}")
-    try:
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return key, value
+    return key, value
 
 
 def parser() -> argparse.ArgumentParser:
@@ -36,11 +34,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", default=None, help="a key of the model's RECIPES (default: the study's recipe)")
     p.add_argument("--set", dest="overrides", type=_override, action="append", default=[], metavar="FIELD=VALUE",
                    help="replace a config field, e.g. --set num_layers=3 (repeatable)")
-    p.add_argument("--steps", type=int, default=60, help="total optimizer steps (the schedule's length)")
+    p.add_argument("--steps", type=int, default=60, help="train up to this step")
+    p.add_argument("--schedule-steps", type=int, default=None, metavar="N",
+                   help="the learning-rate schedule's length (default: --steps); steps past it run at its final "
+                        "learning rate, lr/10: resume with a larger --steps and the same --schedule-steps to "
+                        "train on past a finished run")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: steps // 10)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: schedule steps // 10)")
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0, help="seeds the parameters and the data")
@@ -72,13 +74,20 @@ def main(argv: list[str] | None = None) -> int:
 
     from recipes import loop  # imports JAX: only now
 
+    from recipes import overrides
+    from recipes.checkpoint import CheckpointError
+
     kwargs = {k: v for k, v in vars(args).items() if k != "xla_flags"}
-    kwargs["overrides"] = tuple(kwargs["overrides"])
     try:
+        config_cls = loop.entry(args.model).config_cls
+        kwargs["overrides"] = tuple((k, overrides.convert(config_cls, k, v)) for k, v in kwargs["overrides"])
         result = loop.run(loop.RunConfig(**kwargs))
-    except ValueError as e:
+    except ValueError as e:       # a bad flag, file or directory: found before training
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (CheckpointError, OSError) as e:   # failed while training: the last checkpoint written is intact
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 1 if result.stopped == "nonfinite" else 0
 
 
