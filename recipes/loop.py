@@ -268,7 +268,8 @@ def run(cfg: RunConfig, console: Console | None = None) -> Result:
         lock = DirLock(guard.check_ckpt_dir(cfg.ckpt_dir))
         if lock.taken_over:
             console.print(f"took over the stale lock of a run that ended without releasing it "
-                          f"(pid {lock.taken_over.get('pid')}, started {lock.taken_over.get('started')})")
+                          f"(pid {lock.taken_over.get('pid')}, started {lock.taken_over.get('started')})",
+                          soft_wrap=True)
     try:
         return _run(cfg, console)
     finally:
@@ -284,8 +285,9 @@ def _run(cfg: RunConfig, console: Console) -> Result:
         raise ValueError(f"{ckpts.directory} already holds checkpoints (latest step {ckpts.latest_step()}): "
                          f"pass --resume to continue that run, or choose another --ckpt-dir")
     check = lambda record: _check_resumable(record, cfg, ckpts.directory)  # noqa: E731
+    say = lambda message: console.print(message, soft_wrap=True, markup=False)  # noqa: E731  (whole lines in logs)
     had_steps = bool(ckpts is not None and ckpts.steps())
-    resume_step, resume_record = (ckpts.newest_intact(check, say=console.print) if cfg.resume and had_steps
+    resume_step, resume_record = (ckpts.newest_intact(check, say=say) if cfg.resume and had_steps
                                   else (None, None))
     if had_steps and resume_step is None:
         raise ValueError(f"--resume: no intact checkpoint in {ckpts.directory} (the damaged ones are kept, "
@@ -296,7 +298,7 @@ def _run(cfg: RunConfig, console: Console) -> Result:
                       f"--steps is {cfg.steps}. To train on, raise --steps" +
                       (f" and add --schedule-steps {cfg.total_schedule} (the schedule stays as it was; the steps "
                        f"past it run at its final learning rate, lr/10)" if resume_step >= cfg.total_schedule
-                       else ""))
+                       else ""), soft_wrap=True)
         ckpts.close()
         return Result([], [], "nothing_to_do", resume_step)
     metrics_path = (guard.check_metrics(cfg.metrics, owner=(resume_record or {}).get("metrics"))
@@ -323,7 +325,7 @@ def _run(cfg: RunConfig, console: Console) -> Result:
     start = 0
     if ckpts is not None and resuming:
         # Restoring reads every array: a truncated one shows here, and the walk goes on to an older step.
-        start, _ = ckpts.newest_intact(check, model, optimizer, say=console.print)
+        start, _ = ckpts.newest_intact(check, model, optimizer, say=say)
         if start is None:
             raise ValueError(f"--resume: no intact checkpoint in {ckpts.directory} (the damaged ones are kept, "
                              f"renamed *.damaged); run again to start from step 0, or restore a copy")
