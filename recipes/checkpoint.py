@@ -118,7 +118,8 @@ class Checkpoints:
                     try:
                         record = self.restore(model, optimizer, step)
                     except Exception as e:   # orbax/tensorstore errors have no common base class
-                        reason = f"restoring it failed: {type(e).__name__}: {str(e)[:300]}"
+                        detail = str(e).split("\n")[0].split(" See full TensorStore details")[0]
+                        reason = f"restoring it failed: {detail[:200]}"
             if reason is None:
                 return step, record
             moved = self.set_aside(step)
