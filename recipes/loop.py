@@ -372,7 +372,7 @@ def _run(cfg: RunConfig, console: Console) -> Result:
                          f"the update made parameters non-finite (the loss {m['total_loss']:.4f} and the gradient "
                          f"norm {m['grad_norm']:.4f} are finite: check --lr)")
                 console.print(f"[bold red]step {step}: {cause}; the update was not applied and the run stops. "
-                              f"{where}.[/]")
+                              f"{where}.[/]", soft_wrap=True)
                 result.stopped = "nonfinite"
                 break
             loss = float(m["loss"])
