@@ -11,8 +11,9 @@ Safety:
   and renames it when complete, so a `kill -9` during a write leaves the previous checkpoints as they were.
 - A checkpoint is never written from non-finite values (`save` raises).
 - `newest_intact` walks back from the newest step past damaged ones (unreadable record, missing or truncated
-  state); each damaged step folder is renamed `<step>.damaged` (kept, never deleted; out of orbax's sight, so its
-  keep-N rotation neither counts it nor deletes it, and the resumed run can write that step again).
+  state); once an older step proves intact, each damaged step folder is renamed `<step>.damaged` (kept, never
+  deleted; out of orbax's sight, so its keep-N rotation neither counts it nor deletes it, and the resumed run can
+  write that step again).
 """
 from __future__ import annotations
 
@@ -85,9 +86,9 @@ class Checkpoints:
             self.record(step)
         except ValueError as e:
             return str(e)
-        for part in ("state", os.path.join("state", "_METADATA"), os.path.join("state", "manifest.ocdbt")):
-            if not os.path.exists(os.path.join(folder, part)):
-                return f"{os.path.join(folder, part)} is missing"
+        state = os.path.join(folder, "state")
+        if not os.path.isdir(state) or not os.listdir(state):
+            return f"{state} is missing" if not os.path.exists(state) else f"{state} is empty"
         return None
 
     def set_aside(self, step: int) -> str:
@@ -104,10 +105,14 @@ class Checkpoints:
     def newest_intact(self, check: Callable[[dict], None] = lambda record: None,
                       model: nnx.Module | None = None, optimizer: nnx.Optimizer | None = None,
                       say: Callable[[str], None] = print) -> tuple[int | None, dict | None]:
-        """(step, record) of the newest checkpoint that is intact, or (None, None). `check(record)` may raise to
-        refuse it (a different run: not a damage, so the walk stops there). With `model` and `optimizer`, each
-        candidate is restored into them (a failure, e.g. a truncated array file, counts as damage). Each damaged
-        step is set aside (`set_aside`) and reported through `say`."""
+        """(step, record) of the newest intact checkpoint; (None, None) if there is none at all. `check(record)` may
+        raise to refuse it (a different run: not damage, so the walk stops there). With `model` and `optimizer`,
+        each candidate is restored into them, and a failure (e.g. a truncated array file) counts as damage.
+
+        The newer, damaged steps are set aside (`set_aside`, reported through `say`) only once an older one has
+        proved intact: if none is, nothing is renamed (a failure common to all, such as code that no longer
+        matches the checkpoints, must not look like damage) and ValueError lists each step's reason."""
+        damaged: list[tuple[int, str]] = []
         for step in reversed(self.steps()):
             reason = self.damage(step)
             record = None
@@ -120,12 +125,18 @@ class Checkpoints:
                     except Exception as e:   # orbax/tensorstore errors have no common base class
                         detail = str(e).split("\n")[0].split(" See full TensorStore details")[0]
                         reason = f"restoring it failed: {detail[:200]}"
-            if reason is None:
-                return step, record
-            moved = self.set_aside(step)
-            older = [s for s in self.steps() if s < step]
-            say(f"checkpoint step {step} in {self.directory} is damaged ({reason}); moved to {moved} (kept, not "
-                f"deleted)" + (f"; trying step {older[-1]}" if older else "; no older checkpoint"))
+            if reason is not None:
+                damaged.append((step, reason))
+                continue
+            for bad, why in damaged:
+                moved = self.set_aside(bad)
+                say(f"checkpoint step {bad} in {self.directory} is damaged ({why}); moved to {moved} (kept, not "
+                    f"deleted); step {step} is intact")
+            return step, record
+        if damaged:
+            raise ValueError(f"no checkpoint in {self.directory} can be resumed (nothing was changed): " +
+                             "; ".join(f"step {s}: {why}" for s, why in damaged) +
+                             ". To start afresh, move them away or choose another --ckpt-dir")
         return None, None
 
     def restore(self, model: nnx.Module, optimizer: nnx.Optimizer, step: int | None = None) -> dict[str, Any]:

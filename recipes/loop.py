@@ -286,12 +286,7 @@ def _run(cfg: RunConfig, console: Console) -> Result:
                          f"pass --resume to continue that run, or choose another --ckpt-dir")
     check = lambda record: _check_resumable(record, cfg, ckpts.directory)  # noqa: E731
     say = lambda message: console.print(message, soft_wrap=True, markup=False)  # noqa: E731  (whole lines in logs)
-    had_steps = bool(ckpts is not None and ckpts.steps())
-    resume_step, resume_record = (ckpts.newest_intact(check, say=say) if cfg.resume and had_steps
-                                  else (None, None))
-    if had_steps and resume_step is None:
-        raise ValueError(f"--resume: no intact checkpoint in {ckpts.directory} (the damaged ones are kept, "
-                         f"renamed *.damaged); run again to start from step 0, or restore a copy")
+    resume_step, resume_record = ckpts.newest_intact(check, say=say) if cfg.resume else (None, None)
     resuming = resume_step is not None
     if resuming and resume_step >= cfg.steps:
         console.print(f"nothing left to do: the checkpoint in {ckpts.directory} is at step {resume_step} and "
@@ -326,9 +321,6 @@ def _run(cfg: RunConfig, console: Console) -> Result:
     if ckpts is not None and resuming:
         # Restoring reads every array: a truncated one shows here, and the walk goes on to an older step.
         start, _ = ckpts.newest_intact(check, model, optimizer, say=say)
-        if start is None:
-            raise ValueError(f"--resume: no intact checkpoint in {ckpts.directory} (the damaged ones are kept, "
-                             f"renamed *.damaged); run again to start from step 0, or restore a copy")
         console.print(f"resumed from {ckpts.directory} at step {start}")
     elif cfg.resume:
         console.print(f"--resume: no checkpoint in {ckpts.directory} yet; starting from step 0")

@@ -233,7 +233,7 @@ def test_case05_damaged_latest_checkpoint_falls_back(base, tmp_path, cache, dama
                      "--metrics", tmp_path / "m.jsonl"], cache)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"checkpoint step 6 in {ckpt} is damaged ({reason}" in out.stdout, out.stdout
-    assert f"moved to {ckpt / '6.damaged'} (kept, not deleted); trying step 4" in out.stdout
+    assert f"moved to {ckpt / '6.damaged'} (kept, not deleted); step 4 is intact" in out.stdout
     assert f"resumed from {ckpt} at step 4" in out.stdout
     # The damaged checkpoint is kept as it was, out of the keep-3 rotation, which saw 2, 4 and the new 6 and 8.
     assert sorted(str(p.relative_to(ckpt / "6.damaged")) for p in (ckpt / "6.damaged").rglob("*")) == files_before
@@ -241,6 +241,19 @@ def test_case05_damaged_latest_checkpoint_falls_back(base, tmp_path, cache, dama
     # The recovered run is the uninterrupted one: steps 5 and 6 have its losses exactly.
     want, got = rows(base / "m.jsonl"), rows(tmp_path / "m.jsonl")
     assert sorted(got) == [5, 6, 7, 8] and {k: got[k]["loss"] for k in (5, 6)} == {k: want[k]["loss"] for k in (5, 6)}
+
+
+def test_case05_nothing_is_renamed_when_no_checkpoint_restores(tmp_path):
+    """A failure every checkpoint shares (here: a model that no longer matches them) is not damage: the error lists
+    each step's reason and no folder is renamed."""
+    ckpts = Checkpoints(tmp_path / "ckpt")
+    small = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    for step in (1, 2):
+        ckpts.save(step, small, nnx.Optimizer(small, optax.sgd(0.1), wrt=nnx.Param), {"run": {}})
+    other = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="can be resumed .nothing was changed.: step 2: restoring it failed.*step 1"):
+        ckpts.newest_intact(model=other, optimizer=nnx.Optimizer(other, optax.sgd(0.1), wrt=nnx.Param))
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["1", "2"]
 
 
 # -- 6: --metrics never destroys a file ---------------------------------------------------------------------------
