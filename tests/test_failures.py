@@ -24,7 +24,7 @@ from flax import nnx
 import zoo
 from recipes import data as data_lib
 from recipes import guard, loop, overrides, train
-from recipes.checkpoint import CheckpointError, Checkpoints
+from recipes.checkpoint import Checkpoints
 from recipes.lock import LOCK_NAME, DirLock
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -91,8 +91,9 @@ def test_case01_ckpt_dir_not_writable(tmp_path, capsys):
         guard.check_ckpt_dir(str(regular))
     with pytest.raises(ValueError, match="cannot be created"):           # its parent is a regular file
         guard.check_ckpt_dir(str(regular / "ckpt"))
-    with pytest.raises(ValueError, match="cannot be created|not writable"):  # a read-only file system
-        guard.check_ckpt_dir("/proc/zoo-ckpt")
+    if os.path.isdir("/proc"):                                             # a file system no one writes
+        with pytest.raises(ValueError, match="cannot be created|not writable"):
+            guard.check_ckpt_dir("/proc/zoo-ckpt")
     if os.geteuid() != 0:                                                  # root writes through permission bits
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
@@ -276,7 +277,7 @@ def test_case06_metrics_file_is_never_truncated(base, tmp_path, capsys, cache):
     assert sorted(rows(tmp_path / "m.jsonl")) == [1, 2, 3]
     out = cli(run + ["--resume"], cache)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert [json.loads(l)["step"] for l in open(tmp_path / "m.jsonl")] == [1, 2, 3, 4, 5, 6]
+    assert [json.loads(line)["step"] for line in open(tmp_path / "m.jsonl")] == [1, 2, 3, 4, 5, 6]
     assert {k: r["loss"] for k, r in rows(tmp_path / "m.jsonl").items()} == \
         {k: r["loss"] for k, r in rows(base / "m.jsonl").items()}
 
