@@ -175,7 +175,8 @@ class RunConfig:
 class Result:
     steps: list[int]
     losses: list[float]
-    stopped: str | None          # None: ran to the end; "nonfinite"; "stop_after"
+    stopped: str | None          # None: ran to the end; "nonfinite"; "stop_after"; "nothing_to_do" (resumed a
+                                 # run already at --steps: nothing was built)
     last_checkpoint: int | None
     model: nnx.Module | None = None  # the trained model (its last good state)
 
