@@ -101,11 +101,15 @@ def check_tokens(tokens, vocab_size: int):
             tokens = tokens.astype(np.int32)
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tokens must be an integer array [batch, seq], got {tokens.dtype}{list(tokens.shape)}")
-    if not isinstance(tokens, jax.core.Tracer) and tokens.size:
-        lo, hi = (int(v) for v in jax.device_get((tokens.min(), tokens.max())))
+    # Concrete values only (a closed-over array inside someone's jit is concrete too), checked on the host with
+    # NumPy: a jnp reduction here would itself be traced under an outer jit.
+    if (not isinstance(tokens, jax.core.Tracer) and tokens.size
+            and getattr(tokens, "is_fully_addressable", True)):
+        ids = np.asarray(tokens)
+        lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab_size:
             bad = lo if lo < 0 else hi
-            where = tuple(int(i) for i in np.argwhere(np.asarray(tokens) == bad)[0])
+            where = tuple(int(i) for i in np.argwhere(ids == bad)[0])
             raise ValueError(f"token id {bad} at {list(where)} is outside the vocabulary [0, {vocab_size})")
     return tokens
 
