@@ -4,7 +4,7 @@ flag and the path, so a run that cannot finish (or would destroy something) fail
 - `check_ckpt_dir`: --ckpt-dir is (or can be made) a writable directory; it is created here.
 - `check_metrics`: --metrics' directory exists; an existing file is only continued by the run that wrote it.
 - `check_backend`: a config asking for cuDNN attention runs on a GPU.
-- `check_finite_state`: no checkpoint is written from non-finite values.
+- `nonfinite_leaves`: which leaves of a state hold NaN or infinity (no checkpoint is written from them).
 """
 from __future__ import annotations
 
