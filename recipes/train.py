@@ -19,9 +19,13 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recipes.train", description=__doc__.split("\n\n")[0],
                                 formatter_class=cli.HelpFormatter)
     cli.add_model_args(p, preset="tiny", batch=8, seq=64)
-    p.add_argument("--steps", type=int, default=60, help="total optimizer steps (the schedule's length)")
+    p.add_argument("--steps", type=int, default=60, help="train up to this step")
+    p.add_argument("--schedule-steps", type=int, default=None, metavar="N",
+                   help="the learning-rate schedule's length (default: --steps); steps past it run at its final "
+                        "learning rate, lr/10: resume with a larger --steps and the same --schedule-steps to "
+                        "train on past a finished run")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: steps // 10)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: schedule steps // 10)")
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's decoupled weight decay")
     p.add_argument("--seed", type=int, default=0, help="seeds the parameters and the data")
@@ -55,13 +59,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from recipes import loop  # imports JAX: only now
 
+    from recipes.checkpoint import CheckpointError
+
     kwargs = {k: v for k, v in vars(args).items() if k != "xla_flags"}
-    kwargs["overrides"] = tuple(kwargs["overrides"])
     try:
+        kwargs["overrides"] = tuple(kwargs["overrides"])   # text: converted by the field's type (recipes.cli)
         result = loop.run(loop.RunConfig(**kwargs))
-    except ValueError as e:
+    except ValueError as e:       # a bad flag, file or directory: found before training
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (CheckpointError, OSError) as e:   # failed while training: the last checkpoint written is intact
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 1 if result.stopped == "nonfinite" else 0
 
 

@@ -116,7 +116,7 @@ def test_dtype_argument_casts_parameters(tmp_path):
 
 def test_to_hf_refuses_a_directory_with_a_checkpoint(tmp_path):
     zoo.to_hf(llama(), tmp_path)
-    with pytest.raises(ValueError, match="already holds"):
+    with pytest.raises(ValueError, match="is not empty"):
         zoo.to_hf(llama(), tmp_path)
 
 

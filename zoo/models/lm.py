@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from zoo.layers import Embed, LMHead, RMSNorm
@@ -72,9 +73,14 @@ class CausalLM(nnx.Module):
 
     # -- the forward pass ---------------------------------------------------------------------------------
     def __call__(self, tokens: jax.Array, *, return_aux: bool = False):
-        """int tokens [B, S] -> logits [B, S, vocab]; with return_aux, also {stack: aux stacked over layers}."""
-        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise ValueError(f"tokens must be an integer array [batch, seq], got {tokens.dtype}{list(tokens.shape)}")
+        """int tokens [B, S] -> logits [B, S, vocab]; with return_aux, also {stack: aux stacked over layers}.
+
+        `tokens` may be any integer array-like (a nested Python list of ints becomes an int32 array). On concrete
+        values (an eager call) every id is checked against the vocabulary: ValueError naming the first bad one.
+        Under `jax.jit`/`nnx.jit` (tracers) no value check is possible and none is made: an id >= vocab_size then
+        embeds as NaN (JAX's out-of-bounds gather fills), and a negative id counts from the end (-1 is the last
+        row), silently. Check ids where they are made (`recipes.data` does)."""
+        tokens = check_tokens(tokens, self.config.vocab_size)
         x = self.embed(tokens)
         policy = self.recipe.policy()
         aux: dict[str, Any] = {}
@@ -86,6 +92,32 @@ class CausalLM(nnx.Module):
 
     def embed_attend(self, x: jax.Array) -> jax.Array:
         return jnp.einsum("bsd,vd->bsv", x, self.embed.embedding[...].astype(x.dtype))
+
+
+def check_tokens(tokens, vocab_size: int):
+    """`tokens` as an integer [batch, seq] array; ValueError for another shape or dtype, or (concrete values only)
+    an id outside [0, vocab_size)."""
+    if not isinstance(tokens, (jax.Array, np.ndarray)):
+        try:
+            tokens = np.asarray(tokens)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"tokens must be an integer array [batch, seq]; {type(tokens).__name__} does not "
+                             f"convert: {e}") from None
+        if tokens.dtype.kind in "iu":
+            tokens = tokens.astype(np.int32)
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be an integer array [batch, seq], got {tokens.dtype}{list(tokens.shape)}")
+    # Concrete values only (a closed-over array inside someone's jit is concrete too), checked on the host with
+    # NumPy: a jnp reduction here would itself be traced under an outer jit.
+    if (not isinstance(tokens, jax.core.Tracer) and tokens.size
+            and getattr(tokens, "is_fully_addressable", True)):
+        ids = np.asarray(tokens)
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            where = tuple(int(i) for i in np.argwhere(ids == bad)[0])
+            raise ValueError(f"token id {bad} at {list(where)} is outside the vocabulary [0, {vocab_size})")
+    return tokens
 
 
 def count_params(model: nnx.Module) -> int:
