@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import zoo
 from bench.common import guarded, measure, planned
 from recipes.registry import recipes_of
 from zoo.layers.attention import resolve_impl
