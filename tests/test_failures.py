@@ -361,7 +361,7 @@ def test_case10_resume_past_the_planned_steps(base, tmp_path, capsys, cache):
 def test_case11_clear_messages_instead_of_tracebacks(base, tmp_path, capsys, cache, tiny_model):
     if jax.devices()[0].platform != "gpu":
         rc, out, err = main(RUN + ["--set", "attention_impl=cudnn"], capsys)
-        assert rc == 2 and "attention_impl='cudnn' needs an NVIDIA GPU, but this run is on cpu" in err
+        assert rc == 2 and "attention_impl='cudnn' cannot run here: cuDNN runs only on NVIDIA GPUs" in err
         assert "Traceback" not in err and "compiled" not in out
     # A Python list as tokens is accepted: converted to an int32 array.
     tokens = [[1, 2, 3], [4, 5, 6]]
