@@ -6,6 +6,7 @@ warm-up; model FLOPs = 6 * matmul parameters * tokens + causal attention (counte
 """
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
@@ -32,17 +33,23 @@ def sgd_step_fn(graphdef, lr: float = 1e-4):
 
     def loss_fn(params, rest, tokens):
         model = nnx.merge(graphdef, params, rest, copy=True)  # copy: non-Param variables (routing bias) under scan
-        logits = model(tokens)
+        logits, aux = model(tokens, return_aux=True)
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         targets = jnp.roll(tokens, -1, axis=1)
-        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1)), dropped_copies(aux)
 
     def step(params, rest, tokens):
-        loss, grads = jax.value_and_grad(loss_fn)(params, rest, tokens)
+        (loss, dropped), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, tokens)
         params = jax.tree.map(lambda p, g: (p - lr * g.astype(p.dtype)).astype(p.dtype), params, grads)
-        return loss, params
+        return (loss, dropped), params
 
     return jax.jit(step, donate_argnums=(0,))
+
+
+def dropped_copies(aux) -> jax.Array:
+    """Token copies MoE capacity dispatch dropped in a step (0 for dropless backends and dense models)."""
+    return sum((jnp.sum(a["dropped"]) for a in aux.values() if isinstance(a, dict) and "dropped" in a),
+               jnp.zeros((), jnp.int32))
 
 
 def measure(model, tokens, *, flops_per_step: float, steps: int = 6, warmup: int = 2) -> dict:
@@ -54,12 +61,12 @@ def measure(model, tokens, *, flops_per_step: float, steps: int = 6, warmup: int
     ma = compiled.memory_analysis()
     text = compiled.as_text()
     for _ in range(warmup):
-        loss, params = compiled(params, rest, tokens)
+        (loss, dropped), params = compiled(params, rest, tokens)
         loss.block_until_ready()
     times = []
     for _ in range(steps):
         t = time.perf_counter()
-        loss, params = compiled(params, rest, tokens)
+        (loss, dropped), params = compiled(params, rest, tokens)
         loss.block_until_ready()
         times.append(time.perf_counter() - t)
     step_s = statistics.median(times)
@@ -70,11 +77,31 @@ def measure(model, tokens, *, flops_per_step: float, steps: int = 6, warmup: int
         peak_gib=round(stats.get("peak_bytes_in_use", 0) / 2**30, 2),
         temp_gib=round(ma.temp_size_in_bytes / 2**30, 2),
         host_temp_gib=round(getattr(ma, "host_temp_size_in_bytes", 0) / 2**30, 2),
-        has_S5="S(5)" in text, compile_s=round(compile_s, 1), loss=float(loss))
+        has_S5="S(5)" in text, compile_s=round(compile_s, 1), loss=float(loss), dropped=int(dropped))
+
+
+def planned(cfg, recipe, *, batch: int, seq: int, optimizer: str = "adamw") -> dict:
+    """The planner's host bytes and peak-HBM prediction for the record (None where the planner has none)."""
+    p = zoo_plan(cfg, recipe, batch=batch, seq=seq, optimizer=optimizer)
+    peak = getattr(p, "peak_bytes", None) or getattr(p, "hbm_bytes", None)
+    return dict(planned_host_gib=round(p.host_bytes / 2**30, 3),
+                planned_peak_gib=None if peak is None else round(peak / 2**30, 2))
+
+
+def zoo_plan(cfg, recipe, **kwargs):
+    import zoo
+    try:
+        return zoo.plan(cfg, recipe, **kwargs)
+    except (TypeError, ValueError):  # a planner without this optimizer: plan with its default
+        kwargs.pop("optimizer", None)
+        return zoo.plan(cfg, recipe, **kwargs)
 
 
 def emit(record: dict) -> None:
     record.update(jax=jax.__version__, flags=os.environ.get("XLA_FLAGS", ""))
+    record.setdefault("gpus", jax.device_count())
+    record.setdefault("mesh", None)
+    record.setdefault("date", datetime.date.today().isoformat())
     line = json.dumps(record)
     print(line, flush=True)
     out = os.environ.get("BENCH_OUT")

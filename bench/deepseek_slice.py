@@ -2,10 +2,13 @@
 study's hidden sizes), batch 4, seq 4096, SGD step, bf16.
 
     XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true \
-        python -m bench.deepseek_slice mla_moe_offload --batch 4 --backend ragged_dot
+        python -m bench.deepseek_slice mla_moe_offload --batch 4 --backend tokamax
 
 `../shared/anchor/plain_jax_deepseek.py` (E=16 NL=3) is its plain-JAX anchor: the same MoE layers and dispatch
-(sort + jax.lax.ragged_dot), without the dense layer, the embedding and the LM head. Prints one JSON line.
+(sort + jax.lax.ragged_dot), without the dense layer, the embedding and the LM head. Prints one JSON line in the
+DESIGN section 8 schema: `backend` is the grouped matmul that ran (`auto` resolved on the device), `attention` the
+kernel, `dropped` the token copies capacity dispatch dropped in the last step, `planned_host_gib` and
+`planned_peak_gib` the planner's figures beside XLA's `host_temp_gib` and the measured `peak_gib`.
 """
 from __future__ import annotations
 
@@ -15,43 +18,53 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import zoo
-from bench.common import guarded, measure
-from recipes.deepseek_v3 import RECIPES
-from recipes.registry import deepseek_flops_per_token
+from bench.common import guarded, measure, planned
+from recipes.registry import recipes_of
+from zoo.layers.attention import resolve_impl
+from zoo.layers.moe import backend_choice
+from zoo.models.registry import family
+
+FAMILY = family("deepseek_v3")
+RECIPES = recipes_of(FAMILY)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("recipe", choices=sorted(RECIPES))
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--seq", type=int, default=None, help="default 4096 (64 with --smoke)")
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--moe-layers", type=int, default=3)
-    ap.add_argument("--backend", default="ragged_dot", choices=["ragged_dot", "capacity", "tokamax"])
+    ap.add_argument("--backend", default="auto", choices=["auto", "ragged_dot", "capacity", "tokamax"])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--impl", default="xla", help="the config's offload_impl (how offloaded residuals move)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script only)")
     a = ap.parse_args()
+    a.seq = a.seq or (64 if a.smoke else 4096)
     common = dict(param_dtype="bfloat16", dtype="bfloat16", moe_backend=a.backend, capacity_factor=1.25,
                   offload_impl=a.impl)
-    if a.smoke:
-        cfg = zoo.models.DeepSeekV3Config.tiny(**common)
-    else:
-        cfg = zoo.models.DeepSeekV3Config.deepseek_v3_671b(
-            num_layers=1 + a.moe_layers, first_dense_layers=1, num_experts=a.experts, attention_impl="cudnn",
-            **common)
     recipe = RECIPES[a.recipe]
+    try:
+        backend, backend_why = backend_choice(a.backend, dtype=jnp.bfloat16)
+    except ValueError as e:  # tokamax asked for and missing: a record, not a crash
+        backend, backend_why = a.backend, str(e)
 
     def run():
-        model = zoo.models.deepseek_v3(cfg, recipe=recipe, rngs=nnx.Rngs(0))
+        if a.smoke:
+            cfg = FAMILY.config("tiny", **common)
+        else:
+            cfg = FAMILY.config("deepseek_v3_671b", num_layers=1 + a.moe_layers, first_dense_layers=1,
+                                num_experts=a.experts, **common)
+        attention = str(resolve_impl(cfg))  # auto: cuDNN flash attention on the GPU (head dim 192)
+        model = FAMILY.build(cfg, recipe=recipe, rngs=nnx.Rngs(0))
         tokens = jax.random.randint(jax.random.key(1), (a.batch, a.seq), 0, cfg.vocab_size, jnp.int32)
-        flops = deepseek_flops_per_token(cfg, model, a.seq) * a.batch * a.seq
-        planned = zoo.plan(cfg, recipe, batch=a.batch, seq=a.seq).host_bytes
-        return dict(measure(model, tokens, flops_per_step=flops, steps=a.steps, warmup=1), planned_host_gib=round(planned / 2**30, 3))
+        flops = FAMILY.flops_per_token(cfg, model, a.seq) * a.batch * a.seq
+        return dict(measure(model, tokens, flops_per_step=flops, steps=a.steps, warmup=1), attention=attention,
+                    E=cfg.num_experts, L=cfg.num_layers,
+                    **planned(cfg, recipe, batch=a.batch, seq=a.seq, optimizer="sgd"))
 
-    guarded(run, bench="deepseek-slice", impl="zoo", mechanism=a.impl, backend=a.backend, recipe=a.recipe, B=a.batch, S=a.seq,
-            E=a.experts, L=1 + a.moe_layers)
+    guarded(run, bench="deepseek-slice", impl="zoo", mechanism=a.impl, backend=backend, backend_asked=a.backend,
+            backend_why=backend_why, recipe=a.recipe, B=a.batch, S=a.seq, E=a.experts, L=1 + a.moe_layers)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,11 @@ from flax import nnx
 
 import zoo
 from bench.common import guarded, matmul_params, measure
-from recipes.llama3 import RECIPES
+from recipes.registry import recipes_of
+from zoo.models.registry import family
+
+FAMILY = family("llama3")
+RECIPES = recipes_of(FAMILY)
 
 
 def main():
@@ -27,14 +31,14 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script only)")
     a = ap.parse_args()
     if a.smoke:
-        cfg = zoo.models.LlamaConfig.tiny(num_layers=a.layers, param_dtype="bfloat16", dtype="bfloat16")
+        cfg = FAMILY.config("tiny", num_layers=a.layers, param_dtype="bfloat16", dtype="bfloat16")
     else:
-        cfg = zoo.models.LlamaConfig.llama3_1_405b(num_layers=a.layers, param_dtype="bfloat16", dtype="bfloat16",
-                                                   attention_impl="cudnn")
+        cfg = FAMILY.config("llama3_1_405b", num_layers=a.layers, param_dtype="bfloat16", dtype="bfloat16",
+                            attention_impl="cudnn")
     recipe = RECIPES[a.recipe]
 
     def run():
-        model = zoo.models.llama3(cfg, recipe=recipe, rngs=nnx.Rngs(0))
+        model = FAMILY.build(cfg, recipe=recipe, rngs=nnx.Rngs(0))
         tokens = jax.random.randint(jax.random.key(1), (a.batch, a.seq), 0, cfg.vocab_size, jnp.int32)
         tok = a.batch * a.seq
         attn = 2 * 2 * a.batch * a.seq * a.seq * cfg.num_heads * cfg.head_dim / 2 * cfg.num_layers

@@ -17,13 +17,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import zoo
 from bench import trace_summary
 from bench.common import emit, sgd_step_fn
-from recipes.llama3 import RECIPES
+from recipes.registry import recipes_of
+from zoo.models.registry import family
 
-SHAPES = {"405b": zoo.models.LlamaConfig.llama3_1_405b, "8b": zoo.models.LlamaConfig.llama3_1_8b,
-          "tiny": zoo.models.LlamaConfig.tiny}
+FAMILY = family("llama3")
+RECIPES = recipes_of(FAMILY)
+SHAPES = {"405b": "llama3_1_405b", "8b": "llama3_1_8b", "tiny": "tiny"}  # --shape -> the family's preset
 
 
 def main():
@@ -37,9 +38,9 @@ def main():
     ap.add_argument("--out", default="/tmp/zoo-profile", help="profiler log directory")
     a = ap.parse_args()
     on_gpu = jax.devices()[0].platform == "gpu"
-    cfg = SHAPES[a.shape](num_layers=a.layers, param_dtype="bfloat16", dtype="bfloat16",
-                          attention_impl="cudnn" if on_gpu else "xla")
-    model = zoo.models.llama3(cfg, recipe=RECIPES[a.recipe], rngs=nnx.Rngs(0))
+    cfg = FAMILY.config(SHAPES[a.shape], num_layers=a.layers, param_dtype="bfloat16", dtype="bfloat16",
+                        attention_impl="cudnn" if on_gpu else "xla")
+    model = FAMILY.build(cfg, recipe=RECIPES[a.recipe], rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(1), (a.batch, a.seq), 0, cfg.vocab_size, jnp.int32)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     del model

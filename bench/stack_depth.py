@@ -9,20 +9,22 @@ import math
 import jax.numpy as jnp
 from flax import nnx
 
-import zoo
 from bench.common import emit, sgd_step_fn
-from recipes.llama3 import RECIPES
+from recipes.registry import recipes_of
+from zoo.models.registry import family
+
+FAMILY = family("llama3")
 
 
 def main():
     ap = argparse.ArgumentParser(description="host bytes against the plan at 1, 2 and 3 layers")
     ap.add_argument("--variant", required=True, help="a label for the version of the stack being measured")
     variant = ap.parse_args().variant
-    recipe = RECIPES["qkv_offload"]
+    recipe = recipes_of(FAMILY)["qkv_offload"]
     for layers in (1, 2, 3):
-        cfg = zoo.models.LlamaConfig.tiny(num_layers=layers, dim=1024, num_heads=8, num_kv_heads=8, head_dim=128,
-                                          mlp_dim=2048, dtype="bfloat16", param_dtype="bfloat16")
-        model = zoo.models.llama3(cfg, recipe=recipe, rngs=nnx.Rngs(0))
+        cfg = FAMILY.config("tiny", num_layers=layers, dim=1024, num_heads=8, num_kv_heads=8, head_dim=128,
+                            mlp_dim=2048, dtype="bfloat16", param_dtype="bfloat16")
+        model = FAMILY.build(cfg, recipe=recipe, rngs=nnx.Rngs(0))
         tokens = jnp.zeros((2, 2048), jnp.int32)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         compiled = sgd_step_fn(graphdef).lower(params, rest, tokens).compile()

@@ -4,15 +4,34 @@ The record holds the step and what the run was (model, preset, recipe, batch, se
 `--resume` refuses a checkpoint of a different run instead of silently continuing it. The data is a pure
 function of (seed, step) (`recipes.data`), the optimizer state holds its step count and the learning-rate
 schedule reads it: restoring these two states and the step reproduces the uninterrupted run exactly.
+
+Safety:
+- Saving is synchronous (the loop waits for every save anyway): a failing write raises in the caller, instead of
+  in orbax's background threads, which left the process hanging. Orbax writes each step into a temporary folder
+  and renames it when complete, so a `kill -9` during a write leaves the previous checkpoints as they were.
+- A checkpoint is never written from non-finite values (`save` raises).
+- `newest_intact` walks back from the newest step past damaged ones (unreadable record, missing or truncated
+  state); once an older step proves intact, each damaged step folder is renamed `<step>.damaged` (kept, never
+  deleted; out of orbax's sight, so its keep-N rotation neither counts it nor deletes it, and the resumed run can
+  write that step again).
 """
 from __future__ import annotations
 
+import json
 import os
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
+
+from recipes import guard
+
+RECORD_FILE = os.path.join("record", "metadata")    # where orbax's JsonSave puts the record, inside a step folder
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written."""
 
 
 class Checkpoints:
@@ -21,22 +40,108 @@ class Checkpoints:
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3):
         self.directory = os.path.abspath(os.fspath(directory))
         self.manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+                                                                 enable_async_checkpointing=False))
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
     def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer, record: dict[str, Any]) -> None:
         state = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                        record=ocp.args.JsonSave({**record, "step": step})))
+        bad = guard.nonfinite_leaves(state)
+        if bad:
+            raise ValueError(f"refusing to write checkpoint step {step} to {self.directory}: {len(bad)} "
+                             f"non-finite value(s), e.g. {bad[0]}")
+        try:
+            saved = self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), record=ocp.args.JsonSave({**record, "step": step})))
+        except Exception as e:
+            raise CheckpointError(f"writing checkpoint step {step} to {self.directory} failed: "
+                                  f"{type(e).__name__}: {e}") from e
+        if not saved:   # orbax skips a step at or before its latest one, silently
+            raise CheckpointError(f"orbax did not write checkpoint step {step} to {self.directory} "
+                                  f"(its latest step is {self.latest_step()})")
 
     def record(self, step: int | None = None) -> dict[str, Any]:
+        """The JSON record of `step` (default: the latest). ValueError naming the file if it is unreadable."""
         step = self.latest_step() if step is None else step
-        return self.manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
+        file = os.path.join(self.directory, str(step), RECORD_FILE)
+        try:
+            with open(file) as f:
+                record = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"checkpoint record {file} is unreadable: {e}") from None
+        if not isinstance(record, dict) or record.get("step") != step:
+            raise ValueError(f"checkpoint record {file} is not a record of step {step}")
+        return record
+
+    def damage(self, step: int) -> str | None:
+        """Why the checkpoint of `step` cannot be resumed, from its files alone (cheap; a truncated array file
+        shows only when restored), or None."""
+        folder = os.path.join(self.directory, str(step))
+        try:
+            self.record(step)
+        except ValueError as e:
+            return str(e)
+        state = os.path.join(folder, "state")
+        if not os.path.isdir(state) or not os.listdir(state):
+            return f"{state} is missing" if not os.path.exists(state) else f"{state} is empty"
+        return None
+
+    def set_aside(self, step: int) -> str:
+        """Rename the step's folder to `<step>.damaged` (or `.damaged-2`, ...); orbax then no longer sees it."""
+        src = os.path.join(self.directory, str(step))
+        dst, k = src + ".damaged", 1
+        while os.path.exists(dst):
+            k += 1
+            dst = f"{src}.damaged-{k}"
+        os.rename(src, dst)
+        self.manager.reload()
+        return dst
+
+    def newest_intact(self, check: Callable[[dict], None] = lambda record: None,
+                      model: nnx.Module | None = None, optimizer: nnx.Optimizer | None = None,
+                      say: Callable[[str], None] = print) -> tuple[int | None, dict | None]:
+        """(step, record) of the newest intact checkpoint; (None, None) if there is none at all. `check(record)` may
+        raise to refuse it (a different run: not damage, so the walk stops there). With `model` and `optimizer`,
+        each candidate is restored into them, and a failure (e.g. a truncated array file) counts as damage.
+
+        The newer, damaged steps are set aside (`set_aside`, reported through `say`) only once an older one has
+        proved intact: if none is, nothing is renamed (a failure common to all, such as code that no longer
+        matches the checkpoints, must not look like damage) and ValueError lists each step's reason."""
+        damaged: list[tuple[int, str]] = []
+        for step in reversed(self.steps()):
+            reason = self.damage(step)
+            record = None
+            if reason is None:
+                record = self.record(step)
+                check(record)
+                if model is not None:
+                    try:
+                        record = self.restore(model, optimizer, step)
+                    except Exception as e:   # orbax/tensorstore errors have no common base class
+                        detail = str(e).split("\n")[0].split(" See full TensorStore details")[0]
+                        reason = f"restoring it failed: {detail[:200]}"
+            if reason is not None:
+                damaged.append((step, reason))
+                continue
+            for bad, why in damaged:
+                moved = self.set_aside(bad)
+                say(f"checkpoint step {bad} in {self.directory} is damaged ({why}); moved to {moved} (kept, not "
+                    f"deleted); step {step} is intact")
+            return step, record
+        if damaged:
+            raise ValueError(f"no checkpoint in {self.directory} can be resumed (nothing was changed): " +
+                             "; ".join(f"step {s}: {why}" for s, why in damaged) +
+                             ". To start afresh, move them away or choose another --ckpt-dir")
+        return None, None
 
     def restore(self, model: nnx.Module, optimizer: nnx.Optimizer, step: int | None = None) -> dict[str, Any]:
-        """Load the checkpoint of `step` (default: the latest) into `model` and `optimizer`; return its record."""
+        """Load the checkpoint of `step` (default: the latest) into `model` and `optimizer`; return its record.
+        Nothing is changed unless the whole checkpoint reads."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise ValueError(f"no checkpoint in {self.directory}")

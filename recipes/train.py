@@ -9,51 +9,38 @@ module imports nothing of JAX until the arguments are parsed. The loop itself is
 from __future__ import annotations
 
 import argparse
-import ast
 import os
 import sys
 
-from recipes import flags
-
-MODELS = ("llama3", "deepseek_v3")
-
-
-def _override(text: str) -> tuple[str, object]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"--set takes FIELD=VALUE, got {text!r}")
-    try:
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return key, value
+from recipes import cli, flags
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recipes.train", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", choices=MODELS, default="llama3")
-    p.add_argument("--preset", default="tiny", help="a config classmethod of the model: tiny, llama3_1_8b, ...")
-    p.add_argument("--recipe", default=None, help="a key of the model's RECIPES (default: the study's recipe)")
-    p.add_argument("--set", dest="overrides", type=_override, action="append", default=[], metavar="FIELD=VALUE",
-                   help="replace a config field, e.g. --set num_layers=3 (repeatable)")
-    p.add_argument("--steps", type=int, default=60, help="total optimizer steps (the schedule's length)")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=64)
+                                formatter_class=cli.HelpFormatter)
+    cli.add_model_args(p, preset="tiny", batch=8, seq=64)
+    p.add_argument("--steps", type=int, default=60, help="train up to this step")
+    p.add_argument("--schedule-steps", type=int, default=None, metavar="N",
+                   help="the learning-rate schedule's length (default: --steps); steps past it run at its final "
+                        "learning rate, lr/10: resume with a larger --steps and the same --schedule-steps to "
+                        "train on past a finished run")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: steps // 10)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: schedule steps // 10)")
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
-    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's decoupled weight decay")
     p.add_argument("--seed", type=int, default=0, help="seeds the parameters and the data")
     p.add_argument("--data", default=None, help="a token file (flat little-endian uint16/uint32 ids, see "
                    "recipes/data.py); default: synthetic Markov-chain sequences")
     p.add_argument("--data-dtype", choices=("uint16", "uint32"), default=None,
                    help="ids' type in --data (default: uint16 if the vocabulary fits, else uint32)")
     p.add_argument("--metrics", default=None, metavar="PATH", help="write one JSON line per logged step")
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--log-every", type=int, default=10, help="print (and write to --metrics) every K steps")
     p.add_argument("--ckpt-dir", default=None, metavar="DIR", help="orbax checkpoints here")
     p.add_argument("--ckpt-every", type=int, default=0, metavar="K", help="checkpoint every K steps (and at the end)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
     p.add_argument("--peak-tflops", type=float, default=None, help="the device's peak for MFU (default: a table)")
+    p.add_argument("--max-drop-warn", type=float, default=0.01, metavar="FRACTION",
+                   help="warn when MoE capacity dispatch drops more than this fraction of a step's token copies")
     p.add_argument("--xla-flags", choices=tuple(flags.FLAG_SETS), default=flags.DEFAULT,
                    help="XLA flag set for overlap, applied before JAX starts (see recipes/flags.py)")
     p.add_argument("--stop-after", type=int, default=None, metavar="K",
@@ -72,13 +59,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from recipes import loop  # imports JAX: only now
 
+    from recipes.checkpoint import CheckpointError
+
     kwargs = {k: v for k, v in vars(args).items() if k != "xla_flags"}
-    kwargs["overrides"] = tuple(kwargs["overrides"])
     try:
+        kwargs["overrides"] = tuple(kwargs["overrides"])   # text: converted by the field's type (recipes.cli)
         result = loop.run(loop.RunConfig(**kwargs))
-    except ValueError as e:
+    except ValueError as e:       # a bad flag, file or directory: found before training
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (CheckpointError, OSError) as e:   # failed while training: the last checkpoint written is intact
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 1 if result.stopped == "nonfinite" else 0
 
 

@@ -11,10 +11,10 @@ from flax import nnx
 import zoo
 from recipes.deepseek_v3 import RECIPES
 from tests.helpers import cuda_lowering, grads_under, hlo_type, max_rel_err, pinned_host_shapes
-from zoo import audit
+from zoo.plan import measure as audit
 from zoo.layers import MLA, Rope, RoutingBias, YarnScaling
 from zoo.layers.moe import update_routing_bias
-from zoo.models.deepseek import balance_loss
+from zoo.models.deepseek import total_balance_loss
 
 CFG = zoo.models.DeepSeekV3Config.tiny()
 B, S = 2, 8
@@ -60,7 +60,7 @@ def test_model_shapes_aux_and_finite_gradients(model, tokens, forward):
     assert moe["load"].shape == (2, CFG.num_experts) and moe["balance_loss"].shape == (2,)
     assert moe["dropped"].shape == (2,) and int(moe["dropped"].sum()) == 0
     np.testing.assert_array_equal(np.asarray(moe["load"].sum(-1)), B * S * CFG.num_experts_per_tok)
-    assert float(balance_loss(aux)) == pytest.approx(float(moe["balance_loss"].sum()))
+    assert float(total_balance_loss(aux)) == pytest.approx(float(moe["balance_loss"].sum()))
     loss, grads = grads_under(model, RECIPES["mla_moe_offload"], tokens)
     assert np.isfinite(float(loss))
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
@@ -103,7 +103,7 @@ def test_residuals_are_placed_as_the_recipe_says_in_each_stack(model, tokens, na
     assert collections.Counter(r.shape for r in res if r.host) == want_host
 
 
-@pytest.mark.parametrize("name", ["mla_moe_offload", "save_mla_moe"])
+@pytest.mark.parametrize("name", [n for n in RECIPES if RECIPES[n].offload] + ["save_mla_moe"])  # every offload recipe
 def test_cuda_lowering_places_offloaded_tags_in_pinned_host(model, tokens, name):
     recipe = RECIPES[name]
     model.set_recipe(recipe)
@@ -221,17 +221,23 @@ def test_yarn_matches_transformers():
 @pytest.mark.parametrize("change, field", [
     (dict(kv_lora_rank=0), "DeepSeekV3Config.kv_lora_rank must be a positive int"),
     (dict(q_lora_rank=-1), "DeepSeekV3Config.q_lora_rank"),
-    (dict(num_experts_per_tok=5), "num_experts_per_tok=5 is more than the group limit allows"),
+    (dict(num_experts_per_tok=5), r"num_experts_per_tok=5 must be in \[1, 4\]"),
     (dict(n_group=3), "n_group=3 must divide num_experts=8"),
-    (dict(topk_group=5), "topk_group=5 must be at most n_group=4"),
+    (dict(topk_group=5), r"topk_group=5 must be in \[1, n_group=4\]"),
     (dict(first_dense_layers=5), "first_dense_layers=5 must be at most num_layers=4"),
-    (dict(first_dense_layers=-1), "first_dense_layers must be a non-negative int"),
+    (dict(first_dense_layers=-1), "first_dense_layers must be non-negative"),
     (dict(qk_rope_head_dim=7), "qk_rope_head_dim must be even"),
     (dict(moe_backend="megablox"), "moe_backend must be one of"),
     (dict(capacity_factor=0.0), "capacity_factor"),
     (dict(balance_loss_weight=-1.0), "balance_loss_weight"),
     (dict(rope_scaling=zoo.layers.Llama3Scaling()), "rope_scaling must be a YarnScaling"),
     (dict(dtype="float8"), "dtype='float8'"),
+    # every field against its type (issue 12, case 4)
+    (dict(tie_embeddings="no"), "tie_embeddings must be a bool, got 'no'"),
+    (dict(balance_loss_weight=float("nan")), "balance_loss_weight must be a finite number, got nan"),
+    (dict(routed_scaling_factor=float("inf")), "routed_scaling_factor must be a finite number, got inf"),
+    (dict(num_layers=True), "num_layers must be an int, got True"),
+    (dict(norm_topk_prob=1), "norm_topk_prob must be a bool"),
 ])
 def test_bad_configs_raise_naming_the_field(change, field):
     with pytest.raises(ValueError, match=field):

@@ -152,7 +152,6 @@ def randomise_bias(model, seed=1):
 
 @pytest.mark.parametrize("name", sorted(DEEPSEEK_CONFIGS))
 def test_deepseek_from_transformers(tmp_path, name):
-    pytest.importorskip("zoo.models.deepseek")
     cfg = deepseek_hf_config(**DEEPSEEK_CONFIGS[name])
     torch.manual_seed(0)
     ref_model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
@@ -180,7 +179,6 @@ def test_deepseek_from_transformers(tmp_path, name):
 
 
 def test_deepseek_to_transformers(tmp_path):
-    pytest.importorskip("zoo.models.deepseek")
     from tests.test_hf import deepseek
     model = deepseek(seed=5)
     zoo.to_hf(model, tmp_path, max_shard_bytes=20000)

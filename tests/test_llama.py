@@ -12,7 +12,7 @@ from flax import nnx
 import zoo
 from recipes.llama3 import RECIPES
 from tests.helpers import cuda_lowering, grads_under, hlo_type, max_rel_err, pinned_host_shapes
-from zoo import audit
+from zoo.plan import measure as audit
 from zoo.layers import MLP, Attention, Embed, LMHead, Llama3Scaling, RMSNorm, Rope
 from zoo.models.llama import LlamaDecoderLayer
 
@@ -102,7 +102,7 @@ def test_residuals_are_placed_as_the_recipe_says(model, tokens, name):
             assert device[(CFG.num_layers,) + shapes[t].shape] >= 1, t
 
 
-@pytest.mark.parametrize("name", ["qkv_offload", "minimal_offload", "save_qkv"])
+@pytest.mark.parametrize("name", [n for n in RECIPES if RECIPES[n].offload] + ["save_qkv"])  # every offload recipe
 def test_cuda_lowering_places_offloaded_tags_in_pinned_host(model, tokens, name):
     recipe = RECIPES[name]
     model.set_recipe(recipe)
@@ -175,6 +175,11 @@ def test_rope_llama3_scaling_matches_published_formula():
     (dict(head_dim=15), "head_dim must be even"),
     (dict(attention_impl="flash"), "attention_impl"),
     (dict(norm_eps=0.0), "norm_eps"),
+    # every field against its type (issue 12, case 4)
+    (dict(tie_embeddings="no"), "LlamaConfig.tie_embeddings must be a bool, got 'no'"),
+    (dict(num_layers=2.0), "LlamaConfig.num_layers must be an int, got 2.0"),
+    (dict(rope_theta=float("nan")), "LlamaConfig.rope_theta must be a finite number, got nan"),
+    (dict(attention_impl=3), "attention_impl must be a string or None"),
 ])
 def test_bad_configs_raise_naming_the_field(change, field):
     with pytest.raises(ValueError, match=field):
@@ -218,3 +223,18 @@ def test_a_one_layer_stack_offloads_too():
     assert host == collections.Counter(shapes[t].shape for t in RECIPES["qkv_offload"].offload)
     plan = zoo.plan(cfg, RECIPES["qkv_offload"], batch=B, seq=S)
     assert plan.host_bytes == sum(math.prod(shapes[t].shape) * 4 for t in RECIPES["qkv_offload"].offload)
+
+
+def test_set_values_parse_to_the_field_type():
+    """`--set FIELD=VALUE` text becomes the field's type; junk is a ValueError naming the field and the type."""
+    from zoo.models.config import parse_field
+    cls = zoo.models.LlamaConfig
+    assert parse_field(cls, "tie_embeddings", "false") is False and parse_field(cls, "tie_embeddings", "True") is True
+    assert parse_field(cls, "num_layers", "3") == 3 and parse_field(cls, "rope_theta", "1e4") == 10000.0
+    assert parse_field(cls, "attention_impl", "none") is None and parse_field(cls, "dtype", "float32") == "float32"
+    for field, text, match in [("tie_embeddings", "maybe", "tie_embeddings must be a bool, got 'maybe'"),
+                               ("num_layers", "2.5", "num_layers must be an int"),
+                               ("norm_eps", "nan", "norm_eps must be a finite number"),
+                               ("num_layer", "3", "'num_layer' is not a field of LlamaConfig")]:
+        with pytest.raises(ValueError, match=match):
+            parse_field(cls, field, text)

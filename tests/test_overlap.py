@@ -14,7 +14,7 @@ import zoo
 from recipes import deepseek_v3 as ds_recipes
 from recipes import llama3 as llama_recipes
 from tests.helpers import cuda_lowering, hlo_type, loss_fn, max_rel_err, pinned_host_shapes
-from zoo import audit
+from zoo.plan import measure as audit
 from zoo.models import offload_scan
 from zoo.models.deepseek import balance_loss
 

@@ -1,9 +1,12 @@
 """Recipes: validation, patterns, and the policy they compile to."""
 import jax
+import jax.numpy as jnp
 import pytest
 
 import zoo
+from tests.helpers import pinned_host_shapes
 from zoo import tags
+from zoo.plan import measure
 
 
 def test_vocabulary_is_closed_and_complete():
@@ -37,10 +40,35 @@ def test_bad_recipes_raise(kwargs, match):
         zoo.Recipe("bad", **kwargs)
 
 
+def _tagged(w, x):
+    h = tags.name(jnp.sin(x @ w), "query_proj")
+    return jnp.sum(jnp.sin(h) @ w)
+
+
+W, X = jnp.ones((8, 8)), jnp.ones((4, 8))
+
+
+@pytest.mark.parametrize("recipe, want", [
+    (zoo.Recipe("o", offload=("query_proj",)), [("query_proj", True)]),   # kept, in host memory
+    (zoo.Recipe("d", device=("query_proj",)), [("query_proj", False)]),   # kept, on the device
+    (zoo.Recipe.full(), []),                                              # nothing kept: recomputed
+])
+def test_each_placement_is_what_jax_saves(recipe, want):
+    """The policy as JAX applies it: saved_residuals of a function with one tag, under each placement."""
+    res = measure.residuals(jax.checkpoint(_tagged, policy=recipe.policy()), W, X)
+    assert [(r.tag if not r.host else "query_proj", r.host) for r in res] == want
+    assert all(r.shape == (4, 8) for r in res)
+
+
 def test_policy_offloads_to_pinned_host():
-    # any other destination string silently keeps the value on the device
-    from zoo.recipe import OFFLOAD_DST
-    assert OFFLOAD_DST == "pinned_host"
+    """Offloaded tags are moved to *pinned* host memory in the CUDA lowering (any other memory kind silently keeps
+    them on the device); a device placement moves nothing."""
+    def lowered(recipe):
+        grad = jax.jit(jax.grad(jax.checkpoint(_tagged, policy=recipe.policy())))
+        return pinned_host_shapes(grad.trace(W, X).lower(lowering_platforms=("cuda",)).as_text())
+
+    assert lowered(zoo.Recipe("o", offload=("query_proj",))) == {"tensor<4x8xf32>": 1}
+    assert lowered(zoo.Recipe("d", device=("query_proj",))) == {}
     assert zoo.Recipe.full().policy() is jax.checkpoint_policies.nothing_saveable
     assert zoo.Recipe.none().policy() is jax.checkpoint_policies.everything_saveable
 

@@ -1,7 +1,8 @@
 """offload-zoo: Flax NNX models whose every offloadable intermediate is named, and recipes that place them."""
 from zoo import layers, models, tags
 from zoo.hf import from_hf, to_hf
-from zoo.planner import Plan, plan
+from zoo import plan  # the planner package; calling it plans (zoo.plan(cfg, recipe, ...))
+from zoo.plan import Plan
 from zoo.recipe import Recipe
 
 __all__ = ["Plan", "Recipe", "from_hf", "layers", "models", "plan", "tags", "to_hf"]

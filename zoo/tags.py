@@ -61,10 +61,16 @@ def vocabulary() -> str:
     return ", ".join(NAMES)
 
 
-def name(x: jax.Array, tag: str) -> jax.Array:
-    """Tag `x` as the intermediate `tag`: `checkpoint_name` restricted to the vocabulary."""
+def name(x: jax.Array, tag: str, axes: tuple[str | None, ...] | None = None) -> jax.Array:
+    """Tag `x` as the intermediate `tag`: `checkpoint_name` restricted to the vocabulary.
+
+    `axes`: the logical axis names of `x`. Under an active mesh and rules (`zoo.sharding.use`) a sharding constraint
+    by those names comes first, so an offloaded residual keeps its sharding in host memory; a no-op otherwise."""
     if tag not in TAGS:
         raise ValueError(f"unknown tag {tag!r}; the vocabulary is: {vocabulary()}")
+    if axes is not None:
+        from zoo import sharding
+        x = sharding.constrain(x, axes)
     x = checkpoint_name(x, tag)
     hooks = getattr(_local, "hooks", None)
     return hooks[-1](x, tag) if hooks else x
@@ -97,6 +103,33 @@ def _sub_jaxprs(params: dict[str, Any]):
                 yield v
 
 
+# Loops inside a layer. A loop is refused only when its body holds a tag or an offload: those are what a nested
+# scan breaks (the policy's saves and host copies inside an inner loop). Any other loop, such as the scan inside
+# tokamax's Mosaic GPU grouped-matmul kernel, is only computation and runs under any recipe.
+_LOOPS = ("scan", "while")
+
+
+def _is_host_target(target) -> bool:
+    """A device_put destination in host memory: a memory space, a memory kind, or a sharding with one."""
+    kind = getattr(target, "memory_kind", None) or getattr(target, "kind", None)
+    text = str(kind if kind is not None else target).lower()
+    return "host" in text
+
+
+def _tag_or_offload(params: dict[str, Any]) -> str | None:
+    """What in these sub-jaxprs (recursively) makes a loop unsafe: 'the tag X' or 'an offload to host'."""
+    for sub in _sub_jaxprs(params):
+        for eqn in sub.eqns:
+            if eqn.primitive.name == "name":
+                return f"the tag {eqn.params['name']!r}"
+            if eqn.primitive.name == "device_put" and any(_is_host_target(d) for d in eqn.params.get("devices", ())):
+                return "an offload to host memory (device_put)"
+            held = _tag_or_offload(eqn.params)
+            if held:
+                return held
+    return None
+
+
 def _collect(jaxpr, found: dict[str, jax.ShapeDtypeStruct], prefix: tuple[int, ...] = ()) -> None:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "name":
@@ -106,9 +139,14 @@ def _collect(jaxpr, found: dict[str, jax.ShapeDtypeStruct], prefix: tuple[int, .
             if tag in found:
                 raise ValueError(f"tag {tag!r} is emitted twice in one layer; each tag names one tensor")
             found[tag] = sds
-        elif eqn.primitive.name == "scan":
-            raise ValueError("a tagged layer contains a scan: offload inside nested scans is known to break; "
-                             "the zoo keeps one scan level (the layer stack)")
+        elif eqn.primitive.name in _LOOPS:
+            held = _tag_or_offload(eqn.params)
+            if held:
+                raise ValueError(f"a tagged layer contains a {eqn.primitive.name} whose body holds {held}: offload "
+                                 f"inside nested scans is known to break; the zoo keeps tags and offloads at one "
+                                 f"scan level (the layer stack). A loop without tags or offloads (a kernel's own, "
+                                 f"e.g. tokamax's grouped matmul) is fine")
+            # A loop holding no tag has none to collect: nothing to descend into.
         else:
             for sub in _sub_jaxprs(eqn.params):
                 _collect(sub, found, prefix)

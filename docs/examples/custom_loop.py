@@ -15,7 +15,7 @@ import numpy as np
 import optax
 
 import recipes.llama3
-import zoo.audit
+from zoo.plan import measure
 from zoo.tags import name
 
 VOCAB, DIM, HEADS, LAYERS = 64, 32, 4, 2
@@ -76,7 +76,7 @@ def batch(step: int, size: int = 8, seq: int = 32) -> jnp.ndarray:
 def main(steps: int = 30) -> list[float]:
     params = init(jax.random.key(0))
     # What JAX saves for the backward pass under the recipe: q, k and v on the host, stacked over the layers.
-    host = [r.shape for r in zoo.audit.residuals(loss_fn, params, batch(0)) if r.host]
+    host = [r.shape for r in measure.residuals(loss_fn, params, batch(0)) if r.host]
     print("saved in pinned host memory:", host)
     opt_state = optimizer.init(params)
     losses = []

@@ -39,61 +39,18 @@ INDEX = "model.safetensors.index.json"
 FLOAT_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
-@dataclasses.dataclass(frozen=True)
-class Arch:
-    """One supported HF architecture: config mapping, builder and key map."""
-    name: str
-    from_hf: Callable[..., Any]         # (hf config dict, param_dtype=) -> zoo config
-    to_hf: Callable[[Any], dict]        # zoo config -> hf config dict
-    build: Callable[..., nnx.Module]    # (cfg, recipe=, rngs=) -> model
-    keys: Callable[[Any], list[keymap.Entry]]
-    config_type: Callable[[], type]
-    # config.json -> which extra checkpoint keys hold nothing the zoo model has (and are skipped)
-    extra_keys: Callable[[dict], Callable[[str], bool]] = lambda hf: lambda key: False
+def arch_for_config(hf: dict):
+    """The model family (zoo.models.registry) whose Hugging Face architecture config.json names."""
+    from zoo.models import registry  # the table imports zoo.hf's mappings: look it up at call time
+    return registry.family_for_hf(hf)
 
 
-def _llama_arch() -> Arch:
-    from zoo.models import llama
-    return Arch("LlamaForCausalLM", hf_config.llama_from_hf, hf_config.llama_to_hf, llama.llama3, keymap.llama,
-                lambda: llama.LlamaConfig)
-
-
-def _deepseek_arch() -> Arch:
-    from zoo.models import deepseek
-    return Arch("DeepseekV3ForCausalLM", hf_config.deepseek_from_hf, hf_config.deepseek_to_hf, deepseek.deepseek_v3,
-                keymap.deepseek_v3, lambda: deepseek.DeepSeekV3Config,
-                lambda hf: keymap.deepseek_mtp_key(hf.get("num_hidden_layers", 0),
-                                                   hf.get("num_nextn_predict_layers") or 0))
-
-
-ARCHS: dict[str, Callable[[], Arch]] = {"LlamaForCausalLM": _llama_arch, "DeepseekV3ForCausalLM": _deepseek_arch}
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
-
-
-def arch_for_config(hf: dict) -> Arch:
-    names = hf.get("architectures") or []
-    if not names and hf.get("model_type") in MODEL_TYPES:
-        names = [MODEL_TYPES[hf["model_type"]]]
-    for name in names:
-        if name in ARCHS:
-            return ARCHS[name]()
-    raise ValueError(f"config.json: architectures={names!r} (model_type={hf.get('model_type')!r}) is not supported; "
-                     f"zoo reads {sorted(ARCHS)}")
-
-
-def arch_for_model(cfg) -> Arch:
-    for make in ARCHS.values():
-        arch = _importable(make)
-        if arch is not None and isinstance(cfg, arch.config_type()):
-            return arch
-    raise ValueError(f"to_hf: no Hugging Face architecture for a {type(cfg).__name__}")
-
-
-def _importable(make: Callable[[], Arch]) -> Arch | None:
+def arch_for_model(cfg):
+    from zoo.models import registry
     try:
-        return make()
-    except ImportError:  # a model not in this build of the zoo
-        return None
+        return registry.family_of(cfg)
+    except ValueError:
+        raise ValueError(f"to_hf: no Hugging Face architecture for a {type(cfg).__name__}") from None
 
 
 # -- reading --------------------------------------------------------------------------------------------------
@@ -105,19 +62,41 @@ class TensorInfo:
     dtype: str  # safetensors name: F32, BF16, ...
 
 
+def read_json(file: Path) -> dict:
+    """A JSON object from `file`; ValueError naming the file if it is not one."""
+    try:
+        with open(file) as f:
+            out = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"{file} holds a JSON {type(out).__name__}, not an object")
+    return out
+
+
 def read_config(path: Path) -> dict:
     file = path / "config.json"
     if not file.is_file():
         raise ValueError(f"{path}: no config.json; from_hf reads a Hugging Face checkpoint directory")
-    with open(file) as f:
-        return json.load(f)
+    return read_json(file)
+
+
+def open_safetensors(file: Path):
+    """`safe_open(file)`; ValueError naming the file if its header is damaged or it is shorter than the header
+    says (a truncated download)."""
+    try:
+        return safe_open(file, framework="numpy")
+    except Exception as e:   # safetensors' own error type, not a ValueError
+        raise ValueError(f"{file} is not a readable safetensors file (truncated or damaged?): {e}") from None
 
 
 def list_tensors(path: Path) -> dict[str, TensorInfo]:
     """{key: file, shape, dtype} of every tensor in the checkpoint, read from the headers only."""
     if (path / INDEX).is_file():
-        with open(path / INDEX) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        weight_map = read_json(path / INDEX).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{path / INDEX} has no weight_map object")
+        files = sorted(set(weight_map.values()))
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
@@ -126,7 +105,7 @@ def list_tensors(path: Path) -> dict[str, TensorInfo]:
     for name in files:
         if not (path / name).is_file():
             raise ValueError(f"{path}: {INDEX} names {name!r}, which does not exist")
-        with safe_open(path / name, framework="numpy") as f:
+        with open_safetensors(path / name) as f:
             for key in f.keys():
                 if key in out:
                     raise ValueError(f"{path}: tensor {key!r} is in both {out[key].file} and {name}")
@@ -196,14 +175,17 @@ def _set_slice(buf, piece, index):
 
 
 def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *, mesh=None,
-            rules: Sequence[tuple[str, Any]] | None = None) -> nnx.Module:
+            rules: Sequence[tuple[str, Any]] | None = None, allow_nonfinite: bool = False) -> nnx.Module:
     """Load a Hugging Face checkpoint directory (`LlamaForCausalLM` or `DeepseekV3ForCausalLM`: config.json and
     one or many *.safetensors, with model.safetensors.index.json when sharded) as a scanned zoo model.
 
     `dtype`: parameter dtype (default: the checkpoint's); float32 parameters compute in float32, others in
     bfloat16. `mesh` (default: the mesh set with `jax.set_mesh`, if any) and `rules` (logical axis -> mesh axis)
     place each parameter on its target sharding as it is read. Raises ValueError, before loading anything, for an
-    unknown architecture, an unsupported config field, or a tensor that is missing, mis-shaped or left over.
+    unknown architecture, an unsupported config field, a config.json or index that is not JSON, a safetensors file
+    whose header is damaged or that is shorter than its header says, or a tensor that is missing, mis-shaped or left
+    over; and, while streaming, for a tensor holding NaN or infinity (naming tensor and file) unless
+    `allow_nonfinite=True`.
     """
     path = Path(path)
     hf = read_config(path)
@@ -211,7 +193,7 @@ def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *
     found = list_tensors(path)
     first = next((found[k] for k in ("model.embed_tokens.weight",) if k in found), None)
     param_dtype = hf_config.param_dtype_of(hf, dtype, FLOAT_DTYPES.get(first.dtype) if first else None)
-    cfg = arch.from_hf(hf, param_dtype=param_dtype)
+    cfg = arch.hf.from_hf(hf, param_dtype=param_dtype)
 
     if mesh is None:
         mesh = jax.sharding.get_mesh()
@@ -221,31 +203,43 @@ def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *
         abstract = nnx.eval_shape(lambda: arch.build(cfg, recipe=recipe, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)   # parameters, and DeepSeek's routing biases: all from the checkpoint
     flat = dict(nnx.to_flat_state(state))
-    entries = arch.keys(cfg)
+    entries = arch.hf.keys(cfg)
     if set(flat) != {e.path for e in entries}:
-        raise RuntimeError(f"zoo bug: the {arch.name} key map does not cover the model: "
+        raise RuntimeError(f"zoo bug: the {arch.hf.architecture} key map does not cover the model: "
                            f"{sorted(set(flat) ^ {e.path for e in entries})}")
     tied_head = cfg.tie_embeddings and "lm_head.weight" in found  # checked against the embedding below
-    skip = arch.extra_keys(hf)
+    skip = arch.hf.extra_keys(hf)
     check_tensors(entries, {p: v.shape for p, v in flat.items()}, found,
                   lambda key: skip(key) or (tied_head and key == "lm_head.weight"))
     if cfg.tie_embeddings and "lm_head.weight" in found:
         check_tied(path, found)
 
-    loaded = stream(path, found, entries, flat, target_shardings(state, mesh, rules))
+    loaded = stream(path, found, entries, flat, target_shardings(state, mesh, rules), allow_nonfinite=allow_nonfinite)
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
 
 def stream(path: Path, found: dict[str, TensorInfo], entries: list[keymap.Entry], flat: dict[tuple, nnx.Variable],
-           shardings: dict[tuple, Any]) -> list[tuple[tuple, nnx.Variable]]:
-    """Read every parameter (checked already) onto its sharding, one layer at a time: [(path, filled variable)]."""
+           shardings: dict[tuple, Any], *, allow_nonfinite: bool = False) -> list[tuple[tuple, nnx.Variable]]:
+    """Read every parameter (checked already) onto its sharding, one layer at a time: [(path, filled variable)].
+    ValueError naming tensor and file for a tensor that does not read or (unless `allow_nonfinite`) holds NaN or
+    infinity."""
     loaded = []
     with contextlib.ExitStack() as stack:
-        files = {name: stack.enter_context(safe_open(path / name, framework="numpy"))
+        files = {name: stack.enter_context(open_safetensors(path / name))
                  for name in sorted({found[k].file for e in entries for k in e.keys()})}
 
         def read(key):
-            return files[found[key].file].get_tensor(key)
+            file = path / found[key].file
+            try:
+                value = files[found[key].file].get_tensor(key)
+            except Exception as e:   # safetensors' own error type
+                raise ValueError(f"tensor {key!r} in {file} does not read: {e}") from None
+            if not allow_nonfinite:
+                bad = int(np.size(value) - np.count_nonzero(np.isfinite(value)))
+                if bad:
+                    raise ValueError(f"tensor {key!r} in {file} holds {bad} non-finite value(s) (NaN or infinity) "
+                                     f"of {np.size(value)}; pass allow_nonfinite=True to load it anyway")
+            return value
 
         for e in entries:
             var = flat[e.path]
@@ -265,30 +259,48 @@ def stream(path: Path, found: dict[str, TensorInfo], entries: list[keymap.Entry]
 def check_tied(path: Path, found: dict[str, TensorInfo]) -> None:
     """A tied checkpoint may still carry lm_head.weight; it must then equal the embedding."""
     a, b = "model.embed_tokens.weight", "lm_head.weight"
-    with safe_open(path / found[a].file, framework="numpy") as fa, safe_open(path / found[b].file,
-                                                                            framework="numpy") as fb:
+    with open_safetensors(path / found[a].file) as fa, open_safetensors(path / found[b].file) as fb:
         if found[a].shape != found[b].shape or not np.array_equal(fa.get_tensor(a), fb.get_tensor(b)):
             raise ValueError(f"config.json: tie_word_embeddings=true, but tensor {b!r} differs from {a!r}")
 
 
 # -- writing --------------------------------------------------------------------------------------------------
 
-def to_hf(model: nnx.Module, path: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30) -> None:
+# What a Hugging Face model directory's weights and config are: `to_hf(..., overwrite=True)` removes these (and
+# only these) before writing, so no stale shard or a second format's weights stay beside the new ones.
+CHECKPOINT_FILES = ("config.json", "*.safetensors", INDEX, "pytorch_model*.bin", "pytorch_model.bin.index.json",
+                    "tf_model.h5", "flax_model*.msgpack", "flax_model.msgpack.index.json")
+
+
+def to_hf(model: nnx.Module, path: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30,
+          overwrite: bool = False) -> None:
     """Write `model` as a Hugging Face checkpoint: config.json and safetensors shards (with
     model.safetensors.index.json when there is more than one) that `transformers.AutoModelForCausalLM`
-    loads. `path` is created if needed and must not already hold safetensors files."""
+    loads. `path` is created if needed and must be empty: ValueError otherwise, listing what it holds. With
+    `overwrite=True` a non-empty directory is accepted: the files of a previous checkpoint in it (config.json,
+    safetensors shards and index, and `.bin`/`.h5`/`.msgpack` weights: `CHECKPOINT_FILES`) are removed first, and
+    everything else (tokenizer files, README, generation_config.json) is kept."""
     cfg = model.config
     arch = arch_for_model(cfg)
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"to_hf: {path} exists and is not a directory")
     path.mkdir(parents=True, exist_ok=True)
-    if any(path.glob("*.safetensors")) or (path / INDEX).exists():
-        raise ValueError(f"to_hf: {path} already holds safetensors files; write to an empty directory")
+    held = sorted(p.name for p in path.iterdir())
+    if held and not overwrite:
+        raise ValueError(f"to_hf: {path} is not empty ({', '.join(held[:5])}{' ...' if len(held) > 5 else ''}); "
+                         f"write to an empty directory, or pass overwrite=True to replace the checkpoint files in it")
     flat = dict(nnx.to_flat_state(nnx.state(model)))
-    entries = arch.keys(cfg)
+    entries = arch.hf.keys(cfg)
     if set(flat) != {e.path for e in entries}:
-        raise RuntimeError(f"zoo bug: the {arch.name} key map does not cover the model: "
+        raise RuntimeError(f"zoo bug: the {arch.hf.architecture} key map does not cover the model: "
                            f"{sorted(set(flat) ^ {e.path for e in entries})}")
 
+    if held:
+        for pattern in CHECKPOINT_FILES:
+            for old in path.glob(pattern):
+                if old.is_file():
+                    old.unlink()
     # Plan shards from shapes alone, then materialize one shard's tensors at a time.
     tensors = []  # (key, entry, index of its slice in the zoo array, nbytes)
     for e in entries:
@@ -315,4 +327,4 @@ def to_hf(model: nnx.Module, path: str | os.PathLike, *, max_shard_bytes: int = 
         with open(path / INDEX, "w") as f:
             json.dump({"metadata": {"total_size": sum(t[3] for t in tensors)}, "weight_map": weight_map}, f, indent=2)
     with open(path / "config.json", "w") as f:
-        json.dump(arch.to_hf(cfg), f, indent=2)
+        json.dump(arch.hf.to_hf(cfg), f, indent=2)

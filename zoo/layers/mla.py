@@ -26,7 +26,8 @@ query and key states do. With `rope_interleave=False` the weights are taken to b
 
 Value head dim. `jax.nn.dot_product_attention` (jax 0.10-0.11) needs one head dim for q, k and v; DeepSeek-V3 has
 qk 192 and v 128. The values are padded with zeros to the qk head dim for the kernel and its output is sliced
-back: exact, and the tags value_proj and attention_out are the un-padded [B,S,H,v_head] tensors.
+back: exact, and the tags value_proj and attention_out are the un-padded [B,S,H,v_head] tensors. Head dim 192 is
+within cuDNN flash attention's limit on Hopper (256), so the kernel is chosen as for GQA (zoo.layers.attention).
 """
 from __future__ import annotations
 
@@ -35,10 +36,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo.layers.tagged import TaggedLayer
-from zoo.layers.attention import Implementation, causal_attention, positions_for
+from zoo.layers.attention import AttentionChoice, Implementation, causal_attention, choose_impl, positions_for
 from zoo.layers.linear import projection
 from zoo.layers.norm import RMSNorm
 from zoo.layers.rope import Rope, YarnScaling
+from zoo.sharding import BSD, BSH
 from zoo.tags import name
 
 
@@ -83,8 +85,13 @@ class MLA(TaggedLayer):
         self.qk_nope_head_dim = qk_nope_head_dim
         self.v_head_dim = v_head_dim
         self.implementation = implementation
+        self.kernel_head_dim = max(qk_head_dim, v_head_dim)  # values are padded to the q/k head dim
         mscale = rope.scaling.softmax_mscale() if isinstance(rope.scaling, YarnScaling) else 1.0
         self.scale = qk_head_dim ** -0.5 * mscale
+
+    def attention_choice(self, device: jax.Device | None = None) -> AttentionChoice:
+        """The attention implementation this layer runs on `device` (default: the first device)."""
+        return choose_impl(self.implementation, dtype=self.dtype, head_dim=self.kernel_head_dim, device=device)
 
     def _rotate(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         return self.rope(deinterleave(x) if self.rope_interleave else x, positions)
@@ -93,22 +100,22 @@ class MLA(TaggedLayer):
         pos = positions_for(x)
         nope = self.qk_nope_head_dim
 
-        q_latent = name(self.q_a_proj(x), "query_wa_proj")
-        q_latent = name(self.q_a_layernorm(q_latent), "mla_q")
+        q_latent = name(self.q_a_proj(x), "query_wa_proj", ("batch", "seq", "q_lora"))
+        q_latent = name(self.q_a_layernorm(q_latent), "mla_q", ("batch", "seq", "q_lora"))
         q = self.q_b_proj(q_latent)                                            # [B,S,H,nope+rope]
-        q = name(jnp.concatenate([q[..., :nope], self._rotate(q[..., nope:], pos)], axis=-1), "query_proj")
+        q = name(jnp.concatenate([q[..., :nope], self._rotate(q[..., nope:], pos)], axis=-1), "query_proj", BSH)
 
-        kv = name(self.kv_a_proj_with_mqa(x), "kv_wa_proj")                    # [B,S,kv_lora+rope]
+        kv = name(self.kv_a_proj_with_mqa(x), "kv_wa_proj", ("batch", "seq", "kv_lora"))                    # [B,S,kv_lora+rope]
         kv_latent, k_rope = kv[..., :self.kv_lora_rank], kv[..., self.kv_lora_rank:]
-        kv_latent = name(self.kv_a_layernorm(kv_latent), "mla_kv")
+        kv_latent = name(self.kv_a_layernorm(kv_latent), "mla_kv", ("batch", "seq", "kv_lora"))
         kv_up = self.kv_b_proj(kv_latent)                                      # [B,S,H,nope+v]
         k_rope = self._rotate(k_rope[:, :, None, :], pos)                      # [B,S,1,rope], shared by heads
         k_rope = jnp.broadcast_to(k_rope, kv_up.shape[:3] + k_rope.shape[3:])
-        k = name(jnp.concatenate([kv_up[..., :nope], k_rope], axis=-1), "key_proj")
-        v = name(kv_up[..., nope:], "value_proj")                              # [B,S,H,v_head]
+        k = name(jnp.concatenate([kv_up[..., :nope], k_rope], axis=-1), "key_proj", BSH)
+        v = name(kv_up[..., nope:], "value_proj", BSH)                              # [B,S,H,v_head]
 
         # The kernel takes one head dim: zero-pad to the larger one (exact), slice the output back.
         out = causal_attention(_pad_to(q, v.shape[-1]), _pad_to(k, v.shape[-1]), _pad_to(v, q.shape[-1]),
                                scale=self.scale, implementation=self.implementation)
-        out = name(out[..., :self.v_head_dim], "attention_out")
-        return name(self.o_proj(out), "out_proj")
+        out = name(out[..., :self.v_head_dim], "attention_out", BSH)
+        return name(self.o_proj(out), "out_proj", BSD)

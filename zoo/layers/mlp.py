@@ -11,6 +11,7 @@ from flax import nnx
 
 from zoo.layers.tagged import TaggedLayer
 from zoo.layers.linear import projection
+from zoo.sharding import BSD, BSF
 from zoo.tags import name
 
 PREFIXES = ("", "shared_")
@@ -30,6 +31,6 @@ class MLP(TaggedLayer):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         p = self.tag_prefix
-        gate = name(self.gate_proj(x), f"{p}mlpwi_0")
-        up = name(self.up_proj(x), f"{p}mlpwi_1")
-        return name(self.down_proj(jax.nn.silu(gate) * up), f"{p}mlpwo")
+        gate = name(self.gate_proj(x), f"{p}mlpwi_0", BSF)
+        up = name(self.up_proj(x), f"{p}mlpwi_1", BSF)
+        return name(self.down_proj(jax.nn.silu(gate) * up), f"{p}mlpwo", BSD)

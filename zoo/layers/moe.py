@@ -12,17 +12,37 @@ back in token order and summed with the routing weights. One shared expert sees 
 - ``"ragged_dot"``: `jax.lax.ragged_dot`, dropless; the reference, and right on CPU. On GPUs (jax 0.11) XLA
   computes every expert for every row: 48 TFLOP/s on an H200 where a batched einsum reaches 805 (ANCHORS.md).
 - ``"tokamax"``: tokamax's `ragged_dot` (a real grouped GEMM; Mosaic GPU kernel), dropless, same API and
-  results; imported only when chosen (it needs jax >= 0.11.1 and is not a dependency of the zoo).
+  results; imported only when chosen (it needs jax >= 0.11.1 and is not a dependency of the zoo). On an NVIDIA
+  GPU the zoo asks for its Mosaic kernel by name, so an unsupported case fails loudly instead of falling back to
+  XLA's dense ragged_dot; elsewhere tokamax picks (XLA on a CPU). Its kernel has a scan of its own, with no tag
+  and no offload inside: `zoo.tags` allows that (it refuses only a loop that holds a tag or an offload).
 - ``"capacity"``: each expert takes at most C = ceil(capacity_factor * B*S*k / experts) copies (the first ones
   in token order); the experts run as a batched einsum over an [experts, C, hidden] buffer. Copies over an
   expert's capacity are dropped (they add nothing) and counted in the aux output. Its tags moe_mlpwi_0,
   moe_mlpwi_1, moe_mlpwo are the [experts, C, F] / [experts, C, D] buffers, not [B*S*k, ...] rows.
-- ``"auto"``: tokamax when it is installed and the default backend is a GPU, else ragged_dot.
+- ``"auto"``: only a backend known to run well on the device. On an NVIDIA GPU: tokamax when it imports and its
+  Mosaic kernel covers the case (bf16/fp16, compute capability 8.x, 9.x or 10.x); otherwise capacity dispatch,
+  with a warning that it drops copies over capacity, since ragged_dot computes every expert for every row there
+  (48 against 805 TFLOP/s on an H200, and out of memory at the deepseek-slice batch; ANCHORS.md). On any other
+  device: ragged_dot (exact, and what XLA does well on CPUs and TPUs). `backend_choice` says which and why.
 
 Every backend gives the same outputs when nothing is dropped.
 
+Under a mesh (`zoo.sharding`). The capacity backend is GShard's: the batch is cut into G groups, one per shard of
+the batch (dp x fsdp x ep; G = 1 on one device), each group routes and fills its own C = ceil(capacity_factor *
+group copies / experts) slots, and the buffer is laid out [experts, G*C, ...] with experts over `ep` and the groups
+over dp x fsdp: XLA moves each copy to its expert's device and back with all-to-alls, and every expert's
+activations stay on its device (the tags are these sharded buffers: per-device host bytes = plan / shards).
+Capacity is per group, so which copies drop can depend on the mesh; with nothing dropped the results equal one
+device's. The dropless backends (ragged_dot, tokamax) sort all copies at once: under a mesh they run correctly,
+XLA gathering the rows and the expert weights (no expert parallelism; their moe_* tags are not sharded over the
+batch). A `jax.lax.ragged_all_to_all` dispatch under `shard_map` is not built (XLA:CPU has no ragged-all-to-all,
+so it could not be tested here). Load statistics (`aux["load"]`, summed over groups) and the balance loss are
+global: the routing-bias update is the same on any mesh.
+
 Tags: moe_mlpwi_0 (experts' gate, before the activation), moe_mlpwi_1 (up), moe_mlpwo (down) over the dispatched
-rows; shared_mlpwi_0, shared_mlpwi_1, shared_mlpwo (the shared expert). No scan inside: the stack is the only scan.
+rows; shared_mlpwi_0, shared_mlpwi_1, shared_mlpwo (the shared expert). No tag sits inside a loop: the stack is the
+only scan that holds tags (a grouped-matmul kernel may loop internally).
 
 Balance. `MoE.__call__` returns (y, aux) with
 - ``aux["load"]``: float32 [experts], token copies routed to each expert (before any drop),
@@ -30,7 +50,7 @@ Balance. `MoE.__call__` returns (y, aux) with
   `balance_loss_weight` (add it to the training loss; its gradient reaches the router weights),
 - ``aux["dropped"]``: int32 [], token copies dropped by capacity dispatch (0 for the dropless backends).
 A scanned stack stacks them over layers ([L, experts], [L], [L]). The training loop applies the bias update
-b += rate * sign(mean(load) - load) with `update_routing_bias(model, aux, rate)` (or `routing_bias_update` in a
+b += rate * sign(mean(load) - load) with `update_routing_bias(model, aux, rate)` (or `routing_bias_delta` in a
 functional loop). The bias is a `RoutingBias`, not an `nnx.Param`: optimizers over `nnx.Param` leave it alone.
 A functional loop that splits (params, rest) and merges inside `jax.grad` must merge with
 `nnx.merge(graphdef, params, rest, copy=True)`: otherwise the bias variable belongs to the outer trace and
@@ -41,18 +61,21 @@ experts (gate_proj, up_proj [experts, D, F], down_proj [experts, F, D]), shared_
 """
 from __future__ import annotations
 
+import functools
 import importlib
-import importlib.util
 import math
-from typing import Any, Literal
+import warnings
+from typing import Any, Callable, Literal
 
 import jax
 import jax.numpy as jnp
+from einops import rearrange, repeat
 from flax import nnx
 
-from zoo.layers.tagged import TaggedLayer
+from zoo import sharding
 from zoo.layers.linear import fan_in_init, logical
 from zoo.layers.mlp import MLP
+from zoo.layers.tagged import TaggedLayer
 from zoo.tags import name
 
 Backend = Literal["auto", "ragged_dot", "tokamax", "capacity"]
@@ -116,14 +139,14 @@ def balance_loss(scores: jax.Array, idx: jax.Array, *, batch: int, weight: float
     return weight * jnp.mean(jnp.sum(f * p, axis=-1))
 
 
-def routing_bias_update(load: jax.Array, rate: float) -> jax.Array:
-    """The auxiliary-loss-free update of the bias for per-expert `load` [..., E]: rate * sign(mean - load)."""
+def routing_bias_delta(load: jax.Array, rate: float) -> jax.Array:
+    """The auxiliary-loss-free step of the bias for per-expert `load` [..., E]: rate * sign(mean - load)."""
     load = jnp.asarray(load, jnp.float32)
     return rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
 
 
 def update_routing_bias(model: nnx.Module, aux: dict[str, Any], rate: float) -> None:
-    """Apply `routing_bias_update` in place to every stack of `model` whose aux has a "load" ([L, E] from
+    """Add `routing_bias_delta` in place to every stack of `model` whose aux has a "load" ([L, E] from
     `model(tokens, return_aux=True)`), or to a single MoE layer given its own aux ([E])."""
     if "load" in aux:
         targets = [(model, aux["load"])]
@@ -134,24 +157,91 @@ def update_routing_bias(model: nnx.Module, aux: dict[str, Any], rate: float) -> 
         if len(biases) != 1 or biases[0].shape != load.shape:
             raise ValueError(f"update_routing_bias: expected one RoutingBias of shape {load.shape} in "
                              f"{type(module).__name__}, found {[b.shape for b in biases]}")
-        biases[0][...] = biases[0][...] + routing_bias_update(load, rate).astype(biases[0].dtype)
+        biases[0][...] = biases[0][...] + routing_bias_delta(load, rate).astype(biases[0].dtype)
 
 
 # -- the experts and their dispatch ---------------------------------------------------------------------------
-def resolve_backend(backend: str) -> str:
-    """The backend that runs: "auto" picks tokamax on a GPU when it is installed, else ragged_dot."""
-    if backend not in BACKENDS:
-        raise ValueError(f"moe_backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "tokamax" if tokamax_available() and jax.default_backend() == "gpu" else "ragged_dot"
-    if backend == "tokamax" and not tokamax_available():
-        raise ValueError("moe_backend='tokamax' needs the tokamax package (pip install tokamax; jax >= 0.11.1), "
-                         "which is not installed; use 'ragged_dot' or 'capacity'")
-    return backend
+@functools.cache
+def tokamax_status() -> tuple[bool, str]:
+    """(True, version) if tokamax imports here, else (False, why not). Imported once, only when asked."""
+    try:
+        tokamax = importlib.import_module("tokamax")
+    except Exception as e:  # noqa: BLE001: ImportError, or a dependency failing at import
+        return False, f"tokamax does not import ({type(e).__name__}: {str(e)[:200]})"
+    return True, f"tokamax {getattr(tokamax, '__version__', '?')}"
 
 
 def tokamax_available() -> bool:
-    return importlib.util.find_spec("tokamax") is not None
+    return tokamax_status()[0]
+
+
+def _is_nvidia(device: jax.Device) -> bool:
+    return device.platform == "gpu" and "cuda" in str(getattr(device.client, "platform_version", "")).lower()
+
+
+def _tokamax_kernel_covers(device: jax.Device, dtype) -> str | None:
+    """None if tokamax's Mosaic GPU grouped matmul covers `dtype` on `device`, else the reason it does not."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"its Mosaic GPU kernel takes bf16/fp16, not {jnp.dtype(dtype).name}"
+    cc = str(getattr(device, "compute_capability", ""))
+    if cc.split(".")[0] not in ("8", "9", "10"):
+        return f"its Mosaic GPU kernel has no version for compute capability {cc or 'unknown'}"
+    return None
+
+
+def backend_choice(backend: str, *, dtype=jnp.bfloat16, device: jax.Device | None = None) -> tuple[str, str]:
+    """(the backend that runs, why) for the configured `backend` on `device` (default: the first device)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"moe_backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "tokamax":
+        ok, why = tokamax_status()
+        if not ok:
+            raise ValueError(f"moe_backend='tokamax' needs the tokamax package (pip install tokamax; jax >= 0.11.1): "
+                             f"{why}; use 'ragged_dot' or 'capacity'")
+        return "tokamax", f"asked for ({why})"
+    if backend != "auto":
+        return backend, "asked for"
+    device = device or jax.devices()[0]
+    if not _is_nvidia(device):
+        return "ragged_dot", f"auto on {device.platform}: jax.lax.ragged_dot, dropless"
+    ok, why = tokamax_status()
+    if ok:
+        why = _tokamax_kernel_covers(device, dtype)
+        if why is None:
+            return "tokamax", f"auto on {device.device_kind}: tokamax's Mosaic GPU grouped matmul, dropless"
+    return "capacity", (f"auto on {device.device_kind}: capacity dispatch (drops copies over capacity; counted in "
+                        f"aux['dropped']), because tokamax is unusable ({why}) and jax.lax.ragged_dot computes "
+                        f"every expert for every row on GPUs")
+
+
+def resolve_backend(backend: str, *, dtype=jnp.bfloat16, device: jax.Device | None = None) -> str:
+    """The backend that runs for the configured `backend` (see `backend_choice`)."""
+    return backend_choice(backend, dtype=dtype, device=device)[0]
+
+
+def _tokamax_ragged_dot() -> Callable:
+    tokamax = importlib.import_module("tokamax")
+    # On an NVIDIA GPU name the Mosaic kernel: an unsupported case raises instead of silently taking XLA's dense
+    # ragged_dot. Elsewhere (CPU tests) tokamax chooses, i.e. XLA.
+    impl = "mosaic" if _is_nvidia(jax.devices()[0]) else None
+    return functools.partial(tokamax.ragged_dot, implementation=impl)
+
+
+# backend -> a factory of its grouped matmul, with `jax.lax.ragged_dot`'s signature (rows [N, D] sorted by group,
+# weights [G, D, F], group_sizes [G]) -> [N, F]. Tests swap an entry for a stand-in (with monkeypatch).
+GROUPED_MATMULS: dict[str, Callable[[], Callable]] = {
+    "ragged_dot": lambda: jax.lax.ragged_dot,
+    "tokamax": _tokamax_ragged_dot,
+}
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
 
 
 def capacity(num_rows: int, num_experts: int, capacity_factor: float) -> int:
@@ -179,21 +269,32 @@ class Experts(nnx.Module):
 
     def grouped(self, rows: jax.Array, group_sizes: jax.Array, backend: str) -> jax.Array:
         """rows [N, D] sorted by expert, group_sizes [E] -> [N, D] through each row's expert (dropless)."""
-        if backend == "tokamax":
-            matmul = importlib.import_module("tokamax").ragged_dot
-        else:
-            matmul = jax.lax.ragged_dot
+        matmul = GROUPED_MATMULS[backend]()
         w_gate, w_up, w_down = self.weights()
-        gate = name(matmul(rows, w_gate, group_sizes), "moe_mlpwi_0")
-        up = name(matmul(rows, w_up, group_sizes), "moe_mlpwi_1")
-        return name(matmul(jax.nn.silu(gate) * up, w_down, group_sizes), "moe_mlpwo")
+        gate = name(matmul(rows, w_gate, group_sizes), "moe_mlpwi_0", (None, "moe_mlp"))
+        up = name(matmul(rows, w_up, group_sizes), "moe_mlpwi_1", (None, "moe_mlp"))
+        return name(matmul(jax.nn.silu(gate) * up, w_down, group_sizes), "moe_mlpwo", (None, "embed"))
 
     def batched(self, buf: jax.Array) -> jax.Array:
-        """buf [E, C, D] (expert e's rows in buf[e]) -> [E, C, D]: a batched einsum per expert."""
+        """buf [E, C, D] (expert e's rows in buf[e]) -> [E, C, D]: a batched einsum per expert. Under a mesh the
+        buffers are constrained experts -> ep (and their rows over the batch groups' data axes)."""
         w_gate, w_up, w_down = self.weights()
-        gate = name(jnp.einsum("ecd,edf->ecf", buf, w_gate), "moe_mlpwi_0")
-        up = name(jnp.einsum("ecd,edf->ecf", buf, w_up), "moe_mlpwi_1")
-        return name(jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, w_down), "moe_mlpwo")
+        buf = sharding.constrain(buf, ("experts", "exp_batch", "embed"))
+        gate = name(jnp.einsum("ecd,edf->ecf", buf, w_gate), "moe_mlpwi_0", ("experts", "exp_batch", "moe_mlp"))
+        up = name(jnp.einsum("ecd,edf->ecf", buf, w_up), "moe_mlpwi_1", ("experts", "exp_batch", "moe_mlp"))
+        return name(jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, w_down), "moe_mlpwo",
+                    ("experts", "exp_batch", "embed"))
+
+
+def check_routing(*, num_experts: int, k: int, n_group: int, topk_group: int, where: str) -> None:
+    """The group-limited router's limits (the one place they are checked: the MoE layer and DeepSeekV3Config)."""
+    if num_experts % n_group:
+        raise ValueError(f"{where}: n_group={n_group} must divide num_experts={num_experts}")
+    if not 0 < topk_group <= n_group:
+        raise ValueError(f"{where}: topk_group={topk_group} must be in [1, n_group={n_group}]")
+    if not 0 < k <= topk_group * (num_experts // n_group):
+        raise ValueError(f"{where}: num_experts_per_tok={k} must be in [1, {topk_group * (num_experts // n_group)}] "
+                         f"(topk_group * experts per group)")
 
 
 class MoE(TaggedLayer):
@@ -202,14 +303,8 @@ class MoE(TaggedLayer):
                  norm_topk_prob: bool = True, backend: Backend = "auto", capacity_factor: float = 1.25,
                  balance_loss_weight: float = 1e-4, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.dim, self.dtype = dim, dtype
-        if num_experts % n_group:
-            raise ValueError(f"MoE: n_group={n_group} must divide num_experts={num_experts}")
-        if not 0 < topk_group <= n_group:
-            raise ValueError(f"MoE: topk_group={topk_group} must be in [1, n_group={n_group}]")
-        if not 0 < k <= topk_group * (num_experts // n_group):
-            raise ValueError(f"MoE: num_experts_per_tok={k} must be in [1, {topk_group * (num_experts // n_group)}] "
-                             f"(topk_group * experts per group)")
-        resolve_backend(backend)  # fail early on an unknown or missing backend
+        check_routing(num_experts=num_experts, k=k, n_group=n_group, topk_group=topk_group, where="MoE")
+        backend_choice(backend, dtype=dtype)  # fail early on an unknown or missing backend
         self.gate = Router(dim=dim, num_experts=num_experts, k=k, n_group=n_group, topk_group=topk_group,
                            routed_scaling_factor=routed_scaling_factor, norm_topk_prob=norm_topk_prob,
                            param_dtype=param_dtype, rngs=rngs)
@@ -223,43 +318,58 @@ class MoE(TaggedLayer):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """x [B, S, D] -> (y [B, S, D], aux); see the module docstring for aux."""
-        b, s, d = x.shape
-        t, e, k = b * s, self.num_experts, self.k
-        flat = x.reshape(t, d)
-        scores, weights, idx = self.gate(flat)
+        b, s, _ = x.shape
+        e, k = self.num_experts, self.k
+        backend, why = backend_choice(self.backend, dtype=self.dtype)
+        if backend == "capacity" and self.backend == "auto":
+            _warn_once(f"MoE: {why}")
+        # Dispatch groups: one per shard of the batch under a mesh (GShard), one on a single device (a batch the
+        # mesh does not divide, e.g. the recipe check's batch of 1, gets gcd(batch, shards)). The dropless backends
+        # sort all copies at once (one group).
+        g = math.gcd(b, sharding.size_of("batch")) if backend == "capacity" else 1
+        flat = rearrange(x, "(g b) s d -> g (b s) d", g=g)
+        if g > 1:
+            flat = sharding.constrain(flat, ("batch", None, "embed"))
+        scores, weights, idx = self.gate(rearrange(flat, "g t d -> (g t) d"))
+        idx_g = rearrange(idx, "(g t) k -> g (t k)", g=g)                               # expert of each copy
 
-        # Sort the T*k token copies by expert (stable: token order within an expert).
-        expert_of_copy = idx.reshape(t * k)
-        order = jnp.argsort(expert_of_copy, stable=True)
-        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype), unique_indices=True)
-        group_sizes = jnp.bincount(expert_of_copy, length=e).astype(jnp.int32)
-        rows = jnp.broadcast_to(flat[:, None, :], (t, k, d)).reshape(t * k, d)
-        rows = rows.at[order].get(unique_indices=True)                                  # [T*k, D] by expert
+        # Sort each group's T*k token copies by expert (stable: token order within an expert).
+        order = jnp.argsort(idx_g, axis=-1, stable=True)
+        inverse = jnp.argsort(order, axis=-1)
+        group_sizes = jax.vmap(lambda i: jnp.bincount(i, length=e))(idx_g).astype(jnp.int32)        # [G, E]
+        rows = jnp.take_along_axis(repeat(flat, "g t d -> g (t k) d", k=k), order[..., None], axis=1)  # by expert
+        expert = jnp.take_along_axis(idx_g, order, axis=-1)
 
-        backend = resolve_backend(self.backend)
         if backend == "capacity":
-            out, dropped = self._capacity_dispatch(rows, expert_of_copy[order], group_sizes)
+            out, dropped = self._capacity_dispatch(rows, expert, group_sizes)
         else:
-            out, dropped = self.experts.grouped(rows, group_sizes, backend), jnp.zeros((), jnp.int32)
+            out = self.experts.grouped(rows[0], group_sizes[0], backend)[None]
+            dropped = jnp.zeros((), jnp.int32)
 
         # Back to token order, weighted sum over each token's k experts (accumulated in float32).
-        out = out.at[inverse].get(unique_indices=True).reshape(t, k, d)
+        out = rearrange(jnp.take_along_axis(out, inverse[..., None], axis=1), "g (t k) d -> (g t) k d", k=k)
         y = jnp.einsum("tkd,tk->td", out, weights.astype(out.dtype), preferred_element_type=jnp.float32)
-        y = y.astype(self.dtype).reshape(b, s, d)
+        y = rearrange(y.astype(self.dtype), "(g b s) d -> (g b) s d", g=g, s=s)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
-        aux = {"load": group_sizes.astype(jnp.float32),
+        aux = {"load": jnp.sum(group_sizes, axis=0).astype(jnp.float32),     # global: summed over the groups
                "balance_loss": balance_loss(scores, idx, batch=b, weight=self.balance_loss_weight),
                "dropped": dropped}
         return y, aux
 
     def _capacity_dispatch(self, rows: jax.Array, expert: jax.Array, group_sizes: jax.Array):
-        """rows [N, D] sorted by `expert` [N] -> (out [N, D] with dropped rows zero, number dropped)."""
-        n, d = rows.shape
-        c = capacity(n, self.num_experts, self.capacity_factor)
-        starts = jnp.cumsum(group_sizes) - group_sizes
-        slot = jnp.arange(n, dtype=jnp.int32) - starts[expert].astype(jnp.int32)      # rank within its expert
-        buf = jnp.zeros((self.num_experts, c, d), rows.dtype).at[expert, slot].set(rows, mode="drop")
-        out = self.experts.batched(buf)
-        out = out.at[expert, slot].get(mode="fill", fill_value=0)
+        """rows [G, N, D] sorted by `expert` [G, N] within each group -> (out [G, N, D] with dropped rows zero,
+        number dropped). Each group fills its own [E, C] slots; the buffer is laid out [E, G*C, D] with experts
+        over `ep`, so under expert parallelism XLA moves the copies to their experts' devices (an all-to-all)."""
+        g, n, d = rows.shape                                                             # n: copies per group
+        e = self.num_experts
+        c = capacity(n, e, self.capacity_factor)
+        starts = jnp.cumsum(group_sizes, axis=-1) - group_sizes                          # [G, E]
+        slot = jnp.arange(n, dtype=jnp.int32) - jnp.take_along_axis(starts, expert, axis=-1)  # rank in its expert
+        group = jnp.broadcast_to(jnp.arange(g, dtype=jnp.int32)[:, None], (g, n))
+        buf = jnp.zeros((g, e, c, d), rows.dtype).at[group, expert, slot].set(rows, mode="drop")
+        buf = rearrange(buf, "g e c d -> e (g c) d")
+        out = rearrange(self.experts.batched(buf), "e (g c) d -> g e c d", g=g)
+        out = sharding.constrain(out, ("batch", None, None, "embed"))
+        out = out.at[group, expert, slot].get(mode="fill", fill_value=0)
         return out, jnp.sum(slot >= c, dtype=jnp.int32)

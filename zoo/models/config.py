@@ -1,7 +1,19 @@
-"""Validation shared by the model configs: every bad value is a ValueError naming its field."""
+"""`LMConfig`: the fields `CausalLM` reads, and validation done once for every model config.
+
+Model configs (`LlamaConfig`, `DeepSeekV3Config`) extend it. Construction checks every field against its type
+annotation (a bool field takes only a bool, an int field rejects bools and floats, a float must be finite, an
+`X | None` field also takes None), then the ranges the base knows, then the subclass's own `check()`. Every bad
+value is a ValueError naming its field. `parse_field` turns text (a command line's `--set FIELD=VALUE`) into
+a field's type with the same rules.
+"""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import types
+import typing
+from typing import Any
 
 import jax.numpy as jnp
 
@@ -21,11 +33,92 @@ def dtype_of(field: str, value: str):
     return DTYPES[value]
 
 
+def _options(hint) -> tuple[tuple[type, ...], bool]:
+    """(the non-None types a hint allows, whether None is allowed)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        return tuple(a for a in args if a is not type(None)), type(None) in args
+    return (hint,), False
+
+
+def _type_ok(value, allowed: tuple[type, ...]) -> bool:
+    for t in allowed:
+        if t is bool and isinstance(value, bool):
+            return True
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return True
+        if t not in (bool, int, float) and isinstance(t, type) and isinstance(value, t):
+            return True
+    return False
+
+
+def _type_name(allowed: tuple[type, ...], optional: bool) -> str:
+    names = {bool: "a bool", int: "an int", float: "a finite number", str: "a string"}
+    out = " or ".join(names.get(t, f"a {t.__name__}") for t in allowed)
+    return out + " or None" if optional else out
+
+
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """{field: resolved type annotation} of a config dataclass."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def check_types(cfg) -> None:
+    for name, hint in field_types(type(cfg)).items():
+        allowed, optional = _options(hint)
+        value = getattr(cfg, name)
+        if value is None and optional:
+            continue
+        if not _type_ok(value, allowed):
+            raise ValueError(f"{type(cfg).__name__}.{name} must be {_type_name(allowed, optional)}, got {value!r}")
+
+
+def parse_field(cls: type, name: str, text: str):
+    """Command-line text for the field `name` of `cls`, as that field's type: "false" -> False for a bool, "3" -> 3
+    for an int, "none" -> None where None is allowed. ValueError naming the field and its type otherwise."""
+    types_ = field_types(cls)
+    if name not in types_:
+        raise ValueError(f"{name!r} is not a field of {cls.__name__}; its fields: {', '.join(sorted(types_))}")
+    allowed, optional = _options(types_[name])
+    low = text.strip().lower()
+    if optional and low in ("none", "null"):
+        return None
+    for t in allowed:
+        if t is bool and low in ("true", "false", "1", "0", "yes", "no"):
+            return low in ("true", "1", "yes")
+        if t is int:
+            try:
+                return int(text)
+            except ValueError:
+                pass
+        if t is float:
+            try:
+                value = float(text)
+            except ValueError:
+                continue
+            if math.isfinite(value):
+                return value
+        if t is str:
+            return text
+    raise ValueError(f"{cls.__name__}.{name} must be {_type_name(allowed, optional)}, got {text!r}")
+
+
 def check_positive(cfg, *fields: str) -> None:
     for f in fields:
         v = getattr(cfg, f)
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"{type(cfg).__name__}.{f} must be a positive int, got {v!r}")
+
+
+def check_non_negative(cfg, *fields: str) -> None:
+    for f in fields:
+        v = getattr(cfg, f)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise ValueError(f"{type(cfg).__name__}.{f} must be non-negative, got {v!r}")
 
 
 def check_positive_float(cfg, *fields: str) -> None:
@@ -41,18 +134,50 @@ def check_divides(cfg, small: str, big: str) -> None:
         raise ValueError(f"{type(cfg).__name__}.{small}={a} must divide {big}={b}")
 
 
-def check_common(cfg) -> None:
-    """dtype, attention- and offload-implementation fields every model config has."""
-    dtype_of(f"{type(cfg).__name__}.dtype", cfg.dtype)
-    dtype_of(f"{type(cfg).__name__}.param_dtype", cfg.param_dtype)
-    if cfg.attention_impl not in ATTENTION_IMPLEMENTATIONS:
-        raise ValueError(f"{type(cfg).__name__}.attention_impl must be one of {ATTENTION_IMPLEMENTATIONS}, "
-                         f"got {cfg.attention_impl!r}")
-    if getattr(cfg, "offload_impl", "xla") not in OFFLOAD_IMPLS:
-        raise ValueError(f"{type(cfg).__name__}.offload_impl must be one of {OFFLOAD_IMPLS}, "
-                         f"got {cfg.offload_impl!r}")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LMConfig:
+    """What every causal LM of the zoo has; `CausalLM` reads only these fields."""
+    vocab_size: int
+    dim: int
+    num_layers: int
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    dtype: str = "bfloat16"            # activations
+    param_dtype: str = "float32"       # parameters
+    attention_impl: str | None = None  # None: XLA (any device); "cudnn": cuDNN flash attention (GPU, bf16)
+    offload_impl: str = "xla"          # how offloaded residuals move: one of OFFLOAD_IMPLS
 
+    def __post_init__(self):
+        check_types(self)
+        check_positive(self, "vocab_size", "dim", "num_layers")
+        check_positive_float(self, "norm_eps")
+        dtype_of(f"{type(self).__name__}.dtype", self.dtype)
+        dtype_of(f"{type(self).__name__}.param_dtype", self.param_dtype)
+        if self.attention_impl not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"{type(self).__name__}.attention_impl must be one of {ATTENTION_IMPLEMENTATIONS}, "
+                             f"got {self.attention_impl!r}")
+        if self.offload_impl not in OFFLOAD_IMPLS:
+            raise ValueError(f"{type(self).__name__}.offload_impl must be one of {OFFLOAD_IMPLS}, "
+                             f"got {self.offload_impl!r}")
+        self.check()
 
-def replace(cfg, **changes):
-    """`dataclasses.replace` (validates again)."""
-    return dataclasses.replace(cfg, **changes)
+    def check(self) -> None:
+        """The model's own checks (ranges, divisibility), after the types and the base's fields."""
+
+    @property
+    def compute_dtype(self):
+        """The activations' dtype (`dtype`) as a jnp dtype."""
+        return DTYPES[self.dtype]
+
+    @property
+    def weight_dtype(self):
+        """The parameters' dtype (`param_dtype`) as a jnp dtype."""
+        return DTYPES[self.param_dtype]
+
+    @classmethod
+    def presets(cls) -> tuple[str, ...]:
+        """Names of the classmethods that build a published (or test) size: `--preset` takes these."""
+        out = []
+        for klass in reversed(cls.__mro__):
+            out += [n for n, v in vars(klass).items() if isinstance(v, classmethod) and n != "presets"]
+        return tuple(dict.fromkeys(out))

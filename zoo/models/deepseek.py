@@ -7,7 +7,7 @@ with the auxiliary-loss-free bias, one shared expert). Two scanned stacks under 
 
 The MoE stack returns per-layer aux (see `zoo.layers.moe`): `model(tokens, return_aux=True)` gives
 `(logits, {"dense_layers": {}, "moe_layers": {"load": [L, E], "balance_loss": [L], "dropped": [L]}})`. A training
-step adds `balance_loss(aux)` to its loss and calls `update_routing_bias(model, aux, rate)` after the step.
+step adds `total_balance_loss(aux)` to its loss and calls `update_routing_bias(model, aux, rate)` after the step.
 
 The multi-token-prediction module (one extra layer predicting token t+2) is not built: the model is the 61-layer
 main model, and the 671B preset counts 671,026,419,200 parameters (the routing biases included), as published
@@ -25,19 +25,17 @@ from flax import nnx
 from zoo.layers.tagged import TaggedLayer
 from zoo.layers import MLP, RMSNorm, Rope, YarnScaling
 from zoo.layers.mla import MLA
-from zoo.layers.moe import BACKENDS, MoE, resolve_backend, update_routing_bias
-from zoo.models.config import check_common, check_positive, check_positive_float, dtype_of
+from zoo.layers.moe import BACKENDS, MoE, check_routing, resolve_backend, update_routing_bias
+from zoo.models.config import LMConfig, check_non_negative, check_positive, check_positive_float
 from zoo.models.lm import CausalLM
 from zoo.recipe import Recipe
 
-__all__ = ["DeepSeekV3Config", "DeepSeekV3", "deepseek_v3", "balance_loss", "update_routing_bias"]
+__all__ = ["DeepSeekV3Config", "DeepSeekV3", "deepseek_v3", "total_balance_loss", "update_routing_bias"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DeepSeekV3Config:
-    vocab_size: int
-    dim: int
-    num_layers: int
+class DeepSeekV3Config(LMConfig):
+    # from LMConfig: vocab_size, dim, num_layers, tie_embeddings, dtype, param_dtype, attention_impl
     first_dense_layers: int            # transformers: first_k_dense_replace
     num_heads: int
     q_lora_rank: int
@@ -58,51 +56,30 @@ class DeepSeekV3Config:
     rope_scaling: YarnScaling | None = YarnScaling()
     rope_interleave: bool = True       # rope columns stored in interleaved pairs, as published (see mla.py)
     norm_eps: float = 1e-6
-    tie_embeddings: bool = False
     moe_backend: str = "auto"          # "ragged_dot" | "tokamax" | "capacity" | "auto" (see zoo.layers.moe)
     capacity_factor: float = 1.25      # capacity dispatch only
     balance_loss_weight: float = 1e-4  # the sequence-wise balance loss's alpha
-    dtype: str = "bfloat16"            # activations
-    param_dtype: str = "float32"       # parameters
-    attention_impl: str | None = None  # None: XLA (any device); "cudnn": cuDNN flash attention (GPU, bf16)
-    offload_impl: str = "xla"          # how offloaded residuals move: "xla" | "explicit" | "explicit_prefetch"
 
-    def __post_init__(self):
+    def check(self):
         name = type(self).__name__
-        check_positive(self, "vocab_size", "dim", "num_layers", "num_heads", "q_lora_rank", "kv_lora_rank",
-                       "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mlp_dim", "num_experts",
-                       "num_experts_per_tok", "moe_mlp_dim", "n_group", "topk_group")
-        check_positive_float(self, "rope_theta", "norm_eps", "routed_scaling_factor", "capacity_factor")
-        for f in ("first_dense_layers", "num_shared_experts"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name}.{f} must be a non-negative int, got {v!r}")
+        check_positive(self, "num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                       "v_head_dim", "mlp_dim", "num_experts", "num_experts_per_tok", "moe_mlp_dim", "n_group",
+                       "topk_group")
+        check_positive_float(self, "rope_theta", "routed_scaling_factor", "capacity_factor")
+        check_non_negative(self, "first_dense_layers", "num_shared_experts", "balance_loss_weight")
         if self.first_dense_layers > self.num_layers:
             raise ValueError(f"{name}.first_dense_layers={self.first_dense_layers} must be at most "
                              f"num_layers={self.num_layers}")
-        if self.num_experts % self.n_group:
-            raise ValueError(f"{name}.n_group={self.n_group} must divide num_experts={self.num_experts}")
-        if self.topk_group > self.n_group:
-            raise ValueError(f"{name}.topk_group={self.topk_group} must be at most n_group={self.n_group}")
-        allowed = self.topk_group * (self.num_experts // self.n_group)
-        if self.num_experts_per_tok > allowed:
-            raise ValueError(f"{name}.num_experts_per_tok={self.num_experts_per_tok} is more than the group limit "
-                             f"allows: topk_group * num_experts / n_group = {allowed}")
+        check_routing(num_experts=self.num_experts, k=self.num_experts_per_tok, n_group=self.n_group,
+                      topk_group=self.topk_group, where=name)
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"{name}.qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
-        if self.rope_scaling is not None and not isinstance(self.rope_scaling, YarnScaling):
-            raise ValueError(f"{name}.rope_scaling must be a YarnScaling or None, got {self.rope_scaling!r}")
-        if isinstance(self.balance_loss_weight, bool) or not isinstance(self.balance_loss_weight, (int, float)) \
-                or self.balance_loss_weight < 0:
-            raise ValueError(f"{name}.balance_loss_weight must be a non-negative number, got "
-                             f"{self.balance_loss_weight!r}")
         if self.moe_backend not in BACKENDS:
             raise ValueError(f"{name}.moe_backend must be one of {BACKENDS}, got {self.moe_backend!r}")
         try:
             resolve_backend(self.moe_backend)
         except ValueError as e:
             raise ValueError(f"{name}.moe_backend: {e}") from None
-        check_common(self)
 
     # -- presets (published sizes) ------------------------------------------------------------------------
     @classmethod
@@ -135,8 +112,8 @@ class DeepSeekDecoderLayer(TaggedLayer):
     """One decoder layer; `moe=True` for the mixture-of-experts FFN, which also returns its aux."""
 
     def __init__(self, cfg: DeepSeekV3Config, *, moe: bool, rngs: nnx.Rngs):
-        self.dim, self.dtype = cfg.dim, dtype_of("dtype", cfg.dtype)
-        dtype, param_dtype = dtype_of("dtype", cfg.dtype), dtype_of("param_dtype", cfg.param_dtype)
+        self.dim, self.dtype = cfg.dim, cfg.compute_dtype
+        dtype, param_dtype = cfg.compute_dtype, cfg.weight_dtype
         common = dict(dtype=dtype, param_dtype=param_dtype)
         self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, **common)
         self.attn = MLA(dim=cfg.dim, num_heads=cfg.num_heads, q_lora_rank=cfg.q_lora_rank,
@@ -181,7 +158,7 @@ def deepseek_v3(cfg: DeepSeekV3Config, *, recipe: Recipe | None = None, rngs: nn
     return DeepSeekV3(cfg, recipe=recipe, rngs=rngs)
 
 
-def balance_loss(aux: dict[str, Any]) -> jax.Array:
+def total_balance_loss(aux: dict[str, Any]) -> jax.Array:
     """The sequence-wise balance loss summed over every MoE layer of `model(tokens, return_aux=True)[1]`."""
     losses = [jnp.sum(a["balance_loss"]) for a in aux.values() if isinstance(a, dict) and "balance_loss" in a]
     return sum(losses, jnp.zeros((), jnp.float32))

@@ -12,38 +12,27 @@ from flax import nnx
 
 from zoo.layers.tagged import TaggedLayer
 from zoo.layers import MLP, Attention, Llama3Scaling, RMSNorm, Rope
-from zoo.models.config import check_common, check_divides, check_positive, check_positive_float, dtype_of
+from zoo.models.config import LMConfig, check_divides, check_positive, check_positive_float
 from zoo.models.lm import CausalLM
 from zoo.recipe import Recipe
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LlamaConfig:
-    vocab_size: int
-    dim: int
-    num_layers: int
+class LlamaConfig(LMConfig):
     num_heads: int
     num_kv_heads: int
     head_dim: int
     mlp_dim: int
     rope_theta: float = 500000.0
     rope_scaling: Llama3Scaling | None = Llama3Scaling()
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    dtype: str = "bfloat16"           # activations
-    param_dtype: str = "float32"      # parameters
-    attention_impl: str | None = None  # None: XLA (any device); "cudnn": cuDNN flash attention (GPU, bf16)
-    offload_impl: str = "xla"          # how offloaded residuals move: "xla" | "explicit" | "explicit_prefetch"
+    # from LMConfig: vocab_size, dim, num_layers, norm_eps (1e-5), tie_embeddings, dtype, param_dtype, attention_impl
 
-    def __post_init__(self):
-        check_positive(self, "vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim")
-        check_positive_float(self, "rope_theta", "norm_eps")
+    def check(self):
+        check_positive(self, "num_heads", "num_kv_heads", "head_dim", "mlp_dim")
+        check_positive_float(self, "rope_theta")
         check_divides(self, "num_kv_heads", "num_heads")
         if self.head_dim % 2:
             raise ValueError(f"LlamaConfig.head_dim must be even for RoPE, got {self.head_dim}")
-        if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3Scaling):
-            raise ValueError(f"LlamaConfig.rope_scaling must be a Llama3Scaling or None, got {self.rope_scaling!r}")
-        check_common(self)
 
     # -- presets (published sizes) ------------------------------------------------------------------------
     @classmethod
@@ -73,8 +62,8 @@ class LlamaConfig:
 
 class LlamaDecoderLayer(TaggedLayer):
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
-        self.dim, self.dtype = cfg.dim, dtype_of("dtype", cfg.dtype)
-        dtype, param_dtype = dtype_of("dtype", cfg.dtype), dtype_of("param_dtype", cfg.param_dtype)
+        self.dim, self.dtype = cfg.dim, cfg.compute_dtype
+        dtype, param_dtype = cfg.compute_dtype, cfg.weight_dtype
         self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.attn = Attention(dim=cfg.dim, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                               head_dim=cfg.head_dim, rope=cfg.rope(), dtype=dtype, param_dtype=param_dtype,

@@ -11,10 +11,11 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from zoo.layers import Embed, LMHead, RMSNorm
-from zoo.models.config import dtype_of
+from zoo.models.config import LMConfig
 from zoo.models.stack import Stack
 from zoo.recipe import Recipe
 
@@ -33,9 +34,11 @@ class CausalLM(nnx.Module):
     """Embedding -> stacks (in order) -> RMSNorm -> LM head. `stacks` maps a stack's attribute name to
     (make_layer, num_layers)."""
 
-    def __init__(self, cfg, *, stacks: dict[str, tuple[Callable[[nnx.Rngs], nnx.Module], int]],
+    def __init__(self, cfg: LMConfig, *, stacks: dict[str, tuple[Callable[[nnx.Rngs], nnx.Module], int]],
                  recipe: Recipe | None, rngs: nnx.Rngs):
-        dtype, param_dtype = dtype_of("dtype", cfg.dtype), dtype_of("param_dtype", cfg.param_dtype)
+        if not isinstance(cfg, LMConfig):
+            raise ValueError(f"{type(self).__name__} needs a zoo.models.LMConfig, got {type(cfg).__name__}")
+        dtype, param_dtype = cfg.compute_dtype, cfg.weight_dtype
         self.config = cfg
         self.embed = Embed(vocab=cfg.vocab_size, dim=cfg.dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.stack_names = tuple(stacks)
@@ -50,25 +53,34 @@ class CausalLM(nnx.Module):
     # -- the recipe ---------------------------------------------------------------------------------------
     def set_recipe(self, recipe: Recipe) -> None:
         """Use `recipe` from now on. ValueError if it names a tag (or pattern) that no stack emits."""
+        self.check_recipe(recipe)
+        self.recipe = recipe
+
+    def check_recipe(self, recipe: Recipe) -> None:
+        """ValueError unless `recipe` is a Recipe naming only tags (or patterns) that some stack emits."""
         if not isinstance(recipe, Recipe):
             raise ValueError(f"recipe must be a zoo.Recipe, got {type(recipe).__name__}")
         emitted = {t for st in self.tag_shapes(_CHECK_BATCH, _CHECK_SEQ).values() for t in st.tags}
         recipe.check_emitted(emitted, where=type(self).__name__)
-        self.recipe = recipe
 
     def stacks(self) -> dict[str, Stack]:
         return {n: getattr(self, n) for n in self.stack_names}
 
     def tag_shapes(self, batch: int, seq: int) -> dict[str, StackTags]:
         """Per stack: layers and the {tag: shape} of one layer for a [batch, seq] input (abstract trace)."""
-        x = jax.ShapeDtypeStruct((batch, seq, self.config.dim), dtype_of("dtype", self.config.dtype))
-        return {n: StackTags(s.num_layers, s.tag_shapes(x)) for n, s in self.stacks().items()}
+        return {n: StackTags(s.num_layers, s.tag_shapes(s.abstract_input(batch, seq)))
+                for n, s in self.stacks().items()}
 
     # -- the forward pass ---------------------------------------------------------------------------------
     def __call__(self, tokens: jax.Array, *, return_aux: bool = False):
-        """int tokens [B, S] -> logits [B, S, vocab]; with return_aux, also {stack: aux stacked over layers}."""
-        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise ValueError(f"tokens must be an integer array [batch, seq], got {tokens.dtype}{list(tokens.shape)}")
+        """int tokens [B, S] -> logits [B, S, vocab]; with return_aux, also {stack: aux stacked over layers}.
+
+        `tokens` may be any integer array-like (a nested Python list of ints becomes an int32 array). On concrete
+        values (an eager call) every id is checked against the vocabulary: ValueError naming the first bad one.
+        Under `jax.jit`/`nnx.jit` (tracers) no value check is possible and none is made: an id >= vocab_size then
+        embeds as NaN (JAX's out-of-bounds gather fills), and a negative id counts from the end (-1 is the last
+        row), silently. Check ids where they are made (`recipes.data` does)."""
+        tokens = check_tokens(tokens, self.config.vocab_size)
         x = self.embed(tokens)
         policy = self.recipe.policy()
         aux: dict[str, Any] = {}
@@ -81,6 +93,32 @@ class CausalLM(nnx.Module):
 
     def embed_attend(self, x: jax.Array) -> jax.Array:
         return jnp.einsum("bsd,vd->bsv", x, self.embed.embedding[...].astype(x.dtype))
+
+
+def check_tokens(tokens, vocab_size: int):
+    """`tokens` as an integer [batch, seq] array; ValueError for another shape or dtype, or (concrete values only)
+    an id outside [0, vocab_size)."""
+    if not isinstance(tokens, (jax.Array, np.ndarray)):
+        try:
+            tokens = np.asarray(tokens)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"tokens must be an integer array [batch, seq]; {type(tokens).__name__} does not "
+                             f"convert: {e}") from None
+        if tokens.dtype.kind in "iu":
+            tokens = tokens.astype(np.int32)
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be an integer array [batch, seq], got {tokens.dtype}{list(tokens.shape)}")
+    # Concrete values only (a closed-over array inside someone's jit is concrete too), checked on the host with
+    # NumPy: a jnp reduction here would itself be traced under an outer jit.
+    if (not isinstance(tokens, jax.core.Tracer) and tokens.size
+            and getattr(tokens, "is_fully_addressable", True)):
+        ids = np.asarray(tokens)
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            where = tuple(int(i) for i in np.argwhere(ids == bad)[0])
+            raise ValueError(f"token id {bad} at {list(where)} is outside the vocabulary [0, {vocab_size})")
+    return tokens
 
 
 def count_params(model: nnx.Module) -> int:

@@ -132,8 +132,8 @@ _NEEDED: dict[Any, frozenset] = {}
 
 def needed_tags(graphdef, layer_state, x, candidates: tuple[str, ...]) -> frozenset:
     """Tags among `candidates` that one layer's backward pass reads (JAX's own answer, cached per shapes)."""
-    from zoo import audit
     from zoo.models.stack import layer_body
+    from zoo.plan import measure as audit
 
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), layer_state)
     xa = jax.ShapeDtypeStruct(x.shape, x.dtype)

@@ -12,9 +12,14 @@ prevent_cse=False)` of a plain `(layer, x)` function. Three traps this file is b
 - no scan of one: XLA removes a while loop that runs once, and the host offloads inside it go with it (measured
   on the H200, jax 0.11.2: 0 bytes offloaded). A one-layer stack is applied without a scan; its residuals are
   then the layer's own, not stacked.
+
+The stack owns its rematerialized body (`remat`, `Stack.layer_fn`) and its abstract input
+(`Stack.abstract_input`): the planner and the audit measure the same body training runs, under any policy, without
+touching a model's recipe. The tags one layer emits are traced once per layer structure and input shape (cached).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -25,9 +30,21 @@ from zoo import tags as tags_lib
 
 def layer_body(layer: nnx.Module, x: jax.Array) -> tuple[jax.Array, Any]:
     """One layer as the scan sees it: name the input first, then run the layer. Returns (x, aux)."""
-    x = tags_lib.name(x, "decoder_layer_input")
+    x = tags_lib.name(x, "decoder_layer_input", ("batch", "seq", "embed"))
     out = layer(x)
     return out if isinstance(out, tuple) else (out, {})
+
+
+def remat(fn: Callable, policy, *, scanned: bool = True) -> Callable:
+    """`fn` rematerialized under the checkpoint `policy`: the one remat wrapper of the zoo (the stack, the planner
+    and the audit use it). `prevent_cse=False` inside a scan (CSE cannot undo the remat there); True outside."""
+    return nnx.remat(fn, policy=policy, prevent_cse=not scanned)
+
+
+@functools.lru_cache(maxsize=64)
+def _emitted(graphdef, treedef, leaves: tuple, x: jax.ShapeDtypeStruct) -> tuple:
+    state = jax.tree.unflatten(treedef, leaves)
+    return tuple(tags_lib.emitted(lambda s, x: layer_body(nnx.merge(graphdef, s), x), state, x).items())
 
 
 class Stack(nnx.Module):
@@ -61,9 +78,9 @@ class Stack(nnx.Module):
             # H200 (jax 0.11.2), a one-layer scan offloaded nothing. One layer is applied without a scan.
             graphdef, state = nnx.split(self.layers)
             layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))
-            x, aux = nnx.remat(layer_body, policy=policy)(layer, x)
+            x, aux = remat(layer_body, policy, scanned=False)(layer, x)
             return x, jax.tree.map(lambda a: a[None], aux)
-        body = nnx.remat(layer_body, policy=policy, prevent_cse=False)
+        body = remat(layer_body, policy)
         scan = nnx.scan(body, in_axes=(0, nnx.Carry), out_axes=(nnx.Carry, 0))
         return scan(self.layers, x)
 
@@ -72,7 +89,20 @@ class Stack(nnx.Module):
         graphdef, state = nnx.split(self.layers)
         return graphdef, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state)
 
-    def tag_shapes(self, x: jax.ShapeDtypeStruct) -> dict[str, jax.ShapeDtypeStruct]:
-        """{tag: shape} that one layer of this stack emits for an input shaped like `x`, read from a trace."""
+    def abstract_input(self, batch: int, seq: int) -> jax.ShapeDtypeStruct:
+        """The [batch, seq, dim] input of a layer, as a ShapeDtypeStruct of the layers' activation dtype."""
+        return jax.ShapeDtypeStruct((batch, seq, self.layers.dim), self.layers.dtype)
+
+    def layer_fn(self, policy=None) -> tuple[Callable, Any]:
+        """(f, abstract state): one layer as a pure function f(state, x) -> (x, aux), rematerialized under the
+        checkpoint `policy` as the scan runs it (None: not rematerialized)."""
         graphdef, state = self.abstract_layer()
-        return tags_lib.emitted(lambda s, x: layer_body(nnx.merge(graphdef, s), x), state, x)
+        body = layer_body if policy is None else remat(layer_body, policy)
+        return (lambda s, x: body(nnx.merge(graphdef, s), x)), state
+
+    def tag_shapes(self, x: jax.ShapeDtypeStruct) -> dict[str, jax.ShapeDtypeStruct]:
+        """{tag: shape} that one layer of this stack emits for an input shaped like `x`, read from a trace (cached
+        per layer structure and input shape: building, planning and auditing a model trace it once)."""
+        graphdef, state = self.abstract_layer()
+        leaves, treedef = jax.tree.flatten(state)
+        return dict(_emitted(graphdef, treedef, tuple(leaves), jax.ShapeDtypeStruct(x.shape, x.dtype)))

@@ -1,0 +1,118 @@
+"""main-job-8b: the main job itself (`python -m recipes.train`) on the Llama 3.1 8B preset cut to 8 layers, batch 2,
+seq 8192, AdamW, beside the SGD bench of the same model (bench.common's step), one process each.
+
+    python -m bench.main_job_8b main --recipe qkv_offload --steps 12 --workdir /tmp/mj   # the main job
+    python -m bench.main_job_8b sgd --recipe qkv_offload                                  # the SGD bench
+
+`main` runs the real command line in a child process (its own XLA flag set, `--metrics` file, one line per step)
+and turns the metrics into one record: median step time and model TFLOP/s of the steps after the first two,
+peak HBM and host bytes as the job reports them, dropped copies. The parent plans on the CPU only (it never
+touches the GPU the child uses). Both modes count the same model FLOPs (`recipes.registry.llama_flops_per_token`),
+so their TFLOP/s compare. `--smoke`: the tiny preset on any device (checks the script only).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+MODEL = dict(model="llama3", preset="llama3_1_8b", layers=8, batch=2, seq=8192)
+SMOKE = dict(model="llama3", preset="tiny", layers=2, batch=2, seq=64)
+
+
+def _args():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["main", "sgd"])
+    ap.add_argument("--recipe", default="qkv_offload")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--workdir", default="/tmp/main-job-8b", help="main: where the metrics file and log go")
+    ap.add_argument("--timeout", type=int, default=240, help="main: seconds the child job may take")
+    ap.add_argument("--smoke", action="store_true")
+    return ap.parse_args()
+
+
+def _shape(a) -> dict:
+    return SMOKE if a.smoke else MODEL
+
+
+def run_main(a) -> None:
+    m = _shape(a)
+    os.makedirs(a.workdir, exist_ok=True)
+    metrics, log = os.path.join(a.workdir, "metrics.jsonl"), os.path.join(a.workdir, "train.log")
+    cmd = [sys.executable, "-m", "recipes.train", "--model", m["model"], "--preset", m["preset"],
+           "--set", f"num_layers={m['layers']}", "--recipe", a.recipe, "--steps", str(a.steps),
+           "--batch", str(m["batch"]), "--seq", str(m["seq"]), "--log-every", "1", "--metrics", metrics]
+    # The parent plans and records on the CPU: the GPU stays the child's.
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    child_env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    ident = dict(bench="main-job-8b", impl="zoo-main-job", recipe=a.recipe, optimizer="adamw",
+                 B=m["batch"], S=m["seq"], L=m["layers"], command=" ".join(cmd[1:]))
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env, timeout=a.timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    from bench.common import emit, planned
+    import zoo
+
+    rows = [json.loads(line) for line in open(metrics)] if os.path.exists(metrics) else []
+    timed = [r for r in rows if r["step"] > 2] or rows
+    if rc != 0 or not timed:
+        tail = open(log).read()[-400:]
+        emit({**ident, "error": f"rc={rc}, {len(rows)} steps logged; log tail: {tail}"})
+        return
+    step_s = statistics.median(m["batch"] * m["seq"] / r["tokens_per_s"] for r in timed)
+    cfg = zoo.models.LlamaConfig.llama3_1_8b(num_layers=m["layers"]) if not a.smoke else \
+        zoo.models.LlamaConfig.tiny(num_layers=m["layers"])
+    from recipes.llama3 import RECIPES
+    peak = [r["peak_hbm_bytes"] for r in rows if r.get("peak_hbm_bytes")]
+    kernels = [line.strip() for line in open(log) if line.startswith(("attention:", "moe backend:"))]
+    emit({**ident, "backend": None, "param_dtype": cfg.param_dtype, "dtype": cfg.dtype,
+          "step_s": round(step_s, 4), "tflops": round(statistics.median(r["model_tflops"] for r in timed), 1),
+          "mfu_datasheet": timed[-1]["mfu"], "peak_gib": round(max(peak) / 2**30, 2) if peak else None,
+          "host_temp_gib": None if timed[-1]["host_bytes"] is None else round(timed[-1]["host_bytes"] / 2**30, 2),
+          "dropped": timed[-1].get("dropped"), "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"],
+          "steps": len(rows), "kernels": kernels,
+          **planned(cfg, RECIPES[a.recipe], batch=m["batch"], seq=m["seq"], optimizer="adamw")})
+
+
+def run_sgd(a) -> None:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import zoo
+    from bench.common import guarded, measure, planned
+    from recipes.llama3 import RECIPES
+    from zoo.models.registry import llama_flops_per_token
+    from zoo.layers.attention import resolve_impl
+
+    m = _shape(a)
+    make = zoo.models.LlamaConfig.tiny if a.smoke else zoo.models.LlamaConfig.llama3_1_8b
+    cfg = make(num_layers=m["layers"], param_dtype="bfloat16", dtype="bfloat16")  # the benches' dtypes
+    recipe = RECIPES[a.recipe]
+
+    def run():
+        attention = str(resolve_impl(cfg))
+        model = zoo.models.llama3(cfg, recipe=recipe, rngs=nnx.Rngs(0))
+        tokens = jax.random.randint(jax.random.key(1), (m["batch"], m["seq"]), 0, cfg.vocab_size, jnp.int32)
+        flops = llama_flops_per_token(cfg, model, m["seq"]) * m["batch"] * m["seq"]
+        return dict(measure(model, tokens, flops_per_step=flops, steps=5, warmup=2), attention=attention,
+                    param_dtype=cfg.param_dtype, **planned(cfg, recipe, batch=m["batch"], seq=m["seq"], optimizer="sgd"))
+
+    guarded(run, bench="main-job-8b", impl="zoo-sgd-bench", recipe=a.recipe, optimizer="sgd", backend=None,
+            B=m["batch"], S=m["seq"], L=m["layers"])
+
+
+def main():
+    a = _args()
+    run_main(a) if a.mode == "main" else run_sgd(a)
+
+
+if __name__ == "__main__":
+    main()

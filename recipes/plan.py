@@ -1,0 +1,76 @@
+"""The memory planner's command line: what a recipe keeps in HBM, puts in host memory and recomputes.
+
+    python -m recipes.plan --model llama3 --preset llama3_1_405b --recipe qkv_offload --batch 2 --seq 8192
+    python -m recipes.plan --model deepseek_v3 --preset deepseek_v3_671b --recipe auto --batch 4 --seq 4096 \\
+        --hbm 141 --link 55 --flops 600
+
+The model flags are those of `python -m recipes.train` (recipes/cli.py); the plan is `zoo.plan` (zoo/plan/).
+Nothing is allocated: the model is built from shapes alone, so any size plans on a laptop.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import zoo
+from recipes import cli
+from zoo.plan.types import OPTIMIZERS
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m recipes.plan", description=__doc__.split("\n\n")[0],
+                                formatter_class=cli.HelpFormatter)
+    cli.add_model_args(p, preset=None, batch=None, seq=None)
+    p.epilog = "--recipe auto chooses each tag's placement and needs --hbm, --link and --flops."
+    p.add_argument("--shard", type=cli.positive_int, default=1, metavar="N",
+                   help="devices the batch and the model state are split over (data parallel + FSDP); must divide "
+                        "--batch; figures are then per device")
+    p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adamw",
+                   help="optimizer whose moments count as model state")
+    p.add_argument("--opt-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="dtype of the optimizer moments")
+    p.add_argument("--hbm", type=cli.positive_float, metavar="GIB",
+                   help="HBM budget per device, GiB: warned about; needed by --recipe auto (an H200: 141)")
+    p.add_argument("--host", type=cli.positive_float, metavar="GIB",
+                   help="host memory budget per device for --recipe auto, GiB (none: unbounded)")
+    p.add_argument("--link", type=cli.positive_float, metavar="GBPS",
+                   help="host link speed, GB/s per direction: for --recipe auto and the step-time estimate "
+                        "(PCIe gen5: 55; GB200's NVLink-C2C: 450)")
+    p.add_argument("--flops", type=cli.positive_float, metavar="TFLOPS",
+                   help="matmul rate, TFLOP/s: for --recipe auto and the step-time estimate (an H200 in bf16: "
+                        "~600-800)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.recipe == "auto":
+        missing = [f for f, v in (("--hbm", args.hbm), ("--link", args.link), ("--flops", args.flops)) if v is None]
+        if missing:
+            ap.error(f"--recipe auto needs {', '.join(missing)} (the HBM budget in GiB, the host link in GB/s, "
+                     f"the matmul rate in TFLOP/s), e.g. --hbm 141 --link 55 --flops 600")
+    if args.batch % args.shard:
+        ap.error(f"--shard {args.shard} does not divide --batch {args.batch}: each device must hold whole sequences")
+
+    try:
+        family = cli.family(args.model)
+        cfg = cli.model_config(family, args.preset, args.overrides)
+        recipe = "auto" if args.recipe == "auto" else cli.recipe(family, args.recipe)
+        p = zoo.plan(cfg, recipe, batch=args.batch, seq=args.seq, shard=args.shard, optimizer=args.optimizer,
+                     opt_dtype=args.opt_dtype, hbm_gib=args.hbm, host_gib=args.host, link_gbps=args.link,
+                     tflops=args.flops, model_name=f"{args.model} {args.preset}")
+    except ValueError as e:
+        ap.error(str(e))
+    if args.json:
+        json.dump(zoo.plan.to_json(p), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        zoo.plan.render(p)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

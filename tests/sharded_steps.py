@@ -1,0 +1,187 @@
+"""Run by tests/test_sharding.py in a subprocess with 8 fake CPU devices: `python -m tests.sharded_steps llama|deepseek`.
+
+For each mesh: the model is created sharded (`zoo.sharding.create`), every parameter's sharding is checked against
+the rules (and against Flax's own nnx resolution of the same rules), one float32 training step's loss and gradients
+are compared with one device's, and the lowered CUDA program is read: every value moved to pinned host memory must
+be the output of a sharding constraint with the expected mesh axes. Prints OK at the end.
+"""
+from __future__ import annotations
+
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import zoo
+from tests.helpers import max_rel_err
+from zoo import sharding
+from zoo.models.deepseek import balance_loss
+
+TOL = 1e-5
+assert jax.device_count() == 8, jax.devices()
+
+
+def loss_fn(graphdef, params, rest, tokens):
+    logits, aux = nnx.merge(graphdef, params, rest, copy=True)(tokens, return_aux=True)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    ce = -jnp.mean(jnp.take_along_axis(logp, jnp.roll(tokens, -1, axis=1)[..., None], axis=-1))
+    load = [a["load"] for a in aux.values() if "load" in a]
+    return ce + balance_loss(aux), load
+
+
+def step(model):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return jax.jit(jax.value_and_grad(lambda p, t: loss_fn(graphdef, p, rest, t), has_aux=True)), params
+
+
+def one_device(model, tokens):
+    f, params = step(model)
+    return jax.device_get(f(params, tokens))
+
+
+def sharded(build, cfg, recipe, spec, tokens, want_host, all_to_all=False):
+    """Build under `spec`, check parameter shardings, run the step, check the offloaded values' shardings (and,
+    with `all_to_all`, that the compiled step moves token copies between devices with all-to-alls)."""
+    mesh = sharding.make_mesh(spec)
+    rules = sharding.rules_for(mesh)
+    sharding.check_mesh(cfg, mesh, batch=tokens.shape[0])
+    model = sharding.create(build, cfg, recipe=recipe, mesh=mesh, seed=0)
+    check_parameters(model, build, cfg, mesh, rules)
+    f, params = step(model)
+    with sharding.use(mesh, rules):
+        t = jax.device_put(tokens, sharding.batch_sharding(mesh))
+        traced = f.trace(params, t)   # one trace: compiled for the CPU devices, lowered for CUDA to read
+        compiled = traced.lower().compile()
+        out = jax.device_get(compiled(params, t))
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    got = offloaded_shardings(text)
+    assert got == want_host, f"{spec}: offloaded values {got}, expected {want_host}"
+    if all_to_all:  # forward dispatch, combine, and their transposes in the backward pass
+        n = compiled.as_text().count(" all-to-all(")
+        assert n >= 2, f"{spec}: {n} all-to-alls in the compiled step"
+    return out
+
+
+def check_parameters(model, build, cfg, mesh, rules):
+    """Each variable's sharding is the rules' (flax's priority resolution, and nnx's own under the same rules);
+    a spec with no mesh axis only where every logical axis of it is replicated by rule; the device shards split."""
+    rule = dict(rules)
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+        _, nnx_abstract = nnx.get_abstract_model(lambda: build(cfg, rngs=nnx.Rngs(0)), mesh)
+    nnx_specs = {k: v.get_value().sharding.spec for k, v in nnx.to_flat_state(nnx_abstract)}
+    logical = {k: v.get_value() for k, v in nnx.to_flat_state(sharding.logical_specs(nnx.state(model)))}
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        value = var.get_value()
+        spec = value.sharding.spec
+        want = nn.logical_to_mesh_axes(tuple(logical[path]), rules)
+        assert P(*spec) == P(*want) == P(*nnx_specs[path]), (path, spec, want, nnx_specs[path])
+        if all(a is None for a in want):
+            assert all(rule[n] is None for n in logical[path]), (path, logical[path])
+        shards = np.prod([mesh.shape[a] for axes in want if axes for a in ((axes,) if isinstance(axes, str) else axes)])
+        assert {s.data.size for s in value.addressable_shards} == {value.size // shards}, path
+
+
+def check_optimizer_state(cfg):
+    """`sharding.init` of (model, AdamW): the moments are sharded like their parameters (fsdp=4 x tp=2)."""
+    import optax
+    mesh = sharding.make_mesh("fsdp=4,tp=2")
+
+    def make():
+        model = zoo.models.llama3(cfg, rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+
+    model, opt = sharding.init(make, mesh)
+    params = {k: v.get_value().sharding.spec for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    for moment in ("mu", "nu"):
+        got = {k[3:]: v.get_value().sharding.spec for k, v in nnx.to_flat_state(nnx.state(opt))
+               if k[:3] == ("opt_state", 0, moment)}
+        assert got == params, (moment, got, params)
+    assert params[("layers", "layers", "mlp", "up_proj", "kernel")] == P(None, "fsdp", "tp")
+
+
+DEF = re.compile(r"^\s*(%[\w#]+) = sdy\.sharding_constraint (%[\w#]+) <@\w+, \[(.*)\]> : (tensor<[^>]+>)")
+TO_HOST = re.compile(r"@annotate_device_placement\((%[\w#]+)\).*pinned_host.*-> (tensor<[^>]+>)")
+
+
+def offloaded_shardings(text: str) -> dict[str, str]:
+    """{tensor type: mesh axes per dim} of every value moved to pinned host memory, read from the operand's
+    definition: it must be a sharding constraint (else the value is reported as 'unconstrained')."""
+    lines = text.splitlines()
+    out = {}
+    for i, line in enumerate(lines):
+        m = TO_HOST.search(line)
+        if not m:
+            continue
+        operand, ty = m.groups()
+        spec = "unconstrained"
+        for prev in reversed(lines[:i]):
+            if prev.strip().startswith(operand + " "):
+                d = DEF.match(prev)
+                if d:
+                    dims = re.findall(r"\{([^}]*)\}", d.group(3))
+                    spec = "[" + ",".join(" ".join(a.strip().strip('"') for a in dim.split(",") if a.strip())
+                                          for dim in dims) + "]"
+                break
+        out.setdefault(ty, set()).add(spec)
+    return {k: "|".join(sorted(v)) for k, v in out.items()}
+
+
+def compare(name, got, want):
+    (loss, aux), grads = got
+    (loss0, aux0), grads0 = want
+    err = max_rel_err(grads, grads0)
+    print(f"{name}: loss {float(loss):.7f} (one device {float(loss0):.7f}), max gradient rel. error {err:.2e}")
+    assert abs(float(loss) - float(loss0)) <= TOL * abs(float(loss0)), (loss, loss0)
+    assert err < TOL, err
+    for a, b in zip(aux, aux0):  # the expert load (routing-bias update input) is global: as on one device
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def llama():
+    from recipes.llama3 import RECIPES
+    cfg = zoo.models.LlamaConfig.tiny()
+    recipe = RECIPES["qkv_offload"]
+    tokens = jax.random.randint(jax.random.key(1), (8, 16), 0, cfg.vocab_size, dtype=jnp.int32)
+    ref = one_device(zoo.models.llama3(cfg, recipe=recipe, rngs=nnx.Rngs(0)), tokens)
+    # tensor<B x S x heads x head_dim>: q [8,16,4,16], k and v [8,16,2,16]; batch over the data axes, heads over tp.
+    check_optimizer_state(cfg)
+    for spec, host in [("fsdp=8", {"tensor<8x16x4x16xf32>": "[fsdp,,,]", "tensor<8x16x2x16xf32>": "[fsdp,,,]"}),
+                       ("fsdp=4,tp=2", {"tensor<8x16x4x16xf32>": "[fsdp,,tp,]", "tensor<8x16x2x16xf32>": "[fsdp,,tp,]"}),
+                       ("dp=4,tp=2", {"tensor<8x16x4x16xf32>": "[dp,,tp,]", "tensor<8x16x2x16xf32>": "[dp,,tp,]"})]:
+        compare(spec, sharded(zoo.models.llama3, cfg, recipe, spec, tokens, host), ref)
+
+
+def deepseek():
+    from recipes.deepseek_v3 import RECIPES
+    recipe = RECIPES["mla_moe_offload"]
+    # capacity_factor 4: every copy fits (k=2 distinct experts per token), so capacity dispatch drops nothing and
+    # equals the dropless reference on one device.
+    cfg = zoo.models.DeepSeekV3Config.tiny(moe_backend="capacity", capacity_factor=4.0)
+    tokens = jax.random.randint(jax.random.key(1), (8, 8), 0, cfg.vocab_size, dtype=jnp.int32)
+    ref = one_device(zoo.models.deepseek_v3(cfg, recipe=recipe, rngs=nnx.Rngs(0)), tokens)
+    qkv = {"tensor<8x8x4x24xf32>", "tensor<8x8x4x16xf32>"}  # query/key [B,S,H,24], value [B,S,H,16]
+    # The capacity buffers [experts, groups x capacity, moe_mlp]: 8 groups (one per batch shard) of C = 8 each.
+    ragged_cfg = dataclass_replace(cfg, moe_backend="ragged_dot")
+    compare("fsdp=8 ragged_dot", sharded(zoo.models.deepseek_v3, ragged_cfg, recipe, "fsdp=8", tokens,
+                                         {**{t: "[fsdp,,,]" for t in qkv}, "tensor<128x40xf32>": "[,]"}), ref)
+    compare("ep=8 capacity", sharded(zoo.models.deepseek_v3, cfg, recipe, "ep=8", tokens,
+                                     {**{t: "[ep,,,]" for t in qkv}, "tensor<8x64x40xf32>": "[ep,,]"},
+                                     all_to_all=True), ref)
+    compare("fsdp=2,ep=4 capacity", sharded(zoo.models.deepseek_v3, cfg, recipe, "fsdp=2,ep=4", tokens,
+                                            {**{t: "[fsdp ep,,,]" for t in qkv},
+                                             "tensor<8x64x40xf32>": "[ep,fsdp,]"}, all_to_all=True), ref)
+
+
+def dataclass_replace(cfg, **kw):
+    import dataclasses
+    return dataclasses.replace(cfg, **kw)
+
+
+if __name__ == "__main__":
+    {"llama": llama, "deepseek": deepseek}[sys.argv[1]]()
+    print("OK")

@@ -1,0 +1,30 @@
+"""The memory planner: what a recipe keeps in HBM, puts in host memory and recomputes, before launch.
+
+    p = zoo.plan(cfg, recipe, batch=2, seq=8192)      # a zoo.Recipe, or "auto" with a budget, a link and a rate
+    zoo.plan.render(p)                                # tables; p.to_dict() or zoo.plan.to_json(p) for JSON
+
+Modules, each importing only those before it: `types` (what a plan is, units), `measure` (what JAX saves and
+re-runs: residuals, recompute FLOPs; the audit of a recipe), `auto` (the automatic recipe), `build` (`plan`),
+`report` (tables and JSON). The command line is the application's: `python -m recipes.plan`.
+
+`zoo.plan` is this package, and calling it calls `plan`: `zoo.plan(cfg, recipe, ...)` and `zoo.plan.measure`
+both work, whatever was imported first.
+"""
+import sys
+import types as _types
+
+from zoo.plan import measure
+from zoo.plan.build import auto_recipe, host_pool_bytes, plan
+from zoo.plan.report import render, to_json
+from zoo.plan.types import POOL_ENV, ModelState, Plan, StackPlan, TagPlan, fmt_bytes
+
+__all__ = ["POOL_ENV", "ModelState", "Plan", "StackPlan", "TagPlan", "auto_recipe", "fmt_bytes", "host_pool_bytes",
+           "measure", "plan", "render", "to_json"]
+
+
+class _CallableModule(_types.ModuleType):
+    def __call__(self, *args, **kwargs) -> Plan:
+        return plan(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,209 @@
+"""The memory planner: what a recipe keeps in HBM, puts in host memory and recomputes, before launch.
+
+``zoo.plan(cfg, recipe, batch=, seq=)`` builds the model abstractly (``nnx.eval_shape``: no memory), reads each
+stack's tags and their shapes from the layers themselves (``model.tag_shapes``) and returns a :class:`Plan`:
+
+- per stack and tag: the shape, the bytes one layer's tensor takes, and its placement. Only tags the backward
+  pass needs count: those JAX saves when every tag may be saved (``zoo.plan.measure.residual_tags``). Llama's
+  ``mlpwo``, for one, only flows into the residual sum and is never saved, whatever the recipe says; it is
+  listed as "not a residual" with 0 bytes.
+- the scan carry (``decoder_layer_input``) is saved once per layer on the device by every recipe (the
+  rematerialized body needs its input in the backward pass) unless the recipe offloads it.
+- JAX's own list of what the stack saves (``saved_residuals`` of the scanned stack at the planned shape, its
+  aux outputs such as the MoE balance loss differentiated too, as in training) is read as well: residuals
+  beyond the tags (recipe ``none`` keeps every intermediate, e.g. the attention probabilities) are reported
+  per layer as "untagged", and values JAX hoists out of the scan (masks, RoPE tables) once per stack as
+  "invariant". If JAX saves less than the tags the plan counts, or other host bytes,
+  the plan says so in a warning. Constants baked into the program are not counted.
+- recompute FLOPs: per layer, the matmul FLOPs (``dot_general`` and ``ragged_dot``, 2*M*N*K) of the gradient's
+  jaxpr under the recipe minus those under ``none``. This is what the rematerialized backward pass re-runs of
+  the forward pass, counted by JAX's own partial evaluation rather than by a second model of the layer. It
+  counts the attention kernel as the XLA path computes it (the full S x S scores, masked), and no elementwise
+  FLOPs. A config that asks for cuDNN attention is planned on the XLA path (it traces on any machine, and a
+  custom call has no FLOPs to count): the tags and their bytes are the same.
+- model state: parameters (their dtype), gradients (same dtype), optimizer state (``OPTIMIZERS``: moments per
+  parameter, ``opt_dtype``), and other variables.
+
+Sharding: with ``shard=N``, ``batch`` is the global batch and every byte and FLOP figure is per device: the
+batch is split over N devices (data parallel) and model state too (FSDP / ZeRO-3), rounded up. Tag shapes stay
+global.
+
+Not counted: the embedding, final norm, LM head and loss (their activations, the logits in float32 among them),
+XLA's temporaries, copy buffers for overlapping transfers and fragmentation. A plan is a floor, not a peak.
+
+``recipe="auto"`` chooses each tag's placement for an HBM budget, a host link and a FLOP rate (see
+``zoo.plan.auto.choose``), and says why each tag landed where it did.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zoo.models.config import dtype_of
+from zoo.plan import auto
+from zoo.plan.measure import abstract_model, layer_cost, stack_residuals
+from zoo.plan.measure import nbytes as sds_nbytes
+from zoo.plan.types import (CARRY, GiB, OPTIMIZERS, POOL_DEFAULT_GIB, POOL_ENV, ModelState, Plan, StackPlan, TagPlan,
+                            ceil_div, fmt_bytes)
+from zoo.recipe import Recipe
+
+
+def _model_state(model, shard: int, optimizer: str, opt_dtype: str) -> ModelState:
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    opt_itemsize = jnp.dtype(dtype_of("opt_dtype", opt_dtype)).itemsize
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    others = jax.tree.leaves(nnx.state(model, nnx.Not(nnx.Param)))
+    n = sum(math.prod(p.shape) for p in params)
+    pbytes = sum(sds_nbytes(p) for p in params)
+    obytes = sum(sds_nbytes(p) for p in others if hasattr(p, "dtype") and hasattr(p, "shape"))
+    return ModelState(num_params=n, params=ceil_div(pbytes, shard), grads=ceil_div(pbytes, shard),
+                      optimizer=ceil_div(OPTIMIZERS[optimizer] * n * opt_itemsize, shard),
+                      other=ceil_div(obytes, shard), optimizer_name=optimizer)
+
+
+def host_pool_bytes() -> tuple[int, str | None]:
+    """XLA's pinned host pool in bytes, as XLA reads it (an integer GiB; a bad value falls back to 64)."""
+    raw = os.environ.get(POOL_ENV)
+    if raw is None:
+        return POOL_DEFAULT_GIB * GiB, None
+    try:
+        return int(raw) * GiB, None
+    except ValueError:
+        return POOL_DEFAULT_GIB * GiB, (f"{POOL_ENV}={raw!r} is not an integer: XLA ignores it and keeps the "
+                                        f"{POOL_DEFAULT_GIB} GiB pool")
+
+
+def machine_ram_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _warnings(p_host: int, activation: int, state: ModelState, hbm_budget: int | None, pool: int,
+              extra: list[str]) -> tuple[str, ...]:
+    out = list(extra)
+    if p_host > pool:
+        out.append(f"host memory {fmt_bytes(p_host)} is over XLA's pinned host pool of {fmt_bytes(pool)}: "
+                   f"raise {POOL_ENV} (an integer, GiB) before launch, or offload less")
+    ram = machine_ram_bytes()
+    if ram is not None and p_host > ram:
+        out.append(f"host memory {fmt_bytes(p_host)} is over this machine's RAM ({fmt_bytes(ram)})")
+    if hbm_budget is not None and activation + state.total > hbm_budget:
+        out.append(f"HBM {fmt_bytes(activation + state.total)} (activations {fmt_bytes(activation)} + model "
+                   f"state {fmt_bytes(state.total)}) is over the budget of {fmt_bytes(hbm_budget)}, before "
+                   f"XLA's temporaries")
+    return tuple(out)
+
+
+def _check_positive(name: str, value, kind=int):
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or not value > 0:
+        raise ValueError(f"{name} must be a positive {'number' if kind is float else 'int'}, got {value!r}")
+
+
+def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, optimizer: str = "adamw",
+         opt_dtype: str = "float32", hbm_gib: float | None = None, host_gib: float | None = None,
+         link_gbps: float | None = None, tflops: float | None = None, model_name: str | None = None) -> Plan:
+    """Plan `recipe` (a `zoo.Recipe`, or "auto" to choose one) for the model `cfg` (a config, or a built model,
+    whose config is used) at global [batch, seq] split over `shard` devices (data parallel: `shard` must divide
+    `batch`). Recipes by name are the front end's business (`recipes.<family>.RECIPES`).
+
+    `hbm_gib` is the HBM budget per device (warned about; required by "auto"); `host_gib` bounds host memory per
+    device for "auto"; `link_gbps` (GB/s per direction) and `tflops` (TFLOP/s) feed "auto" and the step-time
+    estimate. See the module docstring for what is counted and how.
+    """
+    if isinstance(cfg, nnx.Module) and hasattr(cfg, "config"):
+        cfg = cfg.config
+    if getattr(cfg, "attention_impl", None) == "cudnn":
+        cfg = dataclasses.replace(cfg, attention_impl=None)
+    _check_positive("batch", batch)
+    _check_positive("seq", seq)
+    _check_positive("shard", shard)
+    if batch % shard:
+        raise ValueError(f"batch={batch} does not split evenly over shard={shard} devices (data parallel: the "
+                         f"batch must be a multiple of the device count)")
+    for n, v in (("hbm_gib", hbm_gib), ("host_gib", host_gib), ("link_gbps", link_gbps), ("tflops", tflops)):
+        _check_positive(n, v, float)
+    is_auto = isinstance(recipe, str) and recipe == "auto"
+    if is_auto:
+        missing = [n for n, v in (("hbm_gib", hbm_gib), ("link_gbps", link_gbps), ("tflops", tflops)) if v is None]
+        if missing:
+            raise ValueError(f"recipe 'auto' needs {', '.join(missing)} (HBM budget, link speed, FLOP rate)")
+    elif not isinstance(recipe, Recipe):
+        raise ValueError(f"recipe must be a zoo.Recipe or 'auto', got {recipe!r}; a front end looks names up in the "
+                         f"model family's recipes (e.g. recipes.llama3.RECIPES)")
+    model = abstract_model(cfg)
+    if not is_auto:
+        model.check_recipe(recipe)  # raises if the recipe names a tag no stack emits
+    state = _model_state(model, shard, optimizer, opt_dtype)
+    hbm_budget = None if hbm_gib is None else int(hbm_gib * GiB)
+    pool, pool_warning = host_pool_bytes()
+    shapes = model.tag_shapes(batch, seq)
+    costs = {s: layer_cost(cfg, s, batch, seq) for s in shapes}
+    needed = {s: costs[s].residual_tags(shapes[s].tags) for s in shapes}
+
+    notes: dict[str, str] = {}
+    if is_auto:
+        recipe, notes = auto.choose(shapes, needed, costs, state, shard, hbm_budget,
+                                    None if host_gib is None else int(host_gib * GiB), link_gbps * 1e9, tflops * 1e12)
+    policy = recipe.policy()
+
+    stacks, extra = [], []
+    for s, st in shapes.items():
+        tag_plans = []
+        for tag, sds in st.tags.items():
+            place = recipe.placement(tag)
+            residual = tag in needed[s]
+            nbytes = ceil_div(sds_nbytes(sds), shard) if residual else 0
+            if tag == CARRY:
+                host = nbytes if place == "offload" else 0
+                device = nbytes - host
+                note = notes.get(tag) or ("offloaded scan carry" if host else
+                                          "scan carry: saved per layer on the device by any recipe")
+                place = "offload" if host else "device"
+            else:
+                device = nbytes if residual and place == "device" else 0
+                host = nbytes if residual and place == "offload" else 0
+                note = notes.get(tag) or ("" if residual else "not a residual: the backward pass never needs it")
+            tag_plans.append(TagPlan(tag, tuple(sds.shape), jnp.dtype(sds.dtype).name, place, residual, nbytes,
+                                     device, host, note))
+        # JAX's own account of the stack: anything beyond the tags, and a check of the tags.
+        jax_device, jax_host, hoisted = stack_residuals(model, s, batch, seq, policy)
+        tag_device = sum(sds_nbytes(st.tags[t]) for t in st.tags if t in needed[s] and (
+            recipe.placement(t) == "device" or (t == CARRY and recipe.placement(t) != "offload")))
+        tag_host = sum(sds_nbytes(st.tags[t]) for t in st.tags if t in needed[s] and recipe.placement(t) == "offload")
+        untagged = jax_device - st.num_layers * tag_device
+        if untagged < 0 or jax_host != st.num_layers * tag_host:
+            extra.append(f"stack {s}: JAX saves {fmt_bytes(jax_device)} on the device and {fmt_bytes(jax_host)} "
+                         f"on the host, the tags account for {fmt_bytes(st.num_layers * tag_device)} and "
+                         f"{fmt_bytes(st.num_layers * tag_host)}: the plan is off for this recipe")
+        stacks.append(StackPlan(
+            name=s, num_layers=st.num_layers, tags=tuple(tag_plans),
+            untagged_bytes=ceil_div(max(untagged, 0) // st.num_layers, shard),
+            invariant_bytes=ceil_div(hoisted, shard),
+            forward_flops=ceil_div(costs[s].forward_flops, shard),
+            remat_flops=ceil_div(costs[s].recipe_flops(recipe, st.tags), shard)))
+    activation = sum(sp.device_bytes for sp in stacks)
+    host = sum(sp.host_bytes for sp in stacks)
+    extra += [pool_warning] if pool_warning else []
+    if recipe.special == "none":
+        extra.append("recipe 'none' keeps every intermediate JAX saves, untagged ones included (attention "
+                     "probabilities on the XLA path): counted from JAX's own list of residuals")
+    return Plan(model=model_name or type(cfg).__name__, recipe=recipe, batch=batch, seq=seq, shard=shard,
+                stacks=tuple(stacks), state=state, hbm_budget=hbm_budget, host_pool=pool,
+                warnings=_warnings(host, activation, state, hbm_budget, pool, extra), link_gbps=link_gbps,
+                tflops=tflops)
+
+
+def auto_recipe(cfg, *, batch: int, seq: int, hbm_gib: float, link_gbps: float, tflops: float, **kwargs) -> Recipe:
+    """The recipe `plan(cfg, "auto", ...)` chooses."""
+    return plan(cfg, "auto", batch=batch, seq=seq, hbm_gib=hbm_gib, link_gbps=link_gbps, tflops=tflops,
+                **kwargs).recipe

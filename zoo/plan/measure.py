@@ -1,0 +1,232 @@
+"""Measuring what JAX saves and re-runs, on any machine (no GPU, no memory: shapes only).
+
+What JAX saves between the forward and the backward pass, under a checkpoint policy:
+
+- `residuals(fn, *args)`: JAX's own list (`saved_residuals`) for a scalar function, with tag names and host marks.
+- `layer_residuals`: one layer of a stack, rematerialized as the stack runs it (`Stack.layer_fn`); residuals carry
+  their tag names, so each tag's placement can be read off: on the host (`offload`), in HBM (`device`), or absent
+  (`remat`). `placements_seen` turns that into {tag: placement}, which tests compare with `recipe.placements(...)`.
+- `residual_tags`: the tags the backward pass needs at all (those JAX saves when every tag may be saved).
+- `stack_residuals`: the whole scanned stack, stacked over its layers, and what JAX hoists out of the scan.
+- `model_residuals`: the whole model's loss; host residuals are marked as such.
+
+What the backward pass re-runs: `LayerCost` traces one layer once to a jaxpr and counts the matmul FLOPs of its
+gradient under any set of saved tags (cached). Every function takes the policy to measure; none changes a model's
+recipe (the default policy is the model's own recipe's).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from typing import Any
+
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+from flax import nnx
+
+from zoo import tags as tags_lib
+from zoo.models.registry import family_of
+from zoo.models.stack import remat
+from zoo.recipe import Recipe
+
+try:  # public in newer JAX releases
+    from jax.ad_checkpoint import saved_residuals as _saved_residuals  # type: ignore[attr-defined]
+except ImportError:  # jax <= 0.11: same function, private module
+    from jax._src.ad_checkpoint import saved_residuals as _saved_residuals
+
+_NAMED = re.compile(r"named '([^']+)'")
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+    shape: tuple[int, ...]
+    dtype: Any
+    host: bool
+    tag: str | None  # the checkpoint name, when JAX reports one
+    source: str
+
+    @property
+    def nbytes(self) -> int:
+        return int(jnp.dtype(self.dtype).itemsize) * math.prod(self.shape)  # math.prod: no int32 overflow
+
+
+def _is_host(aval) -> bool:
+    space = getattr(aval, "memory_space", None)
+    return "host" in str(space).lower() or "<host>" in str(aval)
+
+
+def residuals(fn, *args) -> list[Residual]:
+    """Residuals JAX saves to differentiate `fn(*args)` (a scalar function), excluding the arguments."""
+    out = []
+    for aval, src in _saved_residuals(fn, *args):
+        if src.startswith("from the argument"):
+            continue
+        m = _NAMED.search(src)
+        out.append(Residual(tuple(aval.shape), aval.dtype, _is_host(aval), m.group(1) if m else None, src))
+    return out
+
+
+def sum_outputs(tree) -> jax.Array:
+    return sum(jnp.sum(leaf.astype(jnp.float32)) for leaf in jax.tree.leaves(tree))
+
+
+def nbytes(sds) -> int:
+    return math.prod(sds.shape) * jnp.dtype(sds.dtype).itemsize
+
+
+def _all_saved(emitted) -> Recipe:
+    return Recipe("all_saved", device=tuple(emitted))
+
+
+# -- one layer, one stack, the model --------------------------------------------------------------------------------
+def layer_residuals(model, stack_name: str, batch: int, seq: int, policy=None) -> list[Residual]:
+    """Residuals of one layer of `stack_name` under `policy` (default: the model's recipe's), for [batch, seq]."""
+    stack = model.stacks()[stack_name]
+    fn, state = stack.layer_fn(model.recipe.policy() if policy is None else policy)
+    return residuals(lambda s, x: sum_outputs(fn(s, x)), state, stack.abstract_input(batch, seq))
+
+
+def residual_tags(model, stack_name: str, batch: int = 1, seq: int = 8) -> tuple[str, ...]:
+    """Tags of `stack_name` that the backward pass needs at all: those JAX saves when every tag may be saved.
+
+    A tag outside this set (e.g. the MLP's down projection, whose value only flows into the residual sum) costs
+    nothing under any placement; the planner counts it as zero bytes."""
+    stack = model.stacks()[stack_name]
+    emitted = tuple(stack.tag_shapes(stack.abstract_input(batch, seq)))
+    saved = {r.tag for r in layer_residuals(model, stack_name, batch, seq, _all_saved(emitted).policy())}
+    return tuple(t for t in emitted if t in saved)
+
+
+def placements_seen(model, stack_name: str, batch: int = 1, seq: int = 8, recipe: Recipe | None = None
+                    ) -> dict[str, str]:
+    """{tag: 'device' | 'offload' | 'remat'} as JAX really saves the tags of one layer of `stack_name` under
+    `recipe` (default: the model's).
+
+    Device residuals carry their tag's name. A host residual is reported as the output of the copy to the host,
+    without the name, so host residuals are matched to the emitted tags by shape and dtype; tags with equal
+    shapes (key and value in GQA) are interchangeable there, and so are their bytes."""
+    recipe = model.recipe if recipe is None else recipe
+    stack = model.stacks()[stack_name]
+    emitted = stack.tag_shapes(stack.abstract_input(batch, seq))
+    seen = {t: "remat" for t in emitted}
+    host = []
+    for r in layer_residuals(model, stack_name, batch, seq, recipe.policy()):
+        if r.tag is not None:
+            seen[r.tag] = "offload" if r.host else "device"
+        elif r.host:
+            host.append((r.shape, jnp.dtype(r.dtype)))
+    # Prefer the tags the recipe offloads when shapes tie, so that a faithful recipe reads back as itself.
+    order = sorted(emitted, key=lambda t: recipe.placement(t) != "offload")
+    for shape, dtype in host:
+        for t in order:
+            if seen[t] == "remat" and emitted[t].shape == shape and jnp.dtype(emitted[t].dtype) == dtype:
+                seen[t] = "offload"
+                break
+        else:
+            raise AssertionError(f"host residual {dtype}{list(shape)} matches no tag of {stack_name}")
+    return seen
+
+
+def stack_residuals(model, stack_name: str, batch: int, seq: int, policy) -> tuple[int, int, int]:
+    """What JAX saves for the scanned stack `stack_name` under `policy`, for a [batch, seq] input: (device bytes
+    stacked over the layers, host bytes stacked over the layers, device bytes hoisted out of the scan). Constants
+    are left out."""
+    stack = model.stacks()[stack_name]
+    graphdef, state = nnx.split(stack)
+    state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+    res = residuals(lambda s, x: sum_outputs(nnx.merge(graphdef, s)(x, policy)), state,
+                    stack.abstract_input(batch, seq))
+    if stack.num_layers == 1:  # applied without a scan (see Stack.__call__): every residual is the layer's own
+        stacked, hoisted = [r for r in res if not r.source.startswith("from a constant")], []
+    else:
+        stacked = [r for r in res if r.source.startswith("output of scan") and r.shape[:1] == (stack.num_layers,)]
+        hoisted = [r for r in res if r not in stacked and not r.source.startswith("from a constant")]
+    return (sum(r.nbytes for r in stacked if not r.host), sum(r.nbytes for r in stacked if r.host),
+            sum(r.nbytes for r in hoisted if not r.host))
+
+
+def model_residuals(model, tokens: jax.Array) -> list[Residual]:
+    """Residuals of the mean-logit loss of the whole model on `tokens`: stacked per scanned stack."""
+    graphdef, state = nnx.split(model)
+    return residuals(lambda s, t: jnp.mean(nnx.merge(graphdef, s)(t).astype(jnp.float32)), state, tokens)
+
+
+# -- what the backward pass re-runs ---------------------------------------------------------------------------------
+def flops(jaxpr) -> int:
+    """Matmul FLOPs (2*M*N*K) of `jaxpr` and every jaxpr inside it."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        prim = eqn.primitive.name
+        if prim == "dot_general":
+            (lc, _), _ = eqn.params["dimension_numbers"]
+            k = math.prod(eqn.invars[0].aval.shape[i] for i in lc)
+            total += 2 * math.prod(eqn.outvars[0].aval.shape) * k
+        elif prim.startswith("ragged_dot"):  # each row meets one group: 2 * rows * K * N
+            dn = eqn.params.get("ragged_dot_dimension_numbers")
+            lc = dn.dot_dimension_numbers[0][0] if dn is not None else (eqn.invars[0].aval.ndim - 1,)
+            k = math.prod(eqn.invars[0].aval.shape[i] for i in lc)
+            total += 2 * math.prod(eqn.outvars[0].aval.shape) * k
+        for sub in tags_lib._sub_jaxprs(eqn.params):
+            total += flops(sub)
+    return total
+
+
+@functools.lru_cache(maxsize=8)
+def abstract_model(cfg):
+    """The model of the config `cfg` with every array a ShapeDtypeStruct (`nnx.eval_shape`): nothing is allocated.
+    Cached per config; never given a recipe (measurements pass policies)."""
+    build = family_of(cfg).build
+    return nnx.eval_shape(lambda: build(cfg, rngs=nnx.Rngs(0)))
+
+
+class LayerCost:
+    """One layer of a stack, abstract, at [batch, seq], traced once to a jaxpr: its forward FLOPs, the tags its
+    backward pass needs, and, for any set of saved tags, the FLOPs its backward pass re-runs (cached).
+    Differentiating the traced jaxpr rather than the module keeps each question to a fraction of a second for a
+    671B layer."""
+
+    def __init__(self, model, stack_name: str, batch: int, seq: int):
+        stack = model.stacks()[stack_name]
+        fn, state = stack.layer_fn()
+        self.args, treedef = jax.tree.flatten((state, stack.abstract_input(batch, seq)))
+        closed = jax.make_jaxpr(lambda *a: fn(*jax.tree.unflatten(treedef, a))[0])(*self.args)
+        self.forward_flops = flops(closed.jaxpr)
+        as_fun = jax.extend.core.jaxpr_as_fun(closed)
+        self._fn = lambda *a: as_fun(*a)[0]
+        self._wrt = tuple(i for i, a in enumerate(self.args) if jnp.issubdtype(a.dtype, jnp.inexact))
+        self._cache: dict = {}
+        self._grad_none = self._grad_flops(Recipe.none().policy())
+
+    def _loss(self, policy):
+        body = remat(self._fn, policy)
+        return lambda *a: jnp.sum(body(*a).astype(jnp.float32))
+
+    def _grad_flops(self, policy) -> int:
+        grad = jax.grad(self._loss(policy), argnums=self._wrt)
+        return flops(jax.make_jaxpr(grad)(*self.args).jaxpr)
+
+    def residual_tags(self, emitted) -> frozenset[str]:
+        """Tags JAX saves when every tag may be saved: those the backward pass needs (as `residual_tags`, at the
+        planned shape)."""
+        loss = self._loss(_all_saved(emitted).policy())
+        return frozenset(r.tag for r in residuals(loss, *self.args) if r.tag is not None)
+
+    def remat_flops(self, saved: frozenset[str]) -> int:
+        if saved not in self._cache:
+            policy = Recipe("saved", device=tuple(sorted(saved))).policy()
+            self._cache[saved] = self._grad_flops(policy) - self._grad_none
+        return self._cache[saved]
+
+    def recipe_flops(self, recipe: Recipe, emitted) -> int:
+        """Forward FLOPs the backward pass re-runs under `recipe`."""
+        if recipe.special == "none":
+            return 0
+        return self.remat_flops(frozenset(t for t in emitted if recipe.placement(t) != "remat"))
+
+
+@functools.lru_cache(maxsize=32)
+def layer_cost(cfg, stack_name: str, batch: int, seq: int) -> LayerCost:
+    return LayerCost(abstract_model(cfg), stack_name, batch, seq)

@@ -1,0 +1,75 @@
+"""The plan as tables (rich) and as JSON."""
+from __future__ import annotations
+
+from zoo.plan.types import CARRY, Plan, fmt_bytes, fmt_flops
+
+_SHORT = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
+
+
+def render(p: Plan, console=None) -> None:
+    """Print `p` as tables: one row per tag and stack, then totals, model state, reasons and warnings."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    shard = f", split over {p.shard} devices (per-device figures)" if p.shard > 1 else ""
+    console.print(f"[bold]{p.model}[/]: recipe {p.recipe.name!r}, batch {p.batch}, seq {p.seq}{shard}")
+    colour = {"device": "green", "offload": "cyan", "remat": "magenta"}
+    for s in p.stacks:
+        t = Table(title=f"stack {s.name!r}: {s.num_layers} layers", title_justify="left")
+        for col in ("tag", "shape", "per layer", "placement", "note"):
+            t.add_column(col, justify="right" if col == "per layer" else "left", no_wrap=col != "note")
+        for tp in s.tags:
+            place = tp.placement if tp.residual else "-"
+            note = "not a residual" if not tp.residual else "scan carry" if tp.tag == CARRY else ""
+            t.add_row(tp.tag, "x".join(map(str, tp.shape)) + " " + _SHORT.get(tp.dtype, tp.dtype),
+                      fmt_bytes(tp.nbytes) if tp.residual else "0", f"[{colour.get(place, 'white')}]{place}[/]", note)
+        if s.untagged_bytes:
+            t.add_row("(untagged)", "", fmt_bytes(s.untagged_bytes), "[green]device[/]", "saved by JAX, no tag")
+        if s.invariant_bytes:
+            t.add_row("(invariant)", "", fmt_bytes(s.invariant_bytes), "[green]device[/]", "once per stack")
+        console.print(t)
+
+    st = Table(title="per stack", title_justify="left")
+    for col in ("stack", "layers", "HBM/layer", "host/layer", "HBM", "host", "recompute/step"):
+        st.add_column(col, justify="left" if col == "stack" else "right")
+    for s in p.stacks:
+        st.add_row(s.name, str(s.num_layers), fmt_bytes(s.device_bytes_per_layer), fmt_bytes(s.host_bytes_per_layer),
+                   fmt_bytes(s.device_bytes), fmt_bytes(s.host_bytes), fmt_flops(s.num_layers * s.remat_flops))
+    console.print(st)
+
+    tt = Table(title="per device (HBM before XLA's temporaries)", title_justify="left", show_header=False)
+    tt.add_column("what")
+    tt.add_column("value", justify="right")
+    ms = p.state
+    rows = [("saved activations in HBM", fmt_bytes(p.activation_bytes)),
+            ("host memory (pinned)", f"{fmt_bytes(p.host_bytes)} of a {fmt_bytes(p.host_pool)} pool"),
+            ("recomputed per step", f"{fmt_flops(p.remat_flops)} (forward {fmt_flops(p.forward_flops)})"),
+            (f"parameters ({ms.num_params:,})", fmt_bytes(ms.params)),
+            ("gradients", fmt_bytes(ms.grads)),
+            (f"optimizer state ({ms.optimizer_name})", fmt_bytes(ms.optimizer))]
+    if ms.other:
+        rows.append(("other variables", fmt_bytes(ms.other)))
+    rows.append(("HBM: activations + model state", fmt_bytes(p.hbm_bytes)
+                 + (f" of {fmt_bytes(p.hbm_budget)}" if p.hbm_budget is not None else "")))
+    est = p.step_time()
+    if est is not None:
+        rows.append((f"stack time per step at {p.tflops:g} TFLOP/s, {p.link_gbps:g} GB/s (est.)",
+                     f"{est['total_s'] * 1e3:,.1f} ms"))
+    for r in rows:
+        tt.add_row(*r)
+    console.print(tt)
+    if p.recipe.name == "auto":
+        console.print(f"[bold]chosen:[/] {p.recipe}")
+        for tag, note in dict.fromkeys((tp.tag, tp.note) for s in p.stacks for tp in s.tags if tp.note):
+            console.print(f"  [bold]{tag}[/]: {note}")
+    for w in p.warnings:
+        console.print(f"[bold yellow]warning:[/] {w}")
+
+
+def to_json(p: Plan) -> dict:
+    """`p.to_dict()`, with the reasons for each placement when the recipe was chosen ("auto")."""
+    out = p.to_dict()
+    if p.recipe.name == "auto":
+        out["reasons"] = {t.tag: t.note for s in p.stacks for t in s.tags if t.note}
+    return out

@@ -1,0 +1,177 @@
+"""What a plan is: per tag, per stack, the model state and the whole plan (frozen dataclasses), and the units.
+
+Every byte and FLOP figure is per device. `Plan.to_dict()` is the JSON the command line prints; the tables are
+`zoo.plan.report`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from zoo.recipe import Recipe
+
+GiB, MiB = 1 << 30, 1 << 20
+CARRY = "decoder_layer_input"
+# Optimizer moments kept per parameter.
+OPTIMIZERS = {"adamw": 2, "adam": 2, "lion": 1, "momentum": 1, "sgd": 0}
+# XLA's pinned host pool for GPUs: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (an integer, GiB), 64 by default.
+POOL_ENV, POOL_DEFAULT_GIB = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", 64
+
+
+def fmt_bytes(n: float) -> str:
+    if n >= 1024 * GiB:
+        return f"{n / (1024 * GiB):.1f} TiB"
+    if n >= GiB:
+        return f"{n / GiB:.1f} GiB"
+    if n >= MiB:
+        return f"{n / MiB:.1f} MiB"
+    if n >= 1024:
+        return f"{n / 1024:.1f} KiB"
+    return f"{int(n)} B"
+
+
+def fmt_flops(n: float) -> str:
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n:,.0f} FLOP"
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclasses.dataclass(frozen=True)
+class TagPlan:
+    """One tag of one stack. Bytes are per layer and per device."""
+    tag: str
+    shape: tuple[int, ...]          # global shape of one layer's tensor
+    dtype: str
+    placement: str                  # device | offload | remat
+    residual: bool                  # does the backward pass need it at all?
+    nbytes: int                     # bytes of one layer's tensor when it is saved (0 if not a residual)
+    device_bytes: int               # held in HBM per layer
+    host_bytes: int                 # held in host memory per layer
+    note: str = ""                  # why it is where it is
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "shape": list(self.shape)}
+
+
+@dataclasses.dataclass(frozen=True)
+class StackPlan:
+    name: str
+    num_layers: int
+    tags: tuple[TagPlan, ...]
+    untagged_bytes: int             # per layer: residuals JAX saves beyond the tags (recipe `none`)
+    invariant_bytes: int            # once per stack: residuals JAX hoists out of the scan (masks, RoPE tables)
+    forward_flops: int              # per layer, per device
+    remat_flops: int                # per layer, per device: forward work re-run in the backward pass
+
+    @property
+    def device_bytes_per_layer(self) -> int:
+        return sum(t.device_bytes for t in self.tags) + self.untagged_bytes
+
+    @property
+    def host_bytes_per_layer(self) -> int:
+        return sum(t.host_bytes for t in self.tags)
+
+    @property
+    def device_bytes(self) -> int:
+        return self.num_layers * self.device_bytes_per_layer + self.invariant_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        return self.num_layers * self.host_bytes_per_layer
+
+    def to_dict(self) -> dict:
+        return dict(name=self.name, num_layers=self.num_layers, tags=[t.to_dict() for t in self.tags],
+                    untagged_bytes_per_layer=self.untagged_bytes,
+                    invariant_bytes=self.invariant_bytes,
+                    device_bytes_per_layer=self.device_bytes_per_layer,
+                    host_bytes_per_layer=self.host_bytes_per_layer, device_bytes=self.device_bytes,
+                    host_bytes=self.host_bytes, forward_flops_per_layer=self.forward_flops,
+                    remat_flops_per_layer=self.remat_flops, remat_flops=self.num_layers * self.remat_flops)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelState:
+    """Per device: parameters, their gradients, optimizer moments, other variables."""
+    num_params: int
+    params: int
+    grads: int
+    optimizer: int
+    other: int
+    optimizer_name: str
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.other
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "total": self.total}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What `recipe` costs for `model` at [batch, seq]; every byte and FLOP figure is per device."""
+    model: str
+    recipe: Recipe
+    batch: int
+    seq: int
+    shard: int
+    stacks: tuple[StackPlan, ...]
+    state: ModelState
+    hbm_budget: int | None
+    host_pool: int
+    warnings: tuple[str, ...]
+    link_gbps: float | None = None
+    tflops: float | None = None
+
+    @property
+    def activation_bytes(self) -> int:
+        """HBM held by saved activations, over all stacks."""
+        return sum(s.device_bytes for s in self.stacks)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(s.host_bytes for s in self.stacks)
+
+    @property
+    def hbm_bytes(self) -> int:
+        """Saved activations plus model state (no temporaries: a floor)."""
+        return self.activation_bytes + self.state.total
+
+    @property
+    def remat_flops(self) -> int:
+        """Forward FLOPs re-run in the backward pass, per step."""
+        return sum(s.num_layers * s.remat_flops for s in self.stacks)
+
+    @property
+    def forward_flops(self) -> int:
+        return sum(s.num_layers * s.forward_flops for s in self.stacks)
+
+    def step_time(self) -> dict | None:
+        """A roofline estimate of the stacks' time per step, given `tflops` and `link_gbps`: forward, backward
+        (twice the forward), recompute, and the transfers that do not hide (device-to-host under the layer's
+        forward, host-to-device under its backward)."""
+        if self.tflops is None or self.link_gbps is None:
+            return None
+        rate, link = self.tflops * 1e12, self.link_gbps * 1e9
+        out = dict(compute_s=0.0, remat_s=0.0, exposed_transfer_s=0.0)
+        for s in self.stacks:
+            fwd, remat, move = s.forward_flops / rate, s.remat_flops / rate, s.host_bytes_per_layer / link
+            out["compute_s"] += s.num_layers * 3 * fwd
+            out["remat_s"] += s.num_layers * remat
+            out["exposed_transfer_s"] += s.num_layers * (max(0.0, move - fwd) + max(0.0, move - 2 * fwd - remat))
+        out["total_s"] = sum(out.values())
+        return out
+
+    def to_dict(self) -> dict:
+        return dict(model=self.model, recipe=self.recipe.name, offload=list(self.recipe.offload),
+                    device=list(self.recipe.device), special=self.recipe.special, batch=self.batch, seq=self.seq,
+                    shard=self.shard, stacks=[s.to_dict() for s in self.stacks], model_state=self.state.to_dict(),
+                    totals=dict(activation_bytes=self.activation_bytes, host_bytes=self.host_bytes,
+                                hbm_bytes=self.hbm_bytes, remat_flops=self.remat_flops,
+                                forward_flops=self.forward_flops),
+                    hbm_budget=self.hbm_budget, host_pool=self.host_pool, link_gbps=self.link_gbps,
+                    tflops=self.tflops, step_time=self.step_time(), warnings=list(self.warnings))

@@ -1,0 +1,317 @@
+"""Sharding: the mesh (axes dp, fsdp, tp, ep), the logical-axis rules, parameters created sharded, and the
+activation constraint every tag site applies.
+
+Logical axes. Every parameter carries logical axis names (`out_sharding` metadata, see `zoo.layers.linear`) and
+every tagged activation is constrained with logical names right before it is named (`zoo.tags.name(x, tag, axes)`).
+Rules map logical names to mesh axes through Flax's logical-partitioning API: `flax.linen.logical_to_mesh_sharding`
+for parameters (from `nnx.get_partition_spec`) and `flax.linen.with_logical_constraint` for activations, both with
+the priority semantics of `nn.logical_to_mesh_axes`: rules are tried in order, and a mesh axis is used at most once
+per array (so the activation `embed` of a [batch, seq, embed] tensor stays whole while `batch` takes fsdp, and the
+parameter `embed` is sharded over fsdp).
+
+Mesh axes (`jax.make_mesh`, Auto axis types; device order dp, fsdp, ep, tp, so tp is innermost):
+- ``dp``: replicas; the batch is split.
+- ``fsdp``: parameters, gradients and optimizer state sharded on `embed`; the batch is split.
+- ``tp``: heads, kv_heads, the MLP and expert hidden dims and the vocabulary split (Megatron-style).
+- ``ep``: experts split; the batch is split too (attention and the dense parts run data-parallel over ep), and
+  the capacity dispatch buffers [experts, groups*capacity, ...] are constrained experts->ep, so XLA inserts the
+  all-to-all that takes each token copy to its expert's device and back (GShard).
+
+`rules_for(mesh)` merges the rule set of each axis of size > 1 (`RULES`): for a single parallelism it is that
+axis's set, for a mix (fsdp x tp, fsdp x ep, ...) each logical name maps to the tuple of its mesh axes.
+Every logical name of the zoo appears in every rule set (`None`: replicated, by rule).
+
+Use:
+    mesh = zoo.sharding.make_mesh("fsdp=4,tp=2")
+    zoo.sharding.check_mesh(cfg, mesh, batch=8)           # ValueError before compiling
+    model = zoo.sharding.create(zoo.models.llama3, cfg, recipe=r, mesh=mesh, seed=0)   # never a full copy
+    with zoo.sharding.use(mesh):                           # jax.set_mesh + nn.logical_axis_rules
+        step = jax.jit(...)                                # trace inside: the activation constraints see the rules
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import linen as nn
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+AXES: tuple[str, ...] = ("dp", "fsdp", "tp", "ep")
+MESH_ORDER: tuple[str, ...] = ("dp", "fsdp", "ep", "tp")   # device order: tp innermost (fastest links)
+
+# Activation axes used at the tag sites (logical names; see zoo.layers).
+BSD = ("batch", "seq", "embed")
+BSH = ("batch", "seq", "heads", "head_dim")
+BSK = ("batch", "seq", "kv_heads", "head_dim")
+BSF = ("batch", "seq", "mlp")
+
+# Logical names: parameters (layers .. kv_lora) and activations (batch, seq, exp_batch; plus the shared ones).
+LOGICAL: tuple[str, ...] = ("layers", "embed", "heads", "kv_heads", "head_dim", "mlp", "moe_mlp", "vocab",
+                            "experts", "q_lora", "kv_lora", "batch", "seq", "exp_batch")
+
+# One rule set per parallelism. Order is priority (flax's rules): the batch rules come first, so that an
+# activation's `embed` never takes the fsdp axis its batch already uses.
+REPLICATED = tuple((n, None) for n in LOGICAL)
+RULES: dict[str, tuple[tuple[str, Any], ...]] = {
+    "dp": (("batch", "dp"), ("exp_batch", "dp")),
+    "fsdp": (("batch", "fsdp"), ("exp_batch", "fsdp"), ("embed", "fsdp")),
+    "tp": (("heads", "tp"), ("kv_heads", "tp"), ("mlp", "tp"), ("moe_mlp", "tp"), ("vocab", "tp")),
+    # ep splits the batch too; on the expert side of the dispatch (`exp_batch`) the groups stay on dp x fsdp.
+    "ep": (("batch", "ep"), ("experts", "ep")),
+}
+
+
+def parse_mesh(spec: str | Mapping[str, int] | None, num_devices: int) -> dict[str, int]:
+    """"fsdp=2,tp=1,ep=1" or {"fsdp": 2, ...} -> {axis: size} over all of AXES (missing axes are 1; None: every
+    device on fsdp). ValueError for an unknown axis, a bad size, or a product other than `num_devices`."""
+    if spec is None or spec == "":
+        sizes = {"fsdp": num_devices}
+    elif isinstance(spec, str):
+        sizes = {}
+        for part in spec.split(","):
+            key, sep, value = part.strip().partition("=")
+            if not sep or not value.strip().lstrip("-").isdigit():
+                raise ValueError(f"mesh {spec!r}: expected axis=size pairs like 'fsdp=2,tp=1', got {part!r}")
+            if key.strip() in sizes:
+                raise ValueError(f"mesh {spec!r}: axis {key.strip()!r} given twice")
+            sizes[key.strip()] = int(value)
+    elif isinstance(spec, Mapping):
+        sizes = dict(spec)
+    else:
+        raise ValueError(f"mesh must be a string like 'fsdp=2,tp=1' or a dict, got {type(spec).__name__}")
+    unknown = sorted(set(sizes) - set(AXES))
+    if unknown:
+        raise ValueError(f"mesh: unknown axis {unknown[0]!r}; the axes are {', '.join(AXES)}")
+    for axis, size in sizes.items():
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+            raise ValueError(f"mesh: {axis}={size!r} must be a positive int")
+    sizes = {a: int(sizes.get(a, 1)) for a in AXES}
+    product = math.prod(sizes.values())
+    if product != num_devices:
+        raise ValueError(f"mesh {format_mesh(sizes)}: the product of the axes is {product}, but there are "
+                         f"{num_devices} devices")
+    return sizes
+
+
+def format_mesh(sizes: Mapping[str, int]) -> str:
+    return ",".join(f"{a}={sizes[a]}" for a in AXES if a in sizes)
+
+
+def make_mesh(spec: str | Mapping[str, int] | None = None, devices: Sequence[Any] | None = None) -> jax.sharding.Mesh:
+    """A mesh over `devices` (default: all) with the four axes (size 1 where not given), Auto axis types."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = parse_mesh(spec, len(devices))
+    auto = (jax.sharding.AxisType.Auto,) * len(MESH_ORDER)
+    return jax.make_mesh(tuple(sizes[a] for a in MESH_ORDER), MESH_ORDER, axis_types=auto, devices=devices)
+
+
+def abstract_mesh(spec: str | Mapping[str, int] | None, num_devices: int) -> jax.sharding.AbstractMesh:
+    """The mesh of `make_mesh(spec)` over `num_devices` devices, without devices (for planning and tracing)."""
+    sizes = parse_mesh(spec, num_devices)
+    auto = (jax.sharding.AxisType.Auto,) * len(MESH_ORDER)
+    return jax.sharding.AbstractMesh(tuple(sizes[a] for a in MESH_ORDER), MESH_ORDER, axis_types=auto)
+
+
+def mesh_sizes(mesh) -> dict[str, int]:
+    """{axis: size} for the four axes (1 for an axis the mesh lacks)."""
+    shape = dict(mesh.shape) if mesh is not None and not mesh.empty else {}
+    return {a: int(shape.get(a, 1)) for a in AXES}
+
+
+def rules_for(mesh) -> tuple[tuple[str, Any], ...]:
+    """The rule set for `mesh`: the sets of its axes of size > 1 merged (a logical name gets the tuple of its mesh
+    axes, in MESH_ORDER), then every other logical name replicated. A mesh of one device: all replicated."""
+    sizes = mesh_sizes(mesh)
+    merged: dict[str, list[str]] = {}
+    for axis in MESH_ORDER:
+        if sizes[axis] > 1:
+            for logical, mesh_axis in RULES[axis]:
+                merged.setdefault(logical, []).append(mesh_axis)
+    out = [(n, axes[0] if len(axes) == 1 else tuple(axes)) for n, axes in merged.items()]
+    return tuple(out) + tuple((n, None) for n in LOGICAL if n not in merged)
+
+
+# -- the context ---------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def use(mesh, rules: Iterable[tuple[str, Any]] | None = None):
+    """Activate `mesh` (`jax.set_mesh`; an AbstractMesh for tracing without devices) and its logical-axis rules (`nn.logical_axis_rules`; default
+    `rules_for(mesh)`). Trace (first call) jitted steps inside it: the activation constraints read both then."""
+    rules = tuple(rules) if rules is not None else rules_for(mesh)
+    mesh_context = (jax.sharding.use_abstract_mesh(mesh) if isinstance(mesh, jax.sharding.AbstractMesh)
+                    else jax.set_mesh(mesh))
+    with mesh_context, nn.logical_axis_rules(rules):
+        yield
+
+
+def active() -> bool:
+    """True while a mesh and logical-axis rules are both active."""
+    return bool(nn.get_logical_axis_rules()) and not jax.sharding.get_abstract_mesh().empty
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """A sharding constraint by logical axis names (flax's `with_logical_constraint`); a no-op unless a mesh and
+    rules are active (see `use`)."""
+    if len(axes) != x.ndim:
+        raise ValueError(f"constrain: {len(axes)} logical axes {tuple(axes)} for an array of rank {x.ndim}")
+    if not active():
+        return x
+    return nn.with_logical_constraint(x, tuple(axes))
+
+
+def size_of(logical: str) -> int:
+    """How many shards the active rules split the logical axis `logical` into (1 when none are active)."""
+    if not active():
+        return 1
+    spec = nn.logical_to_mesh_axes((logical,))[0]
+    if spec is None:
+        return 1
+    shape = jax.sharding.get_abstract_mesh().shape
+    return math.prod(shape[a] for a in ((spec,) if isinstance(spec, str) else spec))
+
+
+# -- parameters ----------------------------------------------------------------------------------------------------
+def logical_specs(tree):
+    """Logical PartitionSpecs (the `out_sharding` names) of a state, read with no rules active."""
+    with nn.logical_axis_rules(()):
+        return nnx.get_partition_spec(tree)
+
+
+def shardings(tree, mesh, rules: Iterable[tuple[str, Any]] | None = None):
+    """NamedShardings for every variable of an nnx state (parameters, routing biases, optimizer state): each
+    logical axis mapped by `rules` (default `rules_for(mesh)`) with `nn.logical_to_mesh_sharding`."""
+    rules = tuple(rules) if rules is not None else rules_for(mesh)
+    return nn.logical_to_mesh_sharding(logical_specs(tree), mesh, rules)
+
+
+def check_divisible(state, mesh, rules: Iterable[tuple[str, Any]] | None = None) -> None:
+    """ValueError naming the variable, its dimension and the mesh axes when a sharded dimension does not divide."""
+    rules = tuple(rules) if rules is not None else rules_for(mesh)
+    sizes = dict(mesh.shape)
+    specs = dict(nnx.to_flat_state(logical_specs(state)))
+    for path, var in nnx.to_flat_state(state):
+        logical = specs[path].get_value() if isinstance(specs[path], nnx.Variable) else specs[path]
+        spec = nn.logical_to_mesh_axes(tuple(logical), rules) if logical else PartitionSpec()
+        for dim, (size, axes) in enumerate(zip(var.shape, spec)):
+            axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+            shards = math.prod(sizes[a] for a in axes)
+            if size % shards:
+                raise ValueError(f"mesh: {'.'.join(map(str, path))} dimension {dim} ({logical[dim]}) has size {size}, "
+                                 f"which {'x'.join(axes)}={shards} does not divide")
+
+
+def init(make: Callable[[], Any], mesh=None, rules: Iterable[tuple[str, Any]] | None = None):
+    """`make()` (any nnx graph: a model, or `(model, optimizer)`) with every variable created on its sharding: an
+    abstract init (`nnx.eval_shape`, nothing allocated), then one jitted init whose `out_shardings` are the rules'
+    shardings, so no device ever holds a full copy of a sharded variable. Values are those `make()` gives.
+    Optimizer state inherits its parameters' logical axes, so it is sharded like them. `mesh` defaults to the
+    active one (`jax.set_mesh`); without any, `make()`."""
+    mesh = mesh if mesh is not None else jax.sharding.get_mesh()
+    if mesh is None or mesh.empty:
+        return make()
+    rules = tuple(rules) if rules is not None else rules_for(mesh)
+    # Logical names are not mesh axes: build the abstract model with no mesh active (nnx.eval_shape would read
+    # them as mesh axes), then map them with the rules.
+    no_mesh = jax.sharding.AbstractMesh((), ())
+    with jax.sharding.use_abstract_mesh(no_mesh):
+        abstract = nnx.eval_shape(make)
+    graphdef, state = nnx.split(abstract)
+    check_divisible(state, mesh, rules)
+    out = shardings(state, mesh, rules)
+    with jax.sharding.use_abstract_mesh(no_mesh):
+        state = jax.jit(lambda: nnx.state(make()), out_shardings=out)()
+    return nnx.merge(graphdef, state)
+
+
+def create(build: Callable[..., nnx.Module], cfg, *, recipe=None, mesh=None,
+           rules: Iterable[tuple[str, Any]] | None = None, seed: int = 0) -> nnx.Module:
+    """`build(cfg, recipe=recipe, rngs=nnx.Rngs(seed))` created sharded (`init`), after `check_mesh(cfg, mesh)`."""
+    mesh = mesh if mesh is not None else jax.sharding.get_mesh()
+    if mesh is not None and not mesh.empty:
+        check_mesh(cfg, mesh)
+    return init(lambda: build(cfg, recipe=recipe, rngs=nnx.Rngs(seed)), mesh, rules)
+
+
+def shard_shape(shape: Sequence[int], axes: Sequence[str | None], mesh,
+                rules: Iterable[tuple[str, Any]] | None = None) -> tuple[int, ...]:
+    """Per-device shape of a [shape] array with logical `axes` under `mesh` (a Mesh or an AbstractMesh) and
+    `rules`: what the planner divides by (`--mesh`)."""
+    rules = tuple(rules) if rules is not None else rules_for(mesh)
+    spec = nn.logical_to_mesh_axes(tuple(axes), rules)
+    sizes = dict(mesh.shape)
+    out = []
+    for size, a in zip(shape, spec):
+        n = math.prod(sizes[x] for x in (() if a is None else (a,) if isinstance(a, str) else a))
+        out.append(-(-size // n))
+    return tuple(out)
+
+
+# -- checks --------------------------------------------------------------------------------------------------------
+def check_mesh(cfg, mesh, batch: int | None = None) -> None:
+    """ValueError, before anything compiles, when `mesh` does not divide the model `cfg` or the global `batch`:
+    heads, kv_heads, the MLP and expert hidden dims and the vocabulary by tp, experts by ep, the model dim by
+    fsdp, the batch by dp x fsdp x ep. The message names both numbers."""
+    sizes = mesh_sizes(mesh) if not isinstance(mesh, Mapping) else {a: int(mesh.get(a, 1)) for a in AXES}
+    name = type(cfg).__name__
+
+    def need(field: str, axis: str):
+        if not hasattr(cfg, field) or sizes[axis] == 1:
+            return
+        value = getattr(cfg, field)
+        if value % sizes[axis]:
+            raise ValueError(f"mesh {format_mesh(sizes)}: {axis}={sizes[axis]} does not divide "
+                             f"{name}.{field}={value}")
+
+    for field in ("num_heads", "num_kv_heads", "mlp_dim", "moe_mlp_dim", "vocab_size"):
+        need(field, "tp")
+    need("num_experts", "ep")
+    need("dim", "fsdp")
+    if batch is not None:
+        data = sizes["dp"] * sizes["fsdp"] * sizes["ep"]
+        if batch % data:
+            raise ValueError(f"mesh {format_mesh(sizes)}: the batch {batch} is not divisible by dp x fsdp x ep = "
+                             f"{data}")
+
+
+def batch_sharding(mesh, rules: Iterable[tuple[str, Any]] | None = None, ndim: int = 2) -> NamedSharding:
+    """The sharding of a [batch, seq, ...] input: batch over the data axes, the rest whole."""
+    rules = tuple(rules) if rules is not None else rules_for(mesh)
+    return NamedSharding(mesh, nn.logical_to_mesh_axes(("batch",) + (None,) * (ndim - 1), rules))
+
+
+# -- per-device tag shapes (for the planner) -------------------------------------------------------------------------
+def _walk(jaxpr, constrained: dict, found: dict) -> None:
+    from zoo.tags import _sub_jaxprs
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "sharding_constraint":
+            constrained[eqn.outvars[0]] = eqn.params["sharding"]
+        elif eqn.primitive.name == "name":
+            aval = eqn.outvars[0].aval
+            s = constrained.get(eqn.invars[0])
+            found[eqn.params["name"]] = tuple(aval.shape) if s is None else tuple(s.shard_shape(aval.shape))
+        else:
+            for sub in _sub_jaxprs(eqn.params):
+                _walk(sub, constrained, found)
+
+
+def tag_shard_shapes(model, batch: int, seq: int, mesh, rules: Iterable[tuple[str, Any]] | None = None
+                     ) -> dict[str, dict[str, tuple[int, ...]]]:
+    """{stack: {tag: per-device shape}} of one layer of each stack of a `CausalLM` for a global [batch, seq]
+    input under `mesh` (an AbstractMesh is enough: nothing runs) and `rules`: each tag's shape divided by the
+    sharding constraint at its tag site (a tag with no constraint keeps its global shape). Host bytes per device
+    of a recipe = these shapes' bytes over the offloaded tags, times the layers."""
+    from zoo.models.stack import layer_body
+    x = jax.ShapeDtypeStruct((batch, seq, model.config.dim), jax.numpy.dtype(model.config.dtype))
+    out = {}
+    for stack_name, stack in model.stacks().items():
+        graphdef, state = stack.abstract_layer()
+        with use(mesh, rules):
+            jaxpr = jax.make_jaxpr(lambda s, x, g=graphdef: layer_body(nnx.merge(g, s), x))(state, x)
+        found: dict[str, tuple[int, ...]] = {}
+        _walk(jaxpr.jaxpr, {}, found)
+        out[stack_name] = found
+    return out
