@@ -96,12 +96,12 @@ def main():
         ma = compiled.memory_analysis()
         text = compiled.as_text()
         for _ in range(a.warmup):
-            loss, params = compiled(params, rest, tokens)
+            (loss, dropped), params = compiled(params, rest, tokens)
         loss.block_until_ready()
         times = []
         for _ in range(a.steps):
             t = time.perf_counter()
-            loss, params = compiled(params, rest, tokens)
+            (loss, dropped), params = compiled(params, rest, tokens)
             loss.block_until_ready()
             times.append(time.perf_counter() - t)
         step_s = statistics.median(times)
@@ -114,7 +114,7 @@ def main():
                    temp_gib=round(ma.temp_size_in_bytes / 2**30, 2),
                    host_temp_gib=round(getattr(ma, "host_temp_size_in_bytes", 0) / 2**30, 2),
                    planned_host_gib=planned, has_S5="S(5)" in text, compile_s=round(compile_s, 1),
-                   loss=float(loss))
+                   loss=float(loss), dropped=int(dropped))
         if a.hlo:
             out["hlo"] = hlo_summary(text)
         if a.profile:
@@ -123,7 +123,7 @@ def main():
             t = time.perf_counter()
             with jax.profiler.trace(a.profile):
                 for _ in range(2):
-                    loss, params = compiled(params, rest, tokens)
+                    (loss, dropped), params = compiled(params, rest, tokens)
                 loss.block_until_ready()
             out["traced_step_s"] = round((time.perf_counter() - t) / 2, 4)
             p = trace_summary.summarise(trace_summary._load(a.profile), 2)
@@ -133,7 +133,7 @@ def main():
         return out
 
     guarded(run, bench=BENCH[shape], impl="zoo", mechanism=a.impl, recipe=a.recipe, backend=None, gpus=1,
-            mesh=None, B=batch, S=seq, L=a.layers, dropped=None,
+            mesh=None, B=batch, S=seq, L=a.layers,
             date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind))
 
 

@@ -16,7 +16,7 @@ from recipes import llama3 as llama_recipes
 from tests.helpers import cuda_lowering, hlo_type, loss_fn, max_rel_err, pinned_host_shapes
 from zoo.plan import measure as audit
 from zoo.models import offload_scan
-from zoo.models.deepseek import balance_loss
+from zoo.models.deepseek import total_balance_loss as balance_loss
 
 B, S = 2, 8
 LLAMA = zoo.models.LlamaConfig.tiny(num_layers=2)
