@@ -57,8 +57,8 @@ def run_main(a) -> None:
             rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env, timeout=a.timeout).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
-    from bench.common import emit, planned
     import zoo
+    from bench.common import emit, planned
 
     rows = [json.loads(line) for line in open(metrics)] if os.path.exists(metrics) else []
     timed = [r for r in rows if r["step"] > 2] or rows
@@ -89,8 +89,8 @@ def run_sgd(a) -> None:
     import zoo
     from bench.common import guarded, measure, planned
     from recipes.llama3 import RECIPES
-    from zoo.models.registry import llama_flops_per_token
     from zoo.layers.attention import resolve_impl
+    from zoo.models.registry import llama_flops_per_token
 
     m = _shape(a)
     make = zoo.models.LlamaConfig.tiny if a.smoke else zoo.models.LlamaConfig.llama3_1_8b

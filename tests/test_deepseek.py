@@ -11,10 +11,10 @@ from flax import nnx
 import zoo
 from recipes.deepseek_v3 import RECIPES
 from tests.helpers import cuda_lowering, grads_under, hlo_type, max_rel_err, pinned_host_shapes
-from zoo.plan import measure as audit
 from zoo.layers import MLA, Rope, RoutingBias, YarnScaling
 from zoo.layers.moe import update_routing_bias
 from zoo.models.deepseek import total_balance_loss
+from zoo.plan import measure as audit
 
 CFG = zoo.models.DeepSeekV3Config.tiny()
 B, S = 2, 8

@@ -1,7 +1,7 @@
 """Llama 3.1: layer and model shapes, gradients under every recipe, residual placement, configs."""
 import collections
-import math
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -12,9 +12,9 @@ from flax import nnx
 import zoo
 from recipes.llama3 import RECIPES
 from tests.helpers import cuda_lowering, grads_under, hlo_type, max_rel_err, pinned_host_shapes
-from zoo.plan import measure as audit
-from zoo.layers import MLP, Attention, Embed, LMHead, Llama3Scaling, RMSNorm, Rope
+from zoo.layers import MLP, Attention, Embed, Llama3Scaling, LMHead, RMSNorm, Rope
 from zoo.models.llama import LlamaDecoderLayer
+from zoo.plan import measure as audit
 
 CFG = zoo.models.LlamaConfig.tiny()
 B, S = 2, 8

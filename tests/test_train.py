@@ -17,9 +17,9 @@ from flax import nnx
 
 from recipes import data as data_lib
 from recipes import flags, loop
+from recipes.checkpoint import Checkpoints
 from recipes.cli import family as model_family
 from recipes.cli import recipe as model_recipe
-from recipes.checkpoint import Checkpoints
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

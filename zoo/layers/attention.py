@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zoo.layers.tagged import TaggedLayer
 from zoo.layers.linear import projection
 from zoo.layers.rope import Rope
+from zoo.layers.tagged import TaggedLayer
 from zoo.sharding import BSD, BSH, BSK
 from zoo.tags import name
 

@@ -35,11 +35,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zoo.layers.tagged import TaggedLayer
 from zoo.layers.attention import AttentionChoice, Implementation, causal_attention, choose_impl, positions_for
 from zoo.layers.linear import projection
 from zoo.layers.norm import RMSNorm
 from zoo.layers.rope import Rope, YarnScaling
+from zoo.layers.tagged import TaggedLayer
 from zoo.sharding import BSD, BSH
 from zoo.tags import name
 

@@ -65,7 +65,8 @@ import functools
 import importlib
 import math
 import warnings
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
