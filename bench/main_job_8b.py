@@ -57,8 +57,8 @@ def run_main(a) -> None:
             rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env, timeout=a.timeout).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
-    from bench.common import emit, planned
     import zoo
+    from bench.common import emit, planned
 
     rows = [json.loads(line) for line in open(metrics)] if os.path.exists(metrics) else []
     timed = [r for r in rows if r["step"] > 2] or rows
@@ -89,8 +89,8 @@ def run_sgd(a) -> None:
     import zoo
     from bench.common import guarded, measure, planned
     from recipes.llama3 import RECIPES
-    from zoo.models.registry import llama_flops_per_token
     from zoo.layers.attention import resolve_impl
+    from zoo.models.registry import llama_flops_per_token
 
     m = _shape(a)
     make = zoo.models.LlamaConfig.tiny if a.smoke else zoo.models.LlamaConfig.llama3_1_8b
@@ -103,7 +103,8 @@ def run_sgd(a) -> None:
         tokens = jax.random.randint(jax.random.key(1), (m["batch"], m["seq"]), 0, cfg.vocab_size, jnp.int32)
         flops = llama_flops_per_token(cfg, model, m["seq"]) * m["batch"] * m["seq"]
         return dict(measure(model, tokens, flops_per_step=flops, steps=5, warmup=2), attention=attention,
-                    param_dtype=cfg.param_dtype, **planned(cfg, recipe, batch=m["batch"], seq=m["seq"], optimizer="sgd"))
+                    param_dtype=cfg.param_dtype,
+                    **planned(cfg, recipe, batch=m["batch"], seq=m["seq"], optimizer="sgd"))
 
     guarded(run, bench="main-job-8b", impl="zoo-sgd-bench", recipe=a.recipe, optimizer="sgd", backend=None,
             B=m["batch"], S=m["seq"], L=m["layers"])

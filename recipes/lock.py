@@ -52,7 +52,7 @@ class DirLock:
                 self.taken_over = holder   # flock was free: that process is gone (or ended without cleaning up)
             self.fd = fd
         me = {"pid": os.getpid(), "host": socket.gethostname(),
-              "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+              "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, json.dumps(me).encode(), 0)
         os.fsync(self.fd)
@@ -68,7 +68,7 @@ class DirLock:
         os.close(self.fd)
         self.fd = None
 
-    def __enter__(self) -> "DirLock":
+    def __enter__(self) -> DirLock:
         return self
 
     def __exit__(self, *exc) -> None:

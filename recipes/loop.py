@@ -19,7 +19,8 @@ import json
 import math
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,9 +29,8 @@ from flax import nnx
 from rich.console import Console
 
 import zoo
-from recipes import cli, meter
+from recipes import cli, guard, meter
 from recipes import data as data_lib
-from recipes import guard
 from recipes.checkpoint import Checkpoints
 from recipes.lock import DirLock
 from zoo.models.registry import Family
@@ -454,8 +454,8 @@ class _Progress:
         self.bar = None
         if console.is_terminal:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-            self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                                TimeRemainingColumn(), console=console)
+            self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console)
             self.task = self.bar.add_task("train", total=total, completed=start, info="")
             self.bar.start()
 

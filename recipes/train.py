@@ -58,7 +58,6 @@ def main(argv: list[str] | None = None) -> int:
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
 
     from recipes import loop  # imports JAX: only now
-
     from recipes.checkpoint import CheckpointError
 
     kwargs = {k: v for k, v in vars(args).items() if k != "xla_flags"}

@@ -15,8 +15,8 @@ import zoo
 from recipes.deepseek_v3 import RECIPES
 from tests.helpers import cuda_lowering, hlo_type, pinned_host_shapes
 from zoo import tags
-from zoo.plan import measure as audit
 from zoo.layers import attention, moe
+from zoo.plan import measure as audit
 
 X = jnp.ones((4, 3))
 

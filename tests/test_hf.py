@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import safetensors.numpy
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import zoo
 from zoo.hf import config as hf_config
@@ -36,8 +37,8 @@ def llama(seed=0, **overrides):
 
 def deepseek(seed=0, **overrides):
     """A tiny DeepSeek-V3: one dense layer, two MoE layers, YaRN, 2 groups of 2 experts (1 kept), random biases."""
-    from zoo.models import deepseek as ds
     from zoo.layers import YarnScaling
+    from zoo.models import deepseek as ds
     cfg = ds.DeepSeekV3Config.tiny(**{**dict(
         vocab_size=48, dim=24, num_layers=3, first_dense_layers=1, num_heads=3, q_lora_rank=12, kv_lora_rank=8,
         qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, mlp_dim=40, num_experts=4, num_experts_per_tok=2,

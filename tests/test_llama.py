@@ -1,7 +1,7 @@
 """Llama 3.1: layer and model shapes, gradients under every recipe, residual placement, configs."""
 import collections
-import math
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -12,9 +12,9 @@ from flax import nnx
 import zoo
 from recipes.llama3 import RECIPES
 from tests.helpers import cuda_lowering, grads_under, hlo_type, max_rel_err, pinned_host_shapes
-from zoo.plan import measure as audit
-from zoo.layers import MLP, Attention, Embed, LMHead, Llama3Scaling, RMSNorm, Rope
+from zoo.layers import MLP, Attention, Embed, Llama3Scaling, LMHead, RMSNorm, Rope
 from zoo.models.llama import LlamaDecoderLayer
+from zoo.plan import measure as audit
 
 CFG = zoo.models.LlamaConfig.tiny()
 B, S = 2, 8
@@ -154,7 +154,8 @@ def test_parameters_carry_logical_axes(model):
     assert axes(layer.attn.k_proj.kernel) == ("layers", "embed", "kv_heads", "head_dim")
     assert axes(layer.mlp.down_proj.kernel) == ("layers", "mlp", "embed")
     assert axes(model.embed.embedding) == ("vocab", "embed")
-    assert all(axes(p) for p in jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    params = jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))
+    assert all(axes(p) for p in params)
 
 
 def test_rope_llama3_scaling_matches_published_formula():

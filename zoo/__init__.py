@@ -1,7 +1,11 @@
 """offload-zoo: Flax NNX models whose every offloadable intermediate is named, and recipes that place them."""
-from zoo import layers, models, tags
+from zoo import (
+    layers,
+    models,
+    plan,  # the planner package; calling it plans (zoo.plan(cfg, recipe, ...))
+    tags,
+)
 from zoo.hf import from_hf, to_hf
-from zoo import plan  # the planner package; calling it plans (zoo.plan(cfg, recipe, ...))
 from zoo.plan import Plan
 from zoo.recipe import Recipe
 

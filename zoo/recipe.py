@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from typing import Iterable, Literal
+from collections.abc import Iterable
+from typing import Literal
 
 import jax
 
@@ -73,12 +74,12 @@ class Recipe:
         object.__setattr__(self, "device", device)
 
     @classmethod
-    def none(cls, name: str = "none") -> "Recipe":
+    def none(cls, name: str = "none") -> Recipe:
         """Nothing recomputed: every residual stays on the device (plain backprop)."""
         return cls(name, special="none", description="nothing recomputed: every residual saved on device")
 
     @classmethod
-    def full(cls, name: str = "full") -> "Recipe":
+    def full(cls, name: str = "full") -> Recipe:
         """Everything recomputed but the scan carry."""
         return cls(name, special="full", description="everything recomputed but the scan carry")
 
@@ -127,5 +128,6 @@ class Recipe:
     def __str__(self) -> str:
         if self.special:
             return f"{self.name}: {self.description}"
-        parts = [f"offload={list(self.offload)}" if self.offload else "", f"device={list(self.device)}" if self.device else ""]
+        parts = [f"offload={list(self.offload)}" if self.offload else "",
+                 f"device={list(self.device)}" if self.device else ""]
         return f"{self.name}: " + ", ".join(p for p in parts if p) + "; every other tag recomputed"

@@ -19,7 +19,7 @@ import dataclasses
 import itertools
 import math
 import re
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 

@@ -6,7 +6,7 @@ axes later (`nnx.get_partition_spec` + `nn.logical_to_mesh_sharding`) without to
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from flax import nnx
 

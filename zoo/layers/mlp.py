@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zoo.layers.tagged import TaggedLayer
 from zoo.layers.linear import projection
+from zoo.layers.tagged import TaggedLayer
 from zoo.sharding import BSD, BSF
 from zoo.tags import name
 

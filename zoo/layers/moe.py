@@ -65,7 +65,8 @@ import functools
 import importlib
 import math
 import warnings
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -166,7 +167,7 @@ def tokamax_status() -> tuple[bool, str]:
     """(True, version) if tokamax imports here, else (False, why not). Imported once, only when asked."""
     try:
         tokamax = importlib.import_module("tokamax")
-    except Exception as e:  # noqa: BLE001: ImportError, or a dependency failing at import
+    except Exception as e:  # ImportError, or a dependency failing at import
         return False, f"tokamax does not import ({type(e).__name__}: {str(e)[:200]})"
     return True, f"tokamax {getattr(tokamax, '__version__', '?')}"
 

@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zoo.layers.tagged import TaggedLayer
 from zoo.layers import MLP, RMSNorm, Rope, YarnScaling
 from zoo.layers.mla import MLA
 from zoo.layers.moe import BACKENDS, MoE, check_routing, resolve_backend, update_routing_bias
+from zoo.layers.tagged import TaggedLayer
 from zoo.models.config import LMConfig, check_non_negative, check_positive, check_positive_float
 from zoo.models.lm import CausalLM
 from zoo.recipe import Recipe
@@ -83,7 +83,7 @@ class DeepSeekV3Config(LMConfig):
 
     # -- presets (published sizes) ------------------------------------------------------------------------
     @classmethod
-    def deepseek_v3_671b(cls, **overrides) -> "DeepSeekV3Config":
+    def deepseek_v3_671b(cls, **overrides) -> DeepSeekV3Config:
         """DeepSeek-V3 / R1: 61 layers (3 dense), 256 experts top-8 in 8 groups (4 kept), 1 shared expert."""
         return cls(**{**dict(vocab_size=129280, dim=7168, num_layers=61, first_dense_layers=3, num_heads=128,
                              q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
@@ -91,7 +91,7 @@ class DeepSeekV3Config(LMConfig):
                              moe_mlp_dim=2048, num_shared_experts=1, n_group=8, topk_group=4), **overrides})
 
     @classmethod
-    def tiny(cls, **overrides) -> "DeepSeekV3Config":
+    def tiny(cls, **overrides) -> DeepSeekV3Config:
         """Four layers (two dense, so that both stacks scan) in float32 with every DeepSeek-V3 mechanism, for
         tests and CPU runs. Sizes are chosen so that no two tags of a layer have the same shape."""
         return cls(**{**dict(vocab_size=256, dim=64, num_layers=4, first_dense_layers=2, num_heads=4,

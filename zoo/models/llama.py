@@ -10,8 +10,8 @@ import dataclasses
 import jax
 from flax import nnx
 
-from zoo.layers.tagged import TaggedLayer
 from zoo.layers import MLP, Attention, Llama3Scaling, RMSNorm, Rope
+from zoo.layers.tagged import TaggedLayer
 from zoo.models.config import LMConfig, check_divides, check_positive, check_positive_float
 from zoo.models.lm import CausalLM
 from zoo.recipe import Recipe
@@ -36,22 +36,22 @@ class LlamaConfig(LMConfig):
 
     # -- presets (published sizes) ------------------------------------------------------------------------
     @classmethod
-    def llama3_1_8b(cls, **overrides) -> "LlamaConfig":
+    def llama3_1_8b(cls, **overrides) -> LlamaConfig:
         return cls(**{**dict(vocab_size=128256, dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
                              mlp_dim=14336), **overrides})
 
     @classmethod
-    def llama3_1_70b(cls, **overrides) -> "LlamaConfig":
+    def llama3_1_70b(cls, **overrides) -> LlamaConfig:
         return cls(**{**dict(vocab_size=128256, dim=8192, num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
                              mlp_dim=28672), **overrides})
 
     @classmethod
-    def llama3_1_405b(cls, **overrides) -> "LlamaConfig":
+    def llama3_1_405b(cls, **overrides) -> LlamaConfig:
         return cls(**{**dict(vocab_size=128256, dim=16384, num_layers=126, num_heads=128, num_kv_heads=8,
                              head_dim=128, mlp_dim=53248), **overrides})
 
     @classmethod
-    def tiny(cls, **overrides) -> "LlamaConfig":
+    def tiny(cls, **overrides) -> LlamaConfig:
         """A few layers in float32, for tests and CPU runs."""
         return cls(**{**dict(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                              mlp_dim=128, dtype="float32", param_dtype="float32"), **overrides})

@@ -11,7 +11,8 @@ The recipes are named, not imported: `zoo` never imports `recipes` (the applicat
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +23,8 @@ from zoo.hf import keymap
 from zoo.layers.moe import update_routing_bias
 from zoo.models.config import LMConfig
 from zoo.models.deepseek import DeepSeekV3Config, deepseek_v3, total_balance_loss
-from zoo.models.lm import count_params
 from zoo.models.llama import LlamaConfig, llama3
+from zoo.models.lm import count_params
 
 # DeepSeek-V3's bias update speed (gamma): 0.001 for most of its pre-training (the technical report, 4.2).
 ROUTING_BIAS_RATE = 1e-3

@@ -20,7 +20,8 @@ touching a model's recipe. The tags one layer emits are traced once per layer st
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 from flax import nnx

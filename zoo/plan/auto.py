@@ -7,7 +7,8 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from zoo.plan.measure import LayerCost, nbytes as sds_nbytes
+from zoo.plan.measure import LayerCost
+from zoo.plan.measure import nbytes as sds_nbytes
 from zoo.plan.types import CARRY, ModelState, ceil_div, fmt_bytes, fmt_flops
 from zoo.recipe import Recipe
 

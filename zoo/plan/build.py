@@ -48,8 +48,19 @@ from zoo.models.config import dtype_of
 from zoo.plan import auto
 from zoo.plan.measure import abstract_model, layer_cost, stack_residuals
 from zoo.plan.measure import nbytes as sds_nbytes
-from zoo.plan.types import (CARRY, GiB, OPTIMIZERS, POOL_DEFAULT_GIB, POOL_ENV, ModelState, Plan, StackPlan, TagPlan,
-                            ceil_div, fmt_bytes)
+from zoo.plan.types import (
+    CARRY,
+    OPTIMIZERS,
+    POOL_DEFAULT_GIB,
+    POOL_ENV,
+    GiB,
+    ModelState,
+    Plan,
+    StackPlan,
+    TagPlan,
+    ceil_div,
+    fmt_bytes,
+)
 from zoo.recipe import Recipe
 
 
