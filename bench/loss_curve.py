@@ -13,8 +13,6 @@ import argparse
 import contextlib
 import datetime
 import io
-import json
-import os
 
 import jax
 

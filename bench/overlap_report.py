@@ -40,7 +40,8 @@ def table(recs: list[dict]) -> str:
         f = base.get(key + ("full",))
         ratio = f"{t['step_s'] / r['step_s']:.3f}x" if t else ""
         peak = f"{r['peak_gib'] / f['peak_gib'] - 1:+.1%}" if f and f.get("peak_gib") else ""
-        out.append(f"| {_shape(r)} | {r.get('impl')} | {r.get('mechanism')} | {r.get('flag_set')} | {r.get('recipe')} | "
+        out.append(f"| {_shape(r)} | {r.get('impl')} | {r.get('mechanism')} | {r.get('flag_set')} | "
+                   f"{r.get('recipe')} | "
                    f"{r['step_s']:.3f} | {ratio} | {r.get('peak_gib')} | {peak} | {r.get('host_temp_gib')} | "
                    f"{r.get('planned_host_gib', '')} | {r.get('job', '')} |")
     return "\n".join(out)
@@ -51,8 +52,9 @@ def profiles(recs: list[dict]) -> str:
     for r in recs:
         p = r.get("profile")
         if p:
-            out.append(f"- {r.get('job')}: traced step {r.get('traced_step_s')} s; compute stream {p.get('compute_stream')} "
-                       f"busy {p.get('compute_busy_ms_per_step')} ms, idle {p.get('compute_idle_ms_per_step')} ms per step")
+            out.append(f"- {r.get('job')}: traced step {r.get('traced_step_s')} s; compute stream "
+                       f"{p.get('compute_stream')} busy {p.get('compute_busy_ms_per_step')} ms, idle "
+                       f"{p.get('compute_idle_ms_per_step')} ms per step")
             for d, c in (p.get("copies") or {}).items():
                 out.append(f"  - {d}: {c.get('GiB_per_step')} GiB in {c.get('events_per_step')} copies, "
                            f"{c.get('busy_ms_per_step')} ms, {c.get('GB_per_s_while_copying')} GB/s, streams "
@@ -69,7 +71,8 @@ def profiles(recs: list[dict]) -> str:
 def write_summary(path: str, dest: str) -> None:
     recs = rows(path)
     with open(dest, "w") as f:
-        f.write("# Offload overlap: one device call\n\n" + table(recs) + "\n\n## Profiles, compiled ops, loss curves\n\n"
+        f.write("# Offload overlap: one device call\n\n" + table(recs)
+                + "\n\n## Profiles, compiled ops, loss curves\n\n"
                 + profiles(recs) + "\n")
 
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
-import json
-import os
 import re
 import statistics
 import time

@@ -176,8 +176,8 @@ def main():
     if a.smoke:
         todo = [smoke(j) for j in todo]
     try:
-        gpus = [line.split(":")[0].split()[-1] for line in subprocess.run(
-            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout.splitlines() if line.startswith("GPU")]
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+        gpus = [line.split(":")[0].split()[-1] for line in listing.splitlines() if line.startswith("GPU")]
     except Exception:
         gpus = []
     workers = gpus or [None]

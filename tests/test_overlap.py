@@ -6,7 +6,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 
@@ -14,9 +13,9 @@ import zoo
 from recipes import deepseek_v3 as ds_recipes
 from recipes import llama3 as llama_recipes
 from tests.helpers import cuda_lowering, hlo_type, loss_fn, max_rel_err, pinned_host_shapes
-from zoo.plan import measure as audit
 from zoo.models import offload_scan
 from zoo.models.deepseek import total_balance_loss as balance_loss
+from zoo.plan import measure as audit
 
 B, S = 2, 8
 LLAMA = zoo.models.LlamaConfig.tiny(num_layers=2)

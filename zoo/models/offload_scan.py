@@ -200,7 +200,7 @@ def on_second_stream(fn):
     try:
         from jax.experimental.compute_on import compute_on2 as con  # jax 0.10
     except ImportError:
-        from jax.experimental.compute_on import compute_on as con   # jax >= 0.11
+        from jax.experimental.compute_on import compute_on as con  # jax >= 0.11
     return con(compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)(fn)
 
 
