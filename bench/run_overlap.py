@@ -180,6 +180,8 @@ def main():
         gpus = [line.split(":")[0].split()[-1] for line in listing.splitlines() if line.startswith("GPU")]
     except Exception:
         gpus = []
+    if os.environ.get("BENCH_GPUS"):  # e.g. "0": leave the other GPUs to another runner in the same call
+        gpus = os.environ["BENCH_GPUS"].split(",")
     workers = gpus or [None]
     start = time.time()
     q: queue.Queue = queue.Queue()
