@@ -6,7 +6,7 @@
 Shapes: `405b` (the 405B preset cut to --layers, batch 2, seq 8192: the llama405b-slice), `8b` (the 8B preset cut to
 --layers; the 8B-shaped slice), `tiny` (CPU smoke test, with --smoke). SGD step (as the plain-JAX anchors),
 bf16, cuDNN attention on a GPU; 2 warm-up steps, median of --steps timed steps. `--impl` is the model config's
-`offload_impl` ("xla": JAX's checkpoint offload; "explicit", "explicit_prefetch", "explicit_stream": the stack's
+`offload_impl` ("xla": JAX's checkpoint offload; "explicit", "explicit_prefetch": the stack's
 own mechanism, zoo/models/offload_scan.py). With --profile, two more steps run under `jax.profiler.trace` and
 `bench.trace_summary` reads where the copies ran (stream, bytes, bandwidth, overlap with compute); with --hlo, the
 compiled program's asynchronous ops (copy-start, dynamic-(update-)slice-start, calls on another stream) are counted.

@@ -25,7 +25,6 @@ import time
 LHS = "--xla_gpu_enable_latency_hiding_scheduler=true"
 FLAGS = {
     "lhs": LHS,
-    "stream": f"{LHS} --xla_gpu_experimental_stream_annotation=true",
     "pipelined": f"{LHS} --xla_gpu_enable_pipelined_host_offloading=true",
     "double_buffer": f"{LHS} --xla_gpu_enable_while_loop_double_buffering=true",
     "selective": f"{LHS} --xla_gpu_experimental_enable_selective_memcpy_overlap=true",
@@ -73,41 +72,29 @@ def jobs(anchor_dir: str, out: str) -> list[Job]:
     a = lambda *x, **k: anchor(*x, anchor_dir=anchor_dir, **k)  # noqa: E731
     return [
         # the decision: does an explicit mechanism hide the copies? (profiled: stream, overlap)
-        zoo("minimal_offload", "explicit_stream", flags="stream", extra=prof("stream"), est=100),
         zoo("minimal", "xla", extra=["--hlo"]),
         zoo("minimal_offload", "explicit", extra=prof("explicit"), est=100),
         zoo("minimal_offload", "xla", extra=["--hlo"]),
         zoo("full", "xla"),
-        zoo("minimal_offload", "explicit_unrolled", extra=prof("unrolled"), est=110),
-        zoo("qkv_offload", "explicit_stream", flags="stream"),
         zoo("save_qkv", "xla"),
         zoo("qkv_offload", "xla"),
         a("minimal"), a("offload_minimal"), a("full"),
         # the 8B-shaped slice: a harder ratio of bytes to FLOPs
         zoo("minimal", "xla", shape="8b", layers=8, est=55),
-        zoo("minimal_offload", "explicit_stream", shape="8b", layers=8, flags="stream", est=55),
         zoo("minimal_offload", "xla", shape="8b", layers=8, est=55),
         zoo("full", "xla", shape="8b", layers=8, est=55),
         a("minimal", shape="8b", layers=8, est=45), a("offload_minimal", shape="8b", layers=8, est=45),
-        # numerics of the candidate: 50 steps against full
-        Job("loss-curve-explicit_stream", [sys.executable, "-m", "bench.loss_curve", "--recipe", "minimal_offload",
-                                           "--impl", "explicit_stream"], FLAGS["stream"], 120, 240,
-            ident={"bench": "loss-curve", "mechanism": "explicit_stream", "recipe": "minimal_offload"}),
         # ablations and XLA's options
         zoo("minimal_offload", "explicit_prefetch"),
         zoo("minimal_offload", "explicit", flags="pipelined"),
         zoo("minimal_offload", "xla", flags="double_buffer"),
         zoo("minimal_offload", "explicit", flags="double_buffer"),
         zoo("minimal_offload", "xla", flags="no_cmd_buffer"),
-        zoo("minimal_offload", "explicit_stream", flags="selective"),
         zoo("qkv_offload", "explicit"),
         zoo("save_qkv", "xla", shape="8b", layers=8, est=55),
-        zoo("qkv_offload", "explicit_stream", shape="8b", layers=8, flags="stream", est=55),
         zoo("qkv_offload", "xla", shape="8b", layers=8, est=55),
         a("full", shape="8b", layers=8, est=45),
-        deepseek("save_mla_moe", "xla"), deepseek("mla_moe_offload", "explicit_stream", flags="stream"),
-        deepseek("mla_moe_offload", "xla"), deepseek("full", "xla"),
-        deepseek("lowrank_wa_offload", "explicit_stream", flags="stream"),
+        deepseek("save_mla_moe", "xla"), deepseek("mla_moe_offload", "xla"), deepseek("full", "xla"),
         Job("loss-curve-explicit", [sys.executable, "-m", "bench.loss_curve", "--recipe", "minimal_offload",
                                     "--impl", "explicit"], FLAGS["lhs"], 120, 240,
             ident={"bench": "loss-curve", "mechanism": "explicit", "recipe": "minimal_offload"}),

@@ -21,10 +21,8 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
 # How a stack moves its offloaded residuals (zoo/models/offload_scan.py): "xla" = JAX's checkpoint-policy offload;
 # "explicit" = the stack's own custom VJP, stores one layer late and prefetches one layer early;
-# "explicit_prefetch" = the same, storing in the layer that makes them; "explicit_stream" = "explicit" with each
-# layer's compute on a second GPU stream (XLA flag --xla_gpu_experimental_stream_annotation=true), copies on the first;
-# "explicit_unrolled" = no scan, one host array per layer and tag (whole-array copies; a diagnostic for few layers).
-OFFLOAD_IMPLS = ("xla", "explicit", "explicit_prefetch", "explicit_stream", "explicit_unrolled")
+# "explicit_prefetch" = the same, storing in the layer that makes them.
+OFFLOAD_IMPLS = ("xla", "explicit", "explicit_prefetch")
 
 
 def dtype_of(field: str, value: str):

@@ -188,24 +188,11 @@ def apply(stack, x: jax.Array, policy, impl: str):
     if not off_tags and not input_offloaded:
         return None  # the offloaded tags are not residuals of this stack (e.g. moe_* in a dense stack)
     fn = _explicit(graphdef, frozenset(dev_tags + off_tags), dev_tags, off_tags, input_offloaded,
-                   num_layers=stack.num_layers, defer_store=impl in ("explicit", "explicit_stream"),
-                   on_stream=impl == "explicit_stream", unrolled=impl == "explicit_unrolled")
+                   num_layers=stack.num_layers, defer_store=impl == "explicit")
     return fn(state, x)
 
 
-def on_second_stream(fn):
-    """`fn` annotated to run on GPU stream 1 (`compute_on("gpu_stream:1")`; needs the XLA flag
-    --xla_gpu_experimental_stream_annotation=true), its outputs in device memory. Elsewhere the annotation is
-    ignored. The host copies stay on the main stream, where XLA issues them, and can run beside the compute."""
-    try:
-        from jax.experimental.compute_on import compute_on2 as con  # jax 0.10
-    except ImportError:
-        from jax.experimental.compute_on import compute_on as con  # jax >= 0.11
-    return con(compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)(fn)
-
-
-def _explicit(graphdef, tags, dev_tags, off_tags, input_offloaded, *, num_layers: int, defer_store: bool,
-              on_stream: bool = False, unrolled: bool = False):
+def _explicit(graphdef, tags, dev_tags, off_tags, input_offloaded, *, num_layers: int, defer_store: bool):
     L = num_layers
     run = functools.partial(_run_layer, graphdef, tags=tags)
 
@@ -275,32 +262,6 @@ def _explicit(graphdef, tags, dev_tags, off_tags, input_offloaded, *, num_layers
         d_pf, dx = layer_vjp(_index(state, 0), x_keep, dev, to_device(off_host), ct_y, ct_a)
         return join_grads(state, [d[None] for d in d_pf]), dx
 
-    # -- unrolled: a Python loop, one host array per layer and tag (whole-array copies, no dynamic slicing) -----
-    def fwd_unrolled(state, x):
-        xs, devs, hosts, auxs = [], [], [], []
-        for i in range(L):
-            y, aux, seen = run(_index(state, i), x)
-            dev, off = split_saved(x, seen)
-            xs.append(None if input_offloaded else x)
-            devs.append(dev)
-            hosts.append(to_host(off))
-            auxs.append(aux)
-            x = y
-        return (x, jax.tree.map(lambda *a: jnp.stack(a), *auxs)), (state, xs, devs, hosts)
-
-    def bwd_unrolled(res, cts):
-        state, xs, devs, hosts = res
-        ct_x, ct_aux = cts
-        cts_a = float_cts(ct_aux)
-        d_layers = [None] * L
-        cur = to_device(hosts[L - 1])
-        for j in reversed(range(L)):
-            nxt = to_device(hosts[j - 1]) if j else None              # layer j-1's, during layer j's backward
-            ct_a = [None if c is None else c[j] for c in cts_a]
-            d_layers[j], ct_x = layer_vjp(_index(state, j), xs[j], devs[j], cur, ct_x, ct_a)
-            cur = nxt
-        return join_grads(state, [jnp.stack(d) for d in zip(*d_layers)]), ct_x
-
     # -- a scanned stack --------------------------------------------------------------------------------------
     def fwd_scan(state, x):
         if defer_store:
@@ -312,11 +273,9 @@ def _explicit(graphdef, tags, dev_tags, off_tags, input_offloaded, *, num_layers
         else:
             pending0 = None
 
-        layer = on_second_stream(run) if on_stream else run
-
         def body(carry, p):
             x, pending = carry
-            y, aux, seen = layer(p, x)
+            y, aux, seen = run(p, x)
             dev, off = split_saved(x, seen)
             if defer_store:
                 store, pending = to_host(pending), off
@@ -338,14 +297,12 @@ def _explicit(graphdef, tags, dev_tags, off_tags, input_offloaded, *, num_layers
             # host[j] holds layer j's: layer j-1's are read at an index computed from the layer number.
             first, ahead = to_device(_index(host, L - 1)), jnp.arange(L)
 
-        grads = on_second_stream(layer_vjp) if on_stream else layer_vjp
-
         def body(carry, inp):
             ct_x, cur = carry
             p, x_keep, d, ct_a, a = inp
             h = a if defer_store else _index(host, jnp.maximum(a - 1, 0))
             nxt = to_device(h)                                       # layer j-1's: arrives during this iteration
-            d_pf, dx = grads(p, x_keep, d, cur, ct_x, ct_a)
+            d_pf, dx = layer_vjp(p, x_keep, d, cur, ct_x, ct_a)
             return (dx, nxt), d_pf
 
         (dx, _), d_pf = jax.lax.scan(body, (ct_y, first), (state, xs, dev, float_cts(ct_aux), ahead), reverse=True)
@@ -353,8 +310,6 @@ def _explicit(graphdef, tags, dev_tags, off_tags, input_offloaded, *, num_layers
 
     if L == 1:
         stack_fn.defvjp(fwd_one, bwd_one)
-    elif unrolled:
-        stack_fn.defvjp(fwd_unrolled, bwd_unrolled)
     else:
         stack_fn.defvjp(fwd_scan, bwd_scan)
     return stack_fn
