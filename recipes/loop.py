@@ -394,7 +394,8 @@ def _run(cfg: RunConfig, console: Console) -> Result:
                        "grad_norm": float(m["grad_norm"]),
                        "lr": float(schedule(step - 1)), "tokens_per_s": tok_s, "model_tflops": tflops,
                        "mfu": tflops / peak if peak else None, "peak_hbm_bytes": meter.peak_hbm_bytes(device),
-                       "host_bytes": host, "dropped": int(m["dropped"]), "drop_fraction": drops.fraction(m)}
+                       "host_bytes": host, "dropped": int(m["dropped"]), "drop_fraction": drops.fraction(m),
+                       "planned_peak_bytes": plan.peak_bytes, "planned_peak_source": plan.peak_source}
                 progress.log(row)
                 if metrics_file:
                     metrics_file.write(json.dumps(row) + "\n")
