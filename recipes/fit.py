@@ -43,7 +43,7 @@ def budget(device: jax.Device, hbm_limit_gib: float | None) -> tuple[int | None,
         return int(limit), f"{device.device_kind}'s bytes_limit"
     if device.platform == "cpu":
         total, _ = ram_bytes()
-        return total, "this machine's RAM (the CPU's device memory)"
+        return total, "this machine's RAM: the CPU's device memory"
     return None, f"no memory limit known for {device.device_kind}"
 
 

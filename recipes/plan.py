@@ -22,8 +22,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recipes.plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=cli.HelpFormatter)
     cli.add_model_args(p, preset=None, batch=None, seq=None)
-    p.epilog = ("--recipe auto chooses each tag's placement and needs --hbm and --flops; --link and --overlap default to "
-                "the link measured on --device (zoo/plan/links.py).")
+    p.epilog = ("--recipe auto chooses each tag's placement and needs --hbm and --flops; --link and --overlap "
+                "default to the link measured on --device (zoo/plan/links.py).")
     p.add_argument("--shard", type=cli.positive_int, default=1, metavar="N",
                    help="devices the batch and the model state are split over (data parallel + FSDP); must divide "
                         "--batch; figures are then per device")

@@ -173,7 +173,7 @@ def _peak(cfg, recipe, mode, compiled, *, batch, seq, shard, optimizer, opt_dtyp
         return peak_lib.from_compiled(step, present)
     layer = max(sum(ceil_div(sds_nbytes(t), shard) for t in st.tags.values()) for st in shapes.values())
     why = (f"planned for {kind} on {peak_lib.device_label(present)}" if not same else
-           f"not compiled for {peak_lib.device_label(present)}: peak='compile' compiles" if present.platform == "cpu"
+           "not compiled on the CPU: --peak compile does" if present.platform == "cpu"
            else "shard > 1: no mesh to compile the sharded step on")
     return peak_lib.estimate(floor, batch=batch, seq=seq, shard=shard, vocab=cfg.vocab_size, layer_bytes=layer,
                              why=why)
