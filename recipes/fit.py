@@ -62,6 +62,9 @@ def check(peak: Peak, *, host: int, pool: int, device: jax.Device, hbm_limit_gib
                         f"{parts}), over the {fmt_bytes(limit)} of {where}")
     else:
         notes.append(f"peak device memory {fmt_bytes(peak.bytes)} ({peak.source}) of {fmt_bytes(limit)} ({where})")
+        if peak.bytes > 0.95 * limit:
+            notes.append("warning: within 5% of the limit: the allocator's fragmentation and buffers outside the "
+                         "step (the next batch, metrics) may still run out of memory")
         if device.platform == "cpu" and hbm_limit_gib is None:
             _, avail = ram_bytes()
             if avail is not None and peak.bytes > avail:
