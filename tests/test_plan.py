@@ -215,7 +215,8 @@ STUDY_405B = dict(batch=256, seq=8192, shard=128)  # batch 2 per device, FSDP ov
 
 @pytest.mark.parametrize("link", [450, 55])
 def test_auto_offloads_qkv_of_405b_at_the_study_link_and_on_pcie(link):
-    p = zoo.plan(L405, "auto", hbm_gib=_tight_budget(L405, **STUDY_405B), link_gbps=link, overlap=1, tflops=800, **STUDY_405B)
+    p = zoo.plan(L405, "auto", hbm_gib=_tight_budget(L405, **STUDY_405B), link_gbps=link, overlap=1, tflops=800,
+                 **STUDY_405B)
     assert isinstance(p.recipe, zoo.Recipe)
     assert {"query_proj", "key_proj", "value_proj"} <= set(p.recipe.offload)
     assert p.hbm_bytes <= p.hbm_budget
@@ -224,7 +225,8 @@ def test_auto_offloads_qkv_of_405b_at_the_study_link_and_on_pcie(link):
 
 
 def test_auto_recomputes_what_a_slow_link_cannot_hide():
-    p = zoo.plan(L405, "auto", hbm_gib=_tight_budget(L405, **STUDY_405B), link_gbps=1, overlap=1, tflops=800, **STUDY_405B)
+    p = zoo.plan(L405, "auto", hbm_gib=_tight_budget(L405, **STUDY_405B), link_gbps=1, overlap=1, tflops=800,
+                 **STUDY_405B)
     assert "query_proj" not in p.recipe.offload and p.recipe.placement("query_proj") == "remat"
     assert "would not hide" in {t.tag: t.note for t in p.stacks[0].tags}["query_proj"]
     assert "key_proj" in p.recipe.offload  # 32 MiB per layer still hides at 1 GB/s
@@ -390,8 +392,8 @@ def test_auto_deepseek_is_link_aware():
     notes = {t.tag: t.note for s in slow.stacks for t in s.tags}
     assert "would not hide" in notes["query_proj"] and "at 55 GB/s" in notes["query_proj"]
     # the estimate agrees: on PCIe the study's recipe is link-bound, the low-rank one is not
-    est = {n: zoo.plan(cfg, RECIPES[n], link_gbps=55, overlap=1, tflops=600, **DS_SLICE).step_time() for n in ("mla_moe_offload",
-                                                                                            "lowrank_wa_offload")}
+    est = {n: zoo.plan(cfg, RECIPES[n], link_gbps=55, overlap=1, tflops=600, **DS_SLICE).step_time()
+           for n in ("mla_moe_offload", "lowrank_wa_offload")}
     assert est["mla_moe_offload"]["exposed_transfer_s"] > 0 == est["lowrank_wa_offload"]["exposed_transfer_s"]
 
 
