@@ -80,20 +80,26 @@ def measure(model, tokens, *, flops_per_step: float, steps: int = 6, warmup: int
         has_S5="S(5)" in text, compile_s=round(compile_s, 1), loss=float(loss), dropped=int(dropped))
 
 
-def planned(cfg, recipe, *, batch: int, seq: int, optimizer: str = "adamw") -> dict:
-    """The planner's host bytes and peak-HBM prediction for the record (None where the planner has none)."""
-    p = zoo_plan(cfg, recipe, batch=batch, seq=seq, optimizer=optimizer)
-    peak = getattr(p, "peak_bytes", None) or getattr(p, "hbm_bytes", None)
+def planned(cfg, recipe, *, batch: int, seq: int, optimizer: str = "adamw", peak: str = "auto") -> dict:
+    """The planner's host bytes and peak-HBM prediction for the record: on a GPU the main job's training step
+    (zoo.train_step, with `optimizer`) compiled on abstract inputs for the device present (`planned_peak_source`
+    says "compiled for ..."), elsewhere the planner's labelled estimate. `planned_floor_gib` is the floor
+    (saved activations + model state)."""
+    p = zoo_plan(cfg, recipe, batch=batch, seq=seq, optimizer=optimizer, peak=peak)
+    peak_bytes = getattr(p, "peak_bytes", None)
     return dict(planned_host_gib=round(p.host_bytes / 2**30, 3),
-                planned_peak_gib=None if peak is None else round(peak / 2**30, 2))
+                planned_peak_gib=None if peak_bytes is None else round(peak_bytes / 2**30, 2),
+                planned_peak_source=getattr(p, "peak_source", None),
+                planned_floor_gib=round(p.hbm_bytes / 2**30, 2))
 
 
 def zoo_plan(cfg, recipe, **kwargs):
     import zoo
     try:
         return zoo.plan(cfg, recipe, **kwargs)
-    except (TypeError, ValueError):  # a planner without this optimizer: plan with its default
+    except (TypeError, ValueError):  # a planner without this optimizer (or peak): plan with its defaults
         kwargs.pop("optimizer", None)
+        kwargs.pop("peak", None)
         return zoo.plan(cfg, recipe, **kwargs)
 
 

@@ -13,8 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import zoo
-from bench.common import guarded, matmul_params, measure
+from bench.common import guarded, matmul_params, measure, planned
 from recipes.registry import recipes_of
 from zoo.models.registry import family
 
@@ -43,9 +42,8 @@ def main():
         tok = a.batch * a.seq
         attn = 2 * 2 * a.batch * a.seq * a.seq * cfg.num_heads * cfg.head_dim / 2 * cfg.num_layers
         flops = 3 * (2 * tok * matmul_params(model) + attn)
-        planned = zoo.plan(cfg, recipe, batch=a.batch, seq=a.seq).host_bytes
         return dict(measure(model, tokens, flops_per_step=flops),
-                    planned_host_gib=round(planned / 2**30, 3))
+                    **planned(cfg, recipe, batch=a.batch, seq=a.seq, optimizer="sgd"))
 
     guarded(run, bench="llama405b-slice", impl="zoo", recipe=a.recipe, B=a.batch, S=a.seq, L=a.layers)
 

@@ -78,7 +78,10 @@ def run_main(a) -> None:
           "host_temp_gib": None if timed[-1]["host_bytes"] is None else round(timed[-1]["host_bytes"] / 2**30, 2),
           "dropped": timed[-1].get("dropped"), "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"],
           "steps": len(rows), "kernels": kernels,
-          **planned(cfg, RECIPES[a.recipe], batch=m["batch"], seq=m["seq"], optimizer="adamw")})
+          **planned(cfg, RECIPES[a.recipe], batch=m["batch"], seq=m["seq"], optimizer="adamw", peak="estimate"),
+          # the job's own prediction: its step compiled for the GPU before it launched (recipes.fit)
+          **({"planned_peak_gib": round(rows[0]["planned_peak_bytes"] / 2**30, 2),
+              "planned_peak_source": rows[0].get("planned_peak_source")} if rows[0].get("planned_peak_bytes") else {})})
 
 
 def run_sgd(a) -> None:

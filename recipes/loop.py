@@ -19,72 +19,33 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 from rich.console import Console
 
 import zoo
-from recipes import cli, guard, meter
+from recipes import cli, defaults, fit, guard, meter
 from recipes import data as data_lib
 from recipes.checkpoint import Checkpoints
 from recipes.lock import DirLock
 from zoo.models.registry import Family
+from zoo.train_step import (
+    abstract_step,
+    all_finite,
+    lr_schedule,
+    make_optimizer,
+    moe_drops,
+    next_token_loss,
+    train_step,
+)
+from zoo.train_step import jit_step as compile_step
 
-
-# -- the step (copy this) ---------------------------------------------------------------------------------------
-def next_token_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> jax.Array:
-    """Weighted mean cross-entropy, in float32."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
-
-
-def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax.Array], *,
-               aux_loss: Callable = lambda cfg, aux: 0.0,
-               after_update: Callable = lambda model, aux: None) -> dict[str, jax.Array]:
-    """One optimizer step on `batch` ({"tokens": [B, S+1], "weights": [B, S]}), in place. Returns metrics.
-
-    If the loss, the gradient norm or any updated parameter is not finite, nothing changes (`metrics["ok"]` is
-    False; `metrics["params_ok"]` says whether the parameters were the cause).
-    """
-    tokens = batch["tokens"]
-
-    def loss_fn(model):
-        logits, aux = model(tokens[:, :-1], return_aux=True)
-        lm_loss = next_token_loss(logits, tokens[:, 1:], batch["weights"])
-        return lm_loss + aux_loss(model.config, aux), (lm_loss, aux)
-
-    (loss, (lm_loss, aux)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
-    grad_norm = optax.global_norm(grads)
-    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    dropped, routed = moe_drops(aux)
-
-    # nnx.state holds the live Variables; mapping over it snapshots their current values.
-    before = jax.tree.map(lambda x: x, nnx.state((model, optimizer)))
-    optimizer.update(model, grads)
-    after_update(model, aux)
-    params_ok = all_finite(nnx.state(model))   # e.g. a non-finite learning rate with finite gradients
-    ok = ok & params_ok
-    # The NaN guard: keep the old state where the step is not finite (a select, no host round trip).
-    nnx.update((model, optimizer), jax.tree.map(lambda new, old: jnp.where(ok, new, old),
-                                                nnx.state((model, optimizer)), before))
-    return {"loss": lm_loss, "total_loss": loss, "grad_norm": grad_norm, "ok": ok, "params_ok": params_ok,
-            "dropped": dropped, "routed": routed}
-
-
-
-def moe_drops(aux: Any) -> tuple[jax.Array, jax.Array]:
-    """(token copies dropped by capacity dispatch, token copies routed), summed over every MoE layer in the
-    model's aux ({stack: {"dropped": [L], "load": [L, E]}}); zeros for a model without experts."""
-    stacks = [a for a in (aux.values() if isinstance(aux, dict) else ()) if isinstance(a, dict)]
-    dropped = sum((jnp.sum(a["dropped"]).astype(jnp.int32) for a in stacks if "dropped" in a), jnp.zeros((), jnp.int32))
-    routed = sum((jnp.sum(a["load"]).astype(jnp.int32) for a in stacks if "load" in a), jnp.zeros((), jnp.int32))
-    return dropped, routed
+# The step itself is zoo.train_step's (the planner compiles the same one); its names are re-exported here.
+__all__ = ["all_finite", "compile_step", "lr_schedule", "make_optimizer", "moe_drops", "next_token_loss", "run",
+           "train_step", "RunConfig"]
 
 
 class DropWatch:
@@ -110,38 +71,6 @@ class DropWatch:
 
 
 
-def all_finite(tree) -> jax.Array:
-    """True iff every floating-point leaf of `tree` is finite: one fused reduction under jit."""
-    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.bool_(True)
-
-
-def lr_schedule(*, lr: float, steps: int, warmup: int) -> optax.Schedule:
-    """Linear warm-up from 0 to `lr` over `warmup` steps, then cosine decay to lr/10 at `steps`; lr/10 after it."""
-    return optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps=warmup, decay_steps=max(steps, warmup + 1),
-                                              end_value=lr / 10)
-
-
-def make_optimizer(model: nnx.Module, schedule: optax.Schedule, *, clip: float,
-                   weight_decay: float) -> nnx.Optimizer:
-    """AdamW (b1 0.9, b2 0.95) on `schedule`, after clipping the gradients' global norm to `clip`."""
-    tx = optax.chain(optax.clip_by_global_norm(clip),
-                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay))
-    return nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-
-def compile_step(model: nnx.Module, optimizer: nnx.Optimizer, step_fn: Callable):
-    """(jitted step over (state, batch) -> (state, metrics), graphdef, state). The state is donated."""
-    graphdef, state = nnx.split((model, optimizer))
-
-    def step(state, batch):
-        model, optimizer = nnx.merge(graphdef, state)
-        metrics = step_fn(model, optimizer, batch)
-        return nnx.state((model, optimizer)), metrics
-
-    return jax.jit(step, donate_argnums=0), graphdef, state
-
-
 # -- the run ----------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
@@ -153,8 +82,12 @@ class RunConfig:
     schedule_steps: int | None = None  # the learning-rate schedule's length; None: steps. Past it: lr/10
     batch: int = 8
     seq: int = 64
-    lr: float = 3e-3
-    warmup: int | None = None          # None: schedule_steps // 10 (at least 1)
+    lr: float | None = None            # None: the preset's (recipes.defaults: 3e-3 tiny, published rates full-size)
+    warmup: int | None = None          # None: schedule_steps // 10 (at least 1), capped at the preset's published
+    opt_dtype: str = "float32"         # AdamW moments' dtype
+    hbm_limit: float | None = None     # GiB: the device budget to check the compiled peak against (default: the
+                                       # device's bytes_limit; on the CPU, the machine's RAM)
+    force: bool = False                # launch even if the compiled peak does not fit
     clip: float = 1.0
     weight_decay: float = 0.1
     seed: int = 0
@@ -176,13 +109,17 @@ class RunConfig:
                 raise ValueError(f"--{field.replace('_', '-')} must be positive, got {getattr(self, field)}")
         if self.schedule_steps is not None and self.schedule_steps <= 0:
             raise ValueError(f"--schedule-steps must be positive, got {self.schedule_steps}")
-        for flag, value, lowest, strict in (("lr", self.lr, 0, True), ("clip", self.clip, 0, True),
+        for flag, value, lowest, strict in (("lr", self.peak_lr, 0, True), ("clip", self.clip, 0, True),
                                             ("weight-decay", self.weight_decay, 0, False)):
             if not (math.isfinite(value) and (value > lowest if strict else value >= lowest)):
                 raise ValueError(f"--{flag} must be a finite number {'>' if strict else '>='} {lowest}, got {value}")
         if self.warmup is not None and not 0 <= self.warmup < self.total_schedule:
             raise ValueError(f"--warmup must be >= 0 and less than the schedule's {self.total_schedule} steps "
                              f"(--schedule-steps, default --steps), got {self.warmup}")
+        if self.hbm_limit is not None and not (math.isfinite(self.hbm_limit) and self.hbm_limit > 0):
+            raise ValueError(f"--hbm-limit must be a positive number of GiB, got {self.hbm_limit}")
+        if self.opt_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--opt-dtype must be float32 or bfloat16, got {self.opt_dtype!r}")
         if not 0 <= self.max_drop_warn <= 1:
             raise ValueError(f"--max-drop-warn must be a fraction in [0, 1], got {self.max_drop_warn}")
         if self.ckpt_every < 0:
@@ -196,7 +133,11 @@ class RunConfig:
 
     @property
     def total_warmup(self) -> int:
-        return self.warmup if self.warmup is not None else max(1, self.total_schedule // 10)
+        return self.warmup if self.warmup is not None else defaults.warmup(self.preset, self.total_schedule)
+
+    @property
+    def peak_lr(self) -> float:
+        return self.lr if self.lr is not None else defaults.for_preset(self.preset).lr
 
     def identity(self) -> dict[str, Any]:
         """What a checkpoint must match to be resumed: everything that changes the numbers (not --steps, where to
@@ -204,7 +145,9 @@ class RunConfig:
         keys = ("model", "preset", "overrides", "batch", "seq", "lr", "clip", "weight_decay", "seed", "data",
                 "data_dtype")
         ident = {k: getattr(self, k) for k in keys}
-        ident.update(schedule_steps=self.total_schedule, warmup=self.total_warmup)
+        ident.update(schedule_steps=self.total_schedule, warmup=self.total_warmup, lr=self.peak_lr)
+        if self.opt_dtype != "float32":   # records written before --opt-dtype match the float32 default
+            ident["opt_dtype"] = self.opt_dtype
         return json.loads(json.dumps(ident))
 
 
@@ -247,11 +190,44 @@ def build_model(family: Family, model_cfg, recipe: zoo.Recipe, *, seed: int) -> 
 
 
 def show_memory_plan(console: Console, model_cfg, recipe: zoo.Recipe, *, batch: int, seq: int,
-                     device: jax.Device) -> None:
-    """Print the recipe's memory plan (`zoo.plan`, with the device's HBM as its budget)."""
+                     device: jax.Device, compiled=None, hbm_limit: float | None = None,
+                     opt_dtype: str = "float32") -> zoo.plan.Plan:
+    """Print the recipe's memory plan (`zoo.plan`, with the device's HBM as its budget and, given the compiled
+    step, its peak with XLA's temporaries) and return it."""
     limit = (device.memory_stats() or {}).get("bytes_limit")
-    kwargs = {"hbm_gib": limit / 2 ** 30} if limit else {}
-    zoo.plan.render(zoo.plan(model_cfg, recipe, batch=batch, seq=seq, **kwargs), console)
+    kwargs = {"hbm_gib": hbm_limit} if hbm_limit else {"hbm_gib": limit / 2 ** 30} if limit else {}
+    p = zoo.plan(model_cfg, recipe, batch=batch, seq=seq, compiled=compiled, opt_dtype=opt_dtype,
+                 peak=None if compiled is None else "compile", **kwargs)
+    zoo.plan.render(p, console)
+    return p
+
+
+def compile_for_shapes(family: Family, model_cfg, recipe: zoo.Recipe, cfg: RunConfig, schedule, source):
+    """(compiled step, graphdef, abstract state): the run's step (zoo.train_step) compiled on shapes alone."""
+    jitted, graphdef, abstract = abstract_step(family, model_cfg, recipe, schedule=schedule, clip=cfg.clip,
+                                               weight_decay=cfg.weight_decay, opt_dtype=cfg.opt_dtype,
+                                               seed=cfg.seed)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.asarray(x).dtype), source.batch(1))
+    return jitted.lower(abstract, shapes).compile(), graphdef, abstract
+
+
+def check_fits(console: Console, cfg: RunConfig, plan, recipe_name: str, device: jax.Device, compiled) -> None:
+    """Refuse (ValueError: exit 2) a step whose compiled peak exceeds the device's budget, or whose host bytes
+    exceed the pinned pool, before anything is allocated; --force launches it anyway (`recipes.fit`)."""
+    host = meter.host_bytes(compiled) if device.platform != "cpu" else plan.host_bytes
+    problems, notes = fit.check(plan.peak, host=host or 0, pool=plan.host_pool, device=device,
+                                hbm_limit_gib=cfg.hbm_limit)
+    for n in notes:
+        console.print(n, soft_wrap=True, markup=False)
+    if not problems:
+        return
+    why = "; ".join(problems)
+    tips = fit.advice(batch=cfg.batch, seq=cfg.seq, recipe=recipe_name, opt_dtype=cfg.opt_dtype,
+                      optimizer_bytes=plan.state.optimizer)
+    if cfg.force:
+        console.print(f"warning: {why}; launching anyway (--force)", soft_wrap=True, markup=False)
+        return
+    raise ValueError(f"{why}: it would run out of memory. The plan is above; {tips}")
 
 
 def _check_resumable(record: dict, cfg: RunConfig, directory: str) -> None:
@@ -326,12 +302,15 @@ def _run(cfg: RunConfig, console: Console) -> Result:
     metrics_path = (guard.check_metrics(cfg.metrics, owner=(resume_record or {}).get("metrics"))
                     if cfg.metrics else None)
 
-    model = build_model(family, model_cfg, recipe, seed=cfg.seed)
-    schedule = lr_schedule(lr=cfg.lr, steps=cfg.total_schedule, warmup=cfg.total_warmup)
-    optimizer = make_optimizer(model, schedule, clip=cfg.clip, weight_decay=cfg.weight_decay)
-    n_params = zoo.models.count_params(model)
+    schedule = lr_schedule(lr=cfg.peak_lr, steps=cfg.total_schedule, warmup=cfg.total_warmup)
+    source = _source(cfg, model_cfg.vocab_size)
+    # Compile the step on shapes alone (nothing allocated), check that it fits, and only then build the model:
+    # the executable compiled here is the one that runs.
+    t0 = time.perf_counter()
+    compiled, graphdef, abstract = compile_for_shapes(family, model_cfg, recipe, cfg, schedule, source)
+    compile_s = time.perf_counter() - t0
+    n_params = zoo.models.count_params(nnx.merge(graphdef, abstract)[0])
     tokens_per_step = cfg.batch * cfg.seq
-    flops_per_step = family.flops_per_token(model_cfg, model, cfg.seq) * tokens_per_step
     peak, peak_src = meter.peak_tflops(device, cfg.peak_tflops)
 
     console.print(f"model {cfg.model} {cfg.preset}: {n_params:,} parameters; batch {cfg.batch} x seq {cfg.seq}; "
@@ -339,11 +318,18 @@ def _run(cfg: RunConfig, console: Console) -> Result:
     console.print(f"recipe {recipe}")
     for what, choice in kernels.items():
         console.print(f"{what}: {choice}", soft_wrap=True)
-    show_memory_plan(console, model_cfg, recipe, batch=cfg.batch, seq=cfg.seq, device=device)
+    plan = show_memory_plan(console, model_cfg, recipe, batch=cfg.batch, seq=cfg.seq, device=device,
+                            compiled=compiled, hbm_limit=cfg.hbm_limit, opt_dtype=cfg.opt_dtype)
     if device.platform == "cpu":
         console.print("on the CPU there is no pinned host memory: offload placements compile and run but move "
                       "nothing (use a GPU to see HBM fall)")
+    check_fits(console, cfg, plan, recipe_name, device, compiled)
     console.print(f"MFU against {peak} TFLOP/s ({peak_src})" if peak else f"MFU: {peak_src}")
+
+    model = build_model(family, model_cfg, recipe, seed=cfg.seed)
+    optimizer = make_optimizer(model, schedule, clip=cfg.clip, weight_decay=cfg.weight_decay,
+                               opt_dtype=cfg.opt_dtype)
+    flops_per_step = family.flops_per_token(model_cfg, model, cfg.seq) * tokens_per_step
 
     record = {"run": cfg.identity(), "recipe": recipe_name, "metrics": metrics_path}
     start = 0
@@ -355,14 +341,9 @@ def _run(cfg: RunConfig, console: Console) -> Result:
         console.print(f"--resume: no checkpoint in {ckpts.directory} yet; starting from step 0")
     last_ckpt = start if start else None
 
-    step_fn = lambda m, o, b: train_step(m, o, b, aux_loss=family.aux_loss,  # noqa: E731
-                                         after_update=family.after_update)
-    jitted, graphdef, state = compile_step(model, optimizer, step_fn)
-    source = _source(cfg, model_cfg.vocab_size)
-    t0 = time.perf_counter()
-    compiled = jitted.lower(state, jax.tree.map(jnp.asarray, source.batch(start + 1))).compile()
+    _, state = nnx.split((model, optimizer))
     host = meter.host_bytes(compiled) if device.platform != "cpu" else None
-    console.print(f"compiled the step in {time.perf_counter() - t0:.1f} s"
+    console.print(f"compiled the step in {compile_s:.1f} s"
                   + (f"; host memory for offloaded values: {meter.fmt_bytes(host)}" if host is not None else ""))
 
     def save(step: int) -> None:
@@ -413,7 +394,8 @@ def _run(cfg: RunConfig, console: Console) -> Result:
                        "grad_norm": float(m["grad_norm"]),
                        "lr": float(schedule(step - 1)), "tokens_per_s": tok_s, "model_tflops": tflops,
                        "mfu": tflops / peak if peak else None, "peak_hbm_bytes": meter.peak_hbm_bytes(device),
-                       "host_bytes": host, "dropped": int(m["dropped"]), "drop_fraction": drops.fraction(m)}
+                       "host_bytes": host, "dropped": int(m["dropped"]), "drop_fraction": drops.fraction(m),
+                       "planned_peak_bytes": plan.peak_bytes, "planned_peak_source": plan.peak_source}
                 progress.log(row)
                 if metrics_file:
                     metrics_file.write(json.dumps(row) + "\n")

@@ -22,7 +22,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recipes.plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=cli.HelpFormatter)
     cli.add_model_args(p, preset=None, batch=None, seq=None)
-    p.epilog = "--recipe auto chooses each tag's placement and needs --hbm, --link and --flops."
+    p.epilog = ("--recipe auto chooses each tag's placement and needs --hbm and --flops; --link and --overlap "
+                "default to the link measured on --device (zoo/plan/links.py).")
     p.add_argument("--shard", type=cli.positive_int, default=1, metavar="N",
                    help="devices the batch and the model state are split over (data parallel + FSDP); must divide "
                         "--batch; figures are then per device")
@@ -36,7 +37,17 @@ def parser() -> argparse.ArgumentParser:
                    help="host memory budget per device for --recipe auto, GiB (none: unbounded)")
     p.add_argument("--link", type=cli.positive_float, metavar="GBPS",
                    help="host link speed, GB/s per direction: for --recipe auto and the step-time estimate "
-                        "(PCIe gen5: 55; GB200's NVLink-C2C: 450)")
+                        "(default: measured inside a step on --device, zoo/plan/links.py: H200 55.3)")
+    p.add_argument("--overlap", type=float, default=None, metavar="FRACTION",
+                   help="fraction of transfer time hidden under compute, 0..1 (default: measured on --device, "
+                        "H200 0: XLA's copies run on the compute stream; else 0)")
+    p.add_argument("--device", default=None, metavar="KIND",
+                   help="the device planned for, e.g. H200 (default: the device present); the peak is compiled "
+                        "only for the device present, else estimated")
+    p.add_argument("--peak", choices=("auto", "compile", "estimate", "none"), default="auto",
+                   help="peak HBM with XLA's temporaries: compile the training step on abstract inputs for the "
+                        "device present, or estimate it; auto: compile on an accelerator, estimate on the CPU (a "
+                        "full-size step compiles slowly there and says nothing of a GPU)")
     p.add_argument("--flops", type=cli.positive_float, metavar="TFLOPS",
                    help="matmul rate, TFLOP/s: for --recipe auto and the step-time estimate (an H200 in bf16: "
                         "~600-800)")
@@ -44,14 +55,26 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _present_kind() -> str:
+    import jax
+    return jax.devices()[0].device_kind
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
     if args.recipe == "auto":
-        missing = [f for f, v in (("--hbm", args.hbm), ("--link", args.link), ("--flops", args.flops)) if v is None]
+        from zoo.plan import links
+        link = args.link or (links.measured(args.device or _present_kind()) or links.Link("", 0, 0, "")).rate_gbps
+        missing = [f for f, v in (("--hbm", args.hbm), ("--link", link), ("--flops", args.flops)) if not v]
         if missing:
             ap.error(f"--recipe auto needs {', '.join(missing)} (the HBM budget in GiB, the host link in GB/s, "
-                     f"the matmul rate in TFLOP/s), e.g. --hbm 141 --link 55 --flops 600")
+                     f"the matmul rate in TFLOP/s), e.g. --hbm 141 --link 55 --flops 600"
+                     + ("" if "--link" not in missing else
+                        f"; no link is measured for {args.device or _present_kind()!r}: pass --link or --device "
+                        f"({', '.join(m.device_kind for m in links.MEASURED)})"))
+    if args.overlap is not None and not 0 <= args.overlap <= 1:
+        ap.error(f"--overlap must be a fraction in [0, 1], got {args.overlap}")
     if args.batch % args.shard:
         ap.error(f"--shard {args.shard} does not divide --batch {args.batch}: each device must hold whole sequences")
 
@@ -61,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         recipe = "auto" if args.recipe == "auto" else cli.recipe(family, args.recipe)
         p = zoo.plan(cfg, recipe, batch=args.batch, seq=args.seq, shard=args.shard, optimizer=args.optimizer,
                      opt_dtype=args.opt_dtype, hbm_gib=args.hbm, host_gib=args.host, link_gbps=args.link,
-                     tflops=args.flops, model_name=f"{args.model} {args.preset}")
+                     tflops=args.flops, model_name=f"{args.model} {args.preset}", overlap=args.overlap,
+                     device_kind=args.device, peak=None if args.peak == "none" else args.peak)
     except ValueError as e:
         ap.error(str(e))
     if args.json:

@@ -24,8 +24,18 @@ def parser() -> argparse.ArgumentParser:
                    help="the learning-rate schedule's length (default: --steps); steps past it run at its final "
                         "learning rate, lr/10: resume with a larger --steps and the same --schedule-steps to "
                         "train on past a finished run")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: schedule steps // 10)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default: 3e-3 for tiny, the published peak for a full-size preset: "
+                        "recipes/defaults.py)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="warm-up steps (default: schedule steps // 10, at most the preset's published warm-up)")
+    p.add_argument("--opt-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="dtype of AdamW's moments, whatever the parameters' dtype")
+    p.add_argument("--hbm-limit", type=float, default=None, metavar="GIB",
+                   help="device memory budget the compiled step's peak must fit (default: the device's "
+                        "bytes_limit; on the CPU, the machine's RAM)")
+    p.add_argument("--force", action="store_true",
+                   help="launch even if the compiled step's peak exceeds the budget or its host bytes the pinned pool")
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's decoupled weight decay")
     p.add_argument("--seed", type=int, default=0, help="seeds the parameters and the data")

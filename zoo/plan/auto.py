@@ -14,7 +14,7 @@ from zoo.recipe import Recipe
 
 
 def choose(shapes, needed, costs: dict[str, LayerCost], state: ModelState, shard: int, hbm_budget: int,
-           host_budget: int | None, link: float, rate: float) -> tuple[Recipe, dict[str, str]]:
+           host_budget: int | None, link: float, rate: float, overlap: float = 0.0) -> tuple[Recipe, dict[str, str]]:
     """Choose each tag's placement to minimise the estimated step time within the HBM budget.
 
     A recipe names a tag once for every stack, so each decision weighs all stacks (bytes and FLOPs times their
@@ -23,10 +23,16 @@ def choose(shapes, needed, costs: dict[str, LayerCost], state: ModelState, shard
     FLOPs it saves per byte given the tags kept so far (a lazy greedy: values only fall as more is kept):
 
     1. keep it on the device if it fits in what is left of the HBM budget;
-    2. else offload it if its transfer, added to the transfers already chosen, hides under the forward pass of
-       every layer that emits it (device-to-host during the forward; host-to-device has the longer backward)
-       at the given link speed, and fits the host budget (if one is given);
+    2. else offload it if the step time its transfers add is less than the recompute time it saves, and it fits
+       the host budget (if one is given);
     3. else recompute it.
+
+    The link model (`zoo.plan.links`): a transfer of T seconds per layer each way (device-to-host in the
+    forward pass, host-to-device in the backward) adds `(1 - overlap) * T` to the step, plus, for the part that
+    overlaps, whatever does not fit under the layer's compute (forward; backward: twice the forward). With
+    `overlap=1` a transfer that hides under the forward pass is free; with `overlap=0` (XLA on the H200 today:
+    the copies run on the compute stream) every offloaded byte costs its link time twice, so a tag is offloaded
+    only where recomputing it would take longer.
 
     A tag whose saving alone is zero (the norm of a kept tensor; MLA's key and value, two slices of one
     up-projection) is then tried in pairs with the other such tags, and a pair that saves FLOPs goes through the
@@ -46,17 +52,38 @@ def choose(shapes, needed, costs: dict[str, LayerCost], state: ModelState, shard
     def total(group) -> int:
         return sum(shapes[s].num_layers * nbytes(group, s) for s in shapes)
 
-    def hides(group) -> tuple[bool, str]:
-        worst = ""
-        for s in shapes:
-            b = nbytes(group, s)
-            if b and moved[s] + b / link > window[s]:
-                return False, (f"its transfer would not hide in {s}: {1e3 * (moved[s] + b / link):.2f} ms per "
-                               f"layer > forward {1e3 * window[s]:.2f} ms at {link / 1e9:g} GB/s")
-            if b:
-                worst = (f"its transfer hides: {1e3 * (moved[s] + b / link):.2f} ms per layer <= forward "
-                         f"{1e3 * window[s]:.2f} ms at {link / 1e9:g} GB/s")
-        return True, worst
+    def exposed(s: str, moved_s: float) -> float:  # seconds per layer the transfers add to the step
+        fwd = window[s]
+        return ((1 - overlap) * 2 * moved_s
+                + overlap * (max(0.0, moved_s - fwd) + max(0.0, moved_s - 2 * fwd)))
+
+    def cost(group) -> float:  # seconds per step that offloading `group` adds
+        return sum(shapes[s].num_layers * (exposed(s, moved[s] + nbytes(group, s) / link) - exposed(s, moved[s]))
+                   for s in shapes)
+
+    def hides(group, value: float = 0.0) -> tuple[bool, str]:
+        """(offloading `group` pays: its added step time < the recompute time it saves, and why)."""
+        extra, saved = cost(group), value / rate
+        worst = max((s for s in shapes if nbytes(group, s)), key=lambda s: moved[s] + nbytes(group, s) / link
+                    - window[s], default=None)
+        if worst is None:
+            return True, "nothing to move"
+        per_layer = (f"{1e3 * (moved[worst] + nbytes(group, worst) / link):.2f} ms per layer "
+                     f"{'<=' if moved[worst] + nbytes(group, worst) / link <= window[worst] else '>'} forward "
+                     f"{1e3 * window[worst]:.2f} ms at {link / 1e9:g} GB/s")
+        if overlap >= 1:
+            if extra <= 0:
+                return True, f"its transfer hides: {per_layer}"
+            if extra < saved:
+                return True, (f"its transfer hides only in part in {worst}: {per_layer}, adding {1e3 * extra:.1f} ms "
+                              f"per step < {1e3 * saved:.1f} ms of recompute")
+            return False, f"its transfer would not hide in {worst}: {per_layer}"
+        how = f"overlap {overlap:g}: " + ("copies serialised with compute" if overlap == 0 else "partly hidden")
+        if extra < saved:
+            return True, (f"its transfers add {1e3 * extra:.1f} ms per step ({how}, {link / 1e9:g} GB/s) < "
+                          f"{1e3 * saved:.1f} ms of recompute saved")
+        return False, (f"its transfers would add {1e3 * extra:.1f} ms per step ({how}, {link / 1e9:g} GB/s) >= "
+                       f"{1e3 * saved:.1f} ms of recompute it saves")
 
     def saving(group, kept: frozenset) -> int:  # recompute FLOPs per step per device that keeping `group` saves
         return sum(shapes[s].num_layers * ceil_div(costs[s].remat_flops(kept) - costs[s].remat_flops(kept | set(group)),
@@ -76,7 +103,7 @@ def choose(shapes, needed, costs: dict[str, LayerCost], state: ModelState, shard
             kept |= set(group)
             note = f"kept in HBM: {fmt_bytes(size)} fits ({fmt_bytes(hbm_left + size)} left); {gain}"
         else:
-            ok, why = hides(group)
+            ok, why = hides(group, value)
             if ok and (host_budget is None or host_used + size <= host_budget):
                 offload.extend(group)
                 for s in shapes:
@@ -95,17 +122,18 @@ def choose(shapes, needed, costs: dict[str, LayerCost], state: ModelState, shard
     # the scan carry: saved whatever the recipe says, so the only question is where
     carry = total([CARRY])
     if carry:
-        ok, why = hides([CARRY])
+        ok, why = hides([CARRY], float("inf"))   # it cannot be recomputed: offloading is the only alternative
         if carry <= hbm_left:
             device.append(CARRY)
             notes[CARRY] = f"scan carry kept in HBM: fits ({fmt_bytes(hbm_left)} left of the budget)"
             hbm_left -= carry
         elif ok and (host_budget is None or carry <= host_budget):
             offload.append(CARRY)
+            notes[CARRY] = (f"scan carry offloaded: does not fit in HBM; its transfers add "
+                            f"{1e3 * cost([CARRY]):.1f} ms per step")
             for s in shapes:
                 moved[s] += nbytes([CARRY], s) / link
             host_used += carry
-            notes[CARRY] = f"scan carry offloaded: does not fit in HBM; {why}"
         else:
             device.append(CARRY)
             hbm_left -= carry

@@ -28,8 +28,12 @@ Sharding: with ``shard=N``, ``batch`` is the global batch and every byte and FLO
 batch is split over N devices (data parallel) and model state too (FSDP / ZeRO-3), rounded up. Tag shapes stay
 global.
 
-Not counted: the embedding, final norm, LM head and loss (their activations, the logits in float32 among them),
-XLA's temporaries, copy buffers for overlapping transfers and fragmentation. A plan is a floor, not a peak.
+Not counted in the per-tag figures: the embedding, final norm, LM head and loss (their activations, the logits in
+float32 among them), XLA's temporaries, copy buffers for overlapping transfers and fragmentation: those figures
+are a floor. The peak (``Plan.peak_bytes``, ``zoo.plan.peak``) counts them: on the device present the training
+step (``zoo.train_step``, the main job's own) is compiled on abstract inputs and XLA's memory analysis read
+(``peak="compile"``; ``"auto"`` does so on an accelerator); planning for another device (``device_kind=``) or on the
+CPU by default it is an estimate, labelled so (``Plan.peak_source``).
 
 ``recipe="auto"`` chooses each tag's placement for an HBM budget, a host link and a FLOP rate (see
 ``zoo.plan.auto.choose``), and says why each tag landed where it did.
@@ -45,7 +49,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo.models.config import dtype_of
-from zoo.plan import auto
+from zoo.plan import auto, links
+from zoo.plan import peak as peak_lib
 from zoo.plan.measure import abstract_model, layer_cost, stack_residuals
 from zoo.plan.measure import nbytes as sds_nbytes
 from zoo.plan.types import (
@@ -120,16 +125,81 @@ def _check_positive(name: str, value, kind=int):
         raise ValueError(f"{name} must be a positive {'number' if kind is float else 'int'}, got {value!r}")
 
 
+def _target(device: str | None) -> tuple[str, bool, jax.Device]:
+    """(the device kind planned for, whether it is the device present, the device present)."""
+    present = jax.devices()[0]
+    if device is None:
+        return present.device_kind, True, present
+    same = device.lower() in (present.device_kind.lower(), present.platform.lower()) or (
+        present.platform != "cpu" and device.lower() in present.device_kind.lower())
+    return device, same, present
+
+
+def _link(device_kind: str, link_gbps: float | None, overlap: float | None) -> tuple[float | None, float, str | None]:
+    """(link GB/s, overlap, where they come from): given, else measured for the device (zoo.plan.links)."""
+    m = links.measured(device_kind)
+    if overlap is not None and not 0 <= overlap <= 1:
+        raise ValueError(f"overlap must be a fraction in [0, 1], got {overlap!r}")
+    if link_gbps is None and m is not None:
+        return m.rate_gbps, m.overlap if overlap is None else overlap, f"measured on {m.device_kind}: {m.source}"
+    ov = overlap if overlap is not None else (m.overlap if m is not None else 0.0)
+    src = None if link_gbps is None else (
+        "given" + ("" if overlap is not None else
+                   f"; overlap {ov:g}: " + ("measured" if m is not None else "no overlap measured for " + device_kind)))
+    return link_gbps, ov, src
+
+
+def _peak(cfg, recipe, mode, compiled, *, batch, seq, shard, optimizer, opt_dtype, device, floor, shapes):
+    kind, same, present = _target(device)
+    if compiled is not None:
+        return peak_lib.from_compiled(compiled, present)
+    if mode is None:
+        return None
+    if mode not in ("auto", "compile", "estimate"):
+        raise ValueError(f"peak={mode!r}: choose 'auto', 'compile', 'estimate' or None")
+    if mode == "auto":
+        mode = "compile" if same and present.platform != "cpu" and shard == 1 else "estimate"
+    if mode == "compile":
+        if not same:
+            raise ValueError(f"peak='compile' compiles for the device present ({peak_lib.device_label(present)}), "
+                             f"not for {device!r}: plan there, or take the estimate")
+        if shard > 1:
+            raise ValueError("peak='compile' compiles one device's step: with shard > 1 the step is sharded (a "
+                             "mesh); take the estimate")
+        from zoo.models.registry import family_of
+        from zoo.train_step import compile_abstract
+        step, _, _ = compile_abstract(family_of(cfg), cfg, recipe, batch=batch, seq=seq, optimizer=optimizer,
+                                      opt_dtype=opt_dtype)
+        return peak_lib.from_compiled(step, present)
+    layer = max(sum(ceil_div(sds_nbytes(t), shard) for t in st.tags.values()) for st in shapes.values())
+    why = (f"planned for {kind} on {peak_lib.device_label(present)}" if not same else
+           "not compiled on the CPU: --peak compile does" if present.platform == "cpu"
+           else "shard > 1: no mesh to compile the sharded step on")
+    return peak_lib.estimate(floor, batch=batch, seq=seq, shard=shard, vocab=cfg.vocab_size, layer_bytes=layer,
+                             why=why)
+
+
 def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, optimizer: str = "adamw",
          opt_dtype: str = "float32", hbm_gib: float | None = None, host_gib: float | None = None,
-         link_gbps: float | None = None, tflops: float | None = None, model_name: str | None = None) -> Plan:
+         link_gbps: float | None = None, tflops: float | None = None, model_name: str | None = None,
+         overlap: float | None = None, device_kind: str | None = None, peak: str | None = "auto",
+         compiled=None) -> Plan:
     """Plan `recipe` (a `zoo.Recipe`, or "auto" to choose one) for the model `cfg` (a config, or a built model,
     whose config is used) at global [batch, seq] split over `shard` devices (data parallel: `shard` must divide
     `batch`). Recipes by name are the front end's business (`recipes.<family>.RECIPES`).
 
     `hbm_gib` is the HBM budget per device (warned about; required by "auto"); `host_gib` bounds host memory per
     device for "auto"; `link_gbps` (GB/s per direction) and `tflops` (TFLOP/s) feed "auto" and the step-time
-    estimate. See the module docstring for what is counted and how.
+    estimate. `link_gbps` and `overlap` (the fraction of transfer time hidden under compute) default to the link
+    measured on the device planned for (`zoo.plan.links`; `device_kind`: a device kind such as "H200", default the
+    device present); with no measurement, overlap is 0: a transfer costs its time unless proven to hide.
+
+    Peak HBM (`Plan.peak_bytes`, `Plan.peak_source`): `peak="compile"` compiles the main job's training step
+    (`zoo.train_step`, with `optimizer` and `opt_dtype`) on abstract inputs for the device present; "estimate"
+    does not compile (see `zoo.plan.peak`); "auto" compiles on an accelerator that is the device planned for, and
+    estimates otherwise (on the CPU, where a full-size step compiles slowly and says nothing of a GPU); None skips
+    it. `compiled` is a step already compiled (the main job's): its memory analysis is used as is.
+    See the module docstring for what is counted and how.
     """
     if isinstance(cfg, nnx.Module) and hasattr(cfg, "config"):
         cfg = cfg.config
@@ -144,10 +214,15 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
     for n, v in (("hbm_gib", hbm_gib), ("host_gib", host_gib), ("link_gbps", link_gbps), ("tflops", tflops)):
         _check_positive(n, v, float)
     is_auto = isinstance(recipe, str) and recipe == "auto"
+    kind, _, _ = _target(device_kind)
+    link_gbps, overlap, link_source = _link(kind, link_gbps, overlap)
     if is_auto:
         missing = [n for n, v in (("hbm_gib", hbm_gib), ("link_gbps", link_gbps), ("tflops", tflops)) if v is None]
         if missing:
-            raise ValueError(f"recipe 'auto' needs {', '.join(missing)} (HBM budget, link speed, FLOP rate)")
+            raise ValueError(f"recipe 'auto' needs {', '.join(missing)} (HBM budget, link speed, FLOP rate)"
+                             + ("" if link_gbps is not None else
+                                f"; no link is measured for {kind!r} (zoo.plan.links: "
+                                f"{', '.join(m.device_kind for m in links.MEASURED)})"))
     elif not isinstance(recipe, Recipe):
         raise ValueError(f"recipe must be a zoo.Recipe or 'auto', got {recipe!r}; a front end looks names up in the "
                          f"model family's recipes (e.g. recipes.llama3.RECIPES)")
@@ -164,7 +239,8 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
     notes: dict[str, str] = {}
     if is_auto:
         recipe, notes = auto.choose(shapes, needed, costs, state, shard, hbm_budget,
-                                    None if host_gib is None else int(host_gib * GiB), link_gbps * 1e9, tflops * 1e12)
+                                    None if host_gib is None else int(host_gib * GiB), link_gbps * 1e9, tflops * 1e12,
+                                    overlap)
     policy = recipe.policy()
 
     stacks, extra = [], []
@@ -208,10 +284,14 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
     if recipe.special == "none":
         extra.append("recipe 'none' keeps every intermediate JAX saves, untagged ones included (attention "
                      "probabilities on the XLA path): counted from JAX's own list of residuals")
+    pk = _peak(cfg, recipe, peak, compiled, batch=batch, seq=seq, shard=shard, optimizer=optimizer,
+               opt_dtype=opt_dtype, device=device_kind, floor=activation + state.total, shapes=shapes)
+    if pk is not None and hbm_budget is not None and pk.bytes > hbm_budget:
+        extra.append(f"peak HBM {fmt_bytes(pk.bytes)} ({pk.source}) is over the budget of {fmt_bytes(hbm_budget)}")
     return Plan(model=model_name or type(cfg).__name__, recipe=recipe, batch=batch, seq=seq, shard=shard,
                 stacks=tuple(stacks), state=state, hbm_budget=hbm_budget, host_pool=pool,
                 warnings=_warnings(host, activation, state, hbm_budget, pool, extra), link_gbps=link_gbps,
-                tflops=tflops)
+                tflops=tflops, overlap=overlap, link_source=link_source, peak=pk)
 
 
 def auto_recipe(cfg, *, batch: int, seq: int, hbm_gib: float, link_gbps: float, tflops: float, **kwargs) -> Recipe:

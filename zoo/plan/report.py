@@ -52,14 +52,21 @@ def render(p: Plan, console=None) -> None:
         rows.append(("other variables", fmt_bytes(ms.other)))
     rows.append(("HBM: activations + model state", fmt_bytes(p.hbm_bytes)
                  + (f" of {fmt_bytes(p.hbm_budget)}" if p.hbm_budget is not None else "")))
+    if p.peak is not None:
+        rows.append((f"peak HBM of the step, {p.peak.source}", fmt_bytes(p.peak.bytes)
+                     + (f" of {fmt_bytes(p.hbm_budget)}" if p.hbm_budget is not None else "")))
+        if p.peak.compiled and p.peak.detail.get("host_temp"):
+            rows.append(("host memory, compiled (XLA's host temporaries)", fmt_bytes(p.peak.detail["host_temp"])))
     est = p.step_time()
     if est is not None:
-        rows.append((f"stack time per step at {p.tflops:g} TFLOP/s, {p.link_gbps:g} GB/s (est.)",
-                     f"{est['total_s'] * 1e3:,.1f} ms"))
+        rows.append((f"stack time per step at {p.tflops:g} TFLOP/s, {p.link_gbps:g} GB/s, overlap {p.overlap:g} "
+                     f"(est.)", f"{est['total_s'] * 1e3:,.1f} ms"))
     for r in rows:
         tt.add_row(*r)
     console.print(tt)
     if p.recipe.name == "auto":
+        if p.link_source:
+            console.print(f"link: {p.link_gbps:g} GB/s per direction, overlap {p.overlap:g} ({p.link_source})")
         console.print(f"[bold]chosen:[/] {p.recipe}")
         for tag, note in dict.fromkeys((tp.tag, tp.note) for s in p.stacks for tp in s.tags if tp.note):
             console.print(f"  [bold]{tag}[/]: {note}")

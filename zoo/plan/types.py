@@ -126,6 +126,19 @@ class Plan:
     warnings: tuple[str, ...]
     link_gbps: float | None = None
     tflops: float | None = None
+    overlap: float = 0.0            # fraction of transfer time hidden under compute (zoo.plan.links)
+    link_source: str | None = None  # where link_gbps and overlap come from
+    peak: object | None = None      # zoo.plan.peak.Peak: the step's peak HBM, compiled or estimated
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """Peak HBM of the training step with XLA's temporaries (compiled), or an estimate; see `peak_source`."""
+        return None if self.peak is None else self.peak.bytes
+
+    @property
+    def peak_source(self) -> str | None:
+        """"compiled for <device>" or "estimate (...)"."""
+        return None if self.peak is None else self.peak.source
 
     @property
     def activation_bytes(self) -> int:
@@ -152,8 +165,9 @@ class Plan:
 
     def step_time(self) -> dict | None:
         """A roofline estimate of the stacks' time per step, given `tflops` and `link_gbps`: forward, backward
-        (twice the forward), recompute, and the transfers that do not hide (device-to-host under the layer's
-        forward, host-to-device under its backward)."""
+        (twice the forward), recompute, and the transfers that do not hide: `(1 - overlap)` of every transfer,
+        and of the rest what does not fit under the layer's compute (device-to-host under its forward,
+        host-to-device under its backward)."""
         if self.tflops is None or self.link_gbps is None:
             return None
         rate, link = self.tflops * 1e12, self.link_gbps * 1e9
@@ -162,7 +176,8 @@ class Plan:
             fwd, remat, move = s.forward_flops / rate, s.remat_flops / rate, s.host_bytes_per_layer / link
             out["compute_s"] += s.num_layers * 3 * fwd
             out["remat_s"] += s.num_layers * remat
-            out["exposed_transfer_s"] += s.num_layers * (max(0.0, move - fwd) + max(0.0, move - 2 * fwd - remat))
+            hidden = max(0.0, move - fwd) + max(0.0, move - 2 * fwd - remat)
+            out["exposed_transfer_s"] += s.num_layers * ((1 - self.overlap) * 2 * move + self.overlap * hidden)
         out["total_s"] = sum(out.values())
         return out
 
@@ -174,4 +189,6 @@ class Plan:
                                 hbm_bytes=self.hbm_bytes, remat_flops=self.remat_flops,
                                 forward_flops=self.forward_flops),
                     hbm_budget=self.hbm_budget, host_pool=self.host_pool, link_gbps=self.link_gbps,
-                    tflops=self.tflops, step_time=self.step_time(), warnings=list(self.warnings))
+                    tflops=self.tflops, overlap=self.overlap, link_source=self.link_source,
+                    step_time=self.step_time(), peak_bytes=self.peak_bytes, peak_source=self.peak_source,
+                    peak=None if self.peak is None else self.peak.to_dict(), warnings=list(self.warnings))

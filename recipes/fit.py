@@ -1,0 +1,93 @@
+"""Does the compiled step fit? The main job's check before it allocates anything.
+
+The step is compiled on abstract inputs first (`zoo.train_step`: nothing allocated); its peak (arguments +
+outputs - donated + temporaries, `zoo.plan.peak`) is compared with the device's budget: `--hbm-limit GiB` if
+given, else the device's `memory_stats()["bytes_limit"]`, else, on the CPU (whose "device memory" is the
+machine's RAM), the machine's RAM. Host bytes (offloaded residuals) are compared with XLA's pinned host pool.
+A step that cannot fit is refused with the plan and what to change, instead of an out-of-memory traceback;
+`--force` launches it anyway.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+
+from zoo.plan.peak import Peak
+from zoo.plan.types import GiB, fmt_bytes
+
+
+def ram_bytes() -> tuple[int | None, int | None]:
+    """(the machine's RAM, what is available now) in bytes, from /proc/meminfo or sysconf (None if unknown)."""
+    total = avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:2]}
+        total, avail = info.get("MemTotal"), info.get("MemAvailable")
+    except (OSError, ValueError, IndexError):
+        pass
+    if total is None:
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            total = None
+    return total, avail
+
+
+def budget(device: jax.Device, hbm_limit_gib: float | None) -> tuple[int | None, str]:
+    """(device bytes the step may use, where the figure comes from)."""
+    if hbm_limit_gib is not None:
+        return int(hbm_limit_gib * GiB), "--hbm-limit"
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    if limit:
+        return int(limit), f"{device.device_kind}'s bytes_limit"
+    if device.platform == "cpu":
+        total, _ = ram_bytes()
+        return total, "this machine's RAM: the CPU's device memory"
+    return None, f"no memory limit known for {device.device_kind}"
+
+
+def check(peak: Peak, *, host: int, pool: int, device: jax.Device, hbm_limit_gib: float | None
+          ) -> tuple[list[str], list[str]]:
+    """(problems that refuse the launch, notes to print)."""
+    problems, notes = [], []
+    limit, where = budget(device, hbm_limit_gib)
+    d = peak.detail
+    parts = (f"arguments {fmt_bytes(d['argument'])} + outputs {fmt_bytes(d['output'])} - donated "
+             f"{fmt_bytes(d['alias'])} + temporaries {fmt_bytes(d['temp'])}") if peak.compiled else peak.source
+    if limit is None:
+        notes.append(f"peak {fmt_bytes(peak.bytes)} ({peak.source}): not checked, {where}")
+    elif peak.bytes > limit:
+        problems.append(f"the step needs {fmt_bytes(peak.bytes)} of device memory at its peak ({peak.source}: "
+                        f"{parts}), over the {fmt_bytes(limit)} of {where}")
+    else:
+        notes.append(f"peak device memory {fmt_bytes(peak.bytes)} ({peak.source}) of {fmt_bytes(limit)} ({where})")
+        if peak.bytes > 0.95 * limit:
+            notes.append("warning: within 5% of the limit: the allocator's fragmentation and buffers outside the "
+                         "step (the next batch, metrics) may still run out of memory")
+        if device.platform == "cpu" and hbm_limit_gib is None:
+            _, avail = ram_bytes()
+            if avail is not None and peak.bytes > avail:
+                notes.append(f"warning: that is more than the {fmt_bytes(avail)} of RAM available now: the run may "
+                             f"swap or be killed")
+    if device.platform == "cpu":
+        if host:
+            notes.append("host memory: on the CPU offloaded values stay in (host) device memory: not checked "
+                         "against the pinned pool")
+    elif host > pool:
+        problems.append(f"the offloaded values need {fmt_bytes(host)} of pinned host memory, over XLA's pool of "
+                        f"{fmt_bytes(pool)} (raise XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, an integer GiB, or offload "
+                        f"less)")
+    return problems, notes
+
+
+def advice(*, batch: int, seq: int, recipe: str, opt_dtype: str, optimizer_bytes: int) -> str:
+    """What to change to fit."""
+    tips = [f"a smaller --batch (now {batch}) or --seq (now {seq})",
+            f"a recipe that offloads or recomputes more than {recipe!r} (e.g. --recipe full; `python -m recipes.plan "
+            f"... --recipe auto --hbm GIB` chooses one for a budget)",
+            "more devices (the batch and the model state split over them)"]
+    if opt_dtype == "float32" and optimizer_bytes:
+        tips.append(f"--opt-dtype bfloat16 (saves {fmt_bytes(optimizer_bytes // 2)} of optimizer state)")
+    tips.append("--set num_layers=N for a slice")
+    return "to fit: " + "; ".join(tips) + ". --force launches anyway"
