@@ -29,8 +29,10 @@ from flax import nnx
 from rich.console import Console
 
 import zoo
+import zoo.sharding
 from recipes import cli, guard, meter
 from recipes import data as data_lib
+from recipes import mesh as mesh_lib
 from recipes.checkpoint import Checkpoints
 from recipes.lock import DirLock
 from zoo.models.registry import Family
@@ -130,16 +132,19 @@ def make_optimizer(model: nnx.Module, schedule: optax.Schedule, *, clip: float,
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
-def compile_step(model: nnx.Module, optimizer: nnx.Optimizer, step_fn: Callable):
-    """(jitted step over (state, batch) -> (state, metrics), graphdef, state). The state is donated."""
+def compile_step(model: nnx.Module, optimizer: nnx.Optimizer, step_fn: Callable, *, keep_shardings: bool = False):
+    """(jitted step over (state, batch) -> (state, metrics), graphdef, state). The state is donated. With
+    `keep_shardings`, the new state is laid out as the old one (a sharded run's state stays on its shardings)."""
     graphdef, state = nnx.split((model, optimizer))
+    out = ((jax.tree.map(lambda x: x.sharding, state), None) if keep_shardings else None)
 
     def step(state, batch):
         model, optimizer = nnx.merge(graphdef, state)
         metrics = step_fn(model, optimizer, batch)
         return nnx.state((model, optimizer)), metrics
 
-    return jax.jit(step, donate_argnums=0), graphdef, state
+    kwargs = {"out_shardings": out} if out is not None else {}
+    return jax.jit(step, donate_argnums=0, **kwargs), graphdef, state
 
 
 # -- the run ----------------------------------------------------------------------------------------------------
@@ -158,6 +163,8 @@ class RunConfig:
     clip: float = 1.0
     weight_decay: float = 0.1
     seed: int = 0
+    mesh: str | None = None            # "fsdp=2,tp=1,ep=1"; None: every device on fsdp (not part of the identity)
+    distributed: bool = False          # multi-host (recipes.mesh.maybe_initialize; the main job calls it)
     data: str | None = None            # a token file; None: the synthetic Markov source
     data_dtype: str | None = None      # uint16 / uint32; None: by vocabulary size
     metrics: str | None = None
@@ -241,6 +248,15 @@ def kernel_choices(model_cfg, device: jax.Device) -> dict[str, str]:
     return out
 
 
+def build_sharded(family: Family, model_cfg, recipe: zoo.Recipe, mesh, make_opt: Callable, *, seed: int):
+    """(model, optimizer) created on `mesh` by the rules (`zoo.sharding.init`: an abstract init, then one jitted
+    init onto the shardings; no device holds a full copy of a sharded variable). Values are `build_model`'s."""
+    def make():
+        model = family.build(model_cfg, recipe=recipe, rngs=nnx.Rngs(seed))
+        return model, make_opt(model)
+    return zoo.sharding.init(make, mesh)
+
+
 def build_model(family: Family, model_cfg, recipe: zoo.Recipe, *, seed: int) -> nnx.Module:
     """Initialise the model in one compiled program (eagerly, every initializer would compile on its own)."""
     return nnx.jit(lambda: family.build(model_cfg, recipe=recipe, rngs=nnx.Rngs(seed)))()
@@ -289,7 +305,8 @@ def run(cfg: RunConfig, console: Console | None = None) -> Result:
     this run (`recipes.lock.DirLock`) before anything else, and given back at the end."""
     # Off a terminal (a log file, CI), print wide lines rather than wrapping at 80 columns.
     console = console or Console(highlight=False, width=None if os.isatty(1) else 160)
-    _resolve(cfg)
+    model_cfg = _resolve(cfg)[3]
+    mesh_lib.resolve(cfg.mesh, model_cfg, cfg.batch)   # a mesh that does not fit: ValueError before the disk
     lock = None
     if cfg.ckpt_dir:
         lock = DirLock(guard.check_ckpt_dir(cfg.ckpt_dir))
@@ -326,9 +343,10 @@ def _run(cfg: RunConfig, console: Console) -> Result:
     metrics_path = (guard.check_metrics(cfg.metrics, owner=(resume_record or {}).get("metrics"))
                     if cfg.metrics else None)
 
-    model = build_model(family, model_cfg, recipe, seed=cfg.seed)
+    mesh = mesh_lib.resolve(cfg.mesh, model_cfg, cfg.batch)
     schedule = lr_schedule(lr=cfg.lr, steps=cfg.total_schedule, warmup=cfg.total_warmup)
-    optimizer = make_optimizer(model, schedule, clip=cfg.clip, weight_decay=cfg.weight_decay)
+    model, optimizer = build_sharded(family, model_cfg, recipe, mesh, seed=cfg.seed, make_opt=lambda m: make_optimizer(
+        m, schedule, clip=cfg.clip, weight_decay=cfg.weight_decay))
     n_params = zoo.models.count_params(model)
     tokens_per_step = cfg.batch * cfg.seq
     flops_per_step = family.flops_per_token(model_cfg, model, cfg.seq) * tokens_per_step
@@ -336,6 +354,8 @@ def _run(cfg: RunConfig, console: Console) -> Result:
 
     console.print(f"model {cfg.model} {cfg.preset}: {n_params:,} parameters; batch {cfg.batch} x seq {cfg.seq}; "
                   f"{cfg.steps} steps on {device.platform} ({device.device_kind})")
+    console.print(f"mesh {mesh_lib.describe(mesh)} over {jax.device_count()} device(s), {jax.process_count()} "
+                  f"process(es)")
     console.print(f"recipe {recipe}")
     for what, choice in kernels.items():
         console.print(f"{what}: {choice}", soft_wrap=True)
@@ -345,7 +365,8 @@ def _run(cfg: RunConfig, console: Console) -> Result:
                       "nothing (use a GPU to see HBM fall)")
     console.print(f"MFU against {peak} TFLOP/s ({peak_src})" if peak else f"MFU: {peak_src}")
 
-    record = {"run": cfg.identity(), "recipe": recipe_name, "metrics": metrics_path}
+    record = {"run": cfg.identity(), "recipe": recipe_name, "metrics": metrics_path,
+              "mesh": mesh_lib.describe(mesh)}   # recorded, not checked: a run may resume on another mesh
     start = 0
     if ckpts is not None and resuming:
         # Restoring reads every array: a truncated one shows here, and the walk goes on to an older step.
@@ -357,10 +378,11 @@ def _run(cfg: RunConfig, console: Console) -> Result:
 
     step_fn = lambda m, o, b: train_step(m, o, b, aux_loss=family.aux_loss,  # noqa: E731
                                          after_update=family.after_update)
-    jitted, graphdef, state = compile_step(model, optimizer, step_fn)
+    jitted, graphdef, state = compile_step(model, optimizer, step_fn, keep_shardings=True)
     source = _source(cfg, model_cfg.vocab_size)
     t0 = time.perf_counter()
-    compiled = jitted.lower(state, jax.tree.map(jnp.asarray, source.batch(start + 1))).compile()
+    with zoo.sharding.use(mesh):   # trace inside: the activation constraints read the mesh and its rules
+        compiled = jitted.lower(state, mesh_lib.put_batch(source.batch(start + 1), mesh)).compile()
     host = meter.host_bytes(compiled) if device.platform != "cpu" else None
     console.print(f"compiled the step in {time.perf_counter() - t0:.1f} s"
                   + (f"; host memory for offloaded values: {meter.fmt_bytes(host)}" if host is not None else ""))
@@ -379,7 +401,7 @@ def _run(cfg: RunConfig, console: Console) -> Result:
     t_last, n_since = time.perf_counter(), 0
     try:
         for step in range(start + 1, cfg.steps + 1):
-            batch = jax.tree.map(jnp.asarray, source.batch(step))
+            batch = mesh_lib.put_batch(source.batch(step), mesh)
             state, m = compiled(state, batch)
             m = jax.device_get(m)
             if not m["ok"]:
