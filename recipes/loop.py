@@ -263,10 +263,13 @@ def build_model(family: Family, model_cfg, recipe: zoo.Recipe, *, seed: int) -> 
 
 
 def show_memory_plan(console: Console, model_cfg, recipe: zoo.Recipe, *, batch: int, seq: int,
-                     device: jax.Device) -> None:
-    """Print the recipe's memory plan (`zoo.plan`, with the device's HBM as its budget)."""
+                     device: jax.Device, mesh=None) -> None:
+    """Print the recipe's memory plan (`zoo.plan`, with the device's HBM as its budget; per device under a mesh
+    of several devices)."""
     limit = (device.memory_stats() or {}).get("bytes_limit")
     kwargs = {"hbm_gib": limit / 2 ** 30} if limit else {}
+    if mesh is not None and mesh.devices.size > 1:
+        kwargs["mesh"] = mesh
     zoo.plan.render(zoo.plan(model_cfg, recipe, batch=batch, seq=seq, **kwargs), console)
 
 
@@ -359,7 +362,7 @@ def _run(cfg: RunConfig, console: Console) -> Result:
     console.print(f"recipe {recipe}")
     for what, choice in kernels.items():
         console.print(f"{what}: {choice}", soft_wrap=True)
-    show_memory_plan(console, model_cfg, recipe, batch=cfg.batch, seq=cfg.seq, device=device)
+    show_memory_plan(console, model_cfg, recipe, batch=cfg.batch, seq=cfg.seq, device=device, mesh=mesh)
     if device.platform == "cpu":
         console.print("on the CPU there is no pinned host memory: offload placements compile and run but move "
                       "nothing (use a GPU to see HBM fall)")

@@ -1,6 +1,8 @@
 """The memory planner's command line: what a recipe keeps in HBM, puts in host memory and recomputes.
 
     python -m recipes.plan --model llama3 --preset llama3_1_405b --recipe qkv_offload --batch 2 --seq 8192
+    python -m recipes.plan --model llama3 --preset llama3_1_405b --recipe qkv_offload --batch 4 --seq 8192 \
+        --mesh fsdp=2
     python -m recipes.plan --model deepseek_v3 --preset deepseek_v3_671b --recipe auto --batch 4 --seq 4096 \\
         --hbm 141 --link 55 --flops 600
 
@@ -25,7 +27,11 @@ def parser() -> argparse.ArgumentParser:
     p.epilog = "--recipe auto chooses each tag's placement and needs --hbm, --link and --flops."
     p.add_argument("--shard", type=cli.positive_int, default=1, metavar="N",
                    help="devices the batch and the model state are split over (data parallel + FSDP); must divide "
-                        "--batch; figures are then per device")
+                        "--batch; figures are then per device, every byte divided by N (see --mesh)")
+    p.add_argument("--mesh", default=None, metavar="AXIS=N,...",
+                   help="plan per device under a mesh of the axes dp, fsdp, tp, ep (e.g. fsdp=4,tp=2; the device "
+                        "count is their product, no devices needed): each parameter, optimizer moment and saved "
+                        "activation divided as the sharding rules split it (zoo.sharding); instead of --shard")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adamw",
                    help="optimizer whose moments count as model state")
     p.add_argument("--opt-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
@@ -52,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             ap.error(f"--recipe auto needs {', '.join(missing)} (the HBM budget in GiB, the host link in GB/s, "
                      f"the matmul rate in TFLOP/s), e.g. --hbm 141 --link 55 --flops 600")
+    if args.mesh is not None and args.shard != 1:
+        ap.error("give --shard or --mesh, not both (--shard N is a uniform split; --mesh follows the rules)")
     if args.batch % args.shard:
         ap.error(f"--shard {args.shard} does not divide --batch {args.batch}: each device must hold whole sequences")
 
@@ -61,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         recipe = "auto" if args.recipe == "auto" else cli.recipe(family, args.recipe)
         p = zoo.plan(cfg, recipe, batch=args.batch, seq=args.seq, shard=args.shard, optimizer=args.optimizer,
                      opt_dtype=args.opt_dtype, hbm_gib=args.hbm, host_gib=args.host, link_gbps=args.link,
-                     tflops=args.flops, model_name=f"{args.model} {args.preset}")
+                     tflops=args.flops, model_name=f"{args.model} {args.preset}", mesh=args.mesh)
     except ValueError as e:
         ap.error(str(e))
     if args.json:
