@@ -170,7 +170,8 @@ class Plan:
     def to_dict(self) -> dict:
         return dict(model=self.model, recipe=self.recipe.name, offload=list(self.recipe.offload),
                     device=list(self.recipe.device), special=self.recipe.special, batch=self.batch, seq=self.seq,
-                    shard=self.shard, mesh=self.mesh, stacks=[s.to_dict() for s in self.stacks], model_state=self.state.to_dict(),
+                    shard=self.shard, mesh=self.mesh, stacks=[s.to_dict() for s in self.stacks],
+                    model_state=self.state.to_dict(),
                     totals=dict(activation_bytes=self.activation_bytes, host_bytes=self.host_bytes,
                                 hbm_bytes=self.hbm_bytes, remat_flops=self.remat_flops,
                                 forward_flops=self.forward_flops),
