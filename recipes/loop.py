@@ -312,7 +312,9 @@ def run(cfg: RunConfig, console: Console | None = None) -> Result:
     mesh_lib.resolve(cfg.mesh, model_cfg, cfg.batch)   # a mesh that does not fit: ValueError before the disk
     lock = None
     if cfg.ckpt_dir:
-        lock = DirLock(guard.check_ckpt_dir(cfg.ckpt_dir))
+        directory = guard.check_ckpt_dir(cfg.ckpt_dir)
+    if cfg.ckpt_dir and jax.process_index() == 0:   # multi-host: one lock for the run, held by process 0
+        lock = DirLock(directory)
         if lock.taken_over:
             console.print(f"took over the stale lock of a run that ended without releasing it "
                           f"(pid {lock.taken_over.get('pid')}, started {lock.taken_over.get('started')})",
@@ -344,7 +346,7 @@ def _run(cfg: RunConfig, console: Console) -> Result:
         ckpts.close()
         return Result([], [], "nothing_to_do", resume_step)
     metrics_path = (guard.check_metrics(cfg.metrics, owner=(resume_record or {}).get("metrics"))
-                    if cfg.metrics else None)
+                    if cfg.metrics and jax.process_index() == 0 else None)   # multi-host: process 0 writes
 
     mesh = mesh_lib.resolve(cfg.mesh, model_cfg, cfg.batch)
     schedule = lr_schedule(lr=cfg.lr, steps=cfg.total_schedule, warmup=cfg.total_warmup)
