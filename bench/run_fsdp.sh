@@ -9,7 +9,8 @@
 #   2. zoo llama405b-slice --mesh fsdp=2 --batch 4 (global; 2 per GPU): full, save_qkv, qkv_offload
 #   3. zoo deepseek-slice --mesh ep=2 --experts 32 --batch 8 (16 experts and 4 sequences per GPU, as on one GPU),
 #      capacity backend: full, mla_moe_offload
-#   4. zoo llama405b-slice full on ONE GPU of the same machine (CUDA_VISIBLE_DEVICES=0, batch 2): weak scaling
+#   4. zoo llama405b-slice full on ONE GPU of the same machine (CUDA_VISIBLE_DEVICES=0, --mesh fsdp=1, batch 2):
+#      weak scaling, same code path as the sharded runs
 set -u
 anchor=$1; out=$2; smoke=${3:-}
 export BENCH_OUT=$out PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -52,10 +53,10 @@ t=$(slot 100)
 if [ "$t" = 0 ]; then
   fail llama405b-slice full fsdp=1 "skipped: budget (one-GPU weak-scaling run)"
 elif [ "$smoke" = --smoke ]; then
-  XLA_FLAGS="--xla_force_host_platform_device_count=1" timeout "$t" $PY -m bench.llama_slice full --batch 2 \
-    --steps 4 $S $SEQ_L || fail llama405b-slice full fsdp=1 "timeout or crash"
+  XLA_FLAGS="--xla_force_host_platform_device_count=1" timeout "$t" $PY -m bench.llama_slice full --mesh fsdp=1 \
+    --batch 2 --steps 4 $S $SEQ_L || fail llama405b-slice full fsdp=1 "timeout or crash"
 else
-  CUDA_VISIBLE_DEVICES=0 timeout "$t" $PY -m bench.llama_slice full --batch 2 --steps 4 ||
+  CUDA_VISIBLE_DEVICES=0 timeout "$t" $PY -m bench.llama_slice full --mesh fsdp=1 --batch 2 --steps 4 ||
     fail llama405b-slice full fsdp=1 "timeout or crash"
 fi
 rm -f "$out.anchor"
