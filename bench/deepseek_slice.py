@@ -41,10 +41,12 @@ def main():
     ap.add_argument("--backend", default="auto", choices=["auto", "ragged_dot", "capacity", "tokamax"])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--mesh", default=None, help="e.g. ep=2 (zoo.sharding); --batch and --experts are then global")
+    ap.add_argument("--impl", default="xla", help="the config's offload_impl (how offloaded residuals move)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script only)")
     a = ap.parse_args()
     a.seq = a.seq or (64 if a.smoke else 4096)
-    common = dict(param_dtype="bfloat16", dtype="bfloat16", moe_backend=a.backend, capacity_factor=1.25)
+    common = dict(param_dtype="bfloat16", dtype="bfloat16", moe_backend=a.backend, capacity_factor=1.25,
+                  offload_impl=a.impl)
     recipe = RECIPES[a.recipe]
     try:
         backend, backend_why = backend_choice(a.backend, dtype=jnp.bfloat16)
@@ -67,7 +69,7 @@ def main():
 
     n = jax.device_count()
     extra = {} if a.mesh is None else dict(mesh=a.mesh, gpus=n, B_per_gpu=a.batch // n)
-    guarded(run, bench="deepseek-slice", impl="zoo", backend=backend, backend_asked=a.backend,
+    guarded(run, bench="deepseek-slice", impl="zoo", mechanism=a.impl, backend=backend, backend_asked=a.backend,
             backend_why=backend_why, recipe=a.recipe, B=a.batch, S=a.seq, E=a.experts, L=1 + a.moe_layers, **extra)
 
 

@@ -103,7 +103,8 @@ def run_sgd(a) -> None:
         tokens = jax.random.randint(jax.random.key(1), (m["batch"], m["seq"]), 0, cfg.vocab_size, jnp.int32)
         flops = llama_flops_per_token(cfg, model, m["seq"]) * m["batch"] * m["seq"]
         return dict(measure(model, tokens, flops_per_step=flops, steps=5, warmup=2), attention=attention,
-                    param_dtype=cfg.param_dtype, **planned(cfg, recipe, batch=m["batch"], seq=m["seq"], optimizer="sgd"))
+                    param_dtype=cfg.param_dtype,
+                    **planned(cfg, recipe, batch=m["batch"], seq=m["seq"], optimizer="sgd"))
 
     guarded(run, bench="main-job-8b", impl="zoo-sgd-bench", recipe=a.recipe, optimizer="sgd", backend=None,
             B=m["batch"], S=m["seq"], L=m["layers"])

@@ -16,7 +16,8 @@ def table(records: list[dict]) -> str:
 
     base = {key(r): r["step_s"] for r in records
             if r.get("recipe", r.get("policy")) == "full" and "error" not in r}
-    out = ["| implementation | recipe | batch | step (s) | model TFLOP/s | vs full remat | MFU (800) | peak HBM (GiB) | host (GiB) | S(5) in HLO |",
+    out = ["| implementation | recipe | batch | step (s) | model TFLOP/s | vs full remat | MFU (800) | peak HBM (GiB) "
+           "| host (GiB) | S(5) in HLO |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         impl = r.get("impl", "plain JAX anchor") + (f" ({r['backend']})" if r.get("backend") else "")

@@ -74,7 +74,8 @@ class TokenFile:
             raise ValueError(f"TokenFile: {os.fspath(path)!r} has {size} bytes, not a whole number of {dtype} ids")
         self.ids = np.memmap(path, dtype=DTYPES[dtype], mode="r")
         if len(self.ids) < seq + 1:
-            raise ValueError(f"TokenFile: {os.fspath(path)!r} holds {len(self.ids)} ids, fewer than seq + 1 = {seq + 1}")
+            raise ValueError(f"TokenFile: {os.fspath(path)!r} holds {len(self.ids)} ids, "
+                             f"fewer than seq + 1 = {seq + 1}")
         self.path, self.vocab, self.batch_size, self.seq, self.seed = path, vocab, batch, seq, seed
 
     def batch(self, step: int) -> dict[str, np.ndarray]:

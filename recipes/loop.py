@@ -481,8 +481,8 @@ class _Progress:
         self.bar = None
         if console.is_terminal:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-            self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                                TimeRemainingColumn(), console=console)
+            self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console)
             self.task = self.bar.add_task("train", total=total, completed=start, info="")
             self.bar.start()
 

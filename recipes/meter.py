@@ -47,7 +47,7 @@ def host_bytes(compiled) -> int | None:
     """Host memory the compiled step uses for offloaded values (None where XLA does not say)."""
     try:
         analysis = compiled.memory_analysis()
-    except Exception:  # noqa: BLE001: not every backend implements it
+    except Exception:  # not every backend implements it
         return None
     return None if analysis is None else getattr(analysis, "host_temp_size_in_bytes", None)
 

@@ -1,4 +1,5 @@
-"""Run by tests/test_sharding.py in a subprocess with 8 fake CPU devices: `python -m tests.sharded_steps llama|deepseek`.
+"""Run by tests/test_sharding.py in a subprocess with 8 fake CPU devices:
+`python -m tests.sharded_steps llama|deepseek`.
 
 For each mesh: the model is created sharded (`zoo.sharding.create`), every parameter's sharding is checked against
 the rules (and against Flax's own nnx resolution of the same rules), one float32 training step's loss and gradients
@@ -20,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 import zoo
 from tests.helpers import max_rel_err
 from zoo import sharding
-from zoo.models.deepseek import balance_loss
+from zoo.models.deepseek import total_balance_loss
 
 TOL = 1e-5
 assert jax.device_count() == 8, jax.devices()
@@ -31,7 +32,7 @@ def loss_fn(graphdef, params, rest, tokens):
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     ce = -jnp.mean(jnp.take_along_axis(logp, jnp.roll(tokens, -1, axis=1)[..., None], axis=-1))
     load = [a["load"] for a in aux.values() if "load" in a]
-    return ce + balance_loss(aux), load
+    return ce + total_balance_loss(aux), load
 
 
 def step(model):
@@ -151,7 +152,8 @@ def llama():
     # tensor<B x S x heads x head_dim>: q [8,16,4,16], k and v [8,16,2,16]; batch over the data axes, heads over tp.
     check_optimizer_state(cfg)
     for spec, host in [("fsdp=8", {"tensor<8x16x4x16xf32>": "[fsdp,,,]", "tensor<8x16x2x16xf32>": "[fsdp,,,]"}),
-                       ("fsdp=4,tp=2", {"tensor<8x16x4x16xf32>": "[fsdp,,tp,]", "tensor<8x16x2x16xf32>": "[fsdp,,tp,]"}),
+                       ("fsdp=4,tp=2",
+                        {"tensor<8x16x4x16xf32>": "[fsdp,,tp,]", "tensor<8x16x2x16xf32>": "[fsdp,,tp,]"}),
                        ("dp=4,tp=2", {"tensor<8x16x4x16xf32>": "[dp,,tp,]", "tensor<8x16x2x16xf32>": "[dp,,tp,]"})]:
         compare(spec, sharded(zoo.models.llama3, cfg, recipe, spec, tokens, host), ref)
 

@@ -174,7 +174,8 @@ def test_parameters_carry_logical_axes(model):
 
 def test_a_recipe_naming_moe_tags_fails_on_a_dense_only_model():
     cfg = dataclasses.replace(CFG, first_dense_layers=CFG.num_layers)
-    with pytest.raises(ValueError, match="'moe_mlpwi_0' matches no tag that DeepSeekV3 emits; DeepSeekV3 emits: .*mla_kv"):
+    with pytest.raises(ValueError,
+                       match="'moe_mlpwi_0' matches no tag that DeepSeekV3 emits; DeepSeekV3 emits: .*mla_kv"):
         zoo.models.deepseek_v3(cfg, recipe=RECIPES["mla_moe_offload"], rngs=nnx.Rngs(0))
 
 
@@ -215,7 +216,8 @@ def test_yarn_matches_transformers():
     ours = zoo.models.DeepSeekV3Config.deepseek_v3_671b().rope()
     np.testing.assert_allclose(ours.inv_freq(), inv_freq.numpy(), rtol=1e-6)
     assert ours.scaling.attention_factor() == pytest.approx(attention_factor)
-    assert 192 ** -0.5 * ours.scaling.softmax_mscale() == pytest.approx(hf.yarn_apply_mscale(rope_parameters, 192 ** -0.5))
+    expected = hf.yarn_apply_mscale(rope_parameters, 192 ** -0.5)
+    assert 192 ** -0.5 * ours.scaling.softmax_mscale() == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("change, field", [
@@ -265,7 +267,7 @@ def _to_hf_state_dict(model, cfg):
           "lm_head.weight": linear(model.lm_head.proj.kernel[...])}
     for i in range(cfg.num_layers):
         stack, j = ("dense_layers", i) if i < cfg.first_dense_layers else ("moe_layers", i - cfg.first_dense_layers)
-        layer = jax.tree.map(lambda v: v[j], nnx.state(getattr(model, stack).layers))
+        layer = jax.tree.map(lambda v, j=j: v[j], nnx.state(getattr(model, stack).layers))
         p, a = f"model.layers.{i}.", layer["attn"]
         sd[p + "input_layernorm.weight"] = t(layer["attn_norm"]["scale"][...])
         sd[p + "post_attention_layernorm.weight"] = t(layer["mlp_norm"]["scale"][...])

@@ -154,7 +154,8 @@ def test_parameters_carry_logical_axes(model):
     assert axes(layer.attn.k_proj.kernel) == ("layers", "embed", "kv_heads", "head_dim")
     assert axes(layer.mlp.down_proj.kernel) == ("layers", "mlp", "embed")
     assert axes(model.embed.embedding) == ("vocab", "embed")
-    assert all(axes(p) for p in jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    params = jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))
+    assert all(axes(p) for p in params)
 
 
 def test_rope_llama3_scaling_matches_published_formula():

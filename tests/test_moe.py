@@ -51,7 +51,8 @@ def test_router_matches_numpy_reference():
     ref_w, ref_idx = numpy_route(np.asarray(scores, np.float64), np.asarray(bias, np.float64), **ROUTING)
     order = np.argsort(np.asarray(idx), axis=1)
     ref_order = np.argsort(ref_idx, axis=1)
-    np.testing.assert_array_equal(np.take_along_axis(np.asarray(idx), order, 1), np.take_along_axis(ref_idx, ref_order, 1))
+    np.testing.assert_array_equal(np.take_along_axis(np.asarray(idx), order, 1),
+                                  np.take_along_axis(ref_idx, ref_order, 1))
     np.testing.assert_allclose(np.take_along_axis(np.asarray(weights), order, 1),
                                np.take_along_axis(ref_w, ref_order, 1), rtol=1e-6)
     # the test is sharp: the bias and the group limit both change some choices

@@ -71,11 +71,14 @@ def test_every_parameter_axis_has_a_rule(model):
 @pytest.mark.parametrize("cfg,mesh,batch,match", [
     (zoo.models.LlamaConfig.tiny(), {"tp": 8}, None, r"tp=8 does not divide LlamaConfig.num_heads=4"),
     (zoo.models.LlamaConfig.tiny(num_heads=8), {"tp": 4}, None, r"tp=4 does not divide LlamaConfig.num_kv_heads=2"),
-    (zoo.models.LlamaConfig.tiny(mlp_dim=129), {"tp": 2, "fsdp": 4}, None, r"tp=2 does not divide LlamaConfig.mlp_dim=129"),
+    (zoo.models.LlamaConfig.tiny(mlp_dim=129), {"tp": 2, "fsdp": 4}, None,
+     r"tp=2 does not divide LlamaConfig.mlp_dim=129"),
     (zoo.models.LlamaConfig.tiny(), {"fsdp": 8}, 4, r"the batch 4 is not divisible by dp x fsdp x ep = 8"),
-    (zoo.models.LlamaConfig.tiny(dim=60, num_heads=4, head_dim=16), {"fsdp": 8}, None, r"fsdp=8 does not divide LlamaConfig.dim=60"),
+    (zoo.models.LlamaConfig.tiny(dim=60, num_heads=4, head_dim=16), {"fsdp": 8}, None,
+     r"fsdp=8 does not divide LlamaConfig.dim=60"),
     (zoo.models.DeepSeekV3Config.tiny(), {"ep": 16}, None, r"ep=16 does not divide DeepSeekV3Config.num_experts=8"),
-    (zoo.models.DeepSeekV3Config.tiny(), {"fsdp": 2, "ep": 4}, 6, r"the batch 6 is not divisible by dp x fsdp x ep = 8"),
+    (zoo.models.DeepSeekV3Config.tiny(), {"fsdp": 2, "ep": 4}, 6,
+     r"the batch 6 is not divisible by dp x fsdp x ep = 8"),
     (zoo.models.DeepSeekV3Config.tiny(), {"tp": 8}, None, r"tp=8 does not divide DeepSeekV3Config.num_heads=4"),
 ])
 def test_bad_meshes_for_a_model_raise_naming_both_numbers(cfg, mesh, batch, match):
@@ -115,7 +118,8 @@ def test_offloaded_bytes_per_device_are_the_plan_over_the_shards(model, spec):
         for tag, sds in st.tags.items():
             if recipe.placement(tag) == "offload":
                 offloaded += 1
-                assert 8 * math.prod(per_device[stack][tag]) == math.prod(sds.shape), (stack, tag, per_device[stack][tag])
+                shard = per_device[stack][tag]
+                assert 8 * math.prod(shard) == math.prod(sds.shape), (stack, tag, shard)
     assert offloaded >= 3
 
 
@@ -135,7 +139,8 @@ def test_create_without_a_mesh_is_the_plain_build():
     cfg = zoo.models.LlamaConfig.tiny()
     a = sharding.create(zoo.models.llama3, cfg, seed=3)
     b = zoo.models.llama3(cfg, rngs=nnx.Rngs(3))
-    assert all(bool(jnp.array_equal(x, y)) for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b))))
+    pairs = zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b)))
+    assert all(bool(jnp.array_equal(x, y)) for x, y in pairs)
 
 
 # -- 8 fake devices ----------------------------------------------------------------------------------------------------

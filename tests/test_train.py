@@ -153,7 +153,8 @@ def test_token_file_round_trip(tmp_path, dtype):
     tok = src.batch(3)["tokens"]
     assert tok.dtype == np.int32 and tok.shape == (4, 17)
     assert ((np.diff(tok, axis=1) % 256) == 1).all()           # windows of consecutive ids
-    np.testing.assert_array_equal(tok, data_lib.TokenFile(path, vocab=256, batch=4, seq=16, dtype=dtype).batch(3)["tokens"])
+    again = data_lib.TokenFile(path, vocab=256, batch=4, seq=16, dtype=dtype).batch(3)["tokens"]
+    np.testing.assert_array_equal(tok, again)
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
         data_lib.TokenFile(path, vocab=100, batch=4, seq=16, dtype=dtype).batch(1)
 
@@ -187,7 +188,7 @@ def test_the_cli_applies_its_flag_set_before_jax_is_imported():
 
 def _readme_command() -> list[str]:
     readme = (ROOT / "README.md").read_text()
-    line = next(l for l in readme.splitlines() if l.startswith("pip install -e . && python -m recipes.train"))
+    line = next(ln for ln in readme.splitlines() if ln.startswith("pip install -e . && python -m recipes.train"))
     args = shlex.split(line.split("&&", 1)[1])
     assert args[:3] == ["python", "-m", "recipes.train"]
     return [sys.executable] + args[1:]

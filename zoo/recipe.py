@@ -128,5 +128,6 @@ class Recipe:
     def __str__(self) -> str:
         if self.special:
             return f"{self.name}: {self.description}"
-        parts = [f"offload={list(self.offload)}" if self.offload else "", f"device={list(self.device)}" if self.device else ""]
+        parts = [f"offload={list(self.offload)}" if self.offload else "",
+                 f"device={list(self.device)}" if self.device else ""]
         return f"{self.name}: " + ", ".join(p for p in parts if p) + "; every other tag recomputed"

@@ -139,8 +139,9 @@ def rules_for(mesh) -> tuple[tuple[str, Any], ...]:
 # -- the context ---------------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def use(mesh, rules: Iterable[tuple[str, Any]] | None = None):
-    """Activate `mesh` (`jax.set_mesh`; an AbstractMesh for tracing without devices) and its logical-axis rules (`nn.logical_axis_rules`; default
-    `rules_for(mesh)`). Trace (first call) jitted steps inside it: the activation constraints read both then."""
+    """Activate `mesh` (`jax.set_mesh`; an AbstractMesh for tracing without devices) and its logical-axis rules
+    (`nn.logical_axis_rules`; default `rules_for(mesh)`). Trace (first call) jitted steps inside it: the activation
+    constraints read both then."""
     rules = tuple(rules) if rules is not None else rules_for(mesh)
     mesh_context = (jax.sharding.use_abstract_mesh(mesh) if isinstance(mesh, jax.sharding.AbstractMesh)
                     else jax.set_mesh(mesh))

@@ -65,7 +65,8 @@ def _cudnn_refusal(dtype, head_dim: int, device: jax.Device) -> str | None:
 _warned: set[str] = set()
 
 
-def choose_impl(requested: Implementation, *, dtype, head_dim: int, device: jax.Device | None = None) -> AttentionChoice:
+def choose_impl(requested: Implementation, *, dtype, head_dim: int,
+                device: jax.Device | None = None) -> AttentionChoice:
     """Which attention runs for `requested` (None: auto) with activations of `dtype` and the kernel's `head_dim`.
 
     An explicit "cudnn" that cuDNN cannot take is a ValueError; auto on a GPU that cannot use cuDNN warns (once)
@@ -134,10 +135,12 @@ class Attention(TaggedLayer):
                  rngs: nnx.Rngs):
         self.dim, self.dtype = dim, dtype
         common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.q_proj = projection("bsd,dhk->bshk", (dim, num_heads, head_dim), ("embed", "heads", "head_dim"), n_in=1, **common)
-        self.k_proj = projection("bsd,dhk->bshk", (dim, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), n_in=1, **common)
-        self.v_proj = projection("bsd,dhk->bshk", (dim, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), n_in=1, **common)
-        self.o_proj = projection("bshk,hkd->bsd", (num_heads, head_dim, dim), ("heads", "head_dim", "embed"), n_in=2, **common)
+        q_axes, kv_axes = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
+        self.q_proj = projection("bsd,dhk->bshk", (dim, num_heads, head_dim), q_axes, n_in=1, **common)
+        self.k_proj = projection("bsd,dhk->bshk", (dim, num_kv_heads, head_dim), kv_axes, n_in=1, **common)
+        self.v_proj = projection("bsd,dhk->bshk", (dim, num_kv_heads, head_dim), kv_axes, n_in=1, **common)
+        self.o_proj = projection("bshk,hkd->bsd", (num_heads, head_dim, dim), ("heads", "head_dim", "embed"), n_in=2,
+                                 **common)
         self.rope = rope
         self.head_dim = head_dim
         self.implementation = implementation

@@ -105,7 +105,7 @@ class MLA(TaggedLayer):
         q = self.q_b_proj(q_latent)                                            # [B,S,H,nope+rope]
         q = name(jnp.concatenate([q[..., :nope], self._rotate(q[..., nope:], pos)], axis=-1), "query_proj", BSH)
 
-        kv = name(self.kv_a_proj_with_mqa(x), "kv_wa_proj", ("batch", "seq", "kv_lora"))                    # [B,S,kv_lora+rope]
+        kv = name(self.kv_a_proj_with_mqa(x), "kv_wa_proj", ("batch", "seq", "kv_lora"))  # [B,S,kv_lora+rope]
         kv_latent, k_rope = kv[..., :self.kv_lora_rank], kv[..., self.kv_lora_rank:]
         kv_latent = name(self.kv_a_layernorm(kv_latent), "mla_kv", ("batch", "seq", "kv_lora"))
         kv_up = self.kv_b_proj(kv_latent)                                      # [B,S,H,nope+v]

@@ -167,7 +167,7 @@ def tokamax_status() -> tuple[bool, str]:
     """(True, version) if tokamax imports here, else (False, why not). Imported once, only when asked."""
     try:
         tokamax = importlib.import_module("tokamax")
-    except Exception as e:  # noqa: BLE001: ImportError, or a dependency failing at import
+    except Exception as e:  # ImportError, or a dependency failing at import
         return False, f"tokamax does not import ({type(e).__name__}: {str(e)[:200]})"
     return True, f"tokamax {getattr(tokamax, '__version__', '?')}"
 

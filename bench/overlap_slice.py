@@ -1,0 +1,139 @@
+"""Issue 14's measurement: a Llama slice under one recipe and one offload mechanism, one process per configuration.
+
+    XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true \
+        python -m bench.overlap_slice minimal_offload --shape 405b --layers 3 --impl explicit [--profile DIR]
+
+Shapes: `405b` (the 405B preset cut to --layers, batch 2, seq 8192: the llama405b-slice), `8b` (the 8B preset cut to
+--layers; the 8B-shaped slice), `tiny` (CPU smoke test, with --smoke). SGD step (as the plain-JAX anchors),
+bf16, cuDNN attention on a GPU; 2 warm-up steps, median of --steps timed steps. `--impl` is the model config's
+`offload_impl` ("xla": JAX's checkpoint offload; "explicit", "explicit_prefetch": the stack's
+own mechanism, zoo/models/offload_scan.py). With --profile, two more steps run under `jax.profiler.trace` and
+`bench.trace_summary` reads where the copies ran (stream, bytes, bandwidth, overlap with compute); with --hlo, the
+compiled program's asynchronous ops (copy-start, dynamic-(update-)slice-start, calls on another stream) are counted.
+Prints one JSON record (DESIGN section 8, plus `mechanism`, `profile`, `hlo`).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import re
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import zoo
+from bench.common import guarded, matmul_params, sgd_step_fn
+from recipes.llama3 import RECIPES
+
+PRESETS = {"405b": zoo.models.LlamaConfig.llama3_1_405b, "8b": zoo.models.LlamaConfig.llama3_1_8b,
+           "tiny": zoo.models.LlamaConfig.tiny}
+BENCH = {"405b": "llama405b-slice", "8b": "llama8b-slice", "tiny": "llama-tiny-smoke"}
+
+
+def hlo_summary(text: str) -> dict:
+    """Asynchronous and host-memory ops of a compiled program (what XLA made of the copies)."""
+    ops = collections.Counter()
+    queues = collections.Counter()
+    for line in text.splitlines():
+        m = re.search(r"= \S+ ([a-z-]+-(?:start|done))\(", line)
+        if not m:
+            m = re.search(r"= \S+ (copy|dynamic-update-slice|dynamic-slice|custom-call)\(", line)
+            if not (m and "S(5)" in line):
+                continue
+        op = m.group(1) + (" [S(5)]" if "S(5)" in line else "")
+        ops[op] += 1
+        q = re.search(r'operation_queue_id"?\s*:\s*"?(\d+)', line)
+        if q:
+            queues[f"{m.group(1)}@queue{q.group(1)}"] += 1
+    return {"ops": dict(ops), "queues": dict(queues), "S5_buffers": text.count("S(5)"),
+            "stream_annotations": text.count("_xla_stream_annotation")}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("recipe", choices=sorted(RECIPES))
+    ap.add_argument("--shape", choices=sorted(PRESETS), default="405b")
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--impl", default="xla", help="the config's offload_impl")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--profile", default=None, metavar="DIR", help="trace 2 more steps here and summarise them")
+    ap.add_argument("--hlo", action="store_true", help="count the compiled program's async / host-memory ops")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script only)")
+    a = ap.parse_args()
+    on_gpu = jax.devices()[0].platform == "gpu"
+    shape = "tiny" if a.smoke else a.shape
+    kw = dict(num_layers=a.layers, param_dtype="bfloat16", dtype="bfloat16", offload_impl=a.impl)
+    if on_gpu:
+        kw["attention_impl"] = "cudnn"
+    cfg = PRESETS[shape](**kw)
+    batch, seq = (2, 64) if a.smoke else (a.batch, a.seq)
+    recipe = RECIPES[a.recipe]
+
+    def run():
+        model = zoo.models.llama3(cfg, recipe=recipe, rngs=nnx.Rngs(0))
+        tokens = jax.random.randint(jax.random.key(1), (batch, seq), 0, cfg.vocab_size, jnp.int32)
+        tok = batch * seq
+        attn = 2 * 2 * batch * seq * seq * cfg.num_heads * cfg.head_dim / 2 * cfg.num_layers
+        flops = 3 * (2 * tok * matmul_params(model) + attn)
+        try:
+            planned = round(zoo.plan(cfg, recipe, batch=batch, seq=seq).host_bytes / 2**30, 3)
+        except Exception as e:  # the plan is a comparison, not a precondition
+            planned = f"{type(e).__name__}: {str(e)[:80]}"
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        del model
+        t0 = time.perf_counter()
+        compiled = sgd_step_fn(graphdef).lower(params, rest, tokens).compile()
+        compile_s = time.perf_counter() - t0
+        ma = compiled.memory_analysis()
+        text = compiled.as_text()
+        for _ in range(a.warmup):
+            (loss, dropped), params = compiled(params, rest, tokens)
+        loss.block_until_ready()
+        times = []
+        for _ in range(a.steps):
+            t = time.perf_counter()
+            (loss, dropped), params = compiled(params, rest, tokens)
+            loss.block_until_ready()
+            times.append(time.perf_counter() - t)
+        step_s = statistics.median(times)
+        stats = jax.devices()[0].memory_stats() or {}
+        out = dict(step_s=round(step_s, 4), step_s_spread=round(max(times) - min(times), 4),
+                   tflops=round(flops / step_s / 1e12, 1),
+                   peak_gib=round(stats.get("peak_bytes_in_use", 0) / 2**30, 2),
+                   planned_peak_gib=round((ma.temp_size_in_bytes + ma.argument_size_in_bytes
+                                           + ma.output_size_in_bytes - ma.alias_size_in_bytes) / 2**30, 2),
+                   temp_gib=round(ma.temp_size_in_bytes / 2**30, 2),
+                   host_temp_gib=round(getattr(ma, "host_temp_size_in_bytes", 0) / 2**30, 2),
+                   planned_host_gib=planned, has_S5="S(5)" in text, compile_s=round(compile_s, 1),
+                   loss=float(loss), dropped=int(dropped))
+        if a.hlo:
+            out["hlo"] = hlo_summary(text)
+        if a.profile:
+            from bench import trace_summary
+
+            t = time.perf_counter()
+            with jax.profiler.trace(a.profile):
+                for _ in range(2):
+                    (loss, dropped), params = compiled(params, rest, tokens)
+                loss.block_until_ready()
+            out["traced_step_s"] = round((time.perf_counter() - t) / 2, 4)
+            p = trace_summary.summarise(trace_summary._load(a.profile), 2)
+            out["profile"] = {k: p.get(k) for k in ("window_ms_per_step", "compute_stream", "compute_busy_ms_per_step",
+                                                    "compute_idle_ms_per_step", "copies")}
+            out["profile"]["streams"] = [(s["stream"], s["busy_ms"]) for s in p["streams"]]
+        return out
+
+    guarded(run, bench=BENCH[shape], impl="zoo", mechanism=a.impl, recipe=a.recipe, backend=None, gpus=1,
+            mesh=None, B=batch, S=seq, L=a.layers,
+            date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind))
+
+
+if __name__ == "__main__":
+    main()
