@@ -20,6 +20,7 @@ def main():
     ap.add_argument("--S", type=int, required=True)
     ap.add_argument("--backend", default="ragged_dot")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--mesh", default=None, help="the anchor's mesh (e.g. fsdp=2 for plain_jax_llama_fsdp.py)")
     a = ap.parse_args()
     if a.smoke:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -30,10 +31,16 @@ def main():
         got = json.loads(text[-1])
     except (IndexError, json.JSONDecodeError):
         got = {"error": f"the anchor printed no JSON line ({a.path})"}
-    record = dict(bench=a.bench, impl="anchor", recipe=got.pop("policy", None), backend=a.backend,
+    record = dict(bench=a.bench, impl="anchor", recipe=got.pop("policy", None),
+                  backend=None if a.backend == "none" else a.backend,
                   B=got.pop("B", None), S=64 if a.smoke else a.S, L=got.pop("L", None),
                   planned_peak_gib=None, planned_host_gib=None, dropped=0)
     got.pop("flags", None)  # emit writes the flags of this process, which are the anchor's too
+    if "tflops_per_device" in got:   # plain_jax_llama_fsdp.py: per device, batch per device
+        got["tflops"] = got.pop("tflops_per_device")
+        record["B"] = got.get("batch_per_device", 0) * got.get("gpus", 1)
+    if a.mesh:
+        record["mesh"] = a.mesh
     emit({**record, **got})
 
 

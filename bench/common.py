@@ -6,6 +6,7 @@ warm-up; model FLOPs = 6 * matmul parameters * tokens + causal attention (counte
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -28,8 +29,9 @@ def matmul_params(model) -> int:
     return total
 
 
-def sgd_step_fn(graphdef, lr: float = 1e-4):
-    """A plain SGD step (as the plain-JAX anchors do): memory is params + grads + activations."""
+def sgd_step_fn(graphdef, lr: float = 1e-4, param_shardings=None):
+    """A plain SGD step (as the plain-JAX anchors do): memory is params + grads + activations. With
+    `param_shardings`, the updated parameters keep them (a sharded step is called again on its own output)."""
 
     def loss_fn(params, rest, tokens):
         model = nnx.merge(graphdef, params, rest, copy=True)  # copy: non-Param variables (routing bias) under scan
@@ -43,7 +45,8 @@ def sgd_step_fn(graphdef, lr: float = 1e-4):
         params = jax.tree.map(lambda p, g: (p - lr * g.astype(p.dtype)).astype(p.dtype), params, grads)
         return (loss, dropped), params
 
-    return jax.jit(step, donate_argnums=(0,))
+    kwargs = {} if param_shardings is None else {"out_shardings": ((None, None), param_shardings)}
+    return jax.jit(step, donate_argnums=(0,), **kwargs)
 
 
 def dropped_copies(aux) -> jax.Array:
@@ -52,11 +55,40 @@ def dropped_copies(aux) -> jax.Array:
                jnp.zeros((), jnp.int32))
 
 
-def measure(model, tokens, *, flops_per_step: float, steps: int = 6, warmup: int = 2) -> dict:
+def sharded_inputs(build, cfg, recipe, tokens, mesh_spec: str | None):
+    """(model, tokens, mesh): with `mesh_spec`, the model created sharded on `zoo.sharding.make_mesh(mesh_spec)`
+    (checked against the config and the global batch first) and the tokens split over the data axes; without,
+    the plain build on the default device."""
+    from flax import nnx as _nnx
+
+    from zoo import sharding
+    if mesh_spec is None:
+        return build(cfg, recipe=recipe, rngs=_nnx.Rngs(0)), tokens, None
+    mesh = sharding.make_mesh(mesh_spec)
+    sharding.check_mesh(cfg, mesh, batch=tokens.shape[0])
+    model = sharding.create(build, cfg, recipe=recipe, mesh=mesh, seed=0)
+    return model, jax.device_put(tokens, sharding.batch_sharding(mesh)), mesh
+
+
+def peak_bytes() -> int:
+    """The largest `peak_bytes_in_use` over this process's devices (0 where the backend keeps no statistics)."""
+    return max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.local_devices())
+
+
+def measure(model, tokens, *, flops_per_step: float, steps: int = 6, warmup: int = 2, mesh=None) -> dict:
+    """Time the SGD step. `flops_per_step` is global; `tflops` is per device of `mesh` (one without), `peak_gib`
+    the largest of the devices'. Under a mesh the step is traced inside `zoo.sharding.use(mesh)`."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    step = sgd_step_fn(graphdef)
+    shardings = None if mesh is None else jax.tree.map(lambda x: x.sharding, params)
+    step = sgd_step_fn(graphdef, param_shardings=shardings)
     t0 = time.perf_counter()
-    compiled = step.lower(params, rest, tokens).compile()
+    if mesh is None:
+        context = contextlib.nullcontext()
+    else:
+        from zoo import sharding
+        context = sharding.use(mesh)
+    with context:
+        compiled = step.lower(params, rest, tokens).compile()
     compile_s = time.perf_counter() - t0
     ma = compiled.memory_analysis()
     text = compiled.as_text()
@@ -70,37 +102,31 @@ def measure(model, tokens, *, flops_per_step: float, steps: int = 6, warmup: int
         loss.block_until_ready()
         times.append(time.perf_counter() - t)
     step_s = statistics.median(times)
-    stats = jax.devices()[0].memory_stats() or {}
+    devices = 1 if mesh is None else mesh.devices.size
     return dict(
         step_s=round(step_s, 4), step_s_spread=round(max(times) - min(times), 4),
-        tflops=round(flops_per_step / step_s / 1e12, 1),
-        peak_gib=round(stats.get("peak_bytes_in_use", 0) / 2**30, 2),
+        tflops=round(flops_per_step / step_s / 1e12 / devices, 1),
+        peak_gib=round(peak_bytes() / 2**30, 2),
         temp_gib=round(ma.temp_size_in_bytes / 2**30, 2),
         host_temp_gib=round(getattr(ma, "host_temp_size_in_bytes", 0) / 2**30, 2),
         has_S5="S(5)" in text, compile_s=round(compile_s, 1), loss=float(loss), dropped=int(dropped))
 
 
-def planned(cfg, recipe, *, batch: int, seq: int, optimizer: str = "adamw", peak: str = "auto") -> dict:
+def planned(cfg, recipe, *, batch: int, seq: int, optimizer: str = "adamw", peak: str = "auto",
+            mesh: str | None = None) -> dict:
     """The planner's host bytes and peak-HBM prediction for the record: on a GPU the main job's training step
     (zoo.train_step, with `optimizer`) compiled on abstract inputs for the device present (`planned_peak_source`
-    says "compiled for ..."), elsewhere the planner's labelled estimate. `planned_floor_gib` is the floor
-    (saved activations + model state)."""
-    p = zoo_plan(cfg, recipe, batch=batch, seq=seq, optimizer=optimizer, peak=peak)
-    peak_bytes = getattr(p, "peak_bytes", None)
+    says "compiled for ..."), elsewhere, and under a `mesh` (per device; `batch` is then the global batch), the
+    planner's labelled estimate. `planned_floor_gib` is the floor (saved activations + model state)."""
+    import zoo
+
+    p = zoo.plan(cfg, recipe, batch=batch, seq=seq, optimizer=optimizer, peak=peak,
+                 **({} if mesh is None else {"mesh": mesh}))
+    peak_bytes = p.peak_bytes
     return dict(planned_host_gib=round(p.host_bytes / 2**30, 3),
                 planned_peak_gib=None if peak_bytes is None else round(peak_bytes / 2**30, 2),
                 planned_peak_source=getattr(p, "peak_source", None),
                 planned_floor_gib=round(p.hbm_bytes / 2**30, 2))
-
-
-def zoo_plan(cfg, recipe, **kwargs):
-    import zoo
-    try:
-        return zoo.plan(cfg, recipe, **kwargs)
-    except (TypeError, ValueError):  # a planner without this optimizer (or peak): plan with its defaults
-        kwargs.pop("optimizer", None)
-        kwargs.pop("peak", None)
-        return zoo.plan(cfg, recipe, **kwargs)
 
 
 def emit(record: dict) -> None:

@@ -9,6 +9,10 @@ study's hidden sizes), batch 4, seq 4096, SGD step, bf16.
 DESIGN section 8 schema: `backend` is the grouped matmul that ran (`auto` resolved on the device), `attention` the
 kernel, `dropped` the token copies capacity dispatch dropped in the last step, `planned_host_gib` and
 `planned_peak_gib` the planner's figures beside XLA's `host_temp_gib` and the measured `peak_gib`.
+
+Expert parallelism: `--mesh ep=2 --experts 32 --batch 8` keeps each GPU's share as on one GPU (16 experts and 4
+sequences per GPU; `--batch` and `--experts` are global); the capacity backend is the one that shards experts
+over `ep` (zoo/layers/moe.py). The record carries gpus, mesh, tflops per GPU and the largest device's peak.
 """
 from __future__ import annotations
 
@@ -16,9 +20,8 @@ import argparse
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from bench.common import guarded, measure, planned
+from bench.common import guarded, measure, planned, sharded_inputs
 from recipes.registry import recipes_of
 from zoo.layers.attention import resolve_impl
 from zoo.layers.moe import backend_choice
@@ -37,6 +40,7 @@ def main():
     ap.add_argument("--moe-layers", type=int, default=3)
     ap.add_argument("--backend", default="auto", choices=["auto", "ragged_dot", "capacity", "tokamax"])
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--mesh", default=None, help="e.g. ep=2 (zoo.sharding); --batch and --experts are then global")
     ap.add_argument("--impl", default="xla", help="the config's offload_impl (how offloaded residuals move)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script only)")
     a = ap.parse_args()
@@ -51,20 +55,22 @@ def main():
 
     def run():
         if a.smoke:
-            cfg = FAMILY.config("tiny", **common)
+            cfg = FAMILY.config("tiny", **common, **({"num_experts": a.experts} if a.mesh else {}))
         else:
             cfg = FAMILY.config("deepseek_v3_671b", num_layers=1 + a.moe_layers, first_dense_layers=1,
                                 num_experts=a.experts, **common)
         attention = str(resolve_impl(cfg))  # auto: cuDNN flash attention on the GPU (head dim 192)
-        model = FAMILY.build(cfg, recipe=recipe, rngs=nnx.Rngs(0))
         tokens = jax.random.randint(jax.random.key(1), (a.batch, a.seq), 0, cfg.vocab_size, jnp.int32)
+        model, tokens, mesh = sharded_inputs(FAMILY.build, cfg, recipe, tokens, a.mesh)
         flops = FAMILY.flops_per_token(cfg, model, a.seq) * a.batch * a.seq
-        return dict(measure(model, tokens, flops_per_step=flops, steps=a.steps, warmup=1), attention=attention,
-                    E=cfg.num_experts, L=cfg.num_layers,
-                    **planned(cfg, recipe, batch=a.batch, seq=a.seq, optimizer="sgd"))
+        return dict(measure(model, tokens, flops_per_step=flops, steps=a.steps, warmup=1, mesh=mesh),
+                    attention=attention, E=cfg.num_experts, L=cfg.num_layers,
+                    **planned(cfg, recipe, batch=a.batch, seq=a.seq, optimizer="sgd", mesh=a.mesh))
 
+    n = jax.device_count()
+    extra = {} if a.mesh is None else dict(mesh=a.mesh, gpus=n, B_per_gpu=a.batch // n)
     guarded(run, bench="deepseek-slice", impl="zoo", mechanism=a.impl, backend=backend, backend_asked=a.backend,
-            backend_why=backend_why, recipe=a.recipe, B=a.batch, S=a.seq, E=a.experts, L=1 + a.moe_layers)
+            backend_why=backend_why, recipe=a.recipe, B=a.batch, S=a.seq, E=a.experts, L=1 + a.moe_layers, **extra)
 
 
 if __name__ == "__main__":

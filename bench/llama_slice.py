@@ -4,6 +4,10 @@
 
 Same shapes as ../shared/anchor/plain_jax_llama.py (SHAPE=405b NL=3), plus the zoo model's embedding and
 untied LM head (counted in its FLOPs). Prints one JSON line.
+
+With `--mesh fsdp=2` the model is created sharded (`zoo.sharding`), `--batch` is the GLOBAL batch (4 on two GPUs
+is 2 per GPU, as ../shared/anchor/plain_jax_llama_fsdp.py's `2`), and the record carries gpus, mesh, tflops per
+GPU, peak_gib (the largest device's) and the planner's per-device figures under the mesh.
 """
 from __future__ import annotations
 
@@ -11,9 +15,8 @@ import argparse
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from bench.common import guarded, matmul_params, measure, planned
+from bench.common import guarded, matmul_params, measure, planned, sharded_inputs
 from recipes.registry import recipes_of
 from zoo.models.registry import family
 
@@ -27,6 +30,8 @@ def main():
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--mesh", default=None, help="e.g. fsdp=2 (zoo.sharding); --batch is then global")
+    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script only)")
     a = ap.parse_args()
     if a.smoke:
@@ -37,15 +42,18 @@ def main():
     recipe = RECIPES[a.recipe]
 
     def run():
-        model = FAMILY.build(cfg, recipe=recipe, rngs=nnx.Rngs(0))
         tokens = jax.random.randint(jax.random.key(1), (a.batch, a.seq), 0, cfg.vocab_size, jnp.int32)
+        model, tokens, mesh = sharded_inputs(FAMILY.build, cfg, recipe, tokens, a.mesh)
         tok = a.batch * a.seq
         attn = 2 * 2 * a.batch * a.seq * a.seq * cfg.num_heads * cfg.head_dim / 2 * cfg.num_layers
         flops = 3 * (2 * tok * matmul_params(model) + attn)
-        return dict(measure(model, tokens, flops_per_step=flops),
-                    **planned(cfg, recipe, batch=a.batch, seq=a.seq, optimizer="sgd"))
+        plan = planned(cfg, recipe, batch=a.batch, seq=a.seq, optimizer="sgd", mesh=a.mesh)
+        return dict(measure(model, tokens, flops_per_step=flops, steps=a.steps, warmup=1 if a.mesh else 2, mesh=mesh),
+                    **plan)
 
-    guarded(run, bench="llama405b-slice", impl="zoo", recipe=a.recipe, B=a.batch, S=a.seq, L=a.layers)
+    n = jax.device_count()
+    extra = {} if a.mesh is None else dict(mesh=a.mesh, gpus=n, B_per_gpu=a.batch // n)
+    guarded(run, bench="llama405b-slice", impl="zoo", recipe=a.recipe, B=a.batch, S=a.seq, L=a.layers, **extra)
 
 
 if __name__ == "__main__":

@@ -147,7 +147,10 @@ class Checkpoints:
         if step is None:
             raise ValueError(f"no checkpoint in {self.directory}")
         state = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+        # The target is abstract and carries the live state's shardings: a checkpoint written on one mesh is read
+        # straight onto this run's mesh (each device reads only its shards).
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+                                state)
         out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
                                                                  record=ocp.args.JsonRestore()))
         nnx.update(model, out["state"]["model"])

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -27,8 +28,10 @@ from flax import nnx
 from rich.console import Console
 
 import zoo
+import zoo.sharding
 from recipes import cli, defaults, fit, guard, meter
 from recipes import data as data_lib
+from recipes import mesh as mesh_lib
 from recipes.checkpoint import Checkpoints
 from recipes.lock import DirLock
 from zoo.models.registry import Family
@@ -91,6 +94,8 @@ class RunConfig:
     clip: float = 1.0
     weight_decay: float = 0.1
     seed: int = 0
+    mesh: str | None = None            # "fsdp=2,tp=1,ep=1"; None: every device on fsdp (not part of the identity)
+    distributed: bool = False          # multi-host (recipes.mesh.maybe_initialize; the main job calls it)
     data: str | None = None            # a token file; None: the synthetic Markov source
     data_dtype: str | None = None      # uint16 / uint32; None: by vocabulary size
     metrics: str | None = None
@@ -184,6 +189,15 @@ def kernel_choices(model_cfg, device: jax.Device) -> dict[str, str]:
     return out
 
 
+def build_sharded(family: Family, model_cfg, recipe: zoo.Recipe, mesh, make_opt: Callable, *, seed: int):
+    """(model, optimizer) created on `mesh` by the rules (`zoo.sharding.init`: an abstract init, then one jitted
+    init onto the shardings; no device holds a full copy of a sharded variable). Values are `build_model`'s."""
+    def make():
+        model = family.build(model_cfg, recipe=recipe, rngs=nnx.Rngs(seed))
+        return model, make_opt(model)
+    return zoo.sharding.init(make, mesh)
+
+
 def build_model(family: Family, model_cfg, recipe: zoo.Recipe, *, seed: int) -> nnx.Module:
     """Initialise the model in one compiled program (eagerly, every initializer would compile on its own)."""
     return nnx.jit(lambda: family.build(model_cfg, recipe=recipe, rngs=nnx.Rngs(seed)))()
@@ -191,24 +205,31 @@ def build_model(family: Family, model_cfg, recipe: zoo.Recipe, *, seed: int) -> 
 
 def show_memory_plan(console: Console, model_cfg, recipe: zoo.Recipe, *, batch: int, seq: int,
                      device: jax.Device, compiled=None, hbm_limit: float | None = None,
-                     opt_dtype: str = "float32") -> zoo.plan.Plan:
+                     opt_dtype: str = "float32", mesh=None) -> zoo.plan.Plan:
     """Print the recipe's memory plan (`zoo.plan`, with the device's HBM as its budget and, given the compiled
-    step, its peak with XLA's temporaries) and return it."""
+    step, its peak with XLA's temporaries; per device under a mesh of several devices) and return it."""
     limit = (device.memory_stats() or {}).get("bytes_limit")
     kwargs = {"hbm_gib": hbm_limit} if hbm_limit else {"hbm_gib": limit / 2 ** 30} if limit else {}
+    if mesh is not None and mesh.devices.size > 1:
+        kwargs["mesh"] = mesh
     p = zoo.plan(model_cfg, recipe, batch=batch, seq=seq, compiled=compiled, opt_dtype=opt_dtype,
                  peak=None if compiled is None else "compile", **kwargs)
     zoo.plan.render(p, console)
     return p
 
 
-def compile_for_shapes(family: Family, model_cfg, recipe: zoo.Recipe, cfg: RunConfig, schedule, source):
-    """(compiled step, graphdef, abstract state): the run's step (zoo.train_step) compiled on shapes alone."""
+def compile_for_shapes(family: Family, model_cfg, recipe: zoo.Recipe, cfg: RunConfig, schedule, source, mesh):
+    """(compiled step, graphdef, abstract state): the run's step (zoo.train_step) compiled on shapes alone, its
+    state laid out on `mesh` by the sharding rules and traced inside `zoo.sharding.use(mesh)` (jit's cache does not
+    key on the rules: the activation constraints are read at this trace)."""
     jitted, graphdef, abstract = abstract_step(family, model_cfg, recipe, schedule=schedule, clip=cfg.clip,
                                                weight_decay=cfg.weight_decay, opt_dtype=cfg.opt_dtype,
-                                               seed=cfg.seed)
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.asarray(x).dtype), source.batch(1))
-    return jitted.lower(abstract, shapes).compile(), graphdef, abstract
+                                               seed=cfg.seed, mesh=mesh)
+    shapes = {k: jax.ShapeDtypeStruct(x.shape, jnp.asarray(x).dtype,
+                                      sharding=zoo.sharding.batch_sharding(mesh, ndim=x.ndim))
+              for k, x in source.batch(1).items()}
+    with zoo.sharding.use(mesh):
+        return jitted.lower(abstract, shapes).compile(), graphdef, abstract
 
 
 def check_fits(console: Console, cfg: RunConfig, plan, recipe_name: str, device: jax.Device, compiled) -> None:
@@ -265,10 +286,13 @@ def run(cfg: RunConfig, console: Console | None = None) -> Result:
     this run (`recipes.lock.DirLock`) before anything else, and given back at the end."""
     # Off a terminal (a log file, CI), print wide lines rather than wrapping at 80 columns.
     console = console or Console(highlight=False, width=None if os.isatty(1) else 160)
-    _resolve(cfg)
+    model_cfg = _resolve(cfg)[3]
+    mesh_lib.resolve(cfg.mesh, model_cfg, cfg.batch)   # a mesh that does not fit: ValueError before the disk
     lock = None
     if cfg.ckpt_dir:
-        lock = DirLock(guard.check_ckpt_dir(cfg.ckpt_dir))
+        directory = guard.check_ckpt_dir(cfg.ckpt_dir)
+    if cfg.ckpt_dir and jax.process_index() == 0:   # multi-host: one lock for the run, held by process 0
+        lock = DirLock(directory)
         if lock.taken_over:
             console.print(f"took over the stale lock of a run that ended without releasing it "
                           f"(pid {lock.taken_over.get('pid')}, started {lock.taken_over.get('started')})",
@@ -300,14 +324,15 @@ def _run(cfg: RunConfig, console: Console) -> Result:
         ckpts.close()
         return Result([], [], "nothing_to_do", resume_step)
     metrics_path = (guard.check_metrics(cfg.metrics, owner=(resume_record or {}).get("metrics"))
-                    if cfg.metrics else None)
+                    if cfg.metrics and jax.process_index() == 0 else None)   # multi-host: process 0 writes
 
+    mesh = mesh_lib.resolve(cfg.mesh, model_cfg, cfg.batch)
     schedule = lr_schedule(lr=cfg.peak_lr, steps=cfg.total_schedule, warmup=cfg.total_warmup)
     source = _source(cfg, model_cfg.vocab_size)
     # Compile the step on shapes alone (nothing allocated), check that it fits, and only then build the model:
     # the executable compiled here is the one that runs.
     t0 = time.perf_counter()
-    compiled, graphdef, abstract = compile_for_shapes(family, model_cfg, recipe, cfg, schedule, source)
+    compiled, graphdef, abstract = compile_for_shapes(family, model_cfg, recipe, cfg, schedule, source, mesh)
     compile_s = time.perf_counter() - t0
     n_params = zoo.models.count_params(nnx.merge(graphdef, abstract)[0])
     tokens_per_step = cfg.batch * cfg.seq
@@ -315,23 +340,25 @@ def _run(cfg: RunConfig, console: Console) -> Result:
 
     console.print(f"model {cfg.model} {cfg.preset}: {n_params:,} parameters; batch {cfg.batch} x seq {cfg.seq}; "
                   f"{cfg.steps} steps on {device.platform} ({device.device_kind})")
+    console.print(f"mesh {mesh_lib.describe(mesh)} over {jax.device_count()} device(s), {jax.process_count()} "
+                  f"process(es)")
     console.print(f"recipe {recipe}")
     for what, choice in kernels.items():
         console.print(f"{what}: {choice}", soft_wrap=True)
     plan = show_memory_plan(console, model_cfg, recipe, batch=cfg.batch, seq=cfg.seq, device=device,
-                            compiled=compiled, hbm_limit=cfg.hbm_limit, opt_dtype=cfg.opt_dtype)
+                            compiled=compiled, hbm_limit=cfg.hbm_limit, opt_dtype=cfg.opt_dtype, mesh=mesh)
     if device.platform == "cpu":
         console.print("on the CPU there is no pinned host memory: offload placements compile and run but move "
                       "nothing (use a GPU to see HBM fall)")
     check_fits(console, cfg, plan, recipe_name, device, compiled)
     console.print(f"MFU against {peak} TFLOP/s ({peak_src})" if peak else f"MFU: {peak_src}")
 
-    model = build_model(family, model_cfg, recipe, seed=cfg.seed)
-    optimizer = make_optimizer(model, schedule, clip=cfg.clip, weight_decay=cfg.weight_decay,
-                               opt_dtype=cfg.opt_dtype)
+    model, optimizer = build_sharded(family, model_cfg, recipe, mesh, seed=cfg.seed, make_opt=lambda m: make_optimizer(
+        m, schedule, clip=cfg.clip, weight_decay=cfg.weight_decay, opt_dtype=cfg.opt_dtype))
     flops_per_step = family.flops_per_token(model_cfg, model, cfg.seq) * tokens_per_step
 
-    record = {"run": cfg.identity(), "recipe": recipe_name, "metrics": metrics_path}
+    record = {"run": cfg.identity(), "recipe": recipe_name, "metrics": metrics_path,
+              "mesh": mesh_lib.describe(mesh)}   # recorded, not checked: a run may resume on another mesh
     start = 0
     if ckpts is not None and resuming:
         # Restoring reads every array: a truncated one shows here, and the walk goes on to an older step.
@@ -360,7 +387,7 @@ def _run(cfg: RunConfig, console: Console) -> Result:
     t_last, n_since = time.perf_counter(), 0
     try:
         for step in range(start + 1, cfg.steps + 1):
-            batch = jax.tree.map(jnp.asarray, source.batch(step))
+            batch = mesh_lib.put_batch(source.batch(step), mesh)
             state, m = compiled(state, batch)
             m = jax.device_get(m)
             if not m["ok"]:

@@ -1,6 +1,8 @@
 """The memory planner's command line: what a recipe keeps in HBM, puts in host memory and recomputes.
 
     python -m recipes.plan --model llama3 --preset llama3_1_405b --recipe qkv_offload --batch 2 --seq 8192
+    python -m recipes.plan --model llama3 --preset llama3_1_405b --recipe qkv_offload --batch 4 --seq 8192 \
+        --mesh fsdp=2
     python -m recipes.plan --model deepseek_v3 --preset deepseek_v3_671b --recipe auto --batch 4 --seq 4096 \\
         --hbm 141 --link 55 --flops 600
 
@@ -26,7 +28,11 @@ def parser() -> argparse.ArgumentParser:
                 "default to the link measured on --device (zoo/plan/links.py).")
     p.add_argument("--shard", type=cli.positive_int, default=1, metavar="N",
                    help="devices the batch and the model state are split over (data parallel + FSDP); must divide "
-                        "--batch; figures are then per device")
+                        "--batch; figures are then per device, every byte divided by N (see --mesh)")
+    p.add_argument("--mesh", default=None, metavar="AXIS=N,...",
+                   help="plan per device under a mesh of the axes dp, fsdp, tp, ep (e.g. fsdp=4,tp=2; the device "
+                        "count is their product, no devices needed): each parameter, optimizer moment and saved "
+                        "activation divided as the sharding rules split it (zoo.sharding); instead of --shard")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adamw",
                    help="optimizer whose moments count as model state")
     p.add_argument("--opt-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
@@ -75,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"({', '.join(m.device_kind for m in links.MEASURED)})"))
     if args.overlap is not None and not 0 <= args.overlap <= 1:
         ap.error(f"--overlap must be a fraction in [0, 1], got {args.overlap}")
+    if args.mesh is not None and args.shard != 1:
+        ap.error("give --shard or --mesh, not both (--shard N is a uniform split; --mesh follows the rules)")
     if args.batch % args.shard:
         ap.error(f"--shard {args.shard} does not divide --batch {args.batch}: each device must hold whole sequences")
 
@@ -85,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         p = zoo.plan(cfg, recipe, batch=args.batch, seq=args.seq, shard=args.shard, optimizer=args.optimizer,
                      opt_dtype=args.opt_dtype, hbm_gib=args.hbm, host_gib=args.host, link_gbps=args.link,
                      tflops=args.flops, model_name=f"{args.model} {args.preset}", overlap=args.overlap,
-                     device_kind=args.device, peak=None if args.peak == "none" else args.peak)
+                     device_kind=args.device, peak=None if args.peak == "none" else args.peak, mesh=args.mesh)
     except ValueError as e:
         ap.error(str(e))
     if args.json:

@@ -39,6 +39,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's decoupled weight decay")
     p.add_argument("--seed", type=int, default=0, help="seeds the parameters and the data")
+    p.add_argument("--mesh", default=None, metavar="AXIS=N,...",
+                   help="device mesh over every device of every process, axes dp, fsdp, tp, ep (e.g. fsdp=4,tp=2; "
+                        "missing axes are 1; their product must be the device count); default: all devices on fsdp")
+    p.add_argument("--distributed", action="store_true",
+                   help="multi-host: call jax.distributed.initialize() first (automatic when JAX_COORDINATOR_ADDRESS "
+                        "is set; JAX_NUM_PROCESSES and JAX_PROCESS_ID name the processes; see README)")
     p.add_argument("--data", default=None, help="a token file (flat little-endian uint16/uint32 ids, see "
                    "recipes/data.py); default: synthetic Markov-chain sequences")
     p.add_argument("--data-dtype", choices=("uint16", "uint32"), default=None,
@@ -67,8 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"XLA flag set {args.xla_flags!r}: {' '.join(chosen) or '(none)'}; "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
 
-    from recipes import loop  # imports JAX: only now
+    from recipes import loop, mesh  # imports JAX: only now
     from recipes.checkpoint import CheckpointError
+
+    if mesh.maybe_initialize(args.distributed):   # before JAX touches a device
+        import jax
+        print(f"distributed: process {jax.process_index()} of {jax.process_count()}, "
+              f"{jax.local_device_count()} local of {jax.device_count()} devices", flush=True)
 
     kwargs = {k: v for k, v in vars(args).items() if k != "xla_flags"}
     try:

@@ -135,12 +135,11 @@ def test_parameters_land_on_their_mesh_sharding(tmp_path):
     assert_identical(loaded, model)
     zoo.to_hf(loaded, tmp_path / "again")     # sharded arrays write the same checkpoint
     assert_identical(zoo.from_hf(tmp_path / "again"), model)
-    with jax.set_mesh(mesh):   # the active mesh is used when none is passed; default rules: same-name axes
+    with jax.set_mesh(mesh):   # the active mesh is used when none is passed; default rules: the zoo's
         q = params(zoo.from_hf(tmp_path))[L + ("attn", "q_proj", "kernel")]
-    assert q.sharding.spec == P(None, None, None, None)
-    named = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("layers", "heads"))
-    q = params(zoo.from_hf(tmp_path, mesh=named))[L + ("attn", "q_proj", "kernel")]
-    assert q.sharding.spec == P("layers", None, "heads", None)
+    assert q.sharding.spec == P(None, None, None, None)   # a mesh without the zoo's axes: replicated
+    with pytest.raises(ValueError, match="not an axis of the mesh"):
+        zoo.from_hf(tmp_path, mesh=mesh, rules=[("embed", "fsdp")])
 
 
 # -- config mapping -------------------------------------------------------------------------------------------
@@ -449,6 +448,20 @@ assert up.sharding.spec == P(None, "data", "model"), up.sharding
 assert {s.data.shape for s in up.addressable_shards} == {(2, 12, 20)}
 emb = p[("embed", "embedding")]
 assert emb.sharding.spec == P("model", "data") and {s.data.shape for s in emb.addressable_shards} == {(24, 12)}
+assert all(np.array_equal(np.asarray(p[k]), np.asarray(want[k])) for k in want)
+# The zoo's mesh and its default rules (zoo.sharding.rules_for): the same shardings as zoo.sharding.create.
+from zoo import sharding
+zmesh = sharding.make_mesh("fsdp=4")
+p = params(zoo.from_hf(sys.argv[1], mesh=zmesh))
+created = params(sharding.create(zoo.models.llama3, model.config, mesh=zmesh))
+assert p[("layers", "layers", "mlp", "up_proj", "kernel")].sharding.spec == P(None, "fsdp", None)
+try:   # 3 heads do not split over tp=2: a ValueError naming the parameter, before anything is read
+    zoo.from_hf(sys.argv[1], mesh=sharding.make_mesh("fsdp=2,tp=2"))
+    raise AssertionError("no error")
+except ValueError as e:
+    assert "_proj.kernel" in str(e) and "tp=2 does not divide" in str(e), e
+assert all(p[k].sharding == created[k].sharding for k in created), [k for k in created
+                                                                   if p[k].sharding != created[k].sharding]
 assert all(np.array_equal(np.asarray(p[k]), np.asarray(want[k])) for k in want)
 print("OK")
 """

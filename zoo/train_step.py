@@ -133,8 +133,10 @@ def make_optimizer(model: nnx.Module, schedule: optax.Schedule, *, clip: float, 
 
 
 # -- under jit ----------------------------------------------------------------------------------------------------
-def jit_step(model: nnx.Module, optimizer: nnx.Optimizer, step_fn: Callable):
-    """(jitted step over (state, batch) -> (state, metrics), graphdef, state). The state is donated."""
+def jit_step(model: nnx.Module, optimizer: nnx.Optimizer, step_fn: Callable, *, keep_shardings: bool = False):
+    """(jitted step over (state, batch) -> (state, metrics), graphdef, state). The state is donated. With
+    `keep_shardings`, the new state is laid out as the old one (a sharded run's state stays on its shardings; the
+    state's leaves must then carry shardings: arrays, or ShapeDtypeStructs with `sharding=`)."""
     graphdef, state = nnx.split((model, optimizer))
 
     def step(state, batch):
@@ -142,7 +144,8 @@ def jit_step(model: nnx.Module, optimizer: nnx.Optimizer, step_fn: Callable):
         metrics = step_fn(model, optimizer, batch)
         return nnx.state((model, optimizer)), metrics
 
-    return jax.jit(step, donate_argnums=0), graphdef, state
+    kwargs = {"out_shardings": (jax.tree.map(lambda x: x.sharding, state), None)} if keep_shardings else {}
+    return jax.jit(step, donate_argnums=0, **kwargs), graphdef, state
 
 
 def abstract_batch(batch: int, seq: int) -> dict[str, jax.ShapeDtypeStruct]:
@@ -152,9 +155,11 @@ def abstract_batch(batch: int, seq: int) -> dict[str, jax.ShapeDtypeStruct]:
 
 
 def abstract_step(family, cfg, recipe, *, schedule: optax.Schedule | None = None, optimizer: str = "adamw",
-                  clip: float = 1.0, weight_decay: float = 0.1, opt_dtype: str | None = None, seed: int = 0):
+                  clip: float = 1.0, weight_decay: float = 0.1, opt_dtype: str | None = None, seed: int = 0,
+                  mesh=None):
     """(jitted step, graphdef, abstract state) for `cfg` under `recipe`: the model and optimizer built from shapes
-    alone (no memory). `schedule` only changes constants of the program, never its memory."""
+    alone (no memory). `schedule` only changes constants of the program, never its memory. With `mesh`, every
+    variable carries its sharding by the rules (`zoo.sharding.shardings`) and the step keeps them."""
     schedule = schedule if schedule is not None else lr_schedule(lr=1e-4, steps=100, warmup=10)
 
     def build():
@@ -162,8 +167,18 @@ def abstract_step(family, cfg, recipe, *, schedule: optax.Schedule | None = None
         return model, make_optimizer(model, schedule, clip=clip, weight_decay=weight_decay, optimizer=optimizer,
                                      opt_dtype=opt_dtype)
 
-    model, opt = nnx.eval_shape(build)
-    return jit_step(model, opt, family_step(family))
+    if mesh is None:
+        model, opt = nnx.eval_shape(build)
+        return jit_step(model, opt, family_step(family))
+    from zoo import sharding
+
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):  # logical names are not mesh axes
+        model, opt = nnx.eval_shape(build)
+    graphdef, state = nnx.split((model, opt))
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
+                         sharding.shardings(state, mesh))
+    model, opt = nnx.merge(graphdef, state)
+    return jit_step(model, opt, family_step(family), keep_shardings=True)
 
 
 def compile_abstract(family, cfg, recipe, *, batch: int, seq: int, **kwargs):

@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 import safetensors.numpy
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 from safetensors import safe_open
 
+from zoo import sharding as zoo_sharding
 from zoo.hf import config as hf_config
 from zoo.hf import keymap
 from zoo.recipe import Recipe
@@ -139,27 +139,23 @@ def check_tensors(entries: list[keymap.Entry], shapes: dict[tuple, tuple], found
 
 
 def target_shardings(params: nnx.State, mesh, rules) -> dict[tuple, Any]:
-    """{path: sharding}: None without a mesh (default device); with one, a NamedSharding whose spec maps each
-    logical axis of the parameter (its `out_sharding` metadata) to a mesh axis by `rules`, (logical, mesh axis)
-    pairs where the first rule for a name whose mesh axis is still free in that spec wins, as in flax's
-    logical-axis rules. Default rules: a logical axis shards over the mesh axis of the same name, if any."""
+    """{path: sharding}: None without a mesh (default device); with one, `zoo.sharding.shardings` of the state:
+    each logical axis of a parameter (its `out_sharding` metadata) mapped to mesh axes by `rules` with Flax's
+    logical-partitioning rules (the first rule for a name whose mesh axis is still free in that spec wins).
+    Default rules: the zoo's for the mesh (`zoo.sharding.rules_for`: axes dp, fsdp, tp, ep; a mesh without them
+    replicates everything)."""
+    flat = nnx.to_flat_state(params)
     if mesh is None or mesh.empty:
-        return {path: None for path, _ in nnx.to_flat_state(params)}
-    rules = list(rules) if rules is not None else [(a, a) for a in mesh.axis_names]
-    out = {}
-    for path, spec in nnx.to_flat_state(nnx.get_partition_spec(params)):
-        spec = spec.get_value() if isinstance(spec, nnx.Variable) else spec
-        axes, used = [], set()
-        for logical_axis in spec:
-            mesh_axis = next((m for n, m in rules if n == logical_axis and m not in used), None)
-            named = () if mesh_axis is None else mesh_axis if isinstance(mesh_axis, tuple) else (mesh_axis,)
-            if any(a not in mesh.axis_names for a in named):
-                raise ValueError(f"rules map {logical_axis!r} to {mesh_axis!r}, which is not an axis of the mesh "
-                                 f"{mesh.axis_names}")
-            used.add(mesh_axis)
-            axes.append(mesh_axis)
-        out[path] = NamedSharding(mesh, PartitionSpec(*axes))
-    return out
+        return {path: None for path, _ in flat}
+    rules = tuple(rules) if rules is not None else zoo_sharding.rules_for(mesh)
+    for logical_axis, mesh_axis in rules:
+        named = () if mesh_axis is None else mesh_axis if isinstance(mesh_axis, tuple) else (mesh_axis,)
+        if any(a not in mesh.axis_names for a in named):
+            raise ValueError(f"rules map {logical_axis!r} to {mesh_axis!r}, which is not an axis of the mesh "
+                             f"{mesh.axis_names}")
+    zoo_sharding.check_divisible(params, mesh, rules)   # ValueError naming the parameter, before reading
+    out = dict(nnx.to_flat_state(zoo_sharding.shardings(params, mesh, rules)))
+    return {path: out[path].get_value() if isinstance(out[path], nnx.Variable) else out[path] for path, _ in flat}
 
 
 def _allocate(shape, dtype, sharding):

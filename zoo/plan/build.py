@@ -183,7 +183,7 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
          opt_dtype: str = "float32", hbm_gib: float | None = None, host_gib: float | None = None,
          link_gbps: float | None = None, tflops: float | None = None, model_name: str | None = None,
          overlap: float | None = None, device_kind: str | None = None, peak: str | None = "auto",
-         compiled=None) -> Plan:
+         compiled=None, mesh=None) -> Plan:
     """Plan `recipe` (a `zoo.Recipe`, or "auto" to choose one) for the model `cfg` (a config, or a built model,
     whose config is used) at global [batch, seq] split over `shard` devices (data parallel: `shard` must divide
     `batch`). Recipes by name are the front end's business (`recipes.<family>.RECIPES`).
@@ -200,6 +200,10 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
     estimates otherwise (on the CPU, where a full-size step compiles slowly and says nothing of a GPU); None skips
     it. `compiled` is a step already compiled (the main job's): its memory analysis is used as is.
     See the module docstring for what is counted and how.
+
+    `mesh` (a spec "fsdp=4,tp=2", a {axis: size} dict, a Mesh or an AbstractMesh; instead of `shard`) gives
+    per-device figures by the sharding rules (`zoo.plan.mesh`): model state from each variable's per-device
+    shape, each tag's bytes from its per-device shape at the tag site; nothing runs, no devices are needed.
     """
     if isinstance(cfg, nnx.Module) and hasattr(cfg, "config"):
         cfg = cfg.config
@@ -208,7 +212,17 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
     _check_positive("batch", batch)
     _check_positive("seq", seq)
     _check_positive("shard", shard)
-    if batch % shard:
+    amesh = None
+    if mesh is not None:
+        if shard != 1:
+            raise ValueError(f"give shard={shard} or mesh={mesh!r}, not both (shard=N is a uniform split over N "
+                             f"devices; a mesh splits by the sharding rules)")
+        from zoo import sharding
+        from zoo.plan import mesh as mesh_plan
+        amesh = mesh_plan.as_abstract(mesh)
+        sharding.check_mesh(cfg, amesh, batch=batch)
+        shard = mesh_plan.devices(amesh)
+    if amesh is None and batch % shard:
         raise ValueError(f"batch={batch} does not split evenly over shard={shard} devices (data parallel: the "
                          f"batch must be a multiple of the device count)")
     for n, v in (("hbm_gib", hbm_gib), ("host_gib", host_gib), ("link_gbps", link_gbps), ("tflops", tflops)):
@@ -229,12 +243,15 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
     model = abstract_model(cfg)
     if not is_auto:
         model.check_recipe(recipe)  # raises if the recipe names a tag no stack emits
-    state = _model_state(model, shard, optimizer, opt_dtype)
+    state = (_model_state(model, shard, optimizer, opt_dtype) if amesh is None
+             else mesh_plan.model_state(model, amesh, optimizer, opt_dtype))
     hbm_budget = None if hbm_gib is None else int(hbm_gib * GiB)
     pool, pool_warning = host_pool_bytes()
     shapes = model.tag_shapes(batch, seq)
     costs = {s: layer_cost(cfg, s, batch, seq) for s in shapes}
     needed = {s: costs[s].residual_tags(shapes[s].tags) for s in shapes}
+    per_device = (mesh_plan.tag_bytes(model, batch, seq, amesh) if amesh is not None else
+                  {s: {t: ceil_div(sds_nbytes(sds), shard) for t, sds in st.tags.items()} for s, st in shapes.items()})
 
     notes: dict[str, str] = {}
     if is_auto:
@@ -249,7 +266,7 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
         for tag, sds in st.tags.items():
             place = recipe.placement(tag)
             residual = tag in needed[s]
-            nbytes = ceil_div(sds_nbytes(sds), shard) if residual else 0
+            nbytes = per_device[s][tag] if residual else 0
             if tag == CARRY:
                 host = nbytes if place == "offload" else 0
                 device = nbytes - host
@@ -289,6 +306,7 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
     if pk is not None and hbm_budget is not None and pk.bytes > hbm_budget:
         extra.append(f"peak HBM {fmt_bytes(pk.bytes)} ({pk.source}) is over the budget of {fmt_bytes(hbm_budget)}")
     return Plan(model=model_name or type(cfg).__name__, recipe=recipe, batch=batch, seq=seq, shard=shard,
+                mesh=None if amesh is None else sharding.format_mesh(sharding.mesh_sizes(amesh)),
                 stacks=tuple(stacks), state=state, hbm_budget=hbm_budget, host_pool=pool,
                 warnings=_warnings(host, activation, state, hbm_budget, pool, extra), link_gbps=link_gbps,
                 tflops=tflops, overlap=overlap, link_source=link_source, peak=pk)

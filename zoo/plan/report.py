@@ -13,6 +13,8 @@ def render(p: Plan, console=None) -> None:
 
     console = console or Console()
     shard = f", split over {p.shard} devices (per-device figures)" if p.shard > 1 else ""
+    if p.mesh:
+        shard = f", mesh {p.mesh} ({p.shard} devices; per-device figures by the sharding rules)"
     console.print(f"[bold]{p.model}[/]: recipe {p.recipe.name!r}, batch {p.batch}, seq {p.seq}{shard}")
     colour = {"device": "green", "offload": "cyan", "remat": "magenta"}
     for s in p.stacks:

@@ -126,6 +126,7 @@ class Plan:
     warnings: tuple[str, ...]
     link_gbps: float | None = None
     tflops: float | None = None
+    mesh: str | None = None         # "dp=1,fsdp=4,tp=2,ep=1" when planned under a mesh (shard: its device count)
     overlap: float = 0.0            # fraction of transfer time hidden under compute (zoo.plan.links)
     link_source: str | None = None  # where link_gbps and overlap come from
     peak: object | None = None      # zoo.plan.peak.Peak: the step's peak HBM, compiled or estimated
@@ -184,7 +185,8 @@ class Plan:
     def to_dict(self) -> dict:
         return dict(model=self.model, recipe=self.recipe.name, offload=list(self.recipe.offload),
                     device=list(self.recipe.device), special=self.recipe.special, batch=self.batch, seq=self.seq,
-                    shard=self.shard, stacks=[s.to_dict() for s in self.stacks], model_state=self.state.to_dict(),
+                    shard=self.shard, mesh=self.mesh, stacks=[s.to_dict() for s in self.stacks],
+                    model_state=self.state.to_dict(),
                     totals=dict(activation_bytes=self.activation_bytes, host_bytes=self.host_bytes,
                                 hbm_bytes=self.hbm_bytes, remat_flops=self.remat_flops,
                                 forward_flops=self.forward_flops),

@@ -1,0 +1,80 @@
+"""The planner under a mesh (`zoo.plan(..., mesh=)`, `python -m recipes.plan --mesh`): per-device figures from the
+sharding rules on an abstract mesh (no devices: this runs on one CPU).
+
+- fsdp=8: every parameter of the tiny Llama has an `embed` axis, so parameters, gradients and optimizer state are
+  one device's / 8; the batch is split 8 ways, so saved activations and host bytes are one device's / 8.
+- fsdp=4 x tp=2: q, k, v are split over batch (fsdp) and heads (tp): the offloaded bytes are one device's / 8;
+  a norm scale has no tp axis, so parameters are more than one device's / 8 and at most / 4.
+- DeepSeek-V3 under fsdp=2 x ep=4: the offloaded MoE buffers are split over experts and groups: host / 8; expert
+  weights / 8, the other parameters / 2.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import zoo
+from recipes.deepseek_v3 import RECIPES as DS_RECIPES
+from recipes.llama3 import RECIPES as LLAMA_RECIPES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LLAMA = zoo.models.LlamaConfig.tiny()
+DS = zoo.models.DeepSeekV3Config.tiny(moe_backend="capacity", capacity_factor=4.0)
+
+
+def test_fsdp8_divides_everything_by_8():
+    r = LLAMA_RECIPES["qkv_offload"]
+    one = zoo.plan(LLAMA, r, batch=8, seq=16)
+    eight = zoo.plan(LLAMA, r, batch=8, seq=16, mesh="fsdp=8")
+    assert eight.mesh == "dp=1,fsdp=8,tp=1,ep=1" and eight.shard == 8
+    for field in ("params", "grads", "optimizer"):
+        assert getattr(eight.state, field) * 8 == getattr(one.state, field), field
+    assert eight.state.num_params == one.state.num_params
+    assert one.host_bytes > 0 and eight.host_bytes * 8 == one.host_bytes
+    assert eight.activation_bytes * 8 == one.activation_bytes
+
+
+def test_fsdp_x_tp_splits_qkv_8_ways_and_norm_scales_4_ways():
+    r = LLAMA_RECIPES["qkv_offload"]
+    one = zoo.plan(LLAMA, r, batch=8, seq=16)
+    mixed = zoo.plan(LLAMA, r, batch=8, seq=16, mesh={"fsdp": 4, "tp": 2})
+    assert mixed.host_bytes * 8 == one.host_bytes
+    assert one.state.params / 8 < mixed.state.params <= one.state.params / 4
+
+
+def test_deepseek_fsdp_x_ep_host_bytes_are_the_plan_over_8():
+    r = DS_RECIPES["mla_moe_offload"]
+    one = zoo.plan(DS, r, batch=8, seq=16)
+    ep = zoo.plan(DS, r, batch=8, seq=16, mesh="fsdp=2,ep=4")
+    assert one.host_bytes > 0 and ep.host_bytes * 8 == one.host_bytes
+    assert one.state.params / 8 < ep.state.params < one.state.params / 2   # experts / 8, the rest / 2 (fsdp)
+
+
+@pytest.mark.parametrize("mesh,match", [("tp=8", "tp=8 does not divide LlamaConfig.num_heads=4"),
+                                        ("fsdp=16", "the batch 8 is not divisible by dp x fsdp x ep = 16"),
+                                        ("pp=2", "unknown axis 'pp'")])
+def test_bad_meshes_raise_naming_both_numbers(mesh, match):
+    with pytest.raises(ValueError, match=match):
+        zoo.plan(LLAMA, LLAMA_RECIPES["full"], batch=8, seq=16, mesh=mesh)
+
+
+def test_cli_mesh_prints_per_device_json_and_refuses_shard_with_mesh():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+           "JAX_PLATFORMS": "cpu"}
+    base = [sys.executable, "-m", "recipes.plan", "--model", "llama3", "--preset", "tiny", "--recipe", "qkv_offload",
+            "--batch", "8", "--seq", "16"]
+    out = subprocess.run(base + ["--mesh", "fsdp=8", "--json"], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    want = zoo.plan(LLAMA, LLAMA_RECIPES["qkv_offload"], batch=8, seq=16).to_dict()
+    assert got["mesh"] == "dp=1,fsdp=8,tp=1,ep=1"
+    assert got["model_state"]["params"] * 8 == want["model_state"]["params"]
+    assert got["totals"]["host_bytes"] * 8 == want["totals"]["host_bytes"]
+    out = subprocess.run(base + ["--mesh", "fsdp=8", "--shard", "8"], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 2 and "not both" in out.stderr

@@ -1,0 +1,93 @@
+"""Per-device figures under a mesh (`zoo.plan(..., mesh=...)`, `python -m recipes.plan --mesh fsdp=4,tp=2`).
+
+No devices are needed: the mesh is an `AbstractMesh` (`zoo.sharding.abstract_mesh`) and
+- model state (parameters, gradients, optimizer moments, other variables) is each variable's per-device shape
+  under the rules (`zoo.sharding.shard_shape` of its logical axes): a variable a rule leaves whole counts whole
+  on every device;
+- each tag's bytes are its per-device shape at the tag site (`zoo.sharding.tag_shard_shapes`: the sharding
+  constraint the layer applies there), so activations in HBM and offloaded host bytes are per device.
+FLOPs, untagged and invariant residuals are divided by the device count (the work is split over all of them).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zoo import sharding
+from zoo.models.config import dtype_of
+from zoo.plan.types import OPTIMIZERS, ModelState
+
+
+def as_abstract(mesh) -> jax.sharding.AbstractMesh:
+    """A spec ("fsdp=4,tp=2"), a {axis: size} dict, a Mesh or an AbstractMesh -> an AbstractMesh of the four
+    axes (ValueError for an unknown axis or a bad size). A spec's device count is the product of its sizes."""
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        return mesh
+    if isinstance(mesh, jax.sharding.Mesh):
+        return sharding.abstract_mesh(sharding.mesh_sizes(mesh), mesh.devices.size)
+    if isinstance(mesh, str):
+        sizes = sharding.parse_mesh(mesh, _product_of_spec(mesh))
+    elif isinstance(mesh, Mapping):
+        sizes = sharding.parse_mesh(mesh, math.prod(v for v in mesh.values() if isinstance(v, int) and v > 0))
+    else:
+        raise ValueError(f"mesh must be a spec like 'fsdp=4,tp=2', a dict, or a jax Mesh, got {type(mesh).__name__}")
+    return sharding.abstract_mesh(sizes, math.prod(sizes.values()))
+
+
+def _product_of_spec(spec: str) -> int:
+    n = 1
+    for part in spec.split(","):
+        value = part.partition("=")[2].strip()
+        if value.isdigit() and int(value) > 0:
+            n *= int(value)
+    return n
+
+
+def devices(mesh: jax.sharding.AbstractMesh) -> int:
+    return math.prod(sharding.mesh_sizes(mesh).values())
+
+
+def data_shards(mesh: jax.sharding.AbstractMesh) -> int:
+    s = sharding.mesh_sizes(mesh)
+    return s["dp"] * s["fsdp"] * s["ep"]
+
+
+def _per_device_bytes(sds, logical, mesh) -> int:
+    shape = sharding.shard_shape(sds.shape, logical, mesh) if logical else tuple(sds.shape)
+    return math.prod(shape) * jnp.dtype(sds.dtype).itemsize
+
+
+def model_state(model, mesh, optimizer: str, opt_dtype: str) -> ModelState:
+    """Per-device model state of the abstract `model` under `mesh` and its rules."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    opt_itemsize = jnp.dtype(dtype_of("opt_dtype", opt_dtype)).itemsize
+    state = nnx.state(model)
+    specs = dict(nnx.to_flat_state(sharding.logical_specs(state)))
+    n = params = opt = other = 0
+    for path, var in nnx.to_flat_state(state):
+        if not (hasattr(var, "shape") and hasattr(var, "dtype")):
+            continue
+        spec = specs[path]
+        logical = tuple(spec.get_value() if isinstance(spec, nnx.Variable) else spec or ())
+        nbytes = _per_device_bytes(var, logical, mesh)
+        if isinstance(var, nnx.Param):
+            n += math.prod(var.shape)
+            params += nbytes
+            opt += OPTIMIZERS[optimizer] * nbytes // jnp.dtype(var.dtype).itemsize * opt_itemsize
+        else:
+            other += nbytes
+    return ModelState(num_params=n, params=params, grads=params, optimizer=opt, other=other,
+                      optimizer_name=optimizer)
+
+
+def tag_bytes(model, batch: int, seq: int, mesh) -> dict[str, dict[str, int]]:
+    """{stack: {tag: per-device bytes of one layer's tensor}} at global [batch, seq] under `mesh`."""
+    shapes = model.tag_shapes(batch, seq)
+    per_device = sharding.tag_shard_shapes(model, batch, seq, mesh)
+    return {s: {t: math.prod(per_device[s].get(t, sds.shape)) * jnp.dtype(sds.dtype).itemsize
+                for t, sds in st.tags.items()} for s, st in shapes.items()}
