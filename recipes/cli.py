@@ -23,24 +23,22 @@ class HelpFormatter(argparse.HelpFormatter):
         return text
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _positive(cast: type, noun: str):
+    """An argparse type: text -> a finite `cast` value > 0, or an error naming what was expected."""
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive {noun}, got {text!r}") from None
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"expected a positive finite {noun}, got {text!r}")
+        return value
+    parse.__name__ = f"positive_{cast.__name__}"
+    return parse
 
 
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
-    return value
+positive_int = _positive(int, "integer")
+positive_float = _positive(float, "number")
 
 
 def field_override(text: str) -> tuple[str, str]:
