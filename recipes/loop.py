@@ -191,16 +191,11 @@ def kernel_choices(model_cfg, device: jax.Device) -> dict[str, str]:
 
 def build_sharded(family: Family, model_cfg, recipe: zoo.Recipe, mesh, make_opt: Callable, *, seed: int):
     """(model, optimizer) created on `mesh` by the rules (`zoo.sharding.init`: an abstract init, then one jitted
-    init onto the shardings; no device holds a full copy of a sharded variable). Values are `build_model`'s."""
+    init onto the shardings; no device holds a full copy of a sharded variable). Values are the unsharded build's."""
     def make():
         model = family.build(model_cfg, recipe=recipe, rngs=nnx.Rngs(seed))
         return model, make_opt(model)
     return zoo.sharding.init(make, mesh)
-
-
-def build_model(family: Family, model_cfg, recipe: zoo.Recipe, *, seed: int) -> nnx.Module:
-    """Initialise the model in one compiled program (eagerly, every initializer would compile on its own)."""
-    return nnx.jit(lambda: family.build(model_cfg, recipe=recipe, rngs=nnx.Rngs(seed)))()
 
 
 def show_memory_plan(console: Console, model_cfg, recipe: zoo.Recipe, *, batch: int, seq: int,
