@@ -90,6 +90,7 @@ def jobs(anchor_dir: str, out: str) -> list[Job]:
         zoo("minimal_offload", "xla", flags="double_buffer"),
         zoo("minimal_offload", "explicit", flags="double_buffer"),
         zoo("minimal_offload", "xla", flags="no_cmd_buffer"),
+        zoo("minimal_offload", "xla", flags="selective"),
         zoo("qkv_offload", "explicit"),
         zoo("save_qkv", "xla", shape="8b", layers=8, est=55),
         zoo("qkv_offload", "xla", shape="8b", layers=8, est=55),
