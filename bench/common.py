@@ -29,6 +29,13 @@ def matmul_params(model) -> int:
     return total
 
 
+def llama_step_flops(cfg, model, batch: int, seq: int) -> float:
+    """Model FLOPs of one training step of a Llama slice: 6 x matmul parameters x tokens plus causal attention
+    (QK^T and PV over half the keys), forward and backward (x3)."""
+    attention = 2 * 2 * batch * seq * seq * cfg.num_heads * cfg.head_dim / 2 * cfg.num_layers
+    return 3 * (2 * batch * seq * matmul_params(model) + attention)
+
+
 def sgd_step_fn(graphdef, lr: float = 1e-4, param_shardings=None):
     """A plain SGD step (as the plain-JAX anchors do): memory is params + grads + activations. With
     `param_shardings`, the updated parameters keep them (a sharded step is called again on its own output)."""

@@ -16,7 +16,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from bench.common import guarded, matmul_params, measure, planned, sharded_inputs
+from bench.common import guarded, llama_step_flops, measure, planned, sharded_inputs
 from recipes.registry import recipes_of
 from zoo.models.registry import family
 
@@ -44,9 +44,7 @@ def main():
     def run():
         tokens = jax.random.randint(jax.random.key(1), (a.batch, a.seq), 0, cfg.vocab_size, jnp.int32)
         model, tokens, mesh = sharded_inputs(FAMILY.build, cfg, recipe, tokens, a.mesh)
-        tok = a.batch * a.seq
-        attn = 2 * 2 * a.batch * a.seq * a.seq * cfg.num_heads * cfg.head_dim / 2 * cfg.num_layers
-        flops = 3 * (2 * tok * matmul_params(model) + attn)
+        flops = llama_step_flops(cfg, model, a.batch, a.seq)
         plan = planned(cfg, recipe, batch=a.batch, seq=a.seq, optimizer="sgd", mesh=a.mesh)
         return dict(measure(model, tokens, flops_per_step=flops, steps=a.steps, warmup=1 if a.mesh else 2, mesh=mesh),
                     **plan)

@@ -26,8 +26,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 import zoo
-from bench.common import guarded, matmul_params, sgd_step_fn
+from bench.common import guarded, llama_step_flops, sgd_step_fn
 from recipes.llama3 import RECIPES
+from zoo.plan import peak as peak_lib
 
 PRESETS = {"405b": zoo.models.LlamaConfig.llama3_1_405b, "8b": zoo.models.LlamaConfig.llama3_1_8b,
            "tiny": zoo.models.LlamaConfig.tiny}
@@ -79,9 +80,7 @@ def main():
     def run():
         model = zoo.models.llama3(cfg, recipe=recipe, rngs=nnx.Rngs(0))
         tokens = jax.random.randint(jax.random.key(1), (batch, seq), 0, cfg.vocab_size, jnp.int32)
-        tok = batch * seq
-        attn = 2 * 2 * batch * seq * seq * cfg.num_heads * cfg.head_dim / 2 * cfg.num_layers
-        flops = 3 * (2 * tok * matmul_params(model) + attn)
+        flops = llama_step_flops(cfg, model, batch, seq)
         try:
             planned = round(zoo.plan(cfg, recipe, batch=batch, seq=seq).host_bytes / 2**30, 3)
         except Exception as e:  # the plan is a comparison, not a precondition
@@ -107,8 +106,7 @@ def main():
         out = dict(step_s=round(step_s, 4), step_s_spread=round(max(times) - min(times), 4),
                    tflops=round(flops / step_s / 1e12, 1),
                    peak_gib=round(stats.get("peak_bytes_in_use", 0) / 2**30, 2),
-                   planned_peak_gib=round((ma.temp_size_in_bytes + ma.argument_size_in_bytes
-                                           + ma.output_size_in_bytes - ma.alias_size_in_bytes) / 2**30, 2),
+                   planned_peak_gib=round(peak_lib.from_compiled(compiled).bytes / 2**30, 2),
                    temp_gib=round(ma.temp_size_in_bytes / 2**30, 2),
                    host_temp_gib=round(getattr(ma, "host_temp_size_in_bytes", 0) / 2**30, 2),
                    planned_host_gib=planned, has_S5="S(5)" in text, compile_s=round(compile_s, 1),
