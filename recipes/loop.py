@@ -386,18 +386,26 @@ def _run(cfg: RunConfig, console: Console) -> Result:
             state, m = compiled(state, batch)
             m = jax.device_get(m)
             if not m["ok"]:
-                # The step left `state` as it was: that is the last good state, after step - 1.
-                if ckpts is not None and step - 1 > 0 and last_ckpt != step - 1:
+                # The step left `state` as it was (unless `kept` says an update that passed the guard still made a
+                # parameter non-finite): then it is the last good state, after step - 1.
+                kept = bool(m.get("kept", True))
+                if kept and ckpts is not None and step - 1 > 0 and last_ckpt != step - 1:
                     save(step - 1)
                 where = (f"The last good checkpoint is step {last_ckpt} in {ckpts.directory}" if last_ckpt
                          else "No checkpoint was written (no --ckpt-dir, or no good step yet)")
                 progress.stop()
-                cause = (f"the loss ({m['total_loss']}) or the gradient norm ({m['grad_norm']}) is not finite"
-                         if not (math.isfinite(m["total_loss"]) and math.isfinite(m["grad_norm"])) else
-                         f"the update made parameters non-finite (the loss {m['total_loss']:.4f} and the gradient "
-                         f"norm {m['grad_norm']:.4f} are finite: check --lr)")
-                console.print(f"[bold red]step {step}: {cause}; the update was not applied and the run stops. "
-                              f"{where}.[/]", soft_wrap=True)
+                if not (math.isfinite(m["total_loss"]) and math.isfinite(m["grad_norm"])):
+                    cause = f"the loss ({m['total_loss']}) or the gradient norm ({m['grad_norm']}) is not finite"
+                elif "lr" in m and not math.isfinite(m["lr"]):
+                    cause = (f"the learning rate ({m['lr']}) is not finite (the loss {m['total_loss']:.4f} and the "
+                             f"gradient norm {m['grad_norm']:.4f} are: check --lr and the schedule)")
+                else:
+                    cause = (f"the update made parameters non-finite (the loss {m['total_loss']:.4f} and the "
+                             f"gradient norm {m['grad_norm']:.4f} are finite: check --lr)")
+                what = ("the update was not applied" if kept else
+                        "the update was applied (an overflow the guard cannot foresee) and is not saved")
+                console.print(f"[bold red]step {step}: {cause}; {what} and the run stops. {where}.[/]",
+                              soft_wrap=True)
                 result.stopped = "nonfinite"
                 break
             loss = float(m["loss"])

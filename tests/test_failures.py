@@ -150,7 +150,8 @@ def test_case02_nan_guard_checks_the_updated_parameters(tiny_model, tmp_path, ca
                                      ckpt_every=2))
     out = capsys.readouterr().out
     assert result.stopped == "nonfinite" and result.steps == [1, 2, 3], out
-    assert "step 4: the update made parameters non-finite (the loss" in out and "check --lr" in out
+    assert "step 4: the learning rate (nan) is not finite (the loss" in out and "check --lr" in out
+    assert "the update was not applied" in out
     assert "The last good checkpoint is step 3" in out and Checkpoints(ckpt).steps() == [2, 3]
     assert not guard.nonfinite_leaves(nnx.state(result.model))      # the state after step 3, as returned
 

@@ -74,6 +74,7 @@ from einops import rearrange, repeat
 from flax import nnx
 
 from zoo import sharding
+from zoo.layers import grouped_matmul
 from zoo.layers.linear import fan_in_init, logical
 from zoo.layers.mlp import MLP
 from zoo.layers.tagged import TaggedLayer
@@ -199,7 +200,9 @@ def backend_choice(backend: str, *, dtype=jnp.bfloat16, device: jax.Device | Non
         if not ok:
             raise ValueError(f"moe_backend='tokamax' needs the tokamax package (pip install tokamax; jax >= 0.11.1): "
                              f"{why}; use 'ragged_dot' or 'capacity'")
-        return "tokamax", f"asked for ({why})"
+        device = device or jax.devices()[0]
+        tiles = f"; {grouped_matmul.tiles_for(device.device_kind)[1]}" if _is_nvidia(device) else ""
+        return "tokamax", f"asked for ({why}){tiles}"
     if backend != "auto":
         return backend, "asked for"
     device = device or jax.devices()[0]
@@ -209,7 +212,8 @@ def backend_choice(backend: str, *, dtype=jnp.bfloat16, device: jax.Device | Non
     if ok:
         why = _tokamax_kernel_covers(device, dtype)
         if why is None:
-            return "tokamax", f"auto on {device.device_kind}: tokamax's Mosaic GPU grouped matmul, dropless"
+            return "tokamax", (f"auto on {device.device_kind}: tokamax's Mosaic GPU grouped matmul, dropless; "
+                               f"{grouped_matmul.tiles_for(device.device_kind)[1]}")
     return "capacity", (f"auto on {device.device_kind}: capacity dispatch (drops copies over capacity; counted in "
                         f"aux['dropped']), because tokamax is unusable ({why}) and jax.lax.ragged_dot computes "
                         f"every expert for every row on GPUs")
@@ -222,10 +226,15 @@ def resolve_backend(backend: str, *, dtype=jnp.bfloat16, device: jax.Device | No
 
 def _tokamax_ragged_dot() -> Callable:
     tokamax = importlib.import_module("tokamax")
-    # On an NVIDIA GPU name the Mosaic kernel: an unsupported case raises instead of silently taking XLA's dense
-    # ragged_dot. Elsewhere (CPU tests) tokamax chooses, i.e. XLA.
-    impl = "mosaic" if _is_nvidia(jax.devices()[0]) else None
-    return functools.partial(tokamax.ragged_dot, implementation=impl)
+    device = jax.devices()[0]
+    if not _is_nvidia(device):  # CPU tests: tokamax chooses, i.e. XLA
+        return functools.partial(tokamax.ragged_dot, implementation=None)
+    # On an NVIDIA GPU the Mosaic kernel by name: an unsupported case raises instead of silently taking XLA's
+    # dense ragged_dot. With measured tiles for this device, every problem (forward and backward) runs its own.
+    tiles, _ = grouped_matmul.tiles_for(device.device_kind)
+    if tiles:
+        return grouped_matmul.tokamax_tiled(tiles)
+    return functools.partial(tokamax.ragged_dot, implementation="mosaic")
 
 
 # backend -> a factory of its grouped matmul, with `jax.lax.ragged_dot`'s signature (rows [N, D] sorted by group,
