@@ -104,7 +104,7 @@ def main():
         for c in candidates(problem):
             op = PallasMosaicRaggedDot() if c is None else PallasMosaicRaggedDot(
                 config=PallasMosaicRaggedDotConfig(**c))
-            fn = jax.jit(lambda lhs, rhs, gs, op=op: op(lhs, rhs, group_sizes=gs, **kw))
+            fn = jax.jit(lambda lhs, rhs, gs, op=op, kw=kw: op(lhs, rhs, group_sizes=gs, **kw))
             rec = dict(bench="tokamax-tiles", impl="tokamax", problem=problem, shape=shape, M=m, E=e,
                        config=c or "tokamax default")
             try:
@@ -148,7 +148,7 @@ def main():
             full = {c: sum(t.values()) for c, t in by_config.items() if len(t) == len(shapes)}
             if full:
                 chosen[problem] = json.loads(min(full, key=full.get))
-            for shape, (s, c) in best.get(problem, {}).items():
+            for shape, (_s, c) in best.get(problem, {}).items():
                 chosen[f"{problem}:{shapes[shape][0]}x{shapes[shape][1]}"] = c
         with open(a.out, "w") as fh:
             json.dump(chosen, fh, indent=1)
