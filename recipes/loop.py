@@ -381,9 +381,11 @@ def _run(cfg: RunConfig, console: Console) -> Result:
     drops = DropWatch(console, cfg.max_drop_warn, cfg.log_every)
     t_last, n_since = time.perf_counter(), 0
     try:
+        batch = mesh_lib.put_batch(source.batch(start + 1), mesh) if start < cfg.steps else None
         for step in range(start + 1, cfg.steps + 1):
-            batch = mesh_lib.put_batch(source.batch(step), mesh)
-            state, m = compiled(state, batch)
+            state, m = compiled(state, batch)   # dispatched: the device runs the step while the host goes on
+            if step < cfg.steps:                 # the next batch is made and sent meanwhile, not while the device idles
+                batch = mesh_lib.put_batch(source.batch(step + 1), mesh)
             m = jax.device_get(m)
             if not m["ok"]:
                 # The step left `state` as it was (unless `kept` says an update that passed the guard still made a
