@@ -149,32 +149,63 @@ def _link(device_kind: str, link_gbps: float | None, overlap: float | None) -> t
     return link_gbps, ov, src
 
 
-def _peak(cfg, recipe, mode, compiled, *, batch, seq, shard, optimizer, opt_dtype, device, floor, shapes):
+def _peak_target(mode, compiled, *, device, mesh, amesh, shard) -> tuple[str | None, object, str]:
+    """How the peak is found, decided before anything is traced: (mode: "compiled" (given), "compile", "estimate"
+    or None; the mesh to compile on or to label a given compiled step with; why it is estimated). ValueError for a
+    bad `peak`, or for peak="compile" where nothing here can compile the step asked for."""
     kind, same, present = _target(device)
     if compiled is not None:
-        return peak_lib.from_compiled(compiled, present)
+        return "compiled", mesh if isinstance(mesh, jax.sharding.Mesh) else amesh, ""
     if mode is None:
-        return None
+        return None, None, ""
     if mode not in ("auto", "compile", "estimate"):
         raise ValueError(f"peak={mode!r}: choose 'auto', 'compile', 'estimate' or None")
+    if mode == "compile" and not same:
+        raise ValueError(f"peak='compile' compiles for the device present ({peak_lib.device_label(present)}), "
+                         f"not for {device!r}: plan there, or take the estimate")
+    concrete, why = None, ""
+    if not same:
+        why = f"planned for {kind} on {peak_lib.device_label(present)}"
+    elif amesh is None and shard > 1:
+        if mode == "compile":
+            raise ValueError(f"peak='compile' with shard={shard}: a uniform split is not a program; give "
+                             f"mesh='fsdp={shard}' (or another mesh) to compile the sharded step")
+        why = f"shard={shard} is a uniform split: mesh= compiles the sharded step"
+    elif amesh is not None:
+        from zoo import sharding
+        from zoo.plan import mesh as mesh_plan
+        n = mesh_plan.devices(amesh)
+        if isinstance(mesh, jax.sharding.Mesh):
+            concrete = mesh
+        else:
+            devices = jax.devices()
+            if n <= len(devices):
+                concrete = sharding.make_mesh(sharding.mesh_sizes(amesh), devices[:n])
+            elif mode == "compile":
+                raise ValueError(f"peak='compile' under mesh {peak_lib.mesh_label(amesh)} needs {n} devices, but "
+                                 f"{len(devices)} {present.platform} device(s) are present: plan on a machine with "
+                                 f"{n}, or take the estimate")
+            else:
+                why = (f"mesh {peak_lib.mesh_label(amesh)} needs {n} devices, {len(devices)} "
+                       f"{peak_lib.device_label(present)} present")
     if mode == "auto":
-        mode = "compile" if same and present.platform != "cpu" and shard == 1 else "estimate"
+        mode = "compile" if not why and present.platform != "cpu" else "estimate"
+    if mode == "estimate" and not why:
+        why = "not compiled on the CPU: --peak compile does" if present.platform == "cpu" else "peak='estimate'"
+    return mode, concrete, why
+
+
+def _peak(cfg, recipe, target, compiled, *, batch, seq, shard, optimizer, opt_dtype, floor, shapes):
+    mode, mesh, why = target
+    if mode is None:
+        return None
+    if mode == "compiled":
+        return peak_lib.from_compiled(compiled, mesh=mesh)
     if mode == "compile":
-        if not same:
-            raise ValueError(f"peak='compile' compiles for the device present ({peak_lib.device_label(present)}), "
-                             f"not for {device!r}: plan there, or take the estimate")
-        if shard > 1:
-            raise ValueError("peak='compile' compiles one device's step: with shard > 1 the step is sharded (a "
-                             "mesh); take the estimate")
-        from zoo.models.registry import family_of
-        from zoo.train_step import compile_abstract
-        step, _, _ = compile_abstract(family_of(cfg), cfg, recipe, batch=batch, seq=seq, optimizer=optimizer,
-                                      opt_dtype=opt_dtype)
-        return peak_lib.from_compiled(step, present)
+        step = peak_lib.compile_step(cfg, recipe, batch=batch, seq=seq, optimizer=optimizer, opt_dtype=opt_dtype,
+                                     mesh=mesh)
+        return peak_lib.from_compiled(step, mesh=mesh)
     layer = max(sum(ceil_div(sds_nbytes(t), shard) for t in st.tags.values()) for st in shapes.values())
-    why = (f"planned for {kind} on {peak_lib.device_label(present)}" if not same else
-           "not compiled on the CPU: --peak compile does" if present.platform == "cpu"
-           else "shard > 1: no mesh to compile the sharded step on")
     return peak_lib.estimate(floor, batch=batch, seq=seq, shard=shard, vocab=cfg.vocab_size, layer_bytes=layer,
                              why=why)
 
@@ -227,6 +258,7 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
                          f"batch must be a multiple of the device count)")
     for n, v in (("hbm_gib", hbm_gib), ("host_gib", host_gib), ("link_gbps", link_gbps), ("tflops", tflops)):
         _check_positive(n, v, float)
+    target = _peak_target(peak, compiled, device=device_kind, mesh=mesh, amesh=amesh, shard=shard)
     is_auto = isinstance(recipe, str) and recipe == "auto"
     kind, _, _ = _target(device_kind)
     link_gbps, overlap, link_source = _link(kind, link_gbps, overlap)
@@ -301,8 +333,8 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
     if recipe.special == "none":
         extra.append("recipe 'none' keeps every intermediate JAX saves, untagged ones included (attention "
                      "probabilities on the XLA path): counted from JAX's own list of residuals")
-    pk = _peak(cfg, recipe, peak, compiled, batch=batch, seq=seq, shard=shard, optimizer=optimizer,
-               opt_dtype=opt_dtype, device=device_kind, floor=activation + state.total, shapes=shapes)
+    pk = _peak(cfg, recipe, target, compiled, batch=batch, seq=seq, shard=shard, optimizer=optimizer,
+               opt_dtype=opt_dtype, floor=activation + state.total, shapes=shapes)
     if pk is not None and hbm_budget is not None and pk.bytes > hbm_budget:
         extra.append(f"peak HBM {fmt_bytes(pk.bytes)} ({pk.source}) is over the budget of {fmt_bytes(hbm_budget)}")
     return Plan(model=model_name or type(cfg).__name__, recipe=recipe, batch=batch, seq=seq, shard=shard,
