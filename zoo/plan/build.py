@@ -32,8 +32,10 @@ Not counted in the per-tag figures: the embedding, final norm, LM head and loss 
 float32 among them), XLA's temporaries, copy buffers for overlapping transfers and fragmentation: those figures
 are a floor. The peak (``Plan.peak_bytes``, ``zoo.plan.peak``) counts them: on the device present the training
 step (``zoo.train_step``, the main job's own) is compiled on abstract inputs and XLA's memory analysis read
-(``peak="compile"``; ``"auto"`` does so on an accelerator); planning for another device (``device_kind=``) or on the
-CPU by default it is an estimate, labelled so (``Plan.peak_source``).
+(``peak="compile"``; ``"auto"`` does so on an accelerator); under a mesh whose devices are present, the sharded
+step is compiled as the main job compiles it and the figure is per device. Planning for another device
+(``device_kind=``), for a mesh larger than the devices present, with ``shard=N`` (a uniform split, not a program),
+or on the CPU by default, it is an estimate, labelled so (``Plan.peak_source``).
 
 ``recipe="auto"`` chooses each tag's placement for an HBM budget, a host link and a FLOP rate (see
 ``zoo.plan.auto.choose``), and says why each tag landed where it did.
@@ -229,12 +231,18 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
     (`zoo.train_step`, with `optimizer` and `opt_dtype`) on abstract inputs for the device present; "estimate"
     does not compile (see `zoo.plan.peak`); "auto" compiles on an accelerator that is the device planned for, and
     estimates otherwise (on the CPU, where a full-size step compiles slowly and says nothing of a GPU); None skips
-    it. `compiled` is a step already compiled (the main job's): its memory analysis is used as is.
-    See the module docstring for what is counted and how.
+    it. `compiled` is a step already compiled (the main job's; under `mesh`, sharded on it): its memory analysis
+    is used as is. See the module docstring for what is counted and how.
 
     `mesh` (a spec "fsdp=4,tp=2", a {axis: size} dict, a Mesh or an AbstractMesh; instead of `shard`) gives
     per-device figures by the sharding rules (`zoo.plan.mesh`): model state from each variable's per-device
-    shape, each tag's bytes from its per-device shape at the tag site; nothing runs, no devices are needed.
+    shape, each tag's bytes from its per-device shape at the tag site; no devices are needed for these. The peak
+    under a mesh is compiled when its devices are present (a Mesh; or a spec, dict or AbstractMesh of at most
+    `jax.device_count()` devices, laid out on the first of them): the sharded step, as the main job compiles it,
+    whose memory analysis is one device's ("compiled for 4 x ... (mesh fsdp=4), per device"); "auto" does so on
+    an accelerator, "compile" on the CPU too (fake devices: `--xla_force_host_platform_device_count`), and raises
+    a ValueError naming the mesh's device count and the devices present when there are too few. With `shard=N`
+    the peak is only estimated ("compile" raises: give a mesh).
     """
     if isinstance(cfg, nnx.Module) and hasattr(cfg, "config"):
         cfg = cfg.config

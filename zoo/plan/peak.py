@@ -15,7 +15,8 @@
   the activation constraints apply. XLA partitions it (SPMD) and its memory analysis is one device's program:
   every figure is per device (a tiny Llama's argument bytes are one device's / 4 under fsdp=4, / 8 under fsdp=8,
   on jax 0.10.2 and 0.11.2 alike); the devices of the mesh must be present.
-- **estimate** (planning for another device, e.g. an H200 config on a laptop): a CPU compile is not a GPU's
+- **estimate** (planning for another device, e.g. an H200 config on a laptop, or for a mesh larger than the
+  devices present, or a uniform `shard=N` split, which is no program to compile): a CPU compile is not a GPU's
   program: the CPU has no pinned host memory space (an offloaded residual stays in device memory there, so an
   offload recipe would look as heavy as saving), it fuses differently, upcasts bf16 arithmetic to float32 and
   runs XLA's attention where the GPU runs cuDNN's. So the estimate is the planner's own floor (saved activations
