@@ -17,10 +17,10 @@ from __future__ import annotations
 import jax
 
 import zoo
-from zoo.plan import peak as peak_lib
 from recipes import loop
 from recipes.deepseek_v3 import RECIPES as DS_RECIPES
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
+from zoo.plan import peak as peak_lib
 
 assert jax.device_count() == 8, jax.devices()
 B, S = 8, 16
