@@ -120,11 +120,13 @@ def measure(model, tokens, *, flops_per_step: float, steps: int = 6, warmup: int
 
 
 def planned(cfg, recipe, *, batch: int, seq: int, optimizer: str = "adamw", peak: str = "auto",
-            mesh: str | None = None) -> dict:
+            mesh=None) -> dict:
     """The planner's host bytes and peak-HBM prediction for the record: on a GPU the main job's training step
     (zoo.train_step, with `optimizer`) compiled on abstract inputs for the device present (`planned_peak_source`
-    says "compiled for ..."), elsewhere, and under a `mesh` (per device; `batch` is then the global batch), the
-    planner's labelled estimate. `planned_floor_gib` is the floor (saved activations + model state)."""
+    says "compiled for ..."); under a `mesh` (a spec such as "fsdp=2", or a Mesh; `batch` is then the global batch)
+    every figure is per device and, on the GPUs of the mesh, the peak is the sharded step's compiled per-device
+    figure ("compiled for 2 x NVIDIA H200 (gpu) (mesh fsdp=2), per device"). Elsewhere (the CPU, too few devices)
+    the planner's labelled estimate. `planned_floor_gib` is the floor (saved activations + model state)."""
     import zoo
 
     p = zoo.plan(cfg, recipe, batch=batch, seq=seq, optimizer=optimizer, peak=peak,

@@ -7,7 +7,8 @@ untied LM head (counted in its FLOPs). Prints one JSON line.
 
 With `--mesh fsdp=2` the model is created sharded (`zoo.sharding`), `--batch` is the GLOBAL batch (4 on two GPUs
 is 2 per GPU, as ../shared/anchor/plain_jax_llama_fsdp.py's `2`), and the record carries gpus, mesh, tflops per
-GPU, peak_gib (the largest device's) and the planner's per-device figures under the mesh.
+GPU, peak_gib (the largest device's) and the planner's per-device figures under the mesh (its peak compiled for the
+mesh's GPUs: `planned_peak_source` "compiled for 2 x ... (mesh fsdp=2), per device").
 """
 from __future__ import annotations
 

@@ -7,6 +7,10 @@ sharding rules on an abstract mesh (no devices: this runs on one CPU).
   a norm scale has no tp axis, so parameters are more than one device's / 8 and at most / 4.
 - DeepSeek-V3 under fsdp=2 x ep=4: the offloaded MoE buffers are split over experts and groups: host / 8; expert
   weights / 8, the other parameters / 2.
+- The peak under a mesh: compiled (the sharded step, per device) when the mesh's devices are present
+  (`tests/mesh_peaks.py`, in a subprocess with 8 fake CPU devices; it also checks the main job's plan under
+  fsdp=4 x tp=2); on one CPU device, `peak="compile"` under a larger mesh is a ValueError naming the mesh's device
+  count and the devices present, and "auto" estimates (on the CPU, as for one device).
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 import zoo
@@ -78,3 +83,29 @@ def test_cli_mesh_prints_per_device_json_and_refuses_shard_with_mesh():
     out = subprocess.run(base + ["--mesh", "fsdp=8", "--shard", "8"], env=env, cwd=ROOT, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 2 and "not both" in out.stderr
+
+
+def test_compile_under_a_mesh_larger_than_the_devices_present_raises_naming_both_numbers():
+    n = 2 * jax.device_count()
+    if LLAMA.dim % n:
+        pytest.skip(f"{n} does not divide the tiny model's dim")
+    with pytest.raises(ValueError, match=rf"mesh fsdp={n} needs {n} devices, but {n // 2} cpu device\(s\) are "
+                                         rf"present"):
+        zoo.plan(LLAMA, LLAMA_RECIPES["full"], batch=n, seq=16, mesh=f"fsdp={n}", peak="compile")
+    p = zoo.plan(LLAMA, LLAMA_RECIPES["full"], batch=n, seq=16, mesh=f"fsdp={n}")   # auto: an estimate, and why
+    assert not p.peak.compiled and p.peak_source == f"estimate (mesh fsdp={n} needs {n} devices, {n // 2} cpu present)"
+    with pytest.raises(ValueError, match="shard=2: a uniform split is not a program; give mesh='fsdp=2'"):
+        zoo.plan(LLAMA, LLAMA_RECIPES["full"], batch=2, seq=16, shard=2, peak="compile")
+
+
+def test_auto_estimates_a_mesh_peak_on_the_cpu_even_with_the_devices_present():
+    p = zoo.plan(LLAMA, LLAMA_RECIPES["qkv_offload"], batch=8, seq=16, mesh=f"fsdp={jax.device_count()}")
+    assert not p.peak.compiled and p.peak_source == "estimate (not compiled on the CPU: --peak compile does)"
+
+
+def test_the_sharded_step_is_compiled_per_device_and_the_main_job_plans_with_it():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-m", "tests.mesh_peaks"], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout[-3000:] + out.stderr[-3000:]

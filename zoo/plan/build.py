@@ -32,8 +32,10 @@ Not counted in the per-tag figures: the embedding, final norm, LM head and loss 
 float32 among them), XLA's temporaries, copy buffers for overlapping transfers and fragmentation: those figures
 are a floor. The peak (``Plan.peak_bytes``, ``zoo.plan.peak``) counts them: on the device present the training
 step (``zoo.train_step``, the main job's own) is compiled on abstract inputs and XLA's memory analysis read
-(``peak="compile"``; ``"auto"`` does so on an accelerator); planning for another device (``device_kind=``) or on the
-CPU by default it is an estimate, labelled so (``Plan.peak_source``).
+(``peak="compile"``; ``"auto"`` does so on an accelerator); under a mesh whose devices are present, the sharded
+step is compiled as the main job compiles it and the figure is per device. Planning for another device
+(``device_kind=``), for a mesh larger than the devices present, with ``shard=N`` (a uniform split, not a program),
+or on the CPU by default, it is an estimate, labelled so (``Plan.peak_source``).
 
 ``recipe="auto"`` chooses each tag's placement for an HBM budget, a host link and a FLOP rate (see
 ``zoo.plan.auto.choose``), and says why each tag landed where it did.
@@ -149,32 +151,63 @@ def _link(device_kind: str, link_gbps: float | None, overlap: float | None) -> t
     return link_gbps, ov, src
 
 
-def _peak(cfg, recipe, mode, compiled, *, batch, seq, shard, optimizer, opt_dtype, device, floor, shapes):
+def _peak_target(mode, compiled, *, device, mesh, amesh, shard) -> tuple[str | None, object, str]:
+    """How the peak is found, decided before anything is traced: (mode: "compiled" (given), "compile", "estimate"
+    or None; the mesh to compile on or to label a given compiled step with; why it is estimated). ValueError for a
+    bad `peak`, or for peak="compile" where nothing here can compile the step asked for."""
     kind, same, present = _target(device)
     if compiled is not None:
-        return peak_lib.from_compiled(compiled, present)
+        return "compiled", mesh if isinstance(mesh, jax.sharding.Mesh) else amesh, ""
     if mode is None:
-        return None
+        return None, None, ""
     if mode not in ("auto", "compile", "estimate"):
         raise ValueError(f"peak={mode!r}: choose 'auto', 'compile', 'estimate' or None")
+    if mode == "compile" and not same:
+        raise ValueError(f"peak='compile' compiles for the device present ({peak_lib.device_label(present)}), "
+                         f"not for {device!r}: plan there, or take the estimate")
+    concrete, why = None, ""
+    if not same:
+        why = f"planned for {kind} on {peak_lib.device_label(present)}"
+    elif amesh is None and shard > 1:
+        if mode == "compile":
+            raise ValueError(f"peak='compile' with shard={shard}: a uniform split is not a program; give "
+                             f"mesh='fsdp={shard}' (or another mesh) to compile the sharded step")
+        why = f"shard={shard} is a uniform split: mesh= compiles the sharded step"
+    elif amesh is not None:
+        from zoo import sharding
+        from zoo.plan import mesh as mesh_plan
+        n = mesh_plan.devices(amesh)
+        if isinstance(mesh, jax.sharding.Mesh):
+            concrete = mesh
+        else:
+            devices = jax.devices()
+            if n <= len(devices):
+                concrete = sharding.make_mesh(sharding.mesh_sizes(amesh), devices[:n])
+            elif mode == "compile":
+                raise ValueError(f"peak='compile' under mesh {peak_lib.mesh_label(amesh)} needs {n} devices, but "
+                                 f"{len(devices)} {present.platform} device(s) are present: plan on a machine with "
+                                 f"{n}, or take the estimate")
+            else:
+                why = (f"mesh {peak_lib.mesh_label(amesh)} needs {n} devices, {len(devices)} "
+                       f"{peak_lib.device_label(present)} present")
     if mode == "auto":
-        mode = "compile" if same and present.platform != "cpu" and shard == 1 else "estimate"
+        mode = "compile" if not why and present.platform != "cpu" else "estimate"
+    if mode == "estimate" and not why:
+        why = "not compiled on the CPU: --peak compile does" if present.platform == "cpu" else "peak='estimate'"
+    return mode, concrete, why
+
+
+def _peak(cfg, recipe, target, compiled, *, batch, seq, shard, optimizer, opt_dtype, floor, shapes):
+    mode, mesh, why = target
+    if mode is None:
+        return None
+    if mode == "compiled":
+        return peak_lib.from_compiled(compiled, mesh=mesh)
     if mode == "compile":
-        if not same:
-            raise ValueError(f"peak='compile' compiles for the device present ({peak_lib.device_label(present)}), "
-                             f"not for {device!r}: plan there, or take the estimate")
-        if shard > 1:
-            raise ValueError("peak='compile' compiles one device's step: with shard > 1 the step is sharded (a "
-                             "mesh); take the estimate")
-        from zoo.models.registry import family_of
-        from zoo.train_step import compile_abstract
-        step, _, _ = compile_abstract(family_of(cfg), cfg, recipe, batch=batch, seq=seq, optimizer=optimizer,
-                                      opt_dtype=opt_dtype)
-        return peak_lib.from_compiled(step, present)
+        step = peak_lib.compile_step(cfg, recipe, batch=batch, seq=seq, optimizer=optimizer, opt_dtype=opt_dtype,
+                                     mesh=mesh)
+        return peak_lib.from_compiled(step, mesh=mesh)
     layer = max(sum(ceil_div(sds_nbytes(t), shard) for t in st.tags.values()) for st in shapes.values())
-    why = (f"planned for {kind} on {peak_lib.device_label(present)}" if not same else
-           "not compiled on the CPU: --peak compile does" if present.platform == "cpu"
-           else "shard > 1: no mesh to compile the sharded step on")
     return peak_lib.estimate(floor, batch=batch, seq=seq, shard=shard, vocab=cfg.vocab_size, layer_bytes=layer,
                              why=why)
 
@@ -198,12 +231,18 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
     (`zoo.train_step`, with `optimizer` and `opt_dtype`) on abstract inputs for the device present; "estimate"
     does not compile (see `zoo.plan.peak`); "auto" compiles on an accelerator that is the device planned for, and
     estimates otherwise (on the CPU, where a full-size step compiles slowly and says nothing of a GPU); None skips
-    it. `compiled` is a step already compiled (the main job's): its memory analysis is used as is.
-    See the module docstring for what is counted and how.
+    it. `compiled` is a step already compiled (the main job's; under `mesh`, sharded on it): its memory analysis
+    is used as is. See the module docstring for what is counted and how.
 
     `mesh` (a spec "fsdp=4,tp=2", a {axis: size} dict, a Mesh or an AbstractMesh; instead of `shard`) gives
     per-device figures by the sharding rules (`zoo.plan.mesh`): model state from each variable's per-device
-    shape, each tag's bytes from its per-device shape at the tag site; nothing runs, no devices are needed.
+    shape, each tag's bytes from its per-device shape at the tag site; no devices are needed for these. The peak
+    under a mesh is compiled when its devices are present (a Mesh; or a spec, dict or AbstractMesh of at most
+    `jax.device_count()` devices, laid out on the first of them): the sharded step, as the main job compiles it,
+    whose memory analysis is one device's ("compiled for 4 x ... (mesh fsdp=4), per device"); "auto" does so on
+    an accelerator, "compile" on the CPU too (fake devices: `--xla_force_host_platform_device_count`), and raises
+    a ValueError naming the mesh's device count and the devices present when there are too few. With `shard=N`
+    the peak is only estimated ("compile" raises: give a mesh).
     """
     if isinstance(cfg, nnx.Module) and hasattr(cfg, "config"):
         cfg = cfg.config
@@ -227,6 +266,7 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
                          f"batch must be a multiple of the device count)")
     for n, v in (("hbm_gib", hbm_gib), ("host_gib", host_gib), ("link_gbps", link_gbps), ("tflops", tflops)):
         _check_positive(n, v, float)
+    target = _peak_target(peak, compiled, device=device_kind, mesh=mesh, amesh=amesh, shard=shard)
     is_auto = isinstance(recipe, str) and recipe == "auto"
     kind, _, _ = _target(device_kind)
     link_gbps, overlap, link_source = _link(kind, link_gbps, overlap)
@@ -301,8 +341,8 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
     if recipe.special == "none":
         extra.append("recipe 'none' keeps every intermediate JAX saves, untagged ones included (attention "
                      "probabilities on the XLA path): counted from JAX's own list of residuals")
-    pk = _peak(cfg, recipe, peak, compiled, batch=batch, seq=seq, shard=shard, optimizer=optimizer,
-               opt_dtype=opt_dtype, device=device_kind, floor=activation + state.total, shapes=shapes)
+    pk = _peak(cfg, recipe, target, compiled, batch=batch, seq=seq, shard=shard, optimizer=optimizer,
+               opt_dtype=opt_dtype, floor=activation + state.total, shapes=shapes)
     if pk is not None and hbm_budget is not None and pk.bytes > hbm_budget:
         extra.append(f"peak HBM {fmt_bytes(pk.bytes)} ({pk.source}) is over the budget of {fmt_bytes(hbm_budget)}")
     return Plan(model=model_name or type(cfg).__name__, recipe=recipe, batch=batch, seq=seq, shard=shard,

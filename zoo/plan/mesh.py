@@ -7,6 +7,8 @@ No devices are needed: the mesh is an `AbstractMesh` (`zoo.sharding.abstract_mes
 - each tag's bytes are its per-device shape at the tag site (`zoo.sharding.tag_shard_shapes`: the sharding
   constraint the layer applies there), so activations in HBM and offloaded host bytes are per device.
 FLOPs, untagged and invariant residuals are divided by the device count (the work is split over all of them).
+The peak with XLA's temporaries is not made here: `zoo.plan` compiles the sharded step when the mesh's devices are
+present (`zoo.plan.peak.compile_step`) and estimates it otherwise.
 """
 from __future__ import annotations
 

@@ -1,16 +1,22 @@
 """Peak HBM with XLA's temporaries: the training step compiled on abstract inputs, or an estimate.
 
-- **compiled** (the device present): `zoo.train_step.compile_abstract` lowers the main job's own step on shapes
-  alone and compiles it; `memory_analysis()` gives XLA's buffer assignment: arguments (parameters, optimizer
-  state, the batch), outputs, the bytes of outputs that alias a donated argument (the state is donated: its
-  updated copy reuses the input's buffers), and temporaries (one block XLA allocates for the whole step: saved
-  activations, gradients, transients). What the step holds at its peak is
+- **compiled** (the device present, or the devices of a mesh): `compile_step` lowers the main job's own step
+  (`zoo.train_step`) on shapes alone and compiles it; `memory_analysis()` gives XLA's buffer assignment:
+  arguments (parameters, optimizer state, the batch), outputs, the bytes of outputs that alias a donated argument
+  (the state is donated: its updated copy reuses the input's buffers), and temporaries (one block XLA allocates
+  for the whole step: saved activations, gradients, transients). What the step holds at its peak is
 
       arguments + outputs - aliased + temporaries
 
   (the outputs that alias a donated argument are not allocated again). Host figures (offloaded residuals in
   pinned host memory) are `host_temp_size_in_bytes`.
-- **estimate** (planning for another device, e.g. an H200 config on a laptop): a CPU compile is not a GPU's
+  Under a mesh the step is compiled as the main job compiles it (`recipes.loop.compile_for_shapes`): the state
+  laid out by the sharding rules, the batch split over the data axes, traced inside `zoo.sharding.use(mesh)` so
+  the activation constraints apply. XLA partitions it (SPMD) and its memory analysis is one device's program:
+  every figure is per device (a tiny Llama's argument bytes are one device's / 4 under fsdp=4, / 8 under fsdp=8,
+  on jax 0.10.2 and 0.11.2 alike); the devices of the mesh must be present.
+- **estimate** (planning for another device, e.g. an H200 config on a laptop, or for a mesh larger than the
+  devices present, or a uniform `shard=N` split, which is no program to compile): a CPU compile is not a GPU's
   program: the CPU has no pinned host memory space (an offloaded residual stays in device memory there, so an
   offload recipe would look as heavy as saving), it fuses differently, upcasts bf16 arithmetic to float32 and
   runs XLA's attention where the GPU runs cuDNN's. So the estimate is the planner's own floor (saved activations
@@ -22,6 +28,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 
@@ -32,7 +39,8 @@ from zoo.plan.types import ceil_div
 class Peak:
     """Peak device bytes of one training step, and where the figure comes from."""
     bytes: int
-    source: str                      # "compiled for <device>" or "estimate (...)"
+    source: str                      # "compiled for <device>", "compiled for N x <device> (mesh ...), per
+                                     # device" or "estimate (...)"
     compiled: bool
     detail: dict                     # the memory analysis' fields, or the estimate's terms
 
@@ -44,8 +52,38 @@ def device_label(device: jax.Device) -> str:
     return f"{device.device_kind} ({device.platform})" if device.device_kind != device.platform else device.platform
 
 
-def from_compiled(compiled, device: jax.Device | None = None) -> Peak:
-    """The peak of a compiled step: arguments + outputs - aliased + temporaries (XLA's memory analysis)."""
+def mesh_label(mesh) -> str:
+    """"fsdp=4,tp=2": the axes of a Mesh or AbstractMesh that split (all of them when none does)."""
+    sizes = {str(a): int(n) for a, n in dict(mesh.shape).items()}
+    return ",".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or ",".join(f"{a}={n}" for a, n in sizes.items())
+
+
+def compile_step(cfg, recipe, *, batch: int, seq: int, optimizer: str = "adamw", opt_dtype: str | None = None,
+                 mesh: jax.sharding.Mesh | None = None):
+    """The main job's training step (`zoo.train_step`) for `cfg` under `recipe` at global [batch, seq], lowered on
+    abstract inputs and compiled (nothing allocated). With a `mesh` (a concrete one: its devices compile it), as
+    the main job compiles it: the state on the rules' shardings, the batch split over the data axes, traced inside
+    `zoo.sharding.use(mesh)`."""
+    from zoo.models.registry import family_of
+    from zoo.train_step import abstract_batch, abstract_step, compile_abstract
+
+    family = family_of(cfg)
+    if mesh is None:
+        return compile_abstract(family, cfg, recipe, batch=batch, seq=seq, optimizer=optimizer,
+                                opt_dtype=opt_dtype)[0]
+    from zoo import sharding
+
+    jitted, _, state = abstract_step(family, cfg, recipe, optimizer=optimizer, opt_dtype=opt_dtype, mesh=mesh)
+    shapes = {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.batch_sharding(mesh, ndim=len(x.shape)))
+              for k, x in abstract_batch(batch, seq).items()}
+    with sharding.use(mesh):
+        return jitted.lower(state, shapes).compile()
+
+
+def from_compiled(compiled, device: jax.Device | None = None, mesh=None) -> Peak:
+    """The peak of a compiled step: arguments + outputs - aliased + temporaries (XLA's memory analysis). With the
+    `mesh` it was compiled for (a Mesh or an AbstractMesh), the figures are one device's and the source says so:
+    "compiled for 2 x NVIDIA H200 (gpu) (mesh fsdp=2), per device"."""
     ma = compiled.memory_analysis()
     if ma is None:
         raise ValueError("this backend's compiled program has no memory analysis")
@@ -54,8 +92,13 @@ def from_compiled(compiled, device: jax.Device | None = None) -> Peak:
     detail = {f.removesuffix("_size_in_bytes").removesuffix("_in_bytes"): int(getattr(ma, f, 0) or 0)
               for f in fields}
     peak = detail["argument"] + detail["output"] - detail["alias"] + detail["temp"]
-    device = device or jax.devices()[0]
-    return Peak(bytes=peak, source=f"compiled for {device_label(device)}", compiled=True, detail=detail)
+    if device is None:
+        device = (mesh.devices.flat[0] if isinstance(mesh, jax.sharding.Mesh) else jax.devices()[0])
+    where = device_label(device)
+    if mesh is not None:
+        n = math.prod(dict(mesh.shape).values())
+        where = f"{n} x {where} (mesh {mesh_label(mesh)}), per device"
+    return Peak(bytes=peak, source=f"compiled for {where}", compiled=True, detail=detail)
 
 
 def estimate(floor: int, *, batch: int, seq: int, shard: int, vocab: int, layer_bytes: int, why: str) -> Peak:
