@@ -5,7 +5,11 @@
 #     dispatch, in one call;
 #   part job (GPU 1): bench.step_cost (the main job's step by guard variant, one process each), main-job-8b (the
 #     main job and its SGD twin), and the plain-JAX 8B anchor (8 layers, no embedding or head).
-# Usage (GPU machine, repo root; carry .whl and .anchor):  bash bench/run_issue11.sh tiles|job OUT_DIR [--smoke]
+#   part ds (second call): deepseek-slice with the built-in tiles: full (tokamax, capacity, tokamax's own choice),
+#     the recipe `auto` picks and the other recipes (tokamax);
+#   part job2 (second call): the main job after its data prefetch (qkv_offload, then MJ_SECOND) with their SGD
+#     twins, then the capacity sweep of the recipes in SWEEP (bench/run_capacity.sh).
+# Usage (GPU machine, repo root; carry .whl and .anchor):  bash bench/run_issue11.sh tiles|job|ds|job2 OUT_DIR [--smoke]
 set -u
 part=$1; outdir=$2; smoke=${3:-}
 mkdir -p "$outdir"
@@ -31,6 +35,26 @@ if [ "$part" = tiles ]; then
   ds 90 full capacity
   ds 100 full tokamax
   [ -f "$outdir/tiles.json" ] && ZOO_TOKAMAX_TILES="$outdir/tiles.json" ds 100 lowrank_offload tokamax
+elif [ "$part" = ds ]; then
+  # deepseek-slice with the zoo's measured tiles (built in), beside capacity dispatch and tokamax's own choice,
+  # then the recipe `auto` picks and the others it is compared with (same backend, same call).
+  ds() { run "$1" deepseek-slice $py -m bench.deepseek_slice "$2" --backend "$3" --batch 4 --steps 4 "${s[@]}"; }
+  echo '{}' > "$outdir/no-tiles.json"
+  ds 150 full tokamax
+  ds 130 full capacity
+  ds 150 auto tokamax
+  ZOO_TOKAMAX_TILES="$outdir/no-tiles.json" ds 130 full tokamax
+  for r in ${DS_RECIPES:-save_mla_moe lowrank_offload mla_moe_offload lowrank_wa_offload}; do ds 130 "$r" tokamax; done
+elif [ "$part" = job2 ]; then
+  mj() {  # recipe limit
+    run "$2" main-job-8b $py -m bench.main_job_8b main --recipe "$1" --steps 12 --workdir "$outdir/mj" --timeout $(( $2 - 10 )) "${s[@]}"
+    cp "$outdir/mj/train.log" "$outdir/main-job-8b-$1.log" 2>/dev/null; rm -rf "$outdir/mj"
+  }
+  mj qkv_offload 170
+  run 90 main-job-8b $py -m bench.main_job_8b sgd --recipe qkv_offload "${s[@]}"
+  mj ${MJ_SECOND:-save_qkv} 170
+  run 90 main-job-8b $py -m bench.main_job_8b sgd --recipe ${MJ_SECOND:-save_qkv} "${s[@]}"
+  for r in ${SWEEP:-}; do run 200 capacity-sweep bash bench/run_capacity.sh "$r"; done
 else
   for v in guard_lr guard_exact no_guard; do
     run 110 step-cost $py -m bench.step_cost --recipe qkv_offload --variants $v "${s[@]}"

@@ -80,6 +80,10 @@ def test_tile_table_from_the_environment(tmp_path, monkeypatch):
         good.write_text(text)
         with pytest.raises(ValueError, match=match):
             gm.tiles_for("NVIDIA H200")
+    good.write_text("{}")                                   # an empty table: tokamax chooses
+    assert gm.tiles_for("NVIDIA H200") == (None, f"tokamax's own configuration (ZOO_TOKAMAX_TILES={good} is empty)")
     monkeypatch.delenv("ZOO_TOKAMAX_TILES")
+    tiles, why = gm.tiles_for("NVIDIA H200")                 # the measured table
+    assert tiles["fwd"]["block_m"] == 128 and tiles["drhs"]["num_stages"] == 2 and "measured tiles" in why
     assert gm.tiles_for("a device nobody measured") == (None, "tokamax's own configuration (no measured tiles for "
                                                                "a device nobody measured)")

@@ -12,7 +12,8 @@ measured on the device by `bench/tokamax_tiles.py` and kept in `TILES`, one per 
 A table entry "problem:KxN" (K x N: the forward's expert matrix) is taken before "problem". `make` wraps the
 three in one `jax.custom_vjp`, so the backward problems run their own configuration too (tokamax's own VJP would
 look each one up in its cache). `ZOO_TOKAMAX_TILES=<file>` replaces the table for a run (the JSON that
-`python -m bench.tokamax_tiles --out <file>` writes). On a device with no entry, tokamax chooses, as before.
+`python -m bench.tokamax_tiles --out <file>` writes; a file holding `{}` runs tokamax's own choice). On a device
+with no entry, tokamax chooses, as before.
 """
 from __future__ import annotations
 
@@ -32,7 +33,15 @@ RAGGED_CONTRACTING = jax.lax.RaggedDotDimensionNumbers(
 
 # device kind -> {problem or "problem:KxN": tokamax PallasMosaicRaggedDotConfig fields}. Measured with
 # bench/tokamax_tiles.py (docs/benchmarks.md, "tokamax tiles"); a device kind missing here runs tokamax's choice.
-TILES: dict[str, dict[str, dict]] = {}
+# H200 (2026-11-30, DeepSeek-V3's expert shapes 7168 x 2048 and 2048 x 7168, 131072 rows over 16 experts):
+# 128 x 64 x 128 tiles, 4 stages, persistent, N-minor grid in bands of 8 took the forward from 281-312 to
+# 491-531 TFLOP/s and the rows' gradient from 279-310 to 473-511; the experts' gradient (a ragged contraction)
+# from 179-185 to 229-249, best with 2 stages. Larger tiles (block_k 256 or block_n 128) exceed shared memory.
+_SM90_TILE = dict(block_m=128, block_n=64, block_k=128, num_stages=4, split_k=1, persistent=True, grid_minor_dim=1,
+                  grid_tile_width=8)
+TILES: dict[str, dict[str, dict]] = {
+    "NVIDIA H200": {"fwd": _SM90_TILE, "dlhs": _SM90_TILE, "drhs": {**_SM90_TILE, "num_stages": 2}},
+}
 
 CONFIG_FIELDS = ("block_m", "block_n", "block_k", "num_stages", "split_k", "split_m", "persistent", "collective",
                  "grid_minor_dim", "grid_tile_width")
@@ -60,7 +69,9 @@ def tiles_for(device_kind: str) -> tuple[dict[str, dict] | None, str]:
                 tiles = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"ZOO_TOKAMAX_TILES={path}: cannot read a tile table ({e})") from e
-        return _check(tiles, f"ZOO_TOKAMAX_TILES={path}"), f"tiles from ZOO_TOKAMAX_TILES={path}"
+        if not _check(tiles, f"ZOO_TOKAMAX_TILES={path}"):
+            return None, f"tokamax's own configuration (ZOO_TOKAMAX_TILES={path} is empty)"
+        return tiles, f"tiles from ZOO_TOKAMAX_TILES={path}"
     if device_kind in TILES:
         return TILES[device_kind], f"the zoo's measured tiles for {device_kind}"
     return None, f"tokamax's own configuration (no measured tiles for {device_kind})"
