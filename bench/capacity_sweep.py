@@ -29,12 +29,15 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 GiB = 1 << 30
 RESULT = "CAPACITY-SWEEP-RESULT "
+T0 = time.monotonic()
 
 
 def parser() -> argparse.ArgumentParser:
@@ -48,6 +51,9 @@ def parser() -> argparse.ArgumentParser:
                     help="budget, GiB (default: the allocator's bytes_limit of the GPU; required on the CPU)")
     ap.add_argument("--steps", type=int, default=2, help="steps run at each measured batch")
     ap.add_argument("--child-timeout", type=int, default=300, help="seconds for each child process")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds for the whole sweep: each child's timeout is cut to what is left, and a batch "
+                         "left without time gets a record saying so")
     ap.add_argument("--cache-dir", default=None, help="persistent compilation cache shared by the children "
                     "(default: a fresh temporary directory)")
     ap.add_argument("--smoke", action="store_true", help="tiny preset on any device (checks the script only)")
@@ -108,8 +114,6 @@ def is_oom(e: BaseException) -> bool:
 
 def run_child(a) -> None:
     """Build the real state for --batch, run the planner's jitted step --steps times, emit the record."""
-    import time
-
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -159,15 +163,20 @@ def run_child(a) -> None:
 
 # -- the parent (never touches the accelerator) ---------------------------------------------------------------------
 def child(a, role: str, *extra: str) -> tuple[int, str, str]:
+    """Run a child process of `role`; (exit status, stdout, stderr); 124 when it ran out of time."""
+    limit = a.child_timeout if a.deadline is None else min(a.child_timeout, a.deadline - (time.monotonic() - T0))
+    if limit < 20:
+        return 124, "", "skipped: the sweep's --deadline was spent"
     argv = [sys.executable, "-m", "bench.capacity_sweep", a.recipe, "--role", role, "--seq", str(a.seq),
             "--backend", a.backend, "--cap", str(a.cap), "--steps", str(a.steps), *extra]
     argv += ["--start", str(a.start)] if a.start else []
     argv += ["--hbm", str(a.hbm)] if a.hbm is not None else []
     argv += ["--smoke"] if a.smoke else []
     try:
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=a.child_timeout)
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=limit)  # kills the child on timeout
     except subprocess.TimeoutExpired as e:
-        return 124, (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
+        stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return 124, stdout, f"timeout after {limit:.0f} s"
     return r.returncode, r.stdout, r.stderr
 
 
@@ -191,9 +200,9 @@ def parent(a) -> int:
     rc, out, err = child(a, "plan")
     lines = [line for line in out.splitlines() if line.startswith(RESULT)]
     if rc != 0 or not lines:
-        why = "timeout" if rc == 124 else (err.strip().splitlines() or [f"exit {rc}"])[-1][:400]
+        why = (err.strip().splitlines() or [f"exit {rc}"])[-1][:400]
         write({**ident, "backend": a.backend, "B": None, "fits": None, "error": f"planner: {why}"})
-        return 1
+        return 0   # the record says why
     p = json.loads(lines[-1][len(RESULT):])
     c = p["capacity"]
     print(f"planner: largest batch {c['batch']} of {c['budget_bytes'] / GiB:.2f} GiB ({c['budget_source']}); "
@@ -208,7 +217,7 @@ def parent(a) -> int:
         rc, out, err = child(a, "run", "--batch", str(b), "--ident", json.dumps(rec))
         sys.stdout.write("".join(line + "\n" for line in out.splitlines() if line.startswith("{")))
         if not any(line.startswith("{") for line in out.splitlines()):  # died before emitting
-            why = "timeout" if rc == 124 else (err.strip().splitlines() or [f"exit {rc}"])[-1][:400]
+            why = (err.strip().splitlines() or [f"exit {rc}"])[-1][:400]
             write({**rec, "fits": None, "peak_gib": None, "step_s": None, "error": f"run: {why} (exit {rc})"})
     return 0
 
@@ -222,6 +231,9 @@ def main(argv=None) -> int:
     if a.role == "run":
         run_child(a)
         return 0
+    # `timeout` (the runner's) sends SIGTERM: raise, so that subprocess.run kills the running child with us instead
+    # of leaving it holding the GPU for the next configuration.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     if a.cache_dir or not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         os.environ["JAX_COMPILATION_CACHE_DIR"] = a.cache_dir or tempfile.mkdtemp(prefix="capacity-jit-")
     return parent(a)
