@@ -218,7 +218,9 @@ def parent(a) -> int:
         sys.stdout.write("".join(line + "\n" for line in out.splitlines() if line.startswith("{")))
         if not any(line.startswith("{") for line in out.splitlines()):  # died before emitting
             why = (err.strip().splitlines() or [f"exit {rc}"])[-1][:400]
-            write({**rec, "fits": None, "peak_gib": None, "step_s": None, "error": f"run: {why} (exit {rc})"})
+            oom = rc != 124 and ("RESOURCE_EXHAUSTED" in err or "out of memory" in err.lower())
+            write({**rec, "fits": False if oom else None, "peak_gib": None, "step_s": None,
+                   "error": f"run: {why} (exit {rc})"})
     return 0
 
 

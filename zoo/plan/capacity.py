@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-
 from zoo.plan.build import _check_positive, _target, plan
 from zoo.plan.types import GiB, fmt_bytes
 from zoo.recipe import Recipe
