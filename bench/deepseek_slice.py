@@ -13,6 +13,14 @@ kernel, `dropped` the token copies capacity dispatch dropped in the last step, `
 Expert parallelism: `--mesh ep=2 --experts 32 --batch 8` keeps each GPU's share as on one GPU (16 experts and 4
 sequences per GPU; `--batch` and `--experts` are global); the capacity backend is the one that shards experts
 over `ep` (zoo/layers/moe.py). The record carries gpus, mesh, tflops per GPU and the largest device's peak.
+
+`auto` (the recipe `zoo.plan(cfg, "auto", ...)` chooses for this slice, batch and seq, for the SGD step's model
+state): the HBM budget is the allocator's `bytes_limit` on the device (`--auto-hbm` on the CPU, default 1 GiB with
+`--smoke`), the link and its overlap are those measured for the device (`zoo.plan.links`), the FLOP rate is the
+main job's per-device table (`recipes.meter.peak_tflops`: the datasheet bf16 peak, 989 on an H200; `--auto-tflops`
+overrides). The record keeps `recipe: "auto"` and says what it chose: `auto_device` (tags kept in HBM),
+`auto_offload` (tags sent to the host; every other tag is recomputed) and the inputs (`auto_hbm_gib`,
+`auto_link_gbps`, `auto_overlap`, `auto_tflops`).
 """
 from __future__ import annotations
 
@@ -29,11 +37,53 @@ from zoo.models.registry import family
 
 FAMILY = family("deepseek_v3")
 RECIPES = recipes_of(FAMILY)
+GiB = 1 << 30
+
+
+def resolve_auto(cfg, *, batch: int, seq: int, mesh: str | None, hbm_gib: float | None, tflops: float | None,
+                 smoke: bool):
+    """(the Recipe `zoo.plan(cfg, "auto", ...)` chooses, the record's auto_* fields)."""
+    import zoo
+    from recipes import meter
+    from zoo.plan import links
+
+    device = jax.devices()[0]
+    if hbm_gib is None:
+        limit = (device.memory_stats() or {}).get("bytes_limit")
+        if limit:
+            hbm_gib, hbm_src = limit / GiB, f"{device.device_kind}'s bytes_limit"
+        elif smoke:
+            hbm_gib, hbm_src = 1.0, "fixed for the smoke"
+        else:
+            raise ValueError(f"recipe auto: {device.device_kind} reports no bytes_limit: pass --auto-hbm GIB")
+    else:
+        hbm_src = "--auto-hbm"
+    link = links.measured(device.device_kind)
+    if link is not None:
+        link_gbps, overlap, link_src = link.rate_gbps, link.overlap, f"zoo.plan.links: {link.device_kind}"
+    elif smoke:
+        link_gbps, overlap, link_src = 10.0, 0.0, "fixed for the smoke"
+    else:
+        raise ValueError(f"recipe auto: no link measured for {device.device_kind!r} (zoo.plan.links)")
+    if tflops is not None:
+        tflops_src = "--auto-tflops"
+    else:
+        tflops, tflops_src = meter.peak_tflops(device)
+        if tflops is None:
+            if not smoke:
+                raise ValueError(f"recipe auto: {tflops_src}: pass --auto-tflops")
+            tflops, tflops_src = 1.0, "fixed for the smoke"
+    p = zoo.plan(cfg, "auto", batch=batch, seq=seq, optimizer="sgd", hbm_gib=hbm_gib, link_gbps=link_gbps,
+                 overlap=overlap, tflops=tflops, peak=None, **({} if mesh is None else {"mesh": mesh}))
+    return p.recipe, dict(auto_device=list(p.recipe.device), auto_offload=list(p.recipe.offload),
+                          auto_hbm_gib=round(hbm_gib, 2), auto_hbm_source=hbm_src, auto_link_gbps=link_gbps,
+                          auto_overlap=overlap, auto_link_source=link_src, auto_tflops=tflops,
+                          auto_tflops_source=tflops_src)
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("recipe", choices=sorted(RECIPES))
+    ap.add_argument("recipe", choices=sorted(RECIPES) + ["auto"])
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=None, help="default 4096 (64 with --smoke)")
     ap.add_argument("--experts", type=int, default=16)
@@ -43,22 +93,43 @@ def main():
     ap.add_argument("--mesh", default=None, help="e.g. ep=2 (zoo.sharding); --batch and --experts are then global")
     ap.add_argument("--impl", default="xla", help="the config's offload_impl (how offloaded residuals move)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script only)")
+    ap.add_argument("--auto-hbm", type=float, default=None,
+                    help="recipe auto: HBM budget, GiB (default: the device's bytes_limit; 1 with --smoke on the CPU)")
+    ap.add_argument("--auto-tflops", type=float, default=None,
+                    help="recipe auto: FLOP rate, TFLOP/s (default: recipes.meter's table for the device)")
     a = ap.parse_args()
     a.seq = a.seq or (64 if a.smoke else 4096)
     common = dict(param_dtype="bfloat16", dtype="bfloat16", moe_backend=a.backend, capacity_factor=1.25,
                   offload_impl=a.impl)
-    recipe = RECIPES[a.recipe]
     try:
         backend, backend_why = backend_choice(a.backend, dtype=jnp.bfloat16)
     except ValueError as e:  # tokamax asked for and missing: a record, not a crash
         backend, backend_why = a.backend, str(e)
 
+    if a.smoke:
+        cfg = FAMILY.config("tiny", **common, **({"num_experts": a.experts} if a.mesh else {}))
+    else:
+        cfg = FAMILY.config("deepseek_v3_671b", num_layers=1 + a.moe_layers, first_dense_layers=1,
+                            num_experts=a.experts, **common)
+    n = jax.device_count()
+    extra = {} if a.mesh is None else dict(mesh=a.mesh, gpus=n, B_per_gpu=a.batch // n)
+    ident = dict(bench="deepseek-slice", impl="zoo", mechanism=a.impl, backend=backend, backend_asked=a.backend,
+                 backend_why=backend_why, recipe=a.recipe, B=a.batch, S=a.seq, E=a.experts, L=1 + a.moe_layers,
+                 **extra)
+    if a.recipe == "auto":
+        try:
+            recipe, chosen = resolve_auto(cfg, batch=a.batch, seq=a.seq, mesh=a.mesh, hbm_gib=a.auto_hbm,
+                                          tflops=a.auto_tflops, smoke=a.smoke)
+        except ValueError as e:
+            def fail(e=e):
+                raise e
+            guarded(fail, **ident)
+            return
+        ident.update(chosen)
+    else:
+        recipe = RECIPES[a.recipe]
+
     def run():
-        if a.smoke:
-            cfg = FAMILY.config("tiny", **common, **({"num_experts": a.experts} if a.mesh else {}))
-        else:
-            cfg = FAMILY.config("deepseek_v3_671b", num_layers=1 + a.moe_layers, first_dense_layers=1,
-                                num_experts=a.experts, **common)
         attention = str(resolve_impl(cfg))  # auto: cuDNN flash attention on the GPU (head dim 192)
         tokens = jax.random.randint(jax.random.key(1), (a.batch, a.seq), 0, cfg.vocab_size, jnp.int32)
         model, tokens, mesh = sharded_inputs(FAMILY.build, cfg, recipe, tokens, a.mesh)
@@ -67,10 +138,7 @@ def main():
                     attention=attention, E=cfg.num_experts, L=cfg.num_layers,
                     **planned(cfg, recipe, batch=a.batch, seq=a.seq, optimizer="sgd", mesh=a.mesh))
 
-    n = jax.device_count()
-    extra = {} if a.mesh is None else dict(mesh=a.mesh, gpus=n, B_per_gpu=a.batch // n)
-    guarded(run, bench="deepseek-slice", impl="zoo", mechanism=a.impl, backend=backend, backend_asked=a.backend,
-            backend_why=backend_why, recipe=a.recipe, B=a.batch, S=a.seq, E=a.experts, L=1 + a.moe_layers, **extra)
+    guarded(run, **ident)
 
 
 if __name__ == "__main__":

@@ -49,8 +49,10 @@ def field_override(text: str) -> tuple[str, str]:
     return key.strip(), value
 
 
-def add_model_args(p: argparse.ArgumentParser, *, preset: str | None, batch: int | None, seq: int | None) -> None:
-    """--model, --preset, --set, --recipe, --batch, --seq. A None default makes the flag required."""
+def add_model_args(p: argparse.ArgumentParser, *, preset: str | None, batch: int | None, seq: int | None,
+                   optional: tuple[str, ...] = ()) -> None:
+    """--model, --preset, --set, --recipe, --batch, --seq. A None default makes the flag required, unless it is
+    named in `optional` (the caller then checks it)."""
     p.add_argument("--model", default="llama3", metavar="FAMILY",
                    help="model family, a name in the zoo's model table (zoo.models.registry), e.g. llama3, "
                         "deepseek_v3")
@@ -63,7 +65,8 @@ def add_model_args(p: argparse.ArgumentParser, *, preset: str | None, batch: int
                    help="a key of the family's RECIPES (recipes/<family>.py); default: the family's study recipe")
     for flag, default, what in (("--batch", batch, "global batch (sequences per step)"),
                                 ("--seq", seq, "sequence length (tokens)")):
-        p.add_argument(flag, type=positive_int, default=default, required=default is None, help=what)
+        p.add_argument(flag, type=positive_int, default=default, required=default is None and flag not in optional,
+                       help=what)
 
 
 def family(name: str):

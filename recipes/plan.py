@@ -5,6 +5,8 @@
         --mesh fsdp=2
     python -m recipes.plan --model deepseek_v3 --preset deepseek_v3_671b --recipe auto --batch 4 --seq 4096 \\
         --hbm 141 --link 55 --flops 600
+    python -m recipes.plan --model deepseek_v3 --preset deepseek_v3_671b --set num_layers=4 --set num_experts=16 \\
+        --recipe mla_moe_offload --seq 4096 --max-batch --hbm 104.9 --optimizer sgd   # the largest batch that fits
 
 The model flags are those of `python -m recipes.train` (recipes/cli.py); the plan is `zoo.plan` (zoo/plan/).
 Nothing is allocated: the model is built from shapes alone, so any size plans on a laptop.
@@ -23,7 +25,7 @@ from zoo.plan.types import OPTIMIZERS
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recipes.plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=cli.HelpFormatter)
-    cli.add_model_args(p, preset=None, batch=None, seq=None)
+    cli.add_model_args(p, preset=None, batch=None, seq=None, optional=("--batch",))
     p.epilog = ("--recipe auto chooses each tag's placement and needs --hbm and --flops; --link and --overlap "
                 "default to the link measured on --device (zoo/plan/links.py).")
     p.add_argument("--shard", type=cli.positive_int, default=1, metavar="N",
@@ -57,6 +59,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--flops", type=cli.positive_float, metavar="TFLOPS",
                    help="matmul rate, TFLOP/s: for --recipe auto and the step-time estimate (an H200 in bf16: "
                         "~600-800)")
+    p.add_argument("--max-batch", nargs="?", type=cli.positive_int, const=1024, default=None, metavar="CAP",
+                   help="print the largest batch (a power of two, up to CAP, default 1024) whose peak HBM fits --hbm "
+                        "(default: the allocator limit of the GPU present) and the peak at each batch planned, "
+                        "instead of a plan; --batch is then the first batch planned (zoo.plan.largest_batch). With "
+                        "--peak auto each batch is compiled on a GPU (about 30 s for a large model), estimated on "
+                        "the CPU")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
     return p
 
@@ -69,6 +77,10 @@ def _present_kind() -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
+    if args.max_batch is not None:
+        return _max_batch(ap, args)
+    if args.batch is None:
+        ap.error("the following arguments are required: --batch (or --max-batch)")
     if args.recipe == "auto":
         from zoo.plan import links
         link = args.link or (links.measured(args.device or _present_kind()) or links.Link("", 0, 0, "")).rate_gbps
@@ -101,6 +113,33 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write("\n")
     else:
         zoo.plan.render(p)
+    return 0
+
+
+def _max_batch(ap: argparse.ArgumentParser, args) -> int:
+    """--max-batch: zoo.plan.largest_batch over the powers of two up to the cap, from --batch (default 1)."""
+    for flag, bad in (("--recipe auto", args.recipe == "auto"), ("--shard", args.shard != 1),
+                      ("--mesh", args.mesh is not None), ("--peak none", args.peak == "none")):
+        if bad:
+            ap.error(f"--max-batch plans one recipe on one device: {flag} does not apply")
+    try:
+        family = cli.family(args.model)
+        cfg = cli.model_config(family, args.preset, args.overrides)
+        recipe = cli.recipe(family, args.recipe)
+        start = args.batch
+        if start is not None and (start & (start - 1) or start > args.max_batch):
+            raise ValueError(f"--batch {start} with --max-batch is the first batch planned: a power of two up to "
+                             f"{args.max_batch}")
+        c = zoo.plan.largest_batch(cfg, recipe, seq=args.seq, hbm_gib=args.hbm, optimizer=args.optimizer,
+                                   opt_dtype=args.opt_dtype, peak=args.peak, device_kind=args.device, start=start,
+                                   cap=args.max_batch)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.json:
+        json.dump(c.to_dict(), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        print(f"{args.model} {args.preset}: " + c.render())
     return 0
 
 

@@ -2,10 +2,11 @@
 
     p = zoo.plan(cfg, recipe, batch=2, seq=8192)      # a zoo.Recipe, or "auto" with a budget, a link and a rate
     zoo.plan.render(p)                                # tables; p.to_dict() or zoo.plan.to_json(p) for JSON
+    zoo.plan.largest_batch(cfg, recipe, seq=8192, hbm_gib=141)   # the largest power-of-two batch that fits
 
 Modules, each importing only those before it: `types` (what a plan is, units), `measure` (what JAX saves and
 re-runs: residuals, recompute FLOPs; the audit of a recipe), `auto` (the automatic recipe), `build` (`plan`),
-`report` (tables and JSON). The command line is the application's: `python -m recipes.plan`.
+`report` (tables and JSON), `capacity` (the largest batch that fits a budget). The command line is the application's: `python -m recipes.plan`.
 
 `zoo.plan` is this package, and calling it calls `plan`: `zoo.plan(cfg, recipe, ...)` and `zoo.plan.measure`
 both work, whatever was imported first.
@@ -15,11 +16,12 @@ import types as _types
 
 from zoo.plan import measure
 from zoo.plan.build import auto_recipe, host_pool_bytes, plan
+from zoo.plan.capacity import Capacity, largest_batch
 from zoo.plan.report import render, to_json
 from zoo.plan.types import POOL_ENV, ModelState, Plan, StackPlan, TagPlan, fmt_bytes
 
-__all__ = ["POOL_ENV", "ModelState", "Plan", "StackPlan", "TagPlan", "auto_recipe", "fmt_bytes", "host_pool_bytes",
-           "measure", "plan", "render", "to_json"]
+__all__ = ["POOL_ENV", "Capacity", "ModelState", "Plan", "StackPlan", "TagPlan", "auto_recipe", "fmt_bytes",
+           "host_pool_bytes", "largest_batch", "measure", "plan", "render", "to_json"]
 
 
 class _CallableModule(_types.ModuleType):

@@ -1,0 +1,150 @@
+"""Capacity: the largest batch (a power of two) whose training step fits an HBM budget.
+
+    c = zoo.plan.largest_batch(cfg, recipe, seq=4096, hbm_gib=104.9)
+    c.batch          # the largest batch whose peak fits (0: none does)
+    c.tried          # (batch, peak bytes, peak source, fits) for each batch planned, in the order planned
+
+Each batch tried is one `zoo.plan(cfg, recipe, batch=B, seq=seq, peak=peak)`; its `peak_bytes` (XLA's
+temporaries included: compiled for the device present, or the planner's estimate, `zoo.plan.peak`) is compared
+with the budget. The peak grows with the batch, so the walk goes up the powers of two from `start` and stops at
+the first batch that does not fit; if `start` itself does not fit it walks down instead, to the first that does.
+Compiling costs about 30 s a batch for the DeepSeek-V3 slice on an H200: `start` near the answer saves compiles.
+
+The budget is `hbm_gib`, or else the allocator's limit on the device present (`memory_stats()["bytes_limit"]`:
+what XLA may use, e.g. 75% of an H200's 141 GB under JAX's default preallocation); the CPU has none, nor does a
+device planned for but not present: `hbm_gib` is then required.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from zoo.plan.build import _check_positive, _target, plan
+from zoo.plan.types import GiB, fmt_bytes
+from zoo.recipe import Recipe
+
+DEFAULT_CAP = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Tried:
+    """One batch planned: its peak device bytes, where the figure comes from, whether it fits the budget."""
+    batch: int
+    peak_bytes: int
+    peak_source: str
+    fits: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    """The largest batch that fits, and how it was found."""
+    recipe: str
+    seq: int
+    batch: int                   # the largest batch tried whose peak fits the budget (0: none of those tried)
+    budget_bytes: int
+    budget_source: str           # "hbm_gib" or "<device kind>'s bytes_limit"
+    tried: tuple[Tried, ...]     # in the order planned
+    capped: bool                 # the largest candidate fits: the true largest may be larger
+
+    @property
+    def peaks(self) -> dict[int, int]:
+        """{batch: peak bytes} for every batch planned."""
+        return {t.batch: t.peak_bytes for t in self.tried}
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """The peak of the batch returned (None if none fits)."""
+        return self.peaks.get(self.batch)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def render(self) -> str:
+        """A few lines of text: the answer, then each batch planned."""
+        head = (f"largest batch that fits: {self.batch}" + (" (the largest tried: may fit more)" if self.capped else "")
+                + f"  (recipe {self.recipe}, seq {self.seq}, budget {fmt_bytes(self.budget_bytes)}: "
+                  f"{self.budget_source})")
+        rows = [f"  {'batch':>6}  {'peak':>11}  fits  source"]
+        rows += [f"  {t.batch:>6}  {fmt_bytes(t.peak_bytes):>11}  {'yes' if t.fits else 'no ':3}   {t.peak_source}"
+                 for t in sorted(self.tried, key=lambda t: t.batch)]
+        return "\n".join([head, *rows])
+
+
+def budget(hbm_gib: float | None, device_kind: str | None) -> tuple[int, str]:
+    """(bytes, where from): `hbm_gib`, else the present device's allocator limit when planning for it."""
+    if hbm_gib is not None:
+        _check_positive("hbm_gib", hbm_gib, float)
+        return int(hbm_gib * GiB), "hbm_gib"
+    kind, same, present = _target(device_kind)
+    if not same:
+        raise ValueError(f"hbm_gib is needed: planning for {kind!r}, not the device present "
+                         f"({present.device_kind}), so its memory limit is unknown here")
+    limit = (present.memory_stats() or {}).get("bytes_limit")
+    if not limit:
+        raise ValueError(f"hbm_gib is needed: the device present ({present.device_kind}, {present.platform}) "
+                         f"reports no allocator limit (memory_stats()['bytes_limit'])")
+    return int(limit), f"{present.device_kind}'s bytes_limit"
+
+
+def candidates(cap: int = DEFAULT_CAP, batches=None) -> tuple[int, ...]:
+    """The batches a walk may try, ascending: `batches` (positive ints), else the powers of two up to `cap`."""
+    if batches is None:
+        _check_positive("cap", cap)
+        return tuple(1 << i for i in range(cap.bit_length()) if 1 << i <= cap)
+    batches = tuple(batches)
+    if not batches:
+        raise ValueError("batches is empty: give at least one batch to try")
+    for b in batches:
+        _check_positive("every entry of batches", b)
+    return tuple(sorted(set(batches)))
+
+
+def largest_batch(cfg, recipe: Recipe, *, seq: int, hbm_gib: float | None = None, optimizer: str = "adamw",
+                  opt_dtype: str = "float32", peak: str = "auto", batches=None, device_kind: str | None = None,
+                  start: int | None = None, cap: int = DEFAULT_CAP) -> Capacity:
+    """The largest batch (of `batches`, default the powers of two up to `cap`) whose planned peak HBM fits the
+    budget (`hbm_gib`, else the allocator limit of the device present), for `recipe` at `seq`.
+
+    `peak` is `zoo.plan`'s: "auto" compiles the main job's step for each batch on an accelerator and estimates on
+    the CPU; "compile" compiles for the device present (the CPU's own program on the CPU); "estimate" never
+    compiles. `start` (one of the candidates; default the smallest) is the first batch planned: the walk goes up
+    from it while batches fit, or down from it while they do not. A batch the model cannot take raises
+    `zoo.plan`'s ValueError.
+    """
+    if not isinstance(recipe, Recipe):
+        raise ValueError(f"recipe must be a zoo.Recipe, got {recipe!r} (a front end looks names up in the model "
+                         f"family's recipes; 'auto' chooses a recipe per batch and has no single capacity)")
+    _check_positive("seq", seq)
+    if peak not in ("auto", "compile", "estimate"):
+        raise ValueError(f"peak={peak!r}: choose 'auto', 'compile' or 'estimate' (a capacity needs a peak)")
+    limit, source = budget(hbm_gib, device_kind)
+    order = candidates(cap, batches)
+    if start is None:
+        i = 0
+    else:
+        _check_positive("start", start)
+        if start not in order:
+            raise ValueError(f"start={start} is not a batch to try ({', '.join(map(str, order))})")
+        i = order.index(start)
+
+    tried: list[Tried] = []
+
+    def fits(b: int) -> bool:
+        p = plan(cfg, recipe, batch=b, seq=seq, optimizer=optimizer, opt_dtype=opt_dtype, peak=peak,
+                 device_kind=device_kind)
+        tried.append(Tried(b, int(p.peak_bytes), p.peak_source, p.peak_bytes <= limit))
+        return tried[-1].fits
+
+    best = 0
+    if fits(order[i]):
+        best = order[i]
+        for b in order[i + 1:]:
+            if not fits(b):
+                break
+            best = b
+    else:
+        for b in reversed(order[:i]):
+            if fits(b):
+                best = b
+                break
+    return Capacity(recipe=recipe.name, seq=seq, batch=best, budget_bytes=limit, budget_source=source,
+                    tried=tuple(tried), capped=best == order[-1])
