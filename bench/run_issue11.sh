@@ -43,18 +43,20 @@ elif [ "$part" = ds ]; then
   ds 150 full tokamax
   ds 130 full capacity
   ds 150 auto tokamax
-  ZOO_TOKAMAX_TILES="$outdir/no-tiles.json" ds 130 full tokamax
   for r in ${DS_RECIPES:-save_mla_moe lowrank_offload mla_moe_offload lowrank_wa_offload}; do ds 130 "$r" tokamax; done
+  [ -n "${DS_NO_TILES:-}" ] && ZOO_TOKAMAX_TILES="$outdir/no-tiles.json" ds 130 full tokamax
 elif [ "$part" = job2 ]; then
   mj() {  # recipe limit
     run "$2" main-job-8b $py -m bench.main_job_8b main --recipe "$1" --steps 12 --workdir "$outdir/mj" --timeout $(( $2 - 10 )) "${s[@]}"
     cp "$outdir/mj/train.log" "$outdir/main-job-8b-$1.log" 2>/dev/null; rm -rf "$outdir/mj"
   }
-  mj qkv_offload 170
-  run 90 main-job-8b $py -m bench.main_job_8b sgd --recipe qkv_offload "${s[@]}"
-  mj ${MJ_SECOND:-save_qkv} 170
-  run 90 main-job-8b $py -m bench.main_job_8b sgd --recipe ${MJ_SECOND:-save_qkv} "${s[@]}"
-  for r in ${SWEEP:-}; do run 200 capacity-sweep bash bench/run_capacity.sh "$r"; done
+  for r in ${MJ_RECIPES:-qkv_offload}; do
+    mj "$r" 170
+    [ "$r" != auto ] && run 90 main-job-8b $py -m bench.main_job_8b sgd --recipe "$r" "${s[@]}"
+  done
+  if [ -n "${SWEEP:-}" ]; then
+    BUDGET=$(( budget - SECONDS )) bash bench/run_capacity.sh $SWEEP
+  fi
 else
   for v in guard_lr guard_exact no_guard; do
     run 110 step-cost $py -m bench.step_cost --recipe qkv_offload --variants $v "${s[@]}"
