@@ -42,43 +42,20 @@ GiB = 1 << 30
 
 def resolve_auto(cfg, *, batch: int, seq: int, mesh: str | None, hbm_gib: float | None, tflops: float | None,
                  smoke: bool):
-    """(the Recipe `zoo.plan(cfg, "auto", ...)` chooses, the record's auto_* fields)."""
-    import zoo
-    from recipes import meter
-    from zoo.plan import links
+    """(the Recipe `zoo.plan(cfg, "auto", ...)` chooses for the SGD step's model state, the record's auto_* fields),
+    its inputs from the device as the main job's `--recipe auto` takes them (recipes.auto)."""
+    import dataclasses
+
+    from recipes import auto
 
     device = jax.devices()[0]
-    if hbm_gib is None:
-        limit = (device.memory_stats() or {}).get("bytes_limit")
-        if limit:
-            hbm_gib, hbm_src = limit / GiB, f"{device.device_kind}'s bytes_limit"
-        elif smoke:
-            hbm_gib, hbm_src = 1.0, "fixed for the smoke"
-        else:
-            raise ValueError(f"recipe auto: {device.device_kind} reports no bytes_limit: pass --auto-hbm GIB")
-    else:
-        hbm_src = "--auto-hbm"
-    link = links.measured(device.device_kind)
-    if link is not None:
-        link_gbps, overlap, link_src = link.rate_gbps, link.overlap, f"zoo.plan.links: {link.device_kind}"
-    elif smoke:
-        link_gbps, overlap, link_src = 10.0, 0.0, "fixed for the smoke"
-    else:
-        raise ValueError(f"recipe auto: no link measured for {device.device_kind!r} (zoo.plan.links)")
-    if tflops is not None:
-        tflops_src = "--auto-tflops"
-    else:
-        tflops, tflops_src = meter.peak_tflops(device)
-        if tflops is None:
-            if not smoke:
-                raise ValueError(f"recipe auto: {tflops_src}: pass --auto-tflops")
-            tflops, tflops_src = 1.0, "fixed for the smoke"
-    p = zoo.plan(cfg, "auto", batch=batch, seq=seq, optimizer="sgd", hbm_gib=hbm_gib, link_gbps=link_gbps,
-                 overlap=overlap, tflops=tflops, peak=None, **({} if mesh is None else {"mesh": mesh}))
-    return p.recipe, dict(auto_device=list(p.recipe.device), auto_offload=list(p.recipe.offload),
-                          auto_hbm_gib=round(hbm_gib, 2), auto_hbm_source=hbm_src, auto_link_gbps=link_gbps,
-                          auto_overlap=overlap, auto_link_source=link_src, auto_tflops=tflops,
-                          auto_tflops_source=tflops_src)
+    link = None
+    if smoke and device.platform == "cpu":   # the CPU has no memory limit, no measured link and no FLOP table
+        hbm_gib, link, tflops = hbm_gib or 1.0, 10.0, tflops or 1.0
+    ins = auto.inputs(device, hbm_gib=hbm_gib, link_gbps=link, tflops=tflops)
+    recipe = auto.choose(cfg, ins, batch=batch, seq=seq, optimizer="sgd", mesh=mesh)
+    return recipe, dict(auto_device=list(recipe.device), auto_offload=list(recipe.offload),
+                        **{f"auto_{k}": v for k, v in dataclasses.asdict(ins).items()})
 
 
 def main():

@@ -62,7 +62,8 @@ def add_model_args(p: argparse.ArgumentParser, *, preset: str | None, batch: int
                    metavar="FIELD=VALUE", help="replace a config field, e.g. --set num_layers=3 or --set "
                    "tie_embeddings=false; the value is checked against the field's type (repeatable)")
     p.add_argument("--recipe", default=None, metavar="NAME",
-                   help="a key of the family's RECIPES (recipes/<family>.py); default: the family's study recipe")
+                   help="a key of the family's RECIPES (recipes/<family>.py), or auto (the planner's choice for the "
+                        "device; recipes.auto); default: the family's study recipe")
     for flag, default, what in (("--batch", batch, "global batch (sequences per step)"),
                                 ("--seq", seq, "sequence length (tokens)")):
         p.add_argument(flag, type=positive_int, default=default, required=default is None and flag not in optional,

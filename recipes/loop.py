@@ -29,7 +29,7 @@ from rich.console import Console
 
 import zoo
 import zoo.sharding
-from recipes import cli, defaults, fit, guard, meter
+from recipes import auto, cli, defaults, fit, guard, meter
 from recipes import data as data_lib
 from recipes import mesh as mesh_lib
 from recipes.checkpoint import Checkpoints
@@ -104,6 +104,8 @@ class RunConfig:
     resume: bool = False
     log_every: int = 10
     peak_tflops: float | None = None
+    link: float | None = None          # --recipe auto: host link GB/s per direction (default: measured)
+    overlap: float | None = None       # --recipe auto: share of transfer time hidden under compute
     max_drop_warn: float = 0.01        # warn when capacity dispatch drops more than this fraction of token copies
     stop_after: int | None = None      # debug: stop after this step without a final checkpoint (a preemption)
     poison_step: int | None = None     # debug: NaN loss weights at this step (a corrupted record)
@@ -121,6 +123,10 @@ class RunConfig:
         if self.warmup is not None and not 0 <= self.warmup < self.total_schedule:
             raise ValueError(f"--warmup must be >= 0 and less than the schedule's {self.total_schedule} steps "
                              f"(--schedule-steps, default --steps), got {self.warmup}")
+        if self.link is not None and not (math.isfinite(self.link) and self.link > 0):
+            raise ValueError(f"--link must be a positive number of GB/s, got {self.link}")
+        if self.overlap is not None and not 0 <= self.overlap <= 1:
+            raise ValueError(f"--overlap must be in [0, 1], got {self.overlap}")
         if self.hbm_limit is not None and not (math.isfinite(self.hbm_limit) and self.hbm_limit > 0):
             raise ValueError(f"--hbm-limit must be a positive number of GiB, got {self.hbm_limit}")
         if self.opt_dtype not in ("float32", "bfloat16"):
@@ -269,7 +275,7 @@ def _resolve(cfg: RunConfig):
     or compiles."""
     family = cli.family(cfg.model)
     recipe_name = cfg.recipe or family.default_recipe
-    recipe = cli.recipe(family, recipe_name)
+    recipe = None if recipe_name == "auto" else cli.recipe(family, recipe_name)   # auto: chosen once shapes are known
     model_cfg = cli.model_config(family, cfg.preset, cfg.overrides)
     device = jax.devices()[0]
     kernels = kernel_choices(model_cfg, device)
@@ -327,7 +333,18 @@ def _run(cfg: RunConfig, console: Console) -> Result:
     # Compile the step on shapes alone (nothing allocated), check that it fits, and only then build the model:
     # the executable compiled here is the one that runs.
     t0 = time.perf_counter()
-    compiled, graphdef, abstract = compile_for_shapes(family, model_cfg, recipe, cfg, schedule, source, mesh)
+    if recipe is None:   # --recipe auto: the planner's choice for this device, compiled and checked to fit
+        ins = auto.inputs(device, hbm_gib=cfg.hbm_limit, link_gbps=cfg.link, overlap=cfg.overlap,
+                          tflops=cfg.peak_tflops)
+        recipe, (compiled, graphdef, abstract), notes = auto.fit(
+            model_cfg, ins, lambda r: compile_for_shapes(family, model_cfg, r, cfg, schedule, source, mesh),
+            batch=cfg.batch, seq=cfg.seq, opt_dtype=cfg.opt_dtype,
+            mesh=mesh if mesh is not None and mesh.devices.size > 1 else None)
+        for note in notes:
+            console.print(note, soft_wrap=True, markup=False)
+        console.print(f"recipe auto for {ins.describe()}: {auto.summary(recipe)}", soft_wrap=True, markup=False)
+    else:
+        compiled, graphdef, abstract = compile_for_shapes(family, model_cfg, recipe, cfg, schedule, source, mesh)
     compile_s = time.perf_counter() - t0
     n_params = zoo.models.count_params(nnx.merge(graphdef, abstract)[0])
     tokens_per_step = cfg.batch * cfg.seq

@@ -34,6 +34,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hbm-limit", type=float, default=None, metavar="GIB",
                    help="device memory budget the compiled step's peak must fit (default: the device's "
                         "bytes_limit; on the CPU, the machine's RAM)")
+    p.add_argument("--link", type=float, default=None, metavar="GBPS",
+                   help="--recipe auto: host link GB/s per direction (default: the one measured for the device, "
+                        "zoo.plan.links)")
+    p.add_argument("--overlap", type=float, default=None, metavar="F",
+                   help="--recipe auto: fraction of transfer time hidden under compute (default: measured; 0 with "
+                        "--link)")
     p.add_argument("--force", action="store_true",
                    help="launch even if the compiled step's peak exceeds the budget or its host bytes the pinned pool")
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
