@@ -45,6 +45,8 @@ def run_main(a) -> None:
     cmd = [sys.executable, "-m", "recipes.train", "--model", m["model"], "--preset", m["preset"],
            "--set", f"num_layers={m['layers']}", "--recipe", a.recipe, "--steps", str(a.steps),
            "--batch", str(m["batch"]), "--seq", str(m["seq"]), "--log-every", "1", "--metrics", metrics]
+    if a.smoke and a.recipe == "auto":   # the CPU has no memory limit, measured link or FLOP table
+        cmd += ["--hbm-limit", "1", "--link", "10", "--peak-tflops", "1"]
     # The parent plans and records on the CPU: the GPU stays the child's.
     os.environ["JAX_PLATFORMS"] = "cpu"
     child_env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
@@ -72,13 +74,16 @@ def run_main(a) -> None:
     from recipes.llama3 import RECIPES
     peak = [r["peak_hbm_bytes"] for r in rows if r.get("peak_hbm_bytes")]
     kernels = [line.strip() for line in open(log) if line.startswith(("attention:", "moe backend:"))]
+    chosen = [line.strip() for line in open(log) if line.startswith(("recipe auto for", "auto: "))]
+    # The planner's host bytes for the recipe that ran (for `auto`, the job printed its choice: no second plan).
+    plan_fields = ({"planned_host_gib": None} if a.recipe == "auto" else
+                   planned(cfg, RECIPES[a.recipe], batch=m["batch"], seq=m["seq"], optimizer="adamw", peak="estimate"))
     emit({**ident, "backend": None, "param_dtype": cfg.param_dtype, "dtype": cfg.dtype,
           "step_s": round(step_s, 4), "tflops": round(statistics.median(r["model_tflops"] for r in timed), 1),
           "mfu_datasheet": timed[-1]["mfu"], "peak_gib": round(max(peak) / 2**30, 2) if peak else None,
           "host_temp_gib": None if timed[-1]["host_bytes"] is None else round(timed[-1]["host_bytes"] / 2**30, 2),
           "dropped": timed[-1].get("dropped"), "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"],
-          "steps": len(rows), "kernels": kernels,
-          **planned(cfg, RECIPES[a.recipe], batch=m["batch"], seq=m["seq"], optimizer="adamw", peak="estimate"),
+          "steps": len(rows), "kernels": kernels, **({"auto_choice": chosen} if chosen else {}), **plan_fields,
           # the job's own prediction: its step compiled for the GPU before it launched (recipes.fit)
           **({"planned_peak_gib": round(rows[0]["planned_peak_bytes"] / 2**30, 2),
               "planned_peak_source": rows[0].get("planned_peak_source")} if rows[0].get("planned_peak_bytes") else {})})
