@@ -166,6 +166,24 @@ def test_case02_nan_guard_checks_the_updated_parameters(tiny_model, tmp_path, ca
     assert rc == 2 and "--lr must be a finite number > 0, got nan" in err and "compiled" not in out
 
 
+def test_case02_an_update_that_overflows_past_the_guard_is_never_saved(tmp_path, capsys, monkeypatch):
+    """The guard is decided before the update (finite loss, gradient norm and learning rate); an update that still
+    makes parameters non-finite (here an optimizer that multiplies its updates by infinity from step 4) has been
+    applied in place: the run says so, stops, and does not save that state (the last checkpoint is step 2)."""
+    from zoo import train_step as ts
+    make_tx = ts.make_tx
+    blow_up = optax.scale_by_schedule(lambda count: jnp.where(count < 3, 1.0, jnp.inf))
+    monkeypatch.setattr(ts, "make_tx", lambda *a, **kw: optax.chain(make_tx(*a, **kw), blow_up))
+    ckpt = tmp_path / "run"
+    result = loop.run(loop.RunConfig(steps=6, batch=2, seq=16, overrides=(("num_layers", 1),), ckpt_dir=str(ckpt),
+                                     ckpt_every=2))
+    out = capsys.readouterr().out
+    assert result.stopped == "nonfinite" and result.steps == [1, 2, 3], out
+    assert "step 4: the update made parameters non-finite (the loss" in out
+    assert "the update was applied (an overflow the guard cannot foresee) and is not saved" in out
+    assert "The last good checkpoint is step 2" in out and Checkpoints(ckpt).steps() == [2]
+
+
 # -- 3: one run per checkpoint directory -------------------------------------------------------------------------
 def test_case03_two_runs_one_ckpt_dir(base, tmp_path, capsys):
     ckpt = copy_ckpt(base, tmp_path)

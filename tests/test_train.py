@@ -135,6 +135,27 @@ def _model_and_optimizer(family):
                                       weight_decay=0.1)
 
 
+def test_the_guard_decided_before_the_update_changes_no_number():
+    """`lr=` (the schedule) decides the NaN guard before the update so that the select fuses into it; on finite
+    steps the state and metrics must equal those of the guard decided after the update, bit for bit."""
+    from zoo.train_step import family_step, jit_step
+    fam = model_family("llama3")
+    schedule = loop.lr_schedule(lr=3e-3, steps=12, warmup=1)
+    batch = {k: jax.numpy.asarray(v) for k, v in data_lib.Synthetic(vocab=fam.config("tiny").vocab_size, batch=2,
+                                                                      seq=16).batch(1).items()}
+    states = []
+    for lr in (schedule, None):
+        model, opt = _model_and_optimizer(fam)
+        step, _, state = jit_step(model, opt, family_step(fam, lr))
+        for _ in range(2):
+            state, m = step(state, batch)
+        assert bool(m["ok"]) and bool(m["kept"])
+        states.append((state, float(m["loss"])))
+    (a, loss_a), (b, loss_b) = states
+    assert loss_a == loss_b
+    assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
 # -- data ---------------------------------------------------------------------------------------------------------
 def test_data_is_a_pure_function_of_seed_and_step():
     a, b = (data_lib.Synthetic(vocab=50, batch=3, seq=20, seed=1) for _ in range(2))
