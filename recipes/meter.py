@@ -28,9 +28,13 @@ PEAK_TFLOPS: dict[str, float] = {
 
 def peak_tflops(device: jax.Device, override: float | None = None) -> tuple[float | None, str]:
     """(peak TFLOP/s or None, where it came from)."""
+    return peak_tflops_of(device.device_kind, override)
+
+
+def peak_tflops_of(kind: str, override: float | None = None) -> tuple[float | None, str]:
+    """(peak TFLOP/s of the device kind `kind` or None, where it came from)."""
     if override is not None:
         return override, "--peak-tflops"
-    kind = device.device_kind
     for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
         if key.lower() in kind.lower():
             return PEAK_TFLOPS[key], f"datasheet bf16 peak of {key}"

@@ -17,6 +17,8 @@ import argparse
 import json
 import sys
 
+import jax
+
 import zoo
 from recipes import cli
 from zoo.plan.types import OPTIMIZERS
@@ -26,8 +28,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recipes.plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=cli.HelpFormatter)
     cli.add_model_args(p, preset=None, batch=None, seq=None, optional=("--batch",))
-    p.epilog = ("--recipe auto chooses each tag's placement and needs --hbm and --flops; --link and --overlap "
-                "default to the link measured on --device (zoo/plan/links.py).")
+    p.epilog = ("--recipe auto chooses each tag's placement for --hbm (default: the allocator's limit of the device "
+                "present), --flops (default: the datasheet table, recipes/meter.py) and --link and --overlap "
+                "(default: the link measured on --device, zoo/plan/links.py).")
     p.add_argument("--shard", type=cli.positive_int, default=1, metavar="N",
                    help="devices the batch and the model state are split over (data parallel + FSDP); must divide "
                         "--batch; figures are then per device, every byte divided by N (see --mesh)")
@@ -39,7 +42,7 @@ def parser() -> argparse.ArgumentParser:
                    help="optimizer whose moments count as model state")
     p.add_argument("--opt-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="dtype of the optimizer moments")
-    p.add_argument("--hbm", type=cli.positive_float, metavar="GIB",
+    p.add_argument("--hbm", "--hbm-limit", type=cli.positive_float, metavar="GIB",
                    help="HBM budget per device, GiB: warned about; needed by --recipe auto (an H200: 141)")
     p.add_argument("--host", type=cli.positive_float, metavar="GIB",
                    help="host memory budget per device for --recipe auto, GiB (none: unbounded)")
@@ -56,7 +59,7 @@ def parser() -> argparse.ArgumentParser:
                    help="peak HBM with XLA's temporaries: compile the training step on abstract inputs for the "
                         "device present, or estimate it; auto: compile on an accelerator, estimate on the CPU (a "
                         "full-size step compiles slowly there and says nothing of a GPU)")
-    p.add_argument("--flops", type=cli.positive_float, metavar="TFLOPS",
+    p.add_argument("--flops", "--peak-tflops", type=cli.positive_float, metavar="TFLOPS",
                    help="matmul rate, TFLOP/s: for --recipe auto and the step-time estimate (an H200 in bf16: "
                         "~600-800)")
     p.add_argument("--max-batch", nargs="?", type=cli.positive_int, const=1024, default=None, metavar="CAP",
@@ -82,8 +85,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.batch is None:
         ap.error("the following arguments are required: --batch (or --max-batch)")
     if args.recipe == "auto":
+        from recipes import meter
         from zoo.plan import links
-        link = args.link or (links.measured(args.device or _present_kind()) or links.Link("", 0, 0, "")).rate_gbps
+        kind = args.device or _present_kind()
+        link = args.link or (links.measured(kind) or links.Link("", 0, 0, "")).rate_gbps
+        # As `recipes.train --recipe auto`: the FLOP rate from the datasheet table for the device planned for, and
+        # the HBM budget from the device present when it is the one planned for.
+        args.flops = args.flops or meter.peak_tflops_of(kind)[0]
+        if args.hbm is None and (args.device is None or args.device.lower() in _present_kind().lower()):
+            limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+            args.hbm = limit / 2 ** 30 if limit else None
         missing = [f for f, v in (("--hbm", args.hbm), ("--link", link), ("--flops", args.flops)) if not v]
         if missing:
             ap.error(f"--recipe auto needs {', '.join(missing)} (the HBM budget in GiB, the host link in GB/s, "

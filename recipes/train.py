@@ -31,7 +31,7 @@ def parser() -> argparse.ArgumentParser:
                    help="warm-up steps (default: schedule steps // 10, at most the preset's published warm-up)")
     p.add_argument("--opt-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="dtype of AdamW's moments, whatever the parameters' dtype")
-    p.add_argument("--hbm-limit", type=float, default=None, metavar="GIB",
+    p.add_argument("--hbm-limit", "--hbm", type=float, default=None, metavar="GIB",
                    help="device memory budget the compiled step's peak must fit (default: the device's "
                         "bytes_limit; on the CPU, the machine's RAM)")
     p.add_argument("--link", type=float, default=None, metavar="GBPS",
@@ -60,7 +60,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt-dir", default=None, metavar="DIR", help="orbax checkpoints here")
     p.add_argument("--ckpt-every", type=int, default=0, metavar="K", help="checkpoint every K steps (and at the end)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
-    p.add_argument("--peak-tflops", type=float, default=None, help="the device's peak for MFU (default: a table)")
+    p.add_argument("--peak-tflops", "--flops", type=float, default=None,
+                   help="the device's peak TFLOP/s, for MFU and --recipe auto (default: a table)")
     p.add_argument("--max-drop-warn", type=float, default=0.01, metavar="FRACTION",
                    help="warn when MoE capacity dispatch drops more than this fraction of a step's token copies")
     p.add_argument("--xla-flags", choices=tuple(flags.FLAG_SETS), default=flags.DEFAULT,

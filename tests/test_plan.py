@@ -302,6 +302,11 @@ def test_cli_auto_and_bad_input():
     r = _run(*tiny, "--recipe", "auto", "--hbm", "1", "--link", "55", "--flops", "800", env={"COLUMNS": "200"})
     assert r.returncode == 0, r.stderr
     assert "chosen:" in r.stdout and "kept in HBM" in r.stdout
+    # Planning for a device kind with a measured link and a datasheet rate needs only the budget, as the main job's
+    # --recipe auto (the flags' other spellings are the main job's: --hbm-limit, --peak-tflops).
+    r = _run(*tiny, "--recipe", "auto", "--device", "H200", "--hbm-limit", "1", env={"COLUMNS": "200"})
+    assert r.returncode == 0, r.stderr
+    assert "chosen:" in r.stdout and "55.3 GB/s" in r.stdout and "989" in r.stdout
 
 
 
