@@ -80,6 +80,24 @@ def scan_backend(monkeypatch):
     monkeypatch.setattr(moe, "tokamax_status", lambda: (True, "scan stand-in"))
 
 
+def _stand_in_op_for(problem, k, n):
+    """The three problems of `zoo.layers.grouped_matmul.make` as the GPU runs them, on the CPU: the forward and the
+    rows' gradient through the looping stand-in, the experts' gradient as a ragged contraction."""
+    if problem == "drhs":
+        return lambda lhs, rhs, *, group_sizes, ragged_dot_dimension_numbers: jax.lax.ragged_dot_general(
+            lhs, rhs, group_sizes, ragged_dot_dimension_numbers)
+    return lambda lhs, rhs, *, group_sizes: scan_grouped_matmul(lhs, rhs, group_sizes)
+
+
+@pytest.fixture
+def tiled_backend(monkeypatch):
+    """moe_backend='tokamax' as it runs on the H200 with measured tiles: `grouped_matmul.make`'s custom VJP, each
+    problem a looping stand-in for the kernel."""
+    from zoo.layers import grouped_matmul
+    monkeypatch.setitem(moe.GROUPED_MATMULS, "tokamax", lambda: grouped_matmul.make(_stand_in_op_for))
+    monkeypatch.setattr(moe, "tokamax_status", lambda: (True, "custom-VJP stand-in"))
+
+
 CFG = zoo.models.DeepSeekV3Config.tiny()
 B, S = 2, 8
 STACKS = ("dense_layers", "moe_layers")
@@ -94,8 +112,10 @@ def test_the_stand_in_equals_ragged_dot_and_really_loops():
     assert "scan[" in str(jax.make_jaxpr(scan_grouped_matmul)(rows, w, sizes))
 
 
+@pytest.mark.parametrize("backend", ["scan_backend", "tiled_backend"])
 @pytest.mark.parametrize("name", ["mla_moe_offload", "lowrank_wa_offload"])
-def test_offload_lands_as_planned_with_a_looping_grouped_matmul(scan_backend, name):
+def test_offload_lands_as_planned_with_a_looping_grouped_matmul(backend, name, request):
+    request.getfixturevalue(backend)
     recipe = RECIPES[name]
     model = zoo.models.deepseek_v3(CFG.__class__.tiny(moe_backend="tokamax"), recipe=recipe, rngs=nnx.Rngs(0))
     # the MoE layer really holds a loop now, and the guard lets it through
@@ -118,11 +138,19 @@ def test_offload_lands_as_planned_with_a_looping_grouped_matmul(scan_backend, na
     assert pinned_host_shapes(cuda_lowering(model, tokens)) == want_hlo
 
 
-def test_the_stand_in_backend_matches_ragged_dot_in_the_model(scan_backend):
+@pytest.mark.parametrize("backend", ["scan_backend", "tiled_backend"])
+def test_the_stand_in_backend_matches_ragged_dot_in_the_model(backend, request):
+    """Outputs, and for the custom-VJP path every gradient, equal the ragged_dot backend's."""
+    request.getfixturevalue(backend)
     tokens = jax.random.randint(jax.random.key(1), (B, S), 0, CFG.vocab_size, dtype=jnp.int32)
-    ref = zoo.models.deepseek_v3(CFG, rngs=nnx.Rngs(0))(tokens)
-    got = zoo.models.deepseek_v3(CFG.__class__.tiny(moe_backend="tokamax"), rngs=nnx.Rngs(0))(tokens)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    ref = zoo.models.deepseek_v3(CFG, rngs=nnx.Rngs(0))
+    got = zoo.models.deepseek_v3(CFG.__class__.tiny(moe_backend="tokamax"), rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(np.asarray(got(tokens)), np.asarray(ref(tokens)), rtol=1e-5, atol=1e-5)
+    if backend == "tiled_backend":
+        loss = lambda m: jnp.sum(m(tokens) ** 2)  # noqa: E731
+        g_ref, g_got = nnx.grad(loss)(ref), nnx.grad(loss)(got)
+        for a, b in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g_got)):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-4, atol=2e-5)
 
 
 # -- choices per device -------------------------------------------------------------------------------------
