@@ -349,6 +349,7 @@ def _run(cfg: RunConfig, console: Console) -> Result:
     n_params = zoo.models.count_params(nnx.merge(graphdef, abstract)[0])
     tokens_per_step = cfg.batch * cfg.seq
     peak, peak_src = meter.peak_tflops(device, cfg.peak_tflops)
+    n_devices = mesh.devices.size if mesh is not None else 1
 
     console.print(f"model {cfg.model} {cfg.preset}: {n_params:,} parameters; batch {cfg.batch} x seq {cfg.seq}; "
                   f"{cfg.steps} steps on {device.platform} ({device.device_kind})")
@@ -438,7 +439,7 @@ def _run(cfg: RunConfig, console: Console) -> Result:
                 dt, t_last, n = now - t_last, now, n_since
                 n_since = 0
                 tok_s = tokens_per_step * n / dt
-                tflops = flops_per_step * n / dt / 1e12
+                tflops = flops_per_step * n / dt / 1e12 / n_devices   # per device, as the peak it is held to
                 row = {"step": step, "loss": loss, "aux_loss": float(m["total_loss"]) - loss,
                        "grad_norm": float(m["grad_norm"]),
                        "lr": float(schedule(step - 1)), "tokens_per_s": tok_s, "model_tflops": tflops,

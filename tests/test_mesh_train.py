@@ -64,6 +64,15 @@ def test_llama_fsdp_x_tp_logs_the_losses_of_one_device(tmp_path, llama_one_devic
     assert "mesh dp=1,fsdp=4,tp=2,ep=1 over 8 device(s)" in out.stdout
     assert_close(losses(tmp_path / "m.jsonl"), llama_one_device)
     assert len(llama_one_device) == 3 and llama_one_device[3] < llama_one_device[1]
+    # model TFLOP/s are per device (MFU holds them to one device's peak): the same model FLOPs per token, over 8
+    from flax import nnx
+
+    from zoo.models.registry import family
+    fam = family("llama3")
+    cfg = fam.config("tiny")
+    want = fam.flops_per_token(cfg, fam.build(cfg, rngs=nnx.Rngs(0)), 16)
+    for r in map(json.loads, open(tmp_path / "m.jsonl")):
+        assert 8 * r["model_tflops"] * 1e12 / r["tokens_per_s"] == pytest.approx(want, rel=1e-6), r
 
 
 def test_deepseek_fsdp_x_ep_logs_the_losses_of_one_device(tmp_path, cache):
