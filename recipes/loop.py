@@ -36,8 +36,8 @@ from recipes.checkpoint import Checkpoints
 from recipes.lock import DirLock
 from zoo.models.registry import Family
 from zoo.train_step import (
-    abstract_step,
     all_finite,
+    compile_abstract,
     lr_schedule,
     make_optimizer,
     moe_drops,
@@ -219,18 +219,12 @@ def show_memory_plan(console: Console, model_cfg, recipe: zoo.Recipe, *, batch: 
     return p
 
 
-def compile_for_shapes(family: Family, model_cfg, recipe: zoo.Recipe, cfg: RunConfig, schedule, source, mesh):
-    """(compiled step, graphdef, abstract state): the run's step (zoo.train_step) compiled on shapes alone, its
-    state laid out on `mesh` by the sharding rules and traced inside `zoo.sharding.use(mesh)` (jit's cache does not
-    key on the rules: the activation constraints are read at this trace)."""
-    jitted, graphdef, abstract = abstract_step(family, model_cfg, recipe, schedule=schedule, clip=cfg.clip,
-                                               weight_decay=cfg.weight_decay, opt_dtype=cfg.opt_dtype,
-                                               seed=cfg.seed, mesh=mesh)
-    shapes = {k: jax.ShapeDtypeStruct(x.shape, jnp.asarray(x).dtype,
-                                      sharding=zoo.sharding.batch_sharding(mesh, ndim=x.ndim))
-              for k, x in source.batch(1).items()}
-    with zoo.sharding.use(mesh):
-        return jitted.lower(abstract, shapes).compile(), graphdef, abstract
+def compile_for_shapes(family: Family, model_cfg, recipe: zoo.Recipe, cfg: RunConfig, schedule, mesh):
+    """(compiled step, graphdef, abstract state): the run's step compiled on shapes alone, laid out on `mesh`
+    (`zoo.train_step.compile_abstract`, the planner's compile too)."""
+    return compile_abstract(family, model_cfg, recipe, batch=cfg.batch, seq=cfg.seq, schedule=schedule,
+                            clip=cfg.clip, weight_decay=cfg.weight_decay, opt_dtype=cfg.opt_dtype, seed=cfg.seed,
+                            mesh=mesh)
 
 
 def check_fits(console: Console, cfg: RunConfig, plan, recipe_name: str, device: jax.Device, compiled) -> None:
@@ -337,14 +331,14 @@ def _run(cfg: RunConfig, console: Console) -> Result:
         ins = auto.inputs(device, hbm_gib=cfg.hbm_limit, link_gbps=cfg.link, overlap=cfg.overlap,
                           tflops=cfg.peak_tflops)
         recipe, (compiled, graphdef, abstract), notes = auto.fit(
-            model_cfg, ins, lambda r: compile_for_shapes(family, model_cfg, r, cfg, schedule, source, mesh),
+            model_cfg, ins, lambda r: compile_for_shapes(family, model_cfg, r, cfg, schedule, mesh),
             batch=cfg.batch, seq=cfg.seq, opt_dtype=cfg.opt_dtype,
             mesh=mesh if mesh is not None and mesh.devices.size > 1 else None)
         for note in notes:
             console.print(note, soft_wrap=True, markup=False)
         console.print(f"recipe auto for {ins.describe()}: {auto.summary(recipe)}", soft_wrap=True, markup=False)
     else:
-        compiled, graphdef, abstract = compile_for_shapes(family, model_cfg, recipe, cfg, schedule, source, mesh)
+        compiled, graphdef, abstract = compile_for_shapes(family, model_cfg, recipe, cfg, schedule, mesh)
     compile_s = time.perf_counter() - t0
     n_params = zoo.models.count_params(nnx.merge(graphdef, abstract)[0])
     tokens_per_step = cfg.batch * cfg.seq

@@ -206,8 +206,18 @@ def abstract_step(family, cfg, recipe, *, schedule: optax.Schedule | None = None
     return jit_step(model, opt, family_step(family, schedule), keep_shardings=True)
 
 
-def compile_abstract(family, cfg, recipe, *, batch: int, seq: int, **kwargs):
+def compile_abstract(family, cfg, recipe, *, batch: int, seq: int, mesh=None, **kwargs):
     """(compiled step, graphdef, abstract state): `abstract_step` lowered on abstract inputs and compiled for the
-    device present. Nothing is allocated; `compiled.memory_analysis()` says what running it would take."""
-    jitted, graphdef, state = abstract_step(family, cfg, recipe, **kwargs)
-    return jitted.lower(state, abstract_batch(batch, seq)).compile(), graphdef, state
+    device present. Nothing is allocated; `compiled.memory_analysis()` says what running it would take (per device
+    under a mesh). With a (concrete) `mesh`, as the main job runs it: the state on the rules' shardings, the batch
+    split over the data axes, traced inside `zoo.sharding.use(mesh)` (jit's cache does not key on the rules: the
+    activation constraints are read at this trace). The main job and the planner both compile through here."""
+    jitted, graphdef, state = abstract_step(family, cfg, recipe, mesh=mesh, **kwargs)
+    if mesh is None:
+        return jitted.lower(state, abstract_batch(batch, seq)).compile(), graphdef, state
+    from zoo import sharding
+
+    shapes = {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.batch_sharding(mesh, ndim=len(x.shape)))
+              for k, x in abstract_batch(batch, seq).items()}
+    with sharding.use(mesh):
+        return jitted.lower(state, shapes).compile(), graphdef, state

@@ -10,7 +10,7 @@
 
   (the outputs that alias a donated argument are not allocated again). Host figures (offloaded residuals in
   pinned host memory) are `host_temp_size_in_bytes`.
-  Under a mesh the step is compiled as the main job compiles it (`recipes.loop.compile_for_shapes`): the state
+  Under a mesh the step is compiled as the main job compiles it (`zoo.train_step.compile_abstract`): the state
   laid out by the sharding rules, the batch split over the data axes, traced inside `zoo.sharding.use(mesh)` so
   the activation constraints apply. XLA partitions it (SPMD) and its memory analysis is one device's program:
   every figure is per device (a tiny Llama's argument bytes are one device's / 4 under fsdp=4, / 8 under fsdp=8,
@@ -65,19 +65,10 @@ def compile_step(cfg, recipe, *, batch: int, seq: int, optimizer: str = "adamw",
     the main job compiles it: the state on the rules' shardings, the batch split over the data axes, traced inside
     `zoo.sharding.use(mesh)`."""
     from zoo.models.registry import family_of
-    from zoo.train_step import abstract_batch, abstract_step, compile_abstract
+    from zoo.train_step import compile_abstract
 
-    family = family_of(cfg)
-    if mesh is None:
-        return compile_abstract(family, cfg, recipe, batch=batch, seq=seq, optimizer=optimizer,
-                                opt_dtype=opt_dtype)[0]
-    from zoo import sharding
-
-    jitted, _, state = abstract_step(family, cfg, recipe, optimizer=optimizer, opt_dtype=opt_dtype, mesh=mesh)
-    shapes = {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.batch_sharding(mesh, ndim=len(x.shape)))
-              for k, x in abstract_batch(batch, seq).items()}
-    with sharding.use(mesh):
-        return jitted.lower(state, shapes).compile()
+    return compile_abstract(family_of(cfg), cfg, recipe, batch=batch, seq=seq, optimizer=optimizer,
+                            opt_dtype=opt_dtype, mesh=mesh)[0]
 
 
 def from_compiled(compiled, device: jax.Device | None = None, mesh=None) -> Peak:
