@@ -25,7 +25,7 @@ import jax
 import zoo
 from recipes import meter
 from zoo.plan import links
-from zoo.plan.peak import from_compiled
+from zoo.plan.peak import allocator_limit, from_compiled
 
 GiB = 1 << 30
 ATTEMPTS = 3
@@ -55,7 +55,7 @@ def inputs(device: jax.Device, *, hbm_gib: float | None = None, link_gbps: float
     if hbm_gib is not None:
         hbm, hbm_src = hbm_gib, "--hbm-limit"
     else:
-        limit = (device.memory_stats() or {}).get("bytes_limit")
+        limit = allocator_limit(device)
         if not limit:
             raise ValueError(f"--recipe auto needs an HBM budget: {kind} reports no memory limit; pass --hbm-limit GIB")
         hbm, hbm_src = limit / GiB, f"{kind}'s bytes_limit"

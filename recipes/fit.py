@@ -13,7 +13,7 @@ import os
 
 import jax
 
-from zoo.plan.peak import Peak
+from zoo.plan.peak import Peak, allocator_limit
 from zoo.plan.types import GiB, fmt_bytes
 
 
@@ -38,7 +38,7 @@ def budget(device: jax.Device, hbm_limit_gib: float | None) -> tuple[int | None,
     """(device bytes the step may use, where the figure comes from)."""
     if hbm_limit_gib is not None:
         return int(hbm_limit_gib * GiB), "--hbm-limit"
-    limit = (device.memory_stats() or {}).get("bytes_limit")
+    limit = allocator_limit(device)
     if limit:
         return int(limit), f"{device.device_kind}'s bytes_limit"
     if device.platform == "cpu":

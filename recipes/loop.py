@@ -35,6 +35,7 @@ from recipes import mesh as mesh_lib
 from recipes.checkpoint import Checkpoints
 from recipes.lock import DirLock
 from zoo.models.registry import Family
+from zoo.plan.peak import allocator_limit
 from zoo.train_step import (
     all_finite,
     compile_abstract,
@@ -209,7 +210,7 @@ def show_memory_plan(console: Console, model_cfg, recipe: zoo.Recipe, *, batch: 
                      opt_dtype: str = "float32", mesh=None) -> zoo.plan.Plan:
     """Print the recipe's memory plan (`zoo.plan`, with the device's HBM as its budget and, given the compiled
     step, its peak with XLA's temporaries; per device under a mesh of several devices) and return it."""
-    limit = (device.memory_stats() or {}).get("bytes_limit")
+    limit = allocator_limit(device)
     kwargs = {"hbm_gib": hbm_limit} if hbm_limit else {"hbm_gib": limit / 2 ** 30} if limit else {}
     if mesh is not None and mesh.devices.size > 1:
         kwargs["mesh"] = mesh
@@ -333,7 +334,7 @@ def _run(cfg: RunConfig, console: Console) -> Result:
         recipe, (compiled, graphdef, abstract), notes = auto.fit(
             model_cfg, ins, lambda r: compile_for_shapes(family, model_cfg, r, cfg, schedule, mesh),
             batch=cfg.batch, seq=cfg.seq, opt_dtype=cfg.opt_dtype,
-            mesh=mesh if mesh is not None and mesh.devices.size > 1 else None)
+            mesh=mesh if mesh.devices.size > 1 else None)
         for note in notes:
             console.print(note, soft_wrap=True, markup=False)
         console.print(f"recipe auto for {ins.describe()}: {auto.summary(recipe)}", soft_wrap=True, markup=False)
@@ -343,7 +344,7 @@ def _run(cfg: RunConfig, console: Console) -> Result:
     n_params = zoo.models.count_params(nnx.merge(graphdef, abstract)[0])
     tokens_per_step = cfg.batch * cfg.seq
     peak, peak_src = meter.peak_tflops(device, cfg.peak_tflops)
-    n_devices = mesh.devices.size if mesh is not None else 1
+    n_devices = mesh.devices.size   # recipes.mesh.resolve always gives a mesh (one device: all axes 1)
 
     console.print(f"model {cfg.model} {cfg.preset}: {n_params:,} parameters; batch {cfg.batch} x seq {cfg.seq}; "
                   f"{cfg.steps} steps on {device.platform} ({device.device_kind})")

@@ -21,6 +21,7 @@ import jax
 
 import zoo
 from recipes import cli
+from zoo.plan.peak import allocator_limit
 from zoo.plan.types import OPTIMIZERS
 
 
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         # the HBM budget from the device present when it is the one planned for.
         args.flops = args.flops or meter.peak_tflops_of(kind)[0]
         if args.hbm is None and (args.device is None or args.device.lower() in _present_kind().lower()):
-            limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+            limit = allocator_limit(jax.devices()[0])
             args.hbm = limit / 2 ** 30 if limit else None
         missing = [f for f, v in (("--hbm", args.hbm), ("--link", link), ("--flops", args.flops)) if not v]
         if missing:

@@ -40,13 +40,18 @@ def cuda_lowering(model, tokens) -> str:
     return grad.trace(state).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def pinned_host_shapes(hlo_text: str) -> collections.Counter:
-    """Counter of tensor types moved to pinned host memory in lowered text."""
+def placed_shapes(hlo_text: str, marker: str) -> collections.Counter:
+    """Counter of tensor types that lowered text annotates with a placement whose text holds `marker`."""
     out = collections.Counter()
     for line in hlo_text.splitlines():
-        if "annotate_device_placement" in line and '"pinned_host"' in line:
+        if "annotate_device_placement" in line and marker in line:
             out[line.rsplit("->", 1)[-1].strip()] += 1
     return out
+
+
+def pinned_host_shapes(hlo_text: str) -> collections.Counter:
+    """Counter of tensor types moved to pinned host memory in lowered text."""
+    return placed_shapes(hlo_text, '"pinned_host"')
 
 
 def hlo_type(shape, dtype) -> str:

@@ -12,7 +12,7 @@ from flax import nnx
 import zoo
 from recipes import deepseek_v3 as ds_recipes
 from recipes import llama3 as llama_recipes
-from tests.helpers import cuda_lowering, hlo_type, loss_fn, max_rel_err, pinned_host_shapes
+from tests.helpers import cuda_lowering, hlo_type, loss_fn, max_rel_err, pinned_host_shapes, placed_shapes
 from zoo.models import offload_scan
 from zoo.models.deepseek import total_balance_loss as balance_loss
 from zoo.plan import measure as audit
@@ -200,8 +200,4 @@ def _abstract_layer(model):
 
 
 def _device_shapes(text: str) -> collections.Counter:
-    out = collections.Counter()
-    for line in text.splitlines():
-        if "annotate_device_placement" in line and '_xla_buffer_placement = "device"' in line:
-            out[line.rsplit("->", 1)[-1].strip()] += 1
-    return out
+    return placed_shapes(text, '_xla_buffer_placement = "device"')

@@ -95,7 +95,7 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax
     kept = jnp.bool_(True)
     if lr is not None:
         # The tripwire: an update that passed the guard and still made a parameter non-finite was applied.
-        params_ok = all_finite(nnx.state(model, nnx.Param))
+        params_ok = all_finite(nnx.state(model))   # the same check as without `lr`, after the select
         kept = params_ok
         ok = ok & params_ok
     metrics = {"loss": lm_loss, "total_loss": loss, "grad_norm": grad_norm, "ok": ok, "params_ok": params_ok,

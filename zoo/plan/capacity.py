@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from zoo.plan.build import _check_positive, _target, plan
+from zoo.plan.peak import allocator_limit
 from zoo.plan.types import GiB, fmt_bytes
 from zoo.recipe import Recipe
 
@@ -78,7 +79,7 @@ def budget(hbm_gib: float | None, device_kind: str | None) -> tuple[int, str]:
     if not same:
         raise ValueError(f"hbm_gib is needed: planning for {kind!r}, not the device present "
                          f"({present.device_kind}), so its memory limit is unknown here")
-    limit = (present.memory_stats() or {}).get("bytes_limit")
+    limit = allocator_limit(present)
     if not limit:
         raise ValueError(f"hbm_gib is needed: the device present ({present.device_kind}, {present.platform}) "
                          f"reports no allocator limit (memory_stats()['bytes_limit'])")

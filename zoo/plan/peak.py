@@ -48,6 +48,12 @@ class Peak:
         return dataclasses.asdict(self)
 
 
+def allocator_limit(device: jax.Device) -> int | None:
+    """The bytes XLA's allocator may use on `device` (`memory_stats()["bytes_limit"]`: 75% of the HBM under JAX's
+    default preallocation), or None where the backend keeps no such limit (the CPU)."""
+    return (device.memory_stats() or {}).get("bytes_limit") or None
+
+
 def device_label(device: jax.Device) -> str:
     return f"{device.device_kind} ({device.platform})" if device.device_kind != device.platform else device.platform
 
