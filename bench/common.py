@@ -77,14 +77,32 @@ def sharded_inputs(build, cfg, recipe, tokens, mesh_spec: str | None):
     return model, jax.device_put(tokens, sharding.batch_sharding(mesh)), mesh
 
 
+def step_options(recipe) -> dict[str, str]:
+    """The XLA options a bench compiles its step with: the library's for `recipe` on this device
+    (`zoo.compile_options.for_step`, what the main job uses), unless `BENCH_OPTIONS` (a JSON object of XLA debug
+    options, `{}` for XLA's defaults) sets them for a sweep over settings."""
+    from zoo import compile_options
+
+    if os.environ.get("BENCH_OPTIONS") is not None:
+        return json.loads(os.environ["BENCH_OPTIONS"])
+    return compile_options.for_step(recipe, jax.devices()[0].platform).options
+
+
+def options_label(options: dict[str, str]) -> str:
+    """Compile options as the flags they equal ("--name=value ..."), for a record's `flags`."""
+    return " ".join(f"--{k}={v}" for k, v in options.items())
+
+
 def peak_bytes() -> int:
     """The largest `peak_bytes_in_use` over this process's devices (0 where the backend keeps no statistics)."""
     return max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.local_devices())
 
 
-def measure(model, tokens, *, flops_per_step: float, steps: int = 6, warmup: int = 2, mesh=None) -> dict:
-    """Time the SGD step. `flops_per_step` is global; `tflops` is per device of `mesh` (one without), `peak_gib`
-    the largest of the devices'. Under a mesh the step is traced inside `zoo.sharding.use(mesh)`."""
+def measure(model, tokens, *, flops_per_step: float, steps: int = 6, warmup: int = 2, mesh=None,
+            recipe=None) -> dict:
+    """Time the SGD step, compiled with `step_options(recipe)`. `flops_per_step` is global; `tflops` is per device
+    of `mesh` (one without), `peak_gib` the largest of the devices'. Under a mesh the step is traced inside
+    `zoo.sharding.use(mesh)`."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     shardings = None if mesh is None else jax.tree.map(lambda x: x.sharding, params)
     step = sgd_step_fn(graphdef, param_shardings=shardings)
@@ -95,7 +113,8 @@ def measure(model, tokens, *, flops_per_step: float, steps: int = 6, warmup: int
         from zoo import sharding
         context = sharding.use(mesh)
     with context:
-        compiled = step.lower(params, rest, tokens).compile()
+        options = step_options(recipe)
+        compiled = step.lower(params, rest, tokens).compile(compiler_options=options)
     compile_s = time.perf_counter() - t0
     ma = compiled.memory_analysis()
     text = compiled.as_text()
@@ -116,7 +135,8 @@ def measure(model, tokens, *, flops_per_step: float, steps: int = 6, warmup: int
         peak_gib=round(peak_bytes() / 2**30, 2),
         temp_gib=round(ma.temp_size_in_bytes / 2**30, 2),
         host_temp_gib=round(getattr(ma, "host_temp_size_in_bytes", 0) / 2**30, 2),
-        has_S5="S(5)" in text, compile_s=round(compile_s, 1), loss=float(loss), dropped=int(dropped))
+        has_S5="S(5)" in text, compile_s=round(compile_s, 1), loss=float(loss), dropped=int(dropped),
+        compile_options=options)
 
 
 def planned(cfg, recipe, *, batch: int, seq: int, optimizer: str = "adamw", peak: str = "auto",
@@ -129,17 +149,21 @@ def planned(cfg, recipe, *, batch: int, seq: int, optimizer: str = "adamw", peak
     the planner's labelled estimate. `planned_floor_gib` is the floor (saved activations + model state)."""
     import zoo
 
+    peak = {"none": None}.get(os.environ.get("BENCH_PLAN_PEAK", ""), peak)   # "none": skip the peak's compile
     p = zoo.plan(cfg, recipe, batch=batch, seq=seq, optimizer=optimizer, peak=peak,
                  **({} if mesh is None else {"mesh": mesh}))
     peak_bytes = p.peak_bytes
+    est = p.step_time()
     return dict(planned_host_gib=round(p.host_bytes / 2**30, 3),
+                planned_step_s=None if est is None else round(est["total_s"], 4),
                 planned_peak_gib=None if peak_bytes is None else round(peak_bytes / 2**30, 2),
                 planned_peak_source=getattr(p, "peak_source", None),
                 planned_floor_gib=round(p.hbm_bytes / 2**30, 2))
 
 
 def emit(record: dict) -> None:
-    record.update(jax=jax.__version__, flags=os.environ.get("XLA_FLAGS", ""))
+    options = options_label(record.get("compile_options") or {})
+    record.update(jax=jax.__version__, flags=" ".join(x for x in (os.environ.get("XLA_FLAGS", ""), options) if x))
     record.setdefault("gpus", jax.device_count())
     record.setdefault("mesh", None)
     record.setdefault("date", datetime.date.today().isoformat())
@@ -157,3 +181,41 @@ def guarded(fn, **ident):
     except Exception as e:  # report OOM and friends as data, not as a crash of the whole sweep
         emit({**ident, "error": f"{type(e).__name__}: {str(e)[:300]}"})
         sys.exit(0)
+
+
+PGLE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
+
+
+def profile_guided(lowered, options: dict[str, str], run, *, steps: int = 2, workdir: str | None = None):
+    """(`lowered` compiled again with XLA's latency-hiding scheduler fed by measured costs, the profile's path).
+
+    XLA's latency-hiding scheduler places each host copy's start and the wait for it from estimated latencies.
+    The profile of the offloading step shows the compute stream waiting on single copies inside every layer (on
+    the H200: ~36 ms per layer in the forward pass before a memset, 50-60 ms per layer in the backward pass; the
+    copy's wait comes before the compute it could have run beside). Profile-guided latency estimation (PGLE) replaces the estimates with what a profile measured.
+    `run(compiled)` runs one step of the program already compiled (the caller threads its state and blocks until
+    the step is done); it is called `steps` times under `jax.profiler.trace`, and the profile of those steps
+    (`jax.experimental.profiler.get_profiled_instructions_proto`) is passed to a second compilation of the same
+    program. GPU only: elsewhere the profile is empty and the program is returned compiled as before.
+
+    Measured on the H200 (bench/results/offload-pays_2026-12-01.jsonl): mixed (qkv_offload 2.184 -> 2.162 s,
+    the 6-layer minimal_offload 2.026 -> 1.993 s, the 3-layer minimal_offload 2.016 -> 2.219 s), so the zoo does
+    not apply it by default; it stays here for the benches."""
+    import glob
+    import tempfile
+
+    from jax.experimental.profiler import get_profiled_instructions_proto
+
+    first = lowered.compile(compiler_options=options)
+    workdir = workdir or tempfile.mkdtemp(prefix="zoo-pgle-")
+    with jax.profiler.trace(workdir):
+        for _ in range(steps):
+            run(first)
+    runs = sorted(glob.glob(os.path.join(workdir, "plugins", "profile", "*")), key=os.path.getmtime)
+    proto = get_profiled_instructions_proto(runs[-1]) if runs else b""
+    if not proto:
+        return first, None
+    path = os.path.join(workdir, "profile.pb")
+    with open(path, "wb") as f:
+        f.write(proto)
+    return lowered.compile(compiler_options={**options, PGLE_OPTION: path}), path

@@ -111,7 +111,7 @@ def main():
         tokens = jax.random.randint(jax.random.key(1), (a.batch, a.seq), 0, cfg.vocab_size, jnp.int32)
         model, tokens, mesh = sharded_inputs(FAMILY.build, cfg, recipe, tokens, a.mesh)
         flops = FAMILY.flops_per_token(cfg, model, a.seq) * a.batch * a.seq
-        return dict(measure(model, tokens, flops_per_step=flops, steps=a.steps, warmup=1, mesh=mesh),
+        return dict(measure(model, tokens, flops_per_step=flops, steps=a.steps, warmup=1, mesh=mesh, recipe=recipe),
                     attention=attention, E=cfg.num_experts, L=cfg.num_layers,
                     **planned(cfg, recipe, batch=a.batch, seq=a.seq, optimizer="sgd", mesh=a.mesh))
 

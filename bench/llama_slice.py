@@ -47,7 +47,8 @@ def main():
         model, tokens, mesh = sharded_inputs(FAMILY.build, cfg, recipe, tokens, a.mesh)
         flops = llama_step_flops(cfg, model, a.batch, a.seq)
         plan = planned(cfg, recipe, batch=a.batch, seq=a.seq, optimizer="sgd", mesh=a.mesh)
-        return dict(measure(model, tokens, flops_per_step=flops, steps=a.steps, warmup=1 if a.mesh else 2, mesh=mesh),
+        return dict(measure(model, tokens, flops_per_step=flops, steps=a.steps, warmup=1 if a.mesh else 2, mesh=mesh,
+                            recipe=recipe),
                     **plan)
 
     n = jax.device_count()

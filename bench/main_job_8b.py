@@ -110,7 +110,7 @@ def run_sgd(a) -> None:
         model = zoo.models.llama3(cfg, recipe=recipe, rngs=nnx.Rngs(0))
         tokens = jax.random.randint(jax.random.key(1), (m["batch"], m["seq"]), 0, cfg.vocab_size, jnp.int32)
         flops = llama_flops_per_token(cfg, model, m["seq"]) * m["batch"] * m["seq"]
-        return dict(measure(model, tokens, flops_per_step=flops, steps=5, warmup=2), attention=attention,
+        return dict(measure(model, tokens, flops_per_step=flops, steps=5, warmup=2, recipe=recipe), attention=attention,
                     param_dtype=cfg.param_dtype,
                     **planned(cfg, recipe, batch=m["batch"], seq=m["seq"], optimizer="sgd"))
 

@@ -15,7 +15,10 @@ def rows(path: str) -> list[dict]:
 
 
 def _shape(r: dict) -> str:
-    return r.get("bench", "?")
+    return f"{r.get('bench', '?')} L{r.get('L')} B{r.get('B')}"
+
+
+BASE_SETTING = {"zoo": "zoo", "anchor": "lhs"}   # the twin is measured under the impl's default setting
 
 
 def table(recs: list[dict]) -> str:
@@ -23,27 +26,26 @@ def table(recs: list[dict]) -> str:
             "offload_qkv": "save_qkv", "mla_moe_offload": "save_mla_moe", "lowrank_wa_offload": "save_mla_moe"}
     base = {}
     for r in recs:
-        if "step_s" in r and r.get("flag_set") == "lhs" and r.get("mechanism", "xla") == "xla":
+        if "step_s" in r and r.get("setting") == BASE_SETTING.get(r.get("impl")):
             base[(_shape(r), r.get("impl"), r.get("recipe"))] = r
-    out = ["| bench | impl | mechanism | flags | recipe | step (s) | vs twin | peak HBM (GiB) | vs full's peak | "
-           "host (GiB) | planned host | note |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| bench | impl | setting | recipe | step (s) | vs twin | peak HBM (GiB) | vs full's peak | "
+           "host (GiB) | planned host | planned step (s) | note |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in recs:
         key = (_shape(r), r.get("impl"))
         if r.get("bench") == "loss-curve":
             continue
         if "step_s" not in r:
             note = r.get("error") or r.get("skipped") or ""
-            out.append(f"| {_shape(r)} | {r.get('impl')} | {r.get('mechanism')} | {r.get('flag_set')} | "
-                       f"{r.get('recipe')} | | | | | | | {str(note)[:90]} |")
+            out.append(f"| {_shape(r)} | {r.get('impl')} | {r.get('setting')} | "
+                       f"{r.get('recipe')} | | | | | | | | {str(note)[:90]} |")
             continue
         t = base.get(key + (twin.get(r.get("recipe")),))
         f = base.get(key + ("full",))
         ratio = f"{t['step_s'] / r['step_s']:.3f}x" if t else ""
         peak = f"{r['peak_gib'] / f['peak_gib'] - 1:+.1%}" if f and f.get("peak_gib") else ""
-        out.append(f"| {_shape(r)} | {r.get('impl')} | {r.get('mechanism')} | {r.get('flag_set')} | "
-                   f"{r.get('recipe')} | "
+        out.append(f"| {_shape(r)} | {r.get('impl')} | {r.get('setting')} | {r.get('recipe')} | "
                    f"{r['step_s']:.3f} | {ratio} | {r.get('peak_gib')} | {peak} | {r.get('host_temp_gib')} | "
-                   f"{r.get('planned_host_gib', '')} | {r.get('job', '')} |")
+                   f"{r.get('planned_host_gib', '')} | {r.get('planned_step_s', '')} | {r.get('job', '')} |")
     return "\n".join(out)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import os
 import re
 import statistics
 import time
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import zoo
-from bench.common import guarded, llama_step_flops, sgd_step_fn
+from bench.common import guarded, llama_step_flops, profile_guided, sgd_step_fn, step_options
 from recipes.llama3 import RECIPES
 from zoo.plan import peak as peak_lib
 
@@ -66,6 +67,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--profile", default=None, metavar="DIR", help="trace 2 more steps here and summarise them")
     ap.add_argument("--hlo", action="store_true", help="count the compiled program's async / host-memory ops")
+    ap.add_argument("--pgle", action="store_true",
+                    help="then compile again with profile-guided latency estimation (bench.common."
+                         "profile_guided) and time that too (step_s_pgle)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script only)")
     a = ap.parse_args()
     on_gpu = jax.devices()[0].platform == "gpu"
@@ -82,13 +86,14 @@ def main():
         tokens = jax.random.randint(jax.random.key(1), (batch, seq), 0, cfg.vocab_size, jnp.int32)
         flops = llama_step_flops(cfg, model, batch, seq)
         try:
-            planned = round(zoo.plan(cfg, recipe, batch=batch, seq=seq).host_bytes / 2**30, 3)
+            planned = round(zoo.plan(cfg, recipe, batch=batch, seq=seq, peak=None).host_bytes / 2**30, 3)
         except Exception as e:  # the plan is a comparison, not a precondition
             planned = f"{type(e).__name__}: {str(e)[:80]}"
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         del model
         t0 = time.perf_counter()
-        compiled = sgd_step_fn(graphdef).lower(params, rest, tokens).compile()
+        options = step_options(recipe)
+        compiled = sgd_step_fn(graphdef).lower(params, rest, tokens).compile(compiler_options=options)
         compile_s = time.perf_counter() - t0
         ma = compiled.memory_analysis()
         text = compiled.as_text()
@@ -102,6 +107,26 @@ def main():
             loss.block_until_ready()
             times.append(time.perf_counter() - t)
         step_s = statistics.median(times)
+        pgle = {}
+        if a.pgle:
+            state = {"params": params}
+
+            def one(c):
+                (loss_, _), state["params"] = c(state["params"], rest, tokens)
+                loss_.block_until_ready()
+
+            lowered = sgd_step_fn(graphdef).lower(params, rest, tokens)
+            again, path = profile_guided(lowered, options, one)
+            for _ in range(a.warmup):
+                one(again)
+            ptimes = []
+            for _ in range(a.steps):
+                t = time.perf_counter()
+                one(again)
+                ptimes.append(time.perf_counter() - t)
+            params = state["params"]
+            pgle = dict(step_s_pgle=round(statistics.median(ptimes), 4), pgle_profile=path,
+                        tflops_pgle=round(flops / statistics.median(ptimes) / 1e12, 1))
         stats = jax.devices()[0].memory_stats() or {}
         out = dict(step_s=round(step_s, 4), step_s_spread=round(max(times) - min(times), 4),
                    tflops=round(flops / step_s / 1e12, 1),
@@ -110,9 +135,12 @@ def main():
                    temp_gib=round(ma.temp_size_in_bytes / 2**30, 2),
                    host_temp_gib=round(getattr(ma, "host_temp_size_in_bytes", 0) / 2**30, 2),
                    planned_host_gib=planned, has_S5="S(5)" in text, compile_s=round(compile_s, 1),
-                   loss=float(loss), dropped=int(dropped))
+                   loss=float(loss), dropped=int(dropped), compile_options=options, **pgle)
         if a.hlo:
             out["hlo"] = hlo_summary(text)
+            if os.environ.get("BENCH_HLO_OUT"):   # the optimized program, for reading where the copies went
+                with open(os.environ["BENCH_HLO_OUT"], "w") as f:
+                    f.write(text)
         if a.profile:
             from bench import trace_summary
 
@@ -122,7 +150,9 @@ def main():
                     (loss, dropped), params = compiled(params, rest, tokens)
                 loss.block_until_ready()
             out["traced_step_s"] = round((time.perf_counter() - t) / 2, 4)
-            p = trace_summary.summarise(trace_summary._load(a.profile), 2)
+            trace = trace_summary._load(a.profile)
+            p = trace_summary.summarise(trace, 2)
+            out["gaps"] = trace_summary.gaps(trace, 2)
             out["profile"] = {k: p.get(k) for k in ("window_ms_per_step", "compute_stream", "compute_busy_ms_per_step",
                                                     "compute_idle_ms_per_step", "copies")}
             out["profile"]["streams"] = [(s["stream"], s["busy_ms"]) for s in p["streams"]]

@@ -1,13 +1,16 @@
-"""Issue 14 in one device call: every offload mechanism and XLA option beside the plain-JAX anchor, one process per
-configuration, spread over the GPUs present, most important first, stopping before a deadline.
+"""Offload against saving and recomputing in one device call: the zoo's slices under each recipe and XLA setting,
+beside the plain-JAX anchor, one process per configuration, each job on the GPU its comparison needs, most
+important first, stopping before a deadline.
 
     python -m bench.run_overlap ANCHOR_DIR OUT_DIR [--deadline 540] [--only REGEX] [--smoke]
 
-Each job runs `python -m bench.overlap_slice` (the zoo), `ANCHOR_DIR/plain_jax_llama.py` (plain JAX) or
-`python -m bench.loss_curve` in its own process (XLA reads its flags once) on one GPU (CUDA_VISIBLE_DEVICES), with
-a timeout. A job starts only if its estimated time fits before the deadline. Writes OUT_DIR/results.jsonl (one
-record per job, DESIGN section 8 plus `mechanism`), OUT_DIR/logs/JOB.log (each job's last output lines) and
-OUT_DIR/summary.md (the ratios issue 14 asks for, and where the copies ran). `--smoke`: tiny shapes on the CPU.
+Each job runs `python -m bench.overlap_slice` / `bench.deepseek_slice` (the zoo) or `ANCHOR_DIR/plain_jax_llama.py`
+(plain JAX) in its own process (XLA reads its flags once) with a timeout. A setting is the process's `XLA_FLAGS`
+plus the compile options of the zoo's step (`BENCH_OPTIONS`; `zoo`: the library's own choice,
+`zoo.compile_options`). Jobs that are compared with each other run on the same GPU, in sequence: two GPUs of one
+machine may share a PCIe switch, so only one queue offloads a lot at a time where the ratio matters. A job starts
+only if its estimated time fits before the deadline. Writes OUT_DIR/results.jsonl (one record per job, DESIGN
+section 8 plus `setting`), OUT_DIR/logs/JOB.log and OUT_DIR/summary.md. `--smoke`: tiny shapes on the CPU.
 """
 from __future__ import annotations
 
@@ -23,13 +26,18 @@ import threading
 import time
 
 LHS = "--xla_gpu_enable_latency_hiding_scheduler=true"
-FLAGS = {
-    "lhs": LHS,
-    "pipelined": f"{LHS} --xla_gpu_enable_pipelined_host_offloading=true",
-    "double_buffer": f"{LHS} --xla_gpu_enable_while_loop_double_buffering=true",
-    "selective": f"{LHS} --xla_gpu_experimental_enable_selective_memcpy_overlap=true",
-    "no_cmd_buffer": f"{LHS} --xla_gpu_enable_command_buffer=",
+AUTOTUNE_CACHE = "--xla_gpu_per_fusion_autotune_cache_dir=/tmp/zoo-autotune"  # later compiles reuse the tuning
+# setting -> (XLA_FLAGS, BENCH_OPTIONS: the zoo step's compile options as JSON; None: the library's choice)
+SETTINGS = {
+    "zoo": (LHS, None),
+    "defaults": (LHS, "{}"),
+    "concurrent": (LHS, json.dumps({"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"})),
+    "cb_off_flags": (f"{LHS} --xla_gpu_enable_command_buffer=", "{}"),
+    "double_buffer": (f"{LHS} --xla_gpu_enable_while_loop_double_buffering=true", None),
 }
+ANCHOR_FLAGS = {"lhs": LHS, "cb_off": f"{LHS} --xla_gpu_enable_command_buffer=",
+                "cb_off_db": f"{LHS} --xla_gpu_enable_command_buffer= "
+                             "--xla_gpu_enable_while_loop_double_buffering=true"}
 
 
 @dataclasses.dataclass
@@ -41,64 +49,81 @@ class Job:
     timeout_s: float
     env: dict = dataclasses.field(default_factory=dict)
     ident: dict = dataclasses.field(default_factory=dict)
+    gpu: str | None = None   # the GPU index this job must run on (None: any)
 
 
-def zoo(recipe, impl, shape="405b", layers=3, flags="lhs", extra=(), est=85, name=None):
-    tag = name or f"zoo-{shape}-{recipe}-{impl}-{flags}"
-    return Job(tag, [sys.executable, "-m", "bench.overlap_slice", recipe, "--shape", shape, "--layers", str(layers),
-                     "--impl", impl, *extra], FLAGS[flags], est, 170,
-               ident={"bench": f"llama{shape}-slice", "impl": "zoo", "mechanism": impl, "recipe": recipe,
-                      "flag_set": flags})
+def zoo(recipe, shape="405b", layers=3, batch=2, setting="zoo", extra=(), est=75, gpu=None):
+    flags, options = SETTINGS[setting]
+    env = {"BENCH_PLAN_PEAK": "none", **({} if options is None else {"BENCH_OPTIONS": options})}
+    return Job(f"zoo-{shape}-L{layers}-B{batch}-{recipe}-{setting}",
+               [sys.executable, "-m", "bench.overlap_slice", recipe, "--shape", shape, "--layers", str(layers),
+                "--batch", str(batch), "--steps", "4", *extra], flags, est, 200, env=env,
+               ident={"bench": f"llama{shape}-slice", "impl": "zoo", "recipe": recipe, "setting": setting},
+               gpu=gpu)
 
 
-def deepseek(recipe, impl, flags="lhs", est=70):
-    return Job(f"zoo-deepseek-{recipe}-{impl}-{flags}",
+def deepseek(recipe, setting="zoo", extra=(), est=75, gpu=None):
+    flags, options = SETTINGS[setting]
+    env = {"BENCH_PLAN_PEAK": "none", **({} if options is None else {"BENCH_OPTIONS": options})}
+    return Job(f"zoo-deepseek-{recipe}-{setting}",
                [sys.executable, "-m", "bench.deepseek_slice", recipe, "--backend", "capacity", "--batch", "4",
-                "--impl", impl], FLAGS[flags], est, 150,
-               ident={"bench": "deepseek-slice", "impl": "zoo", "mechanism": impl, "recipe": recipe, "flag_set": flags})
+                *extra], flags, est, 200, env=env,
+               ident={"bench": "deepseek-slice", "impl": "zoo", "recipe": recipe, "setting": setting}, gpu=gpu)
 
 
-def anchor(policy, shape="405b", layers=3, flags="lhs", est=65, anchor_dir="."):
-    return Job(f"anchor-{shape}-{policy}-{flags}",
-               [sys.executable, os.path.join(anchor_dir, "plain_jax_llama.py"), policy, "2"], FLAGS[flags], est, 150,
-               env={"SHAPE": shape, "NL": str(layers)},
-               ident={"bench": f"llama{shape}-slice", "impl": "anchor", "mechanism": "xla", "recipe": policy,
-                      "flag_set": flags, "L": layers})
+def anchor(policy, shape="405b", layers=3, batch=2, flags="lhs", est=60, anchor_dir=".", gpu=None):
+    return Job(f"anchor-{shape}-L{layers}-B{batch}-{policy}-{flags}",
+               [sys.executable, os.path.join(anchor_dir, "plain_jax_llama.py"), policy, str(batch)],
+               ANCHOR_FLAGS[flags], est, 150, env={"SHAPE": shape, "NL": str(layers)},
+               ident={"bench": f"llama{shape}-slice", "impl": "anchor", "recipe": policy, "setting": flags,
+                      "L": layers}, gpu=gpu)
 
 
-def jobs(anchor_dir: str, out: str) -> list[Job]:
-    """Most important first: what decides the default, then the ratios issue 14 asks for, then the extras."""
+def main_job(recipe, est=110, gpu=None, log_dir=None):
+    """The main job itself (`bench.main_job_8b main`: recipes.train on the 8B preset cut to 8 layers, AdamW)."""
+    work = f"/tmp/main-job-{recipe}"
+    return Job(f"main-job-8b-{recipe}", [sys.executable, "-m", "bench.main_job_8b", "main", "--recipe", recipe,
+                                          "--steps", "12", "--workdir", work], LHS, est, 260,
+               ident={"bench": "main-job-8b", "impl": "zoo-main-job", "recipe": recipe, "setting": "zoo",
+                      "log": f"{work}/train.log"}, gpu=gpu)
+
+
+def jobs(anchor_dir: str, out: str, scenarios: str = "slices") -> list[Job]:
+    """`slices`: GPU 0 the 405B slice's ratios (each pair on one chip), GPU 1 the settings, depth and the DeepSeek
+    slice. `jobs`: the main job on GPU 0, the DeepSeek slice's offload pair and `auto` on GPU 1."""
+    if scenarios == "probe":   # where the rest of the copy time goes, and XLA's double buffering against it
+        prof = lambda n: ["--hlo", "--profile", f"/tmp/overlap-prof/{n}"]  # noqa: E731
+        return [zoo("minimal_offload", extra=prof("mo3"), est=90, gpu="0"),
+                zoo("minimal_offload", setting="double_buffer", gpu="0"), zoo("minimal", gpu="0"),
+                anchor("offload_minimal", flags="cb_off_db", anchor_dir=anchor_dir, gpu="0"),
+                zoo("minimal_offload", layers=6, batch=1, extra=prof("mo6"), est=90, gpu="1"),
+                zoo("minimal_offload", layers=6, batch=1, setting="double_buffer", est=90, gpu="1"),
+                zoo("qkv_offload", setting="double_buffer", gpu="1")]
+    if scenarios == "pgle":   # the same programs compiled again from a profile of their own steps
+        pg = ["--pgle"]
+        return [zoo("minimal_offload", extra=pg, est=100, gpu="0"), zoo("minimal", extra=pg, est=90, gpu="0"),
+                zoo("full", extra=pg, est=90, gpu="0"),
+                zoo("qkv_offload", extra=pg, est=90, gpu="1"), zoo("save_qkv", extra=pg, est=90, gpu="1"),
+                zoo("minimal_offload", layers=6, batch=1, extra=pg, est=100, gpu="1"),
+                zoo("full", layers=6, batch=1, extra=pg, est=90, gpu="1")]
+    if scenarios == "jobs":
+        return [main_job("qkv_offload", gpu="0"), main_job("save_qkv", gpu="0"), main_job("auto", gpu="0"),
+                deepseek("save_mla_moe", gpu="1"), deepseek("mla_moe_offload", gpu="1"), deepseek("auto", gpu="1"),
+                deepseek("full", gpu="1")]
     prof = lambda n: ["--hlo", "--profile", f"/tmp/overlap-prof/{n}"]  # noqa: E731
     a = lambda *x, **k: anchor(*x, anchor_dir=anchor_dir, **k)  # noqa: E731
     return [
-        # the decision: does an explicit mechanism hide the copies? (profiled: stream, overlap)
-        zoo("minimal", "xla", extra=["--hlo"]),
-        zoo("minimal_offload", "explicit", extra=prof("explicit"), est=100),
-        zoo("minimal_offload", "xla", extra=["--hlo"]),
-        zoo("full", "xla"),
-        zoo("save_qkv", "xla"),
-        zoo("qkv_offload", "xla"),
-        a("minimal"), a("offload_minimal"), a("full"),
-        # the 8B-shaped slice: a harder ratio of bytes to FLOPs
-        zoo("minimal", "xla", shape="8b", layers=8, est=55),
-        zoo("minimal_offload", "xla", shape="8b", layers=8, est=55),
-        zoo("full", "xla", shape="8b", layers=8, est=55),
-        a("minimal", shape="8b", layers=8, est=45), a("offload_minimal", shape="8b", layers=8, est=45),
-        # ablations and XLA's options
-        zoo("minimal_offload", "explicit_prefetch"),
-        zoo("minimal_offload", "explicit", flags="pipelined"),
-        zoo("minimal_offload", "xla", flags="double_buffer"),
-        zoo("minimal_offload", "explicit", flags="double_buffer"),
-        zoo("minimal_offload", "xla", flags="no_cmd_buffer"),
-        zoo("minimal_offload", "xla", flags="selective"),
-        zoo("qkv_offload", "explicit"),
-        zoo("save_qkv", "xla", shape="8b", layers=8, est=55),
-        zoo("qkv_offload", "xla", shape="8b", layers=8, est=55),
-        a("full", shape="8b", layers=8, est=45),
-        deepseek("save_mla_moe", "xla"), deepseek("mla_moe_offload", "xla"), deepseek("full", "xla"),
-        Job("loss-curve-explicit", [sys.executable, "-m", "bench.loss_curve", "--recipe", "minimal_offload",
-                                    "--impl", "explicit"], FLAGS["lhs"], 120, 240,
-            ident={"bench": "loss-curve", "mechanism": "explicit", "recipe": "minimal_offload"}),
+        zoo("qkv_offload", gpu="0"), zoo("save_qkv", gpu="0"),
+        zoo("minimal_offload", extra=prof("minimal_offload"), est=90, gpu="0"), zoo("minimal", gpu="0"),
+        zoo("full", gpu="0"),
+        a("offload_minimal", flags="cb_off", gpu="0"), a("minimal", gpu="0"),
+        zoo("minimal_offload", setting="defaults", gpu="0"),
+        zoo("minimal_offload", setting="concurrent", gpu="1"),
+        zoo("minimal_offload", layers=6, batch=1, est=90, gpu="1"), zoo("full", layers=6, batch=1, est=90, gpu="1"),
+        a("offload_minimal", layers=6, batch=1, flags="cb_off", est=70, gpu="1"),
+        deepseek("full", gpu="1"), deepseek("mla_moe_offload", extra=prof("ds_mla_moe_offload"), est=85, gpu="1"),
+        deepseek("lowrank_wa_offload", gpu="1"), deepseek("save_mla_moe", gpu="1"), deepseek("auto", gpu="1"),
+        a("full", gpu="0"),
     ]
 
 
@@ -109,7 +134,7 @@ def smoke(job: Job) -> Job:
         argv = [x for x in argv if not x.startswith("/tmp/overlap-prof")]
         argv = [x for x in argv if x != "--profile"] + ["--smoke", "--steps", "2", "--warmup", "1"]
         argv[argv.index("--layers") + 1] = "2"
-    elif "bench.loss_curve" in argv or "bench.deepseek_slice" in argv:
+    elif "bench.deepseek_slice" in argv or "bench.main_job_8b" in argv:
         argv += ["--smoke"]
     else:
         job.env = {**job.env, "SMALL": "1", "NL": "2"}
@@ -128,7 +153,7 @@ def last_json(text: str) -> dict | None:
 
 
 def run_job(job: Job, gpu: str | None, out: str, remaining: float) -> dict:
-    env = {**os.environ, **job.env, "XLA_FLAGS": job.flags, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **job.env, "XLA_FLAGS": f"{job.flags} {AUTOTUNE_CACHE}".strip(), "PYTHONUNBUFFERED": "1"}
     env.pop("BENCH_OUT", None)
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
@@ -145,8 +170,7 @@ def run_job(job: Job, gpu: str | None, out: str, remaining: float) -> dict:
     rec = last_json(stdout)
     if rec is None:
         rec = {"error": f"rc={rc}: " + " | ".join(text.strip().splitlines()[-3:])[-300:]}
-    return {**job.ident, **rec, "job": job.name, "flag_set": job.ident.get("flag_set"), "gpu_index": gpu,
-            "wall_s": wall, "flags": job.flags}
+    return {**job.ident, **rec, "job": job.name, "gpu_index": gpu, "wall_s": wall}
 
 
 def main():
@@ -156,9 +180,10 @@ def main():
     ap.add_argument("--deadline", type=float, default=540, help="seconds from start: start no job that cannot end")
     ap.add_argument("--only", default=None, help="regex over job names")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--scenarios", choices=("slices", "jobs", "probe", "pgle"), default="slices")
     a = ap.parse_args()
     os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
-    todo = jobs(a.anchor_dir, a.out)
+    todo = jobs(a.anchor_dir, a.out, a.scenarios)
     if a.only:
         todo = [j for j in todo if re.search(a.only, j.name)]
     if a.smoke:
@@ -172,13 +197,14 @@ def main():
         gpus = os.environ["BENCH_GPUS"].split(",")
     workers = gpus or [None]
     start = time.time()
-    q: queue.Queue = queue.Queue()
-    for j in todo:
-        q.put(j)
+    queues: dict = {w: queue.Queue() for w in workers}
+    for i, j in enumerate(todo):   # a job pinned to a GPU that is not here goes to the queues in turn
+        queues[j.gpu if j.gpu in queues else workers[i % len(workers)]].put(j)
     lock = threading.Lock()
     results_path = os.path.join(a.out, "results.jsonl")
 
     def worker(gpu):
+        q = queues[gpu]
         while True:
             try:
                 job = q.get_nowait()

@@ -138,12 +138,75 @@ def summarise(trace: dict, steps: int = 1) -> dict:
     return out
 
 
+def _device_events(trace: dict):
+    """(events per device stream, the stream names, the main compute stream's key)."""
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    devices = {pid for pid, n in names.items() if "/device:" in n}
+    per_stream: dict[tuple[int, int], list] = collections.defaultdict(list)
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X" and e.get("pid") in devices and "dur" in e:
+            per_stream[(e["pid"], e["tid"])].append(e)
+    kernels = {k: [e for e in evs if not copy_direction(e["name"], e.get("args", {}))] for k, evs in per_stream.items()}
+    main = max(kernels, key=lambda k: sum(e["dur"] for e in kernels[k]), default=None)
+    return per_stream, threads, main
+
+
+def gaps(trace: dict, steps: int = 1, bins: int = 24, top: int = 12) -> dict:
+    """Where the copies stay exposed: the traced window cut into `bins` equal slices (per slice: compute busy ms
+    and, per direction, copy ms and copy ms with no compute running), and the `top` longest idle gaps of the
+    compute stream with the copies in flight during each and the kernels on either side."""
+    per_stream, threads, main = _device_events(trace)
+    if main is None:
+        return {}   # no device streams in the trace (the CPU)
+    comp = sorted((e for e in per_stream[main] if not copy_direction(e["name"], e.get("args", {}))),
+                  key=lambda e: e["ts"])
+    all_kernels = _union([(e["ts"], e["ts"] + e["dur"]) for evs in per_stream.values() for e in evs
+                          if not copy_direction(e["name"], e.get("args", {}))])
+    copies = collections.defaultdict(list)
+    for evs in per_stream.values():
+        for e in evs:
+            d = copy_direction(e["name"], e.get("args", {}))
+            if d:
+                copies[d].append((e["ts"], e["ts"] + e["dur"]))
+    t0 = min(iv[0] for iv in all_kernels)
+    t1 = max(iv[1] for iv in all_kernels)
+    width = (t1 - t0) / bins
+    out_bins = []
+    for i in range(bins):
+        lo, hi = t0 + i * width, t0 + (i + 1) * width
+
+        def clip(ivs, lo=lo, hi=hi):
+            return [(max(a, lo), min(b, hi)) for a, b in ivs if b > lo and a < hi]
+        row = {"t_ms": round((lo - t0) / 1e3, 1), "compute_ms": round(_length(clip(all_kernels)) / 1e3, 1)}
+        for d, ivs in copies.items():
+            u = clip(_union(ivs))
+            row[d + "_ms"] = round(_length(u) / 1e3, 1)
+            row[d + "_exposed_ms"] = round((_length(u) - _overlap(u, clip(all_kernels))) / 1e3, 1)
+        out_bins.append(row)
+    idle = [(comp[i]["ts"] + comp[i]["dur"], comp[i + 1]["ts"], i) for i in range(len(comp) - 1)
+            if comp[i + 1]["ts"] > comp[i]["ts"] + comp[i]["dur"]]
+    idle.sort(key=lambda g: g[0] - g[1])
+    out_gaps = []
+    for a, b, i in idle[:top]:
+        inflight = {d: round(_overlap([(a, b)], _union(ivs)) / 1e3, 2) for d, ivs in copies.items()}
+        out_gaps.append({"at_ms": round((a - t0) / 1e3, 1), "idle_ms": round((b - a) / 1e3, 2),
+                         "copies_in_flight_ms": inflight, "before": comp[i]["name"][:50],
+                         "after": comp[i + 1]["name"][:50]})
+    return {"window_ms": round((t1 - t0) / 1e3, 1), "steps": steps, "bins": out_bins, "gaps": out_gaps,
+            "compute_stream": threads.get(main, str(main[1]))}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("path", help="a *.trace.json.gz file, or a profiler log directory (its newest trace)")
     ap.add_argument("--steps", type=int, default=1, help="steps inside the traced window (figures per step)")
+    ap.add_argument("--gaps", action="store_true", help="where the copies stay exposed (see `gaps`)")
     a = ap.parse_args()
-    print(json.dumps(summarise(_load(a.path), a.steps), indent=1))
+    trace = _load(a.path)
+    print(json.dumps(gaps(trace, a.steps) if a.gaps else summarise(trace, a.steps), indent=1))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from recipes import data as data_lib
 from recipes import mesh as mesh_lib
 from recipes.checkpoint import Checkpoints
 from recipes.lock import DirLock
+from zoo import compile_options
 from zoo.models.registry import Family
 from zoo.plan.peak import allocator_limit
 from zoo.train_step import (
@@ -351,6 +352,8 @@ def _run(cfg: RunConfig, console: Console) -> Result:
     console.print(f"mesh {mesh_lib.describe(mesh)} over {jax.device_count()} device(s), {jax.process_count()} "
                   f"process(es)")
     console.print(f"recipe {recipe}")
+    console.print(f"XLA options of the step: {compile_options.for_step(recipe, device.platform).describe()}",
+                  soft_wrap=True, markup=False)
     for what, choice in kernels.items():
         console.print(f"{what}: {choice}", soft_wrap=True)
     plan = show_memory_plan(console, model_cfg, recipe, batch=cfg.batch, seq=cfg.seq, device=device,

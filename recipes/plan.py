@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         from recipes import meter
         from zoo.plan import links
         kind = args.device or _present_kind()
-        link = args.link or (links.measured(kind) or links.Link("", 0, 0, "")).rate_gbps
+        measured = links.measured(kind)
+        link = args.link or (measured.rate_gbps if measured is not None else None)
         # As `recipes.train --recipe auto`: the FLOP rate from the datasheet table for the device planned for, and
         # the HBM budget from the device present when it is the one planned for.
         args.flops = args.flops or meter.peak_tflops_of(kind)[0]

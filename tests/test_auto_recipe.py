@@ -12,6 +12,7 @@ import zoo
 from recipes import auto, loop, train
 from recipes.registry import recipes_of
 from zoo.models.registry import family
+from zoo.plan import links
 
 GiB = 1 << 30
 LLAMA = family("llama3")
@@ -26,7 +27,7 @@ def _fake_compiled(peak_gib: float):
 def test_inputs_say_where_they_come_from_and_name_the_missing_flag():
     cpu = jax.devices()[0]
     ins = auto.inputs(cpu, hbm_gib=2.0, link_gbps=20.0, tflops=3.0)
-    assert (ins.hbm_gib, ins.link_gbps, ins.overlap, ins.tflops) == (2.0, 20.0, 0.0, 3.0)
+    assert (ins.hbm_gib, ins.link_gbps, ins.overlap, ins.tflops) == (2.0, 20.0, links.Overlap(0.0, 0.0), 3.0)
     assert "--hbm-limit" in ins.describe() and "--link" in ins.describe() and "--peak-tflops" in ins.describe()
     with pytest.raises(ValueError, match="needs an HBM budget: .* pass --hbm-limit"):
         auto.inputs(cpu, link_gbps=20.0, tflops=3.0)

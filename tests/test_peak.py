@@ -134,13 +134,15 @@ def test_auto_offloads_only_what_pays_when_copies_do_not_overlap():
 
 def test_the_link_defaults_to_the_measured_one():
     h200 = links.measured("NVIDIA H200")
-    assert (h200.rate_gbps, h200.overlap) == (55.3, 0.0) and "overlap-probe" in h200.source
+    measured = links.Overlap(0.634, 0.475)   # per direction, with the step's copies off the compute stream
+    assert (h200.rate_gbps, h200.overlap) == (55.3, measured) and "offload-pays" in h200.source
+    assert "command buffers off" in h200.setting and h200.date
     assert links.measured("cpu") is None
     cfg = zoo.models.LlamaConfig.tiny()
     p = zoo.plan(cfg, "auto", batch=2, seq=16, hbm_gib=1, tflops=800, device_kind="H200", peak=None)
-    assert (p.link_gbps, p.overlap) == (55.3, 0.0) and "measured on H200" in p.link_source
+    assert (p.link_gbps, p.overlap) == (55.3, measured) and "measured on H200" in p.link_source
     given = zoo.plan(cfg, "auto", batch=2, seq=16, hbm_gib=1, tflops=800, link_gbps=450, peak=None)
-    assert (given.link_gbps, given.overlap) == (450, 0.0)   # no measured overlap on the CPU: none assumed
+    assert (given.link_gbps, given.overlap) == (450, links.Overlap(0.0, 0.0))   # none measured on the CPU
     with pytest.raises(ValueError, match="no link is measured for 'cpu'"):
         zoo.plan(cfg, "auto", batch=2, seq=16, hbm_gib=1, tflops=800, peak=None)
     with pytest.raises(ValueError, match="overlap must be a fraction"):
@@ -171,4 +173,4 @@ def test_the_plan_command_line_reports_the_peak_and_the_measured_link(capsys, mo
     assert out["peak_bytes"] == d["argument"] + d["output"] - d["alias"] + d["temp"]
     assert plan_cli.main(tiny + ["--recipe", "auto", "--hbm", "1", "--flops", "800", "--device", "H200"]) == 0
     text = " ".join(capsys.readouterr().out.split())   # rich wraps lines at the terminal's width
-    assert "overlap 0 (measured on H200" in text and "estimate (planned for H200 on cpu)" in text
+    assert "overlap d2h 0.634 / h2d 0.475 (measured on H200" in text and "estimate (planned for H200 on cpu)" in text

@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from zoo import compile_options
+
 # Optimizers the step can run (the planner counts their moments: zoo.plan.types.OPTIMIZERS).
 OPTIMIZER_NAMES = ("adamw", "adam", "lion", "momentum", "sgd")
 
@@ -208,16 +210,20 @@ def abstract_step(family, cfg, recipe, *, schedule: optax.Schedule | None = None
 
 def compile_abstract(family, cfg, recipe, *, batch: int, seq: int, mesh=None, **kwargs):
     """(compiled step, graphdef, abstract state): `abstract_step` lowered on abstract inputs and compiled for the
-    device present. Nothing is allocated; `compiled.memory_analysis()` says what running it would take (per device
-    under a mesh). With a (concrete) `mesh`, as the main job runs it: the state on the rules' shardings, the batch
-    split over the data axes, traced inside `zoo.sharding.use(mesh)` (jit's cache does not key on the rules: the
-    activation constraints are read at this trace). The main job and the planner both compile through here."""
+    device present, with the XLA options that hide a recipe's host copies (`zoo.compile_options.for_step`: only
+    where the recipe offloads; the user's `XLA_FLAGS` win). Nothing is allocated; `compiled.memory_analysis()` says
+    what running it would take (per device under a mesh). With a (concrete) `mesh`, as the main job runs it: the
+    state on the rules' shardings, the batch split over the data axes, traced inside `zoo.sharding.use(mesh)`
+    (jit's cache does not key on the rules: the activation constraints are read at this trace). The main job and
+    the planner both compile through here."""
     jitted, graphdef, state = abstract_step(family, cfg, recipe, mesh=mesh, **kwargs)
+    platform = (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform
+    options = compile_options.for_step(recipe, platform).options
     if mesh is None:
-        return jitted.lower(state, abstract_batch(batch, seq)).compile(), graphdef, state
+        return jitted.lower(state, abstract_batch(batch, seq)).compile(compiler_options=options), graphdef, state
     from zoo import sharding
 
     shapes = {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.batch_sharding(mesh, ndim=len(x.shape)))
               for k, x in abstract_batch(batch, seq).items()}
     with sharding.use(mesh):
-        return jitted.lower(state, shapes).compile(), graphdef, state
+        return jitted.lower(state, shapes).compile(compiler_options=options), graphdef, state

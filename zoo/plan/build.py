@@ -51,6 +51,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo.models.config import dtype_of
+from zoo.models.registry import family_of
 from zoo.plan import auto, links
 from zoo.plan import peak as peak_lib
 from zoo.plan.measure import abstract_model, layer_cost, stack_residuals
@@ -137,18 +138,29 @@ def _target(device: str | None) -> tuple[str, bool, jax.Device]:
     return device, same, present
 
 
-def _link(device_kind: str, link_gbps: float | None, overlap: float | None) -> tuple[float | None, float, str | None]:
-    """(link GB/s, overlap, where they come from): given, else measured for the device (zoo.plan.links)."""
+def _link(device_kind: str, link_gbps: float | None, overlap) -> tuple[float | None, links.Overlap, str | None]:
+    """(link GB/s, overlap per direction, where they come from): given, else measured for the device
+    (zoo.plan.links). `overlap` is a fraction for both directions or a (d2h, h2d) pair."""
     m = links.measured(device_kind)
-    if overlap is not None and not 0 <= overlap <= 1:
-        raise ValueError(f"overlap must be a fraction in [0, 1], got {overlap!r}")
+    given = None if overlap is None else links.Overlap.of(overlap)
     if link_gbps is None and m is not None:
-        return m.rate_gbps, m.overlap if overlap is None else overlap, f"measured on {m.device_kind}: {m.source}"
-    ov = overlap if overlap is not None else (m.overlap if m is not None else 0.0)
+        return m.rate_gbps, m.overlap if given is None else given, (
+            f"measured on {m.device_kind} with {m.setting}, {m.date}: {m.source}")
+    ov = given if given is not None else (m.overlap if m is not None else links.Overlap(0.0, 0.0))
     src = None if link_gbps is None else (
-        "given" + ("" if overlap is not None else
-                   f"; overlap {ov:g}: " + ("measured" if m is not None else "no overlap measured for " + device_kind)))
+        "given" + ("" if given is not None else
+                   f"; overlap {ov}: " + ("measured" if m is not None else "no overlap measured for " + device_kind)))
     return link_gbps, ov, src
+
+
+def _step_rate(device_kind: str, cfg, step_tflops: float | None) -> tuple[float | None, float, str | None]:
+    """(the rate recompute adds time at, the step's non-FLOP work as a fraction, where they come from) for the
+    family's training step on the device: given (no overhead), else measured (zoo.plan.links.RATES)."""
+    if step_tflops is not None:
+        return step_tflops, 0.0, "given"
+    r = links.step_rate(device_kind, cfg)
+    return ((None, 0.0, None) if r is None else
+            (r.tflops, r.overhead, f"measured on {r.device_kind}, {r.date}: {r.source}"))
 
 
 def _peak_target(mode, compiled, *, device, mesh, amesh, shard) -> tuple[str | None, object, str]:
@@ -216,7 +228,7 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
          opt_dtype: str = "float32", hbm_gib: float | None = None, host_gib: float | None = None,
          link_gbps: float | None = None, tflops: float | None = None, model_name: str | None = None,
          overlap: float | None = None, device_kind: str | None = None, peak: str | None = "auto",
-         compiled=None, mesh=None) -> Plan:
+         compiled=None, mesh=None, step_tflops: float | None = None) -> Plan:
     """Plan `recipe` (a `zoo.Recipe`, or "auto" to choose one) for the model `cfg` (a config, or a built model,
     whose config is used) at global [batch, seq] split over `shard` devices (data parallel: `shard` must divide
     `batch`). Recipes by name are the front end's business (`recipes.<family>.RECIPES`).
@@ -225,7 +237,11 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
     device for "auto"; `link_gbps` (GB/s per direction) and `tflops` (TFLOP/s) feed "auto" and the step-time
     estimate. `link_gbps` and `overlap` (the fraction of transfer time hidden under compute) default to the link
     measured on the device planned for (`zoo.plan.links`; `device_kind`: a device kind such as "H200", default the
-    device present); with no measurement, overlap is 0: a transfer costs its time unless proven to hide.
+    device present); with no measurement, overlap is 0: a transfer costs its time unless proven to hide. `overlap`
+    is one fraction for both directions or a (device-to-host, host-to-device) pair.
+
+    The predicted step time (`Plan.step_time()`) runs the step's work at `step_tflops`, the executed FLOP rate
+    measured for the model family on the device (`zoo.plan.links.RATES`; else `tflops`).
 
     Peak HBM (`Plan.peak_bytes`, `Plan.peak_source`): `peak="compile"` compiles the main job's training step
     (`zoo.train_step`, with `optimizer` and `opt_dtype`) on abstract inputs for the device present; "estimate"
@@ -264,7 +280,8 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
     if amesh is None and batch % shard:
         raise ValueError(f"batch={batch} does not split evenly over shard={shard} devices (data parallel: the "
                          f"batch must be a multiple of the device count)")
-    for n, v in (("hbm_gib", hbm_gib), ("host_gib", host_gib), ("link_gbps", link_gbps), ("tflops", tflops)):
+    for n, v in (("hbm_gib", hbm_gib), ("host_gib", host_gib), ("link_gbps", link_gbps), ("tflops", tflops),
+                 ("step_tflops", step_tflops)):
         _check_positive(n, v, float)
     target = _peak_target(peak, compiled, device=device_kind, mesh=mesh, amesh=amesh, shard=shard)
     is_auto = isinstance(recipe, str) and recipe == "auto"
@@ -281,6 +298,8 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
         raise ValueError(f"recipe must be a zoo.Recipe or 'auto', got {recipe!r}; a front end looks names up in the "
                          f"model family's recipes (e.g. recipes.llama3.RECIPES)")
     model = abstract_model(cfg)
+    step_tflops, overhead, rate_source = _step_rate(kind, cfg, step_tflops)
+    model_flops = family_of(cfg).flops_per_token(cfg, model, seq) * batch * seq / shard
     if not is_auto:
         model.check_recipe(recipe)  # raises if the recipe names a tag no stack emits
     state = (_model_state(model, shard, optimizer, opt_dtype) if amesh is None
@@ -288,16 +307,19 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
     hbm_budget = None if hbm_gib is None else int(hbm_gib * GiB)
     pool, pool_warning = host_pool_bytes()
     shapes = model.tag_shapes(batch, seq)
-    costs = {s: layer_cost(cfg, s, batch, seq) for s in shapes}
+    # FLOPs are counted on XLA's attention on every device (cuDNN's kernel is one custom call: no dots to count)
+    flop_cfg = dataclasses.replace(cfg, attention_impl="xla") if hasattr(cfg, "attention_impl") else cfg
+    costs = {s: layer_cost(flop_cfg, s, batch, seq) for s in shapes}
     needed = {s: costs[s].residual_tags(shapes[s].tags) for s in shapes}
     per_device = (mesh_plan.tag_bytes(model, batch, seq, amesh) if amesh is not None else
                   {s: {t: ceil_div(sds_nbytes(sds), shard) for t, sds in st.tags.items()} for s, st in shapes.items()})
 
     notes: dict[str, str] = {}
     if is_auto:
+        # recompute is priced at the step's measured rate where one is known, else at the given FLOP rate
         recipe, notes = auto.choose(shapes, needed, costs, state, shard, hbm_budget,
-                                    None if host_gib is None else int(host_gib * GiB), link_gbps * 1e9, tflops * 1e12,
-                                    overlap)
+                                    None if host_gib is None else int(host_gib * GiB), link_gbps * 1e9,
+                                    (step_tflops or tflops) * 1e12, overlap)
     policy = recipe.policy()
 
     stacks, extra = [], []
@@ -349,7 +371,8 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
                 mesh=None if amesh is None else sharding.format_mesh(sharding.mesh_sizes(amesh)),
                 stacks=tuple(stacks), state=state, hbm_budget=hbm_budget, host_pool=pool,
                 warnings=_warnings(host, activation, state, hbm_budget, pool, extra), link_gbps=link_gbps,
-                tflops=tflops, overlap=overlap, link_source=link_source, peak=pk)
+                tflops=tflops, overlap=overlap, link_source=link_source, peak=pk, model_flops=model_flops,
+                step_tflops=step_tflops, step_overhead=overhead, step_rate_source=rate_source)
 
 
 def auto_recipe(cfg, *, batch: int, seq: int, hbm_gib: float, link_gbps: float, tflops: float, **kwargs) -> Recipe:

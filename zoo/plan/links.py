@@ -1,10 +1,19 @@
-"""Host links as measured inside a training step: the one place `--recipe auto` takes its link model from.
+"""What the planner knows of a device from measurement: its host link, how much of a copy hides, how fast a step runs.
 
-`rate_gbps` is what a copy of an offloaded residual reaches inside a step, per direction; `overlap` is the
-fraction of that copy time that runs while compute runs (1: hidden under the layer's compute when it fits in the
-window; 0: every copy adds its time to the step). XLA (jax 0.11.2) issues the offload copies as MemcpyD2H/H2D on
-the compute stream itself, so on the H200 nothing overlaps: overlap 0 until a mechanism is measured to hide them
-(issue 14). A device missing here has no default: pass `--link` (and `--overlap`).
+- `Link.rate_gbps`: what a copy of an offloaded residual reaches inside a training step, per direction.
+- `Link.overlap`: the fraction of that copy time that runs while compute runs, per direction (`Overlap`):
+  device-to-host copies overlap the forward pass, host-to-device copies the backward pass. Measured from a
+  profile of the step with the compile options the zoo uses for it (`Link.setting`, `zoo.compile_options`);
+  a slice's edge layers (the last layer's stores, the first reloads of the backward pass) hide least, so a
+  figure measured on a few layers is a floor for a deep stack.
+- `StepRate`: how fast a training step of a model family runs on the device, as two measured figures: `tflops`,
+  the rate at which extra matmul work (a recipe's recompute) adds time, and `overhead`, the step's work that is
+  not its model FLOPs (norms, softmax, routing and dispatch, the loss: memory-bound) as a fraction of the time
+  its model FLOPs take at that rate. Predicted step time = (model FLOPs x (1 + overhead) + recompute FLOPs) /
+  tflops + the copies that do not hide. Both figures come from two recipes of one slice measured in one call
+  (the step times of the least and the most recompute); the other recipes are predictions.
+
+A device missing here has no default: pass `--link` (and `--overlap`) and `--peak-tflops`.
 """
 from __future__ import annotations
 
@@ -12,26 +21,84 @@ import dataclasses
 
 
 @dataclasses.dataclass(frozen=True)
+class Overlap:
+    """Fraction of copy time hidden under compute: `d2h` (stores, forward pass) and `h2d` (reloads, backward)."""
+    d2h: float
+    h2d: float
+
+    def __post_init__(self):
+        for name in ("d2h", "h2d"):
+            v = getattr(self, name)
+            if not 0 <= v <= 1:
+                raise ValueError(f"overlap must be a fraction in [0, 1], got {v!r} ({name})")
+
+    @classmethod
+    def of(cls, value: float | tuple[float, float] | Overlap) -> Overlap:
+        """`value` as an Overlap: a number for both directions, or a (d2h, h2d) pair."""
+        if isinstance(value, Overlap):
+            return value
+        if isinstance(value, tuple | list):
+            return cls(float(value[0]), float(value[1]))
+        return cls(float(value), float(value))
+
+    def __str__(self) -> str:
+        return f"{self.d2h:g}" if self.d2h == self.h2d else f"d2h {self.d2h:g} / h2d {self.h2d:g}"
+
+
+@dataclasses.dataclass(frozen=True)
 class Link:
     device_kind: str        # matched (case-insensitive substring) against jax.Device.device_kind
     rate_gbps: float        # GB/s per direction reached inside a training step (the slower direction)
-    overlap: float          # fraction of copy time hidden under compute
+    overlap: Overlap        # fraction of copy time hidden under compute, per direction
+    setting: str            # the XLA setting the overlap was measured with
+    date: str
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRate:
+    device_kind: str
+    config: str             # the model family's config class (LlamaConfig, DeepSeekV3Config)
+    moe_backend: str | None  # for a family with experts: the dispatch backend measured (None: any / no experts)
+    tflops: float           # TFLOP/s at which a recipe's extra (recomputed) FLOPs add time, per device
+    overhead: float         # the step's non-FLOP work, as a fraction of its model FLOPs' time at `tflops`
+    date: str
     source: str
 
 
 MEASURED: tuple[Link, ...] = (
-    Link("H200", 55.3, 0.0,
-         "bench/results/overlap-probe_2026-11-29.jsonl (docs/offload-profile.md): 405B-shaped slice, "
-         "minimal_offload, jax 0.11.2, PCIe gen5: D2H 55.3 GB/s, H2D 55.4 GB/s inside the step, on the compute "
-         "stream, 0% overlapped with compute"),
+    Link("H200", 55.3, Overlap(0.634, 0.475),
+         "command buffers off for the offloading step (zoo.compile_options)", "2026-12-01",
+         "bench/results/offload-pays_2026-12-01.jsonl: profile of the 405B-shaped slice (3 layers, batch 2, seq "
+         "8192) under minimal_offload, jax 0.11.2, PCIe gen5: 14.44 GiB each way per step, D2H 48.6 GB/s and "
+         "63.4% overlapped with compute, H2D 52.8 GB/s and 47.5%; qkv_offload against save_qkv exposes the same "
+         "28% of its copy time as minimal_offload against minimal"),
 )
+
+RATES: tuple[StepRate, ...] = (
+    StepRate("H200", "LlamaConfig", None, 760.0, 0.207, "2026-12-01",
+             "bench/results/offload-pays_2026-12-01.jsonl: the 405B-shaped slice (3 layers, batch 2, seq 8192, bf16, "
+             "cuDNN attention, SGD): minimal 1.901 s and full 2.218 s on one GPU in one call"),
+    StepRate("H200", "DeepSeekV3Config", "capacity", 970.0, 1.34, "2026-12-01",
+             "bench/results/offload-pays_2026-12-01.jsonl: the DeepSeek-V3 slice (1 dense + 3 MoE layers, 16 experts, "
+             "batch 4, seq 4096, capacity dispatch, SGD): full 0.964 s and auto (everything saved) 0.868 s"),
+)
+
+
+def _matches(kind: str, device_kind: str | None) -> bool:
+    return bool(device_kind) and kind.lower() in device_kind.lower()
 
 
 def measured(device_kind: str | None) -> Link | None:
     """The measured link of a device kind (e.g. "NVIDIA H200"), or None."""
-    if not device_kind:
-        return None
-    for link in MEASURED:
-        if link.device_kind.lower() in device_kind.lower():
-            return link
+    return next((link for link in MEASURED if _matches(link.device_kind, device_kind)), None)
+
+
+def step_rate(device_kind: str | None, cfg) -> StepRate | None:
+    """The measured step rate of `cfg`'s family (and MoE backend) on a device kind, or None."""
+    backend = getattr(cfg, "moe_backend", None)
+    for r in RATES:
+        if (_matches(r.device_kind, device_kind) and r.config == type(cfg).__name__
+                and (r.moe_backend is None or r.moe_backend == backend)):
+            return r
     return None

@@ -61,14 +61,16 @@ def render(p: Plan, console=None) -> None:
             rows.append(("host memory, compiled (XLA's host temporaries)", fmt_bytes(p.peak.detail["host_temp"])))
     est = p.step_time()
     if est is not None:
-        rows.append((f"stack time per step at {p.tflops:g} TFLOP/s, {p.link_gbps:g} GB/s, overlap {p.overlap:g} "
-                     f"(est.)", f"{est['total_s'] * 1e3:,.1f} ms"))
+        link = "" if p.link_gbps is None else f", {p.link_gbps:g} GB/s, overlap {p.overlap}"
+        rows.append((f"predicted step time at {est['rate_tflops']:g} TFLOP/s executed{link}",
+                     f"{est['total_s'] * 1e3:,.1f} ms (compute {est['compute_s'] * 1e3:,.1f}, recompute "
+                     f"{est['remat_s'] * 1e3:,.1f}, exposed copies {est['exposed_transfer_s'] * 1e3:,.1f})"))
     for r in rows:
         tt.add_row(*r)
     console.print(tt)
     if p.recipe.name == "auto":
         if p.link_source:
-            console.print(f"link: {p.link_gbps:g} GB/s per direction, overlap {p.overlap:g} ({p.link_source})")
+            console.print(f"link: {p.link_gbps:g} GB/s per direction, overlap {p.overlap} ({p.link_source})")
         console.print(f"[bold]chosen:[/] {p.recipe}")
         for tag, note in dict.fromkeys((tp.tag, tp.note) for s in p.stacks for tp in s.tags if tp.note):
             console.print(f"  [bold]{tag}[/]: {note}")

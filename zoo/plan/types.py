@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from zoo.plan.links import Overlap
 from zoo.recipe import Recipe
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -127,9 +128,13 @@ class Plan:
     link_gbps: float | None = None
     tflops: float | None = None
     mesh: str | None = None         # "dp=1,fsdp=4,tp=2,ep=1" when planned under a mesh (shard: its device count)
-    overlap: float = 0.0            # fraction of transfer time hidden under compute (zoo.plan.links)
+    overlap: Overlap = Overlap(0.0, 0.0)  # fraction of transfer time hidden under compute (zoo.plan.links)
     link_source: str | None = None  # where link_gbps and overlap come from
     peak: object | None = None      # zoo.plan.peak.Peak: the step's peak HBM, compiled or estimated
+    model_flops: float | None = None  # per device per step: the family's model FLOPs, forward and backward
+    step_tflops: float | None = None  # the rate recompute adds time at on the device (zoo.plan.links.RATES)
+    step_overhead: float = 0.0      # the step's non-FLOP work, as a fraction of its model FLOPs' time
+    step_rate_source: str | None = None
 
     @property
     def peak_bytes(self) -> int | None:
@@ -165,21 +170,27 @@ class Plan:
         return sum(s.num_layers * s.forward_flops for s in self.stacks)
 
     def step_time(self) -> dict | None:
-        """A roofline estimate of the stacks' time per step, given `tflops` and `link_gbps`: forward, backward
-        (twice the forward), recompute, and the transfers that do not hide: `(1 - overlap)` of every transfer,
-        and of the rest what does not fit under the layer's compute (device-to-host under its forward,
-        host-to-device under its backward)."""
-        if self.tflops is None or self.link_gbps is None:
+        """The predicted time of a training step: its model FLOPs (forward and backward, `model_flops`, or three
+        times the stacks' forward where unknown) with the step's measured non-FLOP work (`step_overhead`), plus
+        the recipe's recompute, at the step's measured rate (`step_tflops`, else `tflops`: zoo.plan.links.RATES),
+        plus the transfers that do not hide. Per layer and
+        direction, `1 - overlap` of a copy's time is exposed, and of the overlapped part whatever does not fit
+        under the layer's compute (device-to-host stores under its forward pass, host-to-device reloads under its
+        backward: twice the forward, plus its recompute). None without a rate, or with host bytes and no link."""
+        tflops = self.step_tflops or self.tflops
+        if tflops is None or (self.host_bytes and self.link_gbps is None):
             return None
-        rate, link = self.tflops * 1e12, self.link_gbps * 1e9
-        out = dict(compute_s=0.0, remat_s=0.0, exposed_transfer_s=0.0)
+        rate, link, ov = tflops * 1e12, (self.link_gbps or 1.0) * 1e9, self.overlap
+        work = self.model_flops if self.model_flops is not None else 3 * self.forward_flops
+        overhead = self.step_overhead if self.step_tflops else 0.0
+        out = dict(compute_s=work * (1 + overhead) / rate, remat_s=self.remat_flops / rate, exposed_transfer_s=0.0)
         for s in self.stacks:
             fwd, remat, move = s.forward_flops / rate, s.remat_flops / rate, s.host_bytes_per_layer / link
-            out["compute_s"] += s.num_layers * 3 * fwd
-            out["remat_s"] += s.num_layers * remat
-            hidden = max(0.0, move - fwd) + max(0.0, move - 2 * fwd - remat)
-            out["exposed_transfer_s"] += s.num_layers * ((1 - self.overlap) * 2 * move + self.overlap * hidden)
+            exposed = ((1 - ov.d2h) * move + ov.d2h * max(0.0, move - fwd)
+                       + (1 - ov.h2d) * move + ov.h2d * max(0.0, move - 2 * fwd - remat))
+            out["exposed_transfer_s"] += s.num_layers * exposed
         out["total_s"] = sum(out.values())
+        out["rate_tflops"] = tflops
         return out
 
     def to_dict(self) -> dict:
@@ -191,6 +202,8 @@ class Plan:
                                 hbm_bytes=self.hbm_bytes, remat_flops=self.remat_flops,
                                 forward_flops=self.forward_flops),
                     hbm_budget=self.hbm_budget, host_pool=self.host_pool, link_gbps=self.link_gbps,
-                    tflops=self.tflops, overlap=self.overlap, link_source=self.link_source,
+                    tflops=self.tflops, overlap=dataclasses.asdict(self.overlap), link_source=self.link_source,
+                    model_flops=self.model_flops, step_tflops=self.step_tflops, step_overhead=self.step_overhead,
+                    step_rate_source=self.step_rate_source,
                     step_time=self.step_time(), peak_bytes=self.peak_bytes, peak_source=self.peak_source,
                     peak=None if self.peak is None else self.peak.to_dict(), warnings=list(self.warnings))
