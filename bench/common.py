@@ -192,7 +192,8 @@ def profile_guided(lowered, options: dict[str, str], run, *, steps: int = 2, wor
     XLA's latency-hiding scheduler places each host copy's start and the wait for it from estimated latencies.
     The profile of the offloading step shows the compute stream waiting on single copies inside every layer (on
     the H200: ~36 ms per layer in the forward pass before a memset, 50-60 ms per layer in the backward pass; the
-    copy's wait comes before the compute it could have run beside). Profile-guided latency estimation (PGLE) replaces the estimates with what a profile measured.
+    copy's wait comes before the compute it could have run beside). Profile-guided latency estimation (PGLE)
+    replaces the estimates with what a profile measured.
     `run(compiled)` runs one step of the program already compiled (the caller threads its state and blocks until
     the step is done); it is called `steps` times under `jax.profiler.trace`, and the profile of those steps
     (`jax.experimental.profiler.get_profiled_instructions_proto`) is passed to a second compilation of the same

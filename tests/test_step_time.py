@@ -58,7 +58,7 @@ def _config(record: dict):
 def _measured():
     rows = [json.loads(line) for line in RECORDS.read_text().splitlines() if line.strip()]
     return [r for r in rows if r.get("impl") == "zoo" and r.get("setting") == "zoo" and r.get("step_s")
-            and r["bench"] in ("llama405b-slice", "deepseek-slice")]
+            and r.get("mechanism", "xla") == "xla" and r["bench"] in ("llama405b-slice", "deepseek-slice")]
 
 
 def test_the_predicted_step_time_is_within_ten_percent_of_every_measured_recipe():
