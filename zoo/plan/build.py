@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zoo.layers.attention import resolve_impl
 from zoo.models.config import dtype_of
 from zoo.models.registry import family_of
 from zoo.plan import auto, links
@@ -308,7 +309,9 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
     pool, pool_warning = host_pool_bytes()
     shapes = model.tag_shapes(batch, seq)
     # FLOPs are counted on XLA's attention on every device (cuDNN's kernel is one custom call: no dots to count)
-    flop_cfg = dataclasses.replace(cfg, attention_impl="xla") if hasattr(cfg, "attention_impl") else cfg
+    flop_cfg = cfg
+    if hasattr(cfg, "attention_impl") and resolve_impl(cfg).impl != "xla":
+        flop_cfg = dataclasses.replace(cfg, attention_impl="xla")  # a second abstract model, only where cuDNN runs
     costs = {s: layer_cost(flop_cfg, s, batch, seq) for s in shapes}
     needed = {s: costs[s].residual_tags(shapes[s].tags) for s in shapes}
     per_device = (mesh_plan.tag_bytes(model, batch, seq, amesh) if amesh is not None else
