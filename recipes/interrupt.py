@@ -43,9 +43,11 @@ class Interrupts:
         self.signum: int | None = None
         self.training = False          # True: note the signal and let the loop stop after its step
         self._previous: dict[int, object] = {}
+        self._stderr: int | None = None   # a copy of fd 2 as it was: stderr may be held back during a save
 
     def __enter__(self) -> Interrupts:
         if threading.current_thread() is threading.main_thread():
+            self._stderr = os.dup(2)
             for s in SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)
         return self
@@ -54,12 +56,15 @@ class Interrupts:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous.clear()
+        if self._stderr is not None:
+            os.close(self._stderr)
+            self._stderr = None
 
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
         if self.signum is not None:
-            os.write(2, f"second {name}: exiting at once without saving (the checkpoints already written are "
-                        f"intact)\n".encode())
+            line = f"second {name}: exiting at once without saving (the checkpoints already written are intact)\n"
+            os.write(self._stderr if self._stderr is not None else 2, line.encode())
             os._exit(128 + signum)
         self.signum = signum
         if not self.training:

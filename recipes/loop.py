@@ -281,9 +281,14 @@ def check_fits(console: Console, cfg: RunConfig, plan, recipe_name: str, device:
     raise ValueError(f"{why}: it would run out of memory. The plan is above; {tips}")
 
 
-def _check_resumable(record: dict, cfg: RunConfig, directory: str) -> None:
+def _check_resumable(record: dict, cfg: RunConfig, directory: str, data: dict | None = None) -> None:
+    """ValueError unless the checkpoint's record is of this run: its identity, and the token file it read
+    (`_check_data`)."""
     want = cfg.identity()
     have = dict(record.get("run", {}))
+    if cfg.allow_data_change:   # the data's path may change too
+        have["data"] = want["data"]
+    _check_data(record.get("data"), data, cfg, directory)
     if "schedule_steps" not in have and "steps" in have:   # a record written before --schedule-steps existed
         have["schedule_steps"] = have.pop("steps")
         have["warmup"] = have["warmup"] if have.get("warmup") is not None else max(1, have["schedule_steps"] // 10)
@@ -296,6 +301,18 @@ def _check_resumable(record: dict, cfg: RunConfig, directory: str) -> None:
                              f"learning rate (lr/10), add --schedule-steps {planned}")
         lines = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
         raise ValueError(f"--resume: the checkpoint in {directory} is of a different run ({lines})")
+
+
+def _check_data(have: dict | None, now: dict | None, cfg: RunConfig, directory: str) -> None:
+    """--resume on a token file other than the one the checkpoint's run read (path, dtype, size or fingerprint,
+    `recipes.data.TokenFile.identity`) is refused unless --allow-data-change. Records written before the data was
+    recorded have none: nothing to compare."""
+    if have is None or now is None or cfg.allow_data_change:
+        return
+    diff = [f"{k}: checkpoint {have.get(k)!r}, now {v!r}" for k, v in now.items() if have.get(k) != v]
+    if diff:
+        raise ValueError(f"--resume: --data {cfg.data} is not the file the run in {directory} read "
+                         f"({'; '.join(diff)}); pass --allow-data-change to resume on it anyway")
 
 
 def _resolve(cfg: RunConfig):
@@ -357,10 +374,16 @@ def _run(cfg: RunConfig, console: Console, session: _Session) -> Result:
     family, recipe_name, recipe, model_cfg, device, kernels = _resolve(cfg)
     # Refuse to overwrite a run, or to resume a different one, before spending time on the model.
     ckpts = Checkpoints(cfg.ckpt_dir) if cfg.ckpt_dir else None
+    if ckpts is not None and ckpts.foreign():
+        raise ValueError(f"--ckpt-dir {ckpts.directory} holds step-numbered folders that are not checkpoints of this "
+                         f"zoo: {', '.join(ckpts.foreign())} (checkpoint rotation and --resume would take them for "
+                         f"checkpoints); move them away or choose another --ckpt-dir")
+    source = _source(cfg, model_cfg.vocab_size)   # a token file is checked (and fingerprinted) now
     if ckpts is not None and ckpts.steps() and not cfg.resume:
         raise ValueError(f"{ckpts.directory} already holds checkpoints (latest step {ckpts.latest_step()}): "
                          f"pass --resume to continue that run, or choose another --ckpt-dir")
-    check = lambda record: _check_resumable(record, cfg, ckpts.directory)  # noqa: E731
+    data_id = source.identity()
+    check = lambda record: _check_resumable(record, cfg, ckpts.directory, data_id)  # noqa: E731
     say = lambda message: console.print(message, soft_wrap=True, markup=False)  # noqa: E731  (whole lines in logs)
     resume_step, resume_record = ckpts.newest_intact(check, say=say) if cfg.resume else (None, None)
     resuming = resume_step is not None
@@ -379,7 +402,6 @@ def _run(cfg: RunConfig, console: Console, session: _Session) -> Result:
 
     mesh = mesh_lib.resolve(cfg.mesh, model_cfg, cfg.batch)
     schedule = lr_schedule(lr=cfg.peak_lr, steps=cfg.total_schedule, warmup=cfg.total_warmup)
-    source = _source(cfg, model_cfg.vocab_size)
     # Compile the step on shapes alone (nothing allocated), check that it fits, and only then build the model:
     # the executable compiled here is the one that runs.
     t0 = time.perf_counter()
@@ -420,7 +442,7 @@ def _run(cfg: RunConfig, console: Console, session: _Session) -> Result:
         m, schedule, clip=cfg.clip, weight_decay=cfg.weight_decay, opt_dtype=cfg.opt_dtype))
     flops_per_step = family.flops_per_token(model_cfg, model, cfg.seq) * tokens_per_step
 
-    record = {"run": cfg.identity(), "recipe": recipe_name, "metrics": metrics_path,
+    record = {"run": cfg.identity(), "recipe": recipe_name, "metrics": metrics_path, "data": data_id,
               "mesh": mesh_lib.describe(mesh)}   # recorded, not checked: a run may resume on another mesh
     start = 0
     if ckpts is not None and resuming:
