@@ -323,7 +323,7 @@ def _resolve(cfg: RunConfig):
     recipe_name = cfg.recipe or family.default_recipe
     recipe = None if recipe_name == "auto" else cli.recipe(family, recipe_name)   # auto: chosen once shapes are known
     model_cfg = cli.model_config(family, cfg.preset, cfg.overrides)
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]   # this process's own (memory statistics of another's fail)
     kernels = kernel_choices(model_cfg, device)
     return family, recipe_name, recipe, model_cfg, device, kernels
 

@@ -52,9 +52,10 @@ def maybe_initialize(flag: bool, timeout: float = 300.0) -> bool:
     if kwargs.get("process_id", 0) >= kwargs.get("num_processes", float("inf")):
         raise ValueError(f"JAX_PROCESS_ID={kwargs['process_id']} must be less than JAX_NUM_PROCESSES="
                          f"{kwargs['num_processes']} (processes count from 0)")
-    where = os.environ.get(COORDINATOR_ENV) or "(detected from the cluster)"
-    print(f"distributed: process {kwargs.get('process_id', '?')} waiting up to {timeout:g} s for the coordinator at "
-          f"{where} and all {kwargs.get('num_processes', '?')} processes (--coordinator-timeout)", flush=True)
+    where = os.environ.get(COORDINATOR_ENV) or "the cluster's coordinator (detected: SLURM, Open MPI, ...)"
+    who = (f"process {kwargs['process_id']} of {kwargs['num_processes']}" if len(kwargs) == 2 else "this process")
+    print(f"distributed: {who} waiting up to {timeout:g} s for {where} and every process (--coordinator-timeout)",
+          flush=True)
     with coordinator_watchdog(timeout, where):
         try:   # JAX's own deadline a little later than ours, so that our message is the one a user reads
             jax.distributed.initialize(initialization_timeout=int(math.ceil(timeout)) + 30, **kwargs)
@@ -101,9 +102,10 @@ def check_backend() -> None:
     GPU); JAX would raise it from the first call that touches a device, with a traceback."""
     try:
         jax.devices()
-    except RuntimeError as e:
-        raise ValueError(f"JAX cannot start a backend (JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r}): "
-                         f"{_first_line(e)}") from None
+    except Exception as e:   # RuntimeError, or an AssertionError for a platform no plugin provides
+        why = _first_line(e) if str(e).strip() else "no installed JAX plugin provides it"
+        raise ValueError(f"JAX cannot start a backend for JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r}: "
+                         f"{why}") from None
 
 
 def resolve(spec: str | None, model_cfg, batch: int):
