@@ -527,7 +527,7 @@ def _run(cfg: RunConfig, console: Console, session: _Session) -> Result:
             if ckpts is not None and cfg.ckpt_every and step % cfg.ckpt_every == 0:
                 save(step)
                 t_last, n_since = time.perf_counter(), 0   # checkpoint time is not step time
-            if session.interrupts.requested():
+            if step < cfg.steps and session.interrupts.requested():   # at the last step: finish as usual
                 _interrupted(console, session.interrupts, step, save if ckpts is not None else None, last_ckpt)
                 result.stopped, result.exit_code = "interrupted", session.interrupts.exit_code
                 break
