@@ -104,12 +104,14 @@ class MetricsFile:
         return fd
 
     def start_at(self, step: int) -> None:
-        """Keep the lines of steps <= `step` (all of them at step 0 of a fresh file: it is empty or a stream)."""
+        """Keep the lines of steps <= `step` (none at step 0); a last line cut by a kill goes too."""
         if self.stream:
             return
         end = 0
         with open(self.path, "rb") as f:
             for line in f:
+                if not line.endswith(b"\n"):
+                    break
                 try:
                     if int(json.loads(line)["step"]) > step:
                         break

@@ -52,14 +52,14 @@ def test_two_runs_cannot_own_one_metrics_file(tmp_path):
 
 
 def test_a_resumed_run_cuts_its_own_file_in_place(tmp_path):
-    """Resuming at step 2 keeps the lines up to step 2 by truncating the same file (inode and hard links kept),
-    including a line cut by a kill."""
+    """Resuming at step 3 keeps the lines up to step 3 by truncating the same file (inode and hard links kept); a
+    last line cut by a kill is dropped, not glued to the next one."""
     path = tmp_path / "m.jsonl"
-    path.write_text("".join(json.dumps({"step": k}) + "\n" for k in (1, 2, 3)) + '{"step": 4, "lo')
+    path.write_text("".join(json.dumps({"step": k}) + "\n" for k in (1, 2)) + '{"step": 3, "lo')
     os.link(path, tmp_path / "hardlink.jsonl")
     inode = os.stat(path).st_ino
     with guard.check_metrics(str(path), owner=str(path)) as m:
-        m.start_at(2)
+        m.start_at(3)
         m.write({"step": 3, "loss": 0.5})
     assert os.stat(path).st_ino == inode and os.stat(path).st_nlink == 2
     assert [r["step"] for r in lines(path)] == [1, 2, 3] and lines(path)[-1]["loss"] == 0.5
