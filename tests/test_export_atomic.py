@@ -90,6 +90,7 @@ def test_public_functions_check_their_argument_types(tiny_model, tmp_path):
     ("num_hidden_layers", True, r"num_hidden_layers=True must be an integer"),
     ("rms_norm_eps", "1e-6", r"rms_norm_eps='1e-6' must be a number"),
     ("tie_word_embeddings", "false", r"tie_word_embeddings='false' must be true or false"),
+    ("rope_scaling", "llama3", r"rope_scaling='llama3' must be an object"),
 ])
 def test_config_fields_are_type_checked(tiny_model, tmp_path, field, value, message):
     """A config.json field of the wrong JSON type is a ValueError naming it; architecture names must match exactly

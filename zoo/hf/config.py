@@ -44,7 +44,8 @@ def check_types(hf: dict) -> None:
     kinds = [(INT_FIELDS, "an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
              (FLOAT_FIELDS, "a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
              (BOOL_FIELDS, "true or false", lambda v: isinstance(v, bool)),
-             (STR_FIELDS, "a string", lambda v: isinstance(v, str))]
+             (STR_FIELDS, "a string", lambda v: isinstance(v, str)),
+             (("rope_scaling", "rope_parameters"), "an object", lambda v: isinstance(v, dict))]
     for fields, what, ok in kinds:
         for field in fields:
             if hf.get(field) is not None and not ok(hf[field]):
