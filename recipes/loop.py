@@ -10,7 +10,8 @@ inside, donate the state).
 (`--resume`), trains, logs, checkpoints every K steps and at the end, and stops on a non-finite step keeping the
 last good checkpoint. Everything is a pure function of (seed, step), so a resumed run equals an uninterrupted one.
 Before it builds anything, `run` checks what could make a run fail late or destroy something (`recipes.guard`),
-and takes the checkpoint directory for itself (`recipes.lock`).
+takes the checkpoint directory and the metrics file for itself (`recipes.lock`, `recipes.guard.MetricsFile`), and
+catches SIGINT/SIGTERM: a signal while training ends the run after its step, with a checkpoint (`recipes.interrupt`).
 """
 from __future__ import annotations
 
