@@ -10,6 +10,10 @@ Safety:
   in orbax's background threads, which left the process hanging. Orbax writes each step into a temporary folder
   and renames it when complete, so a `kill -9` during a write leaves the previous checkpoints as they were.
 - A checkpoint is never written from non-finite values (`save` raises).
+- A failed write (a full disk) is one CheckpointError naming the directory and the cause; the partial checkpoint
+  is removed and the earlier ones are intact. The library's own logs and thread tracebacks of that failure are
+  held back (`quiet_stderr`).
+- Rotation touches only this run's checkpoints (`Checkpoints` docstring).
 - `newest_intact` walks back from the newest step past damaged ones (unreadable record, missing or truncated
   state); once an older step proves intact, each damaged step folder is renamed `<step>.damaged` (kept, never
   deleted; out of orbax's sight, so its keep-N rotation neither counts it nor deletes it, and the resumed run can
@@ -17,8 +21,16 @@ Safety:
 """
 from __future__ import annotations
 
+import gc
+import glob
 import json
+import logging
 import os
+import re
+import shutil
+import sys
+import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +41,41 @@ from flax import nnx
 from recipes import guard
 
 RECORD_FILE = os.path.join("record", "metadata")    # where orbax's JsonSave puts the record, inside a step folder
+ITEMS = ("record", "state")                          # the items of a step folder this zoo writes
+
+
+def _reason(e: BaseException) -> str:
+    """The cause of a failed write in a few words: the OS error (tensorstore reports os_error_code='28' deep in a
+    long message), else the message's first line, shortened."""
+    code = re.search(r"os_error_code='?(\d+)", str(e))
+    if code:
+        return os.strerror(int(code.group(1)))
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+class quiet_stderr:
+    """Hold what is written to the process's stderr (file descriptor 2: C++ and thread output too) during a block;
+    it is printed at the end if `keep()` was called, else dropped (a failure is then reported in one line)."""
+
+    def __enter__(self) -> quiet_stderr:
+        sys.stderr.flush()
+        self.kept, self.saved, self.buffer = False, os.dup(2), tempfile.TemporaryFile()
+        os.dup2(self.buffer.fileno(), 2)
+        return self
+
+    def keep(self) -> None:
+        self.kept = True
+
+    def __exit__(self, *exc) -> None:
+        sys.stderr.flush()
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+        if self.kept:
+            self.buffer.seek(0)
+            sys.stderr.write(self.buffer.read().decode(errors="replace"))
+        self.buffer.close()
 
 
 class CheckpointError(RuntimeError):
@@ -36,13 +83,39 @@ class CheckpointError(RuntimeError):
 
 
 class Checkpoints:
-    """Save and restore `(model, optimizer)` under `directory` (one sub-folder per step)."""
+    """Save and restore `(model, optimizer)` under `directory` (one sub-folder per step).
+
+    Rotation keeps the newest `max_to_keep` checkpoints of the run being saved and deletes only older checkpoints
+    of that same run (written by this object, or whose record names the same run): orbax's own rotation would
+    delete any step-numbered folder it finds. `foreign()` lists step-numbered folders that are not checkpoints of
+    this zoo, which the main job refuses before training."""
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3):
         self.directory = os.path.abspath(os.fspath(directory))
+        self.max_to_keep = max_to_keep
+        self.written: set[int] = set()
         self.manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
                                                                  enable_async_checkpointing=False))
+
+    def foreign(self) -> list[str]:
+        """The step-numbered folders here that hold neither a record nor a state (not a checkpoint of this zoo:
+        a user's own folder, or another tool's checkpoint)."""
+        return [str(step) for step in self.steps()
+                if not any(os.path.exists(os.path.join(self.directory, str(step), item)) for item in ITEMS)]
+
+    def _rotate(self, run: Any) -> None:
+        if self.max_to_keep is None:
+            return
+        ours = [s for s in self.steps() if s in self.written or self._run_of(s) == run]
+        for step in ours[:-self.max_to_keep]:
+            self.manager.delete(step)
+
+    def _run_of(self, step: int) -> Any:
+        try:
+            return self.record(step).get("run")
+        except ValueError:
+            return None
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -56,15 +129,37 @@ class Checkpoints:
         if bad:
             raise ValueError(f"refusing to write checkpoint step {step} to {self.directory}: {len(bad)} "
                              f"non-finite value(s), e.g. {bad[0]}")
-        try:
-            saved = self.manager.save(step, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), record=ocp.args.JsonSave({**record, "step": step})))
-        except Exception as e:
-            raise CheckpointError(f"writing checkpoint step {step} to {self.directory} failed: "
-                                  f"{type(e).__name__}: {e}") from e
+        folder = os.path.join(self.directory, str(step))
+        existed = os.path.exists(folder)
+        failure = None
+        with quiet_stderr() as noise:   # orbax's threads log and print tracebacks of a failed write
+            try:
+                saved = self.manager.save(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), record=ocp.args.JsonSave({**record, "step": step})))
+                noise.keep()
+            except Exception as e:
+                failure = e
+                time.sleep(0.5)   # writes still in flight fail in the library's threads: their output is held too
+                gc.collect()      # and the failed tasks' "exception was never retrieved" logs, written when collected
+                logging.getLogger("asyncio").setLevel(logging.CRITICAL)   # any still to come: the run is ending
+                self._remove_partial(step, None if existed else folder)
+        if failure is not None:
+            raise CheckpointError(f"writing checkpoint step {step} to {self.directory} failed: {_reason(failure)} "
+                                  f"(the partial checkpoint is removed; the earlier ones are intact: steps "
+                                  f"{self.steps() or 'none'})") from None
         if not saved:   # orbax skips a step at or before its latest one, silently
             raise CheckpointError(f"orbax did not write checkpoint step {step} to {self.directory} "
                                   f"(its latest step is {self.latest_step()})")
+        self.written.add(step)
+        self._rotate(record.get("run"))
+
+    def _remove_partial(self, step: int, folder: str | None) -> None:
+        """Remove what a failed save of `step` left: orbax's temporary folder, and the step's folder if the save
+        made it (`folder`)."""
+        for path in glob.glob(os.path.join(glob.escape(self.directory), f"{step}.orbax-checkpoint-tmp*")) + \
+                ([folder] if folder else []):
+            shutil.rmtree(path, ignore_errors=True)
+        self.manager.reload()
 
     def record(self, step: int | None = None) -> dict[str, Any]:
         """The JSON record of `step` (default: the latest). ValueError naming the file if it is unreadable."""

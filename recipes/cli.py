@@ -23,6 +23,9 @@ class HelpFormatter(argparse.HelpFormatter):
         return text
 
 
+INT32_MAX = 2**31 - 1
+
+
 def _positive(cast: type, noun: str):
     """An argparse type: text -> a finite `cast` value > 0, or an error naming what was expected."""
     def parse(text: str):
@@ -32,6 +35,8 @@ def _positive(cast: type, noun: str):
             raise argparse.ArgumentTypeError(f"expected a positive {noun}, got {text!r}") from None
         if not (math.isfinite(value) and value > 0):
             raise argparse.ArgumentTypeError(f"expected a positive finite {noun}, got {text!r}")
+        if cast is int and value > INT32_MAX:   # shapes and counts reach JAX as 32-bit integers
+            raise argparse.ArgumentTypeError(f"expected a positive integer up to {INT32_MAX:,}, got {text!r}")
         return value
     parse.__name__ = f"positive_{cast.__name__}"
     return parse
@@ -91,6 +96,8 @@ def model_config(fam, preset: str, overrides=()):
                 value = parse_field(fam.config_cls, key, value)
             except ValueError as e:
                 raise ValueError(f"--set {key}={value}: {e}") from None
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT32_MAX:
+            raise ValueError(f"--set {key}={value}: an integer field must be within +-{INT32_MAX:,} (JAX's int32)")
         values[key] = value
     try:
         return fam.config(preset, **values)

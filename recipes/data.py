@@ -8,7 +8,7 @@ A batch is a dict of NumPy arrays:
 Two sources:
 - `Synthetic`: sequences from a fixed random Markov chain (each token has `branching` equally likely
   successors), so a model can learn it: the loss falls from log(vocab) towards log(branching).
-- `TokenFile`: real data from a file of token ids, memory-mapped.
+- `TokenFile`: real data from a file of token ids, read with `os.pread`.
 
 Token-file format: a flat array of token ids, little-endian `uint16` or `uint32`, no header (NumPy's
 `ids.astype("<u2").tofile(path)`; the format nanoGPT and many tokenizer scripts write). Documents are simply
@@ -17,6 +17,7 @@ consecutive ids at an offset drawn from (seed, step). `write_tokens` writes such
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Protocol
 
@@ -28,6 +29,8 @@ DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 class Source(Protocol):
     def batch(self, step: int) -> dict[str, np.ndarray]: ...
 
+    def identity(self) -> dict | None: ...   # what a checkpoint records of the data (None: nothing beyond the seed)
+
 
 def _rng(seed: int, step: int) -> np.random.Generator:
     # A distinct stream per (seed, step); steps count from 1, apart from the seed-only stream of the Markov table.
@@ -36,6 +39,9 @@ def _rng(seed: int, step: int) -> np.random.Generator:
 
 class Synthetic:
     """Sequences of a fixed random Markov chain over `vocab` tokens, `branching` successors per token."""
+
+    def identity(self) -> None:   # a pure function of the seed: the run's identity covers it
+        return None
 
     def __init__(self, *, vocab: int, batch: int, seq: int, seed: int = 0, branching: int = 4):
         for field, v in (("vocab", vocab), ("batch", batch), ("seq", seq), ("branching", branching)):
@@ -56,8 +62,20 @@ class Synthetic:
         return {"tokens": tokens, "weights": np.ones((self.batch_size, self.seq), np.float32)}
 
 
+class DataError(OSError):
+    """The token file changed under the run (it shrank, or a read came back short): the run stops."""
+
+
 class TokenFile:
-    """Windows of `seq + 1` token ids from a memory-mapped file (format in the module docstring)."""
+    """Windows of `seq + 1` token ids from a file (format in the module docstring), read with `os.pread` from a
+    descriptor held for the run: a file that shrinks under the run stops it with a `DataError` naming the file (a
+    memory map would kill the process with SIGBUS), and a file replaced by a rename is not seen (the run reads the
+    one it started with).
+
+    At start it reads a sample of ids (`SAMPLE_CHUNKS` chunks spread over the file) and refuses, before training, a
+    sample holding ids outside the vocabulary, or one whose every second uint16 is 0 while the others are not
+    (uint32 ids read as uint16: the high halves). `identity()` is what a checkpoint records of the file: path,
+    dtype, size and a fingerprint (`fingerprint`)."""
 
     def __init__(self, path: str | os.PathLike, *, vocab: int, batch: int, seq: int, seed: int = 0,
                  dtype: str | None = None):
@@ -69,22 +87,74 @@ class TokenFile:
             raise ValueError(f"TokenFile.dtype uint16 cannot hold ids of a {vocab}-token vocabulary; use uint32")
         if not os.path.isfile(path):
             raise ValueError(f"TokenFile.path: no such file {os.fspath(path)!r}")
-        size = os.path.getsize(path)
-        if size % DTYPES[dtype].itemsize:
-            raise ValueError(f"TokenFile: {os.fspath(path)!r} has {size} bytes, not a whole number of {dtype} ids")
-        self.ids = np.memmap(path, dtype=DTYPES[dtype], mode="r")
-        if len(self.ids) < seq + 1:
-            raise ValueError(f"TokenFile: {os.fspath(path)!r} holds {len(self.ids)} ids, "
-                             f"fewer than seq + 1 = {seq + 1}")
         self.path, self.vocab, self.batch_size, self.seq, self.seed = path, vocab, batch, seq, seed
+        self.dtype, self.item = dtype, DTYPES[dtype]
+        self.file = open(path, "rb")  # noqa: SIM115  (held for the run: see the class docstring)
+        self.size = os.fstat(self.file.fileno()).st_size
+        if self.size % self.item.itemsize:
+            raise ValueError(f"TokenFile: {os.fspath(path)!r} has {self.size} bytes, not a whole number of {dtype} "
+                             f"ids (wrong --data-dtype?)")
+        self.n_ids = self.size // self.item.itemsize
+        if self.n_ids < seq + 1:
+            raise ValueError(f"TokenFile: {os.fspath(path)!r} holds {self.n_ids} ids, fewer than seq + 1 = {seq + 1}")
+        self._check_sample()
+
+    def _read(self, start: int, n: int) -> np.ndarray:
+        """ids[start:start + n]; DataError if the file is no longer as long as it was at start."""
+        now = os.fstat(self.file.fileno()).st_size
+        raw = os.pread(self.file.fileno(), n * self.item.itemsize, start * self.item.itemsize) if now >= self.size \
+            else b""
+        if len(raw) < n * self.item.itemsize:
+            raise DataError(f"--data {os.fspath(self.path)!r} shrank from {self.size:,} to {now:,} bytes while the "
+                            f"run read it: the run stops (its checkpoints are intact; restore the file, or resume on "
+                            f"the new one with --allow-data-change)")
+        return np.frombuffer(raw, self.item)
+
+    def _check_sample(self) -> None:
+        chunk = min(SAMPLE_IDS, self.n_ids) & ~1   # even: a uint32 id is two uint16 ids, low half first
+        starts = sorted({(k * (self.n_ids - chunk) // max(SAMPLE_CHUNKS - 1, 1)) & ~1 for k in range(SAMPLE_CHUNKS)})
+        chunks = {start: self._read(start, chunk) for start in starts}
+        for start, ids in chunks.items():
+            if ids.size and int(ids.max()) >= self.vocab:
+                at = start + int(np.argmax(ids >= self.vocab))
+                raise ValueError(f"TokenFile {os.fspath(self.path)!r}: id {int(ids[at - start])} at position {at:,} "
+                                 f"is outside the model's vocabulary of {self.vocab} (read as {self.dtype}: wrong "
+                                 f"--data-dtype?)")
+        sample = np.concatenate(list(chunks.values()))
+        if self.dtype == "uint16" and sample.size >= 512:
+            odd, even = np.mean(sample[1::2] == 0), np.mean(sample[0::2] == 0)
+            if odd > 0.95 and even < 0.5:
+                raise ValueError(f"TokenFile {os.fspath(self.path)!r} looks like uint32 ids read as uint16: "
+                                 f"{100 * odd:.0f}% of the odd-numbered uint16 values are 0 (the high halves), "
+                                 f"{100 * even:.0f}% of the others; pass --data-dtype uint32")
+
+    def identity(self) -> dict:
+        return {"path": os.path.abspath(self.path), "dtype": self.dtype, "bytes": self.size,
+                "fingerprint": fingerprint(self.file.fileno(), self.size)}
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
-        starts = _rng(self.seed, step).integers(len(self.ids) - self.seq, size=self.batch_size)
-        tokens = np.stack([self.ids[s:s + self.seq + 1] for s in starts]).astype(np.int32)
+        starts = _rng(self.seed, step).integers(self.n_ids - self.seq, size=self.batch_size)
+        tokens = np.stack([self._read(int(s), self.seq + 1) for s in starts]).astype(np.int32)
         if tokens.max() >= self.vocab:
             raise ValueError(f"TokenFile {os.fspath(self.path)!r}: id {int(tokens.max())} at step {step} is outside "
                              f"the model's vocabulary of {self.vocab} (wrong --data-dtype?)")
         return {"tokens": tokens, "weights": np.ones((self.batch_size, self.seq), np.float32)}
+
+
+SAMPLE_CHUNKS, SAMPLE_IDS = 16, 4096      # the start-up sample: 16 chunks of 4096 ids spread over the file
+FINGERPRINT_CHUNKS, FINGERPRINT_BYTES = 64, 1 << 16
+
+
+def fingerprint(fd: int, size: int) -> str:
+    """SHA-256 of a file's size and 64 chunks of 64 KiB spread evenly over it (the whole file up to 4 MiB): a
+    token file rewritten, re-tokenized, appended to or cut changes it, and reading it costs milliseconds even
+    for terabytes. An edit confined to the bytes between the chunks is not seen."""
+    h = hashlib.sha256(str(size).encode())
+    n = min(FINGERPRINT_CHUNKS, -(-size // FINGERPRINT_BYTES))
+    for k in range(n):
+        offset = 0 if n == 1 else k * (size - FINGERPRINT_BYTES) // (n - 1)
+        h.update(os.pread(fd, FINGERPRINT_BYTES, max(offset, 0)))
+    return h.hexdigest()[:32]
 
 
 def write_tokens(path: str | os.PathLike, ids, dtype: str = "uint16") -> None:
@@ -102,6 +172,9 @@ class Poisoned:
 
     def __init__(self, source: Source, step: int):
         self.source, self.step = source, step
+
+    def identity(self) -> dict | None:
+        return self.source.identity()
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
         b = self.source.batch(step)

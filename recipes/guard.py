@@ -2,13 +2,19 @@
 flag and the path, so a run that cannot finish (or would destroy something) fails in a second, not after training.
 
 - `check_ckpt_dir`: --ckpt-dir is (or can be made) a writable directory; it is created here.
-- `check_metrics`: --metrics' directory exists; an existing file is only continued by the run that wrote it.
+- `check_metrics`: --metrics' directory exists; the file is opened and locked at once (`MetricsFile`); an existing
+  file is only continued by the run that wrote it.
 - `nonfinite_leaves`: which leaves of a state hold NaN or infinity (no checkpoint is written from them).
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
+import math
 import os
+import stat
 import tempfile
 
 import jax
@@ -35,47 +41,121 @@ def check_ckpt_dir(path: str) -> str:
     return path
 
 
-def read_metrics_steps(path: str) -> list[tuple[int, str]]:
-    """(step, line) of every well-formed JSON line in an existing metrics file (a line cut by a kill is skipped)."""
-    rows = []
-    with open(path) as f:
-        for line in f:
-            try:
-                rows.append((int(json.loads(line)["step"]), line if line.endswith("\n") else line + "\n"))
-            except (ValueError, KeyError, TypeError):
-                continue
-    return rows
-
-
-def check_metrics(path: str, *, owner: str | None) -> str:
-    """--metrics: its directory must exist (ValueError now, not after training). An existing non-empty file is
-    refused unless `owner`, the metrics path recorded in the checkpoint being resumed, is this file: then the run
-    continues it (keeping the lines up to the checkpoint's step). Returns the absolute path."""
+def check_metrics(path: str, *, owner: str | None) -> MetricsFile:
+    """--metrics, opened now (before anything compiles) and held for the run: `MetricsFile`. Its directory must
+    exist; an existing non-empty regular file is refused unless `owner`, the metrics path recorded by the run being
+    resumed, is this path: then the run continues it. Raises ValueError saying why, having changed nothing."""
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
     if not os.path.isdir(parent):
         raise ValueError(f"--metrics {path}: the directory {parent} does not exist")
     if os.path.isdir(path):
         raise ValueError(f"--metrics {path} is a directory")
-    if os.path.exists(path) and os.path.getsize(path) > 0 and owner != path:
-        raise ValueError(f"--metrics {path} already exists and is not this run's (it would be overwritten); "
-                         f"choose another path or move it away" +
-                         ("" if owner is None else f" (the resumed checkpoint wrote {owner})"))
-    if not os.access(parent, os.W_OK):
-        raise ValueError(f"--metrics {path}: the directory {parent} is not writable")
-    return path
+    return MetricsFile(path, owner=owner)
 
 
-def open_metrics(path: str, start: int):
-    """Open the metrics file at step `start`: keep the lines of steps up to `start` (those after it belong to the
-    part of an interrupted run that is about to be re-run) and append. The kept lines are written to a new file
-    that replaces the old one atomically, so a crash here loses nothing."""
-    kept = [line for step, line in read_metrics_steps(path) if step <= start] if start and os.path.exists(path) else []
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".metrics-")
-    with os.fdopen(fd, "w") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
-    return open(path, "a")  # noqa: SIM115
+class MetricsFile:
+    """The --metrics file of a run, opened as a user expects and never replaced:
+
+    - a regular file is created with the umask's mode (or opened, through any symlink: the link's target is
+      written), appended to, and locked (`fcntl.flock`) for the run at once, so two runs given one path cannot both
+      write it: the second is refused while the first still compiles;
+    - a FIFO, a character device (`/dev/null`, `/dev/stdout`) or a socket is a stream: written, never truncated or
+      locked (a FIFO with no reader is refused rather than waited on);
+    - `start_at(step)` keeps the lines of steps up to `step` (a resumed run re-runs the ones after it) by truncating
+      the file in place after the last kept line: its inode, mode, owner and links stay;
+    - `write(row)` writes one JSON line with non-finite numbers as null (strict JSON), and names the path when the
+      write fails (a full disk, a FIFO whose reader left).
+
+    A file this run created and never wrote to is removed on `close` (a run that failed before its first step
+    leaves nothing behind)."""
+
+    def __init__(self, path: str, *, owner: str | None):
+        self.path, self.created, self.written = path, False, False
+        self.fd = self._open(path)
+        self.stream = not stat.S_ISREG(os.fstat(self.fd).st_mode)
+        if self.stream:
+            return
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise ValueError(f"--metrics {path} is being written by another run (it holds the file's lock); choose "
+                             f"another path") from None
+        if os.fstat(self.fd).st_size > 0 and owner != path:
+            os.close(self.fd)
+            raise ValueError(f"--metrics {path} already exists and is not this run's (it would be overwritten); "
+                             f"choose another path or move it away" +
+                             ("" if owner is None else f" (the resumed checkpoint wrote {owner})"))
+
+    def _open(self, path: str) -> int:
+        flags = os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            try:
+                fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o666)   # the umask applies
+                self.created = True
+            except FileExistsError:
+                fd = os.open(path, flags | os.O_CREAT, 0o666)   # follows a symlink, even a dangling one
+        except OSError as e:
+            if e.errno == errno.ENXIO:
+                raise ValueError(f"--metrics {path} is a FIFO with no reader: start the reader first") from None
+            raise ValueError(f"--metrics {path} cannot be opened for writing: {e.strerror or e}") from None
+        os.set_blocking(fd, True)   # O_NONBLOCK only so that opening a FIFO cannot wait forever
+        return fd
+
+    def start_at(self, step: int) -> None:
+        """Keep the lines of steps <= `step` (none at step 0); a last line cut by a kill goes too."""
+        if self.stream:
+            return
+        end = 0
+        with open(self.path, "rb") as f:
+            for line in f:
+                if not line.endswith(b"\n"):
+                    break
+                try:
+                    if int(json.loads(line)["step"]) > step:
+                        break
+                except (ValueError, KeyError, TypeError):
+                    pass
+                end += len(line)
+        if end < os.fstat(self.fd).st_size:
+            os.ftruncate(self.fd, end)
+
+    def write(self, row: dict) -> None:
+        data = (json.dumps(finite_json(row)) + "\n").encode()
+        try:
+            while data:
+                data = data[os.write(self.fd, data):]
+        except OSError as e:
+            raise OSError(e.errno, f"writing --metrics {self.path} failed: {e.strerror or e}") from None
+        self.written = True
+
+    def __enter__(self) -> MetricsFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.fd is None:
+            return
+        if self.created and not self.written and os.fstat(self.fd).st_size == 0:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+        os.close(self.fd)
+        self.fd = None
+
+
+def finite_json(value):
+    """`value` with every non-finite float (NaN, infinity) replaced by None: JSON has no NaN, and a strict reader
+    (jq, JavaScript, Go) refuses Python's bare `NaN`."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
 
 
 @jax.jit

@@ -19,9 +19,10 @@ LOCK_NAME = ".zoo-run.lock"
 
 
 class DirLock:
-    """An exclusive claim on `directory` (which must exist). ValueError if another live run holds it."""
+    """An exclusive claim on `directory` (which must exist). ValueError if another live run holds it. `info` (JSON)
+    is written into the lock beside the holder's pid, host and start time (a stale lock's is `taken_over`)."""
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, *, info: dict | None = None):
         self.path = os.path.join(os.fspath(directory), LOCK_NAME)
         self.taken_over: dict | None = None   # the stale holder's record, when its lock was taken over
         self.fd: int | None = None
@@ -52,7 +53,7 @@ class DirLock:
                 self.taken_over = holder   # flock was free: that process is gone (or ended without cleaning up)
             self.fd = fd
         me = {"pid": os.getpid(), "host": socket.gethostname(),
-              "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+              "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), **(info or {})}
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, json.dumps(me).encode(), 0)
         os.fsync(self.fd)
@@ -76,7 +77,7 @@ class DirLock:
 
 
 def _read(fd: int) -> dict:
-    raw = os.pread(fd, 4096, 0)
+    raw = os.pread(fd, 1 << 16, 0)
     try:
         holder = json.loads(raw) if raw.strip() else {}
     except ValueError:

@@ -10,10 +10,12 @@ inside, donate the state).
 (`--resume`), trains, logs, checkpoints every K steps and at the end, and stops on a non-finite step keeping the
 last good checkpoint. Everything is a pure function of (seed, step), so a resumed run equals an uninterrupted one.
 Before it builds anything, `run` checks what could make a run fail late or destroy something (`recipes.guard`),
-and takes the checkpoint directory for itself (`recipes.lock`).
+takes the checkpoint directory and the metrics file for itself (`recipes.lock`, `recipes.guard.MetricsFile`), and
+catches SIGINT/SIGTERM: a signal while training ends the run after its step, with a checkpoint (`recipes.interrupt`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -33,6 +35,7 @@ from recipes import auto, cli, defaults, fit, guard, meter
 from recipes import data as data_lib
 from recipes import mesh as mesh_lib
 from recipes.checkpoint import Checkpoints
+from recipes.interrupt import Interrupts
 from recipes.lock import DirLock
 from zoo import compile_options
 from zoo.models.registry import Family
@@ -111,8 +114,11 @@ class RunConfig:
     max_drop_warn: float = 0.01        # warn when capacity dispatch drops more than this fraction of token copies
     stop_after: int | None = None      # debug: stop after this step without a final checkpoint (a preemption)
     poison_step: int | None = None     # debug: NaN loss weights at this step (a corrupted record)
+    allow_data_change: bool = False    # --resume on a token file other than the checkpoint's (recipes.data)
+    coordinator_timeout: float = 300.0  # seconds to wait for the distributed coordinator (recipes.mesh)
 
     def __post_init__(self):
+        check_ranges(self)
         for field in ("steps", "batch", "seq", "log_every"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"--{field.replace('_', '-')} must be positive, got {getattr(self, field)}")
@@ -139,6 +145,8 @@ class RunConfig:
             raise ValueError(f"--ckpt-every must be >= 0, got {self.ckpt_every}")
         if self.resume and not self.ckpt_dir:
             raise ValueError("--resume needs --ckpt-dir")
+        if self.ckpt_every and not self.ckpt_dir:
+            raise ValueError(f"--ckpt-every {self.ckpt_every} needs --ckpt-dir (nothing would be saved)")
 
     @property
     def total_schedule(self) -> int:
@@ -164,14 +172,41 @@ class RunConfig:
         return json.loads(json.dumps(ident))
 
 
+# Integer flags that reach JAX or NumPy as 32-bit values (step counters, shapes, PRNG seeds): their ranges, checked
+# before anything is built (a larger value would overflow with a traceback from deep inside JAX).
+INT_RANGES = {"steps": (1, 2**31 - 1), "schedule_steps": (1, 2**31 - 1), "warmup": (0, 2**31 - 1),
+              "batch": (1, 2**31 - 1), "seq": (1, 2**31 - 2), "seed": (0, 2**31 - 1), "log_every": (1, 2**31 - 1),
+              "ckpt_every": (0, 2**31 - 1), "stop_after": (1, 2**31 - 1), "poison_step": (1, 2**31 - 1)}
+
+
+def check_ranges(cfg: RunConfig) -> None:
+    """ValueError naming the flag for an integer out of its range (INT_RANGES: before the finer checks of
+    __post_init__), a batch of more than 2**31 - 1 tokens, or a float that must be finite and positive."""
+    for field, (low, high) in INT_RANGES.items():
+        value = getattr(cfg, field)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"--{field.replace('_', '-')} must be an integer, got {value!r}")
+        if not low <= value <= high:
+            raise ValueError(f"--{field.replace('_', '-')} must be in [{low}, {high:,}], got {value:,}")
+    if cfg.batch * (cfg.seq + 1) > 2**31 - 1:
+        raise ValueError(f"--batch {cfg.batch} x --seq {cfg.seq}: a step of more than 2**31 - 1 tokens cannot be "
+                         f"indexed in int32")
+    for flag, value in (("peak-tflops", cfg.peak_tflops), ("coordinator-timeout", cfg.coordinator_timeout)):
+        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"--{flag} must be a finite number > 0, got {value}")
+
+
 @dataclasses.dataclass
 class Result:
     steps: list[int]
     losses: list[float]
     stopped: str | None          # None: ran to the end; "nonfinite"; "stop_after"; "nothing_to_do" (resumed a
-                                 # run already at --steps: nothing was built)
+                                 # run already at --steps: nothing was built); "interrupted" (SIGINT/SIGTERM)
     last_checkpoint: int | None
     model: nnx.Module | None = None  # the trained model (its last good state)
+    exit_code: int = 0           # what the command exits with: 1 after a non-finite step, 128 + signal if interrupted
 
 
 def _source(cfg: RunConfig, vocab: int) -> data_lib.Source:
@@ -248,9 +283,14 @@ def check_fits(console: Console, cfg: RunConfig, plan, recipe_name: str, device:
     raise ValueError(f"{why}: it would run out of memory. The plan is above; {tips}")
 
 
-def _check_resumable(record: dict, cfg: RunConfig, directory: str) -> None:
+def _check_resumable(record: dict, cfg: RunConfig, directory: str, data: dict | None = None) -> None:
+    """ValueError unless the checkpoint's record is of this run: its identity, and the token file it read
+    (`_check_data`)."""
     want = cfg.identity()
     have = dict(record.get("run", {}))
+    if cfg.allow_data_change:   # the data's path may change too
+        have["data"] = want["data"]
+    _check_data(record.get("data"), data, cfg, directory)
     if "schedule_steps" not in have and "steps" in have:   # a record written before --schedule-steps existed
         have["schedule_steps"] = have.pop("steps")
         have["warmup"] = have["warmup"] if have.get("warmup") is not None else max(1, have["schedule_steps"] // 10)
@@ -265,6 +305,18 @@ def _check_resumable(record: dict, cfg: RunConfig, directory: str) -> None:
         raise ValueError(f"--resume: the checkpoint in {directory} is of a different run ({lines})")
 
 
+def _check_data(have: dict | None, now: dict | None, cfg: RunConfig, directory: str) -> None:
+    """--resume on a token file other than the one the checkpoint's run read (path, dtype, size or fingerprint,
+    `recipes.data.TokenFile.identity`) is refused unless --allow-data-change. Records written before the data was
+    recorded have none: nothing to compare."""
+    if have is None or now is None or cfg.allow_data_change:
+        return
+    diff = [f"{k}: checkpoint {have.get(k)!r}, now {v!r}" for k, v in now.items() if have.get(k) != v]
+    if diff:
+        raise ValueError(f"--resume: --data {cfg.data} is not the file the run in {directory} read "
+                         f"({'; '.join(diff)}); pass --allow-data-change to resume on it anyway")
+
+
 def _resolve(cfg: RunConfig):
     """(family, recipe name, recipe, model config, device, kernels), checked: bad names, config values and a config
     the device cannot run (e.g. cuDNN attention on a CPU) raise ValueError here, before anything touches the disk
@@ -273,7 +325,7 @@ def _resolve(cfg: RunConfig):
     recipe_name = cfg.recipe or family.default_recipe
     recipe = None if recipe_name == "auto" else cli.recipe(family, recipe_name)   # auto: chosen once shapes are known
     model_cfg = cli.model_config(family, cfg.preset, cfg.overrides)
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]   # this process's own (memory statistics of another's fail)
     kernels = kernel_choices(model_cfg, device)
     return family, recipe_name, recipe, model_cfg, device, kernels
 
@@ -285,30 +337,55 @@ def run(cfg: RunConfig, console: Console | None = None) -> Result:
     console = console or Console(highlight=False, width=None if os.isatty(1) else 160)
     model_cfg = _resolve(cfg)[3]
     mesh_lib.resolve(cfg.mesh, model_cfg, cfg.batch)   # a mesh that does not fit: ValueError before the disk
-    lock = None
-    if cfg.ckpt_dir:
-        directory = guard.check_ckpt_dir(cfg.ckpt_dir)
-    if cfg.ckpt_dir and jax.process_index() == 0:   # multi-host: one lock for the run, held by process 0
-        lock = DirLock(directory)
-        if lock.taken_over:
-            console.print(f"took over the stale lock of a run that ended without releasing it "
-                          f"(pid {lock.taken_over.get('pid')}, started {lock.taken_over.get('started')})",
-                          soft_wrap=True)
-    try:
-        return _run(cfg, console)
-    finally:
-        if lock is not None:
-            lock.release()
+    with contextlib.ExitStack() as stack:
+        session = _Session(stack, stack.enter_context(Interrupts()))
+        if cfg.ckpt_dir:
+            directory = guard.check_ckpt_dir(cfg.ckpt_dir)
+        if cfg.ckpt_dir and jax.process_index() == 0:   # multi-host: one lock for the run, held by process 0
+            # The lock file also names the run and its metrics file: a run killed before its first checkpoint is
+            # recognised by the same command with --resume (its metrics file is its own).
+            lock = stack.enter_context(DirLock(directory, info={
+                "run": cfg.identity(), "metrics": os.path.abspath(cfg.metrics) if cfg.metrics else None}))
+            if lock.taken_over:
+                console.print(f"took over the stale lock of a run that ended without releasing it "
+                              f"(pid {lock.taken_over.get('pid')}, started {lock.taken_over.get('started')})",
+                              soft_wrap=True)
+                session.previous = lock.taken_over
+        return _run(cfg, console, session)
 
 
-def _run(cfg: RunConfig, console: Console) -> Result:
+@dataclasses.dataclass
+class _Session:
+    """What `run` holds for `_run`: resources closed when it returns (the lock, the metrics file), the signal
+    handlers, and the record of a previous run in the same --ckpt-dir that was killed (its stale lock)."""
+    stack: contextlib.ExitStack
+    interrupts: Interrupts
+    previous: dict | None = None
+
+    def metrics_owner(self, cfg: RunConfig, resume_record: dict | None) -> str | None:
+        """The metrics path the run being continued wrote: its checkpoint's, or, for a run killed before its first
+        checkpoint, its stale lock's (same run identity, --resume given)."""
+        if resume_record is not None:
+            return resume_record.get("metrics")
+        if cfg.resume and self.previous and self.previous.get("run") == cfg.identity():
+            return self.previous.get("metrics")
+        return None
+
+
+def _run(cfg: RunConfig, console: Console, session: _Session) -> Result:
     family, recipe_name, recipe, model_cfg, device, kernels = _resolve(cfg)
     # Refuse to overwrite a run, or to resume a different one, before spending time on the model.
     ckpts = Checkpoints(cfg.ckpt_dir) if cfg.ckpt_dir else None
+    if ckpts is not None and ckpts.foreign():
+        raise ValueError(f"--ckpt-dir {ckpts.directory} holds step-numbered folders that are not checkpoints of this "
+                         f"zoo: {', '.join(ckpts.foreign())} (checkpoint rotation and --resume would take them for "
+                         f"checkpoints); move them away or choose another --ckpt-dir")
+    source = _source(cfg, model_cfg.vocab_size)   # a token file is checked (and fingerprinted) now
     if ckpts is not None and ckpts.steps() and not cfg.resume:
         raise ValueError(f"{ckpts.directory} already holds checkpoints (latest step {ckpts.latest_step()}): "
                          f"pass --resume to continue that run, or choose another --ckpt-dir")
-    check = lambda record: _check_resumable(record, cfg, ckpts.directory)  # noqa: E731
+    data_id = source.identity()
+    check = lambda record: _check_resumable(record, cfg, ckpts.directory, data_id)  # noqa: E731
     say = lambda message: console.print(message, soft_wrap=True, markup=False)  # noqa: E731  (whole lines in logs)
     resume_step, resume_record = ckpts.newest_intact(check, say=say) if cfg.resume else (None, None)
     resuming = resume_step is not None
@@ -320,12 +397,13 @@ def _run(cfg: RunConfig, console: Console) -> Result:
                        else ""), soft_wrap=True)
         ckpts.close()
         return Result([], [], "nothing_to_do", resume_step)
-    metrics_path = (guard.check_metrics(cfg.metrics, owner=(resume_record or {}).get("metrics"))
-                    if cfg.metrics and jax.process_index() == 0 else None)   # multi-host: process 0 writes
+    metrics_file = (session.stack.enter_context(guard.check_metrics(
+        cfg.metrics, owner=session.metrics_owner(cfg, resume_record)))
+        if cfg.metrics and jax.process_index() == 0 else None)   # multi-host: process 0 writes
+    metrics_path = metrics_file.path if metrics_file else None
 
     mesh = mesh_lib.resolve(cfg.mesh, model_cfg, cfg.batch)
     schedule = lr_schedule(lr=cfg.peak_lr, steps=cfg.total_schedule, warmup=cfg.total_warmup)
-    source = _source(cfg, model_cfg.vocab_size)
     # Compile the step on shapes alone (nothing allocated), check that it fits, and only then build the model:
     # the executable compiled here is the one that runs.
     t0 = time.perf_counter()
@@ -368,7 +446,7 @@ def _run(cfg: RunConfig, console: Console) -> Result:
         m, schedule, clip=cfg.clip, weight_decay=cfg.weight_decay, opt_dtype=cfg.opt_dtype))
     flops_per_step = family.flops_per_token(model_cfg, model, cfg.seq) * tokens_per_step
 
-    record = {"run": cfg.identity(), "recipe": recipe_name, "metrics": metrics_path,
+    record = {"run": cfg.identity(), "recipe": recipe_name, "metrics": metrics_path, "data": data_id,
               "mesh": mesh_lib.describe(mesh)}   # recorded, not checked: a run may resume on another mesh
     start = 0
     if ckpts is not None and resuming:
@@ -391,11 +469,13 @@ def _run(cfg: RunConfig, console: Console) -> Result:
         ckpts.wait()
         last_ckpt = step
 
-    metrics_file = guard.open_metrics(metrics_path, start) if metrics_path else None
+    if metrics_file:
+        metrics_file.start_at(start)
     result = Result([], [], None, last_ckpt)
     progress = _Progress(console, cfg.steps, start)
     drops = DropWatch(console, cfg.max_drop_warn, cfg.log_every)
     t_last, n_since = time.perf_counter(), 0
+    session.interrupts.training = True   # from here a signal ends the run after its step, with a checkpoint
     try:
         batch = mesh_lib.put_batch(source.batch(start + 1), mesh) if start < cfg.steps else None
         for step in range(start + 1, cfg.steps + 1):
@@ -446,12 +526,15 @@ def _run(cfg: RunConfig, console: Console) -> Result:
                        "planned_peak_bytes": plan.peak_bytes, "planned_peak_source": plan.peak_source}
                 progress.log(row)
                 if metrics_file:
-                    metrics_file.write(json.dumps(row) + "\n")
-                    metrics_file.flush()
+                    metrics_file.write(row)
             progress.advance(step, loss)
             if ckpts is not None and cfg.ckpt_every and step % cfg.ckpt_every == 0:
                 save(step)
                 t_last, n_since = time.perf_counter(), 0   # checkpoint time is not step time
+            if step < cfg.steps and session.interrupts.requested():   # at the last step: finish as usual
+                _interrupted(console, session.interrupts, step, save if ckpts is not None else None, last_ckpt)
+                result.stopped, result.exit_code = "interrupted", session.interrupts.exit_code
+                break
             if cfg.stop_after is not None and step == cfg.stop_after and step < cfg.steps:
                 result.stopped = "stop_after"
                 console.print(f"--stop-after {step}: stopping as if preempted (last checkpoint: {last_ckpt})")
@@ -474,6 +557,17 @@ def _run(cfg: RunConfig, console: Console) -> Result:
         console.print(f"loss {result.losses[0]:.4f} (step {result.steps[0]}) -> {result.losses[-1]:.4f} "
                       f"(step {result.steps[-1]})" + (f"; checkpoint: step {last_ckpt}" if last_ckpt else ""))
     return result
+
+
+def _interrupted(console: Console, interrupts: Interrupts, step: int, save: Callable | None,
+                 last_ckpt: int | None) -> None:
+    """SIGINT/SIGTERM while training: the step has finished; save it (with --ckpt-dir) and say so in one line."""
+    if save is not None and last_ckpt != step:
+        save(step)
+    what = ("checkpoint step {step} is saved: the same command with --resume continues" if save is not None else
+            "no --ckpt-dir, nothing saved").format(step=step)
+    console.print(f"{interrupts.name}: stopped after step {step}; {what} (exit {interrupts.exit_code})",
+                  soft_wrap=True, markup=False)
 
 
 class _Progress:

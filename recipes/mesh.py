@@ -19,7 +19,10 @@ line adds around them:
 """
 from __future__ import annotations
 
+import contextlib
+import math
 import os
+import threading
 
 import jax
 import numpy as np
@@ -33,18 +36,76 @@ def wants_distributed(flag: bool) -> bool:
     return bool(flag) or bool(os.environ.get(COORDINATOR_ENV))
 
 
-def maybe_initialize(flag: bool) -> bool:
+def maybe_initialize(flag: bool, timeout: float = 300.0) -> bool:
     """`jax.distributed.initialize()` with the process count and index from JAX_NUM_PROCESSES / JAX_PROCESS_ID
-    when they are set (else JAX's cluster auto-detection); True if it ran."""
+    when they are set (else JAX's cluster auto-detection); True if it ran. ValueError in one line for a bad
+    variable or a start-up JAX refuses; waiting for the coordinator (or, on process 0, for every process to
+    connect) is said first and ends after `timeout` seconds with a message (`coordinator_watchdog`): JAX's own
+    timeout aborts the process with a C++ stack trace instead."""
     if not wants_distributed(flag):
         return False
-    kwargs = {}
-    if os.environ.get("JAX_NUM_PROCESSES"):
-        kwargs["num_processes"] = int(os.environ["JAX_NUM_PROCESSES"])
-    if os.environ.get("JAX_PROCESS_ID"):
-        kwargs["process_id"] = int(os.environ["JAX_PROCESS_ID"])
-    jax.distributed.initialize(**kwargs)
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"--coordinator-timeout must be a finite number of seconds > 0, got {timeout}")
+    kwargs = {name: _env_int(var, lowest) for name, var, lowest in (("num_processes", "JAX_NUM_PROCESSES", 1),
+                                                                   ("process_id", "JAX_PROCESS_ID", 0))
+              if os.environ.get(var)}
+    if kwargs.get("process_id", 0) >= kwargs.get("num_processes", float("inf")):
+        raise ValueError(f"JAX_PROCESS_ID={kwargs['process_id']} must be less than JAX_NUM_PROCESSES="
+                         f"{kwargs['num_processes']} (processes count from 0)")
+    where = os.environ.get(COORDINATOR_ENV) or "the cluster's coordinator (detected: SLURM, Open MPI, ...)"
+    who = (f"process {kwargs['process_id']} of {kwargs['num_processes']}" if len(kwargs) == 2 else "this process")
+    print(f"distributed: {who} waiting up to {timeout:g} s for {where} and every process (--coordinator-timeout)",
+          flush=True)
+    with coordinator_watchdog(timeout, where):
+        try:   # JAX's own deadline a little later than ours, so that our message is the one a user reads
+            jax.distributed.initialize(initialization_timeout=int(math.ceil(timeout)) + 30, **kwargs)
+        except (ValueError, RuntimeError) as e:
+            raise ValueError(f"--distributed: JAX could not start the processes: {_first_line(e)}") from None
     return True
+
+
+def _env_int(var: str, lowest: int) -> int:
+    text = os.environ[var]
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{var}={text!r} is not an integer") from None
+    if value < lowest:
+        raise ValueError(f"{var}={value} must be >= {lowest}")
+    return value
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
+@contextlib.contextmanager
+def coordinator_watchdog(timeout: float, where: str):
+    """Exit the process (code 2, one line) if the block is still running after `timeout` seconds. A thread, since
+    the wait is inside JAX's C++ client (which releases the GIL while it waits)."""
+    def fire():
+        os.write(2, f"error: no coordinator at {where} after {timeout:g} s, or not every process connected "
+                    f"(--coordinator-timeout): is process 0 running, is the address reachable from here, and do "
+                    f"all processes agree on JAX_NUM_PROCESSES?\n".encode())
+        os._exit(2)
+    timer = threading.Timer(timeout, fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def check_backend() -> None:
+    """ValueError in one line when JAX cannot start its backend (e.g. JAX_PLATFORMS=cuda on a machine without a
+    GPU); JAX would raise it from the first call that touches a device, with a traceback."""
+    try:
+        jax.devices()
+    except Exception as e:   # RuntimeError, or an AssertionError for a platform no plugin provides
+        why = _first_line(e) if str(e).strip() else "no installed JAX plugin provides it"
+        raise ValueError(f"JAX cannot start a backend for JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r}: "
+                         f"{why}") from None
 
 
 def resolve(spec: str | None, model_cfg, batch: int):

@@ -55,6 +55,11 @@ def parser() -> argparse.ArgumentParser:
                    "recipes/data.py); default: synthetic Markov-chain sequences")
     p.add_argument("--data-dtype", choices=("uint16", "uint32"), default=None,
                    help="ids' type in --data (default: uint16 if the vocabulary fits, else uint32)")
+    p.add_argument("--allow-data-change", action="store_true",
+                   help="--resume although --data is not the file the checkpoint's run read (another path, size "
+                        "or content)")
+    p.add_argument("--coordinator-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="multi-host: how long to wait for the coordinator and every process before giving up")
     p.add_argument("--metrics", default=None, metavar="PATH", help="write one JSON line per logged step")
     p.add_argument("--log-every", type=int, default=10, help="print (and write to --metrics) every K steps")
     p.add_argument("--ckpt-dir", default=None, metavar="DIR", help="orbax checkpoints here")
@@ -75,6 +80,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:   # Ctrl-C while JAX was still being imported (the loop catches it from then on)
+        print("SIGINT: stopped before training started; nothing to save (exit 130)", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     args = parser().parse_args(argv)
     chosen = flags.apply(args.xla_flags)
     print(f"XLA flag set {args.xla_flags!r}: {' '.join(chosen) or '(none)'}; "
@@ -82,14 +95,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from recipes import loop, mesh  # imports JAX: only now
     from recipes.checkpoint import CheckpointError
-
-    if mesh.maybe_initialize(args.distributed):   # before JAX touches a device
-        import jax
-        print(f"distributed: process {jax.process_index()} of {jax.process_count()}, "
-              f"{jax.local_device_count()} local of {jax.device_count()} devices", flush=True)
+    from recipes.interrupt import Interrupted
 
     kwargs = {k: v for k, v in vars(args).items() if k != "xla_flags"}
     try:
+        if mesh.maybe_initialize(args.distributed, args.coordinator_timeout):   # before JAX touches a device
+            import jax
+            print(f"distributed: process {jax.process_index()} of {jax.process_count()}, "
+                  f"{jax.local_device_count()} local of {jax.device_count()} devices", flush=True)
+        mesh.check_backend()
         kwargs["overrides"] = tuple(kwargs["overrides"])   # text: converted by the field's type (recipes.cli)
         result = loop.run(loop.RunConfig(**kwargs))
     except ValueError as e:       # a bad flag, file or directory: found before training
@@ -98,7 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, OSError) as e:   # failed while training: the last checkpoint written is intact
         print(f"error: {e}", file=sys.stderr)
         return 1
-    return 1 if result.stopped == "nonfinite" else 0
+    except Interrupted as e:   # SIGINT/SIGTERM before training started (recipes.interrupt)
+        print(f"{e}: stopped before training started; nothing to save (exit {e.exit_code})", file=sys.stderr)
+        return e.exit_code
+    return result.exit_code or (1 if result.stopped == "nonfinite" else 0)
 
 
 if __name__ == "__main__":

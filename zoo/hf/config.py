@@ -28,6 +28,33 @@ def require(hf: dict, field: str) -> Any:
     return hf[field]
 
 
+# The JSON types of the config.json fields zoo reads (an int field is not a bool; a float field may be an int).
+INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "first_k_dense_replace", "q_lora_rank",
+              "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
+              "num_experts_per_tok", "n_shared_experts", "n_group", "topk_group", "num_nextn_predict_layers")
+FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor")
+BOOL_FIELDS = ("tie_word_embeddings", "norm_topk_prob", "rope_interleave", "attention_bias", "mlp_bias")
+STR_FIELDS = ("model_type", "hidden_act", "dtype", "torch_dtype")
+
+
+def check_types(hf: dict) -> None:
+    """ValueError naming the first field zoo reads whose value has the wrong JSON type (null is "not set"), and
+    `architectures` that is not a list of names (a string would be matched by substring)."""
+    kinds = [(INT_FIELDS, "an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+             (FLOAT_FIELDS, "a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+             (BOOL_FIELDS, "true or false", lambda v: isinstance(v, bool)),
+             (STR_FIELDS, "a string", lambda v: isinstance(v, str)),
+             (("rope_scaling", "rope_parameters"), "an object", lambda v: isinstance(v, dict))]
+    for fields, what, ok in kinds:
+        for field in fields:
+            if hf.get(field) is not None and not ok(hf[field]):
+                raise ValueError(f"config.json: {field}={hf[field]!r} must be {what}")
+    names = hf.get("architectures")
+    if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise ValueError(f"config.json: architectures={names!r} must be a list of names, e.g. [\"LlamaForCausalLM\"]")
+
+
 def check_unsupported(hf: dict, unsupported: dict[str, Any], arch: str) -> None:
     """ValueError naming the first field set to a value other than its neutral one (absent or null is neutral)."""
     for field, neutral in unsupported.items():

@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import functools
 import json
 import os
+import shutil
+import stat
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,6 +47,7 @@ FLOAT_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "
 def arch_for_config(hf: dict):
     """The model family (zoo.models.registry) whose Hugging Face architecture config.json names."""
     from zoo.models import registry  # the table imports zoo.hf's mappings: look it up at call time
+    hf_config.check_types(hf)   # `architectures` a list of names: matched exactly
     return registry.family_for_hf(hf)
 
 
@@ -184,6 +189,12 @@ def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *
     over; and, while streaming, for a tensor holding NaN or infinity (naming tensor and file) unless
     `allow_nonfinite=True`.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"from_hf: path must be a str or os.PathLike, got {type(path).__name__}")
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(f"from_hf: recipe must be a zoo.Recipe or None, got {type(recipe).__name__}")
+    if not isinstance(allow_nonfinite, bool):
+        raise TypeError(f"from_hf: allow_nonfinite must be a bool, got {type(allow_nonfinite).__name__}")
     path = Path(path)
     hf = read_config(path)
     arch = arch_for_config(hf)
@@ -263,8 +274,8 @@ def check_tied(path: Path, found: dict[str, TensorInfo]) -> None:
 
 # -- writing --------------------------------------------------------------------------------------------------
 
-# What a Hugging Face model directory's weights and config are: `to_hf(..., overwrite=True)` removes these (and
-# only these) before writing, so no stale shard or a second format's weights stay beside the new ones.
+# What a Hugging Face model directory's weights and config are: `to_hf(..., overwrite=True)` replaces these (and
+# only these), so no stale shard or a second format's weights stay beside the new ones.
 CHECKPOINT_FILES = ("config.json", "*.safetensors", INDEX, "pytorch_model*.bin", "pytorch_model.bin.index.json",
                     "tf_model.h5", "flax_model*.msgpack", "flax_model.msgpack.index.json")
 
@@ -275,15 +286,21 @@ def to_hf(model: nnx.Module, path: str | os.PathLike, *, max_shard_bytes: int = 
     model.safetensors.index.json when there is more than one) that `transformers.AutoModelForCausalLM`
     loads. `path` is created if needed and must be empty: ValueError otherwise, listing what it holds. With
     `overwrite=True` a non-empty directory is accepted: the files of a previous checkpoint in it (config.json,
-    safetensors shards and index, and `.bin`/`.h5`/`.msgpack` weights: `CHECKPOINT_FILES`) are removed first, and
-    everything else (tokenizer files, README, generation_config.json) is kept."""
+    safetensors shards and index, and `.bin`/`.h5`/`.msgpack` weights: `CHECKPOINT_FILES`) are replaced, and
+    everything else (tokenizer files, README, generation_config.json) is kept.
+
+    The checkpoint is written into a temporary folder beside `path` (`.<name>.partial-*`) and swapped in only when
+    complete (`swap_in`), so a failure (a full disk, an interrupt) leaves `path` as it was: an OSError names the
+    path and the cause. TypeError for a `model` that is not a zoo model or arguments of the wrong type."""
+    check_to_hf_args(model, path, max_shard_bytes, overwrite)
     cfg = model.config
     arch = arch_for_model(cfg)
     path = Path(path)
+    if path.is_symlink():   # a link to the export folder: write where it points, keep the link
+        path = path.resolve()
     if path.exists() and not path.is_dir():
         raise ValueError(f"to_hf: {path} exists and is not a directory")
-    path.mkdir(parents=True, exist_ok=True)
-    held = sorted(p.name for p in path.iterdir())
+    held = sorted(p.name for p in path.iterdir()) if path.exists() else []
     if held and not overwrite:
         raise ValueError(f"to_hf: {path} is not empty ({', '.join(held[:5])}{' ...' if len(held) > 5 else ''}); "
                          f"write to an empty directory, or pass overwrite=True to replace the checkpoint files in it")
@@ -292,12 +309,39 @@ def to_hf(model: nnx.Module, path: str | os.PathLike, *, max_shard_bytes: int = 
     if set(flat) != {e.path for e in entries}:
         raise RuntimeError(f"zoo bug: the {arch.hf.architecture} key map does not cover the model: "
                            f"{sorted(set(flat) ^ {e.path for e in entries})}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.partial-"))
+    except OSError as e:
+        raise OSError(e.errno, f"to_hf: cannot write beside {path}: {e.strerror or e}") from None
+    try:
+        os.chmod(tmp, stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o777 & ~_umask())
+        write_checkpoint(tmp, arch.hf.to_hf(cfg), flat, entries, max_shard_bytes)
+        keep_user_files(path, tmp)
+        swap_in(tmp, path)
+    except OSError as e:
+        raise OSError(e.errno, f"to_hf: writing {path} failed: {e.strerror or e}; {path} is as it was") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)   # gone already when swapped in
 
-    if held:
-        for pattern in CHECKPOINT_FILES:
-            for old in path.glob(pattern):
-                if old.is_file():
-                    old.unlink()
+
+def check_to_hf_args(model, path, max_shard_bytes, overwrite) -> None:
+    """TypeError (ValueError for a value out of range) naming the argument, before anything is written."""
+    if not isinstance(model, nnx.Module) or not hasattr(model, "config"):
+        raise TypeError(f"to_hf: model must be a zoo model (built by zoo.models or zoo.from_hf), got "
+                        f"{type(model).__name__}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"to_hf: path must be a str or os.PathLike, got {type(path).__name__}")
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int):
+        raise TypeError(f"to_hf: max_shard_bytes must be an int, got {type(max_shard_bytes).__name__}")
+    if max_shard_bytes <= 0:
+        raise ValueError(f"to_hf: max_shard_bytes must be > 0, got {max_shard_bytes}")
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"to_hf: overwrite must be a bool, got {type(overwrite).__name__}")
+
+
+def write_checkpoint(path: Path, config: dict, flat: dict, entries: list[keymap.Entry], max_shard_bytes: int) -> None:
+    """config.json and the safetensors shards (and their index) into the directory `path`."""
     # Plan shards from shapes alone, then materialize one shard's tensors at a time.
     tensors = []  # (key, entry, index of its slice in the zoo array, nbytes)
     for e in entries:
@@ -324,4 +368,50 @@ def to_hf(model: nnx.Module, path: str | os.PathLike, *, max_shard_bytes: int = 
         with open(path / INDEX, "w") as f:
             json.dump({"metadata": {"total_size": sum(t[3] for t in tensors)}, "weight_map": weight_map}, f, indent=2)
     with open(path / "config.json", "w") as f:
-        json.dump(arch.hf.to_hf(cfg), f, indent=2)
+        json.dump(config, f, indent=2)
+
+
+def keep_user_files(old: Path, new: Path) -> None:
+    """Hard-link (else copy) into `new` everything in `old` that is not a checkpoint file (`CHECKPOINT_FILES`):
+    tokenizer files, README, folders; symlinks stay symlinks."""
+    if not old.exists():
+        return
+    for item in old.iterdir():
+        if any(fnmatch.fnmatch(item.name, pattern) for pattern in CHECKPOINT_FILES) and item.is_file():
+            continue
+        if item.is_symlink():
+            os.symlink(os.readlink(item), new / item.name)
+        elif item.is_dir():
+            shutil.copytree(item, new / item.name, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(item, new / item.name)
+
+
+def _link_or_copy(src, dst) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def swap_in(new: Path, path: Path) -> None:
+    """Put the complete directory `new` at `path`. An absent or empty `path` is replaced in one rename; a full one
+    is renamed aside (`.<name>.old-*`), `new` renamed in, and only then the old one removed (were the process
+    killed between the two renames, both folders are complete beside `path`)."""
+    if not path.exists() or not any(path.iterdir()):
+        os.replace(new, path)   # rename(2) replaces an empty directory
+        return
+    old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.old-"))
+    os.replace(path, old)
+    try:
+        os.replace(new, path)
+    except BaseException:
+        os.replace(old, path)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
