@@ -43,7 +43,12 @@ def maybe_initialize(flag: bool) -> bool:
         kwargs["num_processes"] = int(os.environ["JAX_NUM_PROCESSES"])
     if os.environ.get("JAX_PROCESS_ID"):
         kwargs["process_id"] = int(os.environ["JAX_PROCESS_ID"])
-    jax.distributed.initialize(**kwargs)
+    try:
+        jax.distributed.initialize(**kwargs)
+    except (ValueError, RuntimeError) as e:   # no coordinator found: one line, not a traceback
+        raise ValueError(f"--distributed: jax.distributed.initialize() failed: {e} (set {COORDINATOR_ENV}, "
+                         f"JAX_NUM_PROCESSES and JAX_PROCESS_ID, or run under SLURM or Open MPI; README, "
+                         f"\"Multi-host\")") from None
     return True
 
 
