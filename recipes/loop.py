@@ -303,7 +303,7 @@ def check_fits(console: Console, cfg: RunConfig, plan, recipe_name: str, device:
         return
     why = "; ".join(problems)
     tips = fit.advice(batch=cfg.batch, seq=cfg.seq, recipe=recipe_name, opt_dtype=cfg.opt_dtype,
-                      optimizer_bytes=plan.state.optimizer)
+                      optimizer_bytes=plan.state.optimizer, gpu=device.platform == "gpu")
     if cfg.force:
         console.print(f"warning: {why}; launching anyway (--force)", soft_wrap=True, markup=False)
         return

@@ -18,7 +18,7 @@ from recipes import cli, flags
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recipes.train", description=__doc__.split("\n\n")[0],
                                 formatter_class=cli.HelpFormatter)
-    cli.add_model_args(p, preset="tiny", batch=8, seq=64)
+    cli.add_model_args(p, **cli.DEFAULTS)
     p.add_argument("--steps", type=int, default=60, help="train up to this step")
     p.add_argument("--schedule-steps", type=int, default=None, metavar="N",
                    help="the learning-rate schedule's length (default: --steps); steps past it run at its final "
