@@ -53,6 +53,9 @@ def budget(device: jax.Device, hbm_limit_gib: float | None) -> tuple[int | None,
         return int(limit), f"{device.device_kind}'s bytes_limit, {allocator_share()}"
     if device.platform == "cpu":
         total, _ = ram_bytes()
+        n = jax.local_device_count()
+        if n > 1 and total:   # fake CPU devices (--xla_force_host_platform_device_count) share the RAM
+            return total // n, f"this machine's RAM shared by {n} CPU devices: the CPU's device memory"
         return total, "this machine's RAM: the CPU's device memory"
     return None, f"no memory limit known for {device.device_kind}"
 

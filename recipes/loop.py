@@ -245,9 +245,10 @@ def evaluate(eval_fn: Callable, state, held, n: int, mesh) -> dict[str, float]:
     return {"eval_loss": value, "eval_perplexity": math.exp(min(value, 700.0))}
 
 
-def kernel_choices(model_cfg, device: jax.Device) -> dict[str, str]:
+def kernel_choices(model_cfg, device: jax.Device, overrides=()) -> dict[str, str]:
     """What runs on `device` for this config: the attention kernel and, for a mixture of experts, the grouped
-    matmul. Raises ValueError for an explicit choice that cannot run there (before anything is built)."""
+    matmul (a backend not "auto" is said to be the preset's unless `overrides` set it). Raises ValueError for an
+    explicit choice that cannot run there (before anything is built)."""
     from zoo.layers.attention import resolve_impl
 
     out = {"attention": str(resolve_impl(model_cfg, device))}
@@ -255,6 +256,9 @@ def kernel_choices(model_cfg, device: jax.Device) -> dict[str, str]:
         from zoo.layers.moe import backend_choice
 
         name, why = backend_choice(model_cfg.moe_backend, dtype=jnp.dtype(model_cfg.dtype), device=device)
+        if why.startswith("asked for"):
+            who = "--set moe_backend" if "moe_backend" in dict(overrides) else "the preset's moe_backend"
+            why = who + why[len("asked for"):]
         out["moe backend"] = f"{name} ({why})"
     return out
 
@@ -336,7 +340,7 @@ def _resolve(cfg: RunConfig):
     recipe = None if recipe_name == "auto" else cli.recipe(family, recipe_name)   # auto: chosen once shapes are known
     model_cfg = cli.model_config(family, cfg.preset, cfg.overrides)
     device = jax.devices()[0]
-    kernels = kernel_choices(model_cfg, device)
+    kernels = kernel_choices(model_cfg, device, cfg.overrides)
     return family, recipe_name, recipe, model_cfg, device, kernels
 
 
