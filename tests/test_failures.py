@@ -350,9 +350,9 @@ def test_case09_token_ids_out_of_range(tiny_model, tmp_path):
     ids = np.arange(100) % 30
     ids[57] = 300
     data_lib.write_tokens(path, ids, "uint16")
-    src = data_lib.TokenFile(path, vocab=32, batch=4, seq=90, seed=0, dtype="uint16")
-    with pytest.raises(ValueError, match=f"TokenFile '{path}': id 300 at step 1 is outside the model's vocabulary"):
-        src.batch(1)
+    with pytest.raises(ValueError, match=f"TokenFile '{path}': id 300 at position 57 is outside the model's "
+                                         f"vocabulary"):   # checked whole when opened, not batch by batch
+        data_lib.TokenFile(path, vocab=32, batch=4, seq=90, seed=0, dtype="uint16")
     good = jnp.zeros((1, 4), jnp.int32)
     for bad in (32, -1):
         with pytest.raises(ValueError, match=rf"token id {bad} at \[0, 2\] is outside the vocabulary \[0, 32\)"):
