@@ -26,6 +26,10 @@ class HelpFormatter(argparse.HelpFormatter):
 INT32_MAX = 2**31 - 1
 
 
+# The model and shape both command lines default to (`recipes.train` and `recipes.plan` share them).
+DEFAULTS = {"preset": "tiny", "batch": 8, "seq": 64}
+
+
 def _positive(cast: type, noun: str):
     """An argparse type: text -> a finite `cast` value > 0, or an error naming what was expected."""
     def parse(text: str):

@@ -8,7 +8,12 @@ A batch is a dict of NumPy arrays:
 Two sources:
 - `Synthetic`: sequences from a fixed random Markov chain (each token has `branching` equally likely
   successors), so a model can learn it: the loss falls from log(vocab) towards log(branching).
-- `TokenFile`: real data from a file of token ids, read with `os.pread`.
+- `TokenFile`: real data from a file of token ids, read with `os.pread`; text files with a tokenizer become one
+  (`recipes/text.py`, through `open_data`).
+
+Held-out data (`--eval-every`): `source.eval_batch(i)` is the i-th held-out batch. A token file's held-out split
+is its last `heldout` fraction of ids (training windows never reach into it); the synthetic source draws held-out
+sequences from streams no training step uses.
 
 Token-file format: a flat array of token ids, little-endian `uint16` or `uint32`, no header (NumPy's
 `ids.astype("<u2").tofile(path)`; the format nanoGPT and many tokenizer scripts write). Documents are simply
@@ -19,9 +24,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
+
+from recipes import text
 
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
@@ -53,7 +61,12 @@ class Synthetic:
         self.table = np.random.default_rng([seed]).integers(vocab, size=(vocab, branching), dtype=np.int32)
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
-        rng = _rng(self.seed, step)
+        return self._sample(_rng(self.seed, step))
+
+    def eval_batch(self, i: int) -> dict[str, np.ndarray]:
+        return self._sample(np.random.default_rng([self.seed, 0, i]))   # step 0 is never a training step
+
+    def _sample(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
         tokens = np.empty((self.batch_size, self.seq + 1), np.int32)
         tokens[:, 0] = rng.integers(self.vocab, size=self.batch_size)
         choice = rng.integers(self.branching, size=(self.batch_size, self.seq))
@@ -67,18 +80,19 @@ class DataError(OSError):
 
 
 class TokenFile:
-    """Windows of `seq + 1` token ids from a file (format in the module docstring), read with `os.pread` from a
-    descriptor held for the run: a file that shrinks under the run stops it with a `DataError` naming the file (a
-    memory map would kill the process with SIGBUS), and a file replaced by a rename is not seen (the run reads the
-    one it started with).
+    """Windows of `seq + 1` token ids from a file (format in the module docstring), drawn from the ids in `span`
+    (fractions of the file: (0, 0.99) trains on all but the last 1%), read with `os.pread` from a descriptor held
+    for the run: a file that shrinks under the run stops it with a `DataError` naming the file (a memory map would
+    kill the process with SIGBUS), and a file replaced by a rename is not seen (the run reads the one it started
+    with).
 
-    At start it reads a sample of ids (`SAMPLE_CHUNKS` chunks spread over the file) and refuses, before training, a
-    sample holding ids outside the vocabulary, or one whose every second uint16 is 0 while the others are not
-    (uint32 ids read as uint16: the high halves). `identity()` is what a checkpoint records of the file: path,
-    dtype, size and a fingerprint (`fingerprint`)."""
+    At start it reads a sample of ids (`SAMPLE_CHUNKS` chunks spread over the split) and refuses, before training,
+    a sample holding ids outside the vocabulary, or one whose every second uint16 is 0 while the others are not
+    (uint32 ids read as uint16: the high halves); every batch is checked as it is read. `identity()` is what a
+    checkpoint records of the file: path, dtype, size and a fingerprint (`fingerprint`)."""
 
     def __init__(self, path: str | os.PathLike, *, vocab: int, batch: int, seq: int, seed: int = 0,
-                 dtype: str | None = None):
+                 dtype: str | None = None, span: tuple[float, float] = (0.0, 1.0)):
         if dtype is None:
             dtype = "uint16" if vocab <= 2 ** 16 else "uint32"
         if dtype not in DTYPES:
@@ -94,16 +108,20 @@ class TokenFile:
         if self.size % self.item.itemsize:
             raise ValueError(f"TokenFile: {os.fspath(path)!r} has {self.size} bytes, not a whole number of {dtype} "
                              f"ids (wrong --data-dtype?)")
-        self.n_ids = self.size // self.item.itemsize
+        total = self.size // self.item.itemsize
+        self.lo, hi = (round(f * total) for f in span)
+        self.n_ids = hi - self.lo
         if self.n_ids < seq + 1:
-            raise ValueError(f"TokenFile: {os.fspath(path)!r} holds {self.n_ids} ids, fewer than seq + 1 = {seq + 1}")
+            raise ValueError(f"TokenFile: {os.fspath(path)!r} holds {self.n_ids} ids"
+                             + (f" in its split {span} of {total}" if span != (0.0, 1.0) else "")
+                             + f", fewer than seq + 1 = {seq + 1}")
         self._check_sample()
 
     def _read(self, start: int, n: int) -> np.ndarray:
-        """ids[start:start + n]; DataError if the file is no longer as long as it was at start."""
+        """The split's ids[start:start + n]; DataError if the file is no longer as long as it was at start."""
         now = os.fstat(self.file.fileno()).st_size
-        raw = os.pread(self.file.fileno(), n * self.item.itemsize, start * self.item.itemsize) if now >= self.size \
-            else b""
+        raw = (os.pread(self.file.fileno(), n * self.item.itemsize, (self.lo + start) * self.item.itemsize)
+               if now >= self.size else b"")
         if len(raw) < n * self.item.itemsize:
             raise DataError(f"--data {os.fspath(self.path)!r} shrank from {self.size:,} to {now:,} bytes while the "
                             f"run read it: the run stops (its checkpoints are intact; restore the file, or resume on "
@@ -116,8 +134,8 @@ class TokenFile:
         chunks = {start: self._read(start, chunk) for start in starts}
         for start, ids in chunks.items():
             if ids.size and int(ids.max()) >= self.vocab:
-                at = start + int(np.argmax(ids >= self.vocab))
-                raise ValueError(f"TokenFile {os.fspath(self.path)!r}: id {int(ids[at - start])} at position {at:,} "
+                at = self.lo + start + int(np.argmax(ids >= self.vocab))
+                raise ValueError(f"TokenFile {os.fspath(self.path)!r}: id {int(ids.max())} at position {at:,} "
                                  f"is outside the model's vocabulary of {self.vocab} (read as {self.dtype}: wrong "
                                  f"--data-dtype?)")
         sample = np.concatenate(list(chunks.values()))
@@ -134,9 +152,21 @@ class TokenFile:
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
         starts = _rng(self.seed, step).integers(self.n_ids - self.seq, size=self.batch_size)
+        return self._windows(starts, f"at step {step}")
+
+    def eval_batch(self, i: int) -> dict[str, np.ndarray]:
+        """The i-th batch of consecutive, non-overlapping windows (wrapping around the split)."""
+        rows = np.arange(i * self.batch_size, (i + 1) * self.batch_size)
+        return self._windows(rows * (self.seq + 1) % (self.n_ids - self.seq), f"in held-out batch {i}")
+
+    def eval_batches(self) -> int:
+        """How many eval batches cover the split once."""
+        return max(1, self.n_ids // ((self.seq + 1) * self.batch_size))
+
+    def _windows(self, starts, where: str) -> dict[str, np.ndarray]:
         tokens = np.stack([self._read(int(s), self.seq + 1) for s in starts]).astype(np.int32)
         if tokens.max() >= self.vocab:
-            raise ValueError(f"TokenFile {os.fspath(self.path)!r}: id {int(tokens.max())} at step {step} is outside "
+            raise ValueError(f"TokenFile {os.fspath(self.path)!r}: id {int(tokens.max())} {where} is outside "
                              f"the model's vocabulary of {self.vocab} (wrong --data-dtype?)")
         return {"tokens": tokens, "weights": np.ones((self.batch_size, self.seq), np.float32)}
 
@@ -155,6 +185,30 @@ def fingerprint(fd: int, size: int) -> str:
         offset = 0 if n == 1 else k * (size - FINGERPRINT_BYTES) // (n - 1)
         h.update(os.pread(fd, FINGERPRINT_BYTES, max(offset, 0)))
     return h.hexdigest()[:32]
+
+
+def open_data(path: str | os.PathLike, *, tokenizer: str | None, vocab: int, batch: int, seq: int, seed: int,
+              dtype: str | None, heldout: float = 0.0, say: Callable[[str], None] = print,
+              progress: Callable | None = None) -> tuple[TokenFile, TokenFile | None]:
+    """(training source, held-out source or None) for `--data PATH`: a token file, or text files tokenized
+    with `--tokenizer` (`recipes.text.prepare`: once, cached by content). `heldout`: the fraction of ids kept
+    out of training, at the end of the file."""
+    if not 0 <= heldout < 1:
+        raise ValueError(f"--heldout must be a fraction in [0, 1), got {heldout}")
+    if text.is_text(path):
+        if tokenizer is None:
+            raise ValueError(f"--data {os.fspath(path)!r} is text: it needs --tokenizer DIR (a Hugging Face "
+                             f"tokenizer.json)")
+        if dtype is not None:
+            raise ValueError("--data-dtype is for token files; text is tokenized into the tokenizer's dtype")
+        path, dtype = text.prepare(path, tokenizer, vocab=vocab, say=say, progress=progress)
+    elif tokenizer is not None:
+        raise ValueError(f"--tokenizer is for text data (.txt, .jsonl or a directory of them); --data "
+                         f"{os.fspath(path)!r} is read as a token file")
+    split = 1.0 - heldout
+    kwargs = dict(vocab=vocab, batch=batch, seq=seq, seed=seed, dtype=dtype)
+    train = TokenFile(path, span=(0.0, split), **kwargs)
+    return train, TokenFile(path, span=(split, 1.0), **kwargs) if heldout else None
 
 
 def write_tokens(path: str | os.PathLike, ids, dtype: str = "uint16") -> None:

@@ -34,15 +34,28 @@ def ram_bytes() -> tuple[int | None, int | None]:
     return total, avail
 
 
+FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
+def allocator_share() -> str:
+    """Which share of the GPU XLA's allocator takes, and how to raise it (the budget's bytes_limit follows it)."""
+    frac = os.environ.get(FRACTION_ENV)
+    now = f"{FRACTION_ENV}={frac}" if frac else f"{FRACTION_ENV} unset: JAX's default, 75% of the GPU"
+    return f"the allocator's share ({now}; {FRACTION_ENV}=.95 raises it)"
+
+
 def budget(device: jax.Device, hbm_limit_gib: float | None) -> tuple[int | None, str]:
     """(device bytes the step may use, where the figure comes from)."""
     if hbm_limit_gib is not None:
         return int(hbm_limit_gib * GiB), "--hbm-limit"
     limit = allocator_limit(device)
     if limit:
-        return int(limit), f"{device.device_kind}'s bytes_limit"
+        return int(limit), f"{device.device_kind}'s bytes_limit, {allocator_share()}"
     if device.platform == "cpu":
         total, _ = ram_bytes()
+        n = jax.local_device_count()
+        if n > 1 and total:   # fake CPU devices (--xla_force_host_platform_device_count) share the RAM
+            return total // n, f"this machine's RAM shared by {n} CPU devices: the CPU's device memory"
         return total, "this machine's RAM: the CPU's device memory"
     return None, f"no memory limit known for {device.device_kind}"
 
@@ -81,9 +94,10 @@ def check(peak: Peak, *, host: int, pool: int, device: jax.Device, hbm_limit_gib
     return problems, notes
 
 
-def advice(*, batch: int, seq: int, recipe: str, opt_dtype: str, optimizer_bytes: int) -> str:
+def advice(*, batch: int, seq: int, recipe: str, opt_dtype: str, optimizer_bytes: int, gpu: bool = False) -> str:
     """What to change to fit."""
-    tips = [f"a smaller --batch (now {batch}) or --seq (now {seq})",
+    tips = [f"a larger share of the GPU for XLA's allocator ({FRACTION_ENV}=.95; default .75)"] if gpu else []
+    tips += [f"a smaller --batch (now {batch}) or --seq (now {seq})",
             f"a recipe that offloads or recomputes more than {recipe!r} (e.g. --recipe full; `python -m recipes.plan "
             f"... --recipe auto --hbm GIB` chooses one for a budget)",
             "more devices (the batch and the model state split over them)"]

@@ -31,7 +31,7 @@ from rich.console import Console
 
 import zoo
 import zoo.sharding
-from recipes import auto, cli, defaults, fit, guard, meter
+from recipes import auto, cli, defaults, fit, guard, meter, watch
 from recipes import data as data_lib
 from recipes import mesh as mesh_lib
 from recipes.checkpoint import Checkpoints
@@ -58,10 +58,11 @@ __all__ = ["all_finite", "compile_step", "lr_schedule", "make_optimizer", "moe_d
 
 class DropWatch:
     """Capacity dispatch drops token copies over an expert's capacity: warn when a step drops more than
-    `threshold` of its routed copies (at the first such step, then at most once per `every` steps)."""
+    `threshold` of its routed copies, once (at the first such step), and sum them up at the end of the run."""
 
-    def __init__(self, console: Console, threshold: float, every: int):
-        self.console, self.threshold, self.every, self.last = console, threshold, every, None
+    def __init__(self, console: Console, threshold: float, every: int = 0):
+        self.console, self.threshold, self.last = console, threshold, None
+        self.steps, self.worst = 0, 0.0    # steps over the threshold, the largest fraction dropped
 
     def fraction(self, m: dict) -> float | None:
         routed = int(m.get("routed", 0))
@@ -69,13 +70,23 @@ class DropWatch:
 
     def check(self, step: int, m: dict) -> None:
         frac = self.fraction(m)
-        if frac is None or frac <= self.threshold or (self.last is not None and step - self.last < self.every):
+        if frac is None or frac <= self.threshold:
+            return
+        self.steps, self.worst = self.steps + 1, max(self.worst, frac)
+        if self.last is not None:
             return
         self.last = step
         self.console.print(f"[bold yellow]step {step}: capacity dispatch dropped {int(m['dropped']):,} of "
                            f"{int(m['routed']):,} token copies ({100 * frac:.2f}% > --max-drop-warn "
                            f"{100 * self.threshold:g}%): raise capacity_factor (--set capacity_factor=...) or use "
-                           f"a dropless moe_backend (tokamax, ragged_dot)[/]", soft_wrap=True)
+                           f"a dropless moe_backend (tokamax, ragged_dot); said once, summed up at the end[/]",
+                           soft_wrap=True)
+
+    def summary(self) -> None:
+        if self.steps > 1:
+            self.console.print(f"[bold yellow]capacity dispatch dropped more than {100 * self.threshold:g}% of the "
+                               f"token copies in {self.steps} steps (at most {100 * self.worst:.2f}%; per step: "
+                               f"`dropped` in --metrics)[/]", soft_wrap=True)
 
 
 
@@ -103,6 +114,11 @@ class RunConfig:
     distributed: bool = False          # multi-host (recipes.mesh.maybe_initialize; the main job calls it)
     data: str | None = None            # a token file; None: the synthetic Markov source
     data_dtype: str | None = None      # uint16 / uint32; None: by vocabulary size
+    tokenizer: str | None = None       # text --data: a Hugging Face tokenizer.json or its directory (recipes/text.py)
+    heldout: float | None = None       # fraction of --data kept out of training; None: 0.01 with --eval-every, else 0
+    eval_every: int = 0                # held-out loss and perplexity every K steps (0: never)
+    eval_batches: int = 16             # at most this many held-out batches per evaluation
+    tensorboard: str | None = None     # a directory for TensorBoard scalars (recipes/watch.py)
     metrics: str | None = None
     ckpt_dir: str | None = None
     ckpt_every: int = 0                # 0: only at the end
@@ -147,6 +163,20 @@ class RunConfig:
             raise ValueError("--resume needs --ckpt-dir")
         if self.ckpt_every and not self.ckpt_dir:
             raise ValueError(f"--ckpt-every {self.ckpt_every} needs --ckpt-dir (nothing would be saved)")
+        if self.eval_every < 0 or self.eval_batches <= 0:
+            raise ValueError(f"--eval-every must be >= 0 and --eval-batches positive, got {self.eval_every} and "
+                             f"{self.eval_batches}")
+        if not 0 <= self.held_out < 1:
+            raise ValueError(f"--heldout must be a fraction in [0, 1), got {self.heldout}")
+        if self.tokenizer and not self.data:
+            raise ValueError("--tokenizer needs --data (text files to tokenize)")
+
+    @property
+    def held_out(self) -> float:
+        """The fraction of --data kept for evaluation (the synthetic source has held-out streams of its own)."""
+        if self.heldout is not None:
+            return self.heldout
+        return 0.01 if self.eval_every and self.data else 0.0
 
     @property
     def total_schedule(self) -> int:
@@ -169,6 +199,10 @@ class RunConfig:
         ident.update(schedule_steps=self.total_schedule, warmup=self.total_warmup, lr=self.peak_lr)
         if self.opt_dtype != "float32":   # records written before --opt-dtype match the float32 default
             ident["opt_dtype"] = self.opt_dtype
+        if self.tokenizer:                # likewise: only where text data or a held-out split change the data
+            ident["tokenizer"] = self.tokenizer
+        if self.held_out:
+            ident["heldout"] = self.held_out
         return json.loads(json.dumps(ident))
 
 
@@ -209,18 +243,46 @@ class Result:
     exit_code: int = 0           # what the command exits with: 1 after a non-finite step, 128 + signal if interrupted
 
 
-def _source(cfg: RunConfig, vocab: int) -> data_lib.Source:
+def _sources(cfg: RunConfig, vocab: int, console: Console) -> tuple[data_lib.Source, Any]:
+    """(training source, held-out source or None: without --eval-every)."""
     if cfg.data:
-        src = data_lib.TokenFile(cfg.data, vocab=vocab, batch=cfg.batch, seq=cfg.seq, seed=cfg.seed,
-                                 dtype=cfg.data_dtype)
+        src, held = data_lib.open_data(cfg.data, tokenizer=cfg.tokenizer, vocab=vocab, batch=cfg.batch, seq=cfg.seq,
+                                       seed=cfg.seed, dtype=cfg.data_dtype, heldout=cfg.held_out,
+                                       say=lambda m: console.print(m, soft_wrap=True, markup=False),
+                                       progress=watch.bytes_bar(console) if console.is_terminal else None)
     else:
-        src = data_lib.Synthetic(vocab=vocab, batch=cfg.batch, seq=cfg.seq, seed=cfg.seed)
-    return data_lib.Poisoned(src, cfg.poison_step) if cfg.poison_step is not None else src
+        src = held = data_lib.Synthetic(vocab=vocab, batch=cfg.batch, seq=cfg.seq, seed=cfg.seed)
+    src = data_lib.Poisoned(src, cfg.poison_step) if cfg.poison_step is not None else src
+    return src, held if cfg.eval_every else None
 
 
-def kernel_choices(model_cfg, device: jax.Device) -> dict[str, str]:
+def make_eval(graphdef, mesh) -> Callable:
+    """(state, batch) -> the held-out batch's mean next-token loss: the model's forward pass alone, jitted (traced
+    under the mesh's rules, as the step)."""
+    @jax.jit
+    def loss(state, batch):
+        model, _ = nnx.merge(graphdef, state)
+        logits = model(batch["tokens"][:, :-1])
+        return next_token_loss(logits, batch["tokens"][:, 1:], batch["weights"])
+
+    def run(state, batch):
+        with zoo.sharding.use(mesh):
+            return loss(state, batch)
+    return run
+
+
+def evaluate(eval_fn: Callable, state, held, n: int, mesh) -> dict[str, float]:
+    """Held-out loss (the mean over `n` batches, at most the split once over) and its perplexity."""
+    n = min(n, held.eval_batches()) if hasattr(held, "eval_batches") else n
+    losses = [eval_fn(state, mesh_lib.put_batch(held.eval_batch(i), mesh)) for i in range(n)]
+    value = float(jnp.mean(jnp.stack(losses)))
+    return {"eval_loss": value, "eval_perplexity": math.exp(min(value, 700.0))}
+
+
+def kernel_choices(model_cfg, device: jax.Device, overrides=()) -> dict[str, str]:
     """What runs on `device` for this config: the attention kernel and, for a mixture of experts, the grouped
-    matmul. Raises ValueError for an explicit choice that cannot run there (before anything is built)."""
+    matmul (a backend not "auto" is said to be the preset's unless `overrides` set it). Raises ValueError for an
+    explicit choice that cannot run there (before anything is built)."""
     from zoo.layers.attention import resolve_impl
 
     out = {"attention": str(resolve_impl(model_cfg, device))}
@@ -228,6 +290,9 @@ def kernel_choices(model_cfg, device: jax.Device) -> dict[str, str]:
         from zoo.layers.moe import backend_choice
 
         name, why = backend_choice(model_cfg.moe_backend, dtype=jnp.dtype(model_cfg.dtype), device=device)
+        if why.startswith("asked for"):
+            who = "--set moe_backend" if "moe_backend" in dict(overrides) else "the preset's moe_backend"
+            why = who + why[len("asked for"):]
         out["moe backend"] = f"{name} ({why})"
     return out
 
@@ -276,7 +341,7 @@ def check_fits(console: Console, cfg: RunConfig, plan, recipe_name: str, device:
         return
     why = "; ".join(problems)
     tips = fit.advice(batch=cfg.batch, seq=cfg.seq, recipe=recipe_name, opt_dtype=cfg.opt_dtype,
-                      optimizer_bytes=plan.state.optimizer)
+                      optimizer_bytes=plan.state.optimizer, gpu=device.platform == "gpu")
     if cfg.force:
         console.print(f"warning: {why}; launching anyway (--force)", soft_wrap=True, markup=False)
         return
@@ -326,7 +391,7 @@ def _resolve(cfg: RunConfig):
     recipe = None if recipe_name == "auto" else cli.recipe(family, recipe_name)   # auto: chosen once shapes are known
     model_cfg = cli.model_config(family, cfg.preset, cfg.overrides)
     device = jax.local_devices()[0]   # this process's own (memory statistics of another's fail)
-    kernels = kernel_choices(model_cfg, device)
+    kernels = kernel_choices(model_cfg, device, cfg.overrides)
     return family, recipe_name, recipe, model_cfg, device, kernels
 
 
@@ -380,7 +445,7 @@ def _run(cfg: RunConfig, console: Console, session: _Session) -> Result:
         raise ValueError(f"--ckpt-dir {ckpts.directory} holds step-numbered folders that are not checkpoints of this "
                          f"zoo: {', '.join(ckpts.foreign())} (checkpoint rotation and --resume would take them for "
                          f"checkpoints); move them away or choose another --ckpt-dir")
-    source = _source(cfg, model_cfg.vocab_size)   # a token file is checked (and fingerprinted) now
+    source, held = _sources(cfg, model_cfg.vocab_size, console)   # a token file is checked (and fingerprinted) now
     if ckpts is not None and ckpts.steps() and not cfg.resume:
         raise ValueError(f"{ckpts.directory} already holds checkpoints (latest step {ckpts.latest_step()}): "
                          f"pass --resume to continue that run, or choose another --ckpt-dir")
@@ -404,21 +469,26 @@ def _run(cfg: RunConfig, console: Console, session: _Session) -> Result:
 
     mesh = mesh_lib.resolve(cfg.mesh, model_cfg, cfg.batch)
     schedule = lr_schedule(lr=cfg.peak_lr, steps=cfg.total_schedule, warmup=cfg.total_warmup)
+    board = watch.Board(cfg.tensorboard) if cfg.tensorboard and jax.process_index() == 0 else None
     # Compile the step on shapes alone (nothing allocated), check that it fits, and only then build the model:
     # the executable compiled here is the one that runs.
     t0 = time.perf_counter()
-    if recipe is None:   # --recipe auto: the planner's choice for this device, compiled and checked to fit
-        ins = auto.inputs(device, hbm_gib=cfg.hbm_limit, link_gbps=cfg.link, overlap=cfg.overlap,
-                          tflops=cfg.peak_tflops)
-        recipe, (compiled, graphdef, abstract), notes = auto.fit(
-            model_cfg, ins, lambda r: compile_for_shapes(family, model_cfg, r, cfg, schedule, mesh),
-            batch=cfg.batch, seq=cfg.seq, opt_dtype=cfg.opt_dtype,
-            mesh=mesh if mesh.devices.size > 1 else None)
+    what = (f"compiling the training step ({cfg.model} {cfg.preset}, batch {cfg.batch} x seq {cfg.seq}, recipe "
+            f"{recipe_name}) for {device.platform}")
+    with watch.busy(console, what):
+        if recipe is None:   # --recipe auto: the planner's choice for this device, compiled and checked to fit
+            ins = auto.inputs(device, hbm_gib=cfg.hbm_limit, link_gbps=cfg.link, overlap=cfg.overlap,
+                              tflops=cfg.peak_tflops)
+            recipe, (compiled, graphdef, abstract), notes = auto.fit(
+                model_cfg, ins, lambda r: compile_for_shapes(family, model_cfg, r, cfg, schedule, mesh),
+                batch=cfg.batch, seq=cfg.seq, opt_dtype=cfg.opt_dtype,
+                mesh=mesh if mesh.devices.size > 1 else None)
+        else:
+            compiled, graphdef, abstract = compile_for_shapes(family, model_cfg, recipe, cfg, schedule, mesh)
+    if recipe_name == "auto":
         for note in notes:
             console.print(note, soft_wrap=True, markup=False)
         console.print(f"recipe auto for {ins.describe()}: {auto.summary(recipe)}", soft_wrap=True, markup=False)
-    else:
-        compiled, graphdef, abstract = compile_for_shapes(family, model_cfg, recipe, cfg, schedule, mesh)
     compile_s = time.perf_counter() - t0
     n_params = zoo.models.count_params(nnx.merge(graphdef, abstract)[0])
     tokens_per_step = cfg.batch * cfg.seq
@@ -436,7 +506,7 @@ def _run(cfg: RunConfig, console: Console, session: _Session) -> Result:
         console.print(f"{what}: {choice}", soft_wrap=True)
     plan = show_memory_plan(console, model_cfg, recipe, batch=cfg.batch, seq=cfg.seq, device=device,
                             compiled=compiled, hbm_limit=cfg.hbm_limit, opt_dtype=cfg.opt_dtype, mesh=mesh)
-    if device.platform == "cpu":
+    if device.platform == "cpu" and recipe.offload:
         console.print("on the CPU there is no pinned host memory: offload placements compile and run but move "
                       "nothing (use a GPU to see HBM fall)")
     check_fits(console, cfg, plan, recipe_name, device, compiled)
@@ -471,9 +541,10 @@ def _run(cfg: RunConfig, console: Console, session: _Session) -> Result:
 
     if metrics_file:
         metrics_file.start_at(start)
+    eval_fn = make_eval(graphdef, mesh) if held is not None else None
     result = Result([], [], None, last_ckpt)
     progress = _Progress(console, cfg.steps, start)
-    drops = DropWatch(console, cfg.max_drop_warn, cfg.log_every)
+    drops = DropWatch(console, cfg.max_drop_warn)
     t_last, n_since = time.perf_counter(), 0
     session.interrupts.training = True   # from here a signal ends the run after its step, with a checkpoint
     try:
@@ -511,7 +582,8 @@ def _run(cfg: RunConfig, console: Console, session: _Session) -> Result:
             result.steps.append(step)
             result.losses.append(loss)
             n_since += 1
-            if step % cfg.log_every == 0 or step == cfg.steps or step == start + 1:
+            evaluating = cfg.eval_every and step % cfg.eval_every == 0
+            if step % cfg.log_every == 0 or step == cfg.steps or step == start + 1 or evaluating:
                 jax.block_until_ready(state)
                 now = time.perf_counter()
                 dt, t_last, n = now - t_last, now, n_since
@@ -524,9 +596,14 @@ def _run(cfg: RunConfig, console: Console, session: _Session) -> Result:
                        "mfu": tflops / peak if peak else None, "peak_hbm_bytes": meter.peak_hbm_bytes(device),
                        "host_bytes": host, "dropped": int(m["dropped"]), "drop_fraction": drops.fraction(m),
                        "planned_peak_bytes": plan.peak_bytes, "planned_peak_source": plan.peak_source}
+                if eval_fn is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
+                    row.update(evaluate(eval_fn, state, held, cfg.eval_batches, mesh))
+                    t_last = time.perf_counter()   # evaluation time is not step time
                 progress.log(row)
                 if metrics_file:
                     metrics_file.write(row)
+                if board:
+                    board.write(row)
             progress.advance(step, loss)
             if ckpts is not None and cfg.ckpt_every and step % cfg.ckpt_every == 0:
                 save(step)
@@ -544,8 +621,11 @@ def _run(cfg: RunConfig, console: Console, session: _Session) -> Result:
                 save(cfg.steps)
     finally:
         progress.stop()
+        drops.summary()
         if metrics_file:
             metrics_file.close()
+        if board:
+            board.close()
         if ckpts is not None:
             try:
                 ckpts.close()
@@ -574,7 +654,8 @@ class _Progress:
     """A rich progress bar on a terminal; plain log lines always (they are what a log file keeps)."""
 
     def __init__(self, console: Console, total: int, start: int):
-        self.console = console
+        self.console, self.total = console, total
+        self.first = None   # (time, step) of the first logged step: the pace for the ETA is measured from it
         self.bar = None
         if console.is_terminal:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -591,6 +672,13 @@ class _Progress:
             line += f"  HBM peak {meter.fmt_bytes(row['peak_hbm_bytes'])}"
         if row["host_bytes"] is not None:
             line += f"  host {meter.fmt_bytes(row['host_bytes'])}"
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = (now, row["step"])
+        elif row["step"] < self.total:
+            line += "  " + watch.eta(row["step"] - self.first[1], self.total - self.first[1], now - self.first[0])
+        if "eval_loss" in row:
+            line += f"  held-out loss {row['eval_loss']:.4f}  ppl {row['eval_perplexity']:.2f}"
         self.console.print(line, soft_wrap=True)
 
     def advance(self, step: int, loss: float) -> None:

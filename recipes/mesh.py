@@ -110,7 +110,15 @@ def check_backend() -> None:
 
 def resolve(spec: str | None, model_cfg, batch: int):
     """The mesh of `spec` over every device (of every process), checked against the model and the global batch."""
-    sizes = sharding.parse_mesh(spec, jax.device_count())    # ValueError: unknown axis, wrong product
+    try:
+        sizes = sharding.parse_mesh(spec, jax.device_count())    # ValueError: unknown axis, wrong product
+    except ValueError as e:
+        if jax.default_backend() != "cpu" or "product of the axes" not in str(e):
+            raise
+        n = math.prod(int(part.split("=")[1]) for part in spec.split(",") if "=" in part)
+        raise ValueError(f"{e}. On the CPU, XLA_FLAGS=--xla_force_host_platform_device_count={n} makes {n} fake "
+                         f"devices (set before the command: they share the machine's cores and RAM, so use them to "
+                         f"check a mesh, not to train fast)") from None
     sharding.check_mesh(model_cfg, sizes, batch=batch)        # ValueError: a model dimension or the batch
     return sharding.make_mesh(sizes)
 

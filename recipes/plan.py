@@ -20,7 +20,7 @@ import sys
 import jax
 
 import zoo
-from recipes import cli
+from recipes import cli, fit
 from zoo.plan.peak import allocator_limit
 from zoo.plan.types import OPTIMIZERS
 
@@ -28,8 +28,10 @@ from zoo.plan.types import OPTIMIZERS
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recipes.plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=cli.HelpFormatter)
-    cli.add_model_args(p, preset=None, batch=None, seq=None, optional=("--batch",))
-    p.epilog = ("--recipe auto chooses each tag's placement for --hbm (default: the allocator's limit of the device "
+    # The training command's defaults (tiny, batch 8, seq 64); --batch stays None here for --max-batch to start at 1.
+    cli.add_model_args(p, preset=cli.DEFAULTS["preset"], batch=None, seq=cli.DEFAULTS["seq"], optional=("--batch",))
+    p.epilog = ("--preset, --seq and --batch default to the training command's (tiny, 64, 8). "
+                "--recipe auto chooses each tag's placement for --hbm (default: the allocator's limit of the device "
                 "present), --flops (default: the datasheet table, recipes/meter.py) and --link and --overlap "
                 "(default: the link measured on --device, zoo/plan/links.py).")
     p.add_argument("--shard", type=cli.positive_int, default=1, metavar="N",
@@ -70,6 +72,9 @@ def parser() -> argparse.ArgumentParser:
                         "--peak auto each batch is compiled on a GPU (about 30 s for a large model), estimated on "
                         "the CPU")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="also draw every recipe of the family: HBM and pinned host bytes per tag as stacked bars, "
+                        "with the HBM budget and the pinned pool (recipes/plot.py; needs matplotlib)")
     return p
 
 
@@ -84,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_batch is not None:
         return _max_batch(ap, args)
     if args.batch is None:
-        ap.error("the following arguments are required: --batch (or --max-batch)")
+        args.batch = cli.DEFAULTS["batch"]
     if args.recipe == "auto":
         from recipes import meter
         from zoo.plan import links
@@ -97,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.hbm is None and (args.device is None or args.device.lower() in _present_kind().lower()):
             limit = allocator_limit(jax.devices()[0])
             args.hbm = limit / 2 ** 30 if limit else None
+            args.hbm_from_allocator = bool(limit)
         missing = [f for f, v in (("--hbm", args.hbm), ("--link", link), ("--flops", args.flops)) if not v]
         if missing:
             ap.error(f"--recipe auto needs {', '.join(missing)} (the HBM budget in GiB, the host link in GB/s, "
@@ -126,7 +132,28 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write("\n")
     else:
         zoo.plan.render(p)
+        if getattr(args, "hbm_from_allocator", False) or (args.hbm is None and allocator_limit(jax.devices()[0])):
+            print(f"HBM budget: the allocator's limit of the GPU present: {fit.allocator_share()}")
+    if args.plot:
+        _plot(ap, args, family, cfg)
     return 0
+
+
+def _plot(ap: argparse.ArgumentParser, args, family, cfg) -> None:
+    """--plot: every recipe of the family planned at the same shapes (no peak: the bars are saved bytes)."""
+    from recipes import plot, registry
+    try:
+        plans = {name: zoo.plan(cfg, r, batch=args.batch, seq=args.seq, shard=args.shard, optimizer=args.optimizer,
+                                opt_dtype=args.opt_dtype, hbm_gib=args.hbm, mesh=args.mesh, peak=None)
+                 for name, r in registry.recipes_of(family).items()}
+        sets = "".join(f" {k}={v}" for k, v in args.overrides)
+        where = f", mesh {args.mesh}" if args.mesh else f", over {args.shard} devices" if args.shard > 1 else ""
+        plot.recipes_chart(plans, args.plot,
+                           title=f"{args.model} {args.preset}{sets}: batch {args.batch}, seq {args.seq}{where}")
+    except ValueError as e:
+        ap.error(str(e))
+    print(f"wrote {args.plot}: HBM and host bytes per tag of {len(plans)} recipes ({', '.join(plans)})",
+          file=sys.stderr if args.json else sys.stdout)
 
 
 def _max_batch(ap: argparse.ArgumentParser, args) -> int:

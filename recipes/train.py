@@ -18,7 +18,7 @@ from recipes import cli, flags
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recipes.train", description=__doc__.split("\n\n")[0],
                                 formatter_class=cli.HelpFormatter)
-    cli.add_model_args(p, preset="tiny", batch=8, seq=64)
+    cli.add_model_args(p, **cli.DEFAULTS)
     p.add_argument("--steps", type=int, default=60, help="train up to this step")
     p.add_argument("--schedule-steps", type=int, default=None, metavar="N",
                    help="the learning-rate schedule's length (default: --steps); steps past it run at its final "
@@ -51,15 +51,31 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--distributed", action="store_true",
                    help="multi-host: call jax.distributed.initialize() first (automatic when JAX_COORDINATOR_ADDRESS "
                         "is set; JAX_NUM_PROCESSES and JAX_PROCESS_ID name the processes; see README)")
-    p.add_argument("--data", default=None, help="a token file (flat little-endian uint16/uint32 ids, see "
-                   "recipes/data.py); default: synthetic Markov-chain sequences")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="a token file (flat little-endian uint16/uint32 ids, see recipes/data.py), or text: a .txt "
+                        "or .jsonl file or a directory of them, with --tokenizer (recipes/text.py); default: "
+                        "synthetic Markov-chain sequences")
     p.add_argument("--data-dtype", choices=("uint16", "uint32"), default=None,
-                   help="ids' type in --data (default: uint16 if the vocabulary fits, else uint32)")
+                   help="ids' type in a token file (default: uint16 if the vocabulary fits, else uint32)")
     p.add_argument("--allow-data-change", action="store_true",
                    help="--resume although --data is not the file the checkpoint's run read (another path, size "
                         "or content)")
     p.add_argument("--coordinator-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="multi-host: how long to wait for the coordinator and every process before giving up")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="text --data: a Hugging Face tokenizer.json (or its directory); the text is tokenized once "
+                        "and cached by content (pip install -e \".[text]\")")
+    p.add_argument("--eval-every", type=int, default=0, metavar="K",
+                   help="every K steps (and at the end), the loss and perplexity on held-out data: the last "
+                        "--heldout of --data, or unseen synthetic sequences (0: never)")
+    p.add_argument("--heldout", type=float, default=None, metavar="FRACTION",
+                   help="fraction of --data kept out of training for --eval-every (default: 0.01 with "
+                        "--eval-every, else 0)")
+    p.add_argument("--eval-batches", type=int, default=16, metavar="N",
+                   help="at most N held-out batches per evaluation")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="write TensorBoard scalars here (losses, grad norm, lr, TFLOP/s, MFU, HBM, host bytes, "
+                        "drops; pip install -e \".[watch]\")")
     p.add_argument("--metrics", default=None, metavar="PATH", help="write one JSON line per logged step")
     p.add_argument("--log-every", type=int, default=10, help="print (and write to --metrics) every K steps")
     p.add_argument("--ckpt-dir", default=None, metavar="DIR", help="orbax checkpoints here")
@@ -90,20 +106,22 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = parser().parse_args(argv)
     chosen = flags.apply(args.xla_flags)
-    print(f"XLA flag set {args.xla_flags!r}: {' '.join(chosen) or '(none)'}; "
-          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
 
-    from recipes import loop, mesh  # imports JAX: only now
+    import jax  # only now: the flags are set
+
+    from recipes import loop, mesh
     from recipes.checkpoint import CheckpointError
     from recipes.interrupt import Interrupted
 
     kwargs = {k: v for k, v in vars(args).items() if k != "xla_flags"}
     try:
         if mesh.maybe_initialize(args.distributed, args.coordinator_timeout):   # before JAX touches a device
-            import jax
             print(f"distributed: process {jax.process_index()} of {jax.process_count()}, "
                   f"{jax.local_device_count()} local of {jax.device_count()} devices", flush=True)
         mesh.check_backend()
+        if jax.default_backend() != "cpu":   # the flags are GPU flags: on the CPU they parse and do nothing
+            print(f"XLA flag set {args.xla_flags!r}: {' '.join(chosen) or '(none)'}; "
+                  f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
         kwargs["overrides"] = tuple(kwargs["overrides"])   # text: converted by the field's type (recipes.cli)
         result = loop.run(loop.RunConfig(**kwargs))
     except ValueError as e:       # a bad flag, file or directory: found before training

@@ -107,8 +107,8 @@ def test_the_command_line_prints_the_largest_batch(capsys):
     rows = [line.split() for line in out.splitlines()[2:]]
     assert {int(r[0]): r[3] for r in rows} == {1: "yes", 2: "yes", 4: "no"}
     assert [f"{r[1]} {r[2]}" for r in rows] == [zoo.plan.fmt_bytes(peak(LLAMA, recipe, b)) for b in (1, 2, 4)]
-    with pytest.raises(SystemExit):   # --batch is required without --max-batch
-        plan_cli.main(["--model", "llama3", "--preset", "tiny", "--seq", "16"])
+    assert plan_cli.main(["--model", "llama3", "--preset", "tiny", "--seq", "16"]) == 0   # --batch: train's 8
+    assert "batch 8, seq 16" in capsys.readouterr().out
     with pytest.raises(SystemExit):   # --max-batch needs a budget on the CPU
         plan_cli.main(["--model", "llama3", "--preset", "tiny", "--seq", "16", "--max-batch"])
     assert "hbm_gib is needed" in capsys.readouterr().err

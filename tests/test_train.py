@@ -220,8 +220,8 @@ def test_readme_main_job_command_runs_as_printed_and_tiny_llama_learns_in_60_ste
     out = subprocess.run(cmd, env={**_env(), "XLA_FLAGS": ""}, cwd=tmp_path, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    # The chosen flag set is printed, and it is what XLA_FLAGS held when JAX started.
-    assert f"XLA_FLAGS='{' '.join(flags.FLAG_SETS[flags.DEFAULT])}'" in out.stdout
+    # The flag set (GPU flags) is printed only off the CPU: on the CPU they parse and do nothing.
+    assert "XLA flag set" not in out.stdout
     assert "recipe qkv_offload" in out.stdout and "query_proj" in out.stdout   # the recipe and its plan
     rows = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
     assert rows[-1]["step"] == 60 and rows[-1]["loss"] < 0.9 * rows[0]["loss"]
