@@ -10,9 +10,7 @@ all use that.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -72,27 +70,7 @@ def name(x: jax.Array, tag: str, axes: tuple[str | None, ...] | None = None) -> 
     if axes is not None:
         from zoo import sharding
         x = sharding.constrain(x, axes)
-    x = checkpoint_name(x, tag)
-    hooks = getattr(_local, "hooks", None)
-    return hooks[-1](x, tag) if hooks else x
-
-
-_local = threading.local()
-
-
-@contextlib.contextmanager
-def intercepted(hook: Callable[[jax.Array, str], jax.Array]):
-    """Within this block (while tracing), every `name(x, tag)` returns `hook(x, tag)` instead of `x`.
-
-    The stack's explicit offload (`zoo/models/offload_scan.py`) reads a layer's tagged tensors this way in the
-    forward pass, and stands the saved ones in for their recomputation in the backward pass. Layers never call it.
-    """
-    hooks = _local.__dict__.setdefault("hooks", [])
-    hooks.append(hook)
-    try:
-        yield
-    finally:
-        hooks.pop()
+    return checkpoint_name(x, tag)
 
 
 def _sub_jaxprs(params: dict[str, Any]):

@@ -85,9 +85,8 @@ class CausalLM(nnx.Module):
         x = self.embed(tokens)
         policy = self.recipe.policy()
         aux: dict[str, Any] = {}
-        offload_impl = getattr(self.config, "offload_impl", "xla")
         for stack_name, stack in self.stacks().items():
-            x, aux[stack_name] = stack(x, policy, offload_impl=offload_impl)
+            x, aux[stack_name] = stack(x, policy)
         x = self.norm(x)
         logits = self.embed_attend(x) if self.lm_head is None else self.lm_head(x)
         return (logits, aux) if return_aux else logits
