@@ -8,17 +8,31 @@ import pytest
 from flax import nnx
 
 import zoo
-from zoo.layers.moe import MoE, RoutingBias, capacity, route, routing_bias_delta, tokamax_available, update_routing_bias
+from zoo.layers import MLP
+from zoo.layers.moe import (
+    Experts,
+    GroupLimitedRouter,
+    MoE,
+    RoutingBias,
+    capacity,
+    route,
+    routing_bias_delta,
+    tokamax_available,
+    update_routing_bias,
+)
 
 D, E, K, F, G, TOPK_GROUP = 32, 16, 4, 24, 4, 2
 B, S = 2, 16
 ROUTING = dict(k=K, n_group=G, topk_group=TOPK_GROUP, routed_scaling_factor=2.5)
 
 
-def make_moe(backend="ragged_dot", capacity_factor=1.25, seed=0, **kw):
-    args = dict(dim=D, num_experts=E, k=K, hidden=F, num_shared_experts=1, n_group=G, topk_group=TOPK_GROUP,
-                routed_scaling_factor=2.5, backend=backend, capacity_factor=capacity_factor)
-    return MoE(**{**args, **kw}, rngs=nnx.Rngs(seed))
+def make_moe(backend="ragged_dot", capacity_factor=1.25, seed=0, **routing):
+    """DeepSeek-V3's MoE from its parts: the group-limited router, the experts, one shared expert."""
+    rngs = nnx.Rngs(seed)
+    router = GroupLimitedRouter(dim=D, num_experts=E, rngs=rngs, **{**ROUTING, **routing})
+    experts = Experts(num_experts=E, dim=D, hidden=F, rngs=rngs)
+    shared = MLP(dim=D, hidden=F, tag_prefix="shared_", rngs=rngs)
+    return MoE(dim=D, router=router, experts=experts, shared=shared, backend=backend, capacity_factor=capacity_factor)
 
 
 def inputs(seed=1):
@@ -105,8 +119,8 @@ def test_dispatch_backends_match_dense_reference(backend):
     chex.assert_shape(y, (B, S, D))
     chex.assert_trees_all_close(np.asarray(y, np.float64), dense_reference(moe, x), rtol=2e-5, atol=2e-5)
     if backend == "capacity":  # the only backend that can drop (the dropless ones report a constant 0)
-        assert int(aux["dropped"]) == 0
-    assert float(aux["load"].sum()) == B * S * K
+        assert int(aux.dropped) == 0
+    assert float(aux.load.sum()) == B * S * K
 
 
 def loop_reference(moe, x) -> np.ndarray:
@@ -148,9 +162,9 @@ def test_capacity_dispatch_drops_and_reports_the_dropped_copies():
     moe = make_moe("capacity", capacity_factor=0.5)
     x = inputs()
     y, aux = moe(x)
-    load = np.asarray(aux["load"]).astype(int)
+    load = np.asarray(aux.load).astype(int)
     c = capacity(B * S * K, E, 0.5)
-    assert int(aux["dropped"]) == np.maximum(load - c, 0).sum() > 0
+    assert int(aux.dropped) == np.maximum(load - c, 0).sum() > 0
     # which copies are dropped: each expert keeps its first c copies in token order
     _, _, idx = moe.gate(x.reshape(-1, D))
     flat = np.asarray(idx).reshape(-1)
@@ -177,7 +191,7 @@ def test_gradients_reach_the_router_and_every_expert_weight(backend):
 
     def loss(p):
         y, aux = nnx.merge(graphdef, p, rest)(inputs())
-        return jnp.mean(y ** 2) + aux["balance_loss"]
+        return jnp.mean(y ** 2) + aux.balance_loss
 
     grads = jax.grad(loss)(params)
     assert float(jnp.abs(grads["gate"]["kernel"][...]).max()) > 0
@@ -198,9 +212,9 @@ def test_balance_loss_matches_the_paper_formula():
         f = np.bincount(idx[b].reshape(-1), minlength=E) * E / (K * S)
         p = (scores[b] / scores[b].sum(-1, keepdims=True)).mean(0)
         total += (f * p).sum()
-    np.testing.assert_allclose(float(aux["balance_loss"]), 0.3 * total / B, rtol=1e-5)
+    np.testing.assert_allclose(float(aux.balance_loss), 0.3 * total / B, rtol=1e-5)
     # it rewards balance: a router that sends every token to the same experts pays more
-    assert float(aux["balance_loss"]) > 0
+    assert float(aux.balance_loss) > 0
 
 
 def test_bias_update_moves_load_toward_balance():
@@ -215,14 +229,14 @@ def test_bias_update_moves_load_toward_balance():
         return float(jnp.max(load) / jnp.mean(load))
 
     _, aux = moe(x)
-    start = imbalance(aux["load"])
+    start = imbalance(aux.load)
     assert start > 2.0
-    np.testing.assert_array_equal(np.asarray(routing_bias_delta(aux["load"], 0.1)),
-                                  0.1 * np.sign(np.asarray(aux["load"]).mean() - np.asarray(aux["load"])))
+    np.testing.assert_array_equal(np.asarray(routing_bias_delta(aux.load, 0.1)),
+                                  0.1 * np.sign(np.asarray(aux.load).mean() - np.asarray(aux.load)))
     for _ in range(40):
         _, aux = moe(x)
         update_routing_bias(moe, aux, rate=0.02)
-    assert imbalance(aux["load"]) < start / 2
+    assert imbalance(aux.load) < start / 2
     bias = np.asarray(moe.gate.e_score_correction_bias[...])
     assert bias[:2].max() < 0 < bias[2:].max()  # the hot experts were pushed down
 

@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from zoo.layers import Embed, LMHead, RMSNorm
+from zoo.layers.linear import Stored
 from zoo.models.config import LMConfig
 from zoo.models.stack import Stack
 from zoo.recipe import Recipe
@@ -122,8 +123,7 @@ def check_tokens(tokens, vocab_size: int):
 
 
 def count_params(model: nnx.Module) -> int:
-    """Number of parameters (works on `nnx.eval_shape` models: nothing is allocated): every `nnx.Param`, and
-    DeepSeek-V3's routing biases, which the published checkpoints store though no gradient trains them."""
-    from zoo.layers.moe import RoutingBias
-
-    return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, (nnx.Param, RoutingBias))))
+    """Number of parameters (works on `nnx.eval_shape` models: nothing is allocated): every `nnx.Param`, and every
+    `Stored` variable (e.g. DeepSeek-V3's routing biases), which the published checkpoints store though no gradient
+    trains them."""
+    return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, (nnx.Param, Stored))))
