@@ -14,6 +14,7 @@ from zoo.layers.moe import (
     GroupLimitedRouter,
     MoE,
     RoutingBias,
+    SoftmaxRouter,
     capacity,
     route,
     routing_bias_delta,
@@ -256,3 +257,43 @@ def test_bad_moe_arguments_raise(kwargs, match):
 def test_tokamax_backend_without_tokamax_is_a_clear_error():
     with pytest.raises(ValueError, match="needs the tokamax package"):
         make_moe("tokamax")
+
+
+# -- the softmax top-k router (Mixtral, Qwen3-MoE) ---------------------------------------------------------------
+@pytest.mark.parametrize("norm", [True, False])
+def test_softmax_router_matches_numpy(norm):
+    router = SoftmaxRouter(dim=D, num_experts=E, k=K, norm_topk_prob=norm, balance_loss_weight=0.01,
+                           rngs=nnx.Rngs(0))
+    x = inputs().reshape(-1, D)
+    probs, weights, idx = router(x)
+    logits = np.asarray(x, np.float64) @ np.asarray(router.kernel[...], np.float64)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ref_idx = np.argsort(-p, axis=1)[:, :K]
+    ref_w = np.take_along_axis(p, ref_idx, 1)
+    if norm:
+        ref_w /= ref_w.sum(-1, keepdims=True)
+    np.testing.assert_array_equal(np.sort(np.asarray(idx), 1), np.sort(ref_idx, 1))
+    np.testing.assert_allclose(np.sort(np.asarray(weights), 1), np.sort(ref_w, 1), rtol=1e-5)
+    # Switch Transformer's loss as transformers computes it: E * sum_i (copies to i / tokens) * mean prob of i
+    f = np.bincount(ref_idx.reshape(-1), minlength=E) / x.shape[0]
+    want = 0.01 * E * float((f * p.mean(0)).sum())
+    np.testing.assert_allclose(float(router.balance_loss(probs, idx, batch=B)), want, rtol=1e-5)
+
+
+def test_a_moe_without_shared_expert_under_the_softmax_router_matches_a_per_token_loop():
+    rngs = nnx.Rngs(0)
+    router = SoftmaxRouter(dim=D, num_experts=E, k=K, rngs=rngs)
+    moe = MoE(dim=D, router=router, experts=Experts(num_experts=E, dim=D, hidden=F, rngs=rngs), backend="ragged_dot")
+    x = inputs()
+    y, aux = moe(x)
+    flat = np.asarray(x, np.float64).reshape(-1, D)
+    _, weights, idx = router(x.reshape(-1, D))
+    w_gate, w_up, w_down = (np.asarray(w, np.float64) for w in moe.experts.weights())
+    out = np.zeros_like(flat)
+    for t, v in enumerate(flat):
+        for w, e in zip(np.asarray(weights[t], np.float64), np.asarray(idx[t])):
+            g = v @ w_gate[e]
+            out[t] += w * ((g / (1 + np.exp(-g)) * (v @ w_up[e])) @ w_down[e])
+    np.testing.assert_allclose(np.asarray(y, np.float64), out.reshape(x.shape), rtol=1e-4, atol=1e-5)
+    assert float(aux.load.sum()) == B * S * K and "shared_mlpwo" not in zoo.tags.emitted_by(moe, x)
