@@ -23,7 +23,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from rich.console import Console
 
@@ -187,13 +186,7 @@ def kernel_choices(model_cfg, device: jax.Device) -> dict[str, str]:
     matmul. Raises ValueError for an explicit choice that cannot run there (before anything is built)."""
     from zoo.layers.attention import resolve_impl
 
-    out = {"attention": str(resolve_impl(model_cfg, device))}
-    if hasattr(model_cfg, "moe_backend"):
-        from zoo.layers.moe import backend_choice
-
-        name, why = backend_choice(model_cfg.moe_backend, dtype=jnp.dtype(model_cfg.dtype), device=device)
-        out["moe backend"] = f"{name} ({why})"
-    return out
+    return {"attention": str(resolve_impl(model_cfg, device)), **model_cfg.kernel_choices(device)}
 
 
 def build_sharded(family: Family, model_cfg, recipe: zoo.Recipe, mesh, make_opt: Callable, *, seed: int):

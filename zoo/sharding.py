@@ -257,20 +257,11 @@ def check_mesh(cfg, mesh, batch: int | None = None) -> None:
     heads, kv_heads, the MLP and expert hidden dims and the vocabulary by tp, experts by ep, the model dim by
     fsdp, the batch by dp x fsdp x ep. The message names both numbers."""
     sizes = mesh_sizes(mesh) if not isinstance(mesh, Mapping) else {a: int(mesh.get(a, 1)) for a in AXES}
-    name = type(cfg).__name__
-
-    def need(field: str, axis: str):
-        if not hasattr(cfg, field) or sizes[axis] == 1:
-            return
+    for axis, field in cfg.mesh_divisors():   # the model's own rules: (mesh axis, config field it must divide)
         value = getattr(cfg, field)
-        if value % sizes[axis]:
+        if sizes[axis] > 1 and value % sizes[axis]:
             raise ValueError(f"mesh {format_mesh(sizes)}: {axis}={sizes[axis]} does not divide "
-                             f"{name}.{field}={value}")
-
-    for field in ("num_heads", "num_kv_heads", "mlp_dim", "moe_mlp_dim", "vocab_size"):
-        need(field, "tp")
-    need("num_experts", "ep")
-    need("dim", "fsdp")
+                             f"{type(cfg).__name__}.{field}={value}")
     if batch is not None:
         data = sizes["dp"] * sizes["fsdp"] * sizes["ep"]
         if batch % data:

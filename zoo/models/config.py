@@ -154,6 +154,20 @@ class LMConfig:
     def check(self) -> None:
         """The model's own checks (ranges, divisibility), after the types and the base's fields."""
 
+    def attention_head_dim(self) -> int:
+        """The head dim the attention kernel sees (it decides cuDNN's eligibility: zoo.layers.attention)."""
+        raise NotImplementedError(f"{type(self).__name__} must say its attention kernel's head dim")
+
+    def kernel_choices(self, device) -> dict[str, str]:
+        """{kernel: what runs on `device` and why} beyond attention (e.g. a MoE's grouped matmul); ValueError for
+        an explicit choice that cannot run there."""
+        return {}
+
+    def mesh_divisors(self) -> tuple[tuple[str, str], ...]:
+        """(mesh axis, field) pairs: each field's value must be divisible by that axis's size
+        (`zoo.sharding.check_mesh`). A model config adds its own before these."""
+        return (("tp", "vocab_size"), ("fsdp", "dim"))
+
     @property
     def compute_dtype(self):
         """The activations' dtype (`dtype`) as a jnp dtype."""

@@ -27,6 +27,7 @@ from zoo.layers.moe import (
     Experts,
     GroupLimitedRouter,
     MoE,
+    backend_choice,
     check_routing,
     resolve_backend,
     total_balance_loss,
@@ -110,6 +111,18 @@ class DeepSeekV3Config(LMConfig):
     @property
     def num_moe_layers(self) -> int:
         return self.num_layers - self.first_dense_layers
+
+    def attention_head_dim(self) -> int:
+        """MLA's q/k head dim and value head dim, padded to the larger (see zoo.layers.mla)."""
+        return max(self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim)
+
+    def kernel_choices(self, device) -> dict[str, str]:
+        name, why = backend_choice(self.moe_backend, dtype=self.compute_dtype, device=device)
+        return {"moe backend": f"{name} ({why})"}
+
+    def mesh_divisors(self) -> tuple[tuple[str, str], ...]:
+        return ((("tp", "num_heads"), ("tp", "mlp_dim"), ("tp", "moe_mlp_dim"), ("ep", "num_experts"))
+                + super().mesh_divisors())
 
     def rope(self) -> Rope:
         return Rope(dim=self.qk_rope_head_dim, theta=self.rope_theta, scaling=self.rope_scaling)
