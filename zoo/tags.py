@@ -18,6 +18,8 @@ import jax
 import jax.extend.core
 from jax.ad_checkpoint import checkpoint_name
 
+from zoo import logical
+
 
 @dataclasses.dataclass(frozen=True)
 class Tag:
@@ -68,12 +70,11 @@ def name(x: jax.Array, tag: str, axes: tuple[str | None, ...] | None = None) -> 
     if tag not in TAGS:
         raise ValueError(f"unknown tag {tag!r}; the vocabulary is: {vocabulary()}")
     if axes is not None:
-        from zoo import sharding
-        x = sharding.constrain(x, axes)
+        x = logical.constrain(x, axes)
     return checkpoint_name(x, tag)
 
 
-def _sub_jaxprs(params: dict[str, Any]):
+def sub_jaxprs(params: dict[str, Any]):
     for value in params.values():
         for v in value if isinstance(value, (tuple, list)) else (value,):
             if isinstance(v, jax.extend.core.ClosedJaxpr):
@@ -97,7 +98,7 @@ def _is_host_target(target) -> bool:
 
 def _tag_or_offload(params: dict[str, Any]) -> str | None:
     """What in these sub-jaxprs (recursively) makes a loop unsafe: 'the tag X' or 'an offload to host'."""
-    for sub in _sub_jaxprs(params):
+    for sub in sub_jaxprs(params):
         for eqn in sub.eqns:
             if eqn.primitive.name == "name":
                 return f"the tag {eqn.params['name']!r}"
@@ -127,7 +128,7 @@ def _collect(jaxpr, found: dict[str, jax.ShapeDtypeStruct], prefix: tuple[int, .
                                  f"e.g. tokamax's grouped matmul) is fine")
             # A loop holding no tag has none to collect: nothing to descend into.
         else:
-            for sub in _sub_jaxprs(eqn.params):
+            for sub in sub_jaxprs(eqn.params):
                 _collect(sub, found, prefix)
 
 

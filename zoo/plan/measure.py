@@ -185,7 +185,7 @@ def flops(jaxpr) -> int:
             lc = dn.dot_dimension_numbers[0][0] if dn is not None else (eqn.invars[0].aval.ndim - 1,)
             k = math.prod(eqn.invars[0].aval.shape[i] for i in lc)
             total += 2 * math.prod(eqn.outvars[0].aval.shape) * k
-        for sub in tags_lib._sub_jaxprs(eqn.params):
+        for sub in tags_lib.sub_jaxprs(eqn.params):
             total += flops(sub)
     return total
 
