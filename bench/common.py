@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zoo.layers import moe
+
 
 def matmul_params(model) -> int:
     """Parameters that take part in matmuls: all but the embedding table and the norm scales."""
@@ -58,8 +60,7 @@ def sgd_step_fn(graphdef, lr: float = 1e-4, param_shardings=None):
 
 def dropped_copies(aux) -> jax.Array:
     """Token copies MoE capacity dispatch dropped in a step (0 for dropless backends and dense models)."""
-    return sum((jnp.sum(a["dropped"]) for a in aux.values() if isinstance(a, dict) and "dropped" in a),
-               jnp.zeros((), jnp.int32))
+    return moe.drops(aux)[0]
 
 
 def sharded_inputs(build, cfg, recipe, tokens, mesh_spec: str | None):

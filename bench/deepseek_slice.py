@@ -68,7 +68,6 @@ def main():
     ap.add_argument("--backend", default="auto", choices=["auto", "ragged_dot", "capacity", "tokamax"])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--mesh", default=None, help="e.g. ep=2 (zoo.sharding); --batch and --experts are then global")
-    ap.add_argument("--impl", default="xla", help="the config's offload_impl (how offloaded residuals move)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script only)")
     ap.add_argument("--auto-hbm", type=float, default=None,
                     help="recipe auto: HBM budget, GiB (default: the device's bytes_limit; 1 with --smoke on the CPU)")
@@ -76,8 +75,7 @@ def main():
                     help="recipe auto: FLOP rate, TFLOP/s (default: recipes.meter's table for the device)")
     a = ap.parse_args()
     a.seq = a.seq or (64 if a.smoke else 4096)
-    common = dict(param_dtype="bfloat16", dtype="bfloat16", moe_backend=a.backend, capacity_factor=1.25,
-                  offload_impl=a.impl)
+    common = dict(param_dtype="bfloat16", dtype="bfloat16", moe_backend=a.backend, capacity_factor=1.25)
     try:
         backend, backend_why = backend_choice(a.backend, dtype=jnp.bfloat16)
     except ValueError as e:  # tokamax asked for and missing: a record, not a crash
@@ -90,7 +88,7 @@ def main():
                             num_experts=a.experts, **common)
     n = jax.device_count()
     extra = {} if a.mesh is None else dict(mesh=a.mesh, gpus=n, B_per_gpu=a.batch // n)
-    ident = dict(bench="deepseek-slice", impl="zoo", mechanism=a.impl, backend=backend, backend_asked=a.backend,
+    ident = dict(bench="deepseek-slice", impl="zoo", mechanism="xla", backend=backend, backend_asked=a.backend,
                  backend_why=backend_why, recipe=a.recipe, B=a.batch, S=a.seq, E=a.experts, L=1 + a.moe_layers,
                  **extra)
     if a.recipe == "auto":

@@ -1,7 +1,8 @@
-"""Does an offload mechanism change the numbers? 50 steps of the main job (`recipes.loop.run`: AdamW, synthetic
-data, same seed) under an offload recipe and mechanism, against the same run under `full` (JAX's remat).
+"""Does offloading change the numbers? 50 steps of the main job (`recipes.loop.run`: AdamW, synthetic data, same
+seed) under an offload recipe, compiled as the main job compiles it (`zoo.compile_options`: command buffers off
+when the recipe offloads on a GPU), against the same run under `full` (JAX's remat).
 
-    python -m bench.loss_curve --recipe minimal_offload --impl explicit [--preset llama3_1_8b --layers 4]
+    python -m bench.loss_curve --recipe minimal_offload [--preset llama3_1_8b --layers 4]
 
 A race between a host copy and its use (reported for XLA's pipelined host offloading) shows as a loss curve that
 leaves `full`'s; bf16 rounding alone keeps them within a few 1e-3. Prints one JSON record: both curves, the largest
@@ -20,8 +21,8 @@ from bench.common import emit
 from recipes import loop
 
 
-def curve(a, recipe: str, impl: str) -> list[float]:
-    overrides = [("num_layers", a.layers), ("offload_impl", impl)]
+def curve(a, recipe: str) -> list[float]:
+    overrides = [("num_layers", a.layers)]
     if jax.devices()[0].platform == "gpu":
         overrides.append(("attention_impl", "cudnn"))
     cfg = loop.RunConfig(model="llama3", preset=a.preset, recipe=recipe, overrides=tuple(overrides), steps=a.steps,
@@ -34,7 +35,6 @@ def curve(a, recipe: str, impl: str) -> list[float]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipe", default="minimal_offload")
-    ap.add_argument("--impl", default="explicit")
     ap.add_argument("--preset", default="llama3_1_8b")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=4)
@@ -44,11 +44,11 @@ def main():
     a = ap.parse_args()
     if a.smoke:
         a.preset, a.layers, a.batch, a.seq, a.steps = "tiny", 2, 2, 32, 4
-    ident = dict(bench="loss-curve", impl="zoo", mechanism=a.impl, recipe=a.recipe, preset=a.preset, L=a.layers,
+    ident = dict(bench="loss-curve", impl="zoo", recipe=a.recipe, preset=a.preset, L=a.layers,
                  B=a.batch, S=a.seq, steps=a.steps, date=datetime.date.today().isoformat())
     try:
-        ref = curve(a, "full", "xla")
-        got = curve(a, a.recipe, a.impl)
+        ref = curve(a, "full")
+        got = curve(a, a.recipe)
         rel = [abs(x - y) / max(abs(y), 1e-6) for x, y in zip(got, ref)]
         emit({**ident, "max_rel_diff": round(max(rel), 5), "last_rel_diff": round(rel[-1], 5),
               "same_within_bf16": max(rel) < 2e-2 and len(got) == len(ref) == a.steps,

@@ -1,13 +1,12 @@
 """Issue 14's measurement: a Llama slice under one recipe and one offload mechanism, one process per configuration.
 
     XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true \
-        python -m bench.overlap_slice minimal_offload --shape 405b --layers 3 --impl explicit [--profile DIR]
+        python -m bench.overlap_slice minimal_offload --shape 405b --layers 3 [--profile DIR]
 
 Shapes: `405b` (the 405B preset cut to --layers, batch 2, seq 8192: the llama405b-slice), `8b` (the 8B preset cut to
 --layers; the 8B-shaped slice), `tiny` (CPU smoke test, with --smoke). SGD step (as the plain-JAX anchors),
-bf16, cuDNN attention on a GPU; 2 warm-up steps, median of --steps timed steps. `--impl` is the model config's
-`offload_impl` ("xla": JAX's checkpoint offload; "explicit", "explicit_prefetch": the stack's
-own mechanism, zoo/models/offload_scan.py). With --profile, two more steps run under `jax.profiler.trace` and
+bf16, cuDNN attention on a GPU; 2 warm-up steps, median of --steps timed steps. Offloads move by JAX's checkpoint
+offload (the record's `mechanism` is "xla"). With --profile, two more steps run under `jax.profiler.trace` and
 `bench.trace_summary` reads where the copies ran (stream, bytes, bandwidth, overlap with compute); with --hlo, the
 compiled program's asynchronous ops (copy-start, dynamic-(update-)slice-start, calls on another stream) are counted.
 Prints one JSON record (DESIGN section 8, plus `mechanism`, `profile`, `hlo`).
@@ -60,7 +59,6 @@ def main():
     ap.add_argument("recipe", choices=sorted(RECIPES))
     ap.add_argument("--shape", choices=sorted(PRESETS), default="405b")
     ap.add_argument("--layers", type=int, default=3)
-    ap.add_argument("--impl", default="xla", help="the config's offload_impl")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=5)
@@ -74,7 +72,7 @@ def main():
     a = ap.parse_args()
     on_gpu = jax.devices()[0].platform == "gpu"
     shape = "tiny" if a.smoke else a.shape
-    kw = dict(num_layers=a.layers, param_dtype="bfloat16", dtype="bfloat16", offload_impl=a.impl)
+    kw = dict(num_layers=a.layers, param_dtype="bfloat16", dtype="bfloat16")
     if on_gpu:
         kw["attention_impl"] = "cudnn"
     cfg = PRESETS[shape](**kw)
@@ -158,7 +156,7 @@ def main():
             out["profile"]["streams"] = [(s["stream"], s["busy_ms"]) for s in p["streams"]]
         return out
 
-    guarded(run, bench=BENCH[shape], impl="zoo", mechanism=a.impl, recipe=a.recipe, backend=None, gpus=1,
+    guarded(run, bench=BENCH[shape], impl="zoo", mechanism="xla", recipe=a.recipe, backend=None, gpus=1,
             mesh=None, B=batch, S=seq, L=a.layers,
             date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind))
 

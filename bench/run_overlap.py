@@ -58,12 +58,11 @@ class Job:
 def zoo(recipe, shape="405b", layers=3, batch=2, setting="zoo", extra=(), est=75, gpu=None):
     flags, options = SETTINGS[setting]
     env = {"BENCH_PLAN_PEAK": "none", **({} if options is None else {"BENCH_OPTIONS": options})}
-    impl = extra[extra.index("--impl") + 1] if "--impl" in extra else "xla"
-    return Job(f"zoo-{shape}-L{layers}-B{batch}-{recipe}-{setting}" + ("" if impl == "xla" else f"-{impl}"),
+    return Job(f"zoo-{shape}-L{layers}-B{batch}-{recipe}-{setting}",
                [sys.executable, "-m", "bench.overlap_slice", recipe, "--shape", shape, "--layers", str(layers),
                 "--batch", str(batch), "--steps", "4", *extra], flags, est, 200, env=env,
-               ident={"bench": f"llama{shape}-slice", "impl": "zoo", "recipe": recipe, "setting": setting,
-                      "mechanism": impl}, gpu=gpu)
+               ident={"bench": f"llama{shape}-slice", "impl": "zoo", "recipe": recipe, "setting": setting},
+               gpu=gpu)
 
 
 def deepseek(recipe, setting="zoo", extra=(), est=75, gpu=None):
@@ -103,10 +102,6 @@ def jobs(anchor_dir: str, out: str, scenarios: str = "slices") -> list[Job]:
                 zoo("minimal_offload", layers=6, batch=1, extra=prof("mo6"), est=90, gpu="1"),
                 zoo("minimal_offload", layers=6, batch=1, setting="double_buffer", est=90, gpu="1"),
                 zoo("qkv_offload", setting="double_buffer", gpu="1")]
-    if scenarios == "explicit":   # the stack's own mechanism (a layer ahead), with the copies off the compute stream
-        ex = ["--impl", "explicit"]
-        return [zoo("minimal_offload", extra=ex, gpu="0", est=70), zoo("qkv_offload", extra=ex, gpu="0", est=50),
-                zoo("minimal_offload", layers=6, batch=1, extra=ex, est=60, gpu="0")]
     if scenarios == "pipelined":   # XLA's cross-iteration mechanisms with the copies off the compute stream
         return [zoo("minimal_offload", setting="pipelined", gpu="0"), zoo("minimal_offload", setting="pipelined_db",
                                                                           gpu="0"),
@@ -196,7 +191,7 @@ def main():
     ap.add_argument("--only", default=None, help="regex over job names")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--scenarios", default="slices",
-                    choices=("slices", "jobs", "probe", "pgle", "pipelined", "explicit"))
+                    choices=("slices", "jobs", "probe", "pgle", "pipelined"))
     a = ap.parse_args()
     os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
     todo = jobs(a.anchor_dir, a.out, a.scenarios)

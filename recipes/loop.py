@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from rich.console import Console
 
@@ -275,7 +275,7 @@ def evaluate(eval_fn: Callable, state, held, n: int, mesh) -> dict[str, float]:
     """Held-out loss (the mean over `n` batches, at most the split once over) and its perplexity."""
     n = min(n, held.eval_batches()) if hasattr(held, "eval_batches") else n
     losses = [eval_fn(state, mesh_lib.put_batch(held.eval_batch(i), mesh)) for i in range(n)]
-    value = float(jnp.mean(jnp.stack(losses)))
+    value = float(np.mean([float(x) for x in losses]))
     return {"eval_loss": value, "eval_perplexity": math.exp(min(value, 700.0))}
 
 
@@ -286,14 +286,12 @@ def kernel_choices(model_cfg, device: jax.Device, overrides=()) -> dict[str, str
     from zoo.layers.attention import resolve_impl
 
     out = {"attention": str(resolve_impl(model_cfg, device))}
-    if hasattr(model_cfg, "moe_backend"):
-        from zoo.layers.moe import backend_choice
-
-        name, why = backend_choice(model_cfg.moe_backend, dtype=jnp.dtype(model_cfg.dtype), device=device)
-        if why.startswith("asked for"):
-            who = "--set moe_backend" if "moe_backend" in dict(overrides) else "the preset's moe_backend"
-            why = who + why[len("asked for"):]
-        out["moe backend"] = f"{name} ({why})"
+    for kernel, choice in model_cfg.kernel_choices(device).items():
+        if "(asked for" in choice:   # an explicit choice: the user's --set or the preset's
+            field = "moe_backend" if kernel == "moe backend" else kernel.replace(" ", "_")
+            who = f"--set {field}" if field in dict(overrides) else f"the preset's {field}"
+            choice = choice.replace("(asked for", f"({who}", 1)
+        out[kernel] = choice
     return out
 
 

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 import zoo
 from tests.helpers import max_rel_err
 from zoo import sharding
-from zoo.models.deepseek import total_balance_loss
+from zoo.layers.moe import moe_records, total_balance_loss
 
 TOL = 1e-5
 assert jax.device_count() == 8, jax.devices()
@@ -31,7 +31,7 @@ def loss_fn(graphdef, params, rest, tokens):
     logits, aux = nnx.merge(graphdef, params, rest, copy=True)(tokens, return_aux=True)
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     ce = -jnp.mean(jnp.take_along_axis(logp, jnp.roll(tokens, -1, axis=1)[..., None], axis=-1))
-    load = [a["load"] for a in aux.values() if "load" in a]
+    load = [a.load for a in moe_records(aux)]
     return ce + total_balance_loss(aux), load
 
 

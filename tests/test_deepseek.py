@@ -57,10 +57,10 @@ def test_model_shapes_aux_and_finite_gradients(model, tokens, forward):
     assert logits.shape == (B, S, CFG.vocab_size) and logits.dtype == jnp.float32
     assert aux["dense_layers"] == {}
     moe = aux["moe_layers"]
-    assert moe["load"].shape == (2, CFG.num_experts) and moe["balance_loss"].shape == (2,)
-    assert moe["dropped"].shape == (2,) and int(moe["dropped"].sum()) == 0
-    np.testing.assert_array_equal(np.asarray(moe["load"].sum(-1)), B * S * CFG.num_experts_per_tok)
-    assert float(total_balance_loss(aux)) == pytest.approx(float(moe["balance_loss"].sum()))
+    assert moe.load.shape == (2, CFG.num_experts) and moe.balance_loss.shape == (2,)
+    assert moe.dropped.shape == (2,) and int(moe.dropped.sum()) == 0
+    np.testing.assert_array_equal(np.asarray(moe.load.sum(-1)), B * S * CFG.num_experts_per_tok)
+    assert float(total_balance_loss(aux)) == pytest.approx(float(moe.balance_loss.sum()))
     loss, grads = grads_under(model, RECIPES["mla_moe_offload"], tokens)
     assert np.isfinite(float(loss))
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
@@ -131,7 +131,7 @@ def test_every_needed_tag_is_really_emitted(model, stack):
 
 def test_bias_update_through_the_model(model, tokens, forward):
     _, aux = forward(model, tokens)
-    load = np.asarray(aux["moe_layers"]["load"])
+    load = np.asarray(aux["moe_layers"].load)
     bias = model.moe_layers.layers.mlp.gate.e_score_correction_bias
     before = bias[...]
     try:
@@ -149,7 +149,7 @@ def test_capacity_backend_model_matches_dropless(model, tokens, forward):
     capacity_model = zoo.models.deepseek_v3(cfg, rngs=nnx.Rngs(0))  # the same parameters
     logits, aux = forward(capacity_model, tokens)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(forward(model, tokens)[0]), rtol=1e-5, atol=1e-5)
-    assert int(aux["moe_layers"]["dropped"].sum()) == 0
+    assert int(aux["moe_layers"].dropped.sum()) == 0
 
 
 def test_param_count_of_the_671b_preset():

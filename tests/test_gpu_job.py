@@ -15,7 +15,9 @@ import zoo
 from recipes.deepseek_v3 import RECIPES
 from tests.helpers import cuda_lowering, hlo_type, pinned_host_shapes
 from zoo import tags
-from zoo.layers import attention, moe
+from zoo.layers import attention
+from zoo.layers.moe import MoEAux
+from zoo.layers.moe import dispatch as moe
 from zoo.plan import measure as audit
 
 X = jnp.ones((4, 3))
@@ -217,7 +219,8 @@ def test_moe_auto_backend_per_device(monkeypatch):
 # -- dropped copies in the main job ----------------------------------------------------------------------------
 def test_moe_drops_sums_every_moe_stack():
     from recipes.loop import moe_drops
-    aux = {"dense_layers": {}, "moe_layers": {"dropped": jnp.array([3, 4]), "load": jnp.ones((2, 8)) * 5}}
+    moe_layers = MoEAux(load=jnp.ones((2, 8)) * 5, balance_loss=jnp.zeros(2), dropped=jnp.array([3, 4]))
+    aux = {"dense_layers": {}, "moe_layers": moe_layers}
     dropped, routed = moe_drops(aux)
     assert (int(dropped), int(routed)) == (7, 80)
     assert tuple(map(int, moe_drops({"layers": {}}))) == (0, 0)

@@ -8,17 +8,32 @@ import pytest
 from flax import nnx
 
 import zoo
-from zoo.layers.moe import MoE, RoutingBias, capacity, route, routing_bias_delta, tokamax_available, update_routing_bias
+from zoo.layers import MLP
+from zoo.layers.moe import (
+    Experts,
+    GroupLimitedRouter,
+    MoE,
+    RoutingBias,
+    SoftmaxRouter,
+    capacity,
+    route,
+    routing_bias_delta,
+    tokamax_available,
+    update_routing_bias,
+)
 
 D, E, K, F, G, TOPK_GROUP = 32, 16, 4, 24, 4, 2
 B, S = 2, 16
 ROUTING = dict(k=K, n_group=G, topk_group=TOPK_GROUP, routed_scaling_factor=2.5)
 
 
-def make_moe(backend="ragged_dot", capacity_factor=1.25, seed=0, **kw):
-    args = dict(dim=D, num_experts=E, k=K, hidden=F, num_shared_experts=1, n_group=G, topk_group=TOPK_GROUP,
-                routed_scaling_factor=2.5, backend=backend, capacity_factor=capacity_factor)
-    return MoE(**{**args, **kw}, rngs=nnx.Rngs(seed))
+def make_moe(backend="ragged_dot", capacity_factor=1.25, seed=0, **routing):
+    """DeepSeek-V3's MoE from its parts: the group-limited router, the experts, one shared expert."""
+    rngs = nnx.Rngs(seed)
+    router = GroupLimitedRouter(dim=D, num_experts=E, rngs=rngs, **{**ROUTING, **routing})
+    experts = Experts(num_experts=E, dim=D, hidden=F, rngs=rngs)
+    shared = MLP(dim=D, hidden=F, tag_prefix="shared_", rngs=rngs)
+    return MoE(dim=D, router=router, experts=experts, shared=shared, backend=backend, capacity_factor=capacity_factor)
 
 
 def inputs(seed=1):
@@ -105,8 +120,8 @@ def test_dispatch_backends_match_dense_reference(backend):
     chex.assert_shape(y, (B, S, D))
     chex.assert_trees_all_close(np.asarray(y, np.float64), dense_reference(moe, x), rtol=2e-5, atol=2e-5)
     if backend == "capacity":  # the only backend that can drop (the dropless ones report a constant 0)
-        assert int(aux["dropped"]) == 0
-    assert float(aux["load"].sum()) == B * S * K
+        assert int(aux.dropped) == 0
+    assert float(aux.load.sum()) == B * S * K
 
 
 def loop_reference(moe, x) -> np.ndarray:
@@ -148,9 +163,9 @@ def test_capacity_dispatch_drops_and_reports_the_dropped_copies():
     moe = make_moe("capacity", capacity_factor=0.5)
     x = inputs()
     y, aux = moe(x)
-    load = np.asarray(aux["load"]).astype(int)
+    load = np.asarray(aux.load).astype(int)
     c = capacity(B * S * K, E, 0.5)
-    assert int(aux["dropped"]) == np.maximum(load - c, 0).sum() > 0
+    assert int(aux.dropped) == np.maximum(load - c, 0).sum() > 0
     # which copies are dropped: each expert keeps its first c copies in token order
     _, _, idx = moe.gate(x.reshape(-1, D))
     flat = np.asarray(idx).reshape(-1)
@@ -177,7 +192,7 @@ def test_gradients_reach_the_router_and_every_expert_weight(backend):
 
     def loss(p):
         y, aux = nnx.merge(graphdef, p, rest)(inputs())
-        return jnp.mean(y ** 2) + aux["balance_loss"]
+        return jnp.mean(y ** 2) + aux.balance_loss
 
     grads = jax.grad(loss)(params)
     assert float(jnp.abs(grads["gate"]["kernel"][...]).max()) > 0
@@ -198,9 +213,9 @@ def test_balance_loss_matches_the_paper_formula():
         f = np.bincount(idx[b].reshape(-1), minlength=E) * E / (K * S)
         p = (scores[b] / scores[b].sum(-1, keepdims=True)).mean(0)
         total += (f * p).sum()
-    np.testing.assert_allclose(float(aux["balance_loss"]), 0.3 * total / B, rtol=1e-5)
+    np.testing.assert_allclose(float(aux.balance_loss), 0.3 * total / B, rtol=1e-5)
     # it rewards balance: a router that sends every token to the same experts pays more
-    assert float(aux["balance_loss"]) > 0
+    assert float(aux.balance_loss) > 0
 
 
 def test_bias_update_moves_load_toward_balance():
@@ -215,14 +230,14 @@ def test_bias_update_moves_load_toward_balance():
         return float(jnp.max(load) / jnp.mean(load))
 
     _, aux = moe(x)
-    start = imbalance(aux["load"])
+    start = imbalance(aux.load)
     assert start > 2.0
-    np.testing.assert_array_equal(np.asarray(routing_bias_delta(aux["load"], 0.1)),
-                                  0.1 * np.sign(np.asarray(aux["load"]).mean() - np.asarray(aux["load"])))
+    np.testing.assert_array_equal(np.asarray(routing_bias_delta(aux.load, 0.1)),
+                                  0.1 * np.sign(np.asarray(aux.load).mean() - np.asarray(aux.load)))
     for _ in range(40):
         _, aux = moe(x)
         update_routing_bias(moe, aux, rate=0.02)
-    assert imbalance(aux["load"]) < start / 2
+    assert imbalance(aux.load) < start / 2
     bias = np.asarray(moe.gate.e_score_correction_bias[...])
     assert bias[:2].max() < 0 < bias[2:].max()  # the hot experts were pushed down
 
@@ -242,3 +257,43 @@ def test_bad_moe_arguments_raise(kwargs, match):
 def test_tokamax_backend_without_tokamax_is_a_clear_error():
     with pytest.raises(ValueError, match="needs the tokamax package"):
         make_moe("tokamax")
+
+
+# -- the softmax top-k router (Mixtral, Qwen3-MoE) ---------------------------------------------------------------
+@pytest.mark.parametrize("norm", [True, False])
+def test_softmax_router_matches_numpy(norm):
+    router = SoftmaxRouter(dim=D, num_experts=E, k=K, norm_topk_prob=norm, balance_loss_weight=0.01,
+                           rngs=nnx.Rngs(0))
+    x = inputs().reshape(-1, D)
+    probs, weights, idx = router(x)
+    logits = np.asarray(x, np.float64) @ np.asarray(router.kernel[...], np.float64)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ref_idx = np.argsort(-p, axis=1)[:, :K]
+    ref_w = np.take_along_axis(p, ref_idx, 1)
+    if norm:
+        ref_w /= ref_w.sum(-1, keepdims=True)
+    np.testing.assert_array_equal(np.sort(np.asarray(idx), 1), np.sort(ref_idx, 1))
+    np.testing.assert_allclose(np.sort(np.asarray(weights), 1), np.sort(ref_w, 1), rtol=1e-5)
+    # Switch Transformer's loss as transformers computes it: E * sum_i (copies to i / tokens) * mean prob of i
+    f = np.bincount(ref_idx.reshape(-1), minlength=E) / x.shape[0]
+    want = 0.01 * E * float((f * p.mean(0)).sum())
+    np.testing.assert_allclose(float(router.balance_loss(probs, idx, batch=B)), want, rtol=1e-5)
+
+
+def test_a_moe_without_shared_expert_under_the_softmax_router_matches_a_per_token_loop():
+    rngs = nnx.Rngs(0)
+    router = SoftmaxRouter(dim=D, num_experts=E, k=K, rngs=rngs)
+    moe = MoE(dim=D, router=router, experts=Experts(num_experts=E, dim=D, hidden=F, rngs=rngs), backend="ragged_dot")
+    x = inputs()
+    y, aux = moe(x)
+    flat = np.asarray(x, np.float64).reshape(-1, D)
+    _, weights, idx = router(x.reshape(-1, D))
+    w_gate, w_up, w_down = (np.asarray(w, np.float64) for w in moe.experts.weights())
+    out = np.zeros_like(flat)
+    for t, v in enumerate(flat):
+        for w, e in zip(np.asarray(weights[t], np.float64), np.asarray(idx[t])):
+            g = v @ w_gate[e]
+            out[t] += w * ((g / (1 + np.exp(-g)) * (v @ w_up[e])) @ w_down[e])
+    np.testing.assert_allclose(np.asarray(y, np.float64), out.reshape(x.shape), rtol=1e-4, atol=1e-5)
+    assert float(aux.load.sum()) == B * S * K and "shared_mlpwo" not in zoo.tags.emitted_by(moe, x)

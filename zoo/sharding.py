@@ -41,6 +41,9 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from zoo import tags
+from zoo.logical import active, constrain, size_of  # noqa: F401  the constraint the tag sites apply
+
 AXES: tuple[str, ...] = ("dp", "fsdp", "tp", "ep")
 MESH_ORDER: tuple[str, ...] = ("dp", "fsdp", "ep", "tp")   # device order: tp innermost (fastest links)
 
@@ -149,32 +152,6 @@ def use(mesh, rules: Iterable[tuple[str, Any]] | None = None):
         yield
 
 
-def active() -> bool:
-    """True while a mesh and logical-axis rules are both active."""
-    return bool(nn.get_logical_axis_rules()) and not jax.sharding.get_abstract_mesh().empty
-
-
-def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
-    """A sharding constraint by logical axis names (flax's `with_logical_constraint`); a no-op unless a mesh and
-    rules are active (see `use`)."""
-    if len(axes) != x.ndim:
-        raise ValueError(f"constrain: {len(axes)} logical axes {tuple(axes)} for an array of rank {x.ndim}")
-    if not active():
-        return x
-    return nn.with_logical_constraint(x, tuple(axes))
-
-
-def size_of(logical: str) -> int:
-    """How many shards the active rules split the logical axis `logical` into (1 when none are active)."""
-    if not active():
-        return 1
-    spec = nn.logical_to_mesh_axes((logical,))[0]
-    if spec is None:
-        return 1
-    shape = jax.sharding.get_abstract_mesh().shape
-    return math.prod(shape[a] for a in ((spec,) if isinstance(spec, str) else spec))
-
-
 # -- parameters ----------------------------------------------------------------------------------------------------
 def logical_specs(tree):
     """Logical PartitionSpecs (the `out_sharding` names) of a state, read with no rules active."""
@@ -257,20 +234,11 @@ def check_mesh(cfg, mesh, batch: int | None = None) -> None:
     heads, kv_heads, the MLP and expert hidden dims and the vocabulary by tp, experts by ep, the model dim by
     fsdp, the batch by dp x fsdp x ep. The message names both numbers."""
     sizes = mesh_sizes(mesh) if not isinstance(mesh, Mapping) else {a: int(mesh.get(a, 1)) for a in AXES}
-    name = type(cfg).__name__
-
-    def need(field: str, axis: str):
-        if not hasattr(cfg, field) or sizes[axis] == 1:
-            return
+    for axis, field in cfg.mesh_divisors():   # the model's own rules: (mesh axis, config field it must divide)
         value = getattr(cfg, field)
-        if value % sizes[axis]:
+        if sizes[axis] > 1 and value % sizes[axis]:
             raise ValueError(f"mesh {format_mesh(sizes)}: {axis}={sizes[axis]} does not divide "
-                             f"{name}.{field}={value}")
-
-    for field in ("num_heads", "num_kv_heads", "mlp_dim", "moe_mlp_dim", "vocab_size"):
-        need(field, "tp")
-    need("num_experts", "ep")
-    need("dim", "fsdp")
+                             f"{type(cfg).__name__}.{field}={value}")
     if batch is not None:
         data = sizes["dp"] * sizes["fsdp"] * sizes["ep"]
         if batch % data:
@@ -286,7 +254,6 @@ def batch_sharding(mesh, rules: Iterable[tuple[str, Any]] | None = None, ndim: i
 
 # -- per-device tag shapes (for the planner) -------------------------------------------------------------------------
 def _walk(jaxpr, constrained: dict, found: dict) -> None:
-    from zoo.tags import _sub_jaxprs
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "sharding_constraint":
             constrained[eqn.outvars[0]] = eqn.params["sharding"]
@@ -295,7 +262,7 @@ def _walk(jaxpr, constrained: dict, found: dict) -> None:
             s = constrained.get(eqn.invars[0])
             found[eqn.params["name"]] = tuple(aval.shape) if s is None else tuple(s.shard_shape(aval.shape))
         else:
-            for sub in _sub_jaxprs(eqn.params):
+            for sub in tags.sub_jaxprs(eqn.params):
                 _walk(sub, constrained, found)
 
 
@@ -305,13 +272,12 @@ def tag_shard_shapes(model, batch: int, seq: int, mesh, rules: Iterable[tuple[st
     input under `mesh` (an AbstractMesh is enough: nothing runs) and `rules`: each tag's shape divided by the
     sharding constraint at its tag site (a tag with no constraint keeps its global shape). Host bytes per device
     of a recipe = these shapes' bytes over the offloaded tags, times the layers."""
-    from zoo.models.stack import layer_body
     x = jax.ShapeDtypeStruct((batch, seq, model.config.dim), jax.numpy.dtype(model.config.dtype))
     out = {}
     for stack_name, stack in model.stacks().items():
-        graphdef, state = stack.abstract_layer()
+        layer, state = stack.layer_fn()
         with use(mesh, rules):
-            jaxpr = jax.make_jaxpr(lambda s, x, g=graphdef: layer_body(nnx.merge(g, s), x))(state, x)
+            jaxpr = jax.make_jaxpr(layer)(state, x)
         found: dict[str, tuple[int, ...]] = {}
         _walk(jaxpr.jaxpr, {}, found)
         out[stack_name] = found

@@ -10,15 +10,15 @@ all use that.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.extend.core
 from jax.ad_checkpoint import checkpoint_name
+
+from zoo import logical
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,32 +70,11 @@ def name(x: jax.Array, tag: str, axes: tuple[str | None, ...] | None = None) -> 
     if tag not in TAGS:
         raise ValueError(f"unknown tag {tag!r}; the vocabulary is: {vocabulary()}")
     if axes is not None:
-        from zoo import sharding
-        x = sharding.constrain(x, axes)
-    x = checkpoint_name(x, tag)
-    hooks = getattr(_local, "hooks", None)
-    return hooks[-1](x, tag) if hooks else x
+        x = logical.constrain(x, axes)
+    return checkpoint_name(x, tag)
 
 
-_local = threading.local()
-
-
-@contextlib.contextmanager
-def intercepted(hook: Callable[[jax.Array, str], jax.Array]):
-    """Within this block (while tracing), every `name(x, tag)` returns `hook(x, tag)` instead of `x`.
-
-    The stack's explicit offload (`zoo/models/offload_scan.py`) reads a layer's tagged tensors this way in the
-    forward pass, and stands the saved ones in for their recomputation in the backward pass. Layers never call it.
-    """
-    hooks = _local.__dict__.setdefault("hooks", [])
-    hooks.append(hook)
-    try:
-        yield
-    finally:
-        hooks.pop()
-
-
-def _sub_jaxprs(params: dict[str, Any]):
+def sub_jaxprs(params: dict[str, Any]):
     for value in params.values():
         for v in value if isinstance(value, (tuple, list)) else (value,):
             if isinstance(v, jax.extend.core.ClosedJaxpr):
@@ -119,7 +98,7 @@ def _is_host_target(target) -> bool:
 
 def _tag_or_offload(params: dict[str, Any]) -> str | None:
     """What in these sub-jaxprs (recursively) makes a loop unsafe: 'the tag X' or 'an offload to host'."""
-    for sub in _sub_jaxprs(params):
+    for sub in sub_jaxprs(params):
         for eqn in sub.eqns:
             if eqn.primitive.name == "name":
                 return f"the tag {eqn.params['name']!r}"
@@ -149,7 +128,7 @@ def _collect(jaxpr, found: dict[str, jax.ShapeDtypeStruct], prefix: tuple[int, .
                                  f"e.g. tokamax's grouped matmul) is fine")
             # A loop holding no tag has none to collect: nothing to descend into.
         else:
-            for sub in _sub_jaxprs(eqn.params):
+            for sub in sub_jaxprs(eqn.params):
                 _collect(sub, found, prefix)
 
 

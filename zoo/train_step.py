@@ -23,6 +23,7 @@ import optax
 from flax import nnx
 
 from zoo import compile_options
+from zoo.layers import moe
 
 # Optimizers the step can run (the planner counts their moments: zoo.plan.types.OPTIMIZERS).
 OPTIMIZER_NAMES = ("adamw", "adam", "lion", "momentum", "sgd")
@@ -37,11 +38,8 @@ def next_token_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array) -
 
 def moe_drops(aux: Any) -> tuple[jax.Array, jax.Array]:
     """(token copies dropped by capacity dispatch, token copies routed), summed over every MoE layer in the
-    model's aux ({stack: {"dropped": [L], "load": [L, E]}}); zeros for a model without experts."""
-    stacks = [a for a in (aux.values() if isinstance(aux, dict) else ()) if isinstance(a, dict)]
-    dropped = sum((jnp.sum(a["dropped"]).astype(jnp.int32) for a in stacks if "dropped" in a), jnp.zeros((), jnp.int32))
-    routed = sum((jnp.sum(a["load"]).astype(jnp.int32) for a in stacks if "load" in a), jnp.zeros((), jnp.int32))
-    return dropped, routed
+    model's aux ({stack: MoEAux stacked over layers}); zeros for a model without experts."""
+    return moe.drops(aux)
 
 
 def all_finite(tree) -> jax.Array:

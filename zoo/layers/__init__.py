@@ -3,10 +3,10 @@ from zoo.layers.attention import Attention, causal_attention
 from zoo.layers.embed import Embed, LMHead
 from zoo.layers.mla import MLA
 from zoo.layers.mlp import MLP
-from zoo.layers.moe import MoE, Router, RoutingBias
+from zoo.layers.moe import GroupLimitedRouter, MoE, MoEAux, RoutingBias, SoftmaxRouter
 from zoo.layers.norm import RMSNorm
 from zoo.layers.rope import Llama3Scaling, Rope, YarnScaling
 
 __all__ = ["Attention", "causal_attention", "Embed", "LMHead", "MLP", "RMSNorm", "Rope", "Llama3Scaling",
            "YarnScaling"]
-__all__ += ["MLA", "MoE", "Router", "RoutingBias"]
+__all__ += ["MLA", "MoE", "MoEAux", "GroupLimitedRouter", "SoftmaxRouter", "RoutingBias"]

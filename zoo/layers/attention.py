@@ -95,11 +95,8 @@ def choose_impl(requested: Implementation, *, dtype, head_dim: int,
 
 
 def kernel_head_dim(cfg: Any) -> int:
-    """The head dim the attention kernel sees for a model config: `head_dim` (GQA), or MLA's q/k head dim and
-    value head dim padded to the larger (see zoo.layers.mla)."""
-    if hasattr(cfg, "head_dim"):
-        return cfg.head_dim
-    return max(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim)
+    """The head dim the attention kernel sees for a model config (the config says: `attention_head_dim()`)."""
+    return cfg.attention_head_dim()
 
 
 def resolve_impl(cfg: Any, device: jax.Device | None = None) -> AttentionChoice:

@@ -11,6 +11,11 @@ from collections.abc import Sequence
 from flax import nnx
 
 
+class Stored(nnx.Variable):
+    """A variable that checkpoints store and no gradient trains (an optimizer over `nnx.Param` leaves it alone),
+    e.g. DeepSeek-V3's routing bias. Parameter counts include it."""
+
+
 def logical(axes: Sequence[str | None]) -> dict:
     """Variable metadata for logical axis names (no mesh needed at creation)."""
     return dict(out_sharding=tuple(axes), eager_sharding=False)

@@ -19,10 +19,6 @@ import jax.numpy as jnp
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
-# How a stack moves its offloaded residuals (zoo/models/offload_scan.py): "xla" = JAX's checkpoint-policy offload;
-# "explicit" = the stack's own custom VJP, stores one layer late and prefetches one layer early;
-# "explicit_prefetch" = the same, storing in the layer that makes them.
-OFFLOAD_IMPLS = ("xla", "explicit", "explicit_prefetch")
 
 
 def dtype_of(field: str, value: str):
@@ -143,7 +139,6 @@ class LMConfig:
     dtype: str = "bfloat16"            # activations
     param_dtype: str = "float32"       # parameters
     attention_impl: str | None = None  # None: XLA (any device); "cudnn": cuDNN flash attention (GPU, bf16)
-    offload_impl: str = "xla"          # how offloaded residuals move: one of OFFLOAD_IMPLS
 
     def __post_init__(self):
         check_types(self)
@@ -154,13 +149,24 @@ class LMConfig:
         if self.attention_impl not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(f"{type(self).__name__}.attention_impl must be one of {ATTENTION_IMPLEMENTATIONS}, "
                              f"got {self.attention_impl!r}")
-        if self.offload_impl not in OFFLOAD_IMPLS:
-            raise ValueError(f"{type(self).__name__}.offload_impl must be one of {OFFLOAD_IMPLS}, "
-                             f"got {self.offload_impl!r}")
         self.check()
 
     def check(self) -> None:
         """The model's own checks (ranges, divisibility), after the types and the base's fields."""
+
+    def attention_head_dim(self) -> int:
+        """The head dim the attention kernel sees (it decides cuDNN's eligibility: zoo.layers.attention)."""
+        raise NotImplementedError(f"{type(self).__name__} must say its attention kernel's head dim")
+
+    def kernel_choices(self, device) -> dict[str, str]:
+        """{kernel: what runs on `device` and why} beyond attention (e.g. a MoE's grouped matmul); ValueError for
+        an explicit choice that cannot run there."""
+        return {}
+
+    def mesh_divisors(self) -> tuple[tuple[str, str], ...]:
+        """(mesh axis, field) pairs: each field's value must be divisible by that axis's size
+        (`zoo.sharding.check_mesh`). A model config adds its own before these."""
+        return (("tp", "vocab_size"), ("fsdp", "dim"))
 
     @property
     def compute_dtype(self):

@@ -6,7 +6,7 @@ with the auxiliary-loss-free bias, one shared expert). Two scanned stacks under 
 `moe_layers`. Multi-head latent attention with YaRN RoPE. The embedding and the LM head are untied.
 
 The MoE stack returns per-layer aux (see `zoo.layers.moe`): `model(tokens, return_aux=True)` gives
-`(logits, {"dense_layers": {}, "moe_layers": {"load": [L, E], "balance_loss": [L], "dropped": [L]}})`. A training
+`(logits, {"dense_layers": {}, "moe_layers": MoEAux(load=[L, E], balance_loss=[L], dropped=[L])})`. A training
 step adds `total_balance_loss(aux)` to its loss and calls `update_routing_bias(model, aux, rate)` after the step.
 
 The multi-token-prediction module (one extra layer predicting token t+2) is not built: the model is the 61-layer
@@ -16,15 +16,23 @@ without MTP.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from zoo.layers import MLP, RMSNorm, Rope, YarnScaling
 from zoo.layers.mla import MLA
-from zoo.layers.moe import BACKENDS, MoE, check_routing, resolve_backend, update_routing_bias
+from zoo.layers.moe import (
+    BACKENDS,
+    Experts,
+    GroupLimitedRouter,
+    MoE,
+    backend_choice,
+    check_routing,
+    resolve_backend,
+    total_balance_loss,
+    update_routing_bias,
+)
 from zoo.layers.tagged import TaggedLayer
 from zoo.models.config import LMConfig, check_non_negative, check_positive, check_positive_float
 from zoo.models.lm import CausalLM
@@ -104,6 +112,18 @@ class DeepSeekV3Config(LMConfig):
     def num_moe_layers(self) -> int:
         return self.num_layers - self.first_dense_layers
 
+    def attention_head_dim(self) -> int:
+        """MLA's q/k head dim and value head dim, padded to the larger (see zoo.layers.mla)."""
+        return max(self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim)
+
+    def kernel_choices(self, device) -> dict[str, str]:
+        name, why = backend_choice(self.moe_backend, dtype=self.compute_dtype, device=device)
+        return {"moe backend": f"{name} ({why})"}
+
+    def mesh_divisors(self) -> tuple[tuple[str, str], ...]:
+        return ((("tp", "num_heads"), ("tp", "mlp_dim"), ("tp", "moe_mlp_dim"), ("ep", "num_experts"))
+                + super().mesh_divisors())
+
     def rope(self) -> Rope:
         return Rope(dim=self.qk_rope_head_dim, theta=self.rope_theta, scaling=self.rope_scaling)
 
@@ -123,12 +143,7 @@ class DeepSeekDecoderLayer(TaggedLayer):
                         implementation=cfg.attention_impl, rngs=rngs, **common)
         self.mlp_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, **common)
         if moe:
-            self.mlp = MoE(dim=cfg.dim, num_experts=cfg.num_experts, k=cfg.num_experts_per_tok,
-                           hidden=cfg.moe_mlp_dim, num_shared_experts=cfg.num_shared_experts, n_group=cfg.n_group,
-                           topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
-                           norm_topk_prob=cfg.norm_topk_prob, backend=cfg.moe_backend,
-                           capacity_factor=cfg.capacity_factor, balance_loss_weight=cfg.balance_loss_weight,
-                           rngs=rngs, **common)
+            self.mlp = deepseek_moe(cfg, rngs=rngs)
         else:
             self.mlp = MLP(dim=cfg.dim, hidden=cfg.mlp_dim, rngs=rngs, **common)
         self.moe = moe
@@ -139,6 +154,20 @@ class DeepSeekDecoderLayer(TaggedLayer):
             return x + self.mlp(self.mlp_norm(x))
         y, aux = self.mlp(self.mlp_norm(x))
         return x + y, aux
+
+
+def deepseek_moe(cfg: DeepSeekV3Config, *, rngs: nnx.Rngs) -> MoE:
+    """DeepSeek-V3's MoE: the group-limited sigmoid router with its bias, the routed experts, the shared expert."""
+    common = dict(dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype)
+    router = GroupLimitedRouter(dim=cfg.dim, num_experts=cfg.num_experts, k=cfg.num_experts_per_tok,
+                                n_group=cfg.n_group, topk_group=cfg.topk_group,
+                                routed_scaling_factor=cfg.routed_scaling_factor, norm_topk_prob=cfg.norm_topk_prob,
+                                balance_loss_weight=cfg.balance_loss_weight, param_dtype=cfg.weight_dtype, rngs=rngs)
+    experts = Experts(num_experts=cfg.num_experts, dim=cfg.dim, hidden=cfg.moe_mlp_dim, rngs=rngs, **common)
+    shared = MLP(dim=cfg.dim, hidden=cfg.moe_mlp_dim * cfg.num_shared_experts, tag_prefix="shared_", rngs=rngs,
+                 **common) if cfg.num_shared_experts else None
+    return MoE(dim=cfg.dim, router=router, experts=experts, shared=shared, backend=cfg.moe_backend,
+               capacity_factor=cfg.capacity_factor, dtype=cfg.compute_dtype)
 
 
 class DeepSeekV3(CausalLM):
@@ -156,9 +185,3 @@ class DeepSeekV3(CausalLM):
 def deepseek_v3(cfg: DeepSeekV3Config, *, recipe: Recipe | None = None, rngs: nnx.Rngs) -> DeepSeekV3:
     """Build DeepSeek-V3. `recipe` (default: `Recipe.none()`) decides each tag's placement in both stacks."""
     return DeepSeekV3(cfg, recipe=recipe, rngs=rngs)
-
-
-def total_balance_loss(aux: dict[str, Any]) -> jax.Array:
-    """The sequence-wise balance loss summed over every MoE layer of `model(tokens, return_aux=True)[1]`."""
-    losses = [jnp.sum(a["balance_loss"]) for a in aux.values() if isinstance(a, dict) and "balance_loss" in a]
-    return sum(losses, jnp.zeros((), jnp.float32))

@@ -56,6 +56,12 @@ class LlamaConfig(LMConfig):
         return cls(**{**dict(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                              mlp_dim=128, dtype="float32", param_dtype="float32"), **overrides})
 
+    def attention_head_dim(self) -> int:
+        return self.head_dim
+
+    def mesh_divisors(self) -> tuple[tuple[str, str], ...]:
+        return (("tp", "num_heads"), ("tp", "num_kv_heads"), ("tp", "mlp_dim")) + super().mesh_divisors()
+
     def rope(self) -> Rope:
         return Rope(dim=self.head_dim, theta=self.rope_theta, scaling=self.rope_scaling)
 

@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from zoo.layers import Embed, LMHead, RMSNorm
+from zoo.layers.linear import Stored
 from zoo.models.config import LMConfig
 from zoo.models.stack import Stack
 from zoo.recipe import Recipe
@@ -85,9 +86,8 @@ class CausalLM(nnx.Module):
         x = self.embed(tokens)
         policy = self.recipe.policy()
         aux: dict[str, Any] = {}
-        offload_impl = getattr(self.config, "offload_impl", "xla")
         for stack_name, stack in self.stacks().items():
-            x, aux[stack_name] = stack(x, policy, offload_impl=offload_impl)
+            x, aux[stack_name] = stack(x, policy)
         x = self.norm(x)
         logits = self.embed_attend(x) if self.lm_head is None else self.lm_head(x)
         return (logits, aux) if return_aux else logits
@@ -123,8 +123,7 @@ def check_tokens(tokens, vocab_size: int):
 
 
 def count_params(model: nnx.Module) -> int:
-    """Number of parameters (works on `nnx.eval_shape` models: nothing is allocated): every `nnx.Param`, and
-    DeepSeek-V3's routing biases, which the published checkpoints store though no gradient trains them."""
-    from zoo.layers.moe import RoutingBias
-
-    return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, (nnx.Param, RoutingBias))))
+    """Number of parameters (works on `nnx.eval_shape` models: nothing is allocated): every `nnx.Param`, and every
+    `Stored` variable (e.g. DeepSeek-V3's routing biases), which the published checkpoints store though no gradient
+    trains them."""
+    return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, (nnx.Param, Stored))))

@@ -63,17 +63,8 @@ class Stack(nnx.Module):
         self.layers = create(rngs)
         self.num_layers = num_layers
 
-    def __call__(self, x: jax.Array, policy, *, offload_impl: str = "xla") -> tuple[jax.Array, Any]:
-        """Apply every layer in order under the checkpoint `policy`. Returns (x, aux stacked over layers).
-
-        `offload_impl` chooses how offloaded residuals move: "xla" (JAX's checkpoint offload, below) or the
-        stack's own explicit mechanism (zoo/models/offload_scan.py), which takes over when the policy offloads."""
-        if offload_impl != "xla":
-            from zoo.models import offload_scan
-
-            out = offload_scan.apply(self, x, policy, offload_impl)
-            if out is not None:
-                return out
+    def __call__(self, x: jax.Array, policy) -> tuple[jax.Array, Any]:
+        """Apply every layer in order under the checkpoint `policy`. Returns (x, aux stacked over layers)."""
         if self.num_layers == 1:
             # XLA removes a while loop that runs once, and the host offloads inside it with it: measured on the
             # H200 (jax 0.11.2), a one-layer scan offloaded nothing. One layer is applied without a scan.

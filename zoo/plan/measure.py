@@ -16,13 +16,16 @@ recipe (the default policy is the model's own recipe's).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import io
 import math
 import re
 from typing import Any
 
 import jax
+import jax.ad_checkpoint
 import jax.extend.core
 import jax.numpy as jnp
 from flax import nnx
@@ -32,12 +35,14 @@ from zoo.models.registry import family_of
 from zoo.models.stack import remat
 from zoo.recipe import Recipe
 
-try:  # public in newer JAX releases
-    from jax.ad_checkpoint import saved_residuals as _saved_residuals  # type: ignore[attr-defined]
-except ImportError:  # jax <= 0.11: same function, private module
-    from jax._src.ad_checkpoint import saved_residuals as _saved_residuals
-
 _NAMED = re.compile(r"named '([^']+)'")
+# One line of `jax.ad_checkpoint.print_saved_residuals`: "f32<host>[2,8] named 'q' from ...", the aval in JAX's
+# short form (`aval.str_short(short_dtypes=True)`), then where it comes from.
+_LINE = re.compile(r"^(\w+)(<(\w+)>)?\[([\d,]*)\] (.*)$")
+# JAX's short dtype names (float32 -> f32, int8 -> i8, uint8 -> u8, bfloat16 -> bf16) back to dtypes.
+_SHORT_DTYPES = {jnp.dtype(d).name.replace("float", "f").replace("uint", "u").replace("int", "i"): jnp.dtype(d)
+                 for d in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                           "float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,19 +58,30 @@ class Residual:
         return int(jnp.dtype(self.dtype).itemsize) * math.prod(self.shape)  # math.prod: no int32 overflow
 
 
-def _is_host(aval) -> bool:
-    space = getattr(aval, "memory_space", None)
-    return "host" in str(space).lower() or "<host>" in str(aval)
+def saved_residuals(fn, *args) -> list[tuple[tuple[int, ...], Any, bool, str]]:
+    """(shape, dtype, on the host, source) of each residual JAX saves for `fn(*args)`, read through the public
+    `jax.ad_checkpoint.print_saved_residuals` (jax 0.10-0.11 keep `saved_residuals` itself private)."""
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        jax.ad_checkpoint.print_saved_residuals(fn, *args)
+    out = []
+    for line in text.getvalue().splitlines():
+        m = _LINE.match(line)
+        if m is None or m.group(1) not in _SHORT_DTYPES:
+            raise ValueError(f"print_saved_residuals printed a line zoo.plan.measure cannot read: {line!r}")
+        shape = tuple(int(d) for d in m.group(4).split(",") if d)
+        out.append((shape, _SHORT_DTYPES[m.group(1)], "host" in (m.group(3) or ""), m.group(5)))
+    return out
 
 
 def residuals(fn, *args) -> list[Residual]:
     """Residuals JAX saves to differentiate `fn(*args)` (a scalar function), excluding the arguments."""
     out = []
-    for aval, src in _saved_residuals(fn, *args):
+    for shape, dtype, host, src in saved_residuals(fn, *args):
         if src.startswith("from the argument"):
             continue
         m = _NAMED.search(src)
-        out.append(Residual(tuple(aval.shape), aval.dtype, _is_host(aval), m.group(1) if m else None, src))
+        out.append(Residual(shape, dtype, host, m.group(1) if m else None, src))
     return out
 
 
@@ -169,7 +185,7 @@ def flops(jaxpr) -> int:
             lc = dn.dot_dimension_numbers[0][0] if dn is not None else (eqn.invars[0].aval.ndim - 1,)
             k = math.prod(eqn.invars[0].aval.shape[i] for i in lc)
             total += 2 * math.prod(eqn.outvars[0].aval.shape) * k
-        for sub in tags_lib._sub_jaxprs(eqn.params):
+        for sub in tags_lib.sub_jaxprs(eqn.params):
             total += flops(sub)
     return total
 

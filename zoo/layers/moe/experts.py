@@ -1,0 +1,55 @@
+"""The routed experts: `num_experts` SwiGLU feed-forwards stored stacked, run over the rows dispatched to them.
+
+Tags: moe_mlpwi_0 (gate, before the activation), moe_mlpwi_1 (up), moe_mlpwo (down), over the sorted rows
+[B*S*k, ...] (dropless backends) or the capacity buffer [experts, C, ...]. No tag sits inside a loop: the stack is
+the only scan that holds tags (a grouped-matmul kernel may loop internally).
+
+Parameter names follow transformers (`experts.{e}.gate_proj` ...): gate_proj, up_proj [E, D, F], down_proj [E, F, D].
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zoo import sharding
+from zoo.layers.linear import logical
+from zoo.layers.moe.dispatch import GROUPED_MATMULS
+from zoo.tags import name
+
+
+class Experts(nnx.Module):
+    """`num_experts` SwiGLU experts, stored stacked: gate_proj, up_proj [E, D, F], down_proj [E, F, D]."""
+
+    def __init__(self, *, num_experts: int, dim: int, hidden: int, dtype=jnp.float32, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        def param(shape, axes):
+            init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=1, out_axis=2,
+                                                     batch_axis=(0,))
+            return nnx.Param(init(rngs.params(), shape, param_dtype), **logical(axes))
+
+        self.gate_proj = param((num_experts, dim, hidden), ("experts", "embed", "moe_mlp"))
+        self.up_proj = param((num_experts, dim, hidden), ("experts", "embed", "moe_mlp"))
+        self.down_proj = param((num_experts, hidden, dim), ("experts", "moe_mlp", "embed"))
+        self.num_experts, self.dtype = num_experts, dtype
+
+    def weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return tuple(w[...].astype(self.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
+
+    def grouped(self, rows: jax.Array, group_sizes: jax.Array, backend: str) -> jax.Array:
+        """rows [N, D] sorted by expert, group_sizes [E] -> [N, D] through each row's expert (dropless)."""
+        matmul = GROUPED_MATMULS[backend]()
+        w_gate, w_up, w_down = self.weights()
+        gate = name(matmul(rows, w_gate, group_sizes), "moe_mlpwi_0", (None, "moe_mlp"))
+        up = name(matmul(rows, w_up, group_sizes), "moe_mlpwi_1", (None, "moe_mlp"))
+        return name(matmul(jax.nn.silu(gate) * up, w_down, group_sizes), "moe_mlpwo", (None, "embed"))
+
+    def batched(self, buf: jax.Array) -> jax.Array:
+        """buf [E, C, D] (expert e's rows in buf[e]) -> [E, C, D]: a batched einsum per expert. Under a mesh the
+        buffers are constrained experts -> ep (and their rows over the batch groups' data axes)."""
+        w_gate, w_up, w_down = self.weights()
+        buf = sharding.constrain(buf, ("experts", "exp_batch", "embed"))
+        gate = name(jnp.einsum("ecd,edf->ecf", buf, w_gate), "moe_mlpwi_0", ("experts", "exp_batch", "moe_mlp"))
+        up = name(jnp.einsum("ecd,edf->ecf", buf, w_up), "moe_mlpwi_1", ("experts", "exp_batch", "moe_mlp"))
+        return name(jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, w_down), "moe_mlpwo",
+                    ("experts", "exp_batch", "embed"))

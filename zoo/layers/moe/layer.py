@@ -1,0 +1,133 @@
+"""The mixture-of-experts layer: a router, a dispatch backend, the routed experts and an optional shared expert.
+
+    y = sum over the token's k experts of weight * expert(x)  (+ shared(x))
+
+`MoE.__call__` returns (y, `MoEAux`): a typed record, which a scanned stack stacks over its layers like any pytree
+([L, E], [L], [L]). Training adds `total_balance_loss(aux)` to its loss and, for a router with a `RoutingBias`
+(DeepSeek-V3's auxiliary-loss-free balance), calls `update_routing_bias(model, aux, rate)` after the step. Load
+statistics are global (summed over the dispatch groups): the bias update is the same on any mesh.
+
+The bias is a `RoutingBias`, not an `nnx.Param`: optimizers over `nnx.Param` leave it alone. A functional loop that
+splits (params, rest) and merges inside `jax.grad` must merge with `nnx.merge(graphdef, params, rest, copy=True)`:
+otherwise the bias variable belongs to the outer trace and `nnx.scan` refuses it ("Cannot extract graph node from
+different trace level").
+
+Submodule names follow transformers (`gate`, `experts`, `shared_experts`), so the checkpoints' keys map one to one.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from einops import rearrange
+from flax import nnx, struct
+
+from zoo import sharding
+from zoo.layers.mlp import MLP
+from zoo.layers.moe import dispatch
+from zoo.layers.moe.experts import Experts
+from zoo.layers.moe.router import Router, RoutingBias
+from zoo.layers.tagged import TaggedLayer
+
+
+@struct.dataclass
+class MoEAux:
+    """What a MoE layer reports besides its output (stacked over layers by a scanned stack)."""
+    load: jax.Array           # float32 [E]: token copies routed to each expert (before any drop)
+    balance_loss: jax.Array   # float32 []: the router's balance loss, already weighted (add it to the loss)
+    dropped: jax.Array        # int32 []: copies dropped by capacity dispatch (0 for the dropless backends)
+
+
+class MoE(TaggedLayer):
+    def __init__(self, *, dim: int, router: Router, experts: Experts, shared: MLP | None = None,
+                 backend: dispatch.Backend = "auto", capacity_factor: float = 1.25, dtype=jnp.float32):
+        dispatch.backend_choice(backend, dtype=dtype)  # fail early on an unknown or missing backend
+        if router.num_experts != experts.num_experts:
+            raise ValueError(f"MoE: the router chooses among {router.num_experts} experts, but there are "
+                             f"{experts.num_experts}")
+        self.dim, self.dtype = dim, dtype
+        self.gate, self.experts, self.shared_experts = router, experts, shared
+        self.backend, self.capacity_factor = backend, capacity_factor
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEAux]:
+        """x [B, S, D] -> (y [B, S, D], aux)."""
+        b, s, _ = x.shape
+        backend, why = dispatch.backend_choice(self.backend, dtype=self.dtype)
+        if backend == "capacity" and self.backend == "auto":
+            _warn_once(f"MoE: {why}")
+        # Dispatch groups: one per shard of the batch under a mesh (GShard), one on a single device (a batch the
+        # mesh does not divide, e.g. the recipe check's batch of 1, gets gcd(batch, shards)). The dropless backends
+        # sort all copies at once (one group).
+        g = math.gcd(b, sharding.size_of("batch")) if backend == "capacity" else 1
+        flat = rearrange(x, "(g b) s d -> g (b s) d", g=g)
+        if g > 1:
+            flat = sharding.constrain(flat, ("batch", None, "embed"))
+        scores, weights, idx = self.gate(rearrange(flat, "g t d -> (g t) d"))
+        copies = dispatch.sort_by_expert(flat, rearrange(idx, "(g t) k -> g t k", g=g), self.gate.num_experts)
+        if backend == "capacity":
+            out, dropped = dispatch.capacity_dispatch(copies, self.experts.batched, self.capacity_factor)
+        else:
+            out = self.experts.grouped(copies.rows[0], copies.group_sizes[0], backend)[None]
+            dropped = jnp.zeros((), jnp.int32)
+        # Back to token order, weighted sum over each token's k experts (accumulated in float32).
+        out = rearrange(dispatch.unsort(out, copies), "g (t k) d -> (g t) k d", k=self.gate.k)
+        y = jnp.einsum("tkd,tk->td", out, weights.astype(out.dtype), preferred_element_type=jnp.float32)
+        y = rearrange(y.astype(self.dtype), "(g b s) d -> (g b) s d", g=g, s=s)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y, MoEAux(load=jnp.sum(copies.group_sizes, axis=0).astype(jnp.float32),
+                         balance_loss=self.gate.balance_loss(scores, idx, batch=b), dropped=dropped)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+# -- reading a model's aux ({stack: MoEAux stacked over layers, or {} for a stack without experts}) ----------------
+def moe_records(aux: Any) -> list[MoEAux]:
+    """The MoE records of a model's aux (`model(tokens, return_aux=True)[1]`), or of one layer's own aux."""
+    if isinstance(aux, MoEAux):
+        return [aux]
+    return [a for a in (aux.values() if isinstance(aux, dict) else ()) if isinstance(a, MoEAux)]
+
+
+def total_balance_loss(aux: Any) -> jax.Array:
+    """The balance loss summed over every MoE layer."""
+    return sum((jnp.sum(a.balance_loss) for a in moe_records(aux)), jnp.zeros((), jnp.float32))
+
+
+def drops(aux: Any) -> tuple[jax.Array, jax.Array]:
+    """(token copies dropped by capacity dispatch, token copies routed), summed over every MoE layer."""
+    records = moe_records(aux)
+    dropped = sum((jnp.sum(a.dropped).astype(jnp.int32) for a in records), jnp.zeros((), jnp.int32))
+    routed = sum((jnp.sum(a.load).astype(jnp.int32) for a in records), jnp.zeros((), jnp.int32))
+    return dropped, routed
+
+
+def routing_bias_delta(load: jax.Array, rate: float) -> jax.Array:
+    """The auxiliary-loss-free step of the bias for per-expert `load` [..., E]: rate * sign(mean - load)."""
+    load = jnp.asarray(load, jnp.float32)
+    return rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+
+
+def update_routing_bias(model: nnx.Module, aux: Any, rate: float) -> None:
+    """Add `routing_bias_delta` in place to the `RoutingBias` of every stack of `model` whose aux is a `MoEAux`
+    ([L, E] loads), or of a single MoE layer given its own aux ([E])."""
+    if isinstance(aux, MoEAux):
+        targets = [(model, aux.load)]
+    else:
+        targets = [(getattr(model, n), a.load) for n, a in aux.items() if isinstance(a, MoEAux)]
+    for module, load in targets:
+        biases = [v for _, v in nnx.iter_graph(module) if isinstance(v, RoutingBias)]
+        if len(biases) != 1 or biases[0].shape != load.shape:
+            raise ValueError(f"update_routing_bias: expected one RoutingBias of shape {load.shape} in "
+                             f"{type(module).__name__}, found {[b.shape for b in biases]}")
+        biases[0][...] = biases[0][...] + routing_bias_delta(load, rate).astype(biases[0].dtype)

@@ -1,0 +1,38 @@
+"""Sharding constraints by logical axis names: the one piece of sharding a tag site needs (`zoo.tags.name`).
+
+A no-op unless a mesh and Flax's logical-axis rules are both active (`zoo.sharding.use` activates them); the rule
+sets and the mesh live in `zoo.sharding`, which builds on this module.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+from flax import linen as nn
+
+
+def active() -> bool:
+    """True while a mesh and logical-axis rules are both active."""
+    return bool(nn.get_logical_axis_rules()) and not jax.sharding.get_abstract_mesh().empty
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """A sharding constraint by logical axis names (flax's `with_logical_constraint`); a no-op unless a mesh and
+    rules are active (see `use`)."""
+    if len(axes) != x.ndim:
+        raise ValueError(f"constrain: {len(axes)} logical axes {tuple(axes)} for an array of rank {x.ndim}")
+    if not active():
+        return x
+    return nn.with_logical_constraint(x, tuple(axes))
+
+
+def size_of(logical: str) -> int:
+    """How many shards the active rules split the logical axis `logical` into (1 when none are active)."""
+    if not active():
+        return 1
+    spec = nn.logical_to_mesh_axes((logical,))[0]
+    if spec is None:
+        return 1
+    shape = jax.sharding.get_abstract_mesh().shape
+    return math.prod(shape[a] for a in ((spec,) if isinstance(spec, str) else spec))
