@@ -1,4 +1,4 @@
-"""Issue 14's measurement: a Llama slice under one recipe and one offload mechanism, one process per configuration.
+"""A Llama slice under one recipe and one offload mechanism, one process per configuration.
 
     XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true \
         python -m bench.overlap_slice minimal_offload --shape 405b --layers 3 [--profile DIR]
@@ -68,11 +68,13 @@ def main():
     ap.add_argument("--pgle", action="store_true",
                     help="then compile again with profile-guided latency estimation (bench.common."
                          "profile_guided) and time that too (step_s_pgle)")
+    ap.add_argument("--mlp-chunks", type=int, default=1,
+                    help="the MLP in this many sequence chunks (LMConfig.mlp_seq_chunks: earlier gate/up copies)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script only)")
     a = ap.parse_args()
     on_gpu = jax.devices()[0].platform == "gpu"
     shape = "tiny" if a.smoke else a.shape
-    kw = dict(num_layers=a.layers, param_dtype="bfloat16", dtype="bfloat16")
+    kw = dict(num_layers=a.layers, param_dtype="bfloat16", dtype="bfloat16", mlp_seq_chunks=a.mlp_chunks)
     if on_gpu:
         kw["attention_impl"] = "cudnn"
     cfg = PRESETS[shape](**kw)
@@ -157,7 +159,7 @@ def main():
         return out
 
     guarded(run, bench=BENCH[shape], impl="zoo", mechanism="xla", recipe=a.recipe, backend=None, gpus=1,
-            mesh=None, B=batch, S=seq, L=a.layers,
+            mesh=None, B=batch, S=seq, L=a.layers, mlp_seq_chunks=a.mlp_chunks,
             date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind))
 
 

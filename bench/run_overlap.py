@@ -58,7 +58,8 @@ class Job:
 def zoo(recipe, shape="405b", layers=3, batch=2, setting="zoo", extra=(), est=75, gpu=None):
     flags, options = SETTINGS[setting]
     env = {"BENCH_PLAN_PEAK": "none", **({} if options is None else {"BENCH_OPTIONS": options})}
-    return Job(f"zoo-{shape}-L{layers}-B{batch}-{recipe}-{setting}",
+    chunks = extra[extra.index("--mlp-chunks") + 1] if "--mlp-chunks" in extra else "1"
+    return Job(f"zoo-{shape}-L{layers}-B{batch}-{recipe}-{setting}" + ("" if chunks == "1" else f"-mlp{chunks}"),
                [sys.executable, "-m", "bench.overlap_slice", recipe, "--shape", shape, "--layers", str(layers),
                 "--batch", str(batch), "--steps", "4", *extra], flags, est, 200, env=env,
                ident={"bench": f"llama{shape}-slice", "impl": "zoo", "recipe": recipe, "setting": setting},
@@ -91,6 +92,15 @@ def main_job(recipe, est=110, gpu=None, log_dir=None):
                       "log": f"{work}/train.log"}, gpu=gpu)
 
 
+def command(name: str, argv: list[str], est: float, gpu=None) -> Job:
+    """A command as a user types it (no XLA_FLAGS): its log is the output."""
+    return Job(name, [sys.executable, *argv], "", est, 300, ident={"bench": name, "impl": "zoo-command"}, gpu=gpu)
+
+
+README_GPU = ["-m", "recipes.train", "--model", "llama3", "--preset", "llama3_1_8b", "--set", "num_layers=8",
+              "--recipe", "qkv_offload", "--batch", "2", "--seq", "8192", "--steps", "30"]
+
+
 def jobs(anchor_dir: str, out: str, scenarios: str = "slices") -> list[Job]:
     """`slices`: GPU 0 the 405B slice's ratios (each pair on one chip), GPU 1 the settings, depth and the DeepSeek
     slice. `jobs`: the main job on GPU 0, the DeepSeek slice's offload pair and `auto` on GPU 1."""
@@ -116,6 +126,15 @@ def jobs(anchor_dir: str, out: str, scenarios: str = "slices") -> list[Job]:
                 zoo("qkv_offload", extra=pg, est=90, gpu="1"), zoo("save_qkv", extra=pg, est=90, gpu="1"),
                 zoo("minimal_offload", layers=6, batch=1, extra=pg, est=100, gpu="1"),
                 zoo("full", layers=6, batch=1, extra=pg, est=90, gpu="1")]
+    if scenarios == "chunks":   # the MLP in sequence chunks: the gate/up copies start before the layer ends
+        ch = lambda n: ["--mlp-chunks", str(n)]  # noqa: E731
+        return [zoo("minimal_offload", extra=ch(4), gpu="0"), zoo("minimal", gpu="0"),
+                zoo("minimal_offload", gpu="0"), zoo("minimal_offload", extra=ch(2), gpu="0"),
+                zoo("minimal", extra=ch(4), gpu="0"),
+                command("readme-gpu-quickstart", README_GPU, est=150, gpu="1"),
+                zoo("minimal_offload", layers=6, batch=1, extra=ch(4), est=90, gpu="1"),
+                zoo("qkv_offload", extra=ch(4), gpu="1"), zoo("full", layers=6, batch=1, est=90, gpu="1"),
+                zoo("minimal_offload", extra=ch(8), gpu="1")]
     if scenarios == "jobs":
         return [main_job("qkv_offload", gpu="0"), main_job("save_qkv", gpu="0"), main_job("auto", gpu="0"),
                 deepseek("save_mla_moe", gpu="1"), deepseek("mla_moe_offload", gpu="1"), deepseek("auto", gpu="1"),
@@ -191,7 +210,7 @@ def main():
     ap.add_argument("--only", default=None, help="regex over job names")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--scenarios", default="slices",
-                    choices=("slices", "jobs", "probe", "pgle", "pipelined"))
+                    choices=("slices", "jobs", "probe", "pgle", "pipelined", "chunks"))
     a = ap.parse_args()
     os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
     todo = jobs(a.anchor_dir, a.out, a.scenarios)

@@ -117,7 +117,7 @@ def _collect(jaxpr, found: dict[str, jax.ShapeDtypeStruct], prefix: tuple[int, .
             sds = jax.ShapeDtypeStruct(prefix + tuple(aval.shape), aval.dtype)
             tag = eqn.params["name"]
             if tag in found:
-                raise ValueError(f"tag {tag!r} is emitted twice in one layer; each tag names one tensor")
+                sds = _joined(tag, found[tag], sds, len(prefix) + 1)
             found[tag] = sds
         elif eqn.primitive.name in _LOOPS:
             held = _tag_or_offload(eqn.params)
@@ -130,6 +130,18 @@ def _collect(jaxpr, found: dict[str, jax.ShapeDtypeStruct], prefix: tuple[int, .
         else:
             for sub in sub_jaxprs(eqn.params):
                 _collect(sub, found, prefix)
+
+
+def _joined(tag: str, a: jax.ShapeDtypeStruct, b: jax.ShapeDtypeStruct, axis: int) -> jax.ShapeDtypeStruct:
+    """A tag emitted more than once in one layer names one tensor made in sequence chunks (e.g. `MLP(seq_chunks=n)`):
+    the chunks must agree on everything but the sequence axis (axis 1 of [B, S, ...]), and the tag's shape is their
+    concatenation. Anything else is two tensors under one name: a ValueError."""
+    same = (a.dtype == b.dtype and len(a.shape) == len(b.shape) > axis
+            and a.shape[:axis] + a.shape[axis + 1:] == b.shape[:axis] + b.shape[axis + 1:])
+    if not same:
+        raise ValueError(f"tag {tag!r} is emitted twice in one layer with shapes {a.shape} {a.dtype} and {b.shape} "
+                         f"{b.dtype}; a tag names one tensor (sequence chunks of it differ only in the sequence axis)")
+    return jax.ShapeDtypeStruct(a.shape[:axis] + (a.shape[axis] + b.shape[axis],) + a.shape[axis + 1:], a.dtype)
 
 
 def emitted(fn: Callable[..., Any], *args: Any) -> dict[str, jax.ShapeDtypeStruct]:

@@ -2,6 +2,14 @@
 
 Tags: {prefix}mlpwi_0 (gate, before the activation), {prefix}mlpwi_1 (up), {prefix}mlpwo (down). The prefix
 lets the same layer serve as DeepSeek-V3's shared expert ("shared_").
+
+`seq_chunks=n` runs the MLP on n equal slices of the sequence, one after the other, each slice's tensors tagged
+with the layer's tags (the tag's tensor is their concatenation: `zoo.tags.emitted`). The arithmetic is the same
+(every token's MLP is independent); what changes is when each tagged tensor exists. An offloaded tensor's copy to
+the host can start only once the whole tensor is made: in one piece, the gate and up projections' copies start
+after the last matmul that makes them and finish after the layer's compute, so the scan waits for them at the end
+of every forward iteration (and for their reloads at the start of every backward one). In n pieces the first
+piece's copies run under the later pieces' compute and only the last piece's are exposed.
 """
 from __future__ import annotations
 
@@ -19,8 +27,11 @@ PREFIXES = ("", "shared_")
 
 class MLP(TaggedLayer):
     def __init__(self, *, dim: int, hidden: int, dtype=jnp.float32, param_dtype=jnp.float32, tag_prefix: str = "",
-                 rngs: nnx.Rngs):
+                 seq_chunks: int = 1, rngs: nnx.Rngs):
         self.dim, self.dtype = dim, dtype
+        if isinstance(seq_chunks, bool) or not isinstance(seq_chunks, int) or seq_chunks <= 0:
+            raise ValueError(f"MLP seq_chunks must be a positive int, got {seq_chunks!r}")
+        self.seq_chunks = seq_chunks
         if tag_prefix not in PREFIXES:
             raise ValueError(f"MLP tag_prefix must be one of {PREFIXES}, got {tag_prefix!r}")
         common = dict(dtype=dtype, param_dtype=param_dtype, n_in=1, rngs=rngs)
@@ -30,6 +41,14 @@ class MLP(TaggedLayer):
         self.tag_prefix = tag_prefix
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        n = self.seq_chunks
+        if n == 1:
+            return self._ffn(x)
+        if x.shape[1] % n:
+            raise ValueError(f"MLP seq_chunks={n} must divide the sequence length {x.shape[1]}")
+        return jnp.concatenate([self._ffn(part) for part in jnp.split(x, n, axis=1)], axis=1)
+
+    def _ffn(self, x: jax.Array) -> jax.Array:
         p = self.tag_prefix
         gate = name(self.gate_proj(x), f"{p}mlpwi_0", BSF)
         up = name(self.up_proj(x), f"{p}mlpwi_1", BSF)

@@ -139,10 +139,11 @@ class LMConfig:
     dtype: str = "bfloat16"            # activations
     param_dtype: str = "float32"       # parameters
     attention_impl: str | None = None  # None: XLA (any device); "cudnn": cuDNN flash attention (GPU, bf16)
+    mlp_seq_chunks: int = 1            # the dense MLP in this many sequence chunks (zoo.layers.mlp: earlier copies)
 
     def __post_init__(self):
         check_types(self)
-        check_positive(self, "vocab_size", "dim", "num_layers")
+        check_positive(self, "vocab_size", "dim", "num_layers", "mlp_seq_chunks")
         check_positive_float(self, "norm_eps")
         dtype_of(f"{type(self).__name__}.dtype", self.dtype)
         dtype_of(f"{type(self).__name__}.param_dtype", self.param_dtype)

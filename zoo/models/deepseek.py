@@ -145,7 +145,7 @@ class DeepSeekDecoderLayer(TaggedLayer):
         if moe:
             self.mlp = deepseek_moe(cfg, rngs=rngs)
         else:
-            self.mlp = MLP(dim=cfg.dim, hidden=cfg.mlp_dim, rngs=rngs, **common)
+            self.mlp = MLP(dim=cfg.dim, hidden=cfg.mlp_dim, seq_chunks=cfg.mlp_seq_chunks, rngs=rngs, **common)
         self.moe = moe
 
     def __call__(self, x: jax.Array):

@@ -75,7 +75,8 @@ class LlamaDecoderLayer(TaggedLayer):
                               head_dim=cfg.head_dim, rope=cfg.rope(), dtype=dtype, param_dtype=param_dtype,
                               implementation=cfg.attention_impl, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype)
-        self.mlp = MLP(dim=cfg.dim, hidden=cfg.mlp_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.mlp = MLP(dim=cfg.dim, hidden=cfg.mlp_dim, dtype=dtype, param_dtype=param_dtype,
+                       seq_chunks=cfg.mlp_seq_chunks, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x + self.attn(self.attn_norm(x))

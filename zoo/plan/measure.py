@@ -134,15 +134,26 @@ def placements_seen(model, stack_name: str, batch: int = 1, seq: int = 8, recipe
             seen[r.tag] = "offload" if r.host else "device"
         elif r.host:
             host.append((r.shape, jnp.dtype(r.dtype)))
-    # Prefer the tags the recipe offloads when shapes tie, so that a faithful recipe reads back as itself.
-    order = sorted(emitted, key=lambda t: recipe.placement(t) != "offload")
+    # A tag made in sequence chunks (zoo.tags.emitted) is saved as one residual per chunk: each host residual fills
+    # its tag's sequence axis until the whole tag is on the host. Prefer a tag already partly filled, then the tags
+    # the recipe offloads when shapes tie, so that a faithful recipe reads back as itself.
+    left = {t: sds.shape[1] if len(sds.shape) > 1 else 1 for t, sds in emitted.items()}
+
+    def fits(t, shape, dtype) -> bool:
+        e = emitted[t].shape
+        if seen[t] != "remat" or jnp.dtype(emitted[t].dtype) != dtype or len(e) != len(shape):
+            return False
+        return e == shape if len(e) < 2 else (e[:1] + e[2:] == shape[:1] + shape[2:] and shape[1] <= left[t])
+
     for shape, dtype in host:
-        for t in order:
-            if seen[t] == "remat" and emitted[t].shape == shape and jnp.dtype(emitted[t].dtype) == dtype:
-                seen[t] = "offload"
-                break
-        else:
+        order = sorted(emitted, key=lambda t: (left[t] == (emitted[t].shape[1:2] or (1,))[0],
+                                               recipe.placement(t) != "offload"))
+        t = next((t for t in order if fits(t, shape, dtype)), None)
+        if t is None:
             raise AssertionError(f"host residual {dtype}{list(shape)} matches no tag of {stack_name}")
+        left[t] -= shape[1] if len(shape) > 1 else 1
+        if left[t] == 0:
+            seen[t] = "offload"
     return seen
 
 
