@@ -78,6 +78,19 @@ class quiet_stderr:
         self.buffer.close()
 
 
+def collect_quietly() -> None:
+    """Collect what a failed orbax read or write left behind (its coroutines and tasks, and their event loop) now,
+    with `sys.unraisablehook` silenced: collected later, each prints an "Exception ignored in ..." traceback for an
+    error the caller has already reported in one line."""
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: None
+    try:
+        for _ in range(3):   # a coroutine's frame holds the task that holds the loop: a few rounds free them all
+            gc.collect()
+    finally:
+        sys.unraisablehook = hook
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written."""
 
@@ -140,7 +153,7 @@ class Checkpoints:
             except Exception as e:
                 failure = e
                 time.sleep(0.5)   # writes still in flight fail in the library's threads: their output is held too
-                gc.collect()      # and the failed tasks' "exception was never retrieved" logs, written when collected
+                collect_quietly()   # and the failed tasks' "exception was never retrieved" logs
                 logging.getLogger("asyncio").setLevel(logging.CRITICAL)   # any still to come: the run is ending
                 self._remove_partial(step, None if existed else folder)
         if failure is not None:
@@ -221,6 +234,8 @@ class Checkpoints:
                     except Exception as e:   # orbax/tensorstore errors have no common base class
                         detail = str(e).split("\n")[0].split(" See full TensorStore details")[0]
                         reason = f"restoring it failed: {detail[:200]}"
+                        del e
+                        collect_quietly()
             if reason is not None:
                 damaged.append((step, reason))
                 continue
@@ -257,3 +272,4 @@ class Checkpoints:
 
     def close(self) -> None:
         self.manager.close()
+        collect_quietly()   # a failed restore's coroutines, held by orbax until now

@@ -1,6 +1,7 @@
 """The memory planner: the study's figures, exactness against JAX's own residuals, recompute FLOPs, model state,
 warnings, the automatic recipe, the command line (`python -m recipes.plan`) and the direction of imports."""
 import dataclasses
+import io
 import json
 import math
 import os
@@ -12,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import rich.console
 from flax import nnx
 
 import zoo
@@ -436,3 +438,23 @@ def test_tags_are_traced_once_per_stack_and_shape(monkeypatch):
     audit.placements_seen(model, "layers", B, S, recipe=LLAMA_RECIPES["qkv_offload"])
     assert calls == [(1, 8, 48), (B, S, 48)]
     assert model.recipe == LLAMA_RECIPES["full"]
+
+
+def test_a_split_plan_shows_one_devices_shapes_beside_one_devices_bytes():
+    """Split over devices, the table's shape column is one device's part (the bytes beside it are per device)."""
+    recipe = LLAMA_RECIPES["qkv_offload"]
+    whole = zoo.plan(LLAMA_TINY, recipe, batch=4, seq=S, peak=None)
+    assert all(tp.device_shape is None for tp in whole.stacks[0].tags)
+    halves = zoo.plan(LLAMA_TINY, recipe, batch=4, seq=S, shard=2, peak=None)
+    meshed = zoo.plan(LLAMA_TINY, recipe, batch=4, seq=S, mesh={"fsdp": 2, "tp": 2}, peak=None)
+    heads = {tp.tag: tp for tp in meshed.stacks[0].tags}
+    for p, rows in ((halves, 2), (meshed, 2)):
+        for tp in p.stacks[0].tags:
+            assert tp.device_shape[0] == tp.shape[0] // rows
+            if tp.residual:
+                assert tp.nbytes == math.prod(tp.device_shape) * jnp.dtype(tp.dtype).itemsize
+    # tp splits the heads of the queries (4 heads -> 2 per device)
+    assert heads["query_proj"].shape[2] == 4 and heads["query_proj"].device_shape[2] == 2
+    text = io.StringIO()
+    zoo.plan.render(meshed, console=rich.console.Console(file=text, width=200))
+    assert "shape per device" in text.getvalue() and "2x8x2x16 f32" in text.getvalue()

@@ -260,7 +260,11 @@ def _walk(jaxpr, constrained: dict, found: dict) -> None:
         elif eqn.primitive.name == "name":
             aval = eqn.outvars[0].aval
             s = constrained.get(eqn.invars[0])
-            found[eqn.params["name"]] = tuple(aval.shape) if s is None else tuple(s.shard_shape(aval.shape))
+            shape = tuple(aval.shape) if s is None else tuple(s.shard_shape(aval.shape))
+            tag = eqn.params["name"]
+            if tag in found:   # made in sequence chunks (zoo.tags.emitted): the chunks' concatenation
+                shape = shape[:1] + (found[tag][1] + shape[1],) + shape[2:]
+            found[tag] = shape
         else:
             for sub in tags.sub_jaxprs(eqn.params):
                 _walk(sub, constrained, found)

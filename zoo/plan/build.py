@@ -314,7 +314,11 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
         flop_cfg = dataclasses.replace(cfg, attention_impl="xla")  # a second abstract model, only where cuDNN runs
     costs = {s: layer_cost(flop_cfg, s, batch, seq) for s in shapes}
     needed = {s: costs[s].residual_tags(shapes[s].tags) for s in shapes}
-    per_device = (mesh_plan.tag_bytes(model, batch, seq, amesh) if amesh is not None else
+    # one device's part of each tag: by the sharding rules under a mesh, the batch (rows) split evenly with shard=N
+    device_shapes = (sharding.tag_shard_shapes(model, batch, seq, amesh) if amesh is not None else
+                     {s: {t: (ceil_div(sds.shape[0], shard),) + tuple(sds.shape[1:]) for t, sds in st.tags.items()}
+                      for s, st in shapes.items()} if shard > 1 else None)
+    per_device = (mesh_plan.tag_bytes(shapes, device_shapes) if amesh is not None else
                   {s: {t: ceil_div(sds_nbytes(sds), shard) for t, sds in st.tags.items()} for s, st in shapes.items()})
 
     notes: dict[str, str] = {}
@@ -342,8 +346,9 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
                 device = nbytes if residual and place == "device" else 0
                 host = nbytes if residual and place == "offload" else 0
                 note = notes.get(tag) or ("" if residual else "not a residual: the backward pass never needs it")
+            split = None if device_shapes is None else tuple(device_shapes[s].get(tag, sds.shape))
             tag_plans.append(TagPlan(tag, tuple(sds.shape), jnp.dtype(sds.dtype).name, place, residual, nbytes,
-                                     device, host, note))
+                                     device, host, note, split))
         # JAX's own account of the stack: anything beyond the tags, and a check of the tags.
         jax_device, jax_host, hoisted = stack_residuals(model, s, batch, seq, policy)
         tag_device = sum(sds_nbytes(st.tags[t]) for t in st.tags if t in needed[s] and (

@@ -87,9 +87,9 @@ def model_state(model, mesh, optimizer: str, opt_dtype: str) -> ModelState:
                       optimizer_name=optimizer)
 
 
-def tag_bytes(model, batch: int, seq: int, mesh) -> dict[str, dict[str, int]]:
-    """{stack: {tag: per-device bytes of one layer's tensor}} at global [batch, seq] under `mesh`."""
-    shapes = model.tag_shapes(batch, seq)
-    per_device = sharding.tag_shard_shapes(model, batch, seq, mesh)
-    return {s: {t: math.prod(per_device[s].get(t, sds.shape)) * jnp.dtype(sds.dtype).itemsize
+def tag_bytes(shapes, device_shapes) -> dict[str, dict[str, int]]:
+    """{stack: {tag: per-device bytes of one layer's tensor}} from the model's tag shapes (`model.tag_shapes`) and
+    their per-device shapes (`zoo.sharding.tag_shard_shapes`); a tag with no sharding constraint is whole on every
+    device."""
+    return {s: {t: math.prod(device_shapes[s].get(t, sds.shape)) * jnp.dtype(sds.dtype).itemsize
                 for t, sds in st.tags.items()} for s, st in shapes.items()}

@@ -19,12 +19,14 @@ def render(p: Plan, console=None) -> None:
     colour = {"device": "green", "offload": "cyan", "remat": "magenta"}
     for s in p.stacks:
         t = Table(title=f"stack {s.name!r}: {s.num_layers} layers", title_justify="left")
-        for col in ("tag", "shape", "per layer", "placement", "note"):
+        split = any(tp.device_shape is not None for tp in s.tags)
+        for col in ("tag", "shape per device" if split else "shape", "per layer", "placement", "note"):
             t.add_column(col, justify="right" if col == "per layer" else "left", no_wrap=col != "note")
         for tp in s.tags:
             place = tp.placement if tp.residual else "-"
             note = "not a residual" if not tp.residual else "scan carry" if tp.tag == CARRY else ""
-            t.add_row(tp.tag, "x".join(map(str, tp.shape)) + " " + _SHORT.get(tp.dtype, tp.dtype),
+            shape = tp.shape if tp.device_shape is None else tp.device_shape
+            t.add_row(tp.tag, "x".join(map(str, shape)) + " " + _SHORT.get(tp.dtype, tp.dtype),
                       fmt_bytes(tp.nbytes) if tp.residual else "0", f"[{colour.get(place, 'white')}]{place}[/]", note)
         if s.untagged_bytes:
             t.add_row("(untagged)", "", fmt_bytes(s.untagged_bytes), "[green]device[/]", "saved by JAX, no tag")

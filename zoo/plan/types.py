@@ -53,9 +53,11 @@ class TagPlan:
     device_bytes: int               # held in HBM per layer
     host_bytes: int                 # held in host memory per layer
     note: str = ""                  # why it is where it is
+    device_shape: tuple[int, ...] | None = None   # one device's part when split over devices (None: not split)
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "shape": list(self.shape)}
+        return {**dataclasses.asdict(self), "shape": list(self.shape),
+                "device_shape": None if self.device_shape is None else list(self.device_shape)}
 
 
 @dataclasses.dataclass(frozen=True)
