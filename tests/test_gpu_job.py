@@ -100,7 +100,7 @@ def tiled_backend(monkeypatch):
     monkeypatch.setattr(moe, "tokamax_status", lambda: (True, "custom-VJP stand-in"))
 
 
-CFG = zoo.models.DeepSeekV3Config.tiny()
+CFG = zoo.models.DeepSeekV3Config.preset("tiny")
 B, S = 2, 8
 STACKS = ("dense_layers", "moe_layers")
 
@@ -166,8 +166,8 @@ CPU = jax.devices()[0]
 
 
 def test_attention_auto_takes_cudnn_on_a_gpu_for_gqa_and_mla():
-    llama = zoo.models.LlamaConfig.llama3_1_8b()
-    ds = zoo.models.DeepSeekV3Config.deepseek_v3_671b()
+    llama = zoo.models.LlamaConfig.preset("llama3_1_8b")
+    ds = zoo.models.DeepSeekV3Config.preset("deepseek_v3_671b")
     assert attention.kernel_head_dim(ds) == 192
     for cfg in (llama, ds):
         assert attention.resolve_impl(cfg, fake_gpu()).impl == "cudnn"
@@ -175,21 +175,21 @@ def test_attention_auto_takes_cudnn_on_a_gpu_for_gqa_and_mla():
 
 
 def test_attention_auto_on_a_gpu_that_cudnn_cannot_serve_warns_of_quadratic_memory():
-    ds = zoo.models.DeepSeekV3Config.deepseek_v3_671b()
+    ds = zoo.models.DeepSeekV3Config.preset("deepseek_v3_671b")
     with pytest.warns(UserWarning, match="quadratic"):
         choice = attention.resolve_impl(ds, fake_gpu(cc="8.0", kind="NVIDIA A100"))  # 192 > 128 before Hopper
     assert choice.impl == "xla" and "QUADRATIC" in choice.reason
     with pytest.warns(UserWarning, match="float32"):
-        assert attention.resolve_impl(zoo.models.LlamaConfig.tiny(), fake_gpu()).impl == "xla"
+        assert attention.resolve_impl(zoo.models.LlamaConfig.preset("tiny"), fake_gpu()).impl == "xla"
 
 
 def test_explicit_attention_choices_win_and_an_impossible_one_is_a_value_error():
-    cfg = zoo.models.LlamaConfig.llama3_1_8b(attention_impl="xla")
+    cfg = zoo.models.LlamaConfig.preset("llama3_1_8b", attention_impl="xla")
     assert attention.resolve_impl(cfg, fake_gpu()).impl == "xla"
     with pytest.raises(ValueError, match="attention_impl='cudnn' cannot run here: cuDNN runs only on NVIDIA"):
-        attention.resolve_impl(zoo.models.LlamaConfig.tiny(attention_impl="cudnn"), CPU)
+        attention.resolve_impl(zoo.models.LlamaConfig.preset("tiny", attention_impl="cudnn"), CPU)
     with pytest.raises(ValueError, match="cannot run here: cuDNN flash attention takes bf16/fp16"):
-        attention.resolve_impl(zoo.models.LlamaConfig.tiny(attention_impl="cudnn"), fake_gpu())
+        attention.resolve_impl(zoo.models.LlamaConfig.preset("tiny", attention_impl="cudnn"), fake_gpu())
 
 
 def test_a_built_model_says_which_attention_each_layer_runs():
