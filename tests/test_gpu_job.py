@@ -2,6 +2,7 @@
 loop-holding grouped matmul inside the MoE layer (a stand-in for tokamax's kernel), the choice of attention kernel
 and MoE backend per device, and the main job's dropped-copy accounting."""
 import collections
+import dataclasses
 import types
 
 import jax
@@ -119,7 +120,7 @@ def test_the_stand_in_equals_ragged_dot_and_really_loops():
 def test_offload_lands_as_planned_with_a_looping_grouped_matmul(backend, name, request):
     request.getfixturevalue(backend)
     recipe = RECIPES[name]
-    model = zoo.models.deepseek_v3(CFG.__class__.tiny(moe_backend="tokamax"), recipe=recipe, rngs=nnx.Rngs(0))
+    model = zoo.models.deepseek_v3(dataclasses.replace(CFG, moe_backend="tokamax"), recipe=recipe, rngs=nnx.Rngs(0))
     # the MoE layer really holds a loop now, and the guard lets it through
     graphdef, state = model.moe_layers.abstract_layer()
     x = jax.ShapeDtypeStruct((B, S, CFG.dim), jnp.float32)
@@ -146,7 +147,7 @@ def test_the_stand_in_backend_matches_ragged_dot_in_the_model(backend, request):
     request.getfixturevalue(backend)
     tokens = jax.random.randint(jax.random.key(1), (B, S), 0, CFG.vocab_size, dtype=jnp.int32)
     ref = zoo.models.deepseek_v3(CFG, rngs=nnx.Rngs(0))
-    got = zoo.models.deepseek_v3(CFG.__class__.tiny(moe_backend="tokamax"), rngs=nnx.Rngs(0))
+    got = zoo.models.deepseek_v3(dataclasses.replace(CFG, moe_backend="tokamax"), rngs=nnx.Rngs(0))
     forward = nnx.jit(lambda m: m(tokens))   # compiled: op-by-op dispatch through the scan is the slow part
     np.testing.assert_allclose(np.asarray(forward(got)), np.asarray(forward(ref)), rtol=1e-5, atol=1e-5)
     if backend == "tiled_backend":
