@@ -16,7 +16,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from zoo.models.config import DTYPES
+from zoo.dtypes import DTYPES
 
 # -- shared helpers ---------------------------------------------------------------------------------------
 

@@ -16,18 +16,10 @@ import typing
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import jax.numpy as jnp
-
+from zoo.dtypes import DTYPES, dtype_of
 from zoo.layers.moe import BACKENDS, backend_choice, resolve_backend
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
-
-
-def dtype_of(field: str, value: str):
-    if value not in DTYPES:
-        raise ValueError(f"{field}={value!r} is not a supported dtype; choose one of {sorted(DTYPES)}")
-    return DTYPES[value]
 
 
 def _options(hint) -> tuple[tuple[type, ...], bool]:
