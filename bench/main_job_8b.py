@@ -7,7 +7,7 @@ seq 8192, AdamW, beside the SGD bench of the same model (bench.common's step), o
 `main` runs the real command line in a child process (its own XLA flag set, `--metrics` file, one line per step)
 and turns the metrics into one record: median step time and model TFLOP/s of the steps after the first two,
 peak HBM and host bytes as the job reports them, dropped copies. The parent plans on the CPU only (it never
-touches the GPU the child uses). Both modes count the same model FLOPs (`recipes.registry.llama_flops_per_token`),
+touches the GPU the child uses). Both modes count the same model FLOPs (`zoo.models.llama.flops_per_token`),
 so their TFLOP/s compare. `--smoke`: the tiny preset on any device (checks the script only).
 """
 from __future__ import annotations
@@ -69,8 +69,8 @@ def run_main(a) -> None:
         emit({**ident, "error": f"rc={rc}, {len(rows)} steps logged; log tail: {tail}"})
         return
     step_s = statistics.median(m["batch"] * m["seq"] / r["tokens_per_s"] for r in timed)
-    cfg = zoo.models.LlamaConfig.llama3_1_8b(num_layers=m["layers"]) if not a.smoke else \
-        zoo.models.LlamaConfig.tiny(num_layers=m["layers"])
+    cfg = zoo.models.LlamaConfig.preset("llama3_1_8b", num_layers=m["layers"]) if not a.smoke else \
+        zoo.models.LlamaConfig.preset("tiny", num_layers=m["layers"])
     from recipes.llama3 import RECIPES
     peak = [r["peak_hbm_bytes"] for r in rows if r.get("peak_hbm_bytes")]
     kernels = [line.strip() for line in open(log) if line.startswith(("attention:", "moe backend:"))]
@@ -98,11 +98,11 @@ def run_sgd(a) -> None:
     from bench.common import guarded, measure, planned
     from recipes.llama3 import RECIPES
     from zoo.layers.attention import resolve_impl
-    from zoo.models.registry import llama_flops_per_token
+    from zoo.models.llama import flops_per_token as llama_flops_per_token
 
     m = _shape(a)
-    make = zoo.models.LlamaConfig.tiny if a.smoke else zoo.models.LlamaConfig.llama3_1_8b
-    cfg = make(num_layers=m["layers"], param_dtype="bfloat16", dtype="bfloat16")  # the benches' dtypes
+    cfg = zoo.models.LlamaConfig.preset("tiny" if a.smoke else "llama3_1_8b", num_layers=m["layers"],
+                                        param_dtype="bfloat16", dtype="bfloat16")  # the benches' dtypes
     recipe = RECIPES[a.recipe]
 
     def run():

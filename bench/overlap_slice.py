@@ -30,8 +30,7 @@ from bench.common import guarded, llama_step_flops, profile_guided, sgd_step_fn,
 from recipes.llama3 import RECIPES
 from zoo.plan import peak as peak_lib
 
-PRESETS = {"405b": zoo.models.LlamaConfig.llama3_1_405b, "8b": zoo.models.LlamaConfig.llama3_1_8b,
-           "tiny": zoo.models.LlamaConfig.tiny}
+PRESETS = {"405b": "llama3_1_405b", "8b": "llama3_1_8b", "tiny": "tiny"}  # --shape -> LlamaConfig preset
 BENCH = {"405b": "llama405b-slice", "8b": "llama8b-slice", "tiny": "llama-tiny-smoke"}
 
 
@@ -77,7 +76,7 @@ def main():
     kw = dict(num_layers=a.layers, param_dtype="bfloat16", dtype="bfloat16", mlp_seq_chunks=a.mlp_chunks)
     if on_gpu:
         kw["attention_impl"] = "cudnn"
-    cfg = PRESETS[shape](**kw)
+    cfg = zoo.models.LlamaConfig.preset(PRESETS[shape], **kw)
     batch, seq = (2, 64) if a.smoke else (a.batch, a.seq)
     recipe = RECIPES[a.recipe]
 

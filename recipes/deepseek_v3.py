@@ -14,6 +14,7 @@ MLA_QKV = ("query_proj", "key_proj", "value_proj")
 MOE_UP = ("moe_mlpwi_0", "moe_mlpwi_1")
 STUDY = MLA_QKV + MOE_UP
 
+DEFAULT = "mla_moe_offload"  # the study's recipe: what `--recipe` runs when not given
 RECIPES: dict[str, Recipe] = {
     "none": Recipe.none(),
     "full": Recipe.full(),

@@ -9,6 +9,7 @@ from zoo import Recipe
 QKV = ("query_proj", "key_proj", "value_proj")
 MATMULS = QKV + ("attention_out", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo")
 
+DEFAULT = "qkv_offload"  # the study's recipe: what `--recipe` runs when not given
 RECIPES: dict[str, Recipe] = {
     "none": Recipe.none(),
     "full": Recipe.full(),

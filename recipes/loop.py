@@ -34,6 +34,7 @@ import zoo.sharding
 from recipes import auto, cli, defaults, fit, guard, meter, watch
 from recipes import data as data_lib
 from recipes import mesh as mesh_lib
+from recipes import registry as recipe_registry
 from recipes.checkpoint import Checkpoints
 from recipes.interrupt import Interrupts
 from recipes.lock import DirLock
@@ -288,7 +289,7 @@ def kernel_choices(model_cfg, device: jax.Device, overrides=()) -> dict[str, str
     out = {"attention": str(resolve_impl(model_cfg, device))}
     for kernel, choice in model_cfg.kernel_choices(device).items():
         if "(asked for" in choice:   # an explicit choice: the user's --set or the preset's
-            field = "moe_backend" if kernel == "moe backend" else kernel.replace(" ", "_")
+            field = kernel.replace(" ", "_")   # a kernel is chosen by the config field of its name
             who = f"--set {field}" if field in dict(overrides) else f"the preset's {field}"
             choice = choice.replace("(asked for", f"({who}", 1)
         out[kernel] = choice
@@ -385,7 +386,7 @@ def _resolve(cfg: RunConfig):
     the device cannot run (e.g. cuDNN attention on a CPU) raise ValueError here, before anything touches the disk
     or compiles."""
     family = cli.family(cfg.model)
-    recipe_name = cfg.recipe or family.default_recipe
+    recipe_name = cfg.recipe or recipe_registry.default_recipe(family)
     recipe = None if recipe_name == "auto" else cli.recipe(family, recipe_name)   # auto: chosen once shapes are known
     model_cfg = cli.model_config(family, cfg.preset, cfg.overrides)
     device = jax.local_devices()[0]   # this process's own (memory statistics of another's fail)

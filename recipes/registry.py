@@ -1,24 +1,42 @@
 """The recipes of a model family, by name: the front ends' lookup (`--recipe`).
 
-The model table is `zoo.models.registry` (`family(name)`, `family_of(cfg)`); each family names the module that
-holds its recipes (`family.recipes`, e.g. "recipes.llama3", exporting `RECIPES`). This module imports it.
+The model families are `zoo.models.registry`'s (`family(name)`, `family_of(cfg)`); their recipe sets live here, in
+`recipes/<family name>.py`, each exporting `RECIPES` ({name: Recipe}) and `DEFAULT` (the study's recipe, run when
+`--recipe` is not given). The zoo never names this package.
 """
 from __future__ import annotations
 
 import importlib
+from types import ModuleType
 
 from zoo import Recipe
 from zoo.models.registry import Family
 
 
+def recipe_set(family: Family) -> ModuleType:
+    """The module `recipes.<family name>`; ValueError if the family has none."""
+    try:
+        return importlib.import_module(f"{__package__}.{family.name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"{__package__}.{family.name}":
+            raise
+        raise ValueError(f"model family {family.name!r} has no recipes: add recipes/{family.name}.py with RECIPES "
+                         f"and DEFAULT") from None
+
+
 def recipes_of(family: Family) -> dict[str, Recipe]:
     """{name: Recipe} of the family (the `RECIPES` of its recipes module)."""
-    return importlib.import_module(family.recipes).RECIPES
+    return recipe_set(family).RECIPES
+
+
+def default_recipe(family: Family) -> str:
+    """The name of the family's study recipe (its recipes module's `DEFAULT`)."""
+    return recipe_set(family).DEFAULT
 
 
 def recipe(family: Family, name: str | None) -> Recipe:
     """The family's recipe `name` (None: its default, the study's recipe). ValueError naming `--recipe`."""
-    name = family.default_recipe if name is None else name
+    name = default_recipe(family) if name is None else name
     named = recipes_of(family)
     if name not in named:
         raise ValueError(f"--recipe {name!r} is not a {family.name} recipe; choose one of: {', '.join(named)}")

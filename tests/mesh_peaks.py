@@ -76,7 +76,7 @@ def main_job_plans_its_compiled_sharded_step():
     want = "compiled for 8 x cpu (mesh fsdp=4,tp=2), per device"
     assert job.peak.compiled and job.peak_source == want, job.peak_source
     assert job.peak.detail == peak_lib.from_compiled(seen["compiled"]).detail
-    planned = zoo.plan(zoo.models.LlamaConfig.tiny(), LLAMA_RECIPES["qkv_offload"], batch=B, seq=S,
+    planned = zoo.plan(zoo.models.LlamaConfig.preset("tiny"), LLAMA_RECIPES["qkv_offload"], batch=B, seq=S,
                        mesh="fsdp=4,tp=2", peak="compile")
     assert planned.peak_source == want, planned.peak_source
     assert planned.peak.detail == job.peak.detail, (planned.peak.detail, job.peak.detail)
@@ -85,8 +85,8 @@ def main_job_plans_its_compiled_sharded_step():
 
 
 if __name__ == "__main__":
-    sharded_peak_is_per_device(zoo.models.LlamaConfig.tiny(), LLAMA_RECIPES["qkv_offload"], "llama")
-    sharded_peak_is_per_device(zoo.models.DeepSeekV3Config.tiny(moe_backend="capacity", capacity_factor=4.0),
+    sharded_peak_is_per_device(zoo.models.LlamaConfig.preset("tiny"), LLAMA_RECIPES["qkv_offload"], "llama")
+    sharded_peak_is_per_device(zoo.models.DeepSeekV3Config.preset("tiny", moe_backend="capacity", capacity_factor=4.0),
                                DS_RECIPES["mla_moe_offload"], "deepseek")
     main_job_plans_its_compiled_sharded_step()
     print("OK")

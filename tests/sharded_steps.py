@@ -145,7 +145,7 @@ def compare(name, got, want):
 
 def llama():
     from recipes.llama3 import RECIPES
-    cfg = zoo.models.LlamaConfig.tiny()
+    cfg = zoo.models.LlamaConfig.preset("tiny")
     recipe = RECIPES["qkv_offload"]
     tokens = jax.random.randint(jax.random.key(1), (8, 16), 0, cfg.vocab_size, dtype=jnp.int32)
     ref = one_device(zoo.models.llama3(cfg, recipe=recipe, rngs=nnx.Rngs(0)), tokens)
@@ -163,7 +163,7 @@ def deepseek():
     recipe = RECIPES["mla_moe_offload"]
     # capacity_factor 4: every copy fits (k=2 distinct experts per token), so capacity dispatch drops nothing and
     # equals the dropless reference on one device.
-    cfg = zoo.models.DeepSeekV3Config.tiny(moe_backend="capacity", capacity_factor=4.0)
+    cfg = zoo.models.DeepSeekV3Config.preset("tiny", moe_backend="capacity", capacity_factor=4.0)
     tokens = jax.random.randint(jax.random.key(1), (8, 8), 0, cfg.vocab_size, dtype=jnp.int32)
     ref = one_device(zoo.models.deepseek_v3(cfg, recipe=recipe, rngs=nnx.Rngs(0)), tokens)
     qkv = {"tensor<8x8x4x24xf32>", "tensor<8x8x4x16xf32>"}  # query/key [B,S,H,24], value [B,S,H,16]

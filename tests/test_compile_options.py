@@ -60,6 +60,6 @@ def test_the_steps_one_compile_passes_the_options_to_xla(monkeypatch):
     """compile_abstract compiles with for_step's options: a bad value planted there reaches XLA's parser."""
     bad = compile_options.StepOptions({"xla_gpu_enable_command_buffer": "NOT_A_COMMAND"}, "planted")
     monkeypatch.setattr(compile_options, "for_step", lambda recipe, platform, xla_flags=None: bad)
-    cfg = zoo.models.LlamaConfig.tiny()
+    cfg = zoo.models.LlamaConfig.preset("tiny")
     with pytest.raises(Exception, match="NOT_A_COMMAND"):
         compile_abstract(family("llama3"), cfg, OFFLOADS, batch=2, seq=8)

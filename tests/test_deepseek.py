@@ -16,7 +16,7 @@ from zoo.layers.moe import update_routing_bias
 from zoo.models.deepseek import total_balance_loss
 from zoo.plan import measure as audit
 
-CFG = zoo.models.DeepSeekV3Config.tiny()
+CFG = zoo.models.DeepSeekV3Config.preset("tiny")
 B, S = 2, 8
 STACKS = ("dense_layers", "moe_layers")
 
@@ -153,7 +153,7 @@ def test_capacity_backend_model_matches_dropless(model, tokens, forward):
 
 
 def test_param_count_of_the_671b_preset():
-    cfg = zoo.models.DeepSeekV3Config.deepseek_v3_671b()
+    cfg = zoo.models.DeepSeekV3Config.preset("deepseek_v3_671b")
     model = nnx.eval_shape(lambda: zoo.models.deepseek_v3(cfg, rngs=nnx.Rngs(0)))  # nothing allocated
     assert zoo.models.count_params(model) == 671_026_419_200
     assert model.dense_layers.num_layers == 3 and model.moe_layers.num_layers == 58
@@ -214,7 +214,7 @@ def test_yarn_matches_transformers():
                            beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
     hf_cfg = transformers.DeepseekV3Config(rope_parameters=rope_parameters, max_position_embeddings=163840)
     inv_freq, attention_factor = _compute_yarn_parameters(hf_cfg)
-    ours = zoo.models.DeepSeekV3Config.deepseek_v3_671b().rope()
+    ours = zoo.models.DeepSeekV3Config.preset("deepseek_v3_671b").rope()
     np.testing.assert_allclose(ours.inv_freq(), inv_freq.numpy(), rtol=1e-6)
     assert ours.scaling.attention_factor() == pytest.approx(attention_factor)
     expected = hf.yarn_apply_mscale(rope_parameters, 192 ** -0.5)
@@ -322,7 +322,7 @@ def test_logits_match_transformers(tokens):
 
 def test_every_layer_reports_its_tags_for_a_config():
     from zoo.models.deepseek import DeepSeekDecoderLayer
-    cfg = zoo.models.DeepSeekV3Config.deepseek_v3_671b()
+    cfg = zoo.models.DeepSeekV3Config.preset("deepseek_v3_671b")
     layer = nnx.eval_shape(lambda: DeepSeekDecoderLayer(cfg, moe=True, rngs=nnx.Rngs(0)))
     tags = layer.tag_shapes(1, 4096)
     assert tags["query_wa_proj"].shape == (1, 4096, 1536) and tags["mla_kv"].shape == (1, 4096, 512)

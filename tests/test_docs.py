@@ -263,7 +263,7 @@ def hf_checkpoint(tmp_path: Path) -> dict[str, str]:
 
     import recipes
     import zoo
-    model = zoo.models.llama3(zoo.models.LlamaConfig.tiny(), recipe=recipes.llama3.RECIPES["qkv_offload"],
+    model = zoo.models.llama3(zoo.models.LlamaConfig.preset("tiny"), recipe=recipes.llama3.RECIPES["qkv_offload"],
                               rngs=nnx.Rngs(0))
     zoo.to_hf(model, tmp_path / "hf")
     return {'"path/to/Llama-3.1-8B"': repr(str(tmp_path / "hf")), '"out/"': repr(str(tmp_path / "out"))}

@@ -19,7 +19,8 @@ import zoo
 @pytest.fixture(scope="module")
 def tiny_model():
     """A one-layer Llama with NumPy-drawn parameters in its abstract state (no compilation)."""
-    cfg = zoo.models.LlamaConfig.tiny(vocab_size=32, dim=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
+    cfg = zoo.models.LlamaConfig.preset("tiny", vocab_size=32, dim=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                                        head_dim=8,
                                       mlp_dim=32)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: zoo.models.llama3(cfg, rngs=nnx.Rngs(0))))
     rng = np.random.default_rng(0)

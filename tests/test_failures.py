@@ -74,7 +74,8 @@ def copy_ckpt(base, tmp_path) -> pathlib.Path:
 @pytest.fixture(scope="module")
 def tiny_model():
     """A one-layer Llama with random parameters drawn by NumPy into its abstract state (no compilation)."""
-    cfg = zoo.models.LlamaConfig.tiny(vocab_size=32, dim=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
+    cfg = zoo.models.LlamaConfig.preset("tiny", vocab_size=32, dim=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                                        head_dim=8,
                                       mlp_dim=32)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: zoo.models.llama3(cfg, rngs=nnx.Rngs(0))))
     rng = np.random.default_rng(0)
@@ -232,7 +233,7 @@ def test_case04_set_values_are_converted_by_field_type(tmp_path, capsys, cache):
     assert rc == 2 and "--set tie_embeddings=maybe" in err and "bool" in err and "compiled" not in out
     # End to end: false unties (the LM head's parameters exist); 'false' as a string used to tie them.
     def n_params(tie):
-        cfg = zoo.models.LlamaConfig.tiny(num_layers=1, tie_embeddings=tie)
+        cfg = zoo.models.LlamaConfig.preset("tiny", num_layers=1, tie_embeddings=tie)
         return zoo.models.count_params(nnx.eval_shape(lambda: zoo.models.llama3(cfg, rngs=nnx.Rngs(0))))
     assert n_params(False) == n_params(True) + 256 * 64
     out = cli(RUN + ["--set", "tie_embeddings=false", "--stop-after", 1], cache)

@@ -2,6 +2,7 @@
 loop-holding grouped matmul inside the MoE layer (a stand-in for tokamax's kernel), the choice of attention kernel
 and MoE backend per device, and the main job's dropped-copy accounting."""
 import collections
+import dataclasses
 import types
 
 import jax
@@ -100,7 +101,7 @@ def tiled_backend(monkeypatch):
     monkeypatch.setattr(moe, "tokamax_status", lambda: (True, "custom-VJP stand-in"))
 
 
-CFG = zoo.models.DeepSeekV3Config.tiny()
+CFG = zoo.models.DeepSeekV3Config.preset("tiny")
 B, S = 2, 8
 STACKS = ("dense_layers", "moe_layers")
 
@@ -119,7 +120,7 @@ def test_the_stand_in_equals_ragged_dot_and_really_loops():
 def test_offload_lands_as_planned_with_a_looping_grouped_matmul(backend, name, request):
     request.getfixturevalue(backend)
     recipe = RECIPES[name]
-    model = zoo.models.deepseek_v3(CFG.__class__.tiny(moe_backend="tokamax"), recipe=recipe, rngs=nnx.Rngs(0))
+    model = zoo.models.deepseek_v3(dataclasses.replace(CFG, moe_backend="tokamax"), recipe=recipe, rngs=nnx.Rngs(0))
     # the MoE layer really holds a loop now, and the guard lets it through
     graphdef, state = model.moe_layers.abstract_layer()
     x = jax.ShapeDtypeStruct((B, S, CFG.dim), jnp.float32)
@@ -146,7 +147,7 @@ def test_the_stand_in_backend_matches_ragged_dot_in_the_model(backend, request):
     request.getfixturevalue(backend)
     tokens = jax.random.randint(jax.random.key(1), (B, S), 0, CFG.vocab_size, dtype=jnp.int32)
     ref = zoo.models.deepseek_v3(CFG, rngs=nnx.Rngs(0))
-    got = zoo.models.deepseek_v3(CFG.__class__.tiny(moe_backend="tokamax"), rngs=nnx.Rngs(0))
+    got = zoo.models.deepseek_v3(dataclasses.replace(CFG, moe_backend="tokamax"), rngs=nnx.Rngs(0))
     forward = nnx.jit(lambda m: m(tokens))   # compiled: op-by-op dispatch through the scan is the slow part
     np.testing.assert_allclose(np.asarray(forward(got)), np.asarray(forward(ref)), rtol=1e-5, atol=1e-5)
     if backend == "tiled_backend":
@@ -166,8 +167,8 @@ CPU = jax.devices()[0]
 
 
 def test_attention_auto_takes_cudnn_on_a_gpu_for_gqa_and_mla():
-    llama = zoo.models.LlamaConfig.llama3_1_8b()
-    ds = zoo.models.DeepSeekV3Config.deepseek_v3_671b()
+    llama = zoo.models.LlamaConfig.preset("llama3_1_8b")
+    ds = zoo.models.DeepSeekV3Config.preset("deepseek_v3_671b")
     assert attention.kernel_head_dim(ds) == 192
     for cfg in (llama, ds):
         assert attention.resolve_impl(cfg, fake_gpu()).impl == "cudnn"
@@ -175,21 +176,21 @@ def test_attention_auto_takes_cudnn_on_a_gpu_for_gqa_and_mla():
 
 
 def test_attention_auto_on_a_gpu_that_cudnn_cannot_serve_warns_of_quadratic_memory():
-    ds = zoo.models.DeepSeekV3Config.deepseek_v3_671b()
+    ds = zoo.models.DeepSeekV3Config.preset("deepseek_v3_671b")
     with pytest.warns(UserWarning, match="quadratic"):
         choice = attention.resolve_impl(ds, fake_gpu(cc="8.0", kind="NVIDIA A100"))  # 192 > 128 before Hopper
     assert choice.impl == "xla" and "QUADRATIC" in choice.reason
     with pytest.warns(UserWarning, match="float32"):
-        assert attention.resolve_impl(zoo.models.LlamaConfig.tiny(), fake_gpu()).impl == "xla"
+        assert attention.resolve_impl(zoo.models.LlamaConfig.preset("tiny"), fake_gpu()).impl == "xla"
 
 
 def test_explicit_attention_choices_win_and_an_impossible_one_is_a_value_error():
-    cfg = zoo.models.LlamaConfig.llama3_1_8b(attention_impl="xla")
+    cfg = zoo.models.LlamaConfig.preset("llama3_1_8b", attention_impl="xla")
     assert attention.resolve_impl(cfg, fake_gpu()).impl == "xla"
     with pytest.raises(ValueError, match="attention_impl='cudnn' cannot run here: cuDNN runs only on NVIDIA"):
-        attention.resolve_impl(zoo.models.LlamaConfig.tiny(attention_impl="cudnn"), CPU)
+        attention.resolve_impl(zoo.models.LlamaConfig.preset("tiny", attention_impl="cudnn"), CPU)
     with pytest.raises(ValueError, match="cannot run here: cuDNN flash attention takes bf16/fp16"):
-        attention.resolve_impl(zoo.models.LlamaConfig.tiny(attention_impl="cudnn"), fake_gpu())
+        attention.resolve_impl(zoo.models.LlamaConfig.preset("tiny", attention_impl="cudnn"), fake_gpu())
 
 
 def test_a_built_model_says_which_attention_each_layer_runs():

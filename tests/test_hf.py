@@ -13,9 +13,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zoo
-from zoo.hf import config as hf_config
 from zoo.hf import io as hf_io
 from zoo.layers import Llama3Scaling
+from zoo.models.deepseek import hf as deepseek_hf
+from zoo.models.llama import hf as llama_hf
 
 TINY = dict(vocab_size=48, dim=24, num_layers=2, num_heads=3, num_kv_heads=1, head_dim=8, mlp_dim=40,
             rope_scaling=Llama3Scaling(original_max_position_embeddings=16), dtype="float32", param_dtype="float32")
@@ -39,7 +40,7 @@ def deepseek(seed=0, **overrides):
     """A tiny DeepSeek-V3: one dense layer, two MoE layers, YaRN, 2 groups of 2 experts (1 kept), random biases."""
     from zoo.layers import YarnScaling
     from zoo.models import deepseek as ds
-    cfg = ds.DeepSeekV3Config.tiny(**{**dict(
+    cfg = ds.DeepSeekV3Config.preset("tiny", **{**dict(
         vocab_size=48, dim=24, num_layers=3, first_dense_layers=1, num_heads=3, q_lora_rank=12, kv_lora_rank=8,
         qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, mlp_dim=40, num_experts=4, num_experts_per_tok=2,
         moe_mlp_dim=12, n_group=2, topk_group=1, moe_backend="ragged_dot",
@@ -157,9 +158,9 @@ LLAMA_3_1_8B = {
 
 
 def test_published_llama_config_maps_to_the_preset():
-    cfg = hf_config.llama_from_hf(LLAMA_3_1_8B, param_dtype="bfloat16")
-    assert cfg == zoo.models.LlamaConfig.llama3_1_8b(param_dtype="bfloat16", dtype="bfloat16")
-    back = hf_config.llama_to_hf(cfg)
+    cfg = llama_hf.from_hf(LLAMA_3_1_8B, param_dtype="bfloat16")
+    assert cfg == zoo.models.LlamaConfig.preset("llama3_1_8b", param_dtype="bfloat16", dtype="bfloat16")
+    back = llama_hf.to_hf(cfg)
     for field in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rope_theta",
                   "rope_scaling", "rms_norm_eps", "tie_word_embeddings", "vocab_size", "max_position_embeddings"):
         assert back[field] == LLAMA_3_1_8B[field], field
@@ -168,19 +169,19 @@ def test_published_llama_config_maps_to_the_preset():
 def test_transformers5_rope_parameters_spelling():
     hf = {k: v for k, v in LLAMA_3_1_8B.items() if k not in ("rope_scaling", "rope_theta")}
     hf["rope_parameters"] = {**LLAMA_3_1_8B["rope_scaling"], "rope_theta": 500000.0}
-    assert hf_config.llama_from_hf(hf, param_dtype="float32") == hf_config.llama_from_hf(
+    assert llama_hf.from_hf(hf, param_dtype="float32") == llama_hf.from_hf(
         LLAMA_3_1_8B, param_dtype="float32")
     hf["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
-    cfg = hf_config.llama_from_hf(hf, param_dtype="float32")
+    cfg = llama_hf.from_hf(hf, param_dtype="float32")
     assert cfg.rope_scaling is None and cfg.rope_theta == 10000.0
 
 
 def test_full_size_key_map_matches_the_published_shapes():
     """Llama 3.1 8B: HF tensor shapes read off the zoo's abstract model (nothing allocated)."""
-    cfg = zoo.models.LlamaConfig.llama3_1_8b()
+    cfg = zoo.models.LlamaConfig.preset("llama3_1_8b")
     model = nnx.eval_shape(lambda: zoo.models.llama3(cfg, rngs=nnx.Rngs(0)))
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    shapes = {k: e.hf_shape(flat[e.path].shape) for e in zoo.hf.keymap.llama(cfg) for k in e.keys()}
+    shapes = {k: e.hf_shape(flat[e.path].shape) for e in llama_hf.keys(cfg) for k in e.keys()}
     assert len(shapes) == 3 + 32 * 9
     assert shapes["model.layers.31.self_attn.q_proj.weight"] == (4096, 4096)
     assert shapes["model.layers.0.self_attn.k_proj.weight"] == (1024, 4096)
@@ -329,9 +330,9 @@ DEEPSEEK_V3 = {
 
 def test_published_deepseek_config_maps_to_the_preset():
     from zoo.models import deepseek as ds
-    cfg = hf_config.deepseek_from_hf(DEEPSEEK_V3, param_dtype="bfloat16")
-    assert cfg == ds.DeepSeekV3Config.deepseek_v3_671b(param_dtype="bfloat16", dtype="bfloat16")
-    back = hf_config.deepseek_to_hf(cfg)
+    cfg = deepseek_hf.from_hf(DEEPSEEK_V3, param_dtype="bfloat16")
+    assert cfg == ds.DeepSeekV3Config.preset("deepseek_v3_671b", param_dtype="bfloat16", dtype="bfloat16")
+    back = deepseek_hf.to_hf(cfg)
     for field in ("hidden_size", "intermediate_size", "moe_intermediate_size", "n_routed_experts", "n_group",
                   "topk_group", "first_k_dense_replace", "q_lora_rank", "kv_lora_rank", "routed_scaling_factor",
                   "max_position_embeddings", "rope_theta", "v_head_dim", "num_key_value_heads"):
@@ -339,7 +340,7 @@ def test_published_deepseek_config_maps_to_the_preset():
     assert {k: back["rope_scaling"][k] for k in DEEPSEEK_V3["rope_scaling"]} == DEEPSEEK_V3["rope_scaling"]
     fp8 = {**DEEPSEEK_V3, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}
     with pytest.raises(ValueError, match="quantization_config"):
-        hf_config.deepseek_from_hf(fp8, param_dtype="bfloat16")
+        deepseek_hf.from_hf(fp8, param_dtype="bfloat16")
 
 
 @pytest.fixture
@@ -406,10 +407,10 @@ def test_deepseek_mtp_layers_are_skipped(tmp_path):
 def test_full_size_deepseek_key_map_matches_the_published_shapes():
     """DeepSeek-V3 671B: HF tensor shapes read off the zoo's abstract model (nothing allocated)."""
     from zoo.models import deepseek as ds
-    cfg = ds.DeepSeekV3Config.deepseek_v3_671b()
+    cfg = ds.DeepSeekV3Config.preset("deepseek_v3_671b")
     model = nnx.eval_shape(lambda: ds.deepseek_v3(cfg, rngs=nnx.Rngs(0)))
     flat = dict(nnx.to_flat_state(nnx.state(model)))
-    shapes = {k: e.hf_shape(flat[e.path].shape) for e in zoo.hf.keymap.deepseek_v3(cfg) for k in e.keys()}
+    shapes = {k: e.hf_shape(flat[e.path].shape) for e in deepseek_hf.keys(cfg) for k in e.keys()}
     assert len(shapes) == 3 + 3 * 12 + 58 * (7 + 2 + 2 + 3 * 256 + 3)
     assert shapes["model.layers.0.self_attn.q_b_proj.weight"] == (128 * 192, 1536)
     assert shapes["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] == (512 + 64, 7168)
@@ -424,11 +425,11 @@ def test_full_size_deepseek_key_map_matches_the_published_shapes():
     assert "model.layers.2.mlp.gate.weight" not in shapes and "model.layers.61.mlp.gate.weight" not in shapes
 
 
-@pytest.mark.parametrize("published,arch", [(LLAMA_3_1_8B, "LLAMA"), (DEEPSEEK_V3, "DEEPSEEK")])
+@pytest.mark.parametrize("published,arch", [(LLAMA_3_1_8B, llama_hf), (DEEPSEEK_V3, deepseek_hf)],
+                         ids=["llama", "deepseek"])
 def test_every_published_field_is_accounted_for(published, arch):
     """Each field of the published config.json is read, ignored as math-neutral, or refused unless neutral."""
-    known = (set(getattr(hf_config, f"{arch}_SUPPORTED")) | set(getattr(hf_config, f"{arch}_IGNORED"))
-             | set(getattr(hf_config, f"{arch}_UNSUPPORTED")))
+    known = set(arch.SUPPORTED) | set(arch.IGNORED) | set(arch.UNSUPPORTED)
     assert set(published) - known == set()
 
 

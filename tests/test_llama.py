@@ -16,7 +16,7 @@ from zoo.layers import MLP, Attention, Embed, Llama3Scaling, LMHead, RMSNorm, Ro
 from zoo.models.llama import LlamaDecoderLayer
 from zoo.plan import measure as audit
 
-CFG = zoo.models.LlamaConfig.tiny()
+CFG = zoo.models.LlamaConfig.preset("tiny")
 B, S = 2, 8
 
 
@@ -142,8 +142,8 @@ def test_recipe_naming_a_tag_the_model_never_emits_fails_at_build():
 def test_param_counts_of_presets():
     def count(cfg):
         return zoo.models.count_params(nnx.eval_shape(lambda: zoo.models.llama3(cfg, rngs=nnx.Rngs(0))))
-    assert count(zoo.models.LlamaConfig.llama3_1_405b()) == 405_853_388_800
-    assert count(zoo.models.LlamaConfig.llama3_1_8b()) == 8_030_261_248
+    assert count(zoo.models.LlamaConfig.preset("llama3_1_405b")) == 405_853_388_800
+    assert count(zoo.models.LlamaConfig.preset("llama3_1_8b")) == 8_030_261_248
 
 
 def test_parameters_carry_logical_axes(model):
@@ -199,7 +199,7 @@ def test_configs_are_frozen():
 
 def test_every_layer_reports_its_tags_for_a_config():
     """`layer.tag_shapes(batch, seq)` on an abstract layer built from a full-size config: no memory."""
-    cfg = zoo.models.LlamaConfig.llama3_1_405b()
+    cfg = zoo.models.LlamaConfig.preset("llama3_1_405b")
     layer = nnx.eval_shape(lambda: LlamaDecoderLayer(cfg, rngs=nnx.Rngs(0)))
     tags = layer.tag_shapes(2, 8192)
     assert tags["query_proj"].shape == (2, 8192, 128, 128) and tags["query_proj"].dtype == jnp.bfloat16

@@ -27,8 +27,8 @@ from recipes.deepseek_v3 import RECIPES as DS_RECIPES
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LLAMA = zoo.models.LlamaConfig.tiny()
-DS = zoo.models.DeepSeekV3Config.tiny(moe_backend="capacity", capacity_factor=4.0)
+LLAMA = zoo.models.LlamaConfig.preset("tiny")
+DS = zoo.models.DeepSeekV3Config.preset("tiny", moe_backend="capacity", capacity_factor=4.0)
 
 
 def test_fsdp8_divides_everything_by_8():

@@ -17,7 +17,7 @@ from zoo.layers import MLP
 from zoo.plan import measure
 
 B, S, CHUNKS = 2, 16, 4
-CFG = zoo.models.LlamaConfig.tiny(dtype="float32")
+CFG = zoo.models.LlamaConfig.preset("tiny", dtype="float32")
 CHUNKED = dataclasses.replace(CFG, mlp_seq_chunks=CHUNKS)
 
 

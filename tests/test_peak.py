@@ -44,7 +44,7 @@ def test_the_planners_compiled_peak_is_the_main_jobs_own_step(family, monkeypatc
 
 
 def test_another_device_is_an_estimate_and_cannot_be_compiled_here():
-    cfg, recipe = zoo.models.LlamaConfig.tiny(), LLAMA_RECIPES["qkv_offload"]
+    cfg, recipe = zoo.models.LlamaConfig.preset("tiny"), LLAMA_RECIPES["qkv_offload"]
     p = zoo.plan(cfg, recipe, batch=2, seq=16, device_kind="H200")
     assert not p.peak.compiled and p.peak_source.startswith("estimate") and "H200" in p.peak_source
     assert p.peak_bytes > p.hbm_bytes == p.peak.detail["floor"]
@@ -114,7 +114,7 @@ def test_auto_offloads_only_what_pays_when_copies_do_not_overlap():
     """With overlap 1 (copies hidden under compute) the 405B's q, k, v are offloaded at 55 GB/s; with overlap 0
     (XLA on the H200: copies serialised on the compute stream) each would add its link time to the step, far more
     than recomputing it, so they are recomputed, and the reasons say so."""
-    cfg = zoo.models.LlamaConfig.llama3_1_405b()
+    cfg = zoo.models.LlamaConfig.preset("llama3_1_405b")
     budget = zoo.plan(cfg, zoo.Recipe.full(), peak=None, **STUDY_405B).hbm_bytes / GiB + 0.25
     kw = dict(hbm_gib=budget, link_gbps=55, tflops=800, peak=None, **STUDY_405B)
     hidden = zoo.plan(cfg, "auto", overlap=1, **kw)
@@ -138,7 +138,7 @@ def test_the_link_defaults_to_the_measured_one():
     assert (h200.rate_gbps, h200.overlap) == (55.3, measured) and "offload-pays" in h200.source
     assert "command buffers off" in h200.setting and h200.date
     assert links.measured("cpu") is None
-    cfg = zoo.models.LlamaConfig.tiny()
+    cfg = zoo.models.LlamaConfig.preset("tiny")
     p = zoo.plan(cfg, "auto", batch=2, seq=16, hbm_gib=1, tflops=800, device_kind="H200", peak=None)
     assert (p.link_gbps, p.overlap) == (55.3, measured) and "measured on H200" in p.link_source
     given = zoo.plan(cfg, "auto", batch=2, seq=16, hbm_gib=1, tflops=800, link_gbps=450, peak=None)
@@ -152,7 +152,7 @@ def test_the_link_defaults_to_the_measured_one():
 def test_the_abstract_step_allocates_nothing():
     """compile_abstract builds model and optimizer from shapes: a 405B layer compiles without its memory."""
     from zoo.train_step import abstract_step
-    cfg = zoo.models.LlamaConfig.llama3_1_405b(num_layers=2, vocab_size=1024)
+    cfg = zoo.models.LlamaConfig.preset("llama3_1_405b", num_layers=2, vocab_size=1024)
     _, _, state = abstract_step(zoo.models.registry.family("llama3"), cfg, LLAMA_RECIPES["qkv_offload"])
     leaves = jax.tree.leaves(state)
     assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)

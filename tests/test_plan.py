@@ -27,8 +27,8 @@ from zoo.plan import measure as audit
 ROOT = Path(__file__).resolve().parents[1]
 MiB, GiB = 1 << 20, 1 << 30
 B, S = 3, 8  # batch differs from the tiny models' layer counts, so stacked residuals are told apart by shape
-LLAMA_TINY = zoo.models.LlamaConfig.tiny()
-L405 = zoo.models.LlamaConfig.llama3_1_405b()
+LLAMA_TINY = zoo.models.LlamaConfig.preset("tiny")
+L405 = zoo.models.LlamaConfig.preset("llama3_1_405b")
 
 
 def extra_recipes():
@@ -350,7 +350,8 @@ def test_cli_set_values_take_the_field_type():
 def test_zoo_plan_is_callable_and_a_package_whatever_is_imported_first():
     code = ("import zoo.plan.measure, zoo; from zoo.plan import build; assert zoo.plan.plan is build.plan; "
             "from recipes.llama3 import RECIPES; "
-            "p = zoo.plan(zoo.models.LlamaConfig.tiny(), RECIPES['qkv_offload'], batch=1, seq=8); print(p.host_bytes)")
+            "p = zoo.plan(zoo.models.LlamaConfig.preset('tiny'), RECIPES['qkv_offload'], batch=1, seq=8); "
+            "print(p.host_bytes)")
     r = _run("-c", code)
     assert r.returncode == 0, r.stderr
     assert int(r.stdout) > 0
@@ -375,7 +376,7 @@ DS_SLICE = dict(batch=4, seq=4096)  # the DeepSeek-shaped slice of ANCHORS.md
 
 def test_deepseek_study_bytes_per_token():
     RECIPES = DS_RECIPES
-    cfg = zoo.models.DeepSeekV3Config.deepseek_v3_671b()
+    cfg = zoo.models.DeepSeekV3Config.preset("deepseek_v3_671b")
     tokens = DS_SLICE["batch"] * DS_SLICE["seq"]
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     moe_up = 2 * cfg.num_experts_per_tok * cfg.moe_mlp_dim
@@ -394,7 +395,7 @@ def test_auto_deepseek_is_link_aware():
     """At the study's 450 GB/s the study's tensors hide under a MoE layer's forward pass; at PCIe's 55 GB/s they
     cannot, and the low-rank tensors (MLA down-projections, MoE up-projections) are offloaded instead."""
     from recipes.deepseek_v3 import RECIPES, STUDY
-    cfg = zoo.models.DeepSeekV3Config.deepseek_v3_671b()
+    cfg = zoo.models.DeepSeekV3Config.preset("deepseek_v3_671b")
     budget = _tight_budget(cfg, **DS_SLICE)
     fast = zoo.plan(cfg, "auto", hbm_gib=budget, link_gbps=450, overlap=1, tflops=600, **DS_SLICE)
     assert set(STUDY) <= set(fast.recipe.offload)
@@ -413,7 +414,7 @@ def test_the_model_table_plans_deepseek():
     fam = registry.family("deepseek_v3")
     p = zoo.plan(fam.config("tiny"), recipes_of(fam)["mla_moe_offload"], batch=B, seq=S)
     assert [s.name for s in p.stacks] == ["dense_layers", "moe_layers"] and p.host_bytes > 0
-    assert registry.family_of(fam.config("tiny")) is fam and fam.recipes == "recipes.deepseek_v3"
+    assert registry.family_of(fam.config("tiny")) is fam and recipes_of(fam) is DS_RECIPES
 
 
 def test_a_cudnn_config_is_planned_on_the_xla_path():

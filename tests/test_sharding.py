@@ -59,9 +59,9 @@ def test_rules_merge_the_parallelisms_and_name_every_logical_axis():
 def test_every_parameter_axis_has_a_rule(model):
     """The rules cover every logical name the parameters carry (an unnamed one would silently stay whole)."""
     if model == "llama":
-        m = nnx.eval_shape(lambda: zoo.models.llama3(zoo.models.LlamaConfig.tiny(), rngs=nnx.Rngs(0)))
+        m = nnx.eval_shape(lambda: zoo.models.llama3(zoo.models.LlamaConfig.preset("tiny"), rngs=nnx.Rngs(0)))
     else:
-        m = nnx.eval_shape(lambda: zoo.models.deepseek_v3(zoo.models.DeepSeekV3Config.tiny(), rngs=nnx.Rngs(0)))
+        m = nnx.eval_shape(lambda: zoo.models.deepseek_v3(zoo.models.DeepSeekV3Config.preset("tiny"), rngs=nnx.Rngs(0)))
     names = {n for spec in jax.tree.leaves(sharding.logical_specs(nnx.state(m)),
                                            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
              for n in spec}
@@ -69,17 +69,19 @@ def test_every_parameter_axis_has_a_rule(model):
 
 
 @pytest.mark.parametrize("cfg,mesh,batch,match", [
-    (zoo.models.LlamaConfig.tiny(), {"tp": 8}, None, r"tp=8 does not divide LlamaConfig.num_heads=4"),
-    (zoo.models.LlamaConfig.tiny(num_heads=8), {"tp": 4}, None, r"tp=4 does not divide LlamaConfig.num_kv_heads=2"),
-    (zoo.models.LlamaConfig.tiny(mlp_dim=129), {"tp": 2, "fsdp": 4}, None,
+    (zoo.models.LlamaConfig.preset("tiny"), {"tp": 8}, None, r"tp=8 does not divide LlamaConfig.num_heads=4"),
+    (zoo.models.LlamaConfig.preset("tiny", num_heads=8), {"tp": 4}, None,
+     r"tp=4 does not divide LlamaConfig.num_kv_heads=2"),
+    (zoo.models.LlamaConfig.preset("tiny", mlp_dim=129), {"tp": 2, "fsdp": 4}, None,
      r"tp=2 does not divide LlamaConfig.mlp_dim=129"),
-    (zoo.models.LlamaConfig.tiny(), {"fsdp": 8}, 4, r"the batch 4 is not divisible by dp x fsdp x ep = 8"),
-    (zoo.models.LlamaConfig.tiny(dim=60, num_heads=4, head_dim=16), {"fsdp": 8}, None,
+    (zoo.models.LlamaConfig.preset("tiny"), {"fsdp": 8}, 4, r"the batch 4 is not divisible by dp x fsdp x ep = 8"),
+    (zoo.models.LlamaConfig.preset("tiny", dim=60, num_heads=4, head_dim=16), {"fsdp": 8}, None,
      r"fsdp=8 does not divide LlamaConfig.dim=60"),
-    (zoo.models.DeepSeekV3Config.tiny(), {"ep": 16}, None, r"ep=16 does not divide DeepSeekV3Config.num_experts=8"),
-    (zoo.models.DeepSeekV3Config.tiny(), {"fsdp": 2, "ep": 4}, 6,
+    (zoo.models.DeepSeekV3Config.preset("tiny"), {"ep": 16}, None,
+     r"ep=16 does not divide DeepSeekV3Config.num_experts=8"),
+    (zoo.models.DeepSeekV3Config.preset("tiny"), {"fsdp": 2, "ep": 4}, 6,
      r"the batch 6 is not divisible by dp x fsdp x ep = 8"),
-    (zoo.models.DeepSeekV3Config.tiny(), {"tp": 8}, None, r"tp=8 does not divide DeepSeekV3Config.num_heads=4"),
+    (zoo.models.DeepSeekV3Config.preset("tiny"), {"tp": 8}, None, r"tp=8 does not divide DeepSeekV3Config.num_heads=4"),
 ])
 def test_bad_meshes_for_a_model_raise_naming_both_numbers(cfg, mesh, batch, match):
     with pytest.raises(ValueError, match=match):
@@ -105,11 +107,11 @@ def test_offloaded_bytes_per_device_are_the_plan_over_the_shards(model, spec):
     if model == "llama":
         from recipes.llama3 import RECIPES
         recipe = RECIPES["qkv_offload"]
-        m = nnx.eval_shape(lambda: zoo.models.llama3(zoo.models.LlamaConfig.tiny(), rngs=nnx.Rngs(0)))
+        m = nnx.eval_shape(lambda: zoo.models.llama3(zoo.models.LlamaConfig.preset("tiny"), rngs=nnx.Rngs(0)))
     else:
         from recipes.deepseek_v3 import RECIPES
         recipe = RECIPES["mla_moe_offload"]
-        cfg = zoo.models.DeepSeekV3Config.tiny(moe_backend="capacity", capacity_factor=4.0)
+        cfg = zoo.models.DeepSeekV3Config.preset("tiny", moe_backend="capacity", capacity_factor=4.0)
         m = nnx.eval_shape(lambda: zoo.models.deepseek_v3(cfg, rngs=nnx.Rngs(0)))
     mesh = sharding.abstract_mesh(spec, 8)
     per_device = sharding.tag_shard_shapes(m, 8, 16, mesh)
@@ -125,7 +127,7 @@ def test_offloaded_bytes_per_device_are_the_plan_over_the_shards(model, spec):
 
 def test_constraints_are_no_ops_without_a_mesh():
     """Outside `sharding.use` the tag sites add no sharding constraint; inside, each tagged value gets one."""
-    model = zoo.models.llama3(zoo.models.LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+    model = zoo.models.llama3(zoo.models.LlamaConfig.preset("tiny"), rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     tokens = jnp.zeros((2, 8), jnp.int32)
     plain = str(jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(tokens))(state))
@@ -136,7 +138,7 @@ def test_constraints_are_no_ops_without_a_mesh():
 
 
 def test_create_without_a_mesh_is_the_plain_build():
-    cfg = zoo.models.LlamaConfig.tiny()
+    cfg = zoo.models.LlamaConfig.preset("tiny")
     a = sharding.create(zoo.models.llama3, cfg, seed=3)
     b = zoo.models.llama3(cfg, rngs=nnx.Rngs(3))
     pairs = zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b)))

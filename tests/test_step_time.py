@@ -26,7 +26,7 @@ def test_overlap_takes_one_fraction_or_a_pair():
 
 
 def test_step_rates_are_looked_up_by_device_family_and_backend():
-    llama = zoo.models.LlamaConfig.tiny()
+    llama = zoo.models.LlamaConfig.preset("tiny")
     ds = family("deepseek_v3").config("tiny", moe_backend="capacity")
     assert links.step_rate(H200, llama).config == "LlamaConfig"
     assert links.step_rate(H200, ds).moe_backend == "capacity"
@@ -37,7 +37,7 @@ def test_step_rates_are_looked_up_by_device_family_and_backend():
 
 def test_each_direction_exposes_its_own_share():
     """With stores hidden (d2h 1) and reloads not (h2d 0), a fixed offload recipe pays its reload time once."""
-    cfg = zoo.models.LlamaConfig.llama3_1_405b(num_layers=3, param_dtype="bfloat16", dtype="bfloat16")
+    cfg = zoo.models.LlamaConfig.preset("llama3_1_405b", num_layers=3, param_dtype="bfloat16", dtype="bfloat16")
     kw = dict(batch=2, seq=8192, link_gbps=55, tflops=800, peak=None)
     p = zoo.plan(cfg, LLAMA_RECIPES["qkv_offload"], overlap=(1.0, 0.0), **kw)
     (s,) = p.stacks
@@ -48,7 +48,7 @@ def test_each_direction_exposes_its_own_share():
 
 def _config(record: dict):
     if record["bench"] == "llama405b-slice":
-        return (zoo.models.LlamaConfig.llama3_1_405b(num_layers=record["L"], param_dtype="bfloat16",
+        return (zoo.models.LlamaConfig.preset("llama3_1_405b", num_layers=record["L"], param_dtype="bfloat16",
                                                     dtype="bfloat16"), LLAMA_RECIPES)
     return (family("deepseek_v3").config("deepseek_v3_671b", num_layers=4, first_dense_layers=1, num_experts=16,
                                          param_dtype="bfloat16", dtype="bfloat16", moe_backend="capacity",
@@ -85,7 +85,7 @@ def test_auto_offloads_on_the_405b_slice_where_the_h200s_copies_hide_and_not_on_
     than `full`, `auto` offloads matmul outputs of the 405B layer (predicted faster than recomputing them), but
     none of the DeepSeek slice's at the same margin: there, as measured, every offload recipe is slower than
     recomputing."""
-    llama = zoo.models.LlamaConfig.llama3_1_405b(num_layers=3, param_dtype="bfloat16", dtype="bfloat16")
+    llama = zoo.models.LlamaConfig.preset("llama3_1_405b", num_layers=3, param_dtype="bfloat16", dtype="bfloat16")
     ds, _ = _config({"bench": "deepseek-slice"})
     for cfg, batch, seq, offloads in ((llama, 2, 8192, True), (ds, 4, 4096, False)):
         kw = dict(batch=batch, seq=seq, optimizer="sgd", peak=None, device_kind=H200)

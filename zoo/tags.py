@@ -31,8 +31,10 @@ class Tag:
 _TAGS = (
     Tag("decoder_layer_input", "[B,S,D]", "the decoder layer's input (the scan carry), named on the first line of "
         "the rematerialized layer body; naming the carry outside the body offloads nothing (jax#23869)"),
-    Tag("query_proj", "[B,S,H,dq]", "queries after RoPE (GQA) or after concatenating nope and rope parts (MLA)"),
-    Tag("key_proj", "[B,S,Hkv,dq]", "keys after RoPE (GQA) or after concatenating nope and shared rope parts (MLA)"),
+    Tag("query_proj", "[B,S,H,dq]", "queries after RoPE (GQA, after the q norm where there is one) or after "
+        "concatenating nope and rope parts (MLA)"),
+    Tag("key_proj", "[B,S,Hkv,dq]", "keys after RoPE (GQA, after the k norm where there is one) or after "
+        "concatenating nope and shared rope parts (MLA)"),
     Tag("value_proj", "[B,S,Hkv,dv]", "values"),
     Tag("attention_out", "[B,S,H,dv]", "attention output before the output projection"),
     Tag("out_proj", "[B,S,D]", "attention output projection"),

@@ -37,6 +37,7 @@ from safetensors import safe_open
 from zoo import sharding as zoo_sharding
 from zoo.hf import config as hf_config
 from zoo.hf import keymap
+from zoo.models import registry
 from zoo.recipe import Recipe
 
 INDEX = "model.safetensors.index.json"
@@ -46,13 +47,11 @@ FLOAT_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "
 
 def arch_for_config(hf: dict):
     """The model family (zoo.models.registry) whose Hugging Face architecture config.json names."""
-    from zoo.models import registry  # the table imports zoo.hf's mappings: look it up at call time
     hf_config.check_types(hf)   # `architectures` a list of names: matched exactly
     return registry.family_for_hf(hf)
 
 
 def arch_for_model(cfg):
-    from zoo.models import registry
     try:
         return registry.family_of(cfg)
     except ValueError:
@@ -178,8 +177,9 @@ def _set_slice(buf, piece, index):
 
 def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *, mesh=None,
             rules: Sequence[tuple[str, Any]] | None = None, allow_nonfinite: bool = False) -> nnx.Module:
-    """Load a Hugging Face checkpoint directory (`LlamaForCausalLM` or `DeepseekV3ForCausalLM`: config.json and
-    one or many *.safetensors, with model.safetensors.index.json when sharded) as a scanned zoo model.
+    """Load a Hugging Face checkpoint directory (an architecture of a registered family, e.g. `LlamaForCausalLM`:
+    config.json and one or many *.safetensors, with model.safetensors.index.json when sharded) as a scanned zoo
+    model.
 
     `dtype`: parameter dtype (default: the checkpoint's); float32 parameters compute in float32, others in
     bfloat16. `mesh` (default: the mesh set with `jax.set_mesh`, if any) and `rules` (logical axis -> mesh axis)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import re
 from collections.abc import Iterator
 
 import numpy as np
@@ -87,59 +86,19 @@ def is_buffer(key: str) -> bool:
     return key.endswith("rotary_emb.inv_freq")
 
 
-# -- Llama --------------------------------------------------------------------------------------------------
-
+# Rows of the shared layers (zoo path below the layer, HF key below `model.layers.{i}.`, n_in): a pre-norm
+# decoder's two norms, the SwiGLU MLP (zoo.layers.mlp), grouped-query attention (zoo.layers.attention).
 NORMS = [("attn_norm.scale", "input_layernorm.weight", None),
          ("mlp_norm.scale", "post_attention_layernorm.weight", None)]
 SWIGLU = [("mlp.gate_proj.kernel", "mlp.gate_proj.weight", 1),
           ("mlp.up_proj.kernel", "mlp.up_proj.weight", 1),
           ("mlp.down_proj.kernel", "mlp.down_proj.weight", 1)]
-LLAMA_ATTENTION = [("attn.q_proj.kernel", "self_attn.q_proj.weight", 1),
-                   ("attn.k_proj.kernel", "self_attn.k_proj.weight", 1),
-                   ("attn.v_proj.kernel", "self_attn.v_proj.weight", 1),
-                   ("attn.o_proj.kernel", "self_attn.o_proj.weight", 2)]
-
-
-def llama(cfg) -> list[Entry]:
-    return embed_and_head(cfg) + stacked(("layers", "layers"), range(cfg.num_layers),
-                                         LLAMA_ATTENTION + NORMS + SWIGLU)
-
-
-# -- DeepSeek-V3 --------------------------------------------------------------------------------------------
-
-MLA = [("attn.q_a_proj.kernel", "self_attn.q_a_proj.weight", 1),
-       ("attn.q_a_layernorm.scale", "self_attn.q_a_layernorm.weight", None),
-       ("attn.q_b_proj.kernel", "self_attn.q_b_proj.weight", 1),
-       ("attn.kv_a_proj_with_mqa.kernel", "self_attn.kv_a_proj_with_mqa.weight", 1),
-       ("attn.kv_a_layernorm.scale", "self_attn.kv_a_layernorm.weight", None),
-       ("attn.kv_b_proj.kernel", "self_attn.kv_b_proj.weight", 1),
+GQA = [("attn.q_proj.kernel", "self_attn.q_proj.weight", 1),
+       ("attn.k_proj.kernel", "self_attn.k_proj.weight", 1),
+       ("attn.v_proj.kernel", "self_attn.v_proj.weight", 1),
        ("attn.o_proj.kernel", "self_attn.o_proj.weight", 2)]
-MOE = [("mlp.gate.kernel", "mlp.gate.weight", 1),
-       ("mlp.gate.e_score_correction_bias", "mlp.gate.e_score_correction_bias", None),
-       ("mlp.experts.gate_proj", "mlp.experts.{e}.gate_proj.weight", 1),
-       ("mlp.experts.up_proj", "mlp.experts.{e}.up_proj.weight", 1),
-       ("mlp.experts.down_proj", "mlp.experts.{e}.down_proj.weight", 1),
-       ("mlp.shared_experts.gate_proj.kernel", "mlp.shared_experts.gate_proj.weight", 1),
-       ("mlp.shared_experts.up_proj.kernel", "mlp.shared_experts.up_proj.weight", 1),
-       ("mlp.shared_experts.down_proj.kernel", "mlp.shared_experts.down_proj.weight", 1)]
-
-
-def deepseek_v3(cfg) -> list[Entry]:
-    k = cfg.first_dense_layers
-    out = embed_and_head(cfg)
-    if k:
-        out += stacked(("dense_layers", "layers"), range(k), MLA + NORMS + SWIGLU)
-    if cfg.num_layers > k:
-        out += stacked(("moe_layers", "layers"), range(k, cfg.num_layers), MLA + NORMS + MOE, cfg.num_experts)
-    return out
-
-
-def deepseek_mtp_key(num_layers: int, num_nextn_predict_layers: int):
-    """The published checkpoints carry the multi-token-prediction module as layers num_layers.. (not part of the
-    main model's logits; the zoo does not build it): those keys are skipped."""
-    pattern = re.compile(r"model\.layers\.(\d+)\.")
-
-    def skip(key: str) -> bool:
-        m = pattern.match(key)
-        return bool(m) and num_layers <= int(m.group(1)) < num_layers + num_nextn_predict_layers
-    return skip
+# the MoE layer's router and routed experts (zoo.layers.moe), one HF tensor per expert
+ROUTED_EXPERTS = [("mlp.gate.kernel", "mlp.gate.weight", 1),
+                  ("mlp.experts.gate_proj", "mlp.experts.{e}.gate_proj.weight", 1),
+                  ("mlp.experts.up_proj", "mlp.experts.{e}.up_proj.weight", 1),
+                  ("mlp.experts.down_proj", "mlp.experts.{e}.down_proj.weight", 1)]

@@ -1,8 +1,8 @@
 """Grouped-query attention (Ainslie et al., 2023) as in Llama 3.1.
 
-x -> q [B,S,H,d], k and v [B,S,Hkv,d]; RoPE on q and k; causal softmax attention through
-`jax.nn.dot_product_attention`; output projection.
-Tags: query_proj, key_proj, value_proj (after RoPE), attention_out, out_proj.
+x -> q [B,S,H,d], k and v [B,S,Hkv,d]; optionally (`qk_norm_eps`, Qwen3) an RMSNorm over each head of q and of k;
+RoPE on q and k; causal softmax attention through `jax.nn.dot_product_attention`; output projection.
+Tags: query_proj, key_proj (after the norm and RoPE), value_proj, attention_out, out_proj.
 
 The attention kernel is chosen per device (`choose_impl`; `resolve_impl(cfg)` for a model config;
 `attention_impls(model)` for a built model). `implementation=None` (the default) means: cuDNN flash attention on an
@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo.layers.linear import projection
+from zoo.layers.norm import RMSNorm
 from zoo.layers.rope import Rope
 from zoo.layers.tagged import TaggedLayer
 from zoo.sharding import BSD, BSH, BSK
@@ -129,7 +130,7 @@ def positions_for(x: jax.Array) -> jax.Array:
 class Attention(TaggedLayer):
     def __init__(self, *, dim: int, num_heads: int, num_kv_heads: int, head_dim: int, rope: Rope,
                  dtype=jnp.float32, param_dtype=jnp.float32, implementation: Implementation = None,
-                 rngs: nnx.Rngs):
+                 qk_norm_eps: float | None = None, rngs: nnx.Rngs):
         self.dim, self.dtype = dim, dtype
         common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         q_axes, kv_axes = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
@@ -138,6 +139,10 @@ class Attention(TaggedLayer):
         self.v_proj = projection("bsd,dhk->bshk", (dim, num_kv_heads, head_dim), kv_axes, n_in=1, **common)
         self.o_proj = projection("bshk,hkd->bsd", (num_heads, head_dim, dim), ("heads", "head_dim", "embed"), n_in=2,
                                  **common)
+        # Qwen3's per-head q/k RMSNorm (one scale of head_dim each, shared by the heads), before RoPE
+        norm = dict(eps=qk_norm_eps, dtype=dtype, param_dtype=param_dtype, axis_name="head_dim")
+        self.q_norm = None if qk_norm_eps is None else RMSNorm(head_dim, **norm)
+        self.k_norm = None if qk_norm_eps is None else RMSNorm(head_dim, **norm)
         self.rope = rope
         self.head_dim = head_dim
         self.implementation = implementation
@@ -148,8 +153,11 @@ class Attention(TaggedLayer):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         pos = positions_for(x)
-        q = name(self.rope(self.q_proj(x), pos), "query_proj", BSH)
-        k = name(self.rope(self.k_proj(x), pos), "key_proj", BSK)
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = name(self.rope(q, pos), "query_proj", BSH)
+        k = name(self.rope(k, pos), "key_proj", BSK)
         v = name(self.v_proj(x), "value_proj", BSK)
         out = name(causal_attention(q, k, v, implementation=self.implementation), "attention_out", BSH)
         return name(self.o_proj(out), "out_proj", BSD)

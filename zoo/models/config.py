@@ -1,6 +1,6 @@
 """`LMConfig`: the fields `CausalLM` reads, and validation done once for every model config.
 
-Model configs (`LlamaConfig`, `DeepSeekV3Config`) extend it. Construction checks every field against its type
+Each family's config (zoo/models/<family>/config.py) extends it. Construction checks every field against its type
 annotation (a bool field takes only a bool, an int field rejects bools and floats, a float must be finite, an
 `X | None` field also takes None), then the ranges the base knows, then the subclass's own `check()`. Every bad
 value is a ValueError naming its field. `parse_field` turns text (a command line's `--set FIELD=VALUE`) into
@@ -13,18 +13,13 @@ import functools
 import math
 import types
 import typing
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
-import jax.numpy as jnp
+from zoo.dtypes import DTYPES, dtype_of
+from zoo.layers.moe import BACKENDS, backend_choice, resolve_backend
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
-
-
-def dtype_of(field: str, value: str):
-    if value not in DTYPES:
-        raise ValueError(f"{field}={value!r} is not a supported dtype; choose one of {sorted(DTYPES)}")
-    return DTYPES[value]
 
 
 def _options(hint) -> tuple[tuple[type, ...], bool]:
@@ -140,6 +135,8 @@ class LMConfig:
     param_dtype: str = "float32"       # parameters
     attention_impl: str | None = None  # None: XLA (any device); "cudnn": cuDNN flash attention (GPU, bf16)
     mlp_seq_chunks: int = 1            # the dense MLP in this many sequence chunks (zoo.layers.mlp: earlier copies)
+    # {preset name: {field: value}}: the published sizes and a tiny one, as a table (a subclass sets its own)
+    PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
 
     def __post_init__(self):
         check_types(self)
@@ -181,8 +178,47 @@ class LMConfig:
 
     @classmethod
     def presets(cls) -> tuple[str, ...]:
-        """Names of the classmethods that build a published (or test) size: `--preset` takes these."""
-        out = []
-        for klass in reversed(cls.__mro__):
-            out += [n for n, v in vars(klass).items() if isinstance(v, classmethod) and n != "presets"]
-        return tuple(dict.fromkeys(out))
+        """The names of the family's published (and test) sizes: `--preset` takes these (`PRESETS`)."""
+        return tuple(cls.PRESETS)
+
+    @classmethod
+    def preset(cls, name: str, **overrides):
+        """The config of the size `name` (a key of the class's `PRESETS` table) with `overrides` replacing fields."""
+        if name not in cls.PRESETS:
+            raise ValueError(f"{name!r} is not a {cls.__name__} preset; choose one of: {', '.join(cls.PRESETS)}")
+        return cls(**{**cls.PRESETS[name], **overrides})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEConfig(LMConfig):
+    """What a family with routed experts adds (`zoo.layers.moe`): the experts, how tokens reach them, the balance
+    loss's weight. A subclass's `check()` calls this one's first."""
+    num_experts: int                   # routed experts
+    num_experts_per_tok: int
+    moe_mlp_dim: int                   # each routed expert's hidden size
+    norm_topk_prob: bool = True        # the k chosen weights renormalised to sum to one
+    moe_backend: str = "auto"          # "ragged_dot" | "tokamax" | "capacity" | "auto" (see zoo.layers.moe)
+    capacity_factor: float = 1.25      # capacity dispatch only
+    balance_loss_weight: float = 1e-4  # the router's balance loss weight (alpha)
+
+    def check(self) -> None:
+        name = type(self).__name__
+        check_positive(self, "num_experts", "num_experts_per_tok", "moe_mlp_dim")
+        check_positive_float(self, "capacity_factor")
+        check_non_negative(self, "balance_loss_weight")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"{name}.num_experts_per_tok={self.num_experts_per_tok} must be at most "
+                             f"num_experts={self.num_experts}")
+        if self.moe_backend not in BACKENDS:
+            raise ValueError(f"{name}.moe_backend must be one of {BACKENDS}, got {self.moe_backend!r}")
+        try:
+            resolve_backend(self.moe_backend)
+        except ValueError as e:
+            raise ValueError(f"{name}.moe_backend: {e}") from None
+
+    def kernel_choices(self, device) -> dict[str, str]:
+        name, why = backend_choice(self.moe_backend, dtype=self.compute_dtype, device=device)
+        return {"moe backend": f"{name} ({why})"}
+
+    def mesh_divisors(self) -> tuple[tuple[str, str], ...]:
+        return (("tp", "moe_mlp_dim"), ("ep", "num_experts")) + super().mesh_divisors()

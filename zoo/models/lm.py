@@ -1,6 +1,6 @@
 """A causal language model: embedding, one or more scanned decoder stacks under one recipe, norm, LM head.
 
-Model files (llama.py, deepseek.py) say what the layers are; this class says how they are stacked and checks
+Family packages (zoo/models/<family>/) say what the layers are; this class says how they are stacked and checks
 the recipe against what the stacks really emit, when the model is built.
 """
 from __future__ import annotations
@@ -120,6 +120,13 @@ def check_tokens(tokens, vocab_size: int):
             where = tuple(int(i) for i in np.argwhere(ids == bad)[0])
             raise ValueError(f"token id {bad} at {list(where)} is outside the vocabulary [0, {vocab_size})")
     return tokens
+
+
+def non_embedding_params(model: CausalLM) -> int:
+    """Parameters that take part in a matmul per token: all but the embedding table, which is a gather (it counts
+    when it is also the LM head: tied)."""
+    cfg = model.config
+    return count_params(model) - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
 
 
 def count_params(model: nnx.Module) -> int:

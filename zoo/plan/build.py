@@ -50,8 +50,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zoo.dtypes import dtype_of
 from zoo.layers.attention import resolve_impl
-from zoo.models.config import dtype_of
 from zoo.models.registry import family_of
 from zoo.plan import auto, links
 from zoo.plan import peak as peak_lib

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from zoo.models.config import MoEConfig
+
 
 @dataclasses.dataclass(frozen=True)
 class Overlap:
@@ -96,7 +98,7 @@ def measured(device_kind: str | None) -> Link | None:
 
 def step_rate(device_kind: str | None, cfg) -> StepRate | None:
     """The measured step rate of `cfg`'s family (and MoE backend) on a device kind, or None."""
-    backend = getattr(cfg, "moe_backend", None)
+    backend = cfg.moe_backend if isinstance(cfg, MoEConfig) else None
     for r in RATES:
         if (_matches(r.device_kind, device_kind) and r.config == type(cfg).__name__
                 and (r.moe_backend is None or r.moe_backend == backend)):

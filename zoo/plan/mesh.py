@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo import sharding
-from zoo.models.config import dtype_of
+from zoo.dtypes import dtype_of
 from zoo.plan.types import OPTIMIZERS, ModelState
 
 

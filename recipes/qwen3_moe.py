@@ -1,0 +1,24 @@
+"""Recipes for Qwen3-MoE.
+
+The same two groups as DeepSeek-V3's study, on GQA: the attention projections (q and k after their per-head norm and
+RoPE, v) and the routed experts' up-projections (gate and up, over the dispatched rows), offloaded to pinned host
+memory while the rest is recomputed. One recipe covers every stack: a dense stack emits no moe_* tags and ignores
+them.
+"""
+from zoo import Recipe
+
+QKV = ("query_proj", "key_proj", "value_proj")
+MOE_UP = ("moe_mlpwi_0", "moe_mlpwi_1")
+
+DEFAULT = "qkv_moe_offload"  # what `--recipe` runs when not given
+RECIPES: dict[str, Recipe] = {
+    "none": Recipe.none(),
+    "full": Recipe.full(),
+    "qkv_offload": Recipe("qkv_offload", offload=QKV,
+                          description="the attention projections (q, k after norm and RoPE; v) to pinned host memory"),
+    "moe_up_offload": Recipe("moe_up_offload", offload=MOE_UP,
+                             description="the routed experts' gate and up projections to pinned host memory"),
+    "qkv_moe_offload": Recipe("qkv_moe_offload", offload=QKV + MOE_UP,
+                              description="both: the attention projections and the MoE up-projections to pinned "
+                                          "host memory"),
+}

@@ -1,0 +1,46 @@
+"""`LlamaConfig` and its sizes: Llama 3.1 8B, 70B and 405B as published, and a tiny one for tests and CPU runs."""
+from __future__ import annotations
+
+import dataclasses
+
+from zoo.layers import Llama3Scaling, Rope
+from zoo.models.config import LMConfig, check_divides, check_positive, check_positive_float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LlamaConfig(LMConfig):
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    rope_theta: float = 500000.0
+    rope_scaling: Llama3Scaling | None = Llama3Scaling()
+    # from LMConfig: vocab_size, dim, num_layers, norm_eps (1e-5), tie_embeddings, dtype, param_dtype, attention_impl
+
+    PRESETS = {
+        "llama3_1_8b": dict(vocab_size=128256, dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                            mlp_dim=14336),
+        "llama3_1_70b": dict(vocab_size=128256, dim=8192, num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
+                             mlp_dim=28672),
+        "llama3_1_405b": dict(vocab_size=128256, dim=16384, num_layers=126, num_heads=128, num_kv_heads=8,
+                              head_dim=128, mlp_dim=53248),
+        # a few layers in float32, for tests and CPU runs
+        "tiny": dict(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
+                     dtype="float32", param_dtype="float32"),
+    }
+
+    def check(self):
+        check_positive(self, "num_heads", "num_kv_heads", "head_dim", "mlp_dim")
+        check_positive_float(self, "rope_theta")
+        check_divides(self, "num_kv_heads", "num_heads")
+        if self.head_dim % 2:
+            raise ValueError(f"LlamaConfig.head_dim must be even for RoPE, got {self.head_dim}")
+
+    def attention_head_dim(self) -> int:
+        return self.head_dim
+
+    def mesh_divisors(self) -> tuple[tuple[str, str], ...]:
+        return (("tp", "num_heads"), ("tp", "num_kv_heads"), ("tp", "mlp_dim")) + super().mesh_divisors()
+
+    def rope(self) -> Rope:
+        return Rope(dim=self.head_dim, theta=self.rope_theta, scaling=self.rope_scaling)

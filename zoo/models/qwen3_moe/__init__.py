@@ -1,0 +1,33 @@
+"""The Qwen3-MoE family: `Qwen3MoeConfig` (config.py), the model (model.py), the Hugging Face mapping (hf.py), and
+its `Family` record (FLOPs, the balance loss), registered when this package is imported."""
+import jax
+from flax import nnx
+
+from zoo.layers.moe import total_balance_loss
+from zoo.models import registry
+from zoo.models.lm import non_embedding_params
+from zoo.models.qwen3_moe import hf
+from zoo.models.qwen3_moe.config import Qwen3MoeConfig
+from zoo.models.qwen3_moe.model import Qwen3Moe, Qwen3MoeDecoderLayer, qwen3_moe
+
+__all__ = ["FAMILY", "Qwen3Moe", "Qwen3MoeConfig", "Qwen3MoeDecoderLayer", "flops_per_token", "qwen3_moe"]
+
+
+def flops_per_token(cfg: Qwen3MoeConfig, model: nnx.Module, seq: int) -> float:
+    """6 N_active (the routed experts a token does not visit excluded) plus causal attention: QK^T and PV over
+    half the keys, times 3."""
+    moe_layers = sum(len(layers) for moe, layers in cfg.layer_runs() if moe)
+    idle = moe_layers * (cfg.num_experts - cfg.num_experts_per_tok) * 3 * cfg.dim * cfg.moe_mlp_dim
+    attention = 3 * 2 * 2 * seq * cfg.num_heads * cfg.head_dim / 2 * cfg.num_layers
+    return 6 * (non_embedding_params(model) - idle) + attention
+
+
+def aux_loss(cfg: Qwen3MoeConfig, aux: dict) -> jax.Array:
+    """Every MoE layer's Switch balance loss (already times cfg.balance_loss_weight, router_aux_loss_coef)."""
+    return total_balance_loss(aux)
+
+
+FAMILY = registry.register(registry.Family(
+    "qwen3_moe", Qwen3MoeConfig, qwen3_moe,
+    registry.HFArch(hf.ARCHITECTURE, hf.MODEL_TYPE, hf.from_hf, hf.to_hf, hf.keys),
+    flops_per_token, aux_loss=aux_loss))

@@ -1,0 +1,79 @@
+"""Qwen3-MoE (Qwen Team, 2025, "Qwen3 Technical Report").
+
+A pre-norm decoder: x += attention(RMSNorm(x)); x += FFN(RMSNorm(x)). Grouped-query attention with an RMSNorm over
+each query and key head before RoPE (theta 1e6). The FFN is a mixture of experts (softmax top-k routing, the k
+weights renormalised when `norm_topk_prob`, no shared expert) except in the layers `mlp_only_layers` and
+`decoder_sparse_step` make dense. Each run of layers of one kind is one scanned stack under the one recipe: the
+published sizes are all experts (one stack, `moe_layers`); the tiny preset has two (`dense_layers`, then
+`moe_layers`). The embedding and
+the LM head are untied.
+"""
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from zoo.layers import MLP, Attention, RMSNorm
+from zoo.layers.moe import Experts, MoE, SoftmaxRouter
+from zoo.layers.tagged import TaggedLayer
+from zoo.models.lm import CausalLM
+from zoo.models.qwen3_moe.config import Qwen3MoeConfig
+from zoo.recipe import Recipe
+
+
+class Qwen3MoeDecoderLayer(TaggedLayer):
+    """One decoder layer; `moe=True` for the mixture-of-experts FFN, which also returns its aux."""
+
+    def __init__(self, cfg: Qwen3MoeConfig, *, moe: bool, rngs: nnx.Rngs):
+        self.dim, self.dtype, self.moe = cfg.dim, cfg.compute_dtype, moe
+        common = dict(dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype)
+        self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, **common)
+        self.attn = Attention(dim=cfg.dim, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                              head_dim=cfg.head_dim, rope=cfg.rope(), implementation=cfg.attention_impl,
+                              qk_norm_eps=cfg.norm_eps, rngs=rngs, **common)
+        self.mlp_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, **common)
+        self.mlp = (qwen3_moe_ffn(cfg, rngs=rngs) if moe else
+                    MLP(dim=cfg.dim, hidden=cfg.mlp_dim, seq_chunks=cfg.mlp_seq_chunks, rngs=rngs, **common))
+
+    def __call__(self, x: jax.Array):
+        x = x + self.attn(self.attn_norm(x))
+        if not self.moe:
+            return x + self.mlp(self.mlp_norm(x))
+        y, aux = self.mlp(self.mlp_norm(x))
+        return x + y, aux
+
+
+def qwen3_moe_ffn(cfg: Qwen3MoeConfig, *, rngs: nnx.Rngs) -> MoE:
+    """Qwen3-MoE's FFN: the softmax top-k router and the routed experts; no shared expert."""
+    router = SoftmaxRouter(dim=cfg.dim, num_experts=cfg.num_experts, k=cfg.num_experts_per_tok,
+                           norm_topk_prob=cfg.norm_topk_prob, balance_loss_weight=cfg.balance_loss_weight,
+                           param_dtype=cfg.weight_dtype, rngs=rngs)
+    experts = Experts(num_experts=cfg.num_experts, dim=cfg.dim, hidden=cfg.moe_mlp_dim, dtype=cfg.compute_dtype,
+                      param_dtype=cfg.weight_dtype, rngs=rngs)
+    return MoE(dim=cfg.dim, router=router, experts=experts, backend=cfg.moe_backend,
+               capacity_factor=cfg.capacity_factor, dtype=cfg.compute_dtype)
+
+
+def stack_names(cfg: Qwen3MoeConfig) -> list[str]:
+    """One name per run of `cfg.layer_runs()`: `moe_layers` / `dense_layers` where a kind has one run, else
+    suffixed by the run's first layer (`dense_layers_1`)."""
+    runs = cfg.layer_runs()
+    kinds = [moe for moe, _ in runs]
+    return [f"{'moe' if moe else 'dense'}_layers" + ("" if kinds.count(moe) == 1 else f"_{layers.start}")
+            for moe, layers in runs]
+
+
+class Qwen3Moe(CausalLM):
+    def __init__(self, cfg: Qwen3MoeConfig, *, recipe: Recipe | None = None, rngs: nnx.Rngs):
+        if not isinstance(cfg, Qwen3MoeConfig):
+            raise ValueError(f"Qwen3Moe needs a Qwen3MoeConfig, got {type(cfg).__name__}")
+
+        def make(moe: bool):
+            return lambda r: Qwen3MoeDecoderLayer(cfg, moe=moe, rngs=r)
+        stacks = {name: (make(moe), len(layers)) for name, (moe, layers) in zip(stack_names(cfg), cfg.layer_runs())}
+        super().__init__(cfg, stacks=stacks, recipe=recipe, rngs=rngs)
+
+
+def qwen3_moe(cfg: Qwen3MoeConfig, *, recipe: Recipe | None = None, rngs: nnx.Rngs) -> Qwen3Moe:
+    """Build Qwen3-MoE. `recipe` (default: `Recipe.none()`) decides each tag's placement in every stack."""
+    return Qwen3Moe(cfg, recipe=recipe, rngs=rngs)
