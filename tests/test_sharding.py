@@ -20,6 +20,7 @@ import pytest
 from flax import nnx
 
 import zoo
+from tests.helpers import cpu_env
 from zoo import sharding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -145,9 +146,7 @@ def test_create_without_a_mesh_is_the_plain_build():
 
 # -- 8 fake devices ----------------------------------------------------------------------------------------------------
 def run_8(case: str) -> str:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-m", "tests.sharded_steps", case], env=env, cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "tests.sharded_steps", case], env=cpu_env(8), cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
