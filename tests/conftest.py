@@ -38,3 +38,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 def pytest_unconfigure(config):
     if _made_cache is not None:
         shutil.rmtree(_made_cache, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests that start processes with fake devices take minutes, the rest seconds: run them first, so that
+    under xdist (`--dist worksteal`, pyproject.toml) the short ones fill the other workers instead of a long test
+    starting last. A stable sort: every worker collects the same order."""
+    items.sort(key=lambda item: item.get_closest_marker("multidevice") is None)

@@ -467,6 +467,7 @@ print("OK")
 """
 
 
+@pytest.mark.multidevice
 def test_parameters_are_split_over_a_real_mesh(tmp_path):
     """Four CPU devices (a subprocess: the device count is fixed when JAX starts)."""
     import subprocess

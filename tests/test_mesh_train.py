@@ -19,6 +19,8 @@ import pytest
 
 from tests.helpers import cpu_env
 
+pytestmark = pytest.mark.multidevice
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOL = 1e-5
 LLAMA = ["--model", "llama3", "--preset", "tiny", "--recipe", "qkv_offload", "--batch", "8", "--seq", "16",

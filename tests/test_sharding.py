@@ -152,12 +152,14 @@ def run_8(case: str) -> str:
     return out.stdout
 
 
+@pytest.mark.multidevice
 def test_llama_sharded_training_step_equals_one_device():
     """fsdp=8, fsdp=4 x tp=2, dp=4 x tp=2 under qkv_offload: loss and gradients as on one device, parameters on the
     rules' shardings (never whole on one device), q/k/v offloaded as batch/heads-sharded values."""
     print(run_8("llama"))
 
 
+@pytest.mark.multidevice
 def test_deepseek_sharded_training_step_equals_one_device():
     """fsdp=8 (ragged_dot), ep=8 and fsdp=2 x ep=4 (capacity, experts over ep) under mla_moe_offload: loss,
     gradients and the global expert load as on one device; the offloaded MoE buffers are sharded experts->ep."""
