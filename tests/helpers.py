@@ -1,12 +1,29 @@
-"""Shared test helpers: gradients under a recipe, relative errors, CUDA lowering text."""
+"""Shared test helpers: gradients under a recipe, relative errors, CUDA lowering text, subprocess environments."""
 from __future__ import annotations
 
 import collections
+import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def cpu_env(devices: int | None = None, **extra: str) -> dict[str, str]:
+    """The environment of a test's subprocess: this process's (with the run's XLA flags and compilation cache, set
+    in conftest.py), the repository on PYTHONPATH, JAX on the CPU and, given `devices`, that many fake CPU devices
+    (the count is fixed when JAX starts, so a multi-device check runs in a process of its own)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "JAX_PLATFORMS": "cpu", **extra}
+    if devices is not None:
+        count = "--xla_force_host_platform_device_count"
+        flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(count)]
+        env["XLA_FLAGS"] = " ".join(flags + [f"{count}={devices}"])
+    return env
 
 
 def loss_fn(graphdef, state, tokens):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
-import os
 import re
 import shlex
 import subprocess
@@ -21,6 +20,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import cpu_env
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -240,6 +241,7 @@ def text_fixture(tmp_path: Path, argv: list[str]) -> None:
     argv[argv.index("--set") + 1] = "vocab_size=300"
 
 
+@pytest.mark.multidevice
 @pytest.mark.parametrize("block", params(("mesh",)))
 def test_mesh_commands_run_on_fake_devices(block, tmp_path):
     """On 8 fake CPU devices (the flag must be set before JAX starts: a process of its own), every command of the
@@ -249,8 +251,7 @@ def test_mesh_commands_run_on_fake_devices(block, tmp_path):
               f"for argv in {argvs!r}:\n"
               "    rc = train.main(argv)\n"
               "    assert rc == 0, (argv, rc)\n")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=cpu_env(8), capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count(" (step 1) -> ") == len(argvs), out.stdout[-3000:]

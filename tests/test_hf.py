@@ -468,14 +468,13 @@ print("OK")
 """
 
 
+@pytest.mark.multidevice
 def test_parameters_are_split_over_a_real_mesh(tmp_path):
     """Four CPU devices (a subprocess: the device count is fixed when JAX starts)."""
-    import os
     import subprocess
     import sys
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, "-c", SHARDED_LOAD, str(tmp_path)], env=env, cwd=root,
+
+    from tests.helpers import ROOT, cpu_env
+    out = subprocess.run([sys.executable, "-c", SHARDED_LOAD, str(tmp_path)], env=cpu_env(4), cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-3000:]

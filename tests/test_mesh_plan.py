@@ -25,6 +25,7 @@ import pytest
 import zoo
 from recipes.deepseek_v3 import RECIPES as DS_RECIPES
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
+from tests.helpers import cpu_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA = zoo.models.LlamaConfig.preset("tiny")
@@ -103,9 +104,8 @@ def test_auto_estimates_a_mesh_peak_on_the_cpu_even_with_the_devices_present():
     assert not p.peak.compiled and p.peak_source == "estimate (not compiled on the CPU: --peak compile does)"
 
 
+@pytest.mark.multidevice
 def test_the_sharded_step_is_compiled_per_device_and_the_main_job_plans_with_it():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-m", "tests.mesh_peaks"], env=env, cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "tests.mesh_peaks"], env=cpu_env(8), cwd=ROOT, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout[-3000:] + out.stderr[-3000:]

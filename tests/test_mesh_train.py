@@ -11,12 +11,15 @@ device count is fixed when JAX starts).
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
+
+from tests.helpers import cpu_env
+
+pytestmark = pytest.mark.multidevice
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOL = 1e-5
@@ -26,12 +29,8 @@ DEEPSEEK = ["--model", "deepseek_v3", "--preset", "tiny", "--recipe", "mla_moe_o
             "16", "--steps", "3", "--log-every", "1", "--set", "moe_backend=capacity", "--set", "capacity_factor=4.0"]
 
 
-def train(args, devices: int, cache) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-           "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-    return subprocess.run([sys.executable, "-m", "recipes.train", *map(str, args)], env=env, cwd=ROOT,
+def train(args, devices: int) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "recipes.train", *map(str, args)], env=cpu_env(devices), cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -46,20 +45,15 @@ def assert_close(got: dict[int, float], want: dict[int, float]):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("jax_cache")
-
-
-@pytest.fixture(scope="module")
-def llama_one_device(tmp_path_factory, cache):
+def llama_one_device(tmp_path_factory):
     d = tmp_path_factory.mktemp("one")
-    out = train(LLAMA + ["--mesh", "fsdp=1", "--metrics", d / "m.jsonl"], 1, cache)
+    out = train(LLAMA + ["--mesh", "fsdp=1", "--metrics", d / "m.jsonl"], 1)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return losses(d / "m.jsonl")
 
 
-def test_llama_fsdp_x_tp_logs_the_losses_of_one_device(tmp_path, llama_one_device, cache):
-    out = train(LLAMA + ["--mesh", "fsdp=4,tp=2", "--metrics", tmp_path / "m.jsonl"], 8, cache)
+def test_llama_fsdp_x_tp_logs_the_losses_of_one_device(tmp_path, llama_one_device):
+    out = train(LLAMA + ["--mesh", "fsdp=4,tp=2", "--metrics", tmp_path / "m.jsonl"], 8)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "mesh dp=1,fsdp=4,tp=2,ep=1 over 8 device(s)" in out.stdout
     assert_close(losses(tmp_path / "m.jsonl"), llama_one_device)
@@ -75,23 +69,23 @@ def test_llama_fsdp_x_tp_logs_the_losses_of_one_device(tmp_path, llama_one_devic
         assert 8 * r["model_tflops"] * 1e12 / r["tokens_per_s"] == pytest.approx(want, rel=1e-6), r
 
 
-def test_deepseek_fsdp_x_ep_logs_the_losses_of_one_device(tmp_path, cache):
+def test_deepseek_fsdp_x_ep_logs_the_losses_of_one_device(tmp_path):
     got = {}
     for mesh, devices in (("fsdp=1", 1), ("fsdp=2,ep=4", 8)):
-        out = train(DEEPSEEK + ["--mesh", mesh, "--metrics", tmp_path / f"{devices}.jsonl"], devices, cache)
+        out = train(DEEPSEEK + ["--mesh", mesh, "--metrics", tmp_path / f"{devices}.jsonl"], devices)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         got[mesh] = losses(tmp_path / f"{devices}.jsonl")
     assert len(got["fsdp=1"]) == 3
     assert_close(got["fsdp=2,ep=4"], got["fsdp=1"])
 
 
-def test_checkpoint_written_under_fsdp4_resumes_under_fsdp2_tp2(tmp_path, llama_one_device, cache):
+def test_checkpoint_written_under_fsdp4_resumes_under_fsdp2_tp2(tmp_path, llama_one_device):
     run = LLAMA + ["--ckpt-dir", tmp_path / "ckpt", "--ckpt-every", 2, "--metrics", tmp_path / "m.jsonl"]
-    out = train(run + ["--mesh", "fsdp=4", "--stop-after", 2], 4, cache)
+    out = train(run + ["--mesh", "fsdp=4", "--stop-after", 2], 4)
     assert out.returncode == 0 and "last checkpoint: 2" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
     record = json.load(open(tmp_path / "ckpt" / "2" / "record" / "metadata"))
     assert record["mesh"] == "dp=1,fsdp=4,tp=1,ep=1" and "mesh" not in record["run"]
-    out = train(run + ["--mesh", "fsdp=2,tp=2", "--resume"], 4, cache)
+    out = train(run + ["--mesh", "fsdp=2,tp=2", "--resume"], 4)
     assert out.returncode == 0 and "at step 2" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
     assert_close(losses(tmp_path / "m.jsonl"), llama_one_device)
 
@@ -102,11 +96,11 @@ def test_checkpoint_written_under_fsdp4_resumes_under_fsdp2_tp2(tmp_path, llama_
     ("tp=8", 8, "tp=8 does not divide LlamaConfig.num_heads=4"),
     ("fsdp=8", 8, None),   # batch 4 over 8 data shards
 ])
-def test_bad_meshes_exit_2_naming_both_numbers(mesh, devices, message, tmp_path, cache):
+def test_bad_meshes_exit_2_naming_both_numbers(mesh, devices, message, tmp_path):
     args = LLAMA + ["--mesh", mesh, "--ckpt-dir", tmp_path / "ckpt"]
     if message is None:
         args += ["--batch", "4"]
         message = "the batch 4 is not divisible by dp x fsdp x ep = 8"
-    out = train(args, devices, cache)
+    out = train(args, devices)
     assert out.returncode == 2 and message in out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
     assert "compiled" not in out.stdout and not (tmp_path / "ckpt").exists()

@@ -20,6 +20,7 @@ import pytest
 from flax import nnx
 
 import zoo
+from tests.helpers import cpu_env
 from zoo import sharding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -147,20 +148,20 @@ def test_create_without_a_mesh_is_the_plain_build():
 
 # -- 8 fake devices ----------------------------------------------------------------------------------------------------
 def run_8(case: str) -> str:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-m", "tests.sharded_steps", case], env=env, cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "tests.sharded_steps", case], env=cpu_env(8), cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
 
 
+@pytest.mark.multidevice
 def test_llama_sharded_training_step_equals_one_device():
     """fsdp=8, fsdp=4 x tp=2, dp=4 x tp=2 under qkv_offload: loss and gradients as on one device, parameters on the
     rules' shardings (never whole on one device), q/k/v offloaded as batch/heads-sharded values."""
     print(run_8("llama"))
 
 
+@pytest.mark.multidevice
 def test_deepseek_sharded_training_step_equals_one_device():
     """fsdp=8 (ragged_dot), ep=8 and fsdp=2 x ep=4 (capacity, experts over ep) under mla_moe_offload: loss,
     gradients and the global expert load as on one device; the offloaded MoE buffers are sharded experts->ep."""
