@@ -2,15 +2,19 @@
 coordinator (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID), each process with 2 fake CPU devices and
 CPU collectives over gloo, under `--mesh fsdp=4`; compared with one process over 4 fake devices.
 
-- The two processes log the losses of the one-process run, exactly (same program, same reductions); process 0
+- The two processes log the losses of the one-process run; process 0
   alone writes --metrics (each step once) and its checkpoints are the run's.
-- SIGKILL to process 1 mid-run: process 0 exits 1 within --heartbeat-timeout (plus the watch's polling) with one
-  line saying which process went silent, instead of waiting in a collective; the checkpoint lock it leaves is
-  process 0's. The same command in one process on another mesh (fsdp=2,tp=2) with --resume takes the lock over,
-  continues from the checkpoint the two processes wrote, and logs the uninterrupted run's losses (relative error
-  < 1e-5: the reductions change order with the mesh) into the same --metrics file, each step once.
+- SIGKILL to process 1 mid-run (the checkpoint lock then is process 0's): process 0 exits 1 within
+  --heartbeat-timeout with one line, the PeerWatch's naming the silent process or, when gloo notices the reset
+  first, the failed collective's, instead of waiting in the collective. The same command in one process on another
+  mesh (fsdp=2,tp=2) with --resume takes over the lock if it was left, continues from the checkpoint the two
+  processes wrote, and logs the uninterrupted run's losses into the same --metrics file, each step once.
+- The PeerWatch itself, on a stand-in for the coordination service's key-value store: a process that stops
+  publishing is named once --heartbeat-timeout has passed, one that finished is not, a coordinator that stops
+  answering is said to be gone.
 
-Every subprocess has a deadline, so a hang fails the test instead of hanging CI.
+Losses are compared with a relative error < 1e-5: the sums over devices reduce in another order across processes
+(gloo) and meshes. Every subprocess has a deadline, so a hang fails the test instead of hanging CI.
 """
 from __future__ import annotations
 
@@ -181,10 +185,15 @@ def test_a_killed_process_stops_the_other_and_resume_continues(tmp_path, cache, 
     procs = two_processes(["--mesh", "fsdp=4", "--steps", 1000, "--ckpt-dir", ckpt, "--ckpt-every", 2,
                            "--metrics", metrics, "--heartbeat-timeout", HEARTBEAT], cache)
     try:
-        deadline = time.monotonic() + DEADLINE
+        deadline, seen = time.monotonic() + DEADLINE, []
         for line in procs[1].stdout:
+            seen.append(line)
             if line.startswith("step      3") or time.monotonic() > deadline:
                 break
+        assert seen and seen[-1].startswith("step      3"), "".join(seen)[-3000:] + procs[1].stderr.read()[-3000:]
+        if not (ckpt / LOCK_NAME).exists():
+            pytest.fail("no lock while both processes train:\n" + "\n".join(
+                o[0][-2000:] + o[1][-3000:] for o in finish(procs, timeout=HEARTBEAT + 60)))
         holder = json.loads((ckpt / LOCK_NAME).read_text())   # the run's checkpoint lock is process 0's
         procs[1].send_signal(signal.SIGKILL)
         killed = time.monotonic()
