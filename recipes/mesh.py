@@ -12,6 +12,9 @@ line adds around them:
   automatically when `JAX_COORDINATOR_ADDRESS` is set (then `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID` say how
   many processes and which one this is; on SLURM / Open MPI clusters JAX detects them itself with
   `--distributed`). It must run before JAX touches a device: the main job calls it right after parsing.
+- `PeerWatch(timeout)`: while the processes run, each says it is alive every few seconds; one that stops (killed,
+  crashed, or gone with an error) ends the others with one line after `timeout` seconds (`--heartbeat-timeout`)
+  instead of leaving them waiting in a collective.
 - `put_batch(batch, mesh)`: the data source gives every process the same global batch of step k (a pure function
   of (seed, step), `recipes.data`); each process keeps only the rows its devices hold
   (`local_rows`, read from the batch sharding, so it is deterministic and needs no communication) and
@@ -23,6 +26,7 @@ import contextlib
 import math
 import os
 import threading
+import time
 
 import jax
 import numpy as np
@@ -36,16 +40,18 @@ def wants_distributed(flag: bool) -> bool:
     return bool(flag) or bool(os.environ.get(COORDINATOR_ENV))
 
 
-def maybe_initialize(flag: bool, timeout: float = 300.0) -> bool:
+def maybe_initialize(flag: bool, timeout: float = 300.0, heartbeat: float = 60.0) -> bool:
     """`jax.distributed.initialize()` with the process count and index from JAX_NUM_PROCESSES / JAX_PROCESS_ID
     when they are set (else JAX's cluster auto-detection); True if it ran. ValueError in one line for a bad
     variable or a start-up JAX refuses; waiting for the coordinator (or, on process 0, for every process to
     connect) is said first and ends after `timeout` seconds with a message (`coordinator_watchdog`): JAX's own
-    timeout aborts the process with a C++ stack trace instead."""
+    timeout aborts the process with a C++ stack trace instead. JAX's heartbeat deadline is set past `heartbeat`,
+    the one `PeerWatch` keeps, for the same reason."""
     if not wants_distributed(flag):
         return False
-    if not (math.isfinite(timeout) and timeout > 0):
-        raise ValueError(f"--coordinator-timeout must be a finite number of seconds > 0, got {timeout}")
+    for name, value in (("--coordinator-timeout", timeout), ("--heartbeat-timeout", heartbeat)):
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite number of seconds > 0, got {value}")
     kwargs = {name: _env_int(var, lowest) for name, var, lowest in (("num_processes", "JAX_NUM_PROCESSES", 1),
                                                                    ("process_id", "JAX_PROCESS_ID", 0))
               if os.environ.get(var)}
@@ -58,9 +64,10 @@ def maybe_initialize(flag: bool, timeout: float = 300.0) -> bool:
           flush=True)
     with coordinator_watchdog(timeout, where):
         try:   # JAX's own deadline a little later than ours, so that our message is the one a user reads
-            jax.distributed.initialize(initialization_timeout=int(math.ceil(timeout)) + 30, **kwargs)
+            jax.distributed.initialize(initialization_timeout=int(math.ceil(timeout)) + 30,
+                                       heartbeat_timeout_seconds=int(math.ceil(heartbeat)) + 30, **kwargs)
         except (ValueError, RuntimeError) as e:
-            raise ValueError(f"--distributed: JAX could not start the processes: {_first_line(e)}") from None
+            raise ValueError(f"--distributed: JAX could not start the processes: {first_line(e)}") from None
     return True
 
 
@@ -75,7 +82,7 @@ def _env_int(var: str, lowest: int) -> int:
     return value
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
@@ -97,13 +104,107 @@ def coordinator_watchdog(timeout: float, where: str):
         timer.cancel()
 
 
+class PeerWatch:
+    """Several processes: each publishes a counter in JAX's coordination service (its key-value store) every
+    `timeout / 10` seconds (at most 5) and reads everyone's. A process whose counter has not moved for `timeout`
+    seconds (killed, crashed, or gone with an error while the others wait in a collective for it), or a
+    coordinator that has not answered for as long, ends this process: one line on stderr, exit 1. Without it the
+    others wait in the step's collective (gloo on the CPU has no deadline) until JAX's heartbeat aborts them with a
+    C++ stack trace. `close(done=True)`, at the end of a run, tells the others this process finished (they stop
+    watching it); after an error it only stops publishing, so that the others stop too.
+
+    Reading each process's liveness, not the step's progress: a long step, evaluation or checkpoint never trips
+    it. The publishing thread needs the GIL every few seconds; JAX releases it while it compiles and runs."""
+
+    PREFIX = "offload_zoo/alive/"
+
+    def __init__(self, timeout: float, *, client=None, process: int | None = None, count: int | None = None,
+                 where: str | None = None):
+        self.timeout, self.interval = timeout, min(5.0, timeout / 10)
+        self.client = client if client is not None else _coordination_client()
+        self.me = jax.process_index() if process is None else process
+        self.n = jax.process_count() if count is None else count
+        self.where = where or os.environ.get(COORDINATOR_ENV) or "the coordinator"
+        now = time.monotonic()
+        self.seen = {p: (None, now) for p in range(self.n) if p != self.me}   # peer: (its counter, when it moved)
+        self.contact = now                       # the last round trip to the coordinator that answered
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._publish, daemon=True, name="peer-watch-publish"),
+                        threading.Thread(target=self._check, daemon=True, name="peer-watch-check")]
+        if self.client is not None and self.n > 1:
+            for t in self.threads:
+                t.start()
+
+    def _publish(self) -> None:
+        beat = 0
+        while not self.stop.is_set():
+            beat += 1
+            try:
+                self.client.key_value_set(f"{self.PREFIX}{self.me}", str(beat), allow_overwrite=True)
+                values = dict(self.client.key_value_dir_get(self.PREFIX))
+            except Exception:   # the coordinator did not answer: `contact` says for how long
+                values = None
+            if values is not None:
+                now = time.monotonic()
+                self.contact = now
+                for key, value in values.items():
+                    peer = int(key.rsplit("/", 1)[-1])
+                    if peer not in self.seen:
+                        continue
+                    if value == "done":
+                        del self.seen[peer]
+                    elif value != self.seen[peer][0]:
+                        self.seen[peer] = (value, now)
+            self.stop.wait(self.interval)
+
+    def _check(self) -> None:
+        while not self.stop.wait(self.interval):
+            now = time.monotonic()
+            if now - self.contact > self.timeout:
+                self._fire(f"the coordinator at {self.where} (process 0) has not answered for {self.timeout:g} s: "
+                           f"it exited or was killed (see its log), or the network failed")
+            late = sorted(p for p, (_, moved) in list(self.seen.items()) if now - moved > self.timeout)
+            if late:
+                who = ", ".join(map(str, late))
+                self._fire(f"process {who} of {self.n} sent no heartbeat for {self.timeout:g} s "
+                           f"(--heartbeat-timeout): it exited or was killed (see its log)")
+
+    def _fire(self, why: str) -> None:
+        os.write(2, f"error: {peer_lost(why, self.me)}\n".encode())
+        os._exit(1)
+
+    def close(self, done: bool) -> None:
+        """Stop watching; with `done`, tell the others this process finished (best effort)."""
+        self.stop.set()
+        if done and self.client is not None and self.n > 1:
+            with contextlib.suppress(Exception):
+                self.client.key_value_set(f"{self.PREFIX}{self.me}", "done", allow_overwrite=True)
+
+
+def peer_lost(why: str, process: int | None = None) -> str:
+    """The line a process prints when the run cannot go on because another process is gone."""
+    me = jax.process_index() if process is None else process
+    return (f"{why}; process {me} stops too. Start every process again with --resume to continue from the last "
+            f"checkpoint")
+
+
+def _coordination_client():
+    """JAX's client of the coordination service, or None (not started, or not where this JAX keeps it): it has no
+    public name; orbax reaches it the same way."""
+    try:
+        from jax._src import distributed
+    except ImportError:
+        return None
+    return getattr(getattr(distributed, "global_state", None), "client", None)
+
+
 def check_backend() -> None:
     """ValueError in one line when JAX cannot start its backend (e.g. JAX_PLATFORMS=cuda on a machine without a
     GPU); JAX would raise it from the first call that touches a device, with a traceback."""
     try:
         jax.devices()
     except Exception as e:   # RuntimeError, or an AssertionError for a platform no plugin provides
-        why = _first_line(e) if str(e).strip() else "no installed JAX plugin provides it"
+        why = first_line(e) if str(e).strip() else "no installed JAX plugin provides it"
         raise ValueError(f"JAX cannot start a backend for JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r}: "
                          f"{why}") from None
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 
 from recipes import cli, flags
 
@@ -62,6 +63,9 @@ def parser() -> argparse.ArgumentParser:
                         "or content)")
     p.add_argument("--coordinator-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="multi-host: how long to wait for the coordinator and every process before giving up")
+    p.add_argument("--heartbeat-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="multi-host: a process not heard from for this long (killed, crashed) stops the others "
+                        "with a message (exit 1); restart all with --resume")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="text --data: a Hugging Face tokenizer.json (or its directory); the text is tokenized once "
                         "and cached by content (pip install -e \".[text]\")")
@@ -113,11 +117,14 @@ def _main(argv: list[str] | None) -> int:
     from recipes.checkpoint import CheckpointError
     from recipes.interrupt import Interrupted
 
-    kwargs = {k: v for k, v in vars(args).items() if k != "xla_flags"}
+    kwargs = {k: v for k, v in vars(args).items() if k not in ("xla_flags", "heartbeat_timeout")}
+    watch = None   # several processes: recipes.mesh.PeerWatch
     try:
-        if mesh.maybe_initialize(args.distributed, args.coordinator_timeout):   # before JAX touches a device
+        if mesh.maybe_initialize(args.distributed, args.coordinator_timeout, args.heartbeat_timeout):
+            # (before JAX touches a device)
             print(f"distributed: process {jax.process_index()} of {jax.process_count()}, "
                   f"{jax.local_device_count()} local of {jax.device_count()} devices", flush=True)
+            watch = mesh.PeerWatch(args.heartbeat_timeout)
         mesh.check_backend()
         if jax.default_backend() != "cpu":   # the flags are GPU flags: on the CPU they parse and do nothing
             print(f"XLA flag set {args.xla_flags!r}: {' '.join(chosen) or '(none)'}; "
@@ -126,15 +133,34 @@ def _main(argv: list[str] | None) -> int:
         result = loop.run(loop.RunConfig(**kwargs))
     except ValueError as e:       # a bad flag, file or directory: found before training
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        code = 2
     except (CheckpointError, OSError) as e:   # failed while training: the last checkpoint written is intact
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        code = 1
     except Interrupted as e:   # SIGINT/SIGTERM before training started (recipes.interrupt)
         print(f"{e}: stopped before training started; nothing to save (exit {e.exit_code})", file=sys.stderr)
-        return e.exit_code
-    return result.exit_code or (1 if result.stopped == "nonfinite" else 0)
-
+        code = e.exit_code
+    except Exception as e:
+        if watch is None:
+            raise
+        if isinstance(e, jax.errors.JaxRuntimeError):   # e.g. gloo: "Connection reset by peer"
+            print(f"error: {mesh.peer_lost(f'a collective with the other processes failed ({mesh.first_line(e)})')}",
+                  file=sys.stderr)
+        else:
+            traceback.print_exc()
+        code = 1
+    else:
+        if watch is not None:
+            watch.close(done=True)   # every process got here: JAX's shutdown at exit meets them all
+        return result.exit_code or (1 if result.stopped == "nonfinite" else 0)
+    if watch is not None:
+        # Failed on this process: stop saying it is alive (the others stop too, `PeerWatch`), and leave without JAX's
+        # shutdown at exit, which would wait for processes that are gone and then abort with a C++ stack trace.
+        watch.close(done=False)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 if __name__ == "__main__":
     sys.exit(main())
