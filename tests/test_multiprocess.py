@@ -19,7 +19,6 @@ Losses are compared with a relative error < 1e-5: the sums over devices reduce i
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import signal
 import subprocess
