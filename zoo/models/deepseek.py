@@ -24,6 +24,7 @@ from zoo.layers import MLP, RMSNorm, Rope, YarnScaling
 from zoo.layers.mla import MLA
 from zoo.layers.moe import (
     BACKENDS,
+    EP_DISPATCHES,
     Experts,
     GroupLimitedRouter,
     MoE,
@@ -66,6 +67,7 @@ class DeepSeekV3Config(LMConfig):
     norm_eps: float = 1e-6
     moe_backend: str = "auto"          # "ragged_dot" | "tokamax" | "capacity" | "auto" (see zoo.layers.moe)
     capacity_factor: float = 1.25      # capacity dispatch only
+    ep_dispatch: str = "gather"        # dropless backends under a mesh: "gather" | "ragged_a2a" (expert parallelism)
     balance_loss_weight: float = 1e-4  # the sequence-wise balance loss's alpha
 
     def check(self):
@@ -84,8 +86,10 @@ class DeepSeekV3Config(LMConfig):
             raise ValueError(f"{name}.qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
         if self.moe_backend not in BACKENDS:
             raise ValueError(f"{name}.moe_backend must be one of {BACKENDS}, got {self.moe_backend!r}")
+        if self.ep_dispatch not in EP_DISPATCHES:
+            raise ValueError(f"{name}.ep_dispatch must be one of {EP_DISPATCHES}, got {self.ep_dispatch!r}")
         try:
-            resolve_backend(self.moe_backend)
+            resolve_backend(self.moe_backend, ep_dispatch=self.ep_dispatch)
         except ValueError as e:
             raise ValueError(f"{name}.moe_backend: {e}") from None
 
@@ -117,8 +121,12 @@ class DeepSeekV3Config(LMConfig):
         return max(self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim)
 
     def kernel_choices(self, device) -> dict[str, str]:
-        name, why = backend_choice(self.moe_backend, dtype=self.compute_dtype, device=device)
-        return {"moe backend": f"{name} ({why})"}
+        name, why = backend_choice(self.moe_backend, dtype=self.compute_dtype, device=device,
+                                   ep_dispatch=self.ep_dispatch)
+        out = {"moe backend": f"{name} ({why})"}
+        if self.ep_dispatch != "gather":
+            out["ep dispatch"] = f"{self.ep_dispatch} (asked for)"
+        return out
 
     def mesh_divisors(self) -> tuple[tuple[str, str], ...]:
         return ((("tp", "num_heads"), ("tp", "mlp_dim"), ("tp", "moe_mlp_dim"), ("ep", "num_experts"))
@@ -167,7 +175,7 @@ def deepseek_moe(cfg: DeepSeekV3Config, *, rngs: nnx.Rngs) -> MoE:
     shared = MLP(dim=cfg.dim, hidden=cfg.moe_mlp_dim * cfg.num_shared_experts, tag_prefix="shared_", rngs=rngs,
                  **common) if cfg.num_shared_experts else None
     return MoE(dim=cfg.dim, router=router, experts=experts, shared=shared, backend=cfg.moe_backend,
-               capacity_factor=cfg.capacity_factor, dtype=cfg.compute_dtype)
+               capacity_factor=cfg.capacity_factor, ep_dispatch=cfg.ep_dispatch, dtype=cfg.compute_dtype)
 
 
 class DeepSeekV3(CausalLM):
