@@ -92,7 +92,9 @@ def dispatch_equals_one_device(spec: str):
 def model_step_equals_one_device(spec: str):
     from recipes.deepseek_v3 import RECIPES
     recipe = RECIPES["mla_moe_offload"]
-    cfg = zoo.models.DeepSeekV3Config.tiny(moe_backend="ragged_dot", ep_dispatch="ragged_a2a")
+    # One dense layer and a scan of two MoE layers (the tiny preset has two of each).
+    cfg = zoo.models.DeepSeekV3Config.tiny(num_layers=3, first_dense_layers=1, moe_backend="ragged_dot",
+                                           ep_dispatch="ragged_a2a")
     tokens = jax.random.randint(jax.random.key(1), (8, 8), 0, cfg.vocab_size, dtype=jnp.int32)
     ref = sharded_steps.one_device(zoo.models.deepseek_v3(cfg, recipe=recipe, rngs=nnx.Rngs(0)), tokens)
     ep = sharding.parse_mesh(spec, jax.device_count())["ep"]

@@ -60,8 +60,8 @@ def sharded(build, cfg, recipe, spec, tokens, want_host, all_to_all=False, ragge
         traced = f.trace(params, t)   # one trace: compiled for the CPU devices, lowered for CUDA to read
         compiled = traced.lower().compile()
         out = jax.device_get(compiled(params, t))
-        text = traced.lower(lowering_platforms=("cuda",)).as_text()
-        hlo = traced.lower(lowering_platforms=("cuda",)).as_text(dialect="hlo") if ragged else ""
+        cuda = traced.lower(lowering_platforms=("cuda",))
+        text, hlo = cuda.as_text(), cuda.as_text(dialect="hlo") if ragged else ""
     got = offloaded_shardings(text)
     assert got == want_host, f"{spec}: offloaded values {got}, expected {want_host}"
     if all_to_all:  # forward dispatch, combine, and their transposes in the backward pass

@@ -80,7 +80,7 @@ def test_one_device_ragged_a2a_is_the_gather_path():
     for d in ("gather", "ragged_a2a"):
         graphdef, state = nnx.split(deepseek_moe(zoo.models.DeepSeekV3Config.tiny(ep_dispatch=d), rngs=nnx.Rngs(0)))
         with sharding.use(sharding.make_mesh()):
-            out.append(jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)[0])(state, x))
+            out.append(jax.jit(lambda s, x, g=graphdef: nnx.merge(g, s)(x)[0])(state, x))
     assert bool(jnp.array_equal(*out))
 
 
