@@ -130,7 +130,7 @@ def offloaded_shardings(text: str) -> dict[str, str]:
             continue
         operand, ty = m.groups()
         spec = "unconstrained"
-        enclosing = next(p for p in reversed(lines[:i]) if _indent(p) < _indent(line))
+        enclosing = next((p for p in reversed(lines[:i]) if _indent(p) < _indent(line)), "")
         if "sdy.manual_computation" in enclosing:
             out.setdefault(ty, set()).add("manual")
             continue
