@@ -11,8 +11,10 @@ kernel, `dropped` the token copies capacity dispatch dropped in the last step, `
 `planned_peak_gib` the planner's figures beside XLA's `host_temp_gib` and the measured `peak_gib`.
 
 Expert parallelism: `--mesh ep=2 --experts 32 --batch 8` keeps each GPU's share as on one GPU (16 experts and 4
-sequences per GPU; `--batch` and `--experts` are global); the capacity backend is the one that shards experts
-over `ep` (zoo/layers/moe.py). The record carries gpus, mesh, tflops per GPU and the largest device's peak.
+sequences per GPU; `--batch` and `--experts` are global). Two backends shard experts over `ep`: capacity
+dispatch (`--backend capacity`), and the dropless ones with `--ep-dispatch ragged_a2a` (`--backend tokamax` or
+`ragged_dot`: each token copy sent to its expert's device with a ragged all-to-all; zoo/layers/moe/dispatch.py).
+The record carries gpus, mesh, ep_dispatch, tflops per GPU and the largest device's peak.
 
 `auto` (the recipe `zoo.plan(cfg, "auto", ...)` chooses for this slice, batch and seq, for the SGD step's model
 state): the HBM budget is the allocator's `bytes_limit` on the device (`--auto-hbm` on the CPU, default 1 GiB with
@@ -32,7 +34,7 @@ import jax.numpy as jnp
 from bench.common import guarded, measure, planned, sharded_inputs
 from recipes.registry import recipes_of
 from zoo.layers.attention import resolve_impl
-from zoo.layers.moe import backend_choice
+from zoo.layers.moe import EP_DISPATCHES, backend_choice
 from zoo.models.registry import family
 
 FAMILY = family("deepseek_v3")
@@ -66,6 +68,8 @@ def main():
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--moe-layers", type=int, default=3)
     ap.add_argument("--backend", default="auto", choices=["auto", "ragged_dot", "capacity", "tokamax"])
+    ap.add_argument("--ep-dispatch", default="gather", choices=list(EP_DISPATCHES),
+                    help="dropless backends under --mesh: ragged_a2a is expert parallelism (ragged all-to-all)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--mesh", default=None, help="e.g. ep=2 (zoo.sharding); --batch and --experts are then global")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script only)")
@@ -75,9 +79,10 @@ def main():
                     help="recipe auto: FLOP rate, TFLOP/s (default: recipes.meter's table for the device)")
     a = ap.parse_args()
     a.seq = a.seq or (64 if a.smoke else 4096)
-    common = dict(param_dtype="bfloat16", dtype="bfloat16", moe_backend=a.backend, capacity_factor=1.25)
+    common = dict(param_dtype="bfloat16", dtype="bfloat16", moe_backend=a.backend, capacity_factor=1.25,
+                  ep_dispatch=a.ep_dispatch)
     try:
-        backend, backend_why = backend_choice(a.backend, dtype=jnp.bfloat16)
+        backend, backend_why = backend_choice(a.backend, dtype=jnp.bfloat16, ep_dispatch=a.ep_dispatch)
     except ValueError as e:  # tokamax asked for and missing: a record, not a crash
         backend, backend_why = a.backend, str(e)
 
@@ -87,7 +92,7 @@ def main():
         cfg = FAMILY.config("deepseek_v3_671b", num_layers=1 + a.moe_layers, first_dense_layers=1,
                             num_experts=a.experts, **common)
     n = jax.device_count()
-    extra = {} if a.mesh is None else dict(mesh=a.mesh, gpus=n, B_per_gpu=a.batch // n)
+    extra = {} if a.mesh is None else dict(mesh=a.mesh, gpus=n, B_per_gpu=a.batch // n, ep_dispatch=a.ep_dispatch)
     ident = dict(bench="deepseek-slice", impl="zoo", mechanism="xla", backend=backend, backend_asked=a.backend,
                  backend_why=backend_why, recipe=a.recipe, B=a.batch, S=a.seq, E=a.experts, L=1 + a.moe_layers,
                  **extra)

@@ -13,8 +13,10 @@ from flax import linen as nn
 
 
 def active() -> bool:
-    """True while a mesh and logical-axis rules are both active."""
-    return bool(nn.get_logical_axis_rules()) and not jax.sharding.get_abstract_mesh().empty
+    """True while a mesh and logical-axis rules are both active, outside `shard_map` (inside it every value is one
+    device's shard: there is nothing to constrain)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return bool(nn.get_logical_axis_rules()) and not mesh.empty and not mesh.manual_axes
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
@@ -27,12 +29,15 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     return nn.with_logical_constraint(x, tuple(axes))
 
 
+def mesh_axes(logical: str) -> tuple[str, ...]:
+    """The mesh axes the active rules map the logical axis `logical` to (() when none are active)."""
+    if not active():
+        return ()
+    spec = nn.logical_to_mesh_axes((logical,))[0]
+    return () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+
+
 def size_of(logical: str) -> int:
     """How many shards the active rules split the logical axis `logical` into (1 when none are active)."""
-    if not active():
-        return 1
-    spec = nn.logical_to_mesh_axes((logical,))[0]
-    if spec is None:
-        return 1
     shape = jax.sharding.get_abstract_mesh().shape
-    return math.prod(shape[a] for a in ((spec,) if isinstance(spec, str) else spec))
+    return math.prod(shape[a] for a in mesh_axes(logical))

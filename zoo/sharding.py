@@ -42,7 +42,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zoo import tags
-from zoo.logical import active, constrain, size_of  # noqa: F401  the constraint the tag sites apply
+from zoo.logical import active, constrain, mesh_axes, size_of  # noqa: F401  the constraint the tag sites apply
 
 AXES: tuple[str, ...] = ("dp", "fsdp", "tp", "ep")
 MESH_ORDER: tuple[str, ...] = ("dp", "fsdp", "ep", "tp")   # device order: tp innermost (fastest links)

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from zoo.dtypes import DTYPES, dtype_of
-from zoo.layers.moe import BACKENDS, backend_choice, resolve_backend
+from zoo.layers.moe import BACKENDS, EP_DISPATCHES, backend_choice, resolve_backend
 
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
 
@@ -199,6 +199,7 @@ class MoEConfig(LMConfig):
     norm_topk_prob: bool = True        # the k chosen weights renormalised to sum to one
     moe_backend: str = "auto"          # "ragged_dot" | "tokamax" | "capacity" | "auto" (see zoo.layers.moe)
     capacity_factor: float = 1.25      # capacity dispatch only
+    ep_dispatch: str = "gather"        # dropless backends under a mesh: "gather" | "ragged_a2a" (expert parallelism)
     balance_loss_weight: float = 1e-4  # the router's balance loss weight (alpha)
 
     def check(self) -> None:
@@ -211,14 +212,20 @@ class MoEConfig(LMConfig):
                              f"num_experts={self.num_experts}")
         if self.moe_backend not in BACKENDS:
             raise ValueError(f"{name}.moe_backend must be one of {BACKENDS}, got {self.moe_backend!r}")
+        if self.ep_dispatch not in EP_DISPATCHES:
+            raise ValueError(f"{name}.ep_dispatch must be one of {EP_DISPATCHES}, got {self.ep_dispatch!r}")
         try:
-            resolve_backend(self.moe_backend)
+            resolve_backend(self.moe_backend, ep_dispatch=self.ep_dispatch)
         except ValueError as e:
             raise ValueError(f"{name}.moe_backend: {e}") from None
 
     def kernel_choices(self, device) -> dict[str, str]:
-        name, why = backend_choice(self.moe_backend, dtype=self.compute_dtype, device=device)
-        return {"moe backend": f"{name} ({why})"}
+        name, why = backend_choice(self.moe_backend, dtype=self.compute_dtype, device=device,
+                                   ep_dispatch=self.ep_dispatch)
+        out = {"moe backend": f"{name} ({why})"}
+        if self.ep_dispatch != "gather":
+            out["ep dispatch"] = f"{self.ep_dispatch} (asked for)"
+        return out
 
     def mesh_divisors(self) -> tuple[tuple[str, str], ...]:
         return (("tp", "moe_mlp_dim"), ("ep", "num_experts")) + super().mesh_divisors()

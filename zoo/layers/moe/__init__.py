@@ -3,6 +3,7 @@ and how token copies reach their experts), `experts` (the routed SwiGLU experts)
 with an optional shared expert, and its typed aux record `MoEAux`)."""
 from zoo.layers.moe.dispatch import (
     BACKENDS,
+    EP_DISPATCHES,
     GROUPED_MATMULS,
     Backend,
     backend_choice,
@@ -32,7 +33,7 @@ from zoo.layers.moe.router import (
     switch_balance_loss,
 )
 
-__all__ = ["BACKENDS", "GROUPED_MATMULS", "Backend", "backend_choice", "capacity", "resolve_backend",
+__all__ = ["BACKENDS", "EP_DISPATCHES", "GROUPED_MATMULS", "Backend", "backend_choice", "capacity", "resolve_backend",
            "tokamax_available", "tokamax_status", "Experts", "MoE", "MoEAux", "drops", "moe_records",
            "routing_bias_delta", "total_balance_loss", "update_routing_bias", "GroupLimitedRouter", "Router",
            "RoutingBias", "SoftmaxRouter", "check_routing", "route", "sequence_balance_loss", "switch_balance_loss"]

@@ -1,8 +1,9 @@
 """The routed experts: `num_experts` SwiGLU feed-forwards stored stacked, run over the rows dispatched to them.
 
 Tags: moe_mlpwi_0 (gate, before the activation), moe_mlpwi_1 (up), moe_mlpwo (down), over the sorted rows
-[B*S*k, ...] (dropless backends) or the capacity buffer [experts, C, ...]. No tag sits inside a loop: the stack is
-the only scan that holds tags (a grouped-matmul kernel may loop internally).
+[B*S*k, ...] (dropless backends), one device's receive buffer [ep*T*k, ...] under dropless expert parallelism
+(inside `shard_map`: per-device values, constrained by nothing), or the capacity buffer [experts, C, ...]. No tag
+sits inside a loop: the stack is the only scan that holds tags (a grouped-matmul kernel may loop internally).
 
 Parameter names follow transformers (`experts.{e}.gate_proj` ...): gate_proj, up_proj [E, D, F], down_proj [E, F, D].
 """
@@ -36,10 +37,13 @@ class Experts(nnx.Module):
     def weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
         return tuple(w[...].astype(self.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
 
-    def grouped(self, rows: jax.Array, group_sizes: jax.Array, backend: str) -> jax.Array:
-        """rows [N, D] sorted by expert, group_sizes [E] -> [N, D] through each row's expert (dropless)."""
+    def grouped(self, rows: jax.Array, group_sizes: jax.Array, backend: str,
+                weights: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
+        """rows [N, D] sorted by expert, group_sizes [E] -> [N, D] through each row's expert (dropless; rows past
+        sum(group_sizes) give zeros). `weights`: (gate, up, down) of these E experts, default all of `weights()`
+        (expert parallelism passes one device's share)."""
         matmul = GROUPED_MATMULS[backend]()
-        w_gate, w_up, w_down = self.weights()
+        w_gate, w_up, w_down = self.weights() if weights is None else weights
         gate = name(matmul(rows, w_gate, group_sizes), "moe_mlpwi_0", (None, "moe_mlp"))
         up = name(matmul(rows, w_up, group_sizes), "moe_mlpwi_1", (None, "moe_mlp"))
         return name(matmul(jax.nn.silu(gate) * up, w_down, group_sizes), "moe_mlpwo", (None, "embed"))

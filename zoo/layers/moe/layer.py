@@ -43,43 +43,59 @@ class MoEAux:
 
 class MoE(TaggedLayer):
     def __init__(self, *, dim: int, router: Router, experts: Experts, shared: MLP | None = None,
-                 backend: dispatch.Backend = "auto", capacity_factor: float = 1.25, dtype=jnp.float32):
-        dispatch.backend_choice(backend, dtype=dtype)  # fail early on an unknown or missing backend
+                 backend: dispatch.Backend = "auto", capacity_factor: float = 1.25,
+                 ep_dispatch: dispatch.EpDispatch = "gather", dtype=jnp.float32):
+        # fail early on an unknown or missing backend, or one ep_dispatch cannot run
+        dispatch.backend_choice(backend, dtype=dtype, ep_dispatch=ep_dispatch)
         if router.num_experts != experts.num_experts:
             raise ValueError(f"MoE: the router chooses among {router.num_experts} experts, but there are "
                              f"{experts.num_experts}")
         self.dim, self.dtype = dim, dtype
         self.gate, self.experts, self.shared_experts = router, experts, shared
-        self.backend, self.capacity_factor = backend, capacity_factor
+        self.backend, self.capacity_factor, self.ep_dispatch = backend, capacity_factor, ep_dispatch
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEAux]:
         """x [B, S, D] -> (y [B, S, D], aux)."""
         b, s, _ = x.shape
-        backend, why = dispatch.backend_choice(self.backend, dtype=self.dtype)
+        backend, why = dispatch.backend_choice(self.backend, dtype=self.dtype, ep_dispatch=self.ep_dispatch)
         if backend == "capacity" and self.backend == "auto":
             _warn_once(f"MoE: {why}")
         # Dispatch groups: one per shard of the batch under a mesh (GShard), one on a single device (a batch the
         # mesh does not divide, e.g. the recipe check's batch of 1, gets gcd(batch, shards)). The dropless backends
-        # sort all copies at once (one group).
-        g = math.gcd(b, sharding.size_of("batch")) if backend == "capacity" else 1
+        # sort all copies at once (one group), or each device its own under expert parallelism (ragged_a2a; a
+        # batch the mesh does not divide takes the one-group path).
+        shards = sharding.size_of("batch")
+        g = math.gcd(b, shards) if backend == "capacity" else 1
+        ep = (self.ep_dispatch == "ragged_a2a" and backend != "capacity" and (b * s) % shards == 0
+              and max(shards, sharding.size_of("experts")) > 1)
         flat = rearrange(x, "(g b) s d -> g (b s) d", g=g)
         if g > 1:
             flat = sharding.constrain(flat, ("batch", None, "embed"))
         scores, weights, idx = self.gate(rearrange(flat, "g t d -> (g t) d"))
-        copies = dispatch.sort_by_expert(flat, rearrange(idx, "(g t) k -> g t k", g=g), self.gate.num_experts)
-        if backend == "capacity":
-            out, dropped = dispatch.capacity_dispatch(copies, self.experts.batched, self.capacity_factor)
-        else:
-            out = self.experts.grouped(copies.rows[0], copies.group_sizes[0], backend)[None]
+        if ep:
+            out = dispatch.expert_parallel(
+                flat[0], idx, self.experts.weights(),
+                lambda rows, sizes, w: self.experts.grouped(rows, sizes, backend, weights=w))
+            out = rearrange(out, "(t k) d -> t k d", k=self.gate.k)
+            load = jnp.bincount(idx.reshape(-1), length=self.gate.num_experts)
             dropped = jnp.zeros((), jnp.int32)
-        # Back to token order, weighted sum over each token's k experts (accumulated in float32).
-        out = rearrange(dispatch.unsort(out, copies), "g (t k) d -> (g t) k d", k=self.gate.k)
+        else:
+            copies = dispatch.sort_by_expert(flat, rearrange(idx, "(g t) k -> g t k", g=g), self.gate.num_experts)
+            if backend == "capacity":
+                out, dropped = dispatch.capacity_dispatch(copies, self.experts.batched, self.capacity_factor)
+            else:
+                out = self.experts.grouped(copies.rows[0], copies.group_sizes[0], backend)[None]
+                dropped = jnp.zeros((), jnp.int32)
+            # Back to token order.
+            out = rearrange(dispatch.unsort(out, copies), "g (t k) d -> (g t) k d", k=self.gate.k)
+            load = jnp.sum(copies.group_sizes, axis=0)
+        # Weighted sum over each token's k experts (accumulated in float32).
         y = jnp.einsum("tkd,tk->td", out, weights.astype(out.dtype), preferred_element_type=jnp.float32)
         y = rearrange(y.astype(self.dtype), "(g b s) d -> (g b) s d", g=g, s=s)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
-        return y, MoEAux(load=jnp.sum(copies.group_sizes, axis=0).astype(jnp.float32),
-                         balance_loss=self.gate.balance_loss(scores, idx, batch=b), dropped=dropped)
+        return y, MoEAux(load=load.astype(jnp.float32), balance_loss=self.gate.balance_loss(scores, idx, batch=b),
+                         dropped=dropped)
 
 
 _warned: set[str] = set()

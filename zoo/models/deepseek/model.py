@@ -66,7 +66,7 @@ def deepseek_moe(cfg: DeepSeekV3Config, *, rngs: nnx.Rngs) -> MoE:
     shared = MLP(dim=cfg.dim, hidden=cfg.moe_mlp_dim * cfg.num_shared_experts, tag_prefix="shared_", rngs=rngs,
                  **common) if cfg.num_shared_experts else None
     return MoE(dim=cfg.dim, router=router, experts=experts, shared=shared, backend=cfg.moe_backend,
-               capacity_factor=cfg.capacity_factor, dtype=cfg.compute_dtype)
+               capacity_factor=cfg.capacity_factor, ep_dispatch=cfg.ep_dispatch, dtype=cfg.compute_dtype)
 
 
 class DeepSeekV3(CausalLM):

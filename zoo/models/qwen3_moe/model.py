@@ -51,7 +51,7 @@ def qwen3_moe_ffn(cfg: Qwen3MoeConfig, *, rngs: nnx.Rngs) -> MoE:
     experts = Experts(num_experts=cfg.num_experts, dim=cfg.dim, hidden=cfg.moe_mlp_dim, dtype=cfg.compute_dtype,
                       param_dtype=cfg.weight_dtype, rngs=rngs)
     return MoE(dim=cfg.dim, router=router, experts=experts, backend=cfg.moe_backend,
-               capacity_factor=cfg.capacity_factor, dtype=cfg.compute_dtype)
+               capacity_factor=cfg.capacity_factor, ep_dispatch=cfg.ep_dispatch, dtype=cfg.compute_dtype)
 
 
 def stack_names(cfg: Qwen3MoeConfig) -> list[str]:
