@@ -94,7 +94,7 @@ def test_ragged_a2a_on_fake_devices_equals_one_device(n):
     mla_moe_offload and ep=2 as one device's, its experts' tags offloaded inside the shard_map as the per-device
     receive buffer, ragged-all-to-alls in the step lowered for CUDA. N=4: the dispatch under ep=4 (bit-equal) and
     fsdp=2 x ep=2."""
-    out = subprocess.run([sys.executable, "-m", "tests.ep_steps", str(n)], env=cpu_env(n), cwd=ROOT, capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-m", "tests.ep_steps", str(n)], env=cpu_env(n), cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout[-3000:] + out.stderr[-3000:]
     print(out.stdout)
