@@ -165,3 +165,24 @@ def test_the_plan_counts_a_micro_batch_and_the_state_where_it_lives():
 def test_a_step_that_does_not_fit_is_told_about_the_host_state_and_accumulation():
     with pytest.raises(ValueError, match=r"--opt-state host \(the .* of optimizer state.*--grad-accum 2"):
         loop.run(loop.RunConfig(steps=1, batch=2, seq=SEQ, hbm_limit=1e-4))
+
+
+def test_deepseek_micro_batches_route_and_balance_as_the_whole_batch():
+    """DeepSeek-V3 tiny, K=2 against K=1 on batch 4: the next-token loss, the token copies routed and dropped (summed
+    over the micro-batches) and the routing biases after the update (moved by the summed expert loads) are the
+    whole batch's; only the balance loss, a per-micro-batch statistic, may differ."""
+    from zoo.layers.moe import RoutingBias
+    fam = model_family("deepseek_v3")
+    (s1, m1), (s2, m2) = _one_step(fam, 1), _one_step(fam, 2)
+    assert m1["ok"] and m2["ok"] and m1["routed"] > 0
+    np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-5)
+    assert (m2["routed"], m2["dropped"]) == (m1["routed"], m1["dropped"])
+    biases = [[np.asarray(v[...]) for _, v in nnx.iter_graph(nnx.merge(graphdef, s)[0]) if isinstance(v, RoutingBias)]
+              for graphdef, s in ((_graphdef(fam), s1), (_graphdef(fam), s2))]
+    assert biases[0] and all(np.array_equal(a, b) for a, b in zip(*biases))
+    assert any(np.abs(b).max() > 0 for b in biases[0])
+
+
+def _graphdef(fam):
+    model, opt, _ = _setup(fam)
+    return nnx.split((model, opt))[0]
