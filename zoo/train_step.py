@@ -246,8 +246,10 @@ def jit_step(model: nnx.Module, optimizer: nnx.Optimizer, step_fn: Callable, *, 
     `opt_state_shardings`) is brought into HBM inside the step, one `device_put` per leaf, and sent back after
     it, so the step itself (the update, clipping, the NaN guard's select) computes on device arrays. The unit
     is a leaf: a stacked layer's parameter is one array for all its layers, so the copies are as many as the
-    model's parameter names and each is independent of the others: XLA's scheduler can overlap one leaf's
-    copies with another's update, and frees a leaf's HBM copy once it has gone back."""
+    model's parameter names and each is independent of the others: XLA's scheduler may overlap one leaf's
+    copies with another's update and free a leaf's HBM copy once it has gone back (how many it holds at once is
+    its choice; the compiled peak shows it). A finer unit, one layer's slice of a leaf, would need the update
+    inside the layer scan, which the whole-tree optax update (the global-norm clip first) does not allow."""
     graphdef, state = nnx.split((model, optimizer))
     shardings = jax.tree.map(lambda x: x.sharding, state) if keep_shardings else None
     hosted = shardings is not None and any(on_host(s) for s in jax.tree.leaves(shardings))
