@@ -98,7 +98,7 @@ def advice(*, batch: int, seq: int, recipe: str, opt_dtype: str, optimizer_bytes
            opt_state: str = "device", grad_accum: int = 1) -> str:
     """What to change to fit."""
     tips = [f"a larger share of the GPU for XLA's allocator ({FRACTION_ENV}=.95; default .75)"] if gpu else []
-    if opt_state == "device" and optimizer_bytes:
+    if opt_state == "device" and optimizer_bytes and gpu:   # on the CPU host memory is the device's memory
         tips.append(f"--opt-state host (the {fmt_bytes(optimizer_bytes)} of optimizer state in pinned host memory "
                     f"between steps)")
     micro = batch // grad_accum

@@ -163,8 +163,16 @@ def test_the_plan_counts_a_micro_batch_and_the_state_where_it_lives():
 
 
 def test_a_step_that_does_not_fit_is_told_about_the_host_state_and_accumulation():
-    with pytest.raises(ValueError, match=r"--opt-state host \(the .* of optimizer state.*--grad-accum 2"):
+    """The refusal lists --grad-accum (micro-batches) and, on a GPU, --opt-state host with the bytes it moves."""
+    from recipes import fit
+    with pytest.raises(ValueError, match=r"to fit: --grad-accum 2 \(.*now 2 sequences"):
         loop.run(loop.RunConfig(steps=1, batch=2, seq=SEQ, hbm_limit=1e-4))
+    tips = fit.advice(batch=8, seq=64, recipe="full", opt_dtype="float32", optimizer_bytes=2**30, gpu=True,
+                      grad_accum=2)
+    assert "--opt-state host (the 1.0 GiB of optimizer state in pinned host memory" in tips
+    assert "--grad-accum 4 (" in tips
+    assert "--opt-state" not in fit.advice(batch=8, seq=64, recipe="full", opt_dtype="float32",
+                                           optimizer_bytes=2**30, gpu=True, opt_state="host")
 
 
 def test_deepseek_micro_batches_route_and_balance_as_the_whole_batch():
