@@ -141,21 +141,24 @@ def measure(model, tokens, *, flops_per_step: float, steps: int = 6, warmup: int
 
 
 def planned(cfg, recipe, *, batch: int, seq: int, optimizer: str = "adamw", peak: str = "auto",
-            mesh=None) -> dict:
+            mesh=None, grad_accum: int = 1, opt_state: str = "device") -> dict:
     """The planner's host bytes and peak-HBM prediction for the record: on a GPU the main job's training step
     (zoo.train_step, with `optimizer`) compiled on abstract inputs for the device present (`planned_peak_source`
     says "compiled for ..."); under a `mesh` (a spec such as "fsdp=2", or a Mesh; `batch` is then the global batch)
     every figure is per device and, on the GPUs of the mesh, the peak is the sharded step's compiled per-device
     figure ("compiled for 2 x NVIDIA H200 (gpu) (mesh fsdp=2), per device"). Elsewhere (the CPU, too few devices)
-    the planner's labelled estimate. `planned_floor_gib` is the floor (saved activations + model state)."""
+    the planner's labelled estimate. `planned_floor_gib` is the floor (saved activations + model state in HBM);
+    `planned_host_gib` the offloaded activations, `planned_state_host_gib` the state kept in pinned host memory
+    (`opt_state="host"`); `grad_accum`: micro-batches per update, as the main job's flag."""
     import zoo
 
     peak = {"none": None}.get(os.environ.get("BENCH_PLAN_PEAK", ""), peak)   # "none": skip the peak's compile
-    p = zoo.plan(cfg, recipe, batch=batch, seq=seq, optimizer=optimizer, peak=peak,
-                 **({} if mesh is None else {"mesh": mesh}))
+    p = zoo.plan(cfg, recipe, batch=batch, seq=seq, optimizer=optimizer, peak=peak, grad_accum=grad_accum,
+                 opt_state=opt_state, **({} if mesh is None else {"mesh": mesh}))
     peak_bytes = p.peak_bytes
     est = p.step_time()
     return dict(planned_host_gib=round(p.host_bytes / 2**30, 3),
+                planned_state_host_gib=round(p.state.host / 2**30, 3),
                 planned_step_s=None if est is None else round(est["total_s"], 4),
                 planned_peak_gib=None if peak_bytes is None else round(peak_bytes / 2**30, 2),
                 planned_peak_source=getattr(p, "peak_source", None),

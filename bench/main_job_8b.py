@@ -3,6 +3,10 @@ seq 8192, AdamW, beside the SGD bench of the same model (bench.common's step), o
 
     python -m bench.main_job_8b main --recipe qkv_offload --steps 12 --workdir /tmp/mj   # the main job
     python -m bench.main_job_8b sgd --recipe qkv_offload                                  # the SGD bench
+    python -m bench.main_job_8b main --layers 32 --batch 4 --grad-accum 4 --opt-state host   # all 32 layers
+
+`--layers`, `--batch`, `--opt-state` and `--grad-accum` (main mode) change the shape and where the optimizer
+state lives; every record carries `L`, `B`, `opt_state` and `grad_accum`.
 
 `main` runs the real command line in a child process (its own XLA flag set, `--metrics` file, one line per step)
 and turns the metrics into one record: median step time and model TFLOP/s of the steps after the first two,
@@ -30,12 +34,20 @@ def _args():
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--workdir", default="/tmp/main-job-8b", help="main: where the metrics file and log go")
     ap.add_argument("--timeout", type=int, default=240, help="main: seconds the child job may take")
+    ap.add_argument("--layers", type=int, default=None, help="layers of the preset kept (default: 8; smoke: 2)")
+    ap.add_argument("--batch", type=int, default=None, help="global batch (default: 2)")
+    ap.add_argument("--seq", type=int, default=None, help="sequence length (default: 8192; smoke: 64)")
+    ap.add_argument("--opt-state", choices=("device", "host"), default="device",
+                    help="main: where the AdamW moments live between steps (recipes.train --opt-state)")
+    ap.add_argument("--grad-accum", type=int, default=1, help="main: micro-batches per update (recipes.train)")
     ap.add_argument("--smoke", action="store_true")
     return ap.parse_args()
 
 
 def _shape(a) -> dict:
-    return SMOKE if a.smoke else MODEL
+    m = dict(SMOKE if a.smoke else MODEL)
+    m.update({k: v for k, v in (("layers", a.layers), ("batch", a.batch), ("seq", a.seq)) if v is not None})
+    return m
 
 
 def run_main(a) -> None:
@@ -44,7 +56,8 @@ def run_main(a) -> None:
     metrics, log = os.path.join(a.workdir, "metrics.jsonl"), os.path.join(a.workdir, "train.log")
     cmd = [sys.executable, "-m", "recipes.train", "--model", m["model"], "--preset", m["preset"],
            "--set", f"num_layers={m['layers']}", "--recipe", a.recipe, "--steps", str(a.steps),
-           "--batch", str(m["batch"]), "--seq", str(m["seq"]), "--log-every", "1", "--metrics", metrics]
+           "--batch", str(m["batch"]), "--seq", str(m["seq"]), "--log-every", "1", "--metrics", metrics,
+           "--opt-state", a.opt_state, "--grad-accum", str(a.grad_accum)]
     if a.smoke and a.recipe == "auto":   # the CPU has no memory limit, measured link or FLOP table
         cmd += ["--hbm-limit", "1", "--link", "10", "--peak-tflops", "1"]
     # The parent plans and records on the CPU: the GPU stays the child's.
@@ -53,7 +66,8 @@ def run_main(a) -> None:
     if os.path.exists(metrics):
         os.remove(metrics)
     ident = dict(bench="main-job-8b", impl="zoo-main-job", recipe=a.recipe, optimizer="adamw",
-                 B=m["batch"], S=m["seq"], L=m["layers"], command=" ".join(cmd[1:]))
+                 B=m["batch"], S=m["seq"], L=m["layers"], opt_state=a.opt_state, grad_accum=a.grad_accum,
+                 command=" ".join(cmd[1:]))
     with open(log, "w") as f:
         try:
             rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env, timeout=a.timeout).returncode
@@ -77,7 +91,8 @@ def run_main(a) -> None:
     chosen = [line.strip() for line in open(log) if line.startswith(("recipe auto for", "auto: "))]
     # The planner's host bytes for the recipe that ran (for `auto`, the job printed its choice: no second plan).
     plan_fields = ({"planned_host_gib": None} if a.recipe == "auto" else
-                   planned(cfg, RECIPES[a.recipe], batch=m["batch"], seq=m["seq"], optimizer="adamw", peak="estimate"))
+                   planned(cfg, RECIPES[a.recipe], batch=m["batch"], seq=m["seq"], optimizer="adamw", peak="estimate",
+                           grad_accum=a.grad_accum, opt_state=a.opt_state))
     emit({**ident, "backend": None, "param_dtype": cfg.param_dtype, "dtype": cfg.dtype,
           "step_s": round(step_s, 4), "tflops": round(statistics.median(r["model_tflops"] for r in timed), 1),
           "mfu_datasheet": timed[-1]["mfu"], "peak_gib": round(max(peak) / 2**30, 2) if peak else None,
@@ -115,7 +130,7 @@ def run_sgd(a) -> None:
                     **planned(cfg, recipe, batch=m["batch"], seq=m["seq"], optimizer="sgd"))
 
     guarded(run, bench="main-job-8b", impl="zoo-sgd-bench", recipe=a.recipe, optimizer="sgd", backend=None,
-            B=m["batch"], S=m["seq"], L=m["layers"])
+            B=m["batch"], S=m["seq"], L=m["layers"], opt_state="device", grad_accum=1)
 
 
 def main():

@@ -94,9 +94,17 @@ def check(peak: Peak, *, host: int, pool: int, device: jax.Device, hbm_limit_gib
     return problems, notes
 
 
-def advice(*, batch: int, seq: int, recipe: str, opt_dtype: str, optimizer_bytes: int, gpu: bool = False) -> str:
+def advice(*, batch: int, seq: int, recipe: str, opt_dtype: str, optimizer_bytes: int, gpu: bool = False,
+           opt_state: str = "device", grad_accum: int = 1) -> str:
     """What to change to fit."""
     tips = [f"a larger share of the GPU for XLA's allocator ({FRACTION_ENV}=.95; default .75)"] if gpu else []
+    if opt_state == "device" and optimizer_bytes and gpu:   # on the CPU host memory is the device's memory
+        tips.append(f"--opt-state host (the {fmt_bytes(optimizer_bytes)} of optimizer state in pinned host memory "
+                    f"between steps)")
+    micro = batch // grad_accum
+    if micro > 1:
+        tips.append(f"--grad-accum {grad_accum * 2 if micro % 2 == 0 else grad_accum * micro} (the same batch in "
+                    f"smaller micro-batches, now {micro} sequences: activations are a micro-batch's)")
     tips += [f"a smaller --batch (now {batch}) or --seq (now {seq})",
             f"a recipe that offloads or recomputes more than {recipe!r} (e.g. --recipe full; `python -m recipes.plan "
             f"... --recipe auto --hbm GIB` chooses one for a budget)",

@@ -42,12 +42,15 @@ from zoo import compile_options
 from zoo.models.registry import Family
 from zoo.plan.peak import allocator_limit
 from zoo.train_step import (
+    OPT_STATE_PLACES,
     all_finite,
+    check_grad_accum,
     compile_abstract,
     lr_schedule,
     make_optimizer,
     moe_drops,
     next_token_loss,
+    opt_state_shardings,
     train_step,
 )
 from zoo.train_step import jit_step as compile_step
@@ -105,6 +108,8 @@ class RunConfig:
     lr: float | None = None            # None: the preset's (recipes.defaults: 3e-3 tiny, published rates full-size)
     warmup: int | None = None          # None: schedule_steps // 10 (at least 1), capped at the preset's published
     opt_dtype: str = "float32"         # AdamW moments' dtype
+    opt_state: str = "device"          # where the moments live between steps: "device" (HBM) or "host" (pinned)
+    grad_accum: int = 1                # micro-batches per update: --batch is split into grad_accum micro-batches
     hbm_limit: float | None = None     # GiB: the device budget to check the compiled peak against (default: the
                                        # device's bytes_limit; on the CPU, the machine's RAM)
     force: bool = False                # launch even if the compiled peak does not fit
@@ -154,6 +159,9 @@ class RunConfig:
             raise ValueError(f"--overlap must be in [0, 1], got {self.overlap}")
         if self.hbm_limit is not None and not (math.isfinite(self.hbm_limit) and self.hbm_limit > 0):
             raise ValueError(f"--hbm-limit must be a positive number of GiB, got {self.hbm_limit}")
+        check_grad_accum(self.batch, self.grad_accum)
+        if self.opt_state not in OPT_STATE_PLACES:
+            raise ValueError(f"--opt-state must be one of {', '.join(OPT_STATE_PLACES)}, got {self.opt_state!r}")
         if self.opt_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--opt-dtype must be float32 or bfloat16, got {self.opt_dtype!r}")
         if not 0 <= self.max_drop_warn <= 1:
@@ -171,6 +179,11 @@ class RunConfig:
             raise ValueError(f"--heldout must be a fraction in [0, 1), got {self.heldout}")
         if self.tokenizer and not self.data:
             raise ValueError("--tokenizer needs --data (text files to tokenize)")
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences per micro-batch: what a forward and backward pass holds activations for."""
+        return self.batch // self.grad_accum
 
     @property
     def held_out(self) -> float:
@@ -200,6 +213,9 @@ class RunConfig:
         ident.update(schedule_steps=self.total_schedule, warmup=self.total_warmup, lr=self.peak_lr)
         if self.opt_dtype != "float32":   # records written before --opt-dtype match the float32 default
             ident["opt_dtype"] = self.opt_dtype
+        if self.grad_accum != 1:          # sums in another order: equal up to rounding, not bit for bit
+            ident["grad_accum"] = self.grad_accum
+        # not --opt-state: where the moments live changes no number, and a run may resume with them elsewhere
         if self.tokenizer:                # likewise: only where text data or a held-out split change the data
             ident["tokenizer"] = self.tokenizer
         if self.held_out:
@@ -209,7 +225,8 @@ class RunConfig:
 
 # Integer flags that reach JAX or NumPy as 32-bit values (step counters, shapes, PRNG seeds): their ranges, checked
 # before anything is built (a larger value would overflow with a traceback from deep inside JAX).
-INT_RANGES = {"steps": (1, 2**31 - 1), "schedule_steps": (1, 2**31 - 1), "warmup": (0, 2**31 - 1),
+INT_RANGES = {"steps": (1, 2**31 - 1), "grad_accum": (1, 2**31 - 1),
+              "schedule_steps": (1, 2**31 - 1), "warmup": (0, 2**31 - 1),
               "batch": (1, 2**31 - 1), "seq": (1, 2**31 - 2), "seed": (0, 2**31 - 1), "log_every": (1, 2**31 - 1),
               "ckpt_every": (0, 2**31 - 1), "stop_after": (1, 2**31 - 1), "poison_step": (1, 2**31 - 1)}
 
@@ -296,18 +313,21 @@ def kernel_choices(model_cfg, device: jax.Device, overrides=()) -> dict[str, str
     return out
 
 
-def build_sharded(family: Family, model_cfg, recipe: zoo.Recipe, mesh, make_opt: Callable, *, seed: int):
+def build_sharded(family: Family, model_cfg, recipe: zoo.Recipe, mesh, make_opt: Callable, *, seed: int,
+                  opt_state: str = "device"):
     """(model, optimizer) created on `mesh` by the rules (`zoo.sharding.init`: an abstract init, then one jitted
-    init onto the shardings; no device holds a full copy of a sharded variable). Values are the unsharded build's."""
+    init onto the shardings; no device holds a full copy of a sharded variable), the optimizer's moments where
+    `opt_state` says (`zoo.train_step.opt_state_shardings`). Values are the unsharded build's."""
     def make():
         model = family.build(model_cfg, recipe=recipe, rngs=nnx.Rngs(seed))
         return model, make_opt(model)
-    return zoo.sharding.init(make, mesh)
+    return zoo.sharding.init(make, mesh, place=lambda state, out: opt_state_shardings(state, out, opt_state))
 
 
 def show_memory_plan(console: Console, model_cfg, recipe: zoo.Recipe, *, batch: int, seq: int,
                      device: jax.Device, compiled=None, hbm_limit: float | None = None,
-                     opt_dtype: str = "float32", mesh=None) -> zoo.plan.Plan:
+                     opt_dtype: str = "float32", mesh=None, grad_accum: int = 1,
+                     opt_state: str = "device") -> zoo.plan.Plan:
     """Print the recipe's memory plan (`zoo.plan`, with the device's HBM as its budget and, given the compiled
     step, its peak with XLA's temporaries; per device under a mesh of several devices) and return it."""
     limit = allocator_limit(device)
@@ -315,7 +335,7 @@ def show_memory_plan(console: Console, model_cfg, recipe: zoo.Recipe, *, batch: 
     if mesh is not None and mesh.devices.size > 1:
         kwargs["mesh"] = mesh
     p = zoo.plan(model_cfg, recipe, batch=batch, seq=seq, compiled=compiled, opt_dtype=opt_dtype,
-                 peak=None if compiled is None else "compile", **kwargs)
+                 peak=None if compiled is None else "compile", grad_accum=grad_accum, opt_state=opt_state, **kwargs)
     zoo.plan.render(p, console)
     return p
 
@@ -325,13 +345,14 @@ def compile_for_shapes(family: Family, model_cfg, recipe: zoo.Recipe, cfg: RunCo
     (`zoo.train_step.compile_abstract`, the planner's compile too)."""
     return compile_abstract(family, model_cfg, recipe, batch=cfg.batch, seq=cfg.seq, schedule=schedule,
                             clip=cfg.clip, weight_decay=cfg.weight_decay, opt_dtype=cfg.opt_dtype, seed=cfg.seed,
-                            mesh=mesh)
+                            mesh=mesh, grad_accum=cfg.grad_accum, opt_state=cfg.opt_state)
 
 
 def check_fits(console: Console, cfg: RunConfig, plan, recipe_name: str, device: jax.Device, compiled) -> None:
     """Refuse (ValueError: exit 2) a step whose compiled peak exceeds the device's budget, or whose host bytes
     exceed the pinned pool, before anything is allocated; --force launches it anyway (`recipes.fit`)."""
-    host = meter.host_bytes(compiled) if device.platform != "cpu" else plan.host_bytes
+    # the offloaded activations (XLA's host temporaries) and the state kept in pinned host memory
+    host = (meter.host_bytes(compiled) or 0) + plan.state.host if device.platform != "cpu" else plan.host_total
     problems, notes = fit.check(plan.peak, host=host or 0, pool=plan.host_pool, device=device,
                                 hbm_limit_gib=cfg.hbm_limit)
     for n in notes:
@@ -340,7 +361,8 @@ def check_fits(console: Console, cfg: RunConfig, plan, recipe_name: str, device:
         return
     why = "; ".join(problems)
     tips = fit.advice(batch=cfg.batch, seq=cfg.seq, recipe=recipe_name, opt_dtype=cfg.opt_dtype,
-                      optimizer_bytes=plan.state.optimizer, gpu=device.platform == "gpu")
+                      optimizer_bytes=plan.state.optimizer, gpu=device.platform == "gpu", opt_state=cfg.opt_state,
+                      grad_accum=cfg.grad_accum)
     if cfg.force:
         console.print(f"warning: {why}; launching anyway (--force)", soft_wrap=True, markup=False)
         return
@@ -400,7 +422,7 @@ def run(cfg: RunConfig, console: Console | None = None) -> Result:
     # Off a terminal (a log file, CI), print wide lines rather than wrapping at 80 columns.
     console = console or Console(highlight=False, width=None if os.isatty(1) else 160)
     model_cfg = _resolve(cfg)[3]
-    mesh_lib.resolve(cfg.mesh, model_cfg, cfg.batch)   # a mesh that does not fit: ValueError before the disk
+    mesh_lib.resolve(cfg.mesh, model_cfg, cfg.micro_batch)   # a mesh that does not fit: ValueError before the disk
     with contextlib.ExitStack() as stack:
         session = _Session(stack, stack.enter_context(Interrupts()))
         if cfg.ckpt_dir:
@@ -466,7 +488,7 @@ def _run(cfg: RunConfig, console: Console, session: _Session) -> Result:
         if cfg.metrics and jax.process_index() == 0 else None)   # multi-host: process 0 writes
     metrics_path = metrics_file.path if metrics_file else None
 
-    mesh = mesh_lib.resolve(cfg.mesh, model_cfg, cfg.batch)
+    mesh = mesh_lib.resolve(cfg.mesh, model_cfg, cfg.micro_batch)   # each micro-batch splits over the data axes
     schedule = lr_schedule(lr=cfg.peak_lr, steps=cfg.total_schedule, warmup=cfg.total_warmup)
     board = watch.Board(cfg.tensorboard) if cfg.tensorboard and jax.process_index() == 0 else None
     # Compile the step on shapes alone (nothing allocated), check that it fits, and only then build the model:
@@ -474,14 +496,16 @@ def _run(cfg: RunConfig, console: Console, session: _Session) -> Result:
     t0 = time.perf_counter()
     what = (f"compiling the training step ({cfg.model} {cfg.preset}, batch {cfg.batch} x seq {cfg.seq}, recipe "
             f"{recipe_name}) for {device.platform}")
+    accum = (f" ({cfg.grad_accum} micro-batches of {cfg.micro_batch} per update)" if cfg.grad_accum > 1 else "")
+    placed = "; optimizer state in pinned host memory between steps" if cfg.opt_state == "host" else ""
     with watch.busy(console, what):
         if recipe is None:   # --recipe auto: the planner's choice for this device, compiled and checked to fit
             ins = auto.inputs(device, hbm_gib=cfg.hbm_limit, link_gbps=cfg.link, overlap=cfg.overlap,
                               tflops=cfg.peak_tflops)
             recipe, (compiled, graphdef, abstract), notes = auto.fit(
                 model_cfg, ins, lambda r: compile_for_shapes(family, model_cfg, r, cfg, schedule, mesh),
-                batch=cfg.batch, seq=cfg.seq, opt_dtype=cfg.opt_dtype,
-                mesh=mesh if mesh.devices.size > 1 else None)
+                batch=cfg.batch, seq=cfg.seq, opt_dtype=cfg.opt_dtype, grad_accum=cfg.grad_accum,
+                opt_state=cfg.opt_state, mesh=mesh if mesh.devices.size > 1 else None)
         else:
             compiled, graphdef, abstract = compile_for_shapes(family, model_cfg, recipe, cfg, schedule, mesh)
     if recipe_name == "auto":
@@ -494,8 +518,8 @@ def _run(cfg: RunConfig, console: Console, session: _Session) -> Result:
     peak, peak_src = meter.peak_tflops(device, cfg.peak_tflops)
     n_devices = mesh.devices.size   # recipes.mesh.resolve always gives a mesh (one device: all axes 1)
 
-    console.print(f"model {cfg.model} {cfg.preset}: {n_params:,} parameters; batch {cfg.batch} x seq {cfg.seq}; "
-                  f"{cfg.steps} steps on {device.platform} ({device.device_kind})")
+    console.print(f"model {cfg.model} {cfg.preset}: {n_params:,} parameters; batch {cfg.batch} x seq {cfg.seq}"
+                  f"{accum}; {cfg.steps} steps on {device.platform} ({device.device_kind}){placed}")
     console.print(f"mesh {mesh_lib.describe(mesh)} over {jax.device_count()} device(s), {jax.process_count()} "
                   f"process(es)")
     console.print(f"recipe {recipe}")
@@ -504,7 +528,8 @@ def _run(cfg: RunConfig, console: Console, session: _Session) -> Result:
     for what, choice in kernels.items():
         console.print(f"{what}: {choice}", soft_wrap=True)
     plan = show_memory_plan(console, model_cfg, recipe, batch=cfg.batch, seq=cfg.seq, device=device,
-                            compiled=compiled, hbm_limit=cfg.hbm_limit, opt_dtype=cfg.opt_dtype, mesh=mesh)
+                            compiled=compiled, hbm_limit=cfg.hbm_limit, opt_dtype=cfg.opt_dtype, mesh=mesh,
+                            grad_accum=cfg.grad_accum, opt_state=cfg.opt_state)
     if device.platform == "cpu" and recipe.offload:
         console.print("on the CPU there is no pinned host memory: offload placements compile and run but move "
                       "nothing (use a GPU to see HBM fall)")
@@ -512,7 +537,8 @@ def _run(cfg: RunConfig, console: Console, session: _Session) -> Result:
     console.print(f"MFU against {peak} TFLOP/s ({peak_src})" if peak else f"MFU: {peak_src}")
 
     model, optimizer = build_sharded(family, model_cfg, recipe, mesh, seed=cfg.seed, make_opt=lambda m: make_optimizer(
-        m, schedule, clip=cfg.clip, weight_decay=cfg.weight_decay, opt_dtype=cfg.opt_dtype))
+        m, schedule, clip=cfg.clip, weight_decay=cfg.weight_decay, opt_dtype=cfg.opt_dtype),
+        opt_state=cfg.opt_state)
     flops_per_step = family.flops_per_token(model_cfg, model, cfg.seq) * tokens_per_step
 
     record = {"run": cfg.identity(), "recipe": recipe_name, "metrics": metrics_path, "data": data_id,

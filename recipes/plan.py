@@ -45,6 +45,12 @@ def parser() -> argparse.ArgumentParser:
                    help="optimizer whose moments count as model state")
     p.add_argument("--opt-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="dtype of the optimizer moments")
+    p.add_argument("--opt-state", choices=("device", "host"), default="device",
+                   help="where the optimizer moments live between steps, as `recipes.train --opt-state`: host moves "
+                        "them from the HBM figures to pinned host memory")
+    p.add_argument("--grad-accum", type=cli.positive_int, default=1, metavar="K",
+                   help="micro-batches per update, as `recipes.train --grad-accum`: activations are planned for "
+                        "batch/K, with float32 gradient sums in the model state")
     p.add_argument("--hbm", "--hbm-limit", type=cli.positive_float, metavar="GIB",
                    help="HBM budget per device, GiB: warned about; needed by --recipe auto (an H200: 141)")
     p.add_argument("--host", type=cli.positive_float, metavar="GIB",
@@ -124,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         p = zoo.plan(cfg, recipe, batch=args.batch, seq=args.seq, shard=args.shard, optimizer=args.optimizer,
                      opt_dtype=args.opt_dtype, hbm_gib=args.hbm, host_gib=args.host, link_gbps=args.link,
                      tflops=args.flops, model_name=f"{args.model} {args.preset}", overlap=args.overlap,
-                     device_kind=args.device, peak=None if args.peak == "none" else args.peak, mesh=args.mesh)
+                     device_kind=args.device, peak=None if args.peak == "none" else args.peak, mesh=args.mesh,
+                     grad_accum=args.grad_accum, opt_state=args.opt_state)
     except ValueError as e:
         ap.error(str(e))
     if args.json:

@@ -32,6 +32,13 @@ def parser() -> argparse.ArgumentParser:
                    help="warm-up steps (default: schedule steps // 10, at most the preset's published warm-up)")
     p.add_argument("--opt-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="dtype of AdamW's moments, whatever the parameters' dtype")
+    p.add_argument("--opt-state", choices=("device", "host"), default="device",
+                   help="where the optimizer's moments live between steps: device (HBM) or host (pinned host "
+                        "memory; each step streams them into HBM for the update and back, one parameter at a time)")
+    p.add_argument("--grad-accum", type=cli.positive_int, default=1, metavar="K",
+                   help="micro-batches per optimizer update: --batch is the global batch, split into K micro-batches "
+                        "of batch/K sequences whose gradients are summed (in float32) before one update; K must "
+                        "divide --batch. Activation memory is a micro-batch's")
     p.add_argument("--hbm-limit", "--hbm", type=float, default=None, metavar="GIB",
                    help="device memory budget the compiled step's peak must fit (default: the device's "
                         "bytes_limit; on the CPU, the machine's RAM)")

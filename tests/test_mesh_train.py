@@ -6,6 +6,7 @@ device count is fixed when JAX starts).
   `--mesh fsdp=1` (one device) over 3 steps: float32, relative error < 1e-5 (sums reduce in another order).
 - A checkpoint written under fsdp=4 (4 devices) resumes under fsdp=2 x tp=2 (4 devices) and its step 3 has the
   loss of the uninterrupted one-device run (same tolerance); the record names the mesh it was written on.
+- Llama tiny under fsdp=2 with --grad-accum 2 and --opt-state host logs the one-device losses (same tolerance).
 - Bad meshes exit 2 before compiling, naming both numbers.
 """
 from __future__ import annotations
@@ -104,3 +105,12 @@ def test_bad_meshes_exit_2_naming_both_numbers(mesh, devices, message, tmp_path)
     out = train(args, devices)
     assert out.returncode == 2 and message in out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
     assert "compiled" not in out.stdout and not (tmp_path / "ckpt").exists()
+
+
+def test_micro_batches_and_host_state_under_fsdp_match_one_device(llama_one_device, tmp_path, cache):
+    """fsdp=2 with --grad-accum 2 (micro-batches of 4, 2 rows per device) and --opt-state host (the moments'
+    shards in pinned host memory) logs the losses of the one-device run of whole batches in HBM."""
+    out = train(LLAMA + ["--mesh", "fsdp=2", "--grad-accum", "2", "--opt-state", "host", "--metrics",
+                         tmp_path / "m.jsonl"], 2, cache)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert_close(losses(tmp_path / "m.jsonl"), llama_one_device)

@@ -182,12 +182,15 @@ def check_divisible(state, mesh, rules: Iterable[tuple[str, Any]] | None = None)
                                  f"which {'x'.join(axes)}={shards} does not divide")
 
 
-def init(make: Callable[[], Any], mesh=None, rules: Iterable[tuple[str, Any]] | None = None):
+def init(make: Callable[[], Any], mesh=None, rules: Iterable[tuple[str, Any]] | None = None,
+         place: Callable[[Any, Any], Any] | None = None):
     """`make()` (any nnx graph: a model, or `(model, optimizer)`) with every variable created on its sharding: an
     abstract init (`nnx.eval_shape`, nothing allocated), then one jitted init whose `out_shardings` are the rules'
     shardings, so no device ever holds a full copy of a sharded variable. Values are those `make()` gives.
-    Optimizer state inherits its parameters' logical axes, so it is sharded like them. `mesh` defaults to the
-    active one (`jax.set_mesh`); without any, `make()`."""
+    Optimizer state inherits its parameters' logical axes, so it is sharded like them. `place(abstract state,
+    shardings) -> shardings` may move variables to another memory (`zoo.train_step.opt_state_shardings`: the
+    optimizer's moments created in pinned host memory). `mesh` defaults to the active one (`jax.set_mesh`);
+    without any, `make()`."""
     mesh = mesh if mesh is not None else jax.sharding.get_mesh()
     if mesh is None or mesh.empty:
         return make()
@@ -200,6 +203,8 @@ def init(make: Callable[[], Any], mesh=None, rules: Iterable[tuple[str, Any]] | 
     graphdef, state = nnx.split(abstract)
     check_divisible(state, mesh, rules)
     out = shardings(state, mesh, rules)
+    if place is not None:
+        out = place(state, out)
     with jax.sharding.use_abstract_mesh(no_mesh):
         state = jax.jit(lambda: nnx.state(make()), out_shardings=out)()
     return nnx.merge(graphdef, state)

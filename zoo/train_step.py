@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import einops
 import jax
 import jax.numpy as jnp
 import optax
@@ -27,13 +28,19 @@ from zoo.layers import moe
 
 # Optimizers the step can run (the planner counts their moments: zoo.plan.types.OPTIMIZERS).
 OPTIMIZER_NAMES = ("adamw", "adam", "lion", "momentum", "sgd")
+# Where the optimizer's moments live between steps: in HBM, or in pinned host memory (`opt_state_shardings`).
+OPT_STATE_PLACES = ("device", "host")
+HOST = "pinned_host"   # the memory kind of host-resident state (page-locked: the copies run as DMA)
 
 
-def next_token_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> jax.Array:
-    """Weighted mean cross-entropy, in float32."""
+def next_token_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array,
+                    total_weight: jax.Array | None = None) -> jax.Array:
+    """Weighted mean cross-entropy, in float32. `total_weight` (default: the sum of `weights`) is the denominator:
+    a micro-batch's share of its whole batch's mean is its weighted sum over the batch's total weight."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+    total = jnp.sum(weights) if total_weight is None else total_weight
+    return jnp.sum(nll * weights) / jnp.maximum(total, 1.0)
 
 
 def moe_drops(aux: Any) -> tuple[jax.Array, jax.Array]:
@@ -48,11 +55,68 @@ def all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.bool_(True)
 
 
+def check_grad_accum(batch: int, grad_accum: int) -> None:
+    """ValueError unless `grad_accum` is a positive integer dividing the global `batch`."""
+    if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
+        raise ValueError(f"--grad-accum must be a positive integer, got {grad_accum!r}")
+    if batch % grad_accum:
+        raise ValueError(f"--grad-accum {grad_accum} must divide --batch {batch} (the global batch is split into "
+                         f"{grad_accum} micro-batches of batch / grad-accum sequences)")
+
+
+def micro_batches(batch: dict[str, jax.Array], k: int) -> dict[str, jax.Array]:
+    """[B, ...] -> [k, B/k, ...]: micro-batch i holds rows i, i+k, i+2k, ... A device's contiguous block of the
+    data-parallel batch then splits into k rows of each micro-batch, so every micro-batch stays spread over all
+    the data-parallel devices (a contiguous split would put each micro-batch on a few of them)."""
+    return {name: einops.rearrange(x, "(b k) ... -> k b ...", k=k) for name, x in batch.items()}
+
+
+def loss_and_grads(model: nnx.Module, batch: dict[str, jax.Array], *, aux_loss: Callable, grad_accum: int = 1):
+    """(total loss, next-token loss, aux, gradients) of `batch`.
+
+    With `grad_accum` K > 1 the batch runs as K micro-batches of B/K sequences (`micro_batches`) in a
+    `jax.lax.scan`, so activations are a micro-batch's: the gradients are summed in float32 over the micro-batches
+    and handed back in the parameters' dtypes. Each micro-batch's next-token loss is its weighted sum over the
+    whole batch's total weight, so the losses and gradients add up to the whole batch's (equal to K=1's up to
+    float32 rounding; with every token weighted 1, the mean over micro-batches); the auxiliary loss is the mean
+    of the micro-batches'. The aux (MoE loads and drop counts) is summed over the micro-batches: the batch's.
+    """
+    def loss_fn(model, tokens, weights, total_weight=None, aux_scale=1.0):
+        logits, aux = model(tokens[:, :-1], return_aux=True)
+        lm_loss = next_token_loss(logits, tokens[:, 1:], weights, total_weight)
+        return lm_loss + aux_scale * aux_loss(model.config, aux), (lm_loss, aux)
+
+    if grad_accum == 1:
+        (loss, (lm_loss, aux)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(
+            model, batch["tokens"], batch["weights"])
+        return loss, lm_loss, aux, grads
+    total_weight = jnp.sum(batch["weights"])
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    # The body closes over the state's arrays and rebuilds its Variables under the scan's trace (NNX refuses
+    # Variables of an outer trace).
+    leaves, treedef = jax.tree.flatten((params, rest))
+
+    def micro(acc, mb):
+        m = nnx.merge(graphdef, *jax.tree.unflatten(treedef, leaves))
+        (loss, (lm_loss, aux)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(
+            m, mb["tokens"], mb["weights"], total_weight, 1.0 / grad_accum)
+        acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+        return acc, (loss, lm_loss, aux)
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    acc, (losses, lm_losses, auxes) = jax.lax.scan(micro, zeros, micro_batches(batch, grad_accum))
+    grads = jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
+    return jnp.sum(losses), jnp.sum(lm_losses), jax.tree.map(lambda x: jnp.sum(x, axis=0), auxes), grads
+
+
 def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax.Array], *,
                aux_loss: Callable = lambda cfg, aux: 0.0,
                after_update: Callable = lambda model, aux: None,
-               lr: optax.Schedule | None = None) -> dict[str, jax.Array]:
+               lr: optax.Schedule | None = None, grad_accum: int = 1) -> dict[str, jax.Array]:
     """One optimizer step on `batch` ({"tokens": [B, S+1], "weights": [B, S]}), in place. Returns metrics.
+
+    With `grad_accum` K, the batch is K micro-batches of B/K and the step makes one update from their summed
+    gradients (`loss_and_grads`); the loss is the whole batch's and the gradient norm the update's.
 
     If the loss, the gradient norm or any updated parameter is not finite, nothing changes (`metrics["ok"]` is
     False; `metrics["params_ok"]` says whether the parameters were the cause).
@@ -66,14 +130,7 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax
     select fuses into the update, in place. The updated parameters are still checked afterwards: should they
     be non-finite all the same (an overflow), `metrics["kept"]` is False and the caller must not save this state.
     """
-    tokens = batch["tokens"]
-
-    def loss_fn(model):
-        logits, aux = model(tokens[:, :-1], return_aux=True)
-        lm_loss = next_token_loss(logits, tokens[:, 1:], batch["weights"])
-        return lm_loss + aux_loss(model.config, aux), (lm_loss, aux)
-
-    (loss, (lm_loss, aux)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    loss, lm_loss, aux, grads = loss_and_grads(model, batch, aux_loss=aux_loss, grad_accum=grad_accum)
     grad_norm = optax.global_norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     rate = None
@@ -105,10 +162,11 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax
     return metrics
 
 
-def family_step(family, lr: optax.Schedule | None = None) -> Callable:
-    """`train_step` with the model family's auxiliary loss and post-update hook (zoo.models.registry.Family), and
-    the learning-rate schedule `lr` for the cheap guard."""
-    return lambda m, o, b: train_step(m, o, b, aux_loss=family.aux_loss, after_update=family.after_update, lr=lr)
+def family_step(family, lr: optax.Schedule | None = None, grad_accum: int = 1) -> Callable:
+    """`train_step` with the model family's auxiliary loss and post-update hook (zoo.models.registry.Family), the
+    learning-rate schedule `lr` for the cheap guard, and `grad_accum` micro-batches per update."""
+    return lambda m, o, b: train_step(m, o, b, aux_loss=family.aux_loss, after_update=family.after_update, lr=lr,
+                                      grad_accum=grad_accum)
 
 
 # -- the optimizer ------------------------------------------------------------------------------------------------
@@ -157,19 +215,57 @@ def make_optimizer(model: nnx.Module, schedule: optax.Schedule, *, clip: float, 
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
+# -- where the state lives -----------------------------------------------------------------------------------------
+def opt_state_shardings(state, shardings, where: str):
+    """`shardings` (a tree like `state`, the state of `nnx.split((model, optimizer))`) with the optimizer's
+    moments, its floating-point arrays, in HBM (`where="device"`: unchanged) or in pinned host memory ("host").
+    Its step counters stay in HBM: they are scalars the step reads first."""
+    if where not in OPT_STATE_PLACES:
+        raise ValueError(f"--opt-state must be one of {', '.join(OPT_STATE_PLACES)}, got {where!r}")
+    if where == "device":
+        return shardings
+
+    def place(path, x, s):
+        moment = path[0].key == 1 and jnp.issubdtype(x.dtype, jnp.floating) and len(x.shape) > 0
+        return s.with_memory_kind(HOST) if moment else s
+    return jax.tree.map_with_path(place, state, shardings)
+
+
+def on_host(s) -> bool:
+    """Whether sharding `s` places its array in host memory."""
+    return getattr(s, "memory_kind", None) == HOST
+
+
 # -- under jit ----------------------------------------------------------------------------------------------------
 def jit_step(model: nnx.Module, optimizer: nnx.Optimizer, step_fn: Callable, *, keep_shardings: bool = False):
     """(jitted step over (state, batch) -> (state, metrics), graphdef, state). The state is donated. With
     `keep_shardings`, the new state is laid out as the old one (a sharded run's state stays on its shardings; the
-    state's leaves must then carry shardings: arrays, or ShapeDtypeStructs with `sharding=`)."""
+    state's leaves must then carry shardings: arrays, or ShapeDtypeStructs with `sharding=`).
+
+    State that lives in host memory between steps (leaves whose sharding has the memory kind "pinned_host":
+    `opt_state_shardings`) is brought into HBM inside the step, one `device_put` per leaf, and sent back after
+    it, so the step itself (the update, clipping, the NaN guard's select) computes on device arrays. The unit
+    is a leaf: a stacked layer's parameter is one array for all its layers, so the copies are as many as the
+    model's parameter names and each is independent of the others: XLA's scheduler may overlap one leaf's
+    copies with another's update and free a leaf's HBM copy once it has gone back (how many it holds at once is
+    its choice; the compiled peak shows it). A finer unit, one layer's slice of a leaf, would need the update
+    inside the layer scan, which the whole-tree optax update (the global-norm clip first) does not allow."""
     graphdef, state = nnx.split((model, optimizer))
+    shardings = jax.tree.map(lambda x: x.sharding, state) if keep_shardings else None
+    hosted = shardings is not None and any(on_host(s) for s in jax.tree.leaves(shardings))
 
     def step(state, batch):
+        if hosted:
+            state = jax.tree.map(lambda x, s: jax.device_put(x, s.with_memory_kind("device")) if on_host(s) else x,
+                                 state, shardings)
         model, optimizer = nnx.merge(graphdef, state)
         metrics = step_fn(model, optimizer, batch)
-        return nnx.state((model, optimizer)), metrics
+        new = nnx.state((model, optimizer))
+        if hosted:
+            new = jax.tree.map(lambda x, s: jax.device_put(x, s) if on_host(s) else x, new, shardings)
+        return new, metrics
 
-    kwargs = {"out_shardings": (jax.tree.map(lambda x: x.sharding, state), None)} if keep_shardings else {}
+    kwargs = {"out_shardings": (shardings, None)} if keep_shardings else {}
     return jax.jit(step, donate_argnums=0, **kwargs), graphdef, state
 
 
@@ -181,10 +277,12 @@ def abstract_batch(batch: int, seq: int) -> dict[str, jax.ShapeDtypeStruct]:
 
 def abstract_step(family, cfg, recipe, *, schedule: optax.Schedule | None = None, optimizer: str = "adamw",
                   clip: float = 1.0, weight_decay: float = 0.1, opt_dtype: str | None = None, seed: int = 0,
-                  mesh=None):
+                  mesh=None, grad_accum: int = 1, opt_state: str = "device"):
     """(jitted step, graphdef, abstract state) for `cfg` under `recipe`: the model and optimizer built from shapes
     alone (no memory). `schedule` only changes constants of the program, never its memory. With `mesh`, every
-    variable carries its sharding by the rules (`zoo.sharding.shardings`) and the step keeps them."""
+    variable carries its sharding by the rules (`zoo.sharding.shardings`) and the step keeps them. `grad_accum`:
+    micro-batches per update (`train_step`); `opt_state`: where the moments live (`opt_state_shardings`; "host"
+    without a mesh lays the state out on the first device)."""
     schedule = schedule if schedule is not None else lr_schedule(lr=1e-4, steps=100, warmup=10)
 
     def build():
@@ -192,18 +290,21 @@ def abstract_step(family, cfg, recipe, *, schedule: optax.Schedule | None = None
         return model, make_optimizer(model, schedule, clip=clip, weight_decay=weight_decay, optimizer=optimizer,
                                      opt_dtype=opt_dtype)
 
-    if mesh is None:
+    step_fn = family_step(family, schedule, grad_accum)
+    if mesh is None and opt_state == "device":
         model, opt = nnx.eval_shape(build)
-        return jit_step(model, opt, family_step(family, schedule))
+        return jit_step(model, opt, step_fn)
     from zoo import sharding
 
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):  # logical names are not mesh axes
         model, opt = nnx.eval_shape(build)
     graphdef, state = nnx.split((model, opt))
+    placed = (sharding.shardings(state, mesh) if mesh is not None else
+              jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), state))
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
-                         sharding.shardings(state, mesh))
+                         opt_state_shardings(state, placed, opt_state))
     model, opt = nnx.merge(graphdef, state)
-    return jit_step(model, opt, family_step(family, schedule), keep_shardings=True)
+    return jit_step(model, opt, step_fn, keep_shardings=True)
 
 
 def compile_abstract(family, cfg, recipe, *, batch: int, seq: int, mesh=None, **kwargs):
@@ -213,7 +314,8 @@ def compile_abstract(family, cfg, recipe, *, batch: int, seq: int, mesh=None, **
     what running it would take (per device under a mesh). With a (concrete) `mesh`, as the main job runs it: the
     state on the rules' shardings, the batch split over the data axes, traced inside `zoo.sharding.use(mesh)`
     (jit's cache does not key on the rules: the activation constraints are read at this trace). The main job and
-    the planner both compile through here."""
+    the planner both compile through here. `grad_accum` must divide `batch` (the global batch; ValueError)."""
+    check_grad_accum(batch, kwargs.get("grad_accum", 1))
     jitted, graphdef, state = abstract_step(family, cfg, recipe, mesh=mesh, **kwargs)
     platform = (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform
     options = compile_options.for_step(recipe, platform).options

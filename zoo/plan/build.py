@@ -71,6 +71,7 @@ from zoo.plan.types import (
     fmt_bytes,
 )
 from zoo.recipe import Recipe
+from zoo.train_step import OPT_STATE_PLACES
 
 
 def _model_state(model, shard: int, optimizer: str, opt_dtype: str) -> ModelState:
@@ -85,6 +86,15 @@ def _model_state(model, shard: int, optimizer: str, opt_dtype: str) -> ModelStat
     return ModelState(num_params=n, params=ceil_div(pbytes, shard), grads=ceil_div(pbytes, shard),
                       optimizer=ceil_div(OPTIMIZERS[optimizer] * n * opt_itemsize, shard),
                       other=ceil_div(obytes, shard), optimizer_name=optimizer)
+
+
+def _placed(state: ModelState, model, grad_accum: int, opt_state: str) -> ModelState:
+    """`state` with the float32 gradient sums of gradient accumulation (per device: the parameters' bytes at 4
+    bytes a parameter) and the moments where they live."""
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    ratio = 4 * sum(math.prod(p.shape) for p in params) / max(sum(sds_nbytes(p) for p in params), 1)
+    accum = int(state.params * ratio) if grad_accum > 1 else 0
+    return dataclasses.replace(state, accum=accum, optimizer_host=opt_state == "host")
 
 
 def host_pool_bytes() -> tuple[int, str | None]:
@@ -210,7 +220,8 @@ def _peak_target(mode, compiled, *, device, mesh, amesh, shard) -> tuple[str | N
     return mode, concrete, why
 
 
-def _peak(cfg, recipe, target, compiled, *, batch, seq, shard, optimizer, opt_dtype, floor, shapes):
+def _peak(cfg, recipe, target, compiled, *, batch, seq, shard, optimizer, opt_dtype, floor, shapes, grad_accum,
+          opt_state):
     mode, mesh, why = target
     if mode is None:
         return None
@@ -218,10 +229,11 @@ def _peak(cfg, recipe, target, compiled, *, batch, seq, shard, optimizer, opt_dt
         return peak_lib.from_compiled(compiled, mesh=mesh)
     if mode == "compile":
         step = peak_lib.compile_step(cfg, recipe, batch=batch, seq=seq, optimizer=optimizer, opt_dtype=opt_dtype,
-                                     mesh=mesh)
+                                     mesh=mesh, grad_accum=grad_accum, opt_state=opt_state)
         return peak_lib.from_compiled(step, mesh=mesh)
     layer = max(sum(ceil_div(sds_nbytes(t), shard) for t in st.tags.values()) for st in shapes.values())
-    return peak_lib.estimate(floor, batch=batch, seq=seq, shard=shard, vocab=cfg.vocab_size, layer_bytes=layer,
+    return peak_lib.estimate(floor, batch=batch // grad_accum, seq=seq, shard=shard, vocab=cfg.vocab_size,
+                             layer_bytes=layer,
                              why=why)
 
 
@@ -229,7 +241,8 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
          opt_dtype: str = "float32", hbm_gib: float | None = None, host_gib: float | None = None,
          link_gbps: float | None = None, tflops: float | None = None, model_name: str | None = None,
          overlap: float | None = None, device_kind: str | None = None, peak: str | None = "auto",
-         compiled=None, mesh=None, step_tflops: float | None = None) -> Plan:
+         compiled=None, mesh=None, step_tflops: float | None = None, grad_accum: int = 1,
+         opt_state: str = "device") -> Plan:
     """Plan `recipe` (a `zoo.Recipe`, or "auto" to choose one) for the model `cfg` (a config, or a built model,
     whose config is used) at global [batch, seq] split over `shard` devices (data parallel: `shard` must divide
     `batch`). Recipes by name are the front end's business (`recipes.<family>.RECIPES`).
@@ -260,6 +273,11 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
     an accelerator, "compile" on the CPU too (fake devices: `--xla_force_host_platform_device_count`), and raises
     a ValueError naming the mesh's device count and the devices present when there are too few. With `shard=N`
     the peak is only estimated ("compile" raises: give a mesh).
+
+    `grad_accum` K: the step runs K micro-batches of batch / K per update (`zoo.train_step`): activations, their
+    host bytes and a layer's working set are a micro-batch's, FLOPs the whole batch's, and the model state gains
+    the float32 gradient sums. `opt_state="host"`: the optimizer moments live in pinned host memory between
+    steps; they leave the HBM figures, count as host memory and cross the link twice per update.
     """
     if isinstance(cfg, nnx.Module) and hasattr(cfg, "config"):
         cfg = cfg.config
@@ -278,6 +296,12 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
         amesh = mesh_plan.as_abstract(mesh)
         sharding.check_mesh(cfg, amesh, batch=batch)
         shard = mesh_plan.devices(amesh)
+    _check_positive("grad_accum", grad_accum)
+    if batch % grad_accum:
+        raise ValueError(f"grad_accum={grad_accum} must divide batch={batch} (micro-batches of batch / grad_accum)")
+    if opt_state not in OPT_STATE_PLACES:
+        raise ValueError(f"opt_state={opt_state!r}: choose one of {', '.join(OPT_STATE_PLACES)}")
+    micro = batch // grad_accum
     if amesh is None and batch % shard:
         raise ValueError(f"batch={batch} does not split evenly over shard={shard} devices (data parallel: the "
                          f"batch must be a multiple of the device count)")
@@ -305,17 +329,18 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
         model.check_recipe(recipe)  # raises if the recipe names a tag no stack emits
     state = (_model_state(model, shard, optimizer, opt_dtype) if amesh is None
              else mesh_plan.model_state(model, amesh, optimizer, opt_dtype))
+    state = _placed(state, model, grad_accum, opt_state)
     hbm_budget = None if hbm_gib is None else int(hbm_gib * GiB)
     pool, pool_warning = host_pool_bytes()
-    shapes = model.tag_shapes(batch, seq)
+    shapes = model.tag_shapes(micro, seq)
     # FLOPs are counted on XLA's attention on every device (cuDNN's kernel is one custom call: no dots to count)
     flop_cfg = cfg
     if hasattr(cfg, "attention_impl") and resolve_impl(cfg).impl != "xla":
         flop_cfg = dataclasses.replace(cfg, attention_impl="xla")  # a second abstract model, only where cuDNN runs
-    costs = {s: layer_cost(flop_cfg, s, batch, seq) for s in shapes}
+    costs = {s: layer_cost(flop_cfg, s, micro, seq) for s in shapes}
     needed = {s: costs[s].residual_tags(shapes[s].tags) for s in shapes}
     # one device's part of each tag: by the sharding rules under a mesh, the batch (rows) split evenly with shard=N
-    device_shapes = (sharding.tag_shard_shapes(model, batch, seq, amesh) if amesh is not None else
+    device_shapes = (sharding.tag_shard_shapes(model, micro, seq, amesh) if amesh is not None else
                      {s: {t: (ceil_div(sds.shape[0], shard),) + tuple(sds.shape[1:]) for t, sds in st.tags.items()}
                       for s, st in shapes.items()} if shard > 1 else None)
     per_device = (mesh_plan.tag_bytes(shapes, device_shapes) if amesh is not None else
@@ -350,7 +375,7 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
             tag_plans.append(TagPlan(tag, tuple(sds.shape), jnp.dtype(sds.dtype).name, place, residual, nbytes,
                                      device, host, note, split))
         # JAX's own account of the stack: anything beyond the tags, and a check of the tags.
-        jax_device, jax_host, hoisted = stack_residuals(model, s, batch, seq, policy)
+        jax_device, jax_host, hoisted = stack_residuals(model, s, micro, seq, policy)
         tag_device = sum(sds_nbytes(st.tags[t]) for t in st.tags if t in needed[s] and (
             recipe.placement(t) == "device" or (t == CARRY and recipe.placement(t) != "offload")))
         tag_host = sum(sds_nbytes(st.tags[t]) for t in st.tags if t in needed[s] and recipe.placement(t) == "offload")
@@ -363,8 +388,8 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
             name=s, num_layers=st.num_layers, tags=tuple(tag_plans),
             untagged_bytes=ceil_div(max(untagged, 0) // st.num_layers, shard),
             invariant_bytes=ceil_div(hoisted, shard),
-            forward_flops=ceil_div(costs[s].forward_flops, shard),
-            remat_flops=ceil_div(costs[s].recipe_flops(recipe, st.tags), shard)))
+            forward_flops=ceil_div(grad_accum * costs[s].forward_flops, shard),
+            remat_flops=ceil_div(grad_accum * costs[s].recipe_flops(recipe, st.tags), shard)))
     activation = sum(sp.device_bytes for sp in stacks)
     host = sum(sp.host_bytes for sp in stacks)
     extra += [pool_warning] if pool_warning else []
@@ -372,15 +397,16 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
         extra.append("recipe 'none' keeps every intermediate JAX saves, untagged ones included (attention "
                      "probabilities on the XLA path): counted from JAX's own list of residuals")
     pk = _peak(cfg, recipe, target, compiled, batch=batch, seq=seq, shard=shard, optimizer=optimizer,
-               opt_dtype=opt_dtype, floor=activation + state.total, shapes=shapes)
+               opt_dtype=opt_dtype, floor=activation + state.total, shapes=shapes, grad_accum=grad_accum,
+               opt_state=opt_state)
     if pk is not None and hbm_budget is not None and pk.bytes > hbm_budget:
         extra.append(f"peak HBM {fmt_bytes(pk.bytes)} ({pk.source}) is over the budget of {fmt_bytes(hbm_budget)}")
     return Plan(model=model_name or type(cfg).__name__, recipe=recipe, batch=batch, seq=seq, shard=shard,
                 mesh=None if amesh is None else sharding.format_mesh(sharding.mesh_sizes(amesh)),
                 stacks=tuple(stacks), state=state, hbm_budget=hbm_budget, host_pool=pool,
-                warnings=_warnings(host, activation, state, hbm_budget, pool, extra), link_gbps=link_gbps,
+                warnings=_warnings(host + state.host, activation, state, hbm_budget, pool, extra), link_gbps=link_gbps,
                 tflops=tflops, overlap=overlap, link_source=link_source, peak=pk, model_flops=model_flops,
-                step_tflops=step_tflops, step_overhead=overhead, step_rate_source=rate_source)
+                step_tflops=step_tflops, step_overhead=overhead, step_rate_source=rate_source, grad_accum=grad_accum)
 
 
 def auto_recipe(cfg, *, batch: int, seq: int, hbm_gib: float, link_gbps: float, tflops: float, **kwargs) -> Recipe:

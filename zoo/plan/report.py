@@ -15,7 +15,8 @@ def render(p: Plan, console=None) -> None:
     shard = f", split over {p.shard} devices (per-device figures)" if p.shard > 1 else ""
     if p.mesh:
         shard = f", mesh {p.mesh} ({p.shard} devices; per-device figures by the sharding rules)"
-    console.print(f"[bold]{p.model}[/]: recipe {p.recipe.name!r}, batch {p.batch}, seq {p.seq}{shard}")
+    accum = f" ({p.grad_accum} micro-batches of {p.batch // p.grad_accum})" if p.grad_accum > 1 else ""
+    console.print(f"[bold]{p.model}[/]: recipe {p.recipe.name!r}, batch {p.batch}{accum}, seq {p.seq}{shard}")
     colour = {"device": "green", "offload": "cyan", "remat": "magenta"}
     for s in p.stacks:
         t = Table(title=f"stack {s.name!r}: {s.num_layers} layers", title_justify="left")
@@ -47,11 +48,16 @@ def render(p: Plan, console=None) -> None:
     tt.add_column("value", justify="right")
     ms = p.state
     rows = [("saved activations in HBM", fmt_bytes(p.activation_bytes)),
-            ("host memory (pinned)", f"{fmt_bytes(p.host_bytes)} of a {fmt_bytes(p.host_pool)} pool"),
+            ("host memory (pinned)", f"{fmt_bytes(p.host_total)} of a {fmt_bytes(p.host_pool)} pool"
+             + (f" (activations {fmt_bytes(p.host_bytes)}, optimizer state {fmt_bytes(ms.host)})" if ms.host
+                else "")),
             ("recomputed per step", f"{fmt_flops(p.remat_flops)} (forward {fmt_flops(p.forward_flops)})"),
             (f"parameters ({ms.num_params:,})", fmt_bytes(ms.params)),
-            ("gradients", fmt_bytes(ms.grads)),
-            (f"optimizer state ({ms.optimizer_name})", fmt_bytes(ms.optimizer))]
+            ("gradients", fmt_bytes(ms.grads))]
+    if ms.accum:
+        rows.append((f"gradient sums (float32, over {p.grad_accum} micro-batches)", fmt_bytes(ms.accum)))
+    rows.append((f"optimizer state ({ms.optimizer_name})" + (", in pinned host memory between steps: not HBM"
+                                                              if ms.optimizer_host else ""), fmt_bytes(ms.optimizer)))
     if ms.other:
         rows.append(("other variables", fmt_bytes(ms.other)))
     rows.append(("HBM: activations + model state", fmt_bytes(p.hbm_bytes)
@@ -61,6 +67,9 @@ def render(p: Plan, console=None) -> None:
                      + (f" of {fmt_bytes(p.hbm_budget)}" if p.hbm_budget is not None else "")))
         if p.peak.compiled and p.peak.detail.get("host_temp"):
             rows.append(("host memory, compiled (XLA's host temporaries)", fmt_bytes(p.peak.detail["host_temp"])))
+        if p.peak.compiled and p.peak.detail.get("host_argument"):
+            rows.append(("host memory, compiled (state in pinned host memory)",
+                         fmt_bytes(p.peak.detail["host_argument"])))
     est = p.step_time()
     if est is not None:
         link = "" if p.link_gbps is None else f", {p.link_gbps:g} GB/s, overlap {p.overlap}"

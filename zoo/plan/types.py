@@ -98,20 +98,30 @@ class StackPlan:
 
 @dataclasses.dataclass(frozen=True)
 class ModelState:
-    """Per device: parameters, their gradients, optimizer moments, other variables."""
+    """Per device: parameters, their gradients, optimizer moments, other variables; with gradient accumulation,
+    the float32 sums of the micro-batches' gradients (`accum`). The moments live in HBM, or in pinned host memory
+    between steps (`optimizer_host`: then `total`, the HBM figure, leaves them out and `host` counts them)."""
     num_params: int
     params: int
     grads: int
     optimizer: int
     other: int
     optimizer_name: str
+    accum: int = 0
+    optimizer_host: bool = False
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.other
+        """HBM held by the model state between steps and through the step."""
+        return self.params + self.grads + self.accum + self.other + (0 if self.optimizer_host else self.optimizer)
+
+    @property
+    def host(self) -> int:
+        """Pinned host memory held by the model state (the moments, with the state on the host)."""
+        return self.optimizer if self.optimizer_host else 0
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "total": self.total}
+        return {**dataclasses.asdict(self), "total": self.total, "host": self.host}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +147,7 @@ class Plan:
     step_tflops: float | None = None  # the rate recompute adds time at on the device (zoo.plan.links.RATES)
     step_overhead: float = 0.0      # the step's non-FLOP work, as a fraction of its model FLOPs' time
     step_rate_source: str | None = None
+    grad_accum: int = 1             # micro-batches per update: activations are a micro-batch's (batch / grad_accum)
 
     @property
     def peak_bytes(self) -> int | None:
@@ -155,7 +166,13 @@ class Plan:
 
     @property
     def host_bytes(self) -> int:
+        """Pinned host memory held by offloaded activations (one micro-batch's)."""
         return sum(s.host_bytes for s in self.stacks)
+
+    @property
+    def host_total(self) -> int:
+        """Pinned host memory: offloaded activations plus the model state kept there (`ModelState.host`)."""
+        return self.host_bytes + self.state.host
 
     @property
     def hbm_bytes(self) -> int:
@@ -178,19 +195,23 @@ class Plan:
         plus the transfers that do not hide. Per layer and
         direction, `1 - overlap` of a copy's time is exposed, and of the overlapped part whatever does not fit
         under the layer's compute (device-to-host stores under its forward pass, host-to-device reloads under its
-        backward: twice the forward, plus its recompute). None without a rate, or with host bytes and no link."""
+        backward: twice the forward, plus its recompute); each micro-batch moves its own activations. Optimizer
+        state on the host crosses the link twice per update (in and out), charged in full: the update it would
+        hide under is memory-bound and short. None without a rate, or with host bytes and no link."""
         tflops = self.step_tflops or self.tflops
-        if tflops is None or (self.host_bytes and self.link_gbps is None):
+        if tflops is None or (self.host_total and self.link_gbps is None):
             return None
         rate, link, ov = tflops * 1e12, (self.link_gbps or 1.0) * 1e9, self.overlap
         work = self.model_flops if self.model_flops is not None else 3 * self.forward_flops
         overhead = self.step_overhead if self.step_tflops else 0.0
         out = dict(compute_s=work * (1 + overhead) / rate, remat_s=self.remat_flops / rate, exposed_transfer_s=0.0)
-        for s in self.stacks:
-            fwd, remat, move = s.forward_flops / rate, s.remat_flops / rate, s.host_bytes_per_layer / link
+        k = self.grad_accum
+        for s in self.stacks:   # FLOPs are per step (k micro-batches); a micro-batch's copies hide under its own
+            fwd, remat, move = s.forward_flops / rate / k, s.remat_flops / rate / k, s.host_bytes_per_layer / link
             exposed = ((1 - ov.d2h) * move + ov.d2h * max(0.0, move - fwd)
                        + (1 - ov.h2d) * move + ov.h2d * max(0.0, move - 2 * fwd - remat))
-            out["exposed_transfer_s"] += s.num_layers * exposed
+            out["exposed_transfer_s"] += k * s.num_layers * exposed
+        out["exposed_transfer_s"] += 2 * self.state.host / link
         out["total_s"] = sum(out.values())
         out["rate_tflops"] = tflops
         return out
@@ -198,9 +219,11 @@ class Plan:
     def to_dict(self) -> dict:
         return dict(model=self.model, recipe=self.recipe.name, offload=list(self.recipe.offload),
                     device=list(self.recipe.device), special=self.recipe.special, batch=self.batch, seq=self.seq,
-                    shard=self.shard, mesh=self.mesh, stacks=[s.to_dict() for s in self.stacks],
+                    shard=self.shard, mesh=self.mesh, grad_accum=self.grad_accum,
+                    stacks=[s.to_dict() for s in self.stacks],
                     model_state=self.state.to_dict(),
                     totals=dict(activation_bytes=self.activation_bytes, host_bytes=self.host_bytes,
+                                host_total=self.host_total,
                                 hbm_bytes=self.hbm_bytes, remat_flops=self.remat_flops,
                                 forward_flops=self.forward_flops),
                     hbm_budget=self.hbm_budget, host_pool=self.host_pool, link_gbps=self.link_gbps,
