@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import zoo
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -74,3 +76,14 @@ def pinned_host_shapes(hlo_text: str) -> collections.Counter:
 def hlo_type(shape, dtype) -> str:
     names = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
     return "tensor<" + "x".join(str(d) for d in shape) + "x" + names[jnp.dtype(dtype).name] + ">"
+
+
+def random_tiny_llama(scale: float = 1.0):
+    """A one-layer Llama whose parameters NumPy draws (normal, times `scale`) into its abstract state: no compile."""
+    cfg = zoo.models.LlamaConfig.preset("tiny", vocab_size=32, dim=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                                        head_dim=8, mlp_dim=32)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: zoo.models.llama3(cfg, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(0)
+    leaves = [(p, v.replace(jnp.asarray(scale * rng.standard_normal(v.shape), v.dtype)))
+              for p, v in nnx.to_flat_state(state)]
+    return nnx.merge(graphdef, nnx.from_flat_state(leaves))

@@ -7,25 +7,18 @@ import errno
 import json
 import os
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
-from flax import nnx
 
 import zoo
+from tests.helpers import random_tiny_llama
 
 
 @pytest.fixture(scope="module")
 def tiny_model():
     """A one-layer Llama with NumPy-drawn parameters in its abstract state (no compilation)."""
-    cfg = zoo.models.LlamaConfig.preset("tiny", vocab_size=32, dim=16, num_layers=1, num_heads=2, num_kv_heads=1,
-                                        head_dim=8,
-                                      mlp_dim=32)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: zoo.models.llama3(cfg, rngs=nnx.Rngs(0))))
-    rng = np.random.default_rng(0)
-    return nnx.merge(graphdef, nnx.from_flat_state([(p, v.replace(jnp.asarray(rng.standard_normal(v.shape), v.dtype)))
-                                                    for p, v in nnx.to_flat_state(state)]))
+    return random_tiny_llama()
 
 
 def snapshot(path) -> dict[str, bytes]:

@@ -26,6 +26,7 @@ from recipes import data as data_lib
 from recipes import guard, loop, train
 from recipes.checkpoint import Checkpoints
 from recipes.lock import LOCK_NAME, DirLock
+from tests.helpers import random_tiny_llama
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # One compiled step for every run below: a 6-step schedule (resumed runs may go past it with --schedule-steps 6).
@@ -74,14 +75,7 @@ def copy_ckpt(base, tmp_path) -> pathlib.Path:
 @pytest.fixture(scope="module")
 def tiny_model():
     """A one-layer Llama with random parameters drawn by NumPy into its abstract state (no compilation)."""
-    cfg = zoo.models.LlamaConfig.preset("tiny", vocab_size=32, dim=16, num_layers=1, num_heads=2, num_kv_heads=1,
-                                        head_dim=8,
-                                      mlp_dim=32)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: zoo.models.llama3(cfg, rngs=nnx.Rngs(0))))
-    rng = np.random.default_rng(0)
-    return nnx.merge(graphdef, nnx.from_flat_state([(p, v.replace(jnp.asarray(0.3 * rng.standard_normal(v.shape),
-                                                                               v.dtype)))
-                                                    for p, v in nnx.to_flat_state(state)]))
+    return random_tiny_llama(0.3)
 
 
 # -- 1: a checkpoint directory that cannot be written fails at once; a failing write cannot hang ----------------

@@ -107,10 +107,10 @@ def test_bad_meshes_exit_2_naming_both_numbers(mesh, devices, message, tmp_path)
     assert "compiled" not in out.stdout and not (tmp_path / "ckpt").exists()
 
 
-def test_micro_batches_and_host_state_under_fsdp_match_one_device(llama_one_device, tmp_path, cache):
+def test_micro_batches_and_host_state_under_fsdp_match_one_device(llama_one_device, tmp_path):
     """fsdp=2 with --grad-accum 2 (micro-batches of 4, 2 rows per device) and --opt-state host (the moments'
     shards in pinned host memory) logs the losses of the one-device run of whole batches in HBM."""
     out = train(LLAMA + ["--mesh", "fsdp=2", "--grad-accum", "2", "--opt-state", "host", "--metrics",
-                         tmp_path / "m.jsonl"], 2, cache)
+                         tmp_path / "m.jsonl"], 2)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert_close(losses(tmp_path / "m.jsonl"), llama_one_device)

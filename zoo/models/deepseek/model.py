@@ -15,19 +15,18 @@ without MTP.
 """
 from __future__ import annotations
 
-import jax
 from flax import nnx
 
 from zoo.layers import MLP, RMSNorm
+from zoo.layers.block import PreNormBlock
 from zoo.layers.mla import MLA
 from zoo.layers.moe import Experts, GroupLimitedRouter, MoE
-from zoo.layers.tagged import TaggedLayer
 from zoo.models.deepseek.config import DeepSeekV3Config
 from zoo.models.lm import CausalLM
 from zoo.recipe import Recipe
 
 
-class DeepSeekDecoderLayer(TaggedLayer):
+class DeepSeekDecoderLayer(PreNormBlock):
     """One decoder layer; `moe=True` for the mixture-of-experts FFN, which also returns its aux."""
 
     def __init__(self, cfg: DeepSeekV3Config, *, moe: bool, rngs: nnx.Rngs):
@@ -46,13 +45,6 @@ class DeepSeekDecoderLayer(TaggedLayer):
         else:
             self.mlp = MLP(dim=cfg.dim, hidden=cfg.mlp_dim, seq_chunks=cfg.mlp_seq_chunks, rngs=rngs, **common)
         self.moe = moe
-
-    def __call__(self, x: jax.Array):
-        x = x + self.attn(self.attn_norm(x))
-        if not self.moe:
-            return x + self.mlp(self.mlp_norm(x))
-        y, aux = self.mlp(self.mlp_norm(x))
-        return x + y, aux
 
 
 def deepseek_moe(cfg: DeepSeekV3Config, *, rngs: nnx.Rngs) -> MoE:

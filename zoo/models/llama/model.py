@@ -5,17 +5,16 @@ RoPE (theta 500000) and Llama 3.1's frequency scaling. The embedding and the LM 
 """
 from __future__ import annotations
 
-import jax
 from flax import nnx
 
 from zoo.layers import MLP, Attention, RMSNorm
-from zoo.layers.tagged import TaggedLayer
+from zoo.layers.block import PreNormBlock
 from zoo.models.llama.config import LlamaConfig
 from zoo.models.lm import CausalLM
 from zoo.recipe import Recipe
 
 
-class LlamaDecoderLayer(TaggedLayer):
+class LlamaDecoderLayer(PreNormBlock):
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         self.dim, self.dtype = cfg.dim, cfg.compute_dtype
         dtype, param_dtype = cfg.compute_dtype, cfg.weight_dtype
@@ -26,10 +25,6 @@ class LlamaDecoderLayer(TaggedLayer):
         self.mlp_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.mlp = MLP(dim=cfg.dim, hidden=cfg.mlp_dim, dtype=dtype, param_dtype=param_dtype,
                        seq_chunks=cfg.mlp_seq_chunks, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
 
 
 class Llama(CausalLM):

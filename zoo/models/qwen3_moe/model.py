@@ -10,18 +10,17 @@ the LM head are untied.
 """
 from __future__ import annotations
 
-import jax
 from flax import nnx
 
 from zoo.layers import MLP, Attention, RMSNorm
+from zoo.layers.block import PreNormBlock
 from zoo.layers.moe import Experts, MoE, SoftmaxRouter
-from zoo.layers.tagged import TaggedLayer
 from zoo.models.lm import CausalLM
 from zoo.models.qwen3_moe.config import Qwen3MoeConfig
 from zoo.recipe import Recipe
 
 
-class Qwen3MoeDecoderLayer(TaggedLayer):
+class Qwen3MoeDecoderLayer(PreNormBlock):
     """One decoder layer; `moe=True` for the mixture-of-experts FFN, which also returns its aux."""
 
     def __init__(self, cfg: Qwen3MoeConfig, *, moe: bool, rngs: nnx.Rngs):
@@ -34,13 +33,6 @@ class Qwen3MoeDecoderLayer(TaggedLayer):
         self.mlp_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, **common)
         self.mlp = (qwen3_moe_ffn(cfg, rngs=rngs) if moe else
                     MLP(dim=cfg.dim, hidden=cfg.mlp_dim, seq_chunks=cfg.mlp_seq_chunks, rngs=rngs, **common))
-
-    def __call__(self, x: jax.Array):
-        x = x + self.attn(self.attn_norm(x))
-        if not self.moe:
-            return x + self.mlp(self.mlp_norm(x))
-        y, aux = self.mlp(self.mlp_norm(x))
-        return x + y, aux
 
 
 def qwen3_moe_ffn(cfg: Qwen3MoeConfig, *, rngs: nnx.Rngs) -> MoE:
