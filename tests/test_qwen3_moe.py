@@ -3,7 +3,6 @@ layer pattern transformers uses, the q/k norm's effect, its recipes landing as p
 the planner and the main job running it."""
 import collections
 import dataclasses
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from flax import nnx
 
 from recipes.qwen3_moe import RECIPES
 from recipes.registry import default_recipe, recipes_of
-from tests.helpers import cuda_lowering, hlo_type, pinned_host_shapes
+from tests.helpers import cpu_env, cuda_lowering, grads_under, hlo_type, max_rel_err, pinned_host_shapes
 from zoo.models import count_params, registry
 from zoo.models.qwen3_moe import Qwen3MoeConfig, hf, qwen3_moe
 from zoo.plan import measure as audit
@@ -109,7 +108,7 @@ def test_flops_per_token_counts_the_active_experts():
     assert 3.0e9 < active < 3.5e9   # "A3B": about 3.3B active parameters with the embedding excluded
 
 
-@pytest.mark.parametrize("name", ["full", "qkv_offload", "moe_up_offload"])
+@pytest.mark.parametrize("name", ["full"] + [n for n in RECIPES if RECIPES[n].special is None])
 def test_recipes_land_as_planned(name):
     """Each needed residual is placed as the recipe says, and exactly the offloaded tags' tensors move to pinned
     host memory in the CUDA lowering of the training gradient."""
@@ -131,9 +130,24 @@ def test_recipes_land_as_planned(name):
     assert pinned_host_shapes(cuda_lowering(model, tokens)) == want_hlo
 
 
+@pytest.fixture(scope="module")
+def float32_grads():
+    """(model, tokens, loss and gradients under `none`, nothing recomputed) of the tiny model in float32."""
+    model = qwen3_moe(dataclasses.replace(TINY, dtype="float32"), rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (B, S), 0, TINY.vocab_size, dtype=jnp.int32)
+    return model, tokens, grads_under(model, RECIPES["none"], tokens)
+
+
+@pytest.mark.parametrize("name", [n for n in RECIPES if n != "none"])
+def test_gradients_equal_under_every_recipe(float32_grads, name):
+    model, tokens, (ref_loss, ref) = float32_grads
+    loss, got = grads_under(model, RECIPES[name], tokens)
+    assert abs(float(loss) - float(ref_loss)) < 1e-6
+    assert max_rel_err(got, ref) < 1e-5
+
+
 def _run(*args):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=cpu_env(), capture_output=True, text=True,
                           timeout=600)
 
 

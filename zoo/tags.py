@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.extend.core
+from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from zoo import logical
@@ -158,8 +159,6 @@ def emitted(fn: Callable[..., Any], *args: Any) -> dict[str, jax.ShapeDtypeStruc
 
 def emitted_by(module, x: jax.ShapeDtypeStruct) -> dict[str, jax.ShapeDtypeStruct]:
     """Tags emitted by an NNX module applied to an input of shape `x`, read from an abstract trace."""
-    from flax import nnx
-
     graphdef, state = nnx.split(module)
     state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
     return emitted(lambda s, x: nnx.merge(graphdef, s)(x), state, x)

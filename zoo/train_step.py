@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from zoo import compile_options
+from zoo import compile_options, sharding
 from zoo.layers import moe
 
 # Optimizers the step can run (the planner counts their moments: zoo.plan.types.OPTIMIZERS).
@@ -294,8 +294,6 @@ def abstract_step(family, cfg, recipe, *, schedule: optax.Schedule | None = None
     if mesh is None and opt_state == "device":
         model, opt = nnx.eval_shape(build)
         return jit_step(model, opt, step_fn)
-    from zoo import sharding
-
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):  # logical names are not mesh axes
         model, opt = nnx.eval_shape(build)
     graphdef, state = nnx.split((model, opt))
@@ -321,8 +319,6 @@ def compile_abstract(family, cfg, recipe, *, batch: int, seq: int, mesh=None, **
     options = compile_options.for_step(recipe, platform).options
     if mesh is None:
         return jitted.lower(state, abstract_batch(batch, seq)).compile(compiler_options=options), graphdef, state
-    from zoo import sharding
-
     shapes = {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.batch_sharding(mesh, ndim=len(x.shape)))
               for k, x in abstract_batch(batch, seq).items()}
     with sharding.use(mesh):

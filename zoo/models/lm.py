@@ -81,7 +81,7 @@ class CausalLM(nnx.Module):
         values (an eager call) every id is checked against the vocabulary: ValueError naming the first bad one.
         Under `jax.jit`/`nnx.jit` (tracers) no value check is possible and none is made: an id >= vocab_size then
         embeds as NaN (JAX's out-of-bounds gather fills), and a negative id counts from the end (-1 is the last
-        row), silently. Check ids where they are made (`recipes.data` does)."""
+        row), silently. Check ids where they are made (the main job's data reader does)."""
         tokens = check_tokens(tokens, self.config.vocab_size)
         x = self.embed(tokens)
         policy = self.recipe.policy()

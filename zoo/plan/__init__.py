@@ -7,7 +7,7 @@
 Modules, each importing only those before it: `types` (what a plan is, units), `measure` (what JAX saves and
 re-runs: residuals, recompute FLOPs; the audit of a recipe), `auto` (the automatic recipe), `build` (`plan`),
 `report` (tables and JSON), `capacity` (the largest batch that fits a budget). The command line is the
-application's: `python -m recipes.plan`.
+application's.
 
 `zoo.plan` is this package, and calling it calls `plan`: `zoo.plan(cfg, recipe, ...)` and `zoo.plan.measure`
 both work, whatever was imported first.

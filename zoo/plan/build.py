@@ -50,10 +50,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zoo import sharding
 from zoo.dtypes import dtype_of
 from zoo.layers.attention import resolve_impl
 from zoo.models.registry import family_of
 from zoo.plan import auto, links
+from zoo.plan import mesh as mesh_plan
 from zoo.plan import peak as peak_lib
 from zoo.plan.measure import abstract_model, layer_cost, stack_residuals
 from zoo.plan.measure import nbytes as sds_nbytes
@@ -197,8 +199,6 @@ def _peak_target(mode, compiled, *, device, mesh, amesh, shard) -> tuple[str | N
                              f"mesh='fsdp={shard}' (or another mesh) to compile the sharded step")
         why = f"shard={shard} is a uniform split: mesh= compiles the sharded step"
     elif amesh is not None:
-        from zoo import sharding
-        from zoo.plan import mesh as mesh_plan
         n = mesh_plan.devices(amesh)
         if isinstance(mesh, jax.sharding.Mesh):
             concrete = mesh
@@ -245,7 +245,7 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
          opt_state: str = "device") -> Plan:
     """Plan `recipe` (a `zoo.Recipe`, or "auto" to choose one) for the model `cfg` (a config, or a built model,
     whose config is used) at global [batch, seq] split over `shard` devices (data parallel: `shard` must divide
-    `batch`). Recipes by name are the front end's business (`recipes.<family>.RECIPES`).
+    `batch`). Recipes by name are the front end's business (the application's recipe sets).
 
     `hbm_gib` is the HBM budget per device (warned about; required by "auto"); `host_gib` bounds host memory per
     device for "auto"; `link_gbps` (GB/s per direction) and `tflops` (TFLOP/s) feed "auto" and the step-time
@@ -291,8 +291,6 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
         if shard != 1:
             raise ValueError(f"give shard={shard} or mesh={mesh!r}, not both (shard=N is a uniform split over N "
                              f"devices; a mesh splits by the sharding rules)")
-        from zoo import sharding
-        from zoo.plan import mesh as mesh_plan
         amesh = mesh_plan.as_abstract(mesh)
         sharding.check_mesh(cfg, amesh, batch=batch)
         shard = mesh_plan.devices(amesh)
@@ -321,7 +319,7 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, shard: int = 1, opt
                                 f"{', '.join(m.device_kind for m in links.MEASURED)})"))
     elif not isinstance(recipe, Recipe):
         raise ValueError(f"recipe must be a zoo.Recipe or 'auto', got {recipe!r}; a front end looks names up in the "
-                         f"model family's recipes (e.g. recipes.llama3.RECIPES)")
+                         f"model family's recipe set (the application's)")
     model = abstract_model(cfg)
     step_tflops, overhead, rate_source = _step_rate(kind, cfg, step_tflops)
     model_flops = family_of(cfg).flops_per_token(cfg, model, seq) * batch * seq / shard

@@ -34,7 +34,9 @@ import math
 
 import jax
 
+from zoo.models.registry import family_of
 from zoo.plan.types import ceil_div
+from zoo.train_step import compile_abstract
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +74,6 @@ def compile_step(cfg, recipe, *, batch: int, seq: int, optimizer: str = "adamw",
     abstract inputs and compiled (nothing allocated). With a `mesh` (a concrete one: its devices compile it), as
     the main job compiles it: the state on the rules' shardings, the batch split over the data axes, traced inside
     `zoo.sharding.use(mesh)`."""
-    from zoo.models.registry import family_of
-    from zoo.train_step import compile_abstract
-
     return compile_abstract(family_of(cfg), cfg, recipe, batch=batch, seq=seq, optimizer=optimizer,
                             opt_dtype=opt_dtype, mesh=mesh, grad_accum=grad_accum, opt_state=opt_state)[0]
 
