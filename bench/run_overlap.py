@@ -92,15 +92,6 @@ def main_job(recipe, est=110, gpu=None, log_dir=None):
                       "log": f"{work}/train.log"}, gpu=gpu)
 
 
-def command(name: str, argv: list[str], est: float, gpu=None) -> Job:
-    """A command as a user types it (no XLA_FLAGS): its log is the output."""
-    return Job(name, [sys.executable, *argv], "", est, 300, ident={"bench": name, "impl": "zoo-command"}, gpu=gpu)
-
-
-README_GPU = ["-m", "recipes.train", "--model", "llama3", "--preset", "llama3_1_8b", "--set", "num_layers=8",
-              "--recipe", "qkv_offload", "--batch", "2", "--seq", "8192", "--steps", "30"]
-
-
 def jobs(anchor_dir: str, out: str, scenarios: str = "slices") -> list[Job]:
     """`slices`: GPU 0 the 405B slice's ratios (each pair on one chip), GPU 1 the settings, depth and the DeepSeek
     slice. `jobs`: the main job on GPU 0, the DeepSeek slice's offload pair and `auto` on GPU 1."""
@@ -128,13 +119,16 @@ def jobs(anchor_dir: str, out: str, scenarios: str = "slices") -> list[Job]:
                 zoo("full", layers=6, batch=1, extra=pg, est=90, gpu="1")]
     if scenarios == "chunks":   # the MLP in sequence chunks: the gate/up copies start before the layer ends
         ch = lambda n: ["--mlp-chunks", str(n)]  # noqa: E731
-        return [zoo("minimal_offload", extra=ch(4), gpu="0"), zoo("minimal", gpu="0"),
-                zoo("minimal_offload", gpu="0"), zoo("minimal_offload", extra=ch(2), gpu="0"),
-                zoo("minimal", extra=ch(4), gpu="0"),
-                command("readme-gpu-quickstart", README_GPU, est=150, gpu="1"),
-                zoo("minimal_offload", layers=6, batch=1, extra=ch(4), est=90, gpu="1"),
-                zoo("qkv_offload", extra=ch(4), gpu="1"), zoo("full", layers=6, batch=1, est=90, gpu="1"),
-                zoo("minimal_offload", extra=ch(8), gpu="1")]
+        a = lambda *x, **k: anchor(*x, anchor_dir=anchor_dir, **k)  # noqa: E731
+        return [zoo("minimal", est=60, gpu="0"), zoo("minimal_offload", extra=ch(4), est=50, gpu="0"),
+                zoo("minimal_offload", est=50, gpu="0"), zoo("full", est=40, gpu="0"),
+                zoo("minimal_offload", extra=ch(2), est=50, gpu="0"),
+                zoo("minimal_offload", extra=ch(8), est=50, gpu="0"),
+                a("offload_minimal", flags="cb_off", est=40, gpu="0"), a("minimal", est=35, gpu="0"),
+                zoo("minimal_offload", layers=6, batch=1, extra=ch(4), est=60, gpu="0"),
+                zoo("full", layers=6, batch=1, est=45, gpu="0"),
+                zoo("qkv_offload", extra=ch(4), est=45, gpu="0"), zoo("save_qkv", est=35, gpu="0"),
+                zoo("minimal", extra=ch(4), est=35, gpu="0")]
     if scenarios == "jobs":
         return [main_job("qkv_offload", gpu="0"), main_job("save_qkv", gpu="0"), main_job("auto", gpu="0"),
                 deepseek("save_mla_moe", gpu="1"), deepseek("mla_moe_offload", gpu="1"), deepseek("auto", gpu="1"),
