@@ -128,7 +128,10 @@ def jobs(anchor_dir: str, out: str, scenarios: str = "slices") -> list[Job]:
                 zoo("minimal_offload", layers=6, batch=1, extra=ch(4), est=60, gpu="0"),
                 zoo("full", layers=6, batch=1, est=45, gpu="0"),
                 zoo("qkv_offload", extra=ch(4), est=45, gpu="0"), zoo("save_qkv", est=35, gpu="0"),
-                zoo("minimal", extra=ch(4), est=35, gpu="0")]
+                zoo("minimal", extra=ch(4), est=35, gpu="0"),
+                zoo("minimal_offload", layers=6, batch=1, extra=ch(2), est=60, gpu="0"),
+                zoo("minimal_offload", layers=6, batch=1, est=60, gpu="0"),
+                zoo("minimal", extra=ch(2), est=35, gpu="0")]
     if scenarios == "jobs":
         return [main_job("qkv_offload", gpu="0"), main_job("save_qkv", gpu="0"), main_job("auto", gpu="0"),
                 deepseek("save_mla_moe", gpu="1"), deepseek("mla_moe_offload", gpu="1"), deepseek("auto", gpu="1"),
