@@ -525,6 +525,9 @@ def _run(cfg: RunConfig, console: Console, session: _Session) -> Result:
     console.print(f"recipe {recipe}")
     console.print(f"XLA options of the step: {compile_options.for_step(recipe, device.platform).describe()}",
                   soft_wrap=True, markup=False)
+    hint = compile_options.chunking_hint(recipe, model_cfg.mlp_seq_chunks, device.platform)
+    if hint:
+        console.print(hint, soft_wrap=True, markup=False)
     for what, choice in kernels.items():
         console.print(f"{what}: {choice}", soft_wrap=True)
     plan = show_memory_plan(console, model_cfg, recipe, batch=cfg.batch, seq=cfg.seq, device=device,

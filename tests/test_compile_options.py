@@ -63,3 +63,15 @@ def test_the_steps_one_compile_passes_the_options_to_xla(monkeypatch):
     cfg = zoo.models.LlamaConfig.preset("tiny")
     with pytest.raises(Exception, match="NOT_A_COMMAND"):
         compile_abstract(family("llama3"), cfg, OFFLOADS, batch=2, seq=8)
+
+
+def test_the_chunking_hint_is_shown_only_where_the_mlp_is_offloaded_in_one_piece_on_a_gpu():
+    """The gate/up copies wait for their whole tensor; the hint names the setting measured to hide more of them."""
+    mlp = zoo.Recipe("mlp", offload=("mlpwi_0", "mlpwi_1"))
+    hint = compile_options.chunking_hint(mlp, 1, "gpu")
+    assert hint.startswith("hint: --set mlp_seq_chunks=2 ") and "docs/offload-profile.md" in hint
+    assert compile_options.chunking_hint(zoo.Recipe("up", offload=("mlpwi_1",)), 1, "cuda") == hint
+    assert compile_options.chunking_hint(mlp, 2, "gpu") is None            # already chunked
+    assert compile_options.chunking_hint(mlp, 1, "cpu") is None            # no copies to hide
+    assert compile_options.chunking_hint(OFFLOADS, 1, "gpu") is None       # the MLP is not offloaded
+    assert compile_options.chunking_hint(zoo.Recipe.full(), 1, "gpu") is None

@@ -20,6 +20,11 @@ import os
 
 from zoo.recipe import Recipe
 
+# The dense MLP's gate and up projections: the tensors a layer makes last, whose copies the layer's end waits for.
+CHUNKED_MLP_TAGS = ("mlpwi_0", "mlpwi_1")
+CHUNKS_SOURCE = ("on an H200 the 405B-shaped slice's minimal_offload ran 2.3% (3 layers) and 7.5% (6 layers) faster "
+                 "with 2 chunks; 4 and 8 raised the peak (docs/offload-profile.md)")
+
 # The narrowest setting measured to give the copies their own streams, and where it was measured.
 HIDE_COPIES: dict[str, str] = {"xla_gpu_enable_command_buffer": ""}
 HIDE_COPIES_SOURCE = ("command buffers off for this executable: on an H200 (jax 0.11.2) the 405B-shaped slice's "
@@ -62,3 +67,13 @@ def for_step(recipe: Recipe | None, platform: str, xla_flags: str | None = None)
         return StepOptions({}, "XLA_FLAGS sets " + ", ".join(HIDE_COPIES) + ": yours win")
     return StepOptions(kept, HIDE_COPIES_SOURCE)
 
+
+
+def chunking_hint(recipe: Recipe | None, mlp_seq_chunks: int, platform: str) -> str | None:
+    """A line for a GPU step whose recipe offloads the dense MLP's gate or up projection in one piece: each copy
+    can start only once its whole tensor exists, and 2 sequence chunks (`mlp_seq_chunks=2`) start half of it one
+    chunk earlier. None where it would not help (nothing of the MLP offloaded, already chunked, not a GPU)."""
+    if (not offloads(recipe) or platform.lower() not in GPU_PLATFORMS or mlp_seq_chunks != 1
+            or not set(CHUNKED_MLP_TAGS) & set(recipe.offload)):
+        return None
+    return f"hint: --set mlp_seq_chunks=2 hides more of the MLP's copies ({CHUNKS_SOURCE})"
