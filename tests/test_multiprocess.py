@@ -1,8 +1,8 @@
-"""Several processes on one machine, as CI can run them: `python -m recipes.train` started twice on a loopback
-coordinator (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID), each process with 2 fake CPU devices and
-CPU collectives over gloo, under `--mesh fsdp=4`; compared with one process over 4 fake devices.
+"""Several processes on one machine, as CI can run them: `python -m recipes.train` started 2 or 4 times on a
+loopback coordinator (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID), the 4 fake CPU devices split
+among them, CPU collectives over gloo, under `--mesh fsdp=4`; compared with one process over 4 fake devices.
 
-- The two processes log the losses of the one-process run; process 0
+- 2 and 4 processes log the losses of the one-process run; process 0
   alone writes --metrics (each step once) and its checkpoints are the run's.
 - SIGKILL to process 1 mid-run (the checkpoint lock then is process 0's): process 0 exits 1 within
   --heartbeat-timeout with one line, the PeerWatch's naming the silent process or, when gloo notices the reset
@@ -45,14 +45,15 @@ STOPS = "; process 0 stops too. Start every process again with --resume to conti
 TOL = 1e-5         # relative: sums over devices reduce in another order across processes or meshes
 
 
-def env_for(devices: int, cache: pathlib.Path, process: int | None = None, port: int | None = None) -> dict:
+def env_for(devices: int, cache: pathlib.Path, process: int | None = None, port: int | None = None,
+            count: int = 2) -> dict:
     env = cpu_env(devices, JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         env.pop(var, None)
     if process is not None:
-        env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(process),
-                   JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+        env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(count),
+                   JAX_PROCESS_ID=str(process), JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
     return env
 
 
@@ -61,10 +62,12 @@ def one_process(args, cache) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=DEADLINE)
 
 
-def two_processes(args, cache) -> list[subprocess.Popen]:
+def processes(args, cache, count: int = 2) -> list[subprocess.Popen]:
+    """`count` processes sharing the 4 devices of the one-process run, 4 // count each."""
     port = free_port()
-    return [subprocess.Popen([sys.executable, *RUN, *map(str, args)], cwd=ROOT, env=env_for(2, cache, i, port),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+    return [subprocess.Popen([sys.executable, *RUN, *map(str, args)], cwd=ROOT,
+                             env=env_for(4 // count, cache, i, port, count),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(count)]
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = DEADLINE) -> list[tuple[str, str]]:
@@ -163,15 +166,16 @@ def reference(tmp_path_factory, cache) -> list[float]:
     return [r["loss"] for r in got]
 
 
-def test_two_processes_log_the_losses_of_one(tmp_path, cache, reference):
+@pytest.mark.parametrize("count", [2, 4])
+def test_several_processes_log_the_losses_of_one(tmp_path, cache, reference, count):
     metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
-    procs = two_processes(["--mesh", "fsdp=4", "--steps", 4, "--ckpt-dir", ckpt, "--ckpt-every", 2,
-                           "--metrics", metrics], cache)
+    procs = processes(["--mesh", "fsdp=4", "--steps", 4, "--ckpt-dir", ckpt, "--ckpt-every", 2,
+                       "--metrics", metrics], cache, count)
     outs = finish(procs)
-    assert [p.returncode for p in procs] == [0, 0], [o[0][-2000:] + o[1][-2000:] for o in outs]
+    assert [p.returncode for p in procs] == [0] * count, [o[0][-2000:] + o[1][-2000:] for o in outs]
     for i, (stdout, _) in enumerate(outs):
-        assert f"distributed: process {i} of 2, 2 local of 4 devices" in stdout
-        assert "mesh dp=1,fsdp=4,tp=1,ep=1 over 4 device(s), 2 process(es)" in stdout
+        assert f"distributed: process {i} of {count}, {4 // count} local of 4 devices" in stdout
+        assert f"mesh dp=1,fsdp=4,tp=1,ep=1 over 4 device(s), {count} process(es)" in stdout
     got = rows(metrics)   # both processes were given the path; only process 0 writes it
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     assert [r["loss"] for r in got] == pytest.approx(reference[:4], rel=TOL)   # gloo sums in another order
@@ -182,7 +186,7 @@ def test_two_processes_log_the_losses_of_one(tmp_path, cache, reference):
 
 def test_a_killed_process_stops_the_other_and_resume_continues(tmp_path, cache, reference):
     metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
-    procs = two_processes(["--mesh", "fsdp=4", "--steps", 1000, "--ckpt-dir", ckpt, "--ckpt-every", 2,
+    procs = processes(["--mesh", "fsdp=4", "--steps", 1000, "--ckpt-dir", ckpt, "--ckpt-every", 2,
                            "--metrics", metrics, "--heartbeat-timeout", HEARTBEAT], cache)
     try:
         deadline, seen = time.monotonic() + DEADLINE, []
