@@ -265,11 +265,11 @@ def _walk(jaxpr, constrained: dict, found: dict) -> None:
         elif eqn.primitive.name == "name":
             aval = eqn.outvars[0].aval
             s = constrained.get(eqn.invars[0])
-            shape = tuple(aval.shape) if s is None else tuple(s.shard_shape(aval.shape))
+            part = jax.ShapeDtypeStruct(tuple(aval.shape) if s is None else tuple(s.shard_shape(aval.shape)),
+                                        aval.dtype)
             tag = eqn.params["name"]
-            if tag in found:   # made in sequence chunks (zoo.tags.emitted): the chunks' concatenation
-                shape = shape[:1] + (found[tag][1] + shape[1],) + shape[2:]
-            found[tag] = shape
+            # made in sequence chunks: the chunks' concatenation, checked as zoo.tags.emitted checks it
+            found[tag] = tags.join_chunks(tag, found[tag], part, 1) if tag in found else part
         else:
             for sub in tags.sub_jaxprs(eqn.params):
                 _walk(sub, constrained, found)
@@ -287,7 +287,7 @@ def tag_shard_shapes(model, batch: int, seq: int, mesh, rules: Iterable[tuple[st
         layer, state = stack.layer_fn()
         with use(mesh, rules):
             jaxpr = jax.make_jaxpr(layer)(state, x)
-        found: dict[str, tuple[int, ...]] = {}
+        found: dict[str, jax.ShapeDtypeStruct] = {}
         _walk(jaxpr.jaxpr, {}, found)
-        out[stack_name] = found
+        out[stack_name] = {tag: tuple(sds.shape) for tag, sds in found.items()}
     return out

@@ -120,7 +120,7 @@ def _collect(jaxpr, found: dict[str, jax.ShapeDtypeStruct], prefix: tuple[int, .
             sds = jax.ShapeDtypeStruct(prefix + tuple(aval.shape), aval.dtype)
             tag = eqn.params["name"]
             if tag in found:
-                sds = _joined(tag, found[tag], sds, len(prefix) + 1)
+                sds = join_chunks(tag, found[tag], sds, len(prefix) + 1)
             found[tag] = sds
         elif eqn.primitive.name in _LOOPS:
             held = _tag_or_offload(eqn.params)
@@ -135,7 +135,7 @@ def _collect(jaxpr, found: dict[str, jax.ShapeDtypeStruct], prefix: tuple[int, .
                 _collect(sub, found, prefix)
 
 
-def _joined(tag: str, a: jax.ShapeDtypeStruct, b: jax.ShapeDtypeStruct, axis: int) -> jax.ShapeDtypeStruct:
+def join_chunks(tag: str, a: jax.ShapeDtypeStruct, b: jax.ShapeDtypeStruct, axis: int) -> jax.ShapeDtypeStruct:
     """A tag emitted more than once in one layer names one tensor made in sequence chunks (e.g. `MLP(seq_chunks=n)`):
     the chunks must agree on everything but the sequence axis (axis 1 of [B, S, ...]), and the tag's shape is their
     concatenation. Anything else is two tensors under one name: a ValueError."""
