@@ -142,6 +142,8 @@ def keys(cfg: DeepSeekV3Config) -> list[Entry]:
 def mtp_entries(cfg: DeepSeekV3Config) -> list[Entry]:
     """The MTP depths as layers num_layers.. of the checkpoint: each depth's own parts, its MoE decoder layer, and
     its copies of the shared embedding and LM head (`copy` entries: checked on reading, written on saving)."""
+    if not cfg.mtp_depths:
+        return []
     depths = range(cfg.num_layers, cfg.num_layers + cfg.mtp_depths)
     out = stacked(("mtp", "heads"), depths, MTP)
     out += stacked(("mtp", "layers", "layers"), depths, MLA + NORMS + MOE, cfg.num_experts)
