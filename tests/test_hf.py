@@ -408,7 +408,14 @@ def test_deepseek_mtp_layers_are_skipped_with_mtp_false(tmp_path):
     edit_config(tmp_path, num_nextn_predict_layers=1)
     assert_identical(zoo.from_hf(tmp_path, mtp=False), model)
     with pytest.raises(ValueError, match="missing tensor 'model.layers.3.enorm.weight'"):
-        zoo.from_hf(tmp_path)   # by default the MTP layer is loaded: here it is incomplete
+        zoo.from_hf(tmp_path)   # by default an MTP layer the checkpoint holds is loaded: here it is incomplete
+    (tmp_path / "mtp.safetensors").unlink()
+    index = json.loads((tmp_path / hf_io.INDEX).read_text())
+    index["weight_map"] = {k: f for k, f in index["weight_map"].items() if f != "mtp.safetensors"}
+    (tmp_path / hf_io.INDEX).write_text(json.dumps(index))
+    assert_identical(zoo.from_hf(tmp_path), model)   # none of its tensors (as transformers saves): loaded without
+    with pytest.raises(ValueError, match="missing tensor 'model.layers.3.enorm.weight'"):
+        zoo.from_hf(tmp_path, mtp=True)
 
 
 # the tensors of one MTP layer below model.layers.{i}., as the published checkpoints name them

@@ -177,7 +177,7 @@ def _set_slice(buf, piece, index):
 
 def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *, mesh=None,
             rules: Sequence[tuple[str, Any]] | None = None, allow_nonfinite: bool = False,
-            mtp: bool = True) -> nnx.Module:
+            mtp: bool | None = None) -> nnx.Module:
     """Load a Hugging Face checkpoint directory (an architecture of a registered family, e.g. `LlamaForCausalLM`:
     config.json and one or many *.safetensors, with model.safetensors.index.json when sharded) as a scanned zoo
     model.
@@ -190,9 +190,10 @@ def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *
     over; and, while streaming, for a tensor holding NaN or infinity (naming tensor and file) unless
     `allow_nonfinite=True`.
 
-    `mtp=False` builds the model without the checkpoint's multi-token-prediction module (DeepSeek-V3's layer 61;
-    inference does not use it) and skips its tensors; by default a checkpoint with one is loaded with it
-    (config.json's `num_nextn_predict_layers`), its copies of shared tensors checked equal to the originals.
+    `mtp`: the multi-token-prediction module config.json announces (DeepSeek-V3: `num_nextn_predict_layers`,
+    stored as layers num_hidden_layers..). False: build the model without it and skip its tensors (inference does
+    not use it); True: load it (a missing tensor is an error); None (default): load it if the checkpoint holds any
+    of its tensors (transformers saves none). Its copies of shared tensors are checked equal to the originals.
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"from_hf: path must be a str or os.PathLike, got {type(path).__name__}")
@@ -200,8 +201,8 @@ def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *
         raise TypeError(f"from_hf: recipe must be a zoo.Recipe or None, got {type(recipe).__name__}")
     if not isinstance(allow_nonfinite, bool):
         raise TypeError(f"from_hf: allow_nonfinite must be a bool, got {type(allow_nonfinite).__name__}")
-    if not isinstance(mtp, bool):
-        raise TypeError(f"from_hf: mtp must be a bool, got {type(mtp).__name__}")
+    if mtp is not None and not isinstance(mtp, bool):
+        raise TypeError(f"from_hf: mtp must be a bool or None, got {type(mtp).__name__}")
     path = Path(path)
     hf = read_config(path)
     arch = arch_for_config(hf)
@@ -209,7 +210,8 @@ def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *
     first = next((found[k] for k in ("model.embed_tokens.weight",) if k in found), None)
     param_dtype = hf_config.param_dtype_of(hf, dtype, FLOAT_DTYPES.get(first.dtype) if first else None)
     cfg = arch.hf.from_hf(hf, param_dtype=param_dtype)
-    if not mtp:
+    skip = arch.hf.extra_keys(hf)   # the MTP module's keys
+    if mtp is False or (mtp is None and not any(skip(key) for key in found)):
         cfg = cfg.without_mtp()
 
     if mesh is None:
@@ -225,7 +227,6 @@ def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *
         raise RuntimeError(f"zoo bug: the {arch.hf.architecture} key map does not cover the model: "
                            f"{sorted(set(flat) ^ {e.path for e in entries})}")
     tied_head = cfg.tie_embeddings and "lm_head.weight" in found  # checked against the embedding below
-    skip = arch.hf.extra_keys(hf)
     check_tensors(entries, {p: v.shape for p, v in flat.items()}, found,
                   lambda key: skip(key) or (tied_head and key == "lm_head.weight"))
     if cfg.tie_embeddings and "lm_head.weight" in found:
