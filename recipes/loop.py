@@ -571,6 +571,7 @@ def _run(cfg: RunConfig, console: Console, session: _Session) -> Result:
         metrics_file.start_at(start)
     eval_fn = make_eval(graphdef, mesh) if held is not None else None
     result = Result([], [], None, last_ckpt)
+    mtp_weight = model_cfg.mtp_loss_weight()   # the MTP loss's lambda: the rest of total - loss is the aux loss
     progress = _Progress(console, cfg.steps, start)
     drops = DropWatch(console, cfg.max_drop_warn)
     t_last, n_since = time.perf_counter(), 0
@@ -618,12 +619,15 @@ def _run(cfg: RunConfig, console: Console, session: _Session) -> Result:
                 n_since = 0
                 tok_s = tokens_per_step * n / dt
                 tflops = flops_per_step * n / dt / 1e12 / n_devices   # per device, as the peak it is held to
-                row = {"step": step, "loss": loss, "aux_loss": float(m["total_loss"]) - loss,
-                       "grad_norm": float(m["grad_norm"]),
+                mtp = float(m["mtp_loss"]) if "mtp_loss" in m else None
+                aux_loss = float(m["total_loss"]) - loss - mtp_weight * (mtp or 0.0)
+                row = {"step": step, "loss": loss, "aux_loss": aux_loss, "grad_norm": float(m["grad_norm"]),
                        "lr": float(schedule(step - 1)), "tokens_per_s": tok_s, "model_tflops": tflops,
                        "mfu": tflops / peak if peak else None, "peak_hbm_bytes": meter.peak_hbm_bytes(device),
                        "host_bytes": host, "dropped": int(m["dropped"]), "drop_fraction": drops.fraction(m),
                        "planned_peak_bytes": plan.peak_bytes, "planned_peak_source": plan.peak_source}
+                if mtp is not None:
+                    row["mtp_loss"] = mtp
                 if eval_fn is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
                     row.update(evaluate(eval_fn, state, held, cfg.eval_batches, mesh))
                     t_last = time.perf_counter()   # evaluation time is not step time
@@ -694,7 +698,8 @@ class _Progress:
 
     def log(self, row: dict) -> None:
         mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "-"
-        line = (f"step {row['step']:>6}  loss {row['loss']:.4f}  grad {row['grad_norm']:.3f}  "
+        mtp = f"  mtp loss {row['mtp_loss']:.4f}" if "mtp_loss" in row else ""
+        line = (f"step {row['step']:>6}  loss {row['loss']:.4f}{mtp}  grad {row['grad_norm']:.3f}  "
                 f"tok/s {row['tokens_per_s']:,.0f}  TFLOP/s {row['model_tflops']:.3g}  MFU {mfu}")
         if row["peak_hbm_bytes"] is not None:   # backends that keep memory statistics (GPU, TPU)
             line += f"  HBM peak {meter.fmt_bytes(row['peak_hbm_bytes'])}"

@@ -76,7 +76,8 @@ def bytes_bar(console: Console) -> Callable[[int], Callable[[int], None]]:
 
 
 # The progress row's keys written as scalars, under TensorBoard names (grouped by the part before the slash).
-SCALARS = {"loss": "train/loss", "aux_loss": "train/aux_loss", "grad_norm": "train/grad_norm", "lr": "train/lr",
+SCALARS = {"loss": "train/loss", "mtp_loss": "train/mtp_loss", "aux_loss": "train/aux_loss",
+           "grad_norm": "train/grad_norm", "lr": "train/lr",
            "eval_loss": "eval/loss", "eval_perplexity": "eval/perplexity",
            "tokens_per_s": "speed/tokens_per_s", "model_tflops": "speed/model_tflops", "mfu": "speed/mfu",
            "peak_hbm_bytes": "memory/peak_hbm_bytes", "host_bytes": "memory/host_bytes",

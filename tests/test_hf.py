@@ -2,6 +2,7 @@
 published Llama 3.1 config, sharded placement, and bad checkpoints refused before anything is loaded."""
 import dataclasses
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -331,9 +332,12 @@ DEEPSEEK_V3 = {
 def test_published_deepseek_config_maps_to_the_preset():
     from zoo.models import deepseek as ds
     cfg = deepseek_hf.from_hf(DEEPSEEK_V3, param_dtype="bfloat16")
-    assert cfg == ds.DeepSeekV3Config.preset("deepseek_v3_671b", param_dtype="bfloat16", dtype="bfloat16")
+    # the published layout: the preset with its one MTP depth (num_nextn_predict_layers)
+    assert cfg == ds.DeepSeekV3Config.preset("deepseek_v3_671b", param_dtype="bfloat16", dtype="bfloat16",
+                                             mtp_depths=1)
     back = deepseek_hf.to_hf(cfg)
-    for field in ("hidden_size", "intermediate_size", "moe_intermediate_size", "n_routed_experts", "n_group",
+    for field in ("num_nextn_predict_layers", "hidden_size",
+                  "intermediate_size", "moe_intermediate_size", "n_routed_experts", "n_group",
                   "topk_group", "first_k_dense_replace", "q_lora_rank", "kv_lora_rank", "routed_scaling_factor",
                   "max_position_embeddings", "rope_theta", "v_head_dim", "num_key_value_heads"):
         assert back[field] == DEEPSEEK_V3[field], field
@@ -391,8 +395,9 @@ def test_bad_deepseek_checkpoint_is_refused_before_loading(ds_ckpt, case, monkey
         zoo.from_hf(ds_ckpt)
 
 
-def test_deepseek_mtp_layers_are_skipped(tmp_path):
-    """Published checkpoints append the multi-token-prediction layer(s) after the main model's layers."""
+def test_deepseek_mtp_layers_are_skipped_with_mtp_false(tmp_path):
+    """Published checkpoints append the multi-token-prediction layer(s) after the main model's layers; inference
+    loads without them."""
     model = deepseek()
     zoo.to_hf(model, tmp_path, max_shard_bytes=6000)
     safetensors.numpy.save_file({"model.layers.3.eh_proj.weight": np.ones((4, 4), np.float32),
@@ -401,7 +406,66 @@ def test_deepseek_mtp_layers_are_skipped(tmp_path):
     for key in ("model.layers.3.eh_proj.weight", "model.layers.3.mlp.experts.0.up_proj.weight"):
         add_to_index(tmp_path, key, "mtp.safetensors")
     edit_config(tmp_path, num_nextn_predict_layers=1)
-    assert_identical(zoo.from_hf(tmp_path), model)
+    assert_identical(zoo.from_hf(tmp_path, mtp=False), model)
+    with pytest.raises(ValueError, match="missing tensor 'model.layers.3.enorm.weight'"):
+        zoo.from_hf(tmp_path)   # by default an MTP layer the checkpoint holds is loaded: here it is incomplete
+    (tmp_path / "mtp.safetensors").unlink()
+    index = json.loads((tmp_path / hf_io.INDEX).read_text())
+    index["weight_map"] = {k: f for k, f in index["weight_map"].items() if f != "mtp.safetensors"}
+    (tmp_path / hf_io.INDEX).write_text(json.dumps(index))
+    assert_identical(zoo.from_hf(tmp_path), model)   # none of its tensors (as transformers saves): loaded without
+    with pytest.raises(ValueError, match="missing tensor 'model.layers.3.enorm.weight'"):
+        zoo.from_hf(tmp_path, mtp=True)
+
+
+# the tensors of one MTP layer below model.layers.{i}., as the published checkpoints name them
+MTP_LAYER = ["embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+             "shared_head.head.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+             "self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight",
+             "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight", "self_attn.kv_b_proj.weight",
+             "self_attn.o_proj.weight", "mlp.gate.weight", "mlp.gate.e_score_correction_bias",
+             "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight",
+             "mlp.shared_experts.down_proj.weight"]
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(tie_embeddings=True, param_dtype="bfloat16", dtype="bfloat16")],
+                         ids=["untied", "tied-bf16"])
+def test_deepseek_mtp_round_trip_is_bit_identical(tmp_path, overrides):
+    """Every tensor of the MTP layer (layer 3 of this 3-layer model) written and read back bit for bit, its copies
+    of the embedding and the head written from the shared parameters; a second write gives the same files."""
+    model = deepseek(mtp_depths=1, **overrides)
+    zoo.to_hf(model, tmp_path / "a", max_shard_bytes=6000)
+    back = zoo.from_hf(tmp_path / "a")
+    assert back.config == dataclasses.replace(model.config, moe_backend=back.config.moe_backend)
+    assert_identical(back, model)
+    zoo.to_hf(back, tmp_path / "b", max_shard_bytes=6000)
+    a, b = (hf_io.list_tensors(tmp_path / d) for d in "ab")
+    mtp = {k for k in a if k.startswith("model.layers.3.")}
+    assert mtp == {f"model.layers.3.{k}" for k in MTP_LAYER} | {
+        f"model.layers.3.mlp.experts.{e}.{w}_proj.weight" for e in range(4) for w in ("gate", "up", "down")}
+    assert a.keys() == b.keys()
+    tensors = {d: {k: t for f in (tmp_path / d).glob("*.safetensors")
+                   for k, t in safetensors.numpy.load_file(f).items()} for d in "ab"}
+    for k in a:
+        assert np.array_equal(tensors["a"][k], tensors["b"][k]) and tensors["a"][k].dtype == tensors["b"][k].dtype, k
+    head = "model.embed_tokens.weight" if model.config.tie_embeddings else "lm_head.weight"
+    np.testing.assert_array_equal(tensors["a"]["model.layers.3.shared_head.head.weight"], tensors["a"][head])
+    np.testing.assert_array_equal(tensors["a"]["model.layers.3.embed_tokens.weight"],
+                                  tensors["a"]["model.embed_tokens.weight"])
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    without = zoo.from_hf(tmp_path / "a", mtp=False)
+    assert without.mtp is None and without.config.mtp_depths == 0
+    assert set(params(without)) == {p for p in params(model) if p[0] != "mtp"}
+    for p, v in params(without).items():
+        np.testing.assert_array_equal(np.asarray(v), np.asarray(params(model)[p]))
+
+
+def test_deepseek_mtp_copies_must_equal_the_shared_tensors(tmp_path):
+    zoo.to_hf(deepseek(mtp_depths=1), tmp_path, max_shard_bytes=6000)
+    edit_tensor(tmp_path, "model.layers.3.shared_head.head.weight", lambda t: t + 1)
+    with pytest.raises(ValueError, match="'model.layers.3.shared_head.head.weight' differs from 'lm_head.weight'"):
+        zoo.from_hf(tmp_path)
+    zoo.from_hf(tmp_path, mtp=False)   # without the MTP module the copy is not read
 
 
 def test_full_size_deepseek_key_map_matches_the_published_shapes():
@@ -423,6 +487,34 @@ def test_full_size_deepseek_key_map_matches_the_published_shapes():
     assert shapes["model.layers.60.mlp.experts.0.down_proj.weight"] == (7168, 2048)
     assert shapes["model.layers.3.mlp.shared_experts.up_proj.weight"] == (2048, 7168)
     assert "model.layers.2.mlp.gate.weight" not in shapes and "model.layers.61.mlp.gate.weight" not in shapes
+
+
+def test_full_size_deepseek_mtp_layer_matches_the_published_tensor_list():
+    """Layer 61 of the published checkpoint, by name and shape, against the zoo's key map of the abstract model
+    with its one MTP depth; the parameters it adds (its copies of the embedding and head excluded)."""
+    from zoo.models import deepseek as ds
+    cfg = ds.DeepSeekV3Config.preset("deepseek_v3_671b", mtp_depths=1)
+    model = nnx.eval_shape(lambda: ds.deepseek_v3(cfg, rngs=nnx.Rngs(0)))
+    flat = dict(nnx.to_flat_state(nnx.state(model)))
+    shapes = {k: e.hf_shape(flat[e.path].shape) for e in deepseek_hf.keys(cfg) for k in e.keys()}
+    d, v, q, kv, h = 7168, 129280, 1536, 512, 128
+    published = {"embed_tokens.weight": (v, d), "enorm.weight": (d,), "hnorm.weight": (d,),
+                 "eh_proj.weight": (d, 2 * d), "shared_head.norm.weight": (d,), "shared_head.head.weight": (v, d),
+                 "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
+                 "self_attn.q_a_proj.weight": (q, d), "self_attn.q_a_layernorm.weight": (q,),
+                 "self_attn.q_b_proj.weight": (h * 192, q), "self_attn.kv_a_proj_with_mqa.weight": (kv + 64, d),
+                 "self_attn.kv_a_layernorm.weight": (kv,), "self_attn.kv_b_proj.weight": (h * 256, kv),
+                 "self_attn.o_proj.weight": (d, h * 128), "mlp.gate.weight": (256, d),
+                 "mlp.gate.e_score_correction_bias": (256,), "mlp.shared_experts.gate_proj.weight": (2048, d),
+                 "mlp.shared_experts.up_proj.weight": (2048, d), "mlp.shared_experts.down_proj.weight": (d, 2048),
+                 **{f"mlp.experts.{e}.{w}_proj.weight": (d, 2048) if w == "down" else (2048, d)
+                    for e in range(256) for w in ("gate", "up", "down")}}
+    assert sorted(MTP_LAYER) == sorted(k for k in published if ".experts." not in k)
+    assert {k[len("model.layers.61."):]: s for k, s in shapes.items() if k.startswith("model.layers.61.")} == published
+    assert max(int(k.split(".")[2]) for k in shapes if k.startswith("model.layers.")) == 61
+    copies = 2 * v * d
+    assert sum(math.prod(s) for s in published.values()) - copies == 11_610_068_224
+    assert zoo.models.count_params(model) == 671_026_419_200 + 11_610_068_224
 
 
 @pytest.mark.parametrize("published,arch", [(LLAMA_3_1_8B, llama_hf), (DEEPSEEK_V3, deepseek_hf)],

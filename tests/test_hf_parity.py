@@ -178,9 +178,11 @@ def test_deepseek_from_transformers(tmp_path, name):
         assert max_rel_err(hf_logits(variant, toks), ref) > 10 * TOL, what
 
 
-def test_deepseek_to_transformers(tmp_path):
+@pytest.mark.parametrize("mtp_depths", [0, 1], ids=["main", "with-mtp"])
+def test_deepseek_to_transformers(tmp_path, mtp_depths):
+    """With an MTP layer too: transformers skips it (unexpected keys) and the main logits still match."""
     from tests.test_hf import deepseek
-    model = deepseek(seed=5)
+    model = deepseek(seed=5, mtp_depths=mtp_depths)
     zoo.to_hf(model, tmp_path, max_shard_bytes=20000)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert type(hf).__name__ == "DeepseekV3ForCausalLM"

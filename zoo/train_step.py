@@ -1,10 +1,11 @@
 """The training step the main job runs and the planner compiles: one function, so the planner's peak is the job's.
 
-`train_step(model, optimizer, batch)` is an ordinary function of NNX objects: next-token loss (plus the model's
-auxiliary loss), gradients, the optimizer update, the model's non-gradient updates (e.g. DeepSeek-V3's routing
-bias), and the NaN guard: a step whose loss, gradient norm or updated parameters are not finite leaves every
-state as it was. `jit_step` puts the whole step under one `jax.jit` (split into graph and state, merge inside,
-donate the state). `abstract_step` builds the same jitted step on shapes alone (`nnx.eval_shape`: no memory), and
+`train_step(model, optimizer, batch)` is an ordinary function of NNX objects: next-token loss (plus the
+multi-token-prediction loss of a model with an MTP module, and the model's auxiliary loss), gradients, the
+optimizer update, the model's non-gradient updates (e.g. DeepSeek-V3's routing bias), and the NaN guard: a step
+whose loss, gradient norm or updated parameters are not finite leaves every state as it was. `jit_step` puts the
+whole step under one `jax.jit` (split into graph and state, merge inside, donate the state). `abstract_step`
+builds the same jitted step on shapes alone (`nnx.eval_shape`: no memory), and
 `compile_abstract` compiles it for the device present: `compiled.memory_analysis()` is XLA's own account of
 arguments, outputs, donated (aliased) bytes and temporaries, before anything is allocated.
 
@@ -25,6 +26,7 @@ from flax import nnx
 
 from zoo import compile_options, sharding
 from zoo.layers import moe
+from zoo.models.lm import MTP_LOGITS, shift_left
 
 # Optimizers the step can run (the planner counts their moments: zoo.plan.types.OPTIMIZERS).
 OPTIMIZER_NAMES = ("adamw", "adam", "lion", "momentum", "sgd")
@@ -41,6 +43,20 @@ def next_token_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array,
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     total = jnp.sum(weights) if total_weight is None else total_weight
     return jnp.sum(nll * weights) / jnp.maximum(total, 1.0)
+
+
+def mtp_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array,
+             batch_weights: jax.Array | None = None) -> jax.Array:
+    """The multi-token-prediction loss: the mean over depths of each depth's weighted cross-entropy, in float32.
+
+    `logits` [D, B, S, V] (`aux[MTP_LOGITS]`); `targets` and `weights` [B, S] are the next-token loss's (target i is
+    token i + 1). Depth k (1..D) at position i predicts token i + k + 1, targets[:, i + k], with that target's
+    weight; the last k positions have none and are left out (weight 0). `batch_weights` (default `weights`): the
+    whole batch's weights, whose shifted sums are the denominators (a micro-batch's share of the batch's loss)."""
+    batch_weights = weights if batch_weights is None else batch_weights
+    losses = [next_token_loss(logits[k - 1], shift_left(targets, k), shift_left(weights, k),
+                              jnp.sum(shift_left(batch_weights, k))) for k in range(1, logits.shape[0] + 1)]
+    return jnp.mean(jnp.stack(losses))
 
 
 def moe_drops(aux: Any) -> tuple[jax.Array, jax.Array]:
@@ -72,7 +88,11 @@ def micro_batches(batch: dict[str, jax.Array], k: int) -> dict[str, jax.Array]:
 
 
 def loss_and_grads(model: nnx.Module, batch: dict[str, jax.Array], *, aux_loss: Callable, grad_accum: int = 1):
-    """(total loss, next-token loss, aux, gradients) of `batch`.
+    """(total loss, next-token loss, MTP loss or None, aux, gradients) of `batch`.
+
+    The total is the next-token loss, plus `model.config.mtp_loss_weight()` (lambda) times the
+    multi-token-prediction loss (`mtp_loss`, for a model whose aux carries MTP logits; None otherwise), plus the
+    auxiliary loss.
 
     With `grad_accum` K > 1 the batch runs as K micro-batches of B/K sequences (`micro_batches`) in a
     `jax.lax.scan`, so activations are a micro-batch's: the gradients are summed in float32 over the micro-batches
@@ -81,16 +101,22 @@ def loss_and_grads(model: nnx.Module, batch: dict[str, jax.Array], *, aux_loss: 
     float32 rounding; with every token weighted 1, the mean over micro-batches); the auxiliary loss is the mean
     of the micro-batches'. The aux (MoE loads and drop counts) is summed over the micro-batches: the batch's.
     """
-    def loss_fn(model, tokens, weights, total_weight=None, aux_scale=1.0):
+    def loss_fn(model, tokens, weights, batch_weights, aux_scale=1.0):
         logits, aux = model(tokens[:, :-1], return_aux=True)
-        lm_loss = next_token_loss(logits, tokens[:, 1:], weights, total_weight)
-        return lm_loss + aux_scale * aux_loss(model.config, aux), (lm_loss, aux)
+        mtp_logits = aux.pop(MTP_LOGITS, None)   # not carried out of the step: the aux holds per-layer records
+        targets = tokens[:, 1:]
+        lm_loss = next_token_loss(logits, targets, weights, jnp.sum(batch_weights))
+        loss = lm_loss + aux_scale * aux_loss(model.config, aux)
+        mtp = None
+        if mtp_logits is not None:
+            mtp = mtp_loss(mtp_logits, targets, weights, batch_weights)
+            loss = loss + model.config.mtp_loss_weight() * mtp
+        return loss, (lm_loss, mtp, aux)
 
     if grad_accum == 1:
-        (loss, (lm_loss, aux)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(
-            model, batch["tokens"], batch["weights"])
-        return loss, lm_loss, aux, grads
-    total_weight = jnp.sum(batch["weights"])
+        (loss, (lm_loss, mtp, aux)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(
+            model, batch["tokens"], batch["weights"], batch["weights"])
+        return loss, lm_loss, mtp, aux, grads
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     # The body closes over the state's arrays and rebuilds its Variables under the scan's trace (NNX refuses
     # Variables of an outer trace).
@@ -98,15 +124,16 @@ def loss_and_grads(model: nnx.Module, batch: dict[str, jax.Array], *, aux_loss: 
 
     def micro(acc, mb):
         m = nnx.merge(graphdef, *jax.tree.unflatten(treedef, leaves))
-        (loss, (lm_loss, aux)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(
-            m, mb["tokens"], mb["weights"], total_weight, 1.0 / grad_accum)
+        (loss, (lm_loss, mtp, aux)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(
+            m, mb["tokens"], mb["weights"], batch["weights"], 1.0 / grad_accum)
         acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
-        return acc, (loss, lm_loss, aux)
+        return acc, (loss, lm_loss, mtp, aux)
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    acc, (losses, lm_losses, auxes) = jax.lax.scan(micro, zeros, micro_batches(batch, grad_accum))
+    acc, (losses, lm_losses, mtps, auxes) = jax.lax.scan(micro, zeros, micro_batches(batch, grad_accum))
     grads = jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
-    return jnp.sum(losses), jnp.sum(lm_losses), jax.tree.map(lambda x: jnp.sum(x, axis=0), auxes), grads
+    return (jnp.sum(losses), jnp.sum(lm_losses), None if mtps is None else jnp.sum(mtps),
+            jax.tree.map(lambda x: jnp.sum(x, axis=0), auxes), grads)
 
 
 def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax.Array], *,
@@ -130,7 +157,7 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax
     select fuses into the update, in place. The updated parameters are still checked afterwards: should they
     be non-finite all the same (an overflow), `metrics["kept"]` is False and the caller must not save this state.
     """
-    loss, lm_loss, aux, grads = loss_and_grads(model, batch, aux_loss=aux_loss, grad_accum=grad_accum)
+    loss, lm_loss, mtp, aux, grads = loss_and_grads(model, batch, aux_loss=aux_loss, grad_accum=grad_accum)
     grad_norm = optax.global_norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     rate = None
@@ -157,6 +184,8 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax
         ok = ok & params_ok
     metrics = {"loss": lm_loss, "total_loss": loss, "grad_norm": grad_norm, "ok": ok, "params_ok": params_ok,
                "kept": kept, "dropped": dropped, "routed": routed}
+    if mtp is not None:
+        metrics["mtp_loss"] = mtp   # the mean over depths, before lambda
     if rate is not None:
         metrics["lr"] = rate
     return metrics

@@ -176,7 +176,8 @@ def _set_slice(buf, piece, index):
 
 
 def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *, mesh=None,
-            rules: Sequence[tuple[str, Any]] | None = None, allow_nonfinite: bool = False) -> nnx.Module:
+            rules: Sequence[tuple[str, Any]] | None = None, allow_nonfinite: bool = False,
+            mtp: bool | None = None) -> nnx.Module:
     """Load a Hugging Face checkpoint directory (an architecture of a registered family, e.g. `LlamaForCausalLM`:
     config.json and one or many *.safetensors, with model.safetensors.index.json when sharded) as a scanned zoo
     model.
@@ -188,6 +189,11 @@ def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *
     whose header is damaged or that is shorter than its header says, or a tensor that is missing, mis-shaped or left
     over; and, while streaming, for a tensor holding NaN or infinity (naming tensor and file) unless
     `allow_nonfinite=True`.
+
+    `mtp`: the multi-token-prediction module config.json announces (DeepSeek-V3: `num_nextn_predict_layers`,
+    stored as layers num_hidden_layers..). False: build the model without it and skip its tensors (inference does
+    not use it); True: load it (a missing tensor is an error); None (default): load it if the checkpoint holds any
+    of its tensors (transformers saves none). Its copies of shared tensors are checked equal to the originals.
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"from_hf: path must be a str or os.PathLike, got {type(path).__name__}")
@@ -195,6 +201,8 @@ def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *
         raise TypeError(f"from_hf: recipe must be a zoo.Recipe or None, got {type(recipe).__name__}")
     if not isinstance(allow_nonfinite, bool):
         raise TypeError(f"from_hf: allow_nonfinite must be a bool, got {type(allow_nonfinite).__name__}")
+    if mtp is not None and not isinstance(mtp, bool):
+        raise TypeError(f"from_hf: mtp must be a bool or None, got {type(mtp).__name__}")
     path = Path(path)
     hf = read_config(path)
     arch = arch_for_config(hf)
@@ -202,6 +210,9 @@ def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *
     first = next((found[k] for k in ("model.embed_tokens.weight",) if k in found), None)
     param_dtype = hf_config.param_dtype_of(hf, dtype, FLOAT_DTYPES.get(first.dtype) if first else None)
     cfg = arch.hf.from_hf(hf, param_dtype=param_dtype)
+    skip = arch.hf.extra_keys(hf)   # the MTP module's keys
+    if mtp is False or (mtp is None and not any(skip(key) for key in found)):
+        cfg = cfg.without_mtp()
 
     if mesh is None:
         mesh = jax.sharding.get_mesh()
@@ -216,11 +227,11 @@ def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *
         raise RuntimeError(f"zoo bug: the {arch.hf.architecture} key map does not cover the model: "
                            f"{sorted(set(flat) ^ {e.path for e in entries})}")
     tied_head = cfg.tie_embeddings and "lm_head.weight" in found  # checked against the embedding below
-    skip = arch.hf.extra_keys(hf)
     check_tensors(entries, {p: v.shape for p, v in flat.items()}, found,
                   lambda key: skip(key) or (tied_head and key == "lm_head.weight"))
     if cfg.tie_embeddings and "lm_head.weight" in found:
         check_tied(path, found)
+    check_copies(path, found, entries)
 
     loaded = stream(path, found, entries, flat, target_shardings(state, mesh, rules), allow_nonfinite=allow_nonfinite)
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
@@ -250,6 +261,8 @@ def stream(path: Path, found: dict[str, TensorInfo], entries: list[keymap.Entry]
             return value
 
         for e in entries:
+            if e.copy:   # equal to the tensor its parameter is read from (check_copies)
+                continue
             var = flat[e.path]
             dt, sharding = var.dtype, shardings[e.path]
             slice_shape = var.shape[e.depth:]
@@ -270,6 +283,19 @@ def check_tied(path: Path, found: dict[str, TensorInfo]) -> None:
     with open_safetensors(path / found[a].file) as fa, open_safetensors(path / found[b].file) as fb:
         if found[a].shape != found[b].shape or not np.array_equal(fa.get_tensor(a), fb.get_tensor(b)):
             raise ValueError(f"config.json: tie_word_embeddings=true, but tensor {b!r} differs from {a!r}")
+
+
+def check_copies(path: Path, found: dict[str, TensorInfo], entries: list[keymap.Entry]) -> None:
+    """ValueError unless each `copy` entry's tensor equals the tensor its parameter is read from."""
+    originals = {e.path: e.hf for e in entries if not e.copy}
+    for e in entries:
+        if not e.copy:
+            continue
+        a, b = originals[e.path], e.hf
+        with open_safetensors(path / found[a].file) as fa, open_safetensors(path / found[b].file) as fb:
+            if not np.array_equal(fa.get_tensor(a), fb.get_tensor(b)):
+                raise ValueError(f"tensor {b!r} differs from {a!r}; the zoo's model shares one tensor for both "
+                                 f"(load with mtp=False to leave the multi-token-prediction module out)")
 
 
 # -- writing --------------------------------------------------------------------------------------------------

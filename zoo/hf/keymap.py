@@ -10,6 +10,10 @@ not per expert). The layout change between one HF tensor and its zoo slice:
 - `n_in=k`: a projection. HF keeps `nn.Linear.weight` as [out, in] with heads flattened; the zoo keeps an einsum
   kernel with its k input axes first, heads unflattened: zoo = weight.T.reshape(zoo_shape).
 
+A `copy` entry is a second HF tensor of a parameter that has its own entry: a checkpoint that stores a shared
+tensor twice (DeepSeek-V3's multi-token-prediction layer keeps copies of the embedding and the LM head). `from_hf`
+checks that it equals the tensor it copies and reads nothing from it; `to_hf` writes it from the same parameter.
+
 Published checkpoints are the reference layout (DeepSeek-V3's experts one tensor each, its rope columns
 interleaved, which the zoo's MLA takes as they are: see `zoo.layers.mla`), and what `to_hf` writes.
 """
@@ -30,6 +34,7 @@ class Entry:
     n_in: int | None = None           # None: same layout; k: projection with k input axes
     layers: tuple[int, ...] | None = None
     experts: int | None = None
+    copy: bool = False                # another tensor of a parameter that has its own (not a copy) entry
 
     @property
     def depth(self) -> int:

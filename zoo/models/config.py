@@ -166,6 +166,14 @@ class LMConfig:
         (`zoo.sharding.check_mesh`). A model config adds its own before these."""
         return (("tp", "vocab_size"), ("fsdp", "dim"))
 
+    def mtp_loss_weight(self) -> float:
+        """The weight (lambda) of the multi-token-prediction loss in the training loss; 0 without an MTP module."""
+        return 0.0
+
+    def without_mtp(self):
+        """This config with no multi-token-prediction module (what inference needs; `from_hf(..., mtp=False)`)."""
+        return self
+
     @property
     def compute_dtype(self):
         """The activations' dtype (`dtype`) as a jnp dtype."""

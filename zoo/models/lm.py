@@ -1,7 +1,13 @@
-"""A causal language model: embedding, one or more scanned decoder stacks under one recipe, norm, LM head.
+"""A causal language model: embedding, one or more scanned decoder stacks under one recipe, norm, LM head, and
+optionally a multi-token-prediction (MTP) module beside the head.
 
 Family packages (zoo/models/<family>/) say what the layers are; this class says how they are stacked and checks
 the recipe against what the stacks really emit, when the model is built.
+
+The MTP module (a family's, e.g. `zoo.models.deepseek.mtp`) runs only for training outputs (`return_aux=True`):
+its logits [depths, B, S, vocab] are `aux[MTP_LOGITS]` (depth k predicts the token k + 1 positions after the
+next one: a loss function shifts the targets, `zoo.train_step.mtp_loss`), and its decoder layers are the stack
+`MTP_STACK`, listed by `stacks()` like the others, so recipes, the planner and the routing-bias update cover it.
 """
 from __future__ import annotations
 
@@ -23,6 +29,8 @@ from zoo.recipe import Recipe
 
 # Tags are the same for any batch and length: the recipe check at build time traces this small shape.
 _CHECK_BATCH, _CHECK_SEQ = 1, 8
+# The aux keys of the multi-token-prediction module: its logits, and its stack (and the model attribute holding it).
+MTP_LOGITS, MTP_STACK = "mtp_logits", "mtp"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,10 +42,12 @@ class StackTags:
 
 class CausalLM(nnx.Module):
     """Embedding -> stacks (in order) -> RMSNorm -> LM head. `stacks` maps a stack's attribute name to
-    (make_layer, num_layers)."""
+    (make_layer, num_layers). `mtp(rngs)`, if given, builds the multi-token-prediction module: a module with a
+    `Stack` named `layers`, called as `mtp(h, embeddings, head, policy) -> (logits [D, B, S, V], aux)` on the final
+    normed hidden states and the input embeddings, with this model's head."""
 
     def __init__(self, cfg: LMConfig, *, stacks: dict[str, tuple[Callable[[nnx.Rngs], nnx.Module], int]],
-                 recipe: Recipe | None, rngs: nnx.Rngs):
+                 recipe: Recipe | None, rngs: nnx.Rngs, mtp: Callable[[nnx.Rngs], nnx.Module] | None = None):
         if not isinstance(cfg, LMConfig):
             raise ValueError(f"{type(self).__name__} needs a zoo.models.LMConfig, got {type(cfg).__name__}")
         dtype, param_dtype = cfg.compute_dtype, cfg.weight_dtype
@@ -49,6 +59,7 @@ class CausalLM(nnx.Module):
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.lm_head = None if cfg.tie_embeddings else LMHead(
             dim=cfg.dim, vocab=cfg.vocab_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.mtp = mtp(rngs) if mtp is not None else None
         self.recipe = Recipe.none()
         self.set_recipe(recipe if recipe is not None else Recipe.none())
 
@@ -66,7 +77,11 @@ class CausalLM(nnx.Module):
         recipe.check_emitted(emitted, where=type(self).__name__)
 
     def stacks(self) -> dict[str, Stack]:
-        return {n: getattr(self, n) for n in self.stack_names}
+        """Every stack: the main ones in order (`stack_names`), then the MTP module's (`MTP_STACK`) if any."""
+        out = {n: getattr(self, n) for n in self.stack_names}
+        if self.mtp is not None:
+            out[MTP_STACK] = self.mtp.layers
+        return out
 
     def tag_shapes(self, batch: int, seq: int) -> dict[str, StackTags]:
         """Per stack: layers and the {tag: shape} of one layer for a [batch, seq] input (abstract trace)."""
@@ -75,7 +90,8 @@ class CausalLM(nnx.Module):
 
     # -- the forward pass ---------------------------------------------------------------------------------
     def __call__(self, tokens: jax.Array, *, return_aux: bool = False):
-        """int tokens [B, S] -> logits [B, S, vocab]; with return_aux, also {stack: aux stacked over layers}.
+        """int tokens [B, S] -> logits [B, S, vocab]; with return_aux, also {stack: aux stacked over layers} (and,
+        with an MTP module, its logits under `MTP_LOGITS`).
 
         `tokens` may be any integer array-like (a nested Python list of ints becomes an int32 array). On concrete
         values (an eager call) every id is checked against the vocabulary: ValueError naming the first bad one.
@@ -83,17 +99,33 @@ class CausalLM(nnx.Module):
         embeds as NaN (JAX's out-of-bounds gather fills), and a negative id counts from the end (-1 is the last
         row), silently. Check ids where they are made (the main job's data reader does)."""
         tokens = check_tokens(tokens, self.config.vocab_size)
-        x = self.embed(tokens)
+        embeddings = self.embed(tokens)
+        x = embeddings
         policy = self.recipe.policy()
         aux: dict[str, Any] = {}
-        for stack_name, stack in self.stacks().items():
-            x, aux[stack_name] = stack(x, policy)
+        for stack_name in self.stack_names:
+            x, aux[stack_name] = getattr(self, stack_name)(x, policy)
         x = self.norm(x)
-        logits = self.embed_attend(x) if self.lm_head is None else self.lm_head(x)
-        return (logits, aux) if return_aux else logits
+        logits = self.head(x)
+        if not return_aux:
+            return logits
+        if self.mtp is not None:
+            aux[MTP_LOGITS], aux[MTP_STACK] = self.mtp(x, embeddings, self.head, policy)
+        return logits, aux
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """Normed hidden states [B, S, dim] -> logits [B, S, vocab]: the LM head, or the embedding when tied."""
+        return self.embed_attend(x) if self.lm_head is None else self.lm_head(x)
 
     def embed_attend(self, x: jax.Array) -> jax.Array:
         return jnp.einsum("bsd,vd->bsv", x, self.embed.embedding[...].astype(x.dtype))
+
+
+def shift_left(x: jax.Array, k: int) -> jax.Array:
+    """x[:, i + k] at position i of a [B, S, ...] array; zeros where i + k >= S (what depth k of an MTP module
+    embeds, and the targets and weights of its loss)."""
+    pad = [(0, 0), (0, min(k, x.shape[1]))] + [(0, 0)] * (x.ndim - 2)
+    return jnp.pad(x[:, k:], pad)
 
 
 def check_tokens(tokens, vocab_size: int):

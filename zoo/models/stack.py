@@ -48,29 +48,41 @@ def _emitted(graphdef, treedef, leaves: tuple, x: jax.ShapeDtypeStruct) -> tuple
     return tuple(tags_lib.emitted(lambda s, x: layer_body(nnx.merge(graphdef, s), x), state, x).items())
 
 
+def stacked_modules(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs) -> nnx.Module:
+    """`n` modules `make(rngs)` builds, as one module whose variables have a leading `layers` axis of size n."""
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def create(rngs: nnx.Rngs) -> nnx.Module:
+        return make(rngs)
+
+    return create(rngs)
+
+
+def module_at(modules: nnx.Module, index: int) -> nnx.Module:
+    """Module `index` of `stacked_modules`' result (its variables sliced; gradients flow back into the stack)."""
+    graphdef, state = nnx.split(modules)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a[index], state))
+
+
 class Stack(nnx.Module):
     """`num_layers` copies of the layer `make_layer(rngs)` builds, stacked on a leading `layers` axis."""
 
     def __init__(self, make_layer: Callable[[nnx.Rngs], nnx.Module], *, num_layers: int, rngs: nnx.Rngs):
         if num_layers <= 0:
             raise ValueError(f"Stack: num_layers must be positive, got {num_layers}")
-
-        @nnx.split_rngs(splits=num_layers)
-        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def create(rngs: nnx.Rngs) -> nnx.Module:
-            return make_layer(rngs)
-
-        self.layers = create(rngs)
+        self.layers = stacked_modules(make_layer, num_layers, rngs)
         self.num_layers = num_layers
+
+    def apply_layer(self, index: int, x: jax.Array, policy) -> tuple[jax.Array, Any]:
+        """Layer `index` alone (no scan) under the checkpoint `policy`. Returns (x, its own aux)."""
+        return remat(layer_body, policy, scanned=False)(module_at(self.layers, index), x)
 
     def __call__(self, x: jax.Array, policy) -> tuple[jax.Array, Any]:
         """Apply every layer in order under the checkpoint `policy`. Returns (x, aux stacked over layers)."""
         if self.num_layers == 1:
             # XLA removes a while loop that runs once, and the host offloads inside it with it: measured on the
             # H200 (jax 0.11.2), a one-layer scan offloaded nothing. One layer is applied without a scan.
-            graphdef, state = nnx.split(self.layers)
-            layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))
-            x, aux = remat(layer_body, policy, scanned=False)(layer, x)
+            x, aux = self.apply_layer(0, x, policy)
             return x, jax.tree.map(lambda a: a[None], aux)
         body = remat(layer_body, policy)
         scan = nnx.scan(body, in_axes=(0, nnx.Carry), out_axes=(nnx.Carry, 0))

@@ -19,11 +19,14 @@ ROUTING_BIAS_RATE = 1e-3
 
 
 def flops_per_token(cfg: DeepSeekV3Config, model: nnx.Module, seq: int) -> float:
-    """6 N_active (the routed experts a token does not visit excluded) plus causal MLA attention."""
+    """6 N_active (the routed experts a token does not visit excluded) plus causal MLA attention; with multi-token
+    prediction, its MoE layers and projections, and the shared head once more per depth."""
     idle_experts = cfg.num_experts - cfg.num_experts_per_tok
-    n = non_embedding_params(model) - cfg.num_moe_layers * idle_experts * 3 * cfg.dim * cfg.moe_mlp_dim
+    moe_layers = cfg.num_moe_layers + cfg.mtp_depths
+    n = non_embedding_params(model) - moe_layers * idle_experts * 3 * cfg.dim * cfg.moe_mlp_dim
+    n += cfg.mtp_depths * cfg.vocab_size * cfg.dim
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    attention = 3 * 2 * seq * cfg.num_heads * (qk + cfg.v_head_dim) / 2 * cfg.num_layers
+    attention = 3 * 2 * seq * cfg.num_heads * (qk + cfg.v_head_dim) / 2 * (cfg.num_layers + cfg.mtp_depths)
     return 6 * n + attention
 
 

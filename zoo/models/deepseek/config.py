@@ -1,5 +1,5 @@
-"""`DeepSeekV3Config` and its sizes: DeepSeek-V3 671B as published (without the multi-token-prediction module),
-and a tiny one for tests and CPU runs."""
+"""`DeepSeekV3Config` and its sizes: DeepSeek-V3 671B as published (without the multi-token-prediction module:
+`mtp_depths=1` adds it as the checkpoint has it), and a tiny one for tests and CPU runs."""
 from __future__ import annotations
 
 import dataclasses
@@ -28,6 +28,12 @@ class DeepSeekV3Config(MoEConfig):
     rope_scaling: YarnScaling | None = YarnScaling()
     rope_interleave: bool = True       # rope columns stored in interleaved pairs, as published (see mla.py)
     norm_eps: float = 1e-6
+    # Multi-token prediction (the technical report, 2.2): `mtp_depths` extra depths, depth k predicting the token
+    # k + 1 positions after the next (0: off; the published checkpoints carry one, transformers'
+    # num_nextn_predict_layers). `mtp_lambda` weights their mean loss: 0.3 for the report's first 10T tokens,
+    # lowered to 0.1 for the rest of its pre-training.
+    mtp_depths: int = 0
+    mtp_lambda: float = 0.3
     # from MoEConfig: num_experts, num_experts_per_tok, moe_mlp_dim, norm_topk_prob, moe_backend, capacity_factor,
     # balance_loss_weight (the sequence-wise balance loss's alpha, 1e-4)
 
@@ -51,7 +57,7 @@ class DeepSeekV3Config(MoEConfig):
         check_positive(self, "num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                        "v_head_dim", "mlp_dim", "n_group", "topk_group")
         check_positive_float(self, "rope_theta", "routed_scaling_factor")
-        check_non_negative(self, "first_dense_layers", "num_shared_experts")
+        check_non_negative(self, "first_dense_layers", "num_shared_experts", "mtp_depths", "mtp_lambda")
         if self.first_dense_layers > self.num_layers:
             raise ValueError(f"{name}.first_dense_layers={self.first_dense_layers} must be at most "
                              f"num_layers={self.num_layers}")
@@ -59,6 +65,12 @@ class DeepSeekV3Config(MoEConfig):
                       topk_group=self.topk_group, where=name)
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"{name}.qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
+
+    def mtp_loss_weight(self) -> float:
+        return self.mtp_lambda if self.mtp_depths else 0.0
+
+    def without_mtp(self) -> DeepSeekV3Config:
+        return dataclasses.replace(self, mtp_depths=0)
 
     @property
     def num_moe_layers(self) -> int:

@@ -1,6 +1,7 @@
 """DeepSeek-V3 <-> Hugging Face `DeepseekV3ForCausalLM`: config.json fields and tensor keys."""
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from typing import Any
@@ -79,7 +80,7 @@ def from_hf(hf: dict, *, param_dtype: str) -> DeepSeekV3Config:
         norm_topk_prob=bool(require(hf, "norm_topk_prob")), rope_theta=theta,
         rope_scaling=None if scaling is None else yarn_from_hf(scaling),
         rope_interleave=bool(hf.get("rope_interleave", True)), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        mtp_depths=hf.get("num_nextn_predict_layers") or 0, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         dtype=activation_dtype(param_dtype), param_dtype=param_dtype)
 
 
@@ -98,7 +99,7 @@ def to_hf(cfg: DeepSeekV3Config) -> dict:
         v_head_dim=cfg.v_head_dim, n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
         n_shared_experts=cfg.num_shared_experts, n_group=cfg.n_group, topk_group=cfg.topk_group,
         routed_scaling_factor=cfg.routed_scaling_factor, norm_topk_prob=cfg.norm_topk_prob, topk_method="noaux_tc",
-        scoring_func="sigmoid", moe_layer_freq=1, num_nextn_predict_layers=0, hidden_act="silu",
+        scoring_func="sigmoid", moe_layer_freq=1, num_nextn_predict_layers=cfg.mtp_depths, hidden_act="silu",
         attention_bias=False, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, rope_scaling=rope_scaling,
         rope_interleave=cfg.rope_interleave, tie_word_embeddings=cfg.tie_embeddings,
         max_position_embeddings=4096 if s is None else int(s.original_max_position_embeddings * s.factor),
@@ -121,6 +122,13 @@ MOE = ROUTED_EXPERTS + [
        ("mlp.shared_experts.down_proj.kernel", "mlp.shared_experts.down_proj.weight", 1)]
 
 
+# A multi-token-prediction depth's own parts (zoo.models.deepseek.mtp), below `model.layers.{i}.`
+MTP = [("enorm.scale", "enorm.weight", None),
+       ("hnorm.scale", "hnorm.weight", None),
+       ("eh_proj.kernel", "eh_proj.weight", 1),
+       ("norm.scale", "shared_head.norm.weight", None)]
+
+
 def keys(cfg: DeepSeekV3Config) -> list[Entry]:
     k = cfg.first_dense_layers
     out = embed_and_head(cfg)
@@ -128,12 +136,28 @@ def keys(cfg: DeepSeekV3Config) -> list[Entry]:
         out += stacked(("dense_layers", "layers"), range(k), MLA + NORMS + SWIGLU)
     if cfg.num_layers > k:
         out += stacked(("moe_layers", "layers"), range(k, cfg.num_layers), MLA + NORMS + MOE, cfg.num_experts)
+    return out + mtp_entries(cfg)
+
+
+def mtp_entries(cfg: DeepSeekV3Config) -> list[Entry]:
+    """The MTP depths as layers num_layers.. of the checkpoint: each depth's own parts, its MoE decoder layer, and
+    its copies of the shared embedding and LM head (`copy` entries: checked on reading, written on saving)."""
+    if not cfg.mtp_depths:
+        return []
+    depths = range(cfg.num_layers, cfg.num_layers + cfg.mtp_depths)
+    out = stacked(("mtp", "heads"), depths, MTP)
+    out += stacked(("mtp", "layers", "layers"), depths, MLA + NORMS + MOE, cfg.num_experts)
+    head = (Entry(("embed", "embedding"), "", copy=True) if cfg.tie_embeddings else
+            Entry(("lm_head", "proj", "kernel"), "", n_in=1, copy=True))
+    for i in depths:
+        out += [Entry(("embed", "embedding"), f"model.layers.{i}.embed_tokens.weight", copy=True),
+                dataclasses.replace(head, hf=f"model.layers.{i}.shared_head.head.weight")]
     return out
 
 
 def mtp_keys(hf: dict) -> Callable[[str], bool]:
-    """The published checkpoints carry the multi-token-prediction module as layers num_layers.. (not part of the
-    main model's logits; the zoo does not build it): those keys are skipped."""
+    """The published checkpoints carry the multi-token-prediction module as layers num_layers..: the keys a model
+    built without it (`from_hf(..., mtp=False)`, or a checkpoint holding none of them) skips."""
     num_layers, mtp_layers = hf.get("num_hidden_layers", 0), hf.get("num_nextn_predict_layers") or 0
     pattern = re.compile(r"model\.layers\.(\d+)\.")
 

@@ -9,9 +9,14 @@ The MoE stack returns per-layer aux (see `zoo.layers.moe`): `model(tokens, retur
 `(logits, {"dense_layers": {}, "moe_layers": MoEAux(load=[L, E], balance_loss=[L], dropped=[L])})`. A training
 step adds `total_balance_loss(aux)` to its loss and calls `update_routing_bias(model, aux, rate)` after the step.
 
-The multi-token-prediction module (one extra layer predicting token t+2) is not built: the model is the 61-layer
-main model, and the 671B preset counts 671,026,419,200 parameters (the routing biases included), as published
-without MTP.
+Multi-token prediction (`mtp_depths` > 0; zoo.models.deepseek.mtp) adds `model.mtp`: per depth an MoE decoder
+layer (the stack "mtp", tagged like `moe_layers`), two input norms, a 2*dim -> dim projection and a final norm,
+sharing the embedding and the LM head. `model(tokens, return_aux=True)` then also gives its logits
+(`aux["mtp_logits"]`, [D, B, S, vocab]) and its layers' `MoEAux` (`aux["mtp"]`). The 671B preset counts
+671,026,419,200 parameters (the routing biases included) without MTP, as published; its one depth adds
+11,610,068,224 (the MoE decoder layer's 11,507,286,272 with its routing bias, the projection's 102,760,448 and three
+norms' 21,504): 682,636,487,424 in all. The checkpoint also stores layer 61's copies of the embedding and the head
+(926,679,040 each; 684,489,845,504 tensors' elements in all, the published "685B"), which the model shares.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from zoo.layers.block import PreNormBlock
 from zoo.layers.mla import MLA
 from zoo.layers.moe import Experts, GroupLimitedRouter, MoE
 from zoo.models.deepseek.config import DeepSeekV3Config
+from zoo.models.deepseek.mtp import MultiTokenPrediction
 from zoo.models.lm import CausalLM
 from zoo.recipe import Recipe
 
@@ -70,9 +76,14 @@ class DeepSeekV3(CausalLM):
             stacks["dense_layers"] = (lambda r: DeepSeekDecoderLayer(cfg, moe=False, rngs=r), cfg.first_dense_layers)
         if cfg.num_moe_layers:
             stacks["moe_layers"] = (lambda r: DeepSeekDecoderLayer(cfg, moe=True, rngs=r), cfg.num_moe_layers)
-        super().__init__(cfg, stacks=stacks, recipe=recipe, rngs=rngs)
+        mtp = None
+        if cfg.mtp_depths:
+            def mtp(r):
+                return MultiTokenPrediction(cfg, lambda r: DeepSeekDecoderLayer(cfg, moe=True, rngs=r), rngs=r)
+        super().__init__(cfg, stacks=stacks, recipe=recipe, rngs=rngs, mtp=mtp)
 
 
 def deepseek_v3(cfg: DeepSeekV3Config, *, recipe: Recipe | None = None, rngs: nnx.Rngs) -> DeepSeekV3:
-    """Build DeepSeek-V3. `recipe` (default: `Recipe.none()`) decides each tag's placement in both stacks."""
+    """Build DeepSeek-V3. `recipe` (default: `Recipe.none()`) decides each tag's placement in every stack (the MTP
+    module's too)."""
     return DeepSeekV3(cfg, recipe=recipe, rngs=rngs)
