@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo.layers import moe
+from zoo.models.lm import MTP_LOGITS
+from zoo.train_step import mtp_loss
 
 
 def matmul_params(model) -> int:
@@ -47,7 +49,11 @@ def sgd_step_fn(graphdef, lr: float = 1e-4, param_shardings=None):
         logits, aux = model(tokens, return_aux=True)
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         targets = jnp.roll(tokens, -1, axis=1)
-        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1)), dropped_copies(aux)
+        loss = -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+        if MTP_LOGITS in aux:   # multi-token prediction: its loss as the main job weighs it
+            weights = jnp.ones(targets.shape, jnp.float32)
+            loss = loss + model.config.mtp_loss_weight() * mtp_loss(aux.pop(MTP_LOGITS), targets, weights)
+        return loss, dropped_copies(aux)
 
     def step(params, rest, tokens):
         (loss, dropped), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, tokens)

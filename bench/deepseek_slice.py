@@ -71,6 +71,8 @@ def main():
     ap.add_argument("--ep-dispatch", default="gather", choices=list(EP_DISPATCHES),
                     help="dropless backends under --mesh: ragged_a2a is expert parallelism (ragged all-to-all)")
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--mtp", type=int, default=0, help="multi-token-prediction depths (DeepSeekV3Config.mtp_depths; "
+                    "the published checkpoint has 1), with its loss in the step")
     ap.add_argument("--mesh", default=None, help="e.g. ep=2 (zoo.sharding); --batch and --experts are then global")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script only)")
     ap.add_argument("--auto-hbm", type=float, default=None,
@@ -80,7 +82,7 @@ def main():
     a = ap.parse_args()
     a.seq = a.seq or (64 if a.smoke else 4096)
     common = dict(param_dtype="bfloat16", dtype="bfloat16", moe_backend=a.backend, capacity_factor=1.25,
-                  ep_dispatch=a.ep_dispatch)
+                  ep_dispatch=a.ep_dispatch, mtp_depths=a.mtp)
     try:
         backend, backend_why = backend_choice(a.backend, dtype=jnp.bfloat16, ep_dispatch=a.ep_dispatch)
     except ValueError as e:  # tokamax asked for and missing: a record, not a crash
@@ -95,7 +97,7 @@ def main():
     extra = {} if a.mesh is None else dict(mesh=a.mesh, gpus=n, B_per_gpu=a.batch // n, ep_dispatch=a.ep_dispatch)
     ident = dict(bench="deepseek-slice", impl="zoo", mechanism="xla", backend=backend, backend_asked=a.backend,
                  backend_why=backend_why, recipe=a.recipe, B=a.batch, S=a.seq, E=a.experts, L=1 + a.moe_layers,
-                 **extra)
+                 mtp_depths=a.mtp, **extra)
     if a.recipe == "auto":
         try:
             recipe, chosen = resolve_auto(cfg, batch=a.batch, seq=a.seq, mesh=a.mesh, hbm_gib=a.auto_hbm,
