@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import time
@@ -31,20 +30,19 @@ from rich.console import Console
 
 import zoo
 import zoo.sharding
-from recipes import auto, cli, defaults, fit, guard, meter, watch
+from recipes import auto, cli, fit, guard, meter, watch
 from recipes import data as data_lib
 from recipes import mesh as mesh_lib
 from recipes import registry as recipe_registry
 from recipes.checkpoint import Checkpoints
+from recipes.config import RunConfig
 from recipes.interrupt import Interrupts
 from recipes.lock import DirLock
 from zoo import compile_options
 from zoo.models.registry import Family
 from zoo.plan.peak import allocator_limit
 from zoo.train_step import (
-    OPT_STATE_PLACES,
     all_finite,
-    check_grad_accum,
     compile_abstract,
     lr_schedule,
     make_optimizer,
@@ -92,162 +90,6 @@ class DropWatch:
                                f"token copies in {self.steps} steps (at most {100 * self.worst:.2f}%; per step: "
                                f"`dropped` in --metrics)[/]", soft_wrap=True)
 
-
-
-# -- the run ----------------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RunConfig:
-    model: str = "llama3"
-    preset: str = "tiny"
-    recipe: str | None = None          # None: the model's study recipe
-    overrides: tuple[tuple[str, Any], ...] = ()  # config fields to replace, e.g. (("num_layers", 3),)
-    steps: int = 60                    # train up to this step
-    schedule_steps: int | None = None  # the learning-rate schedule's length; None: steps. Past it: lr/10
-    batch: int = 8
-    seq: int = 64
-    lr: float | None = None            # None: the preset's (recipes.defaults: 3e-3 tiny, published rates full-size)
-    warmup: int | None = None          # None: schedule_steps // 10 (at least 1), capped at the preset's published
-    opt_dtype: str = "float32"         # AdamW moments' dtype
-    opt_state: str = "device"          # where the moments live between steps: "device" (HBM) or "host" (pinned)
-    grad_accum: int = 1                # micro-batches per update: --batch is split into grad_accum micro-batches
-    hbm_limit: float | None = None     # GiB: the device budget to check the compiled peak against (default: the
-                                       # device's bytes_limit; on the CPU, the machine's RAM)
-    force: bool = False                # launch even if the compiled peak does not fit
-    clip: float = 1.0
-    weight_decay: float = 0.1
-    seed: int = 0
-    mesh: str | None = None            # "fsdp=2,tp=1,ep=1"; None: every device on fsdp (not part of the identity)
-    distributed: bool = False          # multi-host (recipes.mesh.maybe_initialize; the main job calls it)
-    data: str | None = None            # a token file; None: the synthetic Markov source
-    data_dtype: str | None = None      # uint16 / uint32; None: by vocabulary size
-    tokenizer: str | None = None       # text --data: a Hugging Face tokenizer.json or its directory (recipes/text.py)
-    heldout: float | None = None       # fraction of --data kept out of training; None: 0.01 with --eval-every, else 0
-    eval_every: int = 0                # held-out loss and perplexity every K steps (0: never)
-    eval_batches: int = 16             # at most this many held-out batches per evaluation
-    tensorboard: str | None = None     # a directory for TensorBoard scalars (recipes/watch.py)
-    metrics: str | None = None
-    ckpt_dir: str | None = None
-    ckpt_every: int = 0                # 0: only at the end
-    resume: bool = False
-    log_every: int = 10
-    peak_tflops: float | None = None
-    link: float | None = None          # --recipe auto: host link GB/s per direction (default: measured)
-    overlap: float | None = None       # --recipe auto: share of transfer time hidden under compute
-    max_drop_warn: float = 0.01        # warn when capacity dispatch drops more than this fraction of token copies
-    stop_after: int | None = None      # debug: stop after this step without a final checkpoint (a preemption)
-    poison_step: int | None = None     # debug: NaN loss weights at this step (a corrupted record)
-    allow_data_change: bool = False    # --resume on a token file other than the checkpoint's (recipes.data)
-    coordinator_timeout: float = 300.0  # seconds to wait for the distributed coordinator (recipes.mesh)
-
-    def __post_init__(self):
-        check_ranges(self)
-        for field in ("steps", "batch", "seq", "log_every"):
-            if getattr(self, field) <= 0:
-                raise ValueError(f"--{field.replace('_', '-')} must be positive, got {getattr(self, field)}")
-        if self.schedule_steps is not None and self.schedule_steps <= 0:
-            raise ValueError(f"--schedule-steps must be positive, got {self.schedule_steps}")
-        for flag, value, lowest, strict in (("lr", self.peak_lr, 0, True), ("clip", self.clip, 0, True),
-                                            ("weight-decay", self.weight_decay, 0, False)):
-            if not (math.isfinite(value) and (value > lowest if strict else value >= lowest)):
-                raise ValueError(f"--{flag} must be a finite number {'>' if strict else '>='} {lowest}, got {value}")
-        if self.warmup is not None and not 0 <= self.warmup < self.total_schedule:
-            raise ValueError(f"--warmup must be >= 0 and less than the schedule's {self.total_schedule} steps "
-                             f"(--schedule-steps, default --steps), got {self.warmup}")
-        if self.link is not None and not (math.isfinite(self.link) and self.link > 0):
-            raise ValueError(f"--link must be a positive number of GB/s, got {self.link}")
-        if self.overlap is not None and not 0 <= self.overlap <= 1:
-            raise ValueError(f"--overlap must be in [0, 1], got {self.overlap}")
-        if self.hbm_limit is not None and not (math.isfinite(self.hbm_limit) and self.hbm_limit > 0):
-            raise ValueError(f"--hbm-limit must be a positive number of GiB, got {self.hbm_limit}")
-        check_grad_accum(self.batch, self.grad_accum)
-        if self.opt_state not in OPT_STATE_PLACES:
-            raise ValueError(f"--opt-state must be one of {', '.join(OPT_STATE_PLACES)}, got {self.opt_state!r}")
-        if self.opt_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"--opt-dtype must be float32 or bfloat16, got {self.opt_dtype!r}")
-        if not 0 <= self.max_drop_warn <= 1:
-            raise ValueError(f"--max-drop-warn must be a fraction in [0, 1], got {self.max_drop_warn}")
-        if self.ckpt_every < 0:
-            raise ValueError(f"--ckpt-every must be >= 0, got {self.ckpt_every}")
-        if self.resume and not self.ckpt_dir:
-            raise ValueError("--resume needs --ckpt-dir")
-        if self.ckpt_every and not self.ckpt_dir:
-            raise ValueError(f"--ckpt-every {self.ckpt_every} needs --ckpt-dir (nothing would be saved)")
-        if self.eval_every < 0 or self.eval_batches <= 0:
-            raise ValueError(f"--eval-every must be >= 0 and --eval-batches positive, got {self.eval_every} and "
-                             f"{self.eval_batches}")
-        if not 0 <= self.held_out < 1:
-            raise ValueError(f"--heldout must be a fraction in [0, 1), got {self.heldout}")
-        if self.tokenizer and not self.data:
-            raise ValueError("--tokenizer needs --data (text files to tokenize)")
-
-    @property
-    def micro_batch(self) -> int:
-        """Sequences per micro-batch: what a forward and backward pass holds activations for."""
-        return self.batch // self.grad_accum
-
-    @property
-    def held_out(self) -> float:
-        """The fraction of --data kept for evaluation (the synthetic source has held-out streams of its own)."""
-        if self.heldout is not None:
-            return self.heldout
-        return 0.01 if self.eval_every and self.data else 0.0
-
-    @property
-    def total_schedule(self) -> int:
-        return self.schedule_steps if self.schedule_steps is not None else self.steps
-
-    @property
-    def total_warmup(self) -> int:
-        return self.warmup if self.warmup is not None else defaults.warmup(self.preset, self.total_schedule)
-
-    @property
-    def peak_lr(self) -> float:
-        return self.lr if self.lr is not None else defaults.for_preset(self.preset).lr
-
-    def identity(self) -> dict[str, Any]:
-        """What a checkpoint must match to be resumed: everything that changes the numbers (not --steps, where to
-        stop: a resumed run may go on past its schedule at the final learning rate)."""
-        keys = ("model", "preset", "overrides", "batch", "seq", "lr", "clip", "weight_decay", "seed", "data",
-                "data_dtype")
-        ident = {k: getattr(self, k) for k in keys}
-        ident.update(schedule_steps=self.total_schedule, warmup=self.total_warmup, lr=self.peak_lr)
-        if self.opt_dtype != "float32":   # records written before --opt-dtype match the float32 default
-            ident["opt_dtype"] = self.opt_dtype
-        if self.grad_accum != 1:          # sums in another order: equal up to rounding, not bit for bit
-            ident["grad_accum"] = self.grad_accum
-        # not --opt-state: where the moments live changes no number, and a run may resume with them elsewhere
-        if self.tokenizer:                # likewise: only where text data or a held-out split change the data
-            ident["tokenizer"] = self.tokenizer
-        if self.held_out:
-            ident["heldout"] = self.held_out
-        return json.loads(json.dumps(ident))
-
-
-# Integer flags that reach JAX or NumPy as 32-bit values (step counters, shapes, PRNG seeds): their ranges, checked
-# before anything is built (a larger value would overflow with a traceback from deep inside JAX).
-INT_RANGES = {"steps": (1, 2**31 - 1), "grad_accum": (1, 2**31 - 1),
-              "schedule_steps": (1, 2**31 - 1), "warmup": (0, 2**31 - 1),
-              "batch": (1, 2**31 - 1), "seq": (1, 2**31 - 2), "seed": (0, 2**31 - 1), "log_every": (1, 2**31 - 1),
-              "ckpt_every": (0, 2**31 - 1), "stop_after": (1, 2**31 - 1), "poison_step": (1, 2**31 - 1)}
-
-
-def check_ranges(cfg: RunConfig) -> None:
-    """ValueError naming the flag for an integer out of its range (INT_RANGES: before the finer checks of
-    __post_init__), a batch of more than 2**31 - 1 tokens, or a float that must be finite and positive."""
-    for field, (low, high) in INT_RANGES.items():
-        value = getattr(cfg, field)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"--{field.replace('_', '-')} must be an integer, got {value!r}")
-        if not low <= value <= high:
-            raise ValueError(f"--{field.replace('_', '-')} must be in [{low}, {high:,}], got {value:,}")
-    if cfg.batch * (cfg.seq + 1) > 2**31 - 1:
-        raise ValueError(f"--batch {cfg.batch} x --seq {cfg.seq}: a step of more than 2**31 - 1 tokens cannot be "
-                         f"indexed in int32")
-    for flag, value in (("peak-tflops", cfg.peak_tflops), ("coordinator-timeout", cfg.coordinator_timeout)):
-        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-            raise ValueError(f"--{flag} must be a finite number > 0, got {value}")
 
 
 @dataclasses.dataclass
