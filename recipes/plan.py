@@ -133,11 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         family = cli.family(args.model)
         cfg = cli.model_config(family, args.preset, args.overrides)
         recipe = "auto" if args.recipe == "auto" else cli.recipe(family, args.recipe)
-        p = zoo.plan(cfg, recipe, batch=args.batch, seq=args.seq, shard=args.shard, optimizer=args.optimizer,
-                     opt_dtype=args.opt_dtype, hbm_gib=args.hbm_limit, host_gib=args.host, link_gbps=args.link,
-                     tflops=args.peak_tflops, model_name=f"{args.model} {args.preset}", overlap=args.overlap,
-                     device_kind=args.device, peak=None if args.peak == "none" else args.peak, mesh=args.mesh,
-                     grad_accum=args.grad_accum, opt_state=args.opt_state)
+        hardware = zoo.plan.Hardware(hbm_gib=args.hbm_limit, host_gib=args.host, link_gbps=args.link,
+                                     overlap=args.overlap, tflops=args.peak_tflops, device_kind=args.device)
+        p = zoo.plan(cfg, recipe, batch=args.batch, seq=args.seq, hardware=hardware, parallel=_parallel(args),
+                     training=_training(args), peak=None if args.peak == "none" else args.peak,
+                     model_name=f"{args.model} {args.preset}")
     except ValueError as e:
         ap.error(str(e))
     if args.json:
@@ -153,12 +153,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _parallel(args) -> zoo.plan.Parallelism:
+    return zoo.plan.Parallelism(shard=args.shard, mesh=args.mesh)
+
+
+def _training(args) -> zoo.plan.Training:
+    return zoo.plan.Training(optimizer=args.optimizer, opt_dtype=args.opt_dtype, grad_accum=args.grad_accum,
+                             opt_state=args.opt_state)
+
+
 def _plot(ap: argparse.ArgumentParser, args, family, cfg) -> None:
     """--plot: every recipe of the family planned at the same shapes (no peak: the bars are saved bytes)."""
     from recipes import plot, registry
     try:
-        plans = {name: zoo.plan(cfg, r, batch=args.batch, seq=args.seq, shard=args.shard, optimizer=args.optimizer,
-                                opt_dtype=args.opt_dtype, hbm_gib=args.hbm_limit, mesh=args.mesh, peak=None)
+        plans = {name: zoo.plan(cfg, r, batch=args.batch, seq=args.seq, parallel=_parallel(args),
+                                training=zoo.plan.Training(optimizer=args.optimizer, opt_dtype=args.opt_dtype),
+                                hardware=zoo.plan.Hardware(hbm_gib=args.hbm_limit), peak=None)
                  for name, r in registry.recipes_of(family).items()}
         sets = "".join(f" {k}={v}" for k, v in args.overrides)
         where = f", mesh {args.mesh}" if args.mesh else f", over {args.shard} devices" if args.shard > 1 else ""
