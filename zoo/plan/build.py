@@ -125,12 +125,7 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
         flop_cfg = dataclasses.replace(cfg, attention_impl="xla")  # a second abstract model, only where cuDNN runs
     costs = {s: layer_cost(flop_cfg, s, micro, seq) for s in shapes}
     needed = {s: costs[s].residual_tags(shapes[s].tags) for s in shapes}
-    # one device's part of each tag: by the sharding rules under a mesh, the batch (rows) split evenly with shard=N
-    device_shapes = (sharding.tag_shard_shapes(model, micro, seq, amesh) if amesh is not None else
-                     {s: {t: (ceil_div(sds.shape[0], shard),) + tuple(sds.shape[1:]) for t, sds in st.tags.items()}
-                      for s, st in shapes.items()} if shard > 1 else None)
-    per_device = (mesh_plan.tag_bytes(shapes, device_shapes) if amesh is not None else
-                  {s: {t: ceil_div(sds_nbytes(sds), shard) for t, sds in st.tags.items()} for s, st in shapes.items()})
+    device_shapes, per_device = _per_device(model, shapes, micro, seq, amesh, shard)
 
     notes: dict[str, str] = {}
     if is_auto:
@@ -162,6 +157,17 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
                 link_gbps=link_gbps, tflops=hardware.tflops, overlap=overlap, link_source=link_source, peak=pk,
                 model_flops=model_flops, step_tflops=step_tflops, step_overhead=overhead,
                 step_rate_source=rate_source, grad_accum=training.grad_accum)
+
+
+def _per_device(model, shapes, micro: int, seq: int, amesh, shard: int):
+    """(each tag's per-device shape or None on one device, each tag's per-device bytes): one device's part of each
+    tag by the sharding rules under a mesh, the batch (rows) split evenly with shard=N."""
+    device_shapes = (sharding.tag_shard_shapes(model, micro, seq, amesh) if amesh is not None else
+                     {s: {t: (ceil_div(sds.shape[0], shard),) + tuple(sds.shape[1:]) for t, sds in st.tags.items()}
+                      for s, st in shapes.items()} if shard > 1 else None)
+    per_device = (mesh_plan.tag_bytes(shapes, device_shapes) if amesh is not None else
+                  {s: {t: ceil_div(sds_nbytes(sds), shard) for t, sds in st.tags.items()} for s, st in shapes.items()})
+    return device_shapes, per_device
 
 
 def _split(cfg, batch: int, seq: int, parallel: Parallelism, training: Training):
