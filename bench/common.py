@@ -159,8 +159,8 @@ def planned(cfg, recipe, *, batch: int, seq: int, optimizer: str = "adamw", peak
     import zoo
 
     peak = {"none": None}.get(os.environ.get("BENCH_PLAN_PEAK", ""), peak)   # "none": skip the peak's compile
-    p = zoo.plan(cfg, recipe, batch=batch, seq=seq, optimizer=optimizer, peak=peak, grad_accum=grad_accum,
-                 opt_state=opt_state, **({} if mesh is None else {"mesh": mesh}))
+    p = zoo.plan(cfg, recipe, batch=batch, seq=seq, peak=peak, parallel=zoo.plan.Parallelism(mesh=mesh),
+                 training=zoo.plan.Training(optimizer=optimizer, grad_accum=grad_accum, opt_state=opt_state))
     peak_bytes = p.peak_bytes
     est = p.step_time()
     return dict(planned_host_gib=round(p.host_bytes / 2**30, 3),

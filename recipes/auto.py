@@ -78,10 +78,11 @@ def inputs(device: jax.Device, *, hbm_gib: float | None = None, link_gbps: float
 def choose(cfg, ins: Inputs, *, batch: int, seq: int, optimizer: str = "adamw", opt_dtype: str = "float32",
            mesh=None, budget_gib: float | None = None, grad_accum: int = 1, opt_state: str = "device") -> zoo.Recipe:
     """The recipe `zoo.plan` chooses for `cfg` at [batch, seq] with `ins` (HBM budget `budget_gib` if given)."""
-    p = zoo.plan(cfg, "auto", batch=batch, seq=seq, optimizer=optimizer, opt_dtype=opt_dtype,
-                 hbm_gib=budget_gib if budget_gib is not None else ins.hbm_gib, link_gbps=ins.link_gbps,
-                 overlap=ins.overlap, tflops=ins.tflops, peak=None, grad_accum=grad_accum, opt_state=opt_state,
-                 **({} if mesh is None else {"mesh": mesh}))
+    hardware = zoo.plan.Hardware(hbm_gib=budget_gib if budget_gib is not None else ins.hbm_gib,
+                                 link_gbps=ins.link_gbps, overlap=ins.overlap, tflops=ins.tflops)
+    training = zoo.plan.Training(optimizer=optimizer, opt_dtype=opt_dtype, grad_accum=grad_accum, opt_state=opt_state)
+    p = zoo.plan(cfg, "auto", batch=batch, seq=seq, hardware=hardware, parallel=zoo.plan.Parallelism(mesh=mesh),
+                 training=training, peak=None)
     return p.recipe
 
 

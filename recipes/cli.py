@@ -1,5 +1,7 @@
-"""Command-line pieces shared by `python -m recipes.train` and `python -m recipes.plan`: one naming scheme for
-the model (`--model FAMILY --preset CLASSMETHOD --set FIELD=VALUE`), the recipe and the shape (`--batch --seq`).
+"""Command-line pieces shared by `python -m recipes.train` and `python -m recipes.plan`: flags generated from a
+dataclass's fields (`add_fields`: `recipes.config.RunConfig` holds each default and help text once), the argparse
+types that check them, and the look-ups of the model (`--model FAMILY --preset NAME --set FIELD=VALUE`) and the
+recipe.
 
 Importing this module imports no JAX (the training command applies its XLA flags first); the functions that
 read the model table (`family`, `model_config`, `recipe`) import it when called.
@@ -7,7 +9,10 @@ read the model table (`family`, `model_config`, `recipe`) import it when called.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+import types
+import typing
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -24,10 +29,6 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 INT32_MAX = 2**31 - 1
-
-
-# The model and shape both command lines default to (`recipes.train` and `recipes.plan` share them).
-DEFAULTS = {"preset": "tiny", "batch": 8, "seq": 64}
 
 
 def _positive(cast: type, noun: str):
@@ -58,25 +59,31 @@ def field_override(text: str) -> tuple[str, str]:
     return key.strip(), value
 
 
-def add_model_args(p: argparse.ArgumentParser, *, preset: str | None, batch: int | None, seq: int | None,
-                   optional: tuple[str, ...] = ()) -> None:
-    """--model, --preset, --set, --recipe, --batch, --seq. A None default makes the flag required, unless it is
-    named in `optional` (the caller then checks it)."""
-    p.add_argument("--model", default="llama3", metavar="FAMILY",
-                   help="model family, a name in the zoo's model table (zoo.models.registry), e.g. llama3, "
-                        "deepseek_v3")
-    p.add_argument("--preset", default=preset, required=preset is None, metavar="NAME",
-                   help="a config classmethod of the family, e.g. tiny, llama3_1_405b, deepseek_v3_671b")
-    p.add_argument("--set", dest="overrides", type=field_override, action="append", default=[],
-                   metavar="FIELD=VALUE", help="replace a config field, e.g. --set num_layers=3 or --set "
-                   "tie_embeddings=false; the value is checked against the field's type (repeatable)")
-    p.add_argument("--recipe", default=None, metavar="NAME",
-                   help="a key of the family's RECIPES (recipes/<family>.py), or auto (the planner's choice for the "
-                        "device; recipes.auto); default: the family's study recipe")
-    for flag, default, what in (("--batch", batch, "global batch (sequences per step)"),
-                                ("--seq", seq, "sequence length (tokens)")):
-        p.add_argument(flag, type=positive_int, default=default, required=default is None and flag not in optional,
-                       help=what)
+def add_fields(p: argparse.ArgumentParser, cls, names: tuple[str, ...] | None = None, **changes: dict) -> None:
+    """Add a flag to `p` for each field of the dataclass `cls` (those in `names`, in that order; default: every
+    field, in its order) from the field itself: its default, its type (int and float are parsed as such, a bool
+    field is a switch) and its metadata (`recipes.config.flag`: the flag names, help, metavar, choices, a checking
+    type). `changes[field]` replaces argparse keywords for one command (e.g. the planner's own help text)."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name in names or tuple(fields):
+        f = fields[name]
+        kwargs = {"default": f.default, **f.metadata, **changes.get(name, {})}
+        opts = kwargs.pop("flags", None) or ("--" + name.replace("_", "-"),)
+        kind = _scalar(hints[name])
+        if kwargs.get("action") == "append":
+            kwargs["default"] = list(kwargs["default"])
+        elif kind is bool:
+            kwargs["action"] = "store_true"
+        elif kind in (int, float) and "choices" not in kwargs:
+            kwargs.setdefault("type", kind)
+        p.add_argument(*opts, dest=name, **kwargs)
+
+
+def _scalar(hint):
+    """`int | None` -> int; a type that is not a union, as it is."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if isinstance(hint, types.UnionType) and len(args) == 1 else hint
 
 
 def family(name: str):

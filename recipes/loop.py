@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import time
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import numpy as np
@@ -31,223 +29,27 @@ from rich.console import Console
 
 import zoo
 import zoo.sharding
-from recipes import auto, cli, defaults, fit, guard, meter, watch
-from recipes import data as data_lib
+from recipes import guard, meter, prepare, resume, watch
 from recipes import mesh as mesh_lib
-from recipes import registry as recipe_registry
-from recipes.checkpoint import Checkpoints
+from recipes.config import RunConfig
 from recipes.interrupt import Interrupts
 from recipes.lock import DirLock
-from zoo import compile_options
-from zoo.models.registry import Family
-from zoo.plan.peak import allocator_limit
+from recipes.prepare import build_sharded, compile_for_shapes, show_memory_plan
 from zoo.train_step import (
-    OPT_STATE_PLACES,
     all_finite,
-    check_grad_accum,
-    compile_abstract,
     lr_schedule,
     make_optimizer,
     moe_drops,
     next_token_loss,
-    opt_state_shardings,
     train_step,
 )
 from zoo.train_step import jit_step as compile_step
 
 # The step itself is zoo.train_step's (the planner compiles the same one); its names are re-exported here.
-__all__ = ["all_finite", "compile_step", "lr_schedule", "make_optimizer", "moe_drops", "next_token_loss", "run",
-           "train_step", "RunConfig"]
-
-
-class DropWatch:
-    """Capacity dispatch drops token copies over an expert's capacity: warn when a step drops more than
-    `threshold` of its routed copies, once (at the first such step), and sum them up at the end of the run."""
-
-    def __init__(self, console: Console, threshold: float, every: int = 0):
-        self.console, self.threshold, self.last = console, threshold, None
-        self.steps, self.worst = 0, 0.0    # steps over the threshold, the largest fraction dropped
-
-    def fraction(self, m: dict) -> float | None:
-        routed = int(m.get("routed", 0))
-        return int(m["dropped"]) / routed if routed else None
-
-    def check(self, step: int, m: dict) -> None:
-        frac = self.fraction(m)
-        if frac is None or frac <= self.threshold:
-            return
-        self.steps, self.worst = self.steps + 1, max(self.worst, frac)
-        if self.last is not None:
-            return
-        self.last = step
-        self.console.print(f"[bold yellow]step {step}: capacity dispatch dropped {int(m['dropped']):,} of "
-                           f"{int(m['routed']):,} token copies ({100 * frac:.2f}% > --max-drop-warn "
-                           f"{100 * self.threshold:g}%): raise capacity_factor (--set capacity_factor=...) or use "
-                           f"a dropless moe_backend (tokamax, ragged_dot); said once, summed up at the end[/]",
-                           soft_wrap=True)
-
-    def summary(self) -> None:
-        if self.steps > 1:
-            self.console.print(f"[bold yellow]capacity dispatch dropped more than {100 * self.threshold:g}% of the "
-                               f"token copies in {self.steps} steps (at most {100 * self.worst:.2f}%; per step: "
-                               f"`dropped` in --metrics)[/]", soft_wrap=True)
-
-
-
-# -- the run ----------------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RunConfig:
-    model: str = "llama3"
-    preset: str = "tiny"
-    recipe: str | None = None          # None: the model's study recipe
-    overrides: tuple[tuple[str, Any], ...] = ()  # config fields to replace, e.g. (("num_layers", 3),)
-    steps: int = 60                    # train up to this step
-    schedule_steps: int | None = None  # the learning-rate schedule's length; None: steps. Past it: lr/10
-    batch: int = 8
-    seq: int = 64
-    lr: float | None = None            # None: the preset's (recipes.defaults: 3e-3 tiny, published rates full-size)
-    warmup: int | None = None          # None: schedule_steps // 10 (at least 1), capped at the preset's published
-    opt_dtype: str = "float32"         # AdamW moments' dtype
-    opt_state: str = "device"          # where the moments live between steps: "device" (HBM) or "host" (pinned)
-    grad_accum: int = 1                # micro-batches per update: --batch is split into grad_accum micro-batches
-    hbm_limit: float | None = None     # GiB: the device budget to check the compiled peak against (default: the
-                                       # device's bytes_limit; on the CPU, the machine's RAM)
-    force: bool = False                # launch even if the compiled peak does not fit
-    clip: float = 1.0
-    weight_decay: float = 0.1
-    seed: int = 0
-    mesh: str | None = None            # "fsdp=2,tp=1,ep=1"; None: every device on fsdp (not part of the identity)
-    distributed: bool = False          # multi-host (recipes.mesh.maybe_initialize; the main job calls it)
-    data: str | None = None            # a token file; None: the synthetic Markov source
-    data_dtype: str | None = None      # uint16 / uint32; None: by vocabulary size
-    tokenizer: str | None = None       # text --data: a Hugging Face tokenizer.json or its directory (recipes/text.py)
-    heldout: float | None = None       # fraction of --data kept out of training; None: 0.01 with --eval-every, else 0
-    eval_every: int = 0                # held-out loss and perplexity every K steps (0: never)
-    eval_batches: int = 16             # at most this many held-out batches per evaluation
-    tensorboard: str | None = None     # a directory for TensorBoard scalars (recipes/watch.py)
-    metrics: str | None = None
-    ckpt_dir: str | None = None
-    ckpt_every: int = 0                # 0: only at the end
-    resume: bool = False
-    log_every: int = 10
-    peak_tflops: float | None = None
-    link: float | None = None          # --recipe auto: host link GB/s per direction (default: measured)
-    overlap: float | None = None       # --recipe auto: share of transfer time hidden under compute
-    max_drop_warn: float = 0.01        # warn when capacity dispatch drops more than this fraction of token copies
-    stop_after: int | None = None      # debug: stop after this step without a final checkpoint (a preemption)
-    poison_step: int | None = None     # debug: NaN loss weights at this step (a corrupted record)
-    allow_data_change: bool = False    # --resume on a token file other than the checkpoint's (recipes.data)
-    coordinator_timeout: float = 300.0  # seconds to wait for the distributed coordinator (recipes.mesh)
-
-    def __post_init__(self):
-        check_ranges(self)
-        for field in ("steps", "batch", "seq", "log_every"):
-            if getattr(self, field) <= 0:
-                raise ValueError(f"--{field.replace('_', '-')} must be positive, got {getattr(self, field)}")
-        if self.schedule_steps is not None and self.schedule_steps <= 0:
-            raise ValueError(f"--schedule-steps must be positive, got {self.schedule_steps}")
-        for flag, value, lowest, strict in (("lr", self.peak_lr, 0, True), ("clip", self.clip, 0, True),
-                                            ("weight-decay", self.weight_decay, 0, False)):
-            if not (math.isfinite(value) and (value > lowest if strict else value >= lowest)):
-                raise ValueError(f"--{flag} must be a finite number {'>' if strict else '>='} {lowest}, got {value}")
-        if self.warmup is not None and not 0 <= self.warmup < self.total_schedule:
-            raise ValueError(f"--warmup must be >= 0 and less than the schedule's {self.total_schedule} steps "
-                             f"(--schedule-steps, default --steps), got {self.warmup}")
-        if self.link is not None and not (math.isfinite(self.link) and self.link > 0):
-            raise ValueError(f"--link must be a positive number of GB/s, got {self.link}")
-        if self.overlap is not None and not 0 <= self.overlap <= 1:
-            raise ValueError(f"--overlap must be in [0, 1], got {self.overlap}")
-        if self.hbm_limit is not None and not (math.isfinite(self.hbm_limit) and self.hbm_limit > 0):
-            raise ValueError(f"--hbm-limit must be a positive number of GiB, got {self.hbm_limit}")
-        check_grad_accum(self.batch, self.grad_accum)
-        if self.opt_state not in OPT_STATE_PLACES:
-            raise ValueError(f"--opt-state must be one of {', '.join(OPT_STATE_PLACES)}, got {self.opt_state!r}")
-        if self.opt_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"--opt-dtype must be float32 or bfloat16, got {self.opt_dtype!r}")
-        if not 0 <= self.max_drop_warn <= 1:
-            raise ValueError(f"--max-drop-warn must be a fraction in [0, 1], got {self.max_drop_warn}")
-        if self.ckpt_every < 0:
-            raise ValueError(f"--ckpt-every must be >= 0, got {self.ckpt_every}")
-        if self.resume and not self.ckpt_dir:
-            raise ValueError("--resume needs --ckpt-dir")
-        if self.ckpt_every and not self.ckpt_dir:
-            raise ValueError(f"--ckpt-every {self.ckpt_every} needs --ckpt-dir (nothing would be saved)")
-        if self.eval_every < 0 or self.eval_batches <= 0:
-            raise ValueError(f"--eval-every must be >= 0 and --eval-batches positive, got {self.eval_every} and "
-                             f"{self.eval_batches}")
-        if not 0 <= self.held_out < 1:
-            raise ValueError(f"--heldout must be a fraction in [0, 1), got {self.heldout}")
-        if self.tokenizer and not self.data:
-            raise ValueError("--tokenizer needs --data (text files to tokenize)")
-
-    @property
-    def micro_batch(self) -> int:
-        """Sequences per micro-batch: what a forward and backward pass holds activations for."""
-        return self.batch // self.grad_accum
-
-    @property
-    def held_out(self) -> float:
-        """The fraction of --data kept for evaluation (the synthetic source has held-out streams of its own)."""
-        if self.heldout is not None:
-            return self.heldout
-        return 0.01 if self.eval_every and self.data else 0.0
-
-    @property
-    def total_schedule(self) -> int:
-        return self.schedule_steps if self.schedule_steps is not None else self.steps
-
-    @property
-    def total_warmup(self) -> int:
-        return self.warmup if self.warmup is not None else defaults.warmup(self.preset, self.total_schedule)
-
-    @property
-    def peak_lr(self) -> float:
-        return self.lr if self.lr is not None else defaults.for_preset(self.preset).lr
-
-    def identity(self) -> dict[str, Any]:
-        """What a checkpoint must match to be resumed: everything that changes the numbers (not --steps, where to
-        stop: a resumed run may go on past its schedule at the final learning rate)."""
-        keys = ("model", "preset", "overrides", "batch", "seq", "lr", "clip", "weight_decay", "seed", "data",
-                "data_dtype")
-        ident = {k: getattr(self, k) for k in keys}
-        ident.update(schedule_steps=self.total_schedule, warmup=self.total_warmup, lr=self.peak_lr)
-        if self.opt_dtype != "float32":   # records written before --opt-dtype match the float32 default
-            ident["opt_dtype"] = self.opt_dtype
-        if self.grad_accum != 1:          # sums in another order: equal up to rounding, not bit for bit
-            ident["grad_accum"] = self.grad_accum
-        # not --opt-state: where the moments live changes no number, and a run may resume with them elsewhere
-        if self.tokenizer:                # likewise: only where text data or a held-out split change the data
-            ident["tokenizer"] = self.tokenizer
-        if self.held_out:
-            ident["heldout"] = self.held_out
-        return json.loads(json.dumps(ident))
-
-
-# Integer flags that reach JAX or NumPy as 32-bit values (step counters, shapes, PRNG seeds): their ranges, checked
-# before anything is built (a larger value would overflow with a traceback from deep inside JAX).
-INT_RANGES = {"steps": (1, 2**31 - 1), "grad_accum": (1, 2**31 - 1),
-              "schedule_steps": (1, 2**31 - 1), "warmup": (0, 2**31 - 1),
-              "batch": (1, 2**31 - 1), "seq": (1, 2**31 - 2), "seed": (0, 2**31 - 1), "log_every": (1, 2**31 - 1),
-              "ckpt_every": (0, 2**31 - 1), "stop_after": (1, 2**31 - 1), "poison_step": (1, 2**31 - 1)}
-
-
-def check_ranges(cfg: RunConfig) -> None:
-    """ValueError naming the flag for an integer out of its range (INT_RANGES: before the finer checks of
-    __post_init__), a batch of more than 2**31 - 1 tokens, or a float that must be finite and positive."""
-    for field, (low, high) in INT_RANGES.items():
-        value = getattr(cfg, field)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"--{field.replace('_', '-')} must be an integer, got {value!r}")
-        if not low <= value <= high:
-            raise ValueError(f"--{field.replace('_', '-')} must be in [{low}, {high:,}], got {value:,}")
-    if cfg.batch * (cfg.seq + 1) > 2**31 - 1:
-        raise ValueError(f"--batch {cfg.batch} x --seq {cfg.seq}: a step of more than 2**31 - 1 tokens cannot be "
-                         f"indexed in int32")
-    for flag, value in (("peak-tflops", cfg.peak_tflops), ("coordinator-timeout", cfg.coordinator_timeout)):
-        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-            raise ValueError(f"--{flag} must be a finite number > 0, got {value}")
+# The phases before the first step are `recipes.prepare`'s and `recipes.resume`'s; the helpers the benches and
+# tests use are re-exported too.
+__all__ = ["all_finite", "build_sharded", "compile_for_shapes", "compile_step", "lr_schedule", "make_optimizer",
+           "moe_drops", "next_token_loss", "run", "show_memory_plan", "train_step", "RunConfig"]
 
 
 @dataclasses.dataclass
@@ -259,19 +61,6 @@ class Result:
     last_checkpoint: int | None
     model: nnx.Module | None = None  # the trained model (its last good state)
     exit_code: int = 0           # what the command exits with: 1 after a non-finite step, 128 + signal if interrupted
-
-
-def _sources(cfg: RunConfig, vocab: int, console: Console) -> tuple[data_lib.Source, Any]:
-    """(training source, held-out source or None: without --eval-every)."""
-    if cfg.data:
-        src, held = data_lib.open_data(cfg.data, tokenizer=cfg.tokenizer, vocab=vocab, batch=cfg.batch, seq=cfg.seq,
-                                       seed=cfg.seed, dtype=cfg.data_dtype, heldout=cfg.held_out,
-                                       say=lambda m: console.print(m, soft_wrap=True, markup=False),
-                                       progress=watch.bytes_bar(console) if console.is_terminal else None)
-    else:
-        src = held = data_lib.Synthetic(vocab=vocab, batch=cfg.batch, seq=cfg.seq, seed=cfg.seed)
-    src = data_lib.Poisoned(src, cfg.poison_step) if cfg.poison_step is not None else src
-    return src, held if cfg.eval_every else None
 
 
 def make_eval(graphdef, mesh) -> Callable:
@@ -297,131 +86,12 @@ def evaluate(eval_fn: Callable, state, held, n: int, mesh) -> dict[str, float]:
     return {"eval_loss": value, "eval_perplexity": math.exp(min(value, 700.0))}
 
 
-def kernel_choices(model_cfg, device: jax.Device, overrides=()) -> dict[str, str]:
-    """What runs on `device` for this config: the attention kernel and, for a mixture of experts, the grouped
-    matmul (a backend not "auto" is said to be the preset's unless `overrides` set it). Raises ValueError for an
-    explicit choice that cannot run there (before anything is built)."""
-    from zoo.layers.attention import resolve_impl
-
-    out = {"attention": str(resolve_impl(model_cfg, device))}
-    for kernel, choice in model_cfg.kernel_choices(device).items():
-        if "(asked for" in choice:   # an explicit choice: the user's --set or the preset's
-            field = kernel.replace(" ", "_")   # a kernel is chosen by the config field of its name
-            who = f"--set {field}" if field in dict(overrides) else f"the preset's {field}"
-            choice = choice.replace("(asked for", f"({who}", 1)
-        out[kernel] = choice
-    return out
-
-
-def build_sharded(family: Family, model_cfg, recipe: zoo.Recipe, mesh, make_opt: Callable, *, seed: int,
-                  opt_state: str = "device"):
-    """(model, optimizer) created on `mesh` by the rules (`zoo.sharding.init`: an abstract init, then one jitted
-    init onto the shardings; no device holds a full copy of a sharded variable), the optimizer's moments where
-    `opt_state` says (`zoo.train_step.opt_state_shardings`). Values are the unsharded build's."""
-    def make():
-        model = family.build(model_cfg, recipe=recipe, rngs=nnx.Rngs(seed))
-        return model, make_opt(model)
-    return zoo.sharding.init(make, mesh, place=lambda state, out: opt_state_shardings(state, out, opt_state))
-
-
-def show_memory_plan(console: Console, model_cfg, recipe: zoo.Recipe, *, batch: int, seq: int,
-                     device: jax.Device, compiled=None, hbm_limit: float | None = None,
-                     opt_dtype: str = "float32", mesh=None, grad_accum: int = 1,
-                     opt_state: str = "device") -> zoo.plan.Plan:
-    """Print the recipe's memory plan (`zoo.plan`, with the device's HBM as its budget and, given the compiled
-    step, its peak with XLA's temporaries; per device under a mesh of several devices) and return it."""
-    limit = allocator_limit(device)
-    kwargs = {"hbm_gib": hbm_limit} if hbm_limit else {"hbm_gib": limit / 2 ** 30} if limit else {}
-    if mesh is not None and mesh.devices.size > 1:
-        kwargs["mesh"] = mesh
-    p = zoo.plan(model_cfg, recipe, batch=batch, seq=seq, compiled=compiled, opt_dtype=opt_dtype,
-                 peak=None if compiled is None else "compile", grad_accum=grad_accum, opt_state=opt_state, **kwargs)
-    zoo.plan.render(p, console)
-    return p
-
-
-def compile_for_shapes(family: Family, model_cfg, recipe: zoo.Recipe, cfg: RunConfig, schedule, mesh):
-    """(compiled step, graphdef, abstract state): the run's step compiled on shapes alone, laid out on `mesh`
-    (`zoo.train_step.compile_abstract`, the planner's compile too)."""
-    return compile_abstract(family, model_cfg, recipe, batch=cfg.batch, seq=cfg.seq, schedule=schedule,
-                            clip=cfg.clip, weight_decay=cfg.weight_decay, opt_dtype=cfg.opt_dtype, seed=cfg.seed,
-                            mesh=mesh, grad_accum=cfg.grad_accum, opt_state=cfg.opt_state)
-
-
-def check_fits(console: Console, cfg: RunConfig, plan, recipe_name: str, device: jax.Device, compiled) -> None:
-    """Refuse (ValueError: exit 2) a step whose compiled peak exceeds the device's budget, or whose host bytes
-    exceed the pinned pool, before anything is allocated; --force launches it anyway (`recipes.fit`)."""
-    # the offloaded activations (XLA's host temporaries) and the state kept in pinned host memory
-    host = (meter.host_bytes(compiled) or 0) + plan.state.host if device.platform != "cpu" else plan.host_total
-    problems, notes = fit.check(plan.peak, host=host or 0, pool=plan.host_pool, device=device,
-                                hbm_limit_gib=cfg.hbm_limit)
-    for n in notes:
-        console.print(n, soft_wrap=True, markup=False)
-    if not problems:
-        return
-    why = "; ".join(problems)
-    tips = fit.advice(batch=cfg.batch, seq=cfg.seq, recipe=recipe_name, opt_dtype=cfg.opt_dtype,
-                      optimizer_bytes=plan.state.optimizer, gpu=device.platform == "gpu", opt_state=cfg.opt_state,
-                      grad_accum=cfg.grad_accum)
-    if cfg.force:
-        console.print(f"warning: {why}; launching anyway (--force)", soft_wrap=True, markup=False)
-        return
-    raise ValueError(f"{why}: it would run out of memory. The plan is above; {tips}")
-
-
-def _check_resumable(record: dict, cfg: RunConfig, directory: str, data: dict | None = None) -> None:
-    """ValueError unless the checkpoint's record is of this run: its identity, and the token file it read
-    (`_check_data`)."""
-    want = cfg.identity()
-    have = dict(record.get("run", {}))
-    if cfg.allow_data_change:   # the data's path may change too
-        have["data"] = want["data"]
-    _check_data(record.get("data"), data, cfg, directory)
-    if "schedule_steps" not in have and "steps" in have:   # a record written before --schedule-steps existed
-        have["schedule_steps"] = have.pop("steps")
-        have["warmup"] = have["warmup"] if have.get("warmup") is not None else max(1, have["schedule_steps"] // 10)
-    diff = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
-    if diff:
-        if set(diff) <= {"schedule_steps", "warmup"} and cfg.schedule_steps is None and cfg.warmup is None:
-            planned = diff["schedule_steps"][0]
-            raise ValueError(f"--resume --steps {cfg.steps}: the run in {directory} was planned for {planned} steps "
-                             f"(its learning-rate schedule); to train on past step {planned} at the schedule's final "
-                             f"learning rate (lr/10), add --schedule-steps {planned}")
-        lines = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
-        raise ValueError(f"--resume: the checkpoint in {directory} is of a different run ({lines})")
-
-
-def _check_data(have: dict | None, now: dict | None, cfg: RunConfig, directory: str) -> None:
-    """--resume on a token file other than the one the checkpoint's run read (path, dtype, size or fingerprint,
-    `recipes.data.TokenFile.identity`) is refused unless --allow-data-change. Records written before the data was
-    recorded have none: nothing to compare."""
-    if have is None or now is None or cfg.allow_data_change:
-        return
-    diff = [f"{k}: checkpoint {have.get(k)!r}, now {v!r}" for k, v in now.items() if have.get(k) != v]
-    if diff:
-        raise ValueError(f"--resume: --data {cfg.data} is not the file the run in {directory} read "
-                         f"({'; '.join(diff)}); pass --allow-data-change to resume on it anyway")
-
-
-def _resolve(cfg: RunConfig):
-    """(family, recipe name, recipe, model config, device, kernels), checked: bad names, config values and a config
-    the device cannot run (e.g. cuDNN attention on a CPU) raise ValueError here, before anything touches the disk
-    or compiles."""
-    family = cli.family(cfg.model)
-    recipe_name = cfg.recipe or recipe_registry.default_recipe(family)
-    recipe = None if recipe_name == "auto" else cli.recipe(family, recipe_name)   # auto: chosen once shapes are known
-    model_cfg = cli.model_config(family, cfg.preset, cfg.overrides)
-    device = jax.local_devices()[0]   # this process's own (memory statistics of another's fail)
-    kernels = kernel_choices(model_cfg, device, cfg.overrides)
-    return family, recipe_name, recipe, model_cfg, device, kernels
-
-
 def run(cfg: RunConfig, console: Console | None = None) -> Result:
     """Train as `cfg` says (see the module docstring). With --ckpt-dir, the directory is checked and taken for
     this run (`recipes.lock.DirLock`) before anything else, and given back at the end."""
     # Off a terminal (a log file, CI), print wide lines rather than wrapping at 80 columns.
     console = console or Console(highlight=False, width=None if os.isatty(1) else 160)
-    model_cfg = _resolve(cfg)[3]
+    model_cfg = prepare.resolve(cfg)[3]
     mesh_lib.resolve(cfg.mesh, model_cfg, cfg.micro_batch)   # a mesh that does not fit: ValueError before the disk
     with contextlib.ExitStack() as stack:
         session = _Session(stack, stack.enter_context(Interrupts()))
@@ -459,216 +129,203 @@ class _Session:
 
 
 def _run(cfg: RunConfig, console: Console, session: _Session) -> Result:
-    family, recipe_name, recipe, model_cfg, device, kernels = _resolve(cfg)
-    # Refuse to overwrite a run, or to resume a different one, before spending time on the model.
-    ckpts = Checkpoints(cfg.ckpt_dir) if cfg.ckpt_dir else None
-    if ckpts is not None and ckpts.foreign():
-        raise ValueError(f"--ckpt-dir {ckpts.directory} holds step-numbered folders that are not checkpoints of this "
-                         f"zoo: {', '.join(ckpts.foreign())} (checkpoint rotation and --resume would take them for "
-                         f"checkpoints); move them away or choose another --ckpt-dir")
-    source, held = _sources(cfg, model_cfg.vocab_size, console)   # a token file is checked (and fingerprinted) now
-    if ckpts is not None and ckpts.steps() and not cfg.resume:
-        raise ValueError(f"{ckpts.directory} already holds checkpoints (latest step {ckpts.latest_step()}): "
-                         f"pass --resume to continue that run, or choose another --ckpt-dir")
-    data_id = source.identity()
-    check = lambda record: _check_resumable(record, cfg, ckpts.directory, data_id)  # noqa: E731
-    say = lambda message: console.print(message, soft_wrap=True, markup=False)  # noqa: E731  (whole lines in logs)
-    resume_step, resume_record = ckpts.newest_intact(check, say=say) if cfg.resume else (None, None)
-    resuming = resume_step is not None
-    if resuming and resume_step >= cfg.steps:
-        console.print(f"nothing left to do: the checkpoint in {ckpts.directory} is at step {resume_step} and "
-                      f"--steps is {cfg.steps}. To train on, raise --steps" +
-                      (f" and add --schedule-steps {cfg.total_schedule} (the schedule stays as it was; the steps "
-                       f"past it run at its final learning rate, lr/10)" if resume_step >= cfg.total_schedule
-                       else ""), soft_wrap=True)
-        ckpts.close()
-        return Result([], [], "nothing_to_do", resume_step)
+    """The run in phases: resolve the names, open what it reads (checkpoints, data, the point to resume from),
+    compile the step on shapes, show and check its plan, build the model, restore it, train, finish."""
+    family, recipe_name, recipe, model_cfg, device, kernels = prepare.resolve(cfg)
+    inputs = resume.open_inputs(cfg, console, model_cfg)
+    if inputs.resume_step is not None and inputs.resume_step >= cfg.steps:
+        return _nothing_to_do(cfg, console, inputs)
     metrics_file = (session.stack.enter_context(guard.check_metrics(
-        cfg.metrics, owner=session.metrics_owner(cfg, resume_record)))
+        cfg.metrics, owner=session.metrics_owner(cfg, inputs.resume_record)))
         if cfg.metrics and jax.process_index() == 0 else None)   # multi-host: process 0 writes
-    metrics_path = metrics_file.path if metrics_file else None
-
     mesh = mesh_lib.resolve(cfg.mesh, model_cfg, cfg.micro_batch)   # each micro-batch splits over the data axes
     schedule = lr_schedule(lr=cfg.peak_lr, steps=cfg.total_schedule, warmup=cfg.total_warmup)
     board = watch.Board(cfg.tensorboard) if cfg.tensorboard and jax.process_index() == 0 else None
     # Compile the step on shapes alone (nothing allocated), check that it fits, and only then build the model:
     # the executable compiled here is the one that runs.
-    t0 = time.perf_counter()
-    what = (f"compiling the training step ({cfg.model} {cfg.preset}, batch {cfg.batch} x seq {cfg.seq}, recipe "
-            f"{recipe_name}) for {device.platform}")
-    accum = (f" ({cfg.grad_accum} micro-batches of {cfg.micro_batch} per update)" if cfg.grad_accum > 1 else "")
-    placed = "; optimizer state in pinned host memory between steps" if cfg.opt_state == "host" else ""
-    with watch.busy(console, what):
-        if recipe is None:   # --recipe auto: the planner's choice for this device, compiled and checked to fit
-            ins = auto.inputs(device, hbm_gib=cfg.hbm_limit, link_gbps=cfg.link, overlap=cfg.overlap,
-                              tflops=cfg.peak_tflops)
-            recipe, (compiled, graphdef, abstract), notes = auto.fit(
-                model_cfg, ins, lambda r: compile_for_shapes(family, model_cfg, r, cfg, schedule, mesh),
-                batch=cfg.batch, seq=cfg.seq, opt_dtype=cfg.opt_dtype, grad_accum=cfg.grad_accum,
-                opt_state=cfg.opt_state, mesh=mesh if mesh.devices.size > 1 else None)
-        else:
-            compiled, graphdef, abstract = compile_for_shapes(family, model_cfg, recipe, cfg, schedule, mesh)
-    if recipe_name == "auto":
-        for note in notes:
-            console.print(note, soft_wrap=True, markup=False)
-        console.print(f"recipe auto for {ins.describe()}: {auto.summary(recipe)}", soft_wrap=True, markup=False)
-    compile_s = time.perf_counter() - t0
-    n_params = zoo.models.count_params(nnx.merge(graphdef, abstract)[0])
-    tokens_per_step = cfg.batch * cfg.seq
-    peak, peak_src = meter.peak_tflops(device, cfg.peak_tflops)
-    n_devices = mesh.devices.size   # recipes.mesh.resolve always gives a mesh (one device: all axes 1)
-
-    console.print(f"model {cfg.model} {cfg.preset}: {n_params:,} parameters; batch {cfg.batch} x seq {cfg.seq}"
-                  f"{accum}; {cfg.steps} steps on {device.platform} ({device.device_kind}){placed}")
-    console.print(f"mesh {mesh_lib.describe(mesh)} over {jax.device_count()} device(s), {jax.process_count()} "
-                  f"process(es)")
-    console.print(f"recipe {recipe}")
-    console.print(f"XLA options of the step: {compile_options.for_step(recipe, device.platform).describe()}",
-                  soft_wrap=True, markup=False)
-    hint = compile_options.chunking_hint(recipe, model_cfg.mlp_seq_chunks, device.platform)
-    if hint:
-        console.print(hint, soft_wrap=True, markup=False)
-    for what, choice in kernels.items():
-        console.print(f"{what}: {choice}", soft_wrap=True)
-    plan = show_memory_plan(console, model_cfg, recipe, batch=cfg.batch, seq=cfg.seq, device=device,
-                            compiled=compiled, hbm_limit=cfg.hbm_limit, opt_dtype=cfg.opt_dtype, mesh=mesh,
-                            grad_accum=cfg.grad_accum, opt_state=cfg.opt_state)
-    if device.platform == "cpu" and recipe.offload:
-        console.print("on the CPU there is no pinned host memory: offload placements compile and run but move "
-                      "nothing (use a GPU to see HBM fall)")
-    check_fits(console, cfg, plan, recipe_name, device, compiled)
-    console.print(f"MFU against {peak} TFLOP/s ({peak_src})" if peak else f"MFU: {peak_src}")
-
-    model, optimizer = build_sharded(family, model_cfg, recipe, mesh, seed=cfg.seed, make_opt=lambda m: make_optimizer(
-        m, schedule, clip=cfg.clip, weight_decay=cfg.weight_decay, opt_dtype=cfg.opt_dtype),
+    step = prepare.compile_run(cfg, console, family, model_cfg, recipe_name, recipe, device, schedule, mesh)
+    plan = prepare.show_and_check(cfg, console, model_cfg, step, recipe_name, device, kernels, mesh)
+    model, optimizer = prepare.build_sharded(family, model_cfg, step.recipe, mesh, seed=cfg.seed, make_opt=lambda m: (
+        make_optimizer(m, schedule, clip=cfg.clip, weight_decay=cfg.weight_decay, opt_dtype=cfg.opt_dtype)),
         opt_state=cfg.opt_state)
-    flops_per_step = family.flops_per_token(model_cfg, model, cfg.seq) * tokens_per_step
-
-    record = {"run": cfg.identity(), "recipe": recipe_name, "metrics": metrics_path, "data": data_id,
-              "mesh": mesh_lib.describe(mesh)}   # recorded, not checked: a run may resume on another mesh
-    start = 0
-    if ckpts is not None and resuming:
-        # Restoring reads every array: a truncated one shows here, and the walk goes on to an older step.
-        start, _ = ckpts.newest_intact(check, model, optimizer, say=say)
-        console.print(f"resumed from {ckpts.directory} at step {start}")
-    elif cfg.resume:
-        console.print(f"--resume: no checkpoint in {ckpts.directory} yet; starting from step 0")
-    last_ckpt = start if start else None
-
-    _, state = nnx.split((model, optimizer))
-    host = meter.host_bytes(compiled) if device.platform != "cpu" else None
-    console.print(f"compiled the step in {compile_s:.1f} s"
+    # the mesh is recorded, not checked: a run may resume on another mesh
+    record = {"run": cfg.identity(), "recipe": recipe_name, "metrics": metrics_file.path if metrics_file else None,
+              "data": inputs.data_id, "mesh": mesh_lib.describe(mesh)}
+    start = resume.restore(cfg, console, inputs, model, optimizer)
+    host = meter.host_bytes(step.compiled) if device.platform != "cpu" else None
+    console.print(f"compiled the step in {step.seconds:.1f} s"
                   + (f"; host memory for offloaded values: {meter.fmt_bytes(host)}" if host is not None else ""))
+    loop = _Loop(cfg, console, session, step, mesh, schedule, inputs, record, model, optimizer, start=start,
+                 metrics_file=metrics_file, board=board, device=device, host=host, plan=plan,
+                 flops_per_step=family.flops_per_token(model_cfg, model, cfg.seq) * cfg.batch * cfg.seq)
+    return loop.run()
 
-    def save(step: int) -> None:
-        nonlocal last_ckpt
-        nnx.update((model, optimizer), state)
-        ckpts.save(step, model, optimizer, record)
-        ckpts.wait()
-        last_ckpt = step
 
-    if metrics_file:
-        metrics_file.start_at(start)
-    eval_fn = make_eval(graphdef, mesh) if held is not None else None
-    result = Result([], [], None, last_ckpt)
-    mtp_weight = model_cfg.mtp_loss_weight()   # the MTP loss's lambda: the rest of total - loss is the aux loss
-    progress = _Progress(console, cfg.steps, start)
-    drops = DropWatch(console, cfg.max_drop_warn)
-    t_last, n_since = time.perf_counter(), 0
-    session.interrupts.training = True   # from here a signal ends the run after its step, with a checkpoint
-    try:
-        batch = mesh_lib.put_batch(source.batch(start + 1), mesh) if start < cfg.steps else None
-        for step in range(start + 1, cfg.steps + 1):
-            state, m = compiled(state, batch)   # dispatched: the device runs the step while the host goes on
-            if step < cfg.steps:                 # the next batch is made and sent meanwhile, not while the device idles
-                batch = mesh_lib.put_batch(source.batch(step + 1), mesh)
-            m = jax.device_get(m)
-            if not m["ok"]:
-                # The step left `state` as it was (unless `kept` says an update that passed the guard still made a
-                # parameter non-finite): then it is the last good state, after step - 1.
-                kept = bool(m.get("kept", True))
-                if kept and ckpts is not None and step - 1 > 0 and last_ckpt != step - 1:
-                    save(step - 1)
-                where = (f"The last good checkpoint is step {last_ckpt} in {ckpts.directory}" if last_ckpt
-                         else "No checkpoint was written (no --ckpt-dir, or no good step yet)")
-                progress.stop()
-                if not (math.isfinite(m["total_loss"]) and math.isfinite(m["grad_norm"])):
-                    cause = f"the loss ({m['total_loss']}) or the gradient norm ({m['grad_norm']}) is not finite"
-                elif "lr" in m and not math.isfinite(m["lr"]):
-                    cause = (f"the learning rate ({m['lr']}) is not finite (the loss {m['total_loss']:.4f} and the "
-                             f"gradient norm {m['grad_norm']:.4f} are: check --lr and the schedule)")
-                else:
-                    cause = (f"the update made parameters non-finite (the loss {m['total_loss']:.4f} and the "
-                             f"gradient norm {m['grad_norm']:.4f} are finite: check --lr)")
-                what = ("the update was not applied" if kept else
-                        "the update was applied (an overflow the guard cannot foresee) and is not saved")
-                console.print(f"[bold red]step {step}: {cause}; {what} and the run stops. {where}.[/]",
-                              soft_wrap=True)
-                result.stopped = "nonfinite"
-                break
-            loss = float(m["loss"])
-            drops.check(step, m)
-            result.steps.append(step)
-            result.losses.append(loss)
-            n_since += 1
-            evaluating = cfg.eval_every and step % cfg.eval_every == 0
-            if step % cfg.log_every == 0 or step == cfg.steps or step == start + 1 or evaluating:
-                jax.block_until_ready(state)
-                now = time.perf_counter()
-                dt, t_last, n = now - t_last, now, n_since
-                n_since = 0
-                tok_s = tokens_per_step * n / dt
-                tflops = flops_per_step * n / dt / 1e12 / n_devices   # per device, as the peak it is held to
-                mtp = float(m["mtp_loss"]) if "mtp_loss" in m else None
-                aux_loss = float(m["total_loss"]) - loss - mtp_weight * (mtp or 0.0)
-                row = {"step": step, "loss": loss, "aux_loss": aux_loss, "grad_norm": float(m["grad_norm"]),
-                       "lr": float(schedule(step - 1)), "tokens_per_s": tok_s, "model_tflops": tflops,
-                       "mfu": tflops / peak if peak else None, "peak_hbm_bytes": meter.peak_hbm_bytes(device),
-                       "host_bytes": host, "dropped": int(m["dropped"]), "drop_fraction": drops.fraction(m),
-                       "planned_peak_bytes": plan.peak_bytes, "planned_peak_source": plan.peak_source}
-                if mtp is not None:
-                    row["mtp_loss"] = mtp
-                if eval_fn is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
-                    row.update(evaluate(eval_fn, state, held, cfg.eval_batches, mesh))
-                    t_last = time.perf_counter()   # evaluation time is not step time
-                progress.log(row)
-                if metrics_file:
-                    metrics_file.write(row)
-                if board:
-                    board.write(row)
-            progress.advance(step, loss)
-            if ckpts is not None and cfg.ckpt_every and step % cfg.ckpt_every == 0:
-                save(step)
-                t_last, n_since = time.perf_counter(), 0   # checkpoint time is not step time
-            if step < cfg.steps and session.interrupts.requested():   # at the last step: finish as usual
-                _interrupted(console, session.interrupts, step, save if ckpts is not None else None, last_ckpt)
-                result.stopped, result.exit_code = "interrupted", session.interrupts.exit_code
-                break
-            if cfg.stop_after is not None and step == cfg.stop_after and step < cfg.steps:
-                result.stopped = "stop_after"
-                console.print(f"--stop-after {step}: stopping as if preempted (last checkpoint: {last_ckpt})")
-                break
+def _nothing_to_do(cfg: RunConfig, console: Console, inputs: resume.Inputs) -> Result:
+    """--resume of a run already at --steps: say how to train on, build nothing."""
+    step = inputs.resume_step
+    console.print(f"nothing left to do: the checkpoint in {inputs.ckpts.directory} is at step {step} and "
+                  f"--steps is {cfg.steps}. To train on, raise --steps" +
+                  (f" and add --schedule-steps {cfg.total_schedule} (the schedule stays as it was; the steps "
+                   f"past it run at its final learning rate, lr/10)" if step >= cfg.total_schedule
+                   else ""), soft_wrap=True)
+    inputs.ckpts.close()
+    return Result([], [], "nothing_to_do", step)
+
+
+class _Loop:
+    """The training loop over the compiled step: the state it carries, the checkpoints it saves, what it logs and
+    how it stops (at --steps, on a non-finite step, on a signal, at --stop-after)."""
+
+    def __init__(self, cfg: RunConfig, console: Console, session: _Session, step: prepare.Step, mesh, schedule,
+                 inputs: resume.Inputs, record: dict, model, optimizer, *, start: int, metrics_file, board, device,
+                 host, plan, flops_per_step: float):
+        self.cfg, self.console, self.session, self.step, self.mesh, self.schedule = (
+            cfg, console, session, step, mesh, schedule)
+        self.inputs, self.ckpts, self.record, self.model, self.optimizer = (
+            inputs, inputs.ckpts, record, model, optimizer)
+        self.start, self.metrics_file, self.board, self.device, self.host, self.plan = (
+            start, metrics_file, board, device, host, plan)
+        self.flops_per_step = flops_per_step
+        self.peak = meter.peak_tflops(device, cfg.peak_tflops)[0]
+        self.last_ckpt = start if start else None
+        _, self.state = nnx.split((model, optimizer))
+        self.eval_fn = make_eval(step.graphdef, mesh) if inputs.held is not None else None
+        self.progress = watch.Progress(console, cfg.steps, start)
+        self.drops = watch.DropWatch(console, cfg.max_drop_warn)
+        self.t_last, self.n_since = time.perf_counter(), 0
+
+    def save(self, step: int) -> None:
+        nnx.update((self.model, self.optimizer), self.state)
+        self.ckpts.save(step, self.model, self.optimizer, self.record)
+        self.ckpts.wait()
+        self.last_ckpt = step
+
+    def run(self) -> Result:
+        cfg, session, mesh, source = self.cfg, self.session, self.mesh, self.inputs.source
+        if self.metrics_file:
+            self.metrics_file.start_at(self.start)
+        result = Result([], [], None, self.last_ckpt)
+        session.interrupts.training = True   # from here a signal ends the run after its step, with a checkpoint
+        try:
+            batch = mesh_lib.put_batch(source.batch(self.start + 1), mesh) if self.start < cfg.steps else None
+            for step in range(self.start + 1, cfg.steps + 1):
+                self.state, m = self.step.compiled(self.state, batch)   # dispatched: the device runs the step
+                if step < cfg.steps:   # while the host makes and sends the next batch, not while the device idles
+                    batch = mesh_lib.put_batch(source.batch(step + 1), mesh)
+                m = jax.device_get(m)
+                if not m["ok"]:
+                    self._stop_nonfinite(step, m)
+                    result.stopped = "nonfinite"
+                    break
+                self._record(step, m, result)
+                if step < cfg.steps and session.interrupts.requested():   # at the last step: finish as usual
+                    _interrupted(self.console, session.interrupts, step,
+                                 self.save if self.ckpts is not None else None, self.last_ckpt)
+                    result.stopped, result.exit_code = "interrupted", session.interrupts.exit_code
+                    break
+                if cfg.stop_after is not None and step == cfg.stop_after and step < cfg.steps:
+                    result.stopped = "stop_after"
+                    self.console.print(f"--stop-after {step}: stopping as if preempted (last checkpoint: "
+                                       f"{self.last_ckpt})")
+                    break
+            else:
+                if self.ckpts is not None and self.last_ckpt != cfg.steps:
+                    self.save(cfg.steps)
+        finally:
+            self._close()
+        return self._finish(result)
+
+    def _record(self, step: int, m: dict, result: Result) -> None:
+        """A good step: count it, log it (every --log-every, the first, the last, at evaluations), checkpoint it
+        (every --ckpt-every)."""
+        cfg = self.cfg
+        loss = float(m["loss"])
+        self.drops.check(step, m)
+        result.steps.append(step)
+        result.losses.append(loss)
+        self.n_since += 1
+        evaluating = cfg.eval_every and step % cfg.eval_every == 0
+        if step % cfg.log_every == 0 or step == cfg.steps or step == self.start + 1 or evaluating:
+            self._log(step, m, loss)
+        self.progress.advance(step, loss)
+        if self.ckpts is not None and cfg.ckpt_every and step % cfg.ckpt_every == 0:
+            self.save(step)
+            self.t_last, self.n_since = time.perf_counter(), 0   # checkpoint time is not step time
+
+    def _log(self, step: int, m: dict, loss: float) -> None:
+        """One row of figures since the last: printed, written to --metrics and TensorBoard; held-out loss on
+        evaluation steps."""
+        cfg = self.cfg
+        jax.block_until_ready(self.state)
+        now = time.perf_counter()
+        dt, self.t_last, n = now - self.t_last, now, self.n_since
+        self.n_since = 0
+        tflops = self.flops_per_step * n / dt / 1e12 / self.mesh.devices.size   # per device, as its peak
+        mtp = float(m["mtp_loss"]) if "mtp_loss" in m else None
+        # total = loss + lambda * MTP loss + the auxiliary (balance) loss
+        aux_loss = float(m["total_loss"]) - loss - self.model.config.mtp_loss_weight() * (mtp or 0.0)
+        row = {"step": step, "loss": loss, "aux_loss": aux_loss, "grad_norm": float(m["grad_norm"]),
+               "lr": float(self.schedule(step - 1)), "tokens_per_s": cfg.batch * cfg.seq * n / dt,
+               "model_tflops": tflops, "mfu": tflops / self.peak if self.peak else None,
+               "peak_hbm_bytes": meter.peak_hbm_bytes(self.device), "host_bytes": self.host,
+               "dropped": int(m["dropped"]), "drop_fraction": self.drops.fraction(m),
+               "planned_peak_bytes": self.plan.peak_bytes, "planned_peak_source": self.plan.peak_source}
+        if mtp is not None:
+            row["mtp_loss"] = mtp
+        if self.eval_fn is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
+            row.update(evaluate(self.eval_fn, self.state, self.inputs.held, cfg.eval_batches, self.mesh))
+            self.t_last = time.perf_counter()   # evaluation time is not step time
+        self.progress.log(row)
+        if self.metrics_file:
+            self.metrics_file.write(row)
+        if self.board:
+            self.board.write(row)
+
+    def _stop_nonfinite(self, step: int, m: dict) -> None:
+        """The step left the state as it was (unless `kept` says an update that passed the guard still made a
+        parameter non-finite): then it is the last good state, after step - 1; save it and say why the run stops."""
+        kept = bool(m.get("kept", True))
+        if kept and self.ckpts is not None and step - 1 > 0 and self.last_ckpt != step - 1:
+            self.save(step - 1)
+        where = (f"The last good checkpoint is step {self.last_ckpt} in {self.ckpts.directory}" if self.last_ckpt
+                 else "No checkpoint was written (no --ckpt-dir, or no good step yet)")
+        self.progress.stop()
+        if not (math.isfinite(m["total_loss"]) and math.isfinite(m["grad_norm"])):
+            cause = f"the loss ({m['total_loss']}) or the gradient norm ({m['grad_norm']}) is not finite"
+        elif "lr" in m and not math.isfinite(m["lr"]):
+            cause = (f"the learning rate ({m['lr']}) is not finite (the loss {m['total_loss']:.4f} and the "
+                     f"gradient norm {m['grad_norm']:.4f} are: check --lr and the schedule)")
         else:
-            if ckpts is not None and last_ckpt != cfg.steps:
-                save(cfg.steps)
-    finally:
-        progress.stop()
-        drops.summary()
-        if metrics_file:
-            metrics_file.close()
-        if board:
-            board.close()
-        if ckpts is not None:
+            cause = (f"the update made parameters non-finite (the loss {m['total_loss']:.4f} and the "
+                     f"gradient norm {m['grad_norm']:.4f} are finite: check --lr)")
+        what = ("the update was not applied" if kept else
+                "the update was applied (an overflow the guard cannot foresee) and is not saved")
+        self.console.print(f"[bold red]step {step}: {cause}; {what} and the run stops. {where}.[/]", soft_wrap=True)
+
+    def _close(self) -> None:
+        """Whatever happened: the progress bar, the drop summary, the metrics file, TensorBoard, the checkpoints."""
+        self.progress.stop()
+        self.drops.summary()
+        if self.metrics_file:
+            self.metrics_file.close()
+        if self.board:
+            self.board.close()
+        if self.ckpts is not None:
             try:
-                ckpts.close()
+                self.ckpts.close()
             except Exception as e:  # never hide the error that got us here, never hang on the way out
-                console.print(f"closing the checkpoint manager failed: {e}")
-    nnx.update((model, optimizer), state)
-    result.last_checkpoint, result.model = last_ckpt, model
-    if result.losses:
-        console.print(f"loss {result.losses[0]:.4f} (step {result.steps[0]}) -> {result.losses[-1]:.4f} "
-                      f"(step {result.steps[-1]})" + (f"; checkpoint: step {last_ckpt}" if last_ckpt else ""))
-    return result
+                self.console.print(f"closing the checkpoint manager failed: {e}")
+
+    def _finish(self, result: Result) -> Result:
+        """The trained model (its last good state) into the result, and the loss from first to last step."""
+        nnx.update((self.model, self.optimizer), self.state)
+        result.last_checkpoint, result.model = self.last_ckpt, self.model
+        if result.losses:
+            self.console.print(f"loss {result.losses[0]:.4f} (step {result.steps[0]}) -> {result.losses[-1]:.4f} "
+                               f"(step {result.steps[-1]})"
+                               + (f"; checkpoint: step {self.last_ckpt}" if self.last_ckpt else ""))
+        return result
 
 
 def _interrupted(console: Console, interrupts: Interrupts, step: int, save: Callable | None,
@@ -680,45 +337,3 @@ def _interrupted(console: Console, interrupts: Interrupts, step: int, save: Call
             "no --ckpt-dir, nothing saved").format(step=step)
     console.print(f"{interrupts.name}: stopped after step {step}; {what} (exit {interrupts.exit_code})",
                   soft_wrap=True, markup=False)
-
-
-class _Progress:
-    """A rich progress bar on a terminal; plain log lines always (they are what a log file keeps)."""
-
-    def __init__(self, console: Console, total: int, start: int):
-        self.console, self.total = console, total
-        self.first = None   # (time, step) of the first logged step: the pace for the ETA is measured from it
-        self.bar = None
-        if console.is_terminal:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-            self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console)
-            self.task = self.bar.add_task("train", total=total, completed=start, info="")
-            self.bar.start()
-
-    def log(self, row: dict) -> None:
-        mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "-"
-        mtp = f"  mtp loss {row['mtp_loss']:.4f}" if "mtp_loss" in row else ""
-        line = (f"step {row['step']:>6}  loss {row['loss']:.4f}{mtp}  grad {row['grad_norm']:.3f}  "
-                f"tok/s {row['tokens_per_s']:,.0f}  TFLOP/s {row['model_tflops']:.3g}  MFU {mfu}")
-        if row["peak_hbm_bytes"] is not None:   # backends that keep memory statistics (GPU, TPU)
-            line += f"  HBM peak {meter.fmt_bytes(row['peak_hbm_bytes'])}"
-        if row["host_bytes"] is not None:
-            line += f"  host {meter.fmt_bytes(row['host_bytes'])}"
-        now = time.perf_counter()
-        if self.first is None:
-            self.first = (now, row["step"])
-        elif row["step"] < self.total:
-            line += "  " + watch.eta(row["step"] - self.first[1], self.total - self.first[1], now - self.first[0])
-        if "eval_loss" in row:
-            line += f"  held-out loss {row['eval_loss']:.4f}  ppl {row['eval_perplexity']:.2f}"
-        self.console.print(line, soft_wrap=True)
-
-    def advance(self, step: int, loss: float) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, completed=step, info=f"loss {loss:.4f}")
-
-    def stop(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-            self.bar = None

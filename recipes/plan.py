@@ -20,47 +20,54 @@ import sys
 import jax
 
 import zoo
-from recipes import cli, fit
+from recipes import cli, config, fit
 from zoo.plan.peak import allocator_limit
 from zoo.plan.types import OPTIMIZERS
+
+# The planner's own words for flags it shares with the training command (their defaults and types are the run's).
+SHARED = {
+    "batch": {"default": None},   # None: --max-batch starts at 1; a plan at the run's default batch
+    "mesh": {"help": "plan per device under a mesh of the axes dp, fsdp, tp, ep (e.g. fsdp=4,tp=2; the device count "
+                     "is their product, no devices needed): each parameter, optimizer moment and saved activation "
+                     "divided as the sharding rules split it (zoo.sharding); instead of --shard"},
+    "opt_dtype": {"choices": (*config.OPT_DTYPES, "float16"), "help": "dtype of the optimizer moments"},
+    "opt_state": {"help": "where the optimizer moments live between steps, as `recipes.train --opt-state`: host "
+                          "moves them from the HBM figures to pinned host memory"},
+    "grad_accum": {"help": "micro-batches per update, as `recipes.train --grad-accum`: activations are planned for "
+                           "batch/K, with float32 gradient sums in the model state"},
+    "hbm_limit": {"flags": ("--hbm", "--hbm-limit"), "type": cli.positive_float,
+                  "help": "HBM budget per device, GiB: warned about; needed by --recipe auto (an H200: 141)"},
+    "link": {"type": cli.positive_float,
+             "help": "host link speed, GB/s per direction: for --recipe auto and the step-time estimate (default: "
+                     "measured inside a step on --device, zoo/plan/links.py: H200 55.3)"},
+    "overlap": {"metavar": "FRACTION",
+                "help": "fraction of transfer time hidden under compute, 0..1 (default: measured on --device, H200 0: "
+                        "XLA's copies run on the compute stream; else 0)"},
+    "peak_tflops": {"flags": ("--flops", "--peak-tflops"), "type": cli.positive_float, "metavar": "TFLOPS",
+                    "help": "matmul rate, TFLOP/s: for --recipe auto and the step-time estimate (an H200 in bf16: "
+                            "~600-800)"},
+}
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recipes.plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=cli.HelpFormatter)
-    # The training command's defaults (tiny, batch 8, seq 64); --batch stays None here for --max-batch to start at 1.
-    cli.add_model_args(p, preset=cli.DEFAULTS["preset"], batch=None, seq=cli.DEFAULTS["seq"], optional=("--batch",))
-    p.epilog = ("--preset, --seq and --batch default to the training command's (tiny, 64, 8). "
+    cli.add_fields(p, config.RunConfig, ("model", "preset", "overrides", "recipe", "batch", "seq"), **SHARED)
+    p.epilog = (f"--preset, --seq and --batch default to the training command's ({config.default('preset')}, "
+                f"{config.default('seq')}, {config.default('batch')}). "
                 "--recipe auto chooses each tag's placement for --hbm (default: the allocator's limit of the device "
                 "present), --flops (default: the datasheet table, recipes/meter.py) and --link and --overlap "
                 "(default: the link measured on --device, zoo/plan/links.py).")
     p.add_argument("--shard", type=cli.positive_int, default=1, metavar="N",
                    help="devices the batch and the model state are split over (data parallel + FSDP); must divide "
                         "--batch; figures are then per device, every byte divided by N (see --mesh)")
-    p.add_argument("--mesh", default=None, metavar="AXIS=N,...",
-                   help="plan per device under a mesh of the axes dp, fsdp, tp, ep (e.g. fsdp=4,tp=2; the device "
-                        "count is their product, no devices needed): each parameter, optimizer moment and saved "
-                        "activation divided as the sharding rules split it (zoo.sharding); instead of --shard")
+    cli.add_fields(p, config.RunConfig, ("mesh",), **SHARED)
     p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adamw",
                    help="optimizer whose moments count as model state")
-    p.add_argument("--opt-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                   help="dtype of the optimizer moments")
-    p.add_argument("--opt-state", choices=("device", "host"), default="device",
-                   help="where the optimizer moments live between steps, as `recipes.train --opt-state`: host moves "
-                        "them from the HBM figures to pinned host memory")
-    p.add_argument("--grad-accum", type=cli.positive_int, default=1, metavar="K",
-                   help="micro-batches per update, as `recipes.train --grad-accum`: activations are planned for "
-                        "batch/K, with float32 gradient sums in the model state")
-    p.add_argument("--hbm", "--hbm-limit", type=cli.positive_float, metavar="GIB",
-                   help="HBM budget per device, GiB: warned about; needed by --recipe auto (an H200: 141)")
+    cli.add_fields(p, config.RunConfig, ("opt_dtype", "opt_state", "grad_accum", "hbm_limit"), **SHARED)
     p.add_argument("--host", type=cli.positive_float, metavar="GIB",
                    help="host memory budget per device for --recipe auto, GiB (none: unbounded)")
-    p.add_argument("--link", type=cli.positive_float, metavar="GBPS",
-                   help="host link speed, GB/s per direction: for --recipe auto and the step-time estimate "
-                        "(default: measured inside a step on --device, zoo/plan/links.py: H200 55.3)")
-    p.add_argument("--overlap", type=float, default=None, metavar="FRACTION",
-                   help="fraction of transfer time hidden under compute, 0..1 (default: measured on --device, "
-                        "H200 0: XLA's copies run on the compute stream; else 0)")
+    cli.add_fields(p, config.RunConfig, ("link", "overlap"), **SHARED)
     p.add_argument("--device", default=None, metavar="KIND",
                    help="the device planned for, e.g. H200 (default: the device present); the peak is compiled "
                         "only for the device present, else estimated")
@@ -68,9 +75,7 @@ def parser() -> argparse.ArgumentParser:
                    help="peak HBM with XLA's temporaries: compile the training step on abstract inputs for the "
                         "device present, or estimate it; auto: compile on an accelerator, estimate on the CPU (a "
                         "full-size step compiles slowly there and says nothing of a GPU)")
-    p.add_argument("--flops", "--peak-tflops", type=cli.positive_float, metavar="TFLOPS",
-                   help="matmul rate, TFLOP/s: for --recipe auto and the step-time estimate (an H200 in bf16: "
-                        "~600-800)")
+    cli.add_fields(p, config.RunConfig, ("peak_tflops",), **SHARED)
     p.add_argument("--max-batch", nargs="?", type=cli.positive_int, const=1024, default=None, metavar="CAP",
                    help="print the largest batch (a power of two, up to CAP, default 1024) whose peak HBM fits --hbm "
                         "(default: the allocator limit of the GPU present) and the peak at each batch planned, "
@@ -95,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_batch is not None:
         return _max_batch(ap, args)
     if args.batch is None:
-        args.batch = cli.DEFAULTS["batch"]
+        args.batch = config.default("batch")
     if args.recipe == "auto":
         from recipes import meter
         from zoo.plan import links
@@ -104,12 +109,13 @@ def main(argv: list[str] | None = None) -> int:
         link = args.link or (measured.rate_gbps if measured is not None else None)
         # As `recipes.train --recipe auto`: the FLOP rate from the datasheet table for the device planned for, and
         # the HBM budget from the device present when it is the one planned for.
-        args.flops = args.flops or meter.peak_tflops_of(kind)[0]
-        if args.hbm is None and (args.device is None or args.device.lower() in _present_kind().lower()):
+        args.peak_tflops = args.peak_tflops or meter.peak_tflops_of(kind)[0]
+        if args.hbm_limit is None and (args.device is None or args.device.lower() in _present_kind().lower()):
             limit = allocator_limit(jax.devices()[0])
-            args.hbm = limit / 2 ** 30 if limit else None
+            args.hbm_limit = limit / 2 ** 30 if limit else None
             args.hbm_from_allocator = bool(limit)
-        missing = [f for f, v in (("--hbm", args.hbm), ("--link", link), ("--flops", args.flops)) if not v]
+        missing = [f for f, v in (("--hbm", args.hbm_limit), ("--link", link), ("--flops", args.peak_tflops))
+                   if not v]
         if missing:
             ap.error(f"--recipe auto needs {', '.join(missing)} (the HBM budget in GiB, the host link in GB/s, "
                      f"the matmul rate in TFLOP/s), e.g. --hbm 141 --link 55 --flops 600"
@@ -127,11 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         family = cli.family(args.model)
         cfg = cli.model_config(family, args.preset, args.overrides)
         recipe = "auto" if args.recipe == "auto" else cli.recipe(family, args.recipe)
-        p = zoo.plan(cfg, recipe, batch=args.batch, seq=args.seq, shard=args.shard, optimizer=args.optimizer,
-                     opt_dtype=args.opt_dtype, hbm_gib=args.hbm, host_gib=args.host, link_gbps=args.link,
-                     tflops=args.flops, model_name=f"{args.model} {args.preset}", overlap=args.overlap,
-                     device_kind=args.device, peak=None if args.peak == "none" else args.peak, mesh=args.mesh,
-                     grad_accum=args.grad_accum, opt_state=args.opt_state)
+        hardware = zoo.plan.Hardware(hbm_gib=args.hbm_limit, host_gib=args.host, link_gbps=args.link,
+                                     overlap=args.overlap, tflops=args.peak_tflops, device_kind=args.device)
+        p = zoo.plan(cfg, recipe, batch=args.batch, seq=args.seq, hardware=hardware, parallel=_parallel(args),
+                     training=_training(args), peak=None if args.peak == "none" else args.peak,
+                     model_name=f"{args.model} {args.preset}")
     except ValueError as e:
         ap.error(str(e))
     if args.json:
@@ -139,19 +145,30 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write("\n")
     else:
         zoo.plan.render(p)
-        if getattr(args, "hbm_from_allocator", False) or (args.hbm is None and allocator_limit(jax.devices()[0])):
+        if getattr(args, "hbm_from_allocator", False) or (args.hbm_limit is None
+                                                           and allocator_limit(jax.devices()[0])):
             print(f"HBM budget: the allocator's limit of the GPU present: {fit.allocator_share()}")
     if args.plot:
         _plot(ap, args, family, cfg)
     return 0
 
 
+def _parallel(args) -> zoo.plan.Parallelism:
+    return zoo.plan.Parallelism(shard=args.shard, mesh=args.mesh)
+
+
+def _training(args) -> zoo.plan.Training:
+    return zoo.plan.Training(optimizer=args.optimizer, opt_dtype=args.opt_dtype, grad_accum=args.grad_accum,
+                             opt_state=args.opt_state)
+
+
 def _plot(ap: argparse.ArgumentParser, args, family, cfg) -> None:
     """--plot: every recipe of the family planned at the same shapes (no peak: the bars are saved bytes)."""
     from recipes import plot, registry
     try:
-        plans = {name: zoo.plan(cfg, r, batch=args.batch, seq=args.seq, shard=args.shard, optimizer=args.optimizer,
-                                opt_dtype=args.opt_dtype, hbm_gib=args.hbm, mesh=args.mesh, peak=None)
+        plans = {name: zoo.plan(cfg, r, batch=args.batch, seq=args.seq, parallel=_parallel(args),
+                                training=zoo.plan.Training(optimizer=args.optimizer, opt_dtype=args.opt_dtype),
+                                hardware=zoo.plan.Hardware(hbm_gib=args.hbm_limit), peak=None)
                  for name, r in registry.recipes_of(family).items()}
         sets = "".join(f" {k}={v}" for k, v in args.overrides)
         where = f", mesh {args.mesh}" if args.mesh else f", over {args.shard} devices" if args.shard > 1 else ""
@@ -177,7 +194,7 @@ def _max_batch(ap: argparse.ArgumentParser, args) -> int:
         if start is not None and (start & (start - 1) or start > args.max_batch):
             raise ValueError(f"--batch {start} with --max-batch is the first batch planned: a power of two up to "
                              f"{args.max_batch}")
-        c = zoo.plan.largest_batch(cfg, recipe, seq=args.seq, hbm_gib=args.hbm, optimizer=args.optimizer,
+        c = zoo.plan.largest_batch(cfg, recipe, seq=args.seq, hbm_gib=args.hbm_limit, optimizer=args.optimizer,
                                    opt_dtype=args.opt_dtype, peak=args.peak, device_kind=args.device, start=start,
                                    cap=args.max_batch)
     except ValueError as e:

@@ -4,6 +4,9 @@ and TensorBoard scalars (`--tensorboard DIR`).
 - `busy(console, what)`: a context manager. On a terminal, a spinner with `what` and the elapsed seconds, updated
   live and gone when done; in a log file, the line once and then `... still <what>: 60 s` every 30 s.
 - `eta(done, total, seconds)`: "ETA 1m05s" from the mean time of the steps done.
+- `Progress(console, total, start)`: the training progress: a rich bar on a terminal, and a plain line per logged
+  step always (loss, grad norm, tok/s, TFLOP/s, MFU, HBM, host bytes, ETA, held-out loss).
+- `DropWatch(console, threshold)`: capacity dispatch's dropped token copies, warned about once and summed up.
 - `Board(directory)`: scalars through tensorboardX (a pure-Python event writer, no TensorFlow; `pip install -e
   ".[watch]"`); `tensorboard --logdir DIR` shows them.
 """
@@ -15,6 +18,8 @@ import time
 from collections.abc import Callable, Iterator
 
 from rich.console import Console
+
+from recipes import meter
 
 EVERY_S = 30.0   # off a terminal: a "still ..." line this often
 
@@ -102,3 +107,78 @@ class Board:
 
     def close(self) -> None:
         self.writer.close()
+
+
+class DropWatch:
+    """Capacity dispatch drops token copies over an expert's capacity: warn when a step drops more than
+    `threshold` of its routed copies, once (at the first such step), and sum them up at the end of the run."""
+
+    def __init__(self, console: Console, threshold: float, every: int = 0):
+        self.console, self.threshold, self.last = console, threshold, None
+        self.steps, self.worst = 0, 0.0    # steps over the threshold, the largest fraction dropped
+
+    def fraction(self, m: dict) -> float | None:
+        routed = int(m.get("routed", 0))
+        return int(m["dropped"]) / routed if routed else None
+
+    def check(self, step: int, m: dict) -> None:
+        frac = self.fraction(m)
+        if frac is None or frac <= self.threshold:
+            return
+        self.steps, self.worst = self.steps + 1, max(self.worst, frac)
+        if self.last is not None:
+            return
+        self.last = step
+        self.console.print(f"[bold yellow]step {step}: capacity dispatch dropped {int(m['dropped']):,} of "
+                           f"{int(m['routed']):,} token copies ({100 * frac:.2f}% > --max-drop-warn "
+                           f"{100 * self.threshold:g}%): raise capacity_factor (--set capacity_factor=...) or use "
+                           f"a dropless moe_backend (tokamax, ragged_dot); said once, summed up at the end[/]",
+                           soft_wrap=True)
+
+    def summary(self) -> None:
+        if self.steps > 1:
+            self.console.print(f"[bold yellow]capacity dispatch dropped more than {100 * self.threshold:g}% of the "
+                               f"token copies in {self.steps} steps (at most {100 * self.worst:.2f}%; per step: "
+                               f"`dropped` in --metrics)[/]", soft_wrap=True)
+
+
+class Progress:
+    """A rich progress bar on a terminal; plain log lines always (they are what a log file keeps)."""
+
+    def __init__(self, console: Console, total: int, start: int):
+        self.console, self.total = console, total
+        self.first = None   # (time, step) of the first logged step: the pace for the ETA is measured from it
+        self.bar = None
+        if console.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console)
+            self.task = self.bar.add_task("train", total=total, completed=start, info="")
+            self.bar.start()
+
+    def log(self, row: dict) -> None:
+        mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "-"
+        mtp = f"  mtp loss {row['mtp_loss']:.4f}" if "mtp_loss" in row else ""
+        line = (f"step {row['step']:>6}  loss {row['loss']:.4f}{mtp}  grad {row['grad_norm']:.3f}  "
+                f"tok/s {row['tokens_per_s']:,.0f}  TFLOP/s {row['model_tflops']:.3g}  MFU {mfu}")
+        if row["peak_hbm_bytes"] is not None:   # backends that keep memory statistics (GPU, TPU)
+            line += f"  HBM peak {meter.fmt_bytes(row['peak_hbm_bytes'])}"
+        if row["host_bytes"] is not None:
+            line += f"  host {meter.fmt_bytes(row['host_bytes'])}"
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = (now, row["step"])
+        elif row["step"] < self.total:
+            line += "  " + eta(row["step"] - self.first[1], self.total - self.first[1], now - self.first[0])
+        if "eval_loss" in row:
+            line += f"  held-out loss {row['eval_loss']:.4f}  ppl {row['eval_perplexity']:.2f}"
+        self.console.print(line, soft_wrap=True)
+
+    def advance(self, step: int, loss: float) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step, info=f"loss {loss:.4f}")
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None

@@ -20,6 +20,7 @@ import zoo
 from recipes import loop
 from recipes.deepseek_v3 import RECIPES as DS_RECIPES
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
+from zoo.plan import Parallelism
 from zoo.plan import peak as peak_lib
 
 assert jax.device_count() == 8, jax.devices()
@@ -41,7 +42,7 @@ def check_arguments(p, data_shards: int) -> None:
 
 def sharded_peak_is_per_device(cfg, recipe, name):
     one = zoo.plan(cfg, recipe, batch=B, seq=S, peak="compile")
-    four = zoo.plan(cfg, recipe, batch=B, seq=S, mesh="fsdp=4", peak="compile")
+    four = zoo.plan(cfg, recipe, batch=B, seq=S, peak="compile", parallel=Parallelism(mesh="fsdp=4"))
     assert one.peak_source == "compiled for cpu", one.peak_source
     assert four.peak.compiled and four.peak_source == "compiled for 4 x cpu (mesh fsdp=4), per device", \
         four.peak_source
@@ -77,7 +78,7 @@ def main_job_plans_its_compiled_sharded_step():
     assert job.peak.compiled and job.peak_source == want, job.peak_source
     assert job.peak.detail == peak_lib.from_compiled(seen["compiled"]).detail
     planned = zoo.plan(zoo.models.LlamaConfig.preset("tiny"), LLAMA_RECIPES["qkv_offload"], batch=B, seq=S,
-                       mesh="fsdp=4,tp=2", peak="compile")
+                       peak="compile", parallel=Parallelism(mesh="fsdp=4,tp=2"))
     assert planned.peak_source == want, planned.peak_source
     assert planned.peak.detail == job.peak.detail, (planned.peak.detail, job.peak.detail)
     check_arguments(planned, 4)   # fsdp=4 splits the batch; tp=2 does not

@@ -7,6 +7,7 @@ from recipes import plan as plan_cli
 from recipes.deepseek_v3 import RECIPES as DS_RECIPES
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
 from zoo.models import registry
+from zoo.plan import Training
 
 GiB = 1 << 30
 LLAMA = registry.family("llama3").config("tiny")
@@ -15,7 +16,7 @@ SEQ = 64
 
 
 def peak(cfg, recipe, batch, seq=SEQ, peak_mode="estimate"):
-    return zoo.plan(cfg, recipe, batch=batch, seq=seq, optimizer="sgd", peak=peak_mode).peak_bytes
+    return zoo.plan(cfg, recipe, batch=batch, seq=seq, peak=peak_mode, training=Training(optimizer="sgd")).peak_bytes
 
 
 def test_the_largest_batch_fits_and_the_next_power_of_two_does_not():

@@ -19,6 +19,7 @@ from tests.helpers import cpu_env
 from tests.test_gpu_job import fake_gpu
 from zoo import sharding
 from zoo.layers.moe import dispatch
+from zoo.plan import Parallelism, Training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,7 +68,8 @@ def test_planner_counts_the_receive_buffer_per_device(spec):
     assert per_device["query_proj"][0] * 8 == one["query_proj"].shape[0]
     # The plan of the study's recipe offloads the two receive-buffer tags at these per-device bytes.
     recipe = RECIPES["mla_moe_offload"]
-    plan = zoo.plan(cfg, recipe, batch=8, seq=16, mesh=spec, peak=None, optimizer="sgd")
+    plan = zoo.plan(cfg, recipe, batch=8, seq=16, peak=None, parallel=Parallelism(mesh=spec),
+                    training=Training(optimizer="sgd"))
     host = {t.tag: t.host_bytes for t in next(s for s in plan.stacks if s.name == "moe_layers").tags}
     assert host["moe_mlpwi_0"] == host["moe_mlpwi_1"] == rows * cfg.moe_mlp_dim * 4
     assert host["query_proj"] * 8 == math.prod(one["query_proj"].shape) * 4

@@ -26,6 +26,7 @@ import zoo
 from recipes.deepseek_v3 import RECIPES as DS_RECIPES
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
 from tests.helpers import cpu_env
+from zoo.plan import Parallelism
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA = zoo.models.LlamaConfig.preset("tiny")
@@ -35,7 +36,7 @@ DS = zoo.models.DeepSeekV3Config.preset("tiny", moe_backend="capacity", capacity
 def test_fsdp8_divides_everything_by_8():
     r = LLAMA_RECIPES["qkv_offload"]
     one = zoo.plan(LLAMA, r, batch=8, seq=16)
-    eight = zoo.plan(LLAMA, r, batch=8, seq=16, mesh="fsdp=8")
+    eight = zoo.plan(LLAMA, r, batch=8, seq=16, parallel=Parallelism(mesh="fsdp=8"))
     assert eight.mesh == "dp=1,fsdp=8,tp=1,ep=1" and eight.shard == 8
     for field in ("params", "grads", "optimizer"):
         assert getattr(eight.state, field) * 8 == getattr(one.state, field), field
@@ -47,7 +48,7 @@ def test_fsdp8_divides_everything_by_8():
 def test_fsdp_x_tp_splits_qkv_8_ways_and_norm_scales_4_ways():
     r = LLAMA_RECIPES["qkv_offload"]
     one = zoo.plan(LLAMA, r, batch=8, seq=16)
-    mixed = zoo.plan(LLAMA, r, batch=8, seq=16, mesh={"fsdp": 4, "tp": 2})
+    mixed = zoo.plan(LLAMA, r, batch=8, seq=16, parallel=Parallelism(mesh={"fsdp": 4, "tp": 2}))
     assert mixed.host_bytes * 8 == one.host_bytes
     assert one.state.params / 8 < mixed.state.params <= one.state.params / 4
 
@@ -55,7 +56,7 @@ def test_fsdp_x_tp_splits_qkv_8_ways_and_norm_scales_4_ways():
 def test_deepseek_fsdp_x_ep_host_bytes_are_the_plan_over_8():
     r = DS_RECIPES["mla_moe_offload"]
     one = zoo.plan(DS, r, batch=8, seq=16)
-    ep = zoo.plan(DS, r, batch=8, seq=16, mesh="fsdp=2,ep=4")
+    ep = zoo.plan(DS, r, batch=8, seq=16, parallel=Parallelism(mesh="fsdp=2,ep=4"))
     assert one.host_bytes > 0 and ep.host_bytes * 8 == one.host_bytes
     assert one.state.params / 8 < ep.state.params < one.state.params / 2   # experts / 8, the rest / 2 (fsdp)
 
@@ -65,7 +66,7 @@ def test_deepseek_fsdp_x_ep_host_bytes_are_the_plan_over_8():
                                         ("pp=2", "unknown axis 'pp'")])
 def test_bad_meshes_raise_naming_both_numbers(mesh, match):
     with pytest.raises(ValueError, match=match):
-        zoo.plan(LLAMA, LLAMA_RECIPES["full"], batch=8, seq=16, mesh=mesh)
+        zoo.plan(LLAMA, LLAMA_RECIPES["full"], batch=8, seq=16, parallel=Parallelism(mesh=mesh))
 
 
 def test_cli_mesh_prints_per_device_json_and_refuses_shard_with_mesh():
@@ -92,15 +93,17 @@ def test_compile_under_a_mesh_larger_than_the_devices_present_raises_naming_both
         pytest.skip(f"{n} does not divide the tiny model's dim")
     with pytest.raises(ValueError, match=rf"mesh fsdp={n} needs {n} devices, but {n // 2} cpu device\(s\) are "
                                          rf"present"):
-        zoo.plan(LLAMA, LLAMA_RECIPES["full"], batch=n, seq=16, mesh=f"fsdp={n}", peak="compile")
-    p = zoo.plan(LLAMA, LLAMA_RECIPES["full"], batch=n, seq=16, mesh=f"fsdp={n}")   # auto: an estimate, and why
+        zoo.plan(LLAMA, LLAMA_RECIPES["full"], batch=n, seq=16, peak="compile", parallel=Parallelism(mesh=f"fsdp={n}"))
+    p = zoo.plan(LLAMA, LLAMA_RECIPES["full"], batch=n, seq=16,
+                 parallel=Parallelism(mesh=f"fsdp={n}"))   # auto: an estimate, and why
     assert not p.peak.compiled and p.peak_source == f"estimate (mesh fsdp={n} needs {n} devices, {n // 2} cpu present)"
     with pytest.raises(ValueError, match="shard=2: a uniform split is not a program; give mesh='fsdp=2'"):
-        zoo.plan(LLAMA, LLAMA_RECIPES["full"], batch=2, seq=16, shard=2, peak="compile")
+        zoo.plan(LLAMA, LLAMA_RECIPES["full"], batch=2, seq=16, peak="compile", parallel=Parallelism(shard=2))
 
 
 def test_auto_estimates_a_mesh_peak_on_the_cpu_even_with_the_devices_present():
-    p = zoo.plan(LLAMA, LLAMA_RECIPES["qkv_offload"], batch=8, seq=16, mesh=f"fsdp={jax.device_count()}")
+    p = zoo.plan(LLAMA, LLAMA_RECIPES["qkv_offload"], batch=8, seq=16,
+                 parallel=Parallelism(mesh=f"fsdp={jax.device_count()}"))
     assert not p.peak.compiled and p.peak_source == "estimate (not compiled on the CPU: --peak compile does)"
 
 

@@ -9,7 +9,7 @@ import pytest
 import zoo
 from recipes import defaults, loop, train
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
-from zoo.plan import links
+from zoo.plan import Hardware, Parallelism, links
 from zoo.plan import peak as peak_lib
 from zoo.train_step import make_tx
 
@@ -45,12 +45,12 @@ def test_the_planners_compiled_peak_is_the_main_jobs_own_step(family, monkeypatc
 
 def test_another_device_is_an_estimate_and_cannot_be_compiled_here():
     cfg, recipe = zoo.models.LlamaConfig.preset("tiny"), LLAMA_RECIPES["qkv_offload"]
-    p = zoo.plan(cfg, recipe, batch=2, seq=16, device_kind="H200")
+    p = zoo.plan(cfg, recipe, batch=2, seq=16, hardware=Hardware(device_kind="H200"))
     assert not p.peak.compiled and p.peak_source.startswith("estimate") and "H200" in p.peak_source
     assert p.peak_bytes > p.hbm_bytes == p.peak.detail["floor"]
     assert p.to_dict()["peak_source"] == p.peak_source
     with pytest.raises(ValueError, match="compiles for the device present"):
-        zoo.plan(cfg, recipe, batch=2, seq=16, device_kind="H200", peak="compile")
+        zoo.plan(cfg, recipe, batch=2, seq=16, peak="compile", hardware=Hardware(device_kind="H200"))
     assert zoo.plan(cfg, recipe, batch=2, seq=16, peak=None).peak_bytes is None
 
 
@@ -107,7 +107,7 @@ def test_optimizer_state_dtype_is_kept_across_steps(param, moments):
     assert float(jnp.abs(updates["w"]).max()) > 0
 
 
-STUDY_405B = dict(batch=256, seq=8192, shard=128)
+STUDY_405B = dict(batch=256, seq=8192, parallel=Parallelism(shard=128))
 
 
 def test_auto_offloads_only_what_pays_when_copies_do_not_overlap():
@@ -116,17 +116,17 @@ def test_auto_offloads_only_what_pays_when_copies_do_not_overlap():
     than recomputing it, so they are recomputed, and the reasons say so."""
     cfg = zoo.models.LlamaConfig.preset("llama3_1_405b")
     budget = zoo.plan(cfg, zoo.Recipe.full(), peak=None, **STUDY_405B).hbm_bytes / GiB + 0.25
-    kw = dict(hbm_gib=budget, link_gbps=55, tflops=800, peak=None, **STUDY_405B)
-    hidden = zoo.plan(cfg, "auto", overlap=1, **kw)
-    serial = zoo.plan(cfg, "auto", overlap=0, **kw)
+    kw = dict(link_gbps=55, tflops=800, hbm_gib=budget)
+    hidden = zoo.plan(cfg, "auto", hardware=Hardware(overlap=1, **kw), peak=None, **STUDY_405B)
+    serial = zoo.plan(cfg, "auto", hardware=Hardware(overlap=0, **kw), peak=None, **STUDY_405B)
     assert {"query_proj", "key_proj", "value_proj"} <= set(hidden.recipe.offload)
     assert serial.recipe.offload == () and serial.recipe.placement("query_proj") == "remat"
     note = {t.tag: t.note for t in serial.stacks[0].tags}["query_proj"]
     assert "overlap 0" in note and "would add" in note and "recompute it saves" in note
     # the step-time estimate: with overlap 0 a fixed offload recipe pays every transfer, both ways
     qkv = LLAMA_RECIPES["qkv_offload"]
-    p0 = zoo.plan(cfg, qkv, link_gbps=55, tflops=800, overlap=0, peak=None, **STUDY_405B)
-    p1 = zoo.plan(cfg, qkv, link_gbps=55, tflops=800, overlap=1, peak=None, **STUDY_405B)
+    p0 = zoo.plan(cfg, qkv, peak=None, hardware=Hardware(link_gbps=55, tflops=800, overlap=0), **STUDY_405B)
+    p1 = zoo.plan(cfg, qkv, peak=None, hardware=Hardware(link_gbps=55, tflops=800, overlap=1), **STUDY_405B)
     (s,) = p0.stacks
     assert p0.step_time()["exposed_transfer_s"] == pytest.approx(s.num_layers * 2 * s.host_bytes_per_layer / 55e9)
     assert p1.step_time()["exposed_transfer_s"] == 0
@@ -139,14 +139,14 @@ def test_the_link_defaults_to_the_measured_one():
     assert "command buffers off" in h200.setting and h200.date
     assert links.measured("cpu") is None
     cfg = zoo.models.LlamaConfig.preset("tiny")
-    p = zoo.plan(cfg, "auto", batch=2, seq=16, hbm_gib=1, tflops=800, device_kind="H200", peak=None)
+    p = zoo.plan(cfg, "auto", batch=2, seq=16, peak=None, hardware=Hardware(hbm_gib=1, tflops=800, device_kind="H200"))
     assert (p.link_gbps, p.overlap) == (55.3, measured) and "measured on H200" in p.link_source
-    given = zoo.plan(cfg, "auto", batch=2, seq=16, hbm_gib=1, tflops=800, link_gbps=450, peak=None)
+    given = zoo.plan(cfg, "auto", batch=2, seq=16, peak=None, hardware=Hardware(hbm_gib=1, tflops=800, link_gbps=450))
     assert (given.link_gbps, given.overlap) == (450, links.Overlap(0.0, 0.0))   # none measured on the CPU
     with pytest.raises(ValueError, match="no link is measured for 'cpu'"):
-        zoo.plan(cfg, "auto", batch=2, seq=16, hbm_gib=1, tflops=800, peak=None)
+        zoo.plan(cfg, "auto", batch=2, seq=16, peak=None, hardware=Hardware(hbm_gib=1, tflops=800))
     with pytest.raises(ValueError, match="overlap must be a fraction"):
-        zoo.plan(cfg, LLAMA_RECIPES["qkv_offload"], batch=2, seq=16, overlap=2, peak=None)
+        zoo.plan(cfg, LLAMA_RECIPES["qkv_offload"], batch=2, seq=16, peak=None, hardware=Hardware(overlap=2))
 
 
 def test_the_abstract_step_allocates_nothing():

@@ -21,8 +21,10 @@ from recipes.deepseek_v3 import RECIPES as DS_RECIPES
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
 from recipes.registry import recipes_of
 from zoo.models import registry
+from zoo.plan import Hardware, Parallelism, Training
 from zoo.plan import build as planner
 from zoo.plan import measure as audit
+from zoo.plan import state as plan_state
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB, GiB = 1 << 20, 1 << 30
@@ -53,7 +55,7 @@ def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 # -- the study's figures ----------------------------------------------------------------------------------------
 def test_study_figures_llama_405b_qkv_offload(monkeypatch):
-    monkeypatch.delenv(planner.POOL_ENV, raising=False)
+    monkeypatch.delenv(zoo.plan.POOL_ENV, raising=False)
     p = zoo.plan(L405, LLAMA_RECIPES["qkv_offload"], batch=2, seq=8192)
     (stack,) = p.stacks
     tags = {t.tag: t for t in stack.tags}
@@ -85,7 +87,7 @@ def test_shapes_are_the_published_405b_shapes():
 
 def test_shard_splits_batch_and_model_state():
     one = zoo.plan(L405, LLAMA_RECIPES["qkv_offload"], batch=2, seq=8192)
-    many = zoo.plan(L405, LLAMA_RECIPES["qkv_offload"], batch=256, seq=8192, shard=128)
+    many = zoo.plan(L405, LLAMA_RECIPES["qkv_offload"], batch=256, seq=8192, parallel=Parallelism(shard=128))
     assert many.host_bytes == one.host_bytes and many.activation_bytes == one.activation_bytes
     assert many.state.params == math.ceil(one.state.params / 128)
     assert many.state.optimizer == math.ceil(one.state.optimizer / 128)
@@ -159,10 +161,10 @@ def test_model_state():
     p = zoo.plan(LLAMA_TINY, full, batch=B, seq=S)
     assert (p.state.num_params, p.state.params, p.state.grads, p.state.optimizer) == (n, 4 * n, 4 * n, 8 * n)
     assert p.hbm_bytes == p.activation_bytes + p.state.total
-    sgd = zoo.plan(LLAMA_TINY, full, batch=B, seq=S, optimizer="sgd", shard=3)
+    sgd = zoo.plan(LLAMA_TINY, full, batch=B, seq=S, parallel=Parallelism(shard=3), training=Training(optimizer="sgd"))
     assert sgd.state.optimizer == 0 and sgd.state.params == math.ceil(4 * n / 3)
     bf16 = zoo.plan(dataclasses.replace(LLAMA_TINY, param_dtype="bfloat16"), full, batch=B, seq=S,
-                    opt_dtype="bfloat16")
+                    training=Training(opt_dtype="bfloat16"))
     assert (bf16.state.params, bf16.state.optimizer) == (2 * n, 4 * n)
     planned = zoo.plan(L405, full, batch=1, seq=8).state.num_params
     assert zoo.models.count_params(planner.abstract_model(L405)) == planned
@@ -173,18 +175,18 @@ def test_warnings_pool_ram_and_hbm(monkeypatch):
     def warnings(**kw):
         return zoo.plan(L405, LLAMA_RECIPES["qkv_offload"], batch=2, seq=8192, **kw).warnings
 
-    monkeypatch.setenv(planner.POOL_ENV, "128")
-    monkeypatch.setattr(planner, "machine_ram_bytes", lambda: 1 << 50)
+    monkeypatch.setenv(zoo.plan.POOL_ENV, "128")
+    monkeypatch.setattr(plan_state, "machine_ram_bytes", lambda: 1 << 50)
     assert warnings() == ()
-    monkeypatch.setenv(planner.POOL_ENV, "32")
-    assert any("pinned host pool of 32.0 GiB" in w and planner.POOL_ENV in w for w in warnings())
-    monkeypatch.setenv(planner.POOL_ENV, "lots")
+    monkeypatch.setenv(zoo.plan.POOL_ENV, "32")
+    assert any("pinned host pool of 32.0 GiB" in w and zoo.plan.POOL_ENV in w for w in warnings())
+    monkeypatch.setenv(zoo.plan.POOL_ENV, "lots")
     assert any("not an integer" in w for w in warnings())
-    monkeypatch.setenv(planner.POOL_ENV, "128")
-    monkeypatch.setattr(planner, "machine_ram_bytes", lambda: 16 * GiB)
+    monkeypatch.setenv(zoo.plan.POOL_ENV, "128")
+    monkeypatch.setattr(plan_state, "machine_ram_bytes", lambda: 16 * GiB)
     assert [w for w in warnings() if "this machine's RAM (16.0 GiB)" in w]
-    monkeypatch.setattr(planner, "machine_ram_bytes", lambda: 1 << 50)
-    assert [w for w in warnings(hbm_gib=141) if "over the budget of 141.0 GiB" in w]
+    monkeypatch.setattr(plan_state, "machine_ram_bytes", lambda: 1 << 50)
+    assert [w for w in warnings(hardware=Hardware(hbm_gib=141)) if "over the budget of 141.0 GiB" in w]
 
 
 # -- bad input --------------------------------------------------------------------------------------------------
@@ -195,13 +197,13 @@ def test_bad_names_and_values_raise():
     with pytest.raises(ValueError, match="recipe must be a zoo.Recipe or 'auto', got 'qkv'"):
         zoo.plan(LLAMA_TINY, "qkv", batch=1, seq=8)
     with pytest.raises(ValueError, match="optimizer='adagrad'.*adamw"):
-        zoo.plan(LLAMA_TINY, full, batch=1, seq=8, optimizer="adagrad")
+        zoo.plan(LLAMA_TINY, full, batch=1, seq=8, training=Training(optimizer="adagrad"))
     with pytest.raises(ValueError, match="batch must be a positive int"):
         zoo.plan(LLAMA_TINY, full, batch=0, seq=8)
     with pytest.raises(ValueError, match="batch=3 does not split evenly over shard=2"):
-        zoo.plan(LLAMA_TINY, full, batch=3, seq=8, shard=2)
+        zoo.plan(LLAMA_TINY, full, batch=3, seq=8, parallel=Parallelism(shard=2))
     with pytest.raises(ValueError, match="auto' needs hbm_gib, link_gbps"):
-        zoo.plan(LLAMA_TINY, "auto", batch=1, seq=8, tflops=1.0)
+        zoo.plan(LLAMA_TINY, "auto", batch=1, seq=8, hardware=Hardware(tflops=1.0))
     with pytest.raises(ValueError, match="matches no tag that Llama emits"):
         zoo.plan(LLAMA_TINY, zoo.Recipe("moe", offload=("moe_*",)), batch=1, seq=8)
 
@@ -214,13 +216,13 @@ def _tight_budget(cfg, **kw) -> float:
     return zoo.plan(cfg, zoo.Recipe.full(), **kw).hbm_bytes / GiB + 0.25
 
 
-STUDY_405B = dict(batch=256, seq=8192, shard=128)  # batch 2 per device, FSDP over 128 GPUs
+STUDY_405B = dict(batch=256, seq=8192, parallel=Parallelism(shard=128))  # batch 2 per device, FSDP over 128 GPUs
 
 
 @pytest.mark.parametrize("link", [450, 55])
 def test_auto_offloads_qkv_of_405b_at_the_study_link_and_on_pcie(link):
-    p = zoo.plan(L405, "auto", hbm_gib=_tight_budget(L405, **STUDY_405B), link_gbps=link, overlap=1, tflops=800,
-                 **STUDY_405B)
+    p = zoo.plan(L405, "auto", hardware=Hardware(hbm_gib=_tight_budget(L405, **STUDY_405B), link_gbps=link, overlap=1,
+                                                 tflops=800), **STUDY_405B)
     assert isinstance(p.recipe, zoo.Recipe)
     assert {"query_proj", "key_proj", "value_proj"} <= set(p.recipe.offload)
     assert p.hbm_bytes <= p.hbm_budget
@@ -229,19 +231,20 @@ def test_auto_offloads_qkv_of_405b_at_the_study_link_and_on_pcie(link):
 
 
 def test_auto_recomputes_what_a_slow_link_cannot_hide():
-    p = zoo.plan(L405, "auto", hbm_gib=_tight_budget(L405, **STUDY_405B), link_gbps=1, overlap=1, tflops=800,
-                 **STUDY_405B)
+    p = zoo.plan(L405, "auto", hardware=Hardware(hbm_gib=_tight_budget(L405, **STUDY_405B), link_gbps=1, overlap=1,
+                                                 tflops=800), **STUDY_405B)
     assert "query_proj" not in p.recipe.offload and p.recipe.placement("query_proj") == "remat"
     assert "would not hide" in {t.tag: t.note for t in p.stacks[0].tags}["query_proj"]
     assert "key_proj" in p.recipe.offload  # 32 MiB per layer still hides at 1 GB/s
 
 
 def test_auto_keeps_on_device_what_fits_and_respects_a_host_budget():
-    roomy = zoo.plan(L405, "auto", hbm_gib=10_000, link_gbps=55, overlap=1, tflops=800, **STUDY_405B)
+    roomy = zoo.plan(L405, "auto", hardware=Hardware(hbm_gib=10_000, link_gbps=55, overlap=1, tflops=800),
+                     **STUDY_405B)
     needed = {t.tag for t in roomy.stacks[0].tags if t.residual}
     assert set(roomy.recipe.device) == needed and roomy.recipe.offload == ()
-    no_host = zoo.plan(L405, "auto", hbm_gib=_tight_budget(L405, **STUDY_405B), link_gbps=450, overlap=1, tflops=800,
-                       host_gib=1, **STUDY_405B)
+    no_host = zoo.plan(L405, "auto", hardware=Hardware(hbm_gib=_tight_budget(L405, **STUDY_405B), link_gbps=450,
+                                                       overlap=1, tflops=800, host_gib=1), **STUDY_405B)
     assert no_host.recipe.offload == () and no_host.host_bytes == 0
 
 
@@ -250,7 +253,8 @@ def test_auto_recipe_builds_and_trains_the_tiny_model():
     it: a few Adam steps on one batch lower the loss."""
     # a budget that holds the model state and the scan carry, nothing more; at a slow FLOP rate every transfer hides
     budget = zoo.plan(LLAMA_TINY, zoo.Recipe.full(), batch=B, seq=S).hbm_bytes / GiB
-    recipe = planner.auto_recipe(LLAMA_TINY, batch=B, seq=S, hbm_gib=budget, link_gbps=55, overlap=1, tflops=1e-6)
+    recipe = planner.auto_recipe(LLAMA_TINY, batch=B, seq=S,
+                                 hardware=Hardware(hbm_gib=budget, link_gbps=55, overlap=1, tflops=1e-6))
     assert recipe.device == ("decoder_layer_input",) and {"query_proj", "mlpwi_0"} <= set(recipe.offload)
     model = nnx.jit(lambda: zoo.models.llama3(LLAMA_TINY, recipe=recipe, rngs=nnx.Rngs(0)))()
     seen = audit.placements_seen(model, "layers", B, S)
@@ -282,7 +286,7 @@ PLAN = ("-m", "recipes.plan", "--model", "llama3", "--preset", "llama3_1_405b", 
 
 
 def test_cli_json_has_the_study_integers():
-    r = _run(*PLAN, "--json", env={planner.POOL_ENV: "64"})
+    r = _run(*PLAN, "--json", env={zoo.plan.POOL_ENV: "64"})
     assert r.returncode == 0, r.stderr
     assert "RuntimeWarning" not in r.stderr
     out = json.loads(r.stdout)
@@ -397,15 +401,18 @@ def test_auto_deepseek_is_link_aware():
     from recipes.deepseek_v3 import RECIPES, STUDY
     cfg = zoo.models.DeepSeekV3Config.preset("deepseek_v3_671b")
     budget = _tight_budget(cfg, **DS_SLICE)
-    fast = zoo.plan(cfg, "auto", hbm_gib=budget, link_gbps=450, overlap=1, tflops=600, **DS_SLICE)
+    fast = zoo.plan(cfg, "auto", hardware=Hardware(hbm_gib=budget, link_gbps=450, overlap=1, tflops=600),
+                    **DS_SLICE)
     assert set(STUDY) <= set(fast.recipe.offload)
-    slow = zoo.plan(cfg, "auto", hbm_gib=budget, link_gbps=55, overlap=1, tflops=600, **DS_SLICE)
+    slow = zoo.plan(cfg, "auto", hardware=Hardware(hbm_gib=budget, link_gbps=55, overlap=1, tflops=600),
+                    **DS_SLICE)
     assert set(RECIPES["lowrank_wa_offload"].offload) <= set(slow.recipe.offload)
     assert {"query_proj", "key_proj", "value_proj"}.isdisjoint(slow.recipe.offload)
     notes = {t.tag: t.note for s in slow.stacks for t in s.tags}
     assert "would not hide" in notes["query_proj"] and "at 55 GB/s" in notes["query_proj"]
     # the estimate agrees: on PCIe the study's recipe is link-bound, the low-rank one is not
-    est = {n: zoo.plan(cfg, RECIPES[n], link_gbps=55, overlap=1, tflops=600, **DS_SLICE).step_time()
+    link = Hardware(link_gbps=55, overlap=1, tflops=600)
+    est = {n: zoo.plan(cfg, RECIPES[n], hardware=link, **DS_SLICE).step_time()
            for n in ("mla_moe_offload", "lowrank_wa_offload")}
     assert est["mla_moe_offload"]["exposed_transfer_s"] > 0 == est["lowrank_wa_offload"]["exposed_transfer_s"]
 
@@ -446,8 +453,8 @@ def test_a_split_plan_shows_one_devices_shapes_beside_one_devices_bytes():
     recipe = LLAMA_RECIPES["qkv_offload"]
     whole = zoo.plan(LLAMA_TINY, recipe, batch=4, seq=S, peak=None)
     assert all(tp.device_shape is None for tp in whole.stacks[0].tags)
-    halves = zoo.plan(LLAMA_TINY, recipe, batch=4, seq=S, shard=2, peak=None)
-    meshed = zoo.plan(LLAMA_TINY, recipe, batch=4, seq=S, mesh={"fsdp": 2, "tp": 2}, peak=None)
+    halves = zoo.plan(LLAMA_TINY, recipe, batch=4, seq=S, peak=None, parallel=Parallelism(shard=2))
+    meshed = zoo.plan(LLAMA_TINY, recipe, batch=4, seq=S, peak=None, parallel=Parallelism(mesh={"fsdp": 2, "tp": 2}))
     heads = {tp.tag: tp for tp in meshed.stacks[0].tags}
     for p, rows in ((halves, 2), (meshed, 2)):
         for tp in p.stacks[0].tags:

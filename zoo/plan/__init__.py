@@ -1,13 +1,16 @@
 """The memory planner: what a recipe keeps in HBM, puts in host memory and recomputes, before launch.
 
     p = zoo.plan(cfg, recipe, batch=2, seq=8192)      # a zoo.Recipe, or "auto" with a budget, a link and a rate
+    p = zoo.plan(cfg, "auto", batch=2, seq=8192, hardware=zoo.plan.Hardware(hbm_gib=141, tflops=800),
+                 parallel=zoo.plan.Parallelism(mesh="fsdp=8"), training=zoo.plan.Training(opt_dtype="bfloat16"))
     zoo.plan.render(p)                                # tables; p.to_dict() or zoo.plan.to_json(p) for JSON
     zoo.plan.largest_batch(cfg, recipe, seq=8192, hbm_gib=141)   # the largest power-of-two batch that fits
 
-Modules, each importing only those before it: `types` (what a plan is, units), `measure` (what JAX saves and
-re-runs: residuals, recompute FLOPs; the audit of a recipe), `auto` (the automatic recipe), `build` (`plan`),
-`report` (tables and JSON), `capacity` (the largest batch that fits a budget). The command line is the
-application's.
+Modules, each importing only those before it: `types` (what a plan is, units), `inputs` (what a plan is asked
+for: `Hardware`, `Parallelism`, `Training`), `measure` (what JAX saves and re-runs: residuals, recompute FLOPs;
+the audit of a recipe), `auto` (the automatic recipe), `state` (model state, host memory), `target` (the device
+planned for, its link and rate, how the peak is found), `build` (`plan`), `report` (tables and JSON),
+`capacity` (the largest batch that fits a budget). The command line is the application's.
 
 `zoo.plan` is this package, and calling it calls `plan`: `zoo.plan(cfg, recipe, ...)` and `zoo.plan.measure`
 both work, whatever was imported first.
@@ -16,13 +19,16 @@ import sys
 import types as _types
 
 from zoo.plan import measure
-from zoo.plan.build import auto_recipe, host_pool_bytes, plan
+from zoo.plan.build import auto_recipe, plan
 from zoo.plan.capacity import Capacity, largest_batch
+from zoo.plan.inputs import Hardware, Parallelism, Training
 from zoo.plan.report import render, to_json
+from zoo.plan.state import host_pool_bytes
 from zoo.plan.types import POOL_ENV, ModelState, Plan, StackPlan, TagPlan, fmt_bytes
 
-__all__ = ["POOL_ENV", "Capacity", "ModelState", "Plan", "StackPlan", "TagPlan", "auto_recipe", "fmt_bytes",
-           "host_pool_bytes", "largest_batch", "measure", "plan", "render", "to_json"]
+__all__ = ["POOL_ENV", "Capacity", "Hardware", "ModelState", "Parallelism", "Plan", "StackPlan", "TagPlan",
+           "Training", "auto_recipe", "fmt_bytes", "host_pool_bytes", "largest_batch", "measure", "plan", "render",
+           "to_json"]
 
 
 class _CallableModule(_types.ModuleType):

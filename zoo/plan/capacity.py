@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from zoo.plan.build import _check_positive, _target, plan
+from zoo.plan.build import plan
+from zoo.plan.inputs import Hardware, Training, check_positive
 from zoo.plan.peak import allocator_limit
+from zoo.plan.target import device_target
 from zoo.plan.types import GiB, fmt_bytes
 from zoo.recipe import Recipe
 
@@ -73,9 +75,9 @@ class Capacity:
 def budget(hbm_gib: float | None, device_kind: str | None) -> tuple[int, str]:
     """(bytes, where from): `hbm_gib`, else the present device's allocator limit when planning for it."""
     if hbm_gib is not None:
-        _check_positive("hbm_gib", hbm_gib, float)
+        check_positive("hbm_gib", hbm_gib, float)
         return int(hbm_gib * GiB), "hbm_gib"
-    kind, same, present = _target(device_kind)
+    kind, same, present = device_target(device_kind)
     if not same:
         raise ValueError(f"hbm_gib is needed: planning for {kind!r}, not the device present "
                          f"({present.device_kind}), so its memory limit is unknown here")
@@ -89,13 +91,13 @@ def budget(hbm_gib: float | None, device_kind: str | None) -> tuple[int, str]:
 def candidates(cap: int = DEFAULT_CAP, batches=None) -> tuple[int, ...]:
     """The batches a walk may try, ascending: `batches` (positive ints), else the powers of two up to `cap`."""
     if batches is None:
-        _check_positive("cap", cap)
+        check_positive("cap", cap)
         return tuple(1 << i for i in range(cap.bit_length()) if 1 << i <= cap)
     batches = tuple(batches)
     if not batches:
         raise ValueError("batches is empty: give at least one batch to try")
     for b in batches:
-        _check_positive("every entry of batches", b)
+        check_positive("every entry of batches", b)
     return tuple(sorted(set(batches)))
 
 
@@ -114,7 +116,7 @@ def largest_batch(cfg, recipe: Recipe, *, seq: int, hbm_gib: float | None = None
     if not isinstance(recipe, Recipe):
         raise ValueError(f"recipe must be a zoo.Recipe, got {recipe!r} (a front end looks names up in the model "
                          f"family's recipes; 'auto' chooses a recipe per batch and has no single capacity)")
-    _check_positive("seq", seq)
+    check_positive("seq", seq)
     if peak not in ("auto", "compile", "estimate"):
         raise ValueError(f"peak={peak!r}: choose 'auto', 'compile' or 'estimate' (a capacity needs a peak)")
     limit, source = budget(hbm_gib, device_kind)
@@ -122,7 +124,7 @@ def largest_batch(cfg, recipe: Recipe, *, seq: int, hbm_gib: float | None = None
     if start is None:
         i = 0
     else:
-        _check_positive("start", start)
+        check_positive("start", start)
         if start not in order:
             raise ValueError(f"start={start} is not a batch to try ({', '.join(map(str, order))})")
         i = order.index(start)
@@ -130,8 +132,8 @@ def largest_batch(cfg, recipe: Recipe, *, seq: int, hbm_gib: float | None = None
     tried: list[Tried] = []
 
     def fits(b: int) -> bool:
-        p = plan(cfg, recipe, batch=b, seq=seq, optimizer=optimizer, opt_dtype=opt_dtype, peak=peak,
-                 device_kind=device_kind)
+        p = plan(cfg, recipe, batch=b, seq=seq, hardware=Hardware(device_kind=device_kind),
+                 training=Training(optimizer=optimizer, opt_dtype=opt_dtype), peak=peak)
         tried.append(Tried(b, int(p.peak_bytes), p.peak_source, p.peak_bytes <= limit))
         return tried[-1].fits
 

@@ -1,0 +1,76 @@
+"""The model state a plan counts (parameters, gradients, optimizer moments, other variables, gradient sums; per
+device under a uniform split) and the host memory it is checked against (XLA's pinned pool, the machine's RAM)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zoo.dtypes import dtype_of
+from zoo.plan.measure import nbytes as sds_nbytes
+from zoo.plan.types import OPTIMIZERS, POOL_DEFAULT_GIB, POOL_ENV, GiB, ModelState, ceil_div, fmt_bytes
+
+
+def model_state(model, shard: int, optimizer: str, opt_dtype: str) -> ModelState:
+    """The model's state per device, every byte split evenly over `shard` devices (rounded up)."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    opt_itemsize = jnp.dtype(dtype_of("opt_dtype", opt_dtype)).itemsize
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    others = jax.tree.leaves(nnx.state(model, nnx.Not(nnx.Param)))
+    n = sum(math.prod(p.shape) for p in params)
+    pbytes = sum(sds_nbytes(p) for p in params)
+    obytes = sum(sds_nbytes(p) for p in others if hasattr(p, "dtype") and hasattr(p, "shape"))
+    return ModelState(num_params=n, params=ceil_div(pbytes, shard), grads=ceil_div(pbytes, shard),
+                      optimizer=ceil_div(OPTIMIZERS[optimizer] * n * opt_itemsize, shard),
+                      other=ceil_div(obytes, shard), optimizer_name=optimizer)
+
+
+def placed(state: ModelState, model, grad_accum: int, opt_state: str) -> ModelState:
+    """`state` with the float32 gradient sums of gradient accumulation (per device: the parameters' bytes at 4
+    bytes a parameter) and the moments where they live."""
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    ratio = 4 * sum(math.prod(p.shape) for p in params) / max(sum(sds_nbytes(p) for p in params), 1)
+    accum = int(state.params * ratio) if grad_accum > 1 else 0
+    return dataclasses.replace(state, accum=accum, optimizer_host=opt_state == "host")
+
+
+def host_pool_bytes() -> tuple[int, str | None]:
+    """XLA's pinned host pool in bytes, as XLA reads it (an integer GiB; a bad value falls back to 64)."""
+    raw = os.environ.get(POOL_ENV)
+    if raw is None:
+        return POOL_DEFAULT_GIB * GiB, None
+    try:
+        return int(raw) * GiB, None
+    except ValueError:
+        return POOL_DEFAULT_GIB * GiB, (f"{POOL_ENV}={raw!r} is not an integer: XLA ignores it and keeps the "
+                                        f"{POOL_DEFAULT_GIB} GiB pool")
+
+
+def machine_ram_bytes() -> int | None:
+    """This machine's RAM in bytes, None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def warnings(p_host: int, activation: int, state: ModelState, hbm_budget: int | None, pool: int,
+              extra: list[str]) -> tuple[str, ...]:
+    """`extra`, then host bytes over the pinned pool or the RAM, and a floor over the HBM budget."""
+    out = list(extra)
+    if p_host > pool:
+        out.append(f"host memory {fmt_bytes(p_host)} is over XLA's pinned host pool of {fmt_bytes(pool)}: "
+                   f"raise {POOL_ENV} (an integer, GiB) before launch, or offload less")
+    ram = machine_ram_bytes()
+    if ram is not None and p_host > ram:
+        out.append(f"host memory {fmt_bytes(p_host)} is over this machine's RAM ({fmt_bytes(ram)})")
+    if hbm_budget is not None and activation + state.total > hbm_budget:
+        out.append(f"HBM {fmt_bytes(activation + state.total)} (activations {fmt_bytes(activation)} + model "
+                   f"state {fmt_bytes(state.total)}) is over the budget of {fmt_bytes(hbm_budget)}, before "
+                   f"XLA's temporaries")
+    return tuple(out)
