@@ -246,7 +246,7 @@ SCENARIOS: dict[str, Scenario] = {
          zoo("minimal_offload", setting="concurrent", gpu="1"),
          zoo("minimal_offload", layers=6, batch=1, est=90, gpu="1"), zoo("full", layers=6, batch=1, est=90, gpu="1"),
          anchor("offload_minimal", layers=6, batch=1, flags="cb_off", est=70, gpu="1"),
-         _sweep_deepseek("full", gpu="1"), _sweep_deepseek("mla_moe_offload", extra=_PROF, est=85, gpu="1"),
+         _sweep_deepseek("full", gpu="1"), _sweep_deepseek("mla_moe_offload", est=85, gpu="1"),
          _sweep_deepseek("lowrank_wa_offload", gpu="1"), _sweep_deepseek("save_mla_moe", gpu="1"),
          _sweep_deepseek("auto", gpu="1"),
          anchor("full", gpu="0"))),
