@@ -28,6 +28,10 @@ def _shape(r: dict) -> str:
     return f"{r.get('bench', '?')} L{r.get('L')} B{r.get('B')}"
 
 
+def _num(x, fmt: str = ".2f") -> str:
+    return "" if x is None else format(x, fmt)
+
+
 def _note(r: dict) -> str:
     return str(r.get("error") or r.get("skipped") or r.get("message") or "")[:90]
 
@@ -62,20 +66,20 @@ def throughput(recs: list[dict]) -> str:
         return r.get("impl", "plain JAX anchor"), r.get("backend"), r.get("B")
 
     base = {key(r): r["step_s"] for r in recs
-            if r.get("recipe", r.get("policy")) == "full" and r.get("step_s") and "error" not in r}
+            if r.get("recipe", r.get("policy")) == "full" and r.get("step_s") and not r.get("error")}
     out = [f"| implementation | recipe | batch | step (s) | model TFLOP/s | vs full remat | MFU ({MFU_PEAK_TFLOPS}) "
            "| peak HBM (GiB) | host (GiB) | S(5) in HLO |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in recs:
         impl = (r.get("impl") or "plain JAX anchor") + (f" ({r['backend']})" if r.get("backend") else "")
         recipe = r.get("recipe", r.get("policy"))
-        if "error" in r or r.get("step_s") is None or r.get("tflops") is None:
+        if r.get("error") or r.get("step_s") is None or r.get("tflops") is None:
             out.append(f"| {impl} | {recipe} | {r.get('B')} | {_note(r)[:60]} | | | | | | |")
             continue
         speed = f"{base[key(r)] / r['step_s'] - 1:+.1%}" if key(r) in base else ""
         out.append(f"| {impl} | {recipe} | {r.get('B')} | {r['step_s']:.3f} | {r['tflops']:.1f} | {speed} | "
-                   f"{r['tflops'] / MFU_PEAK_TFLOPS:.1%} | {r.get('peak_gib', 0):.2f} | "
-                   f"{r.get('host_temp_gib') or 0:.2f} | {r.get('has_S5')} |")
+                   f"{r['tflops'] / MFU_PEAK_TFLOPS:.1%} | {_num(r.get('peak_gib'))} | "
+                   f"{_num(r.get('host_temp_gib'))} | {r.get('has_S5')} |")
     return "\n".join(out)
 
 

@@ -85,3 +85,15 @@ def test_a_smoke_job_runs_end_to_end(tmp_path):
     assert "--xla_gpu_per_fusion_autotune_cache_dir" in rec["flags"]
     assert (out / "logs" / "stream-probe-device-plain.log").exists()
     assert "stream-probe-device-plain" in (out / "summary.md").read_text()
+
+
+def test_the_reporter_renders_every_committed_record():
+    """Every file of bench/results/ renders (old records lack fields; a row says why it has no figures)."""
+    from bench import report
+
+    files = sorted((ROOT / "bench" / "results").glob("*.jsonl"))
+    assert files
+    for path in files:
+        recs = report.rows(str(path))
+        text = report.summary(recs)
+        assert text.count("\n| ") >= len([r for r in recs if r.get("bench") != "loss-curve"]), path.name
