@@ -46,12 +46,12 @@ def main():
     del model
     compiled = sgd_step_fn(graphdef).lower(params, rest, tokens).compile()
     for _ in range(2):
-        loss, params = compiled(params, rest, tokens)
+        (loss, _), params = compiled(params, rest, tokens)
     loss.block_until_ready()
     t = time.perf_counter()
     with jax.profiler.trace(a.out):
         for _ in range(a.steps):
-            loss, params = compiled(params, rest, tokens)
+            (loss, _), params = compiled(params, rest, tokens)
         loss.block_until_ready()
     traced_s = time.perf_counter() - t
     summary = trace_summary.summarise(trace_summary._load(a.out), a.steps)

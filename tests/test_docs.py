@@ -30,8 +30,8 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 EXCLUDED = {
     "pip install -e \".[cuda]\"": "installs JAX's CUDA build (GPU only; CI builds its environments in .ci/run)",
     "JAX_COORDINATOR_ADDRESS=10.0.0.1:1234": "two hosts with 8 GPUs each (the multi-host path is not tested here)",
-    "python -m bench.run_overlap": "GPU benchmarks, one device call each (their records are in "
-                                   "bench/results/ and docs/benchmarks.md)",
+    "python -m bench.run ": "GPU benchmarks, one device call each (their records are in "
+                             "bench/results/ and docs/benchmarks.md)",
     "JAX_COORDINATOR_ADDRESS=127.0.0.1:12355": "two processes: tests/test_multiprocess.py runs them (its own checks)",
 }
 # Commands of a run block that are not run, by their start: why.

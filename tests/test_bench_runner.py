@@ -1,0 +1,99 @@
+"""bench.run: every scenario's jobs name a known bench or anchor and pass that bench's own argument parser (in the
+GPU form and the smoke form) without running; one smoke job runs end to end into results.jsonl and summary.md."""
+from __future__ import annotations
+
+import argparse
+import json
+import runpy
+import subprocess
+import sys
+from unittest import mock
+
+import pytest
+
+from bench import run
+from tests.helpers import ROOT, cpu_env
+
+
+class _Parsed(Exception):
+    pass
+
+
+def _parses(argv: tuple[str, ...]) -> None:
+    """Run `python -m MODULE ...`'s argument parsing only: parse_args raises once the arguments are accepted."""
+    real = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        real(self, args, namespace)
+        raise _Parsed
+
+    with mock.patch.object(sys, "argv", [argv[1], *argv[2:]]), \
+            mock.patch.object(argparse.ArgumentParser, "parse_args", parse_then_stop):
+        try:
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=False)
+        except _Parsed:
+            return
+        except SystemExit as e:
+            pytest.fail(f"{' '.join(argv)}: the bench refused its arguments (exit {e.code})")
+    pytest.fail(f"{' '.join(argv)}: parsed no arguments")
+
+
+def _filled(argv):
+    return tuple(x.replace("{work}", "/tmp/w").replace("{out}", "/tmp/o") for x in argv)
+
+
+@pytest.mark.parametrize("name", list(run.SCENARIOS))
+def test_every_job_names_a_known_bench_and_its_arguments_parse(name):
+    jobs = run.SCENARIOS[name].jobs
+    assert jobs, name
+    assert len({j.name for j in jobs}) == len(jobs), f"{name}: job names repeat"
+    for job in jobs:
+        for form in (job, run.smoke(job)):
+            if form.argv[0] == "-m":
+                assert form.program in run.BENCHES, (name, job.name, form.program)
+                _parses(_filled(form.argv))
+            else:
+                assert form.argv[0].startswith("{anchor}/") and form.program in run.ANCHORS, (name, job.name)
+                assert form.anchor is not None, f"{job.name}: an anchor's line needs its record schema"
+        assert form.timeout_s >= form.est_s > 0
+        assert job.gpus is None or len(job.gpus.split(",")) == job.devices, job.name
+        if job.program in run.ANCHORS:
+            assert job.flags in run.ANCHOR_FLAGS.values(), job.name
+
+
+def test_the_shell_drivers_runs_are_scenarios():
+    """The two-GPU runs pin both GPUs; the refused run expects exit 2; the optimizer-state runs carry their pool."""
+    assert {j.gpus for j in run.SCENARIOS["fsdp"].jobs} == {"0,1", "0"}
+    assert {j.gpus for j in run.SCENARIOS["deepseek-ep2"].jobs} == {"0,1"}
+    assert [j.gpus for j in run.SCENARIOS["deepseek-ep2-one"].jobs] == ["0"]
+    opt = run.SCENARIOS["opt-state"].jobs
+    assert [j.expect_rc for j in opt] == [2, 0, 0]
+    assert all(j.env["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == "80" and j.env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == ".95"
+               for j in opt)
+
+
+def test_a_smoke_job_runs_end_to_end(tmp_path):
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-m", "bench.run", "stream-probe", str(out), "--smoke", "--only", "device"],
+                       cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    recs = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(recs) == 1
+    rec = recs[0]
+    assert rec["job"] == "stream-probe-device-plain" and rec["scenario"] == "stream-probe"
+    assert rec["bench"] == "stream-probe" and rec["variant"] == "device" and rec["step_s"] > 0, rec
+    assert "--xla_gpu_per_fusion_autotune_cache_dir" in rec["flags"]
+    assert (out / "logs" / "stream-probe-device-plain.log").exists()
+    assert "stream-probe-device-plain" in (out / "summary.md").read_text()
+
+
+def test_the_reporter_renders_every_committed_record():
+    """Every file of bench/results/ renders (old records lack fields; a row says why it has no figures)."""
+    from bench import report
+
+    files = sorted((ROOT / "bench" / "results").glob("*.jsonl"))
+    assert files
+    for path in files:
+        recs = report.rows(str(path))
+        text = report.summary(recs)
+        assert text.count("\n| ") >= len([r for r in recs if r.get("bench") != "loss-curve"]), path.name
