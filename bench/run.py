@@ -386,7 +386,15 @@ SCENARIOS: dict[str, Scenario] = {
          main_job("qkv_offload", ("--layers", "32", "--batch", "4", "--grad-accum", "4", "--opt-state", "host"),
                   steps=8, est=280, timeout=320, gpu="0", name="main-job-8b-L32-opt-state-host", env=_OPT_STATE_ENV),
          main_job("qkv_offload", ("--layers", "8", "--batch", "2"), est=120, timeout=170, gpu="0",
-                  env=_OPT_STATE_ENV))),
+                  env=_OPT_STATE_ENV),
+         *(main_job("qkv_offload", ("--layers", "32", "--batch", str(k), "--grad-accum", str(k), "--opt-state",
+                                    "host"), steps=5 if k == 8 else 4, est=60 + 14 * k, timeout=300, gpu="0",
+                    name=f"main-job-8b-L32-opt-state-host-K{k}", env=_OPT_STATE_ENV) for k in (8, 16)))),
+    "mtp": Scenario(
+        "the step-time cost of DeepSeek-V3's multi-token prediction (one depth) on the deepseek-slice, capacity "
+        "dispatch, under full remat and the study's offload recipe, and its host bytes against the plan",
+        tuple(deepseek(r, extra=("--mtp", str(m)), name=f"deepseek-capacity-B4-{r}-mtp{m}", timeout=120)
+              for r in ("full", "mla_moe_offload") for m in (0, 1))),
     "offload-profile": Scenario(
         "where the offload time goes: the plain-JAX anchor under XLA's overlap options and profiles of the zoo's "
         "step (405B slice, 3 layers, batch 2), two single-GPU queues side by side",
