@@ -28,7 +28,7 @@ from recipes.checkpoint import Checkpoints
 from recipes.lock import LOCK_NAME, DirLock
 from tests.helpers import random_tiny_llama
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 # One compiled step for every run below: a 6-step schedule (resumed runs may go past it with --schedule-steps 6).
 RUN = ["--steps", 6, "--batch", 2, "--seq", 16, "--set", "num_layers=1", "--log-every", 1, "--xla-flags", "none"]
 

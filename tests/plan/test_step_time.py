@@ -13,7 +13,7 @@ from recipes.llama3 import RECIPES as LLAMA_RECIPES
 from zoo.models.registry import family
 from zoo.plan import links
 
-RECORDS = pathlib.Path(__file__).parent.parent / "bench" / "results" / "offload-pays_2026-12-01.jsonl"
+RECORDS = pathlib.Path(__file__).parents[2] / "bench" / "results" / "offload-pays_2026-12-01.jsonl"
 H200 = "NVIDIA H200"
 
 

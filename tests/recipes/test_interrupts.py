@@ -15,7 +15,7 @@ import pytest
 from recipes.checkpoint import Checkpoints
 from recipes.interrupt import Interrupted, Interrupts
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 RUN = ["--batch", 2, "--seq", 16, "--set", "num_layers=1", "--log-every", 1, "--xla-flags", "none",
        "--schedule-steps", 100_000]
 

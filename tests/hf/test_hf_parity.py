@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 import zoo  # noqa: E402
 from tests.helpers import max_rel_err  # noqa: E402
-from tests.test_hf import assert_identical, llama  # noqa: E402
+from tests.hf.test_hf import assert_identical, llama  # noqa: E402
 
 TOL = 1e-4
 torch.set_num_threads(1)  # two pytest workers on two cores
@@ -179,7 +179,7 @@ def test_deepseek_from_transformers(tmp_path, name):
 
 
 def test_deepseek_to_transformers(tmp_path):
-    from tests.test_hf import deepseek
+    from tests.hf.test_hf import deepseek
     model = deepseek(seed=5)
     zoo.to_hf(model, tmp_path, max_shard_bytes=20000)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()

@@ -24,7 +24,7 @@ from zoo.models import registry
 from zoo.plan import build as planner
 from zoo.plan import measure as audit
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MiB, GiB = 1 << 20, 1 << 30
 B, S = 3, 8  # batch differs from the tiny models' layer counts, so stacked residuals are told apart by shape
 LLAMA_TINY = zoo.models.LlamaConfig.preset("tiny")

@@ -1,4 +1,4 @@
-"""Run by tests/test_mesh_plan.py in a subprocess with 8 fake CPU devices: `python -m tests.mesh_peaks`.
+"""Run by tests/plan/test_mesh_plan.py in a subprocess with 8 fake CPU devices: `python -m tests.plan.mesh_peaks`.
 
 The planner's peak under a mesh whose devices are present is the sharded step compiled (`zoo.plan(...,
 mesh=, peak="compile")`), and XLA's memory analysis of an SPMD-partitioned step is one device's:

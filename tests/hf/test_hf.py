@@ -437,7 +437,7 @@ SHARDED_LOAD = """
 import sys, numpy as np, jax
 from jax.sharding import Mesh, PartitionSpec as P
 import zoo
-from tests.test_hf import llama, params
+from tests.hf.test_hf import llama, params
 model = llama()
 zoo.to_hf(model, sys.argv[1], max_shard_bytes=4000)
 mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))

@@ -22,7 +22,7 @@ from tests.helpers import cpu_env
 
 pytestmark = pytest.mark.multidevice
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOL = 1e-5
 LLAMA = ["--model", "llama3", "--preset", "tiny", "--recipe", "qkv_offload", "--batch", "8", "--seq", "16",
          "--steps", "3", "--log-every", "1"]

@@ -20,7 +20,7 @@ from zoo.models import count_params, registry
 from zoo.models.qwen3_moe import Qwen3MoeConfig, hf, qwen3_moe
 from zoo.plan import measure as audit
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 FAMILY = registry.family("qwen3_moe")
 TINY = Qwen3MoeConfig.preset("tiny")
 B, S = 2, 8

@@ -16,7 +16,7 @@ import pytest
 from recipes import mesh, train
 from recipes.checkpoint import Checkpoints
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 RUN = ["--batch", 2, "--seq", 16, "--set", "num_layers=1", "--log-every", 1, "--xla-flags", "none"]
 
 

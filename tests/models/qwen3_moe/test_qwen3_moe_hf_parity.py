@@ -9,8 +9,8 @@ transformers = pytest.importorskip("transformers")
 
 import zoo  # noqa: E402
 from tests.helpers import max_rel_err  # noqa: E402
-from tests.test_hf import assert_identical, random_params  # noqa: E402
-from tests.test_hf_parity import TOL, forward, hf_logits, save_hf, tokens  # noqa: E402
+from tests.hf.test_hf import assert_identical, random_params  # noqa: E402
+from tests.hf.test_hf_parity import TOL, forward, hf_logits, save_hf, tokens  # noqa: E402
 
 CONFIGS = {
     # every layer MoE, 4 query heads over 2 kv heads, head_dim independent of hidden_size, renormalised top-k

@@ -31,11 +31,11 @@ from recipes import mesh
 from recipes.checkpoint import Checkpoints
 from recipes.lock import LOCK_NAME
 from tests.helpers import cpu_env
-from tests.test_distributed_startup import free_port
+from tests.recipes.test_distributed_startup import free_port
 
 pytestmark = pytest.mark.multidevice   # processes of their own with fake CPU devices: scheduled first
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 RUN = ["-m", "recipes.train", "--model", "llama3", "--preset", "tiny", "--batch", "4", "--seq", "16", "--set",
        "num_layers=1", "--schedule-steps", "6", "--log-every", "1", "--xla-flags", "none"]
 STEPS = 8          # the reference run's; the others stop earlier or resume into it

@@ -15,7 +15,7 @@ from flax import nnx
 from recipes import loop
 from recipes.checkpoint import Checkpoints
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def small():

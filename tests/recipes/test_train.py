@@ -21,7 +21,7 @@ from recipes.checkpoint import Checkpoints
 from recipes.cli import family as model_family
 from recipes.cli import recipe as model_recipe
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _env():

@@ -8,7 +8,7 @@ sharding rules on an abstract mesh (no devices: this runs on one CPU).
 - DeepSeek-V3 under fsdp=2 x ep=4: the offloaded MoE buffers are split over experts and groups: host / 8; expert
   weights / 8, the other parameters / 2.
 - The peak under a mesh: compiled (the sharded step, per device) when the mesh's devices are present
-  (`tests/mesh_peaks.py`, in a subprocess with 8 fake CPU devices; it also checks the main job's plan under
+  (`tests/plan/mesh_peaks.py`, in a subprocess with 8 fake CPU devices; it also checks the main job's plan under
   fsdp=4 x tp=2); on one CPU device, `peak="compile"` under a larger mesh is a ValueError naming the mesh's device
   count and the devices present, and "auto" estimates (on the CPU, as for one device).
 """
@@ -27,7 +27,7 @@ from recipes.deepseek_v3 import RECIPES as DS_RECIPES
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
 from tests.helpers import cpu_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LLAMA = zoo.models.LlamaConfig.preset("tiny")
 DS = zoo.models.DeepSeekV3Config.preset("tiny", moe_backend="capacity", capacity_factor=4.0)
 
@@ -106,6 +106,6 @@ def test_auto_estimates_a_mesh_peak_on_the_cpu_even_with_the_devices_present():
 
 @pytest.mark.multidevice
 def test_the_sharded_step_is_compiled_per_device_and_the_main_job_plans_with_it():
-    out = subprocess.run([sys.executable, "-m", "tests.mesh_peaks"], env=cpu_env(8), cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "tests.plan.mesh_peaks"], env=cpu_env(8), cwd=ROOT, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout[-3000:] + out.stderr[-3000:]
