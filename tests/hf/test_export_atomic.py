@@ -1,4 +1,4 @@
-"""`zoo.to_hf` never destroys an export it did not finish (issue 23, classes 2 and 5): it writes into a temporary
+"""`zoo.to_hf` never destroys an export it did not finish: it writes into a temporary
 folder beside the target and swaps it in only when complete; public functions check their arguments' types, and
 config.json's fields are type-checked with architecture names matched exactly."""
 from __future__ import annotations
@@ -12,13 +12,6 @@ import pytest
 import safetensors.numpy
 
 import zoo
-from tests.helpers import random_tiny_llama
-
-
-@pytest.fixture(scope="module")
-def tiny_model():
-    """A one-layer Llama with NumPy-drawn parameters in its abstract state (no compilation)."""
-    return random_tiny_llama()
 
 
 def snapshot(path) -> dict[str, bytes]:
@@ -94,3 +87,21 @@ def test_config_fields_are_type_checked(tiny_model, tmp_path, field, value, mess
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, field: value}))
     with pytest.raises(ValueError, match="config.json: " + message):
         zoo.from_hf(tmp_path / "hf")
+
+
+def test_to_hf_refuses_a_non_empty_directory_unless_told_to_overwrite(tiny_model, tmp_path):
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "config.json").write_text('{"mine": true}')
+    with pytest.raises(ValueError, match=r"is not empty \(config.json\).*overwrite=True"):
+        zoo.to_hf(tiny_model, out)
+    assert (out / "config.json").read_text() == '{"mine": true}'
+    # overwrite=True replaces the checkpoint files (old .bin shards, stale safetensors shards), keeps the rest.
+    for name in ("pytorch_model-00001-of-00002.bin", "pytorch_model.bin.index.json", "model-00001-of-00003.safetensors",
+                 "tokenizer.json"):
+        (out / name).write_text("old")
+    zoo.to_hf(tiny_model, out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert (out / "tokenizer.json").read_text() == "old"
+    back = zoo.from_hf(out)
+    np.testing.assert_array_equal(back.embed.embedding[...], tiny_model.embed.embedding[...])

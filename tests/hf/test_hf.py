@@ -478,3 +478,21 @@ def test_parameters_are_split_over_a_real_mesh(tmp_path):
     out = subprocess.run([sys.executable, "-c", SHARDED_LOAD, str(tmp_path)], env=cpu_env(4), cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-3000:]
+
+
+def test_damaged_hf_files_are_named_and_non_finite_weights_refused(tiny_model, tmp_path):
+    d = tmp_path / "hf"
+    zoo.to_hf(tiny_model, d)
+    weights = d / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])                                  # a truncated download
+    with pytest.raises(ValueError, match=f"{weights} is not a readable safetensors file"):
+        zoo.from_hf(d)
+    weights.write_bytes(data[:-64] + b"\xff" * 64)                              # 64 bytes of 0xff: NaNs
+    with pytest.raises(ValueError, match=f"tensor 'model.norm.weight' in {weights} holds 16 non-finite"):
+        zoo.from_hf(d)
+    loaded = zoo.from_hf(d, allow_nonfinite=True)                               # asked for: loads
+    assert np.isnan(np.asarray(loaded.norm.scale[...])).sum() == 16
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=f"{d / 'config.json'} is not valid JSON"):
+        zoo.from_hf(d)

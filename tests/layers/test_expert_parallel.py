@@ -15,8 +15,7 @@ from flax import nnx
 
 import zoo
 from recipes.deepseek_v3 import RECIPES
-from tests.helpers import cpu_env
-from tests.test_gpu_job import fake_gpu
+from tests.helpers import cpu_env, fake_gpu
 from zoo import sharding
 from zoo.layers.moe import dispatch
 

@@ -1,4 +1,4 @@
-"""Capacity (issue 11): `zoo.plan.largest_batch`, the largest power-of-two batch whose planned peak HBM fits a
+"""Capacity: `zoo.plan.largest_batch`, the largest power-of-two batch whose planned peak HBM fits a
 budget, and `python -m recipes.plan --max-batch`. Estimate mode (the CPU's default) except one compiled walk."""
 import pytest
 

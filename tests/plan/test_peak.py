@@ -1,4 +1,4 @@
-"""Peak HBM with XLA's temporaries (issue 11): the planner compiles the main job's own step; the main job refuses a
+"""Peak HBM with XLA's temporaries: the planner compiles the main job's own step; the main job refuses a
 step that cannot fit (exit 2, before a step runs) unless --force; the per-preset training defaults; the optimizer
 state's dtype; `auto`'s link model with and without overlap."""
 import jax

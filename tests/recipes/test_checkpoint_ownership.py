@@ -1,6 +1,6 @@
 """Checkpoint folders: rotation deletes only this run's checkpoints, a --ckpt-dir holding step-numbered folders that
 are not zoo checkpoints is refused before training (naming them), and a failed write (a full disk) is one message
-naming the directory, with the partial checkpoint removed and the earlier ones intact (issue 23, classes 2 and 3)."""
+naming the directory, with the partial checkpoint removed and the earlier ones intact."""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,4 @@
-"""Inputs out of range are refused with a message naming the flag, before JAX sees them (issue 23, class 5):
+"""Inputs out of range are refused with a message naming the flag, before JAX sees them:
 integers too large for a step counter, a shape or a PRNG seed; a non-finite or negative --peak-tflops;
 --ckpt-every without --ckpt-dir. No compile: every case stops in the checks."""
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""The data a run reads is part of its identity (issue 23, class 4): a token file's dtype, size and fingerprint are
+"""The data a run reads is part of its identity: a token file's dtype, size and fingerprint are
 recorded and `--resume` on another file is refused unless --allow-data-change; uint32 ids read as uint16 (and the
 reverse) are caught before training; a file that shrinks under a run stops it with a message, not SIGBUS."""
 from __future__ import annotations
 
 import os
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -59,3 +60,17 @@ def test_resume_on_another_token_file_is_refused(tmp_path):
         loop._check_resumable(record, cfg, "c", after)
     moved = loop.RunConfig(**{**cfg.__dict__, "data": str(tmp_path / "other.bin"), "allow_data_change": True})
     loop._check_resumable(record, moved, "c", after)                # allowed: another path and content
+
+
+def test_token_ids_out_of_range_are_refused(tiny_model, tmp_path):
+    path = tmp_path / "tokens.bin"
+    ids = np.arange(100) % 30
+    ids[57] = 300
+    data_lib.write_tokens(path, ids, "uint16")
+    # Found in the sample read at start (recipes.data.TokenFile), before training; else by the batch that reads it.
+    with pytest.raises(ValueError, match=f"TokenFile '{path}': id 300 at position 57 is outside the model's vocab"):
+        data_lib.TokenFile(path, vocab=32, batch=4, seq=90, seed=0, dtype="uint16")
+    good = jnp.zeros((1, 4), jnp.int32)
+    for bad in (32, -1):
+        with pytest.raises(ValueError, match=rf"token id {bad} at \[0, 2\] is outside the vocabulary \[0, 32\)"):
+            tiny_model(good.at[0, 2].set(bad))

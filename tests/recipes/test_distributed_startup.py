@@ -1,4 +1,4 @@
-"""Several processes (issue 23, class 6, and the preemption of class 3): start-up errors are one-line messages
+"""Several processes: start-up errors are one-line messages
 (exit 2), a process whose coordinator is not there says it is waiting and gives up after --coordinator-timeout
 instead of waiting forever (or aborting with a C++ stack trace), and a SIGTERM that reaches one process of two
 stops both after the same step, with one checkpoint of it."""

@@ -1,4 +1,4 @@
-"""SIGINT and SIGTERM (issue 23, class 3): the step running finishes, a checkpoint of it is written with --ckpt-dir,
+"""SIGINT and SIGTERM: the step running finishes, a checkpoint of it is written with --ckpt-dir,
 one line says so, the exit code is 128 + the signal; the same command with --resume continues; a second Ctrl-C exits
 at once; no KeyboardInterrupt traceback anywhere. Two subprocess runs share one compilation cache."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""--metrics is opened as a user expects and never replaced (issue 23, class 1): regular files created with the
+"""--metrics is opened as a user expects and never replaced: regular files created with the
 umask's mode and appended in place, symlinks followed, FIFOs and devices written as streams, ownership taken with
 the open (a lock), strict JSON lines. No JAX compile: `recipes.guard.MetricsFile` directly."""
 from __future__ import annotations

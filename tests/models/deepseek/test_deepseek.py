@@ -235,7 +235,7 @@ def test_yarn_matches_transformers():
     (dict(balance_loss_weight=-1.0), "balance_loss_weight"),
     (dict(rope_scaling=zoo.layers.Llama3Scaling()), "rope_scaling must be a YarnScaling"),
     (dict(dtype="float8"), "dtype='float8'"),
-    # every field against its type (issue 12, case 4)
+    # every field against its type
     (dict(tie_embeddings="no"), "tie_embeddings must be a bool, got 'no'"),
     (dict(balance_loss_weight=float("nan")), "balance_loss_weight must be a finite number, got nan"),
     (dict(routed_scaling_factor=float("inf")), "routed_scaling_factor must be a finite number, got inf"),

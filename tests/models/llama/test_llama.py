@@ -176,7 +176,7 @@ def test_rope_llama3_scaling_matches_published_formula():
     (dict(head_dim=15), "head_dim must be even"),
     (dict(attention_impl="flash"), "attention_impl"),
     (dict(norm_eps=0.0), "norm_eps"),
-    # every field against its type (issue 12, case 4)
+    # every field against its type
     (dict(tie_embeddings="no"), "LlamaConfig.tie_embeddings must be a bool, got 'no'"),
     (dict(num_layers=2.0), "LlamaConfig.num_layers must be an int, got 2.0"),
     (dict(rope_theta=float("nan")), "LlamaConfig.rope_theta must be a finite number, got nan"),
