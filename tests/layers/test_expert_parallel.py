@@ -4,7 +4,6 @@ planner's per-device tag shapes (the receive buffer), and, in subprocesses with 
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 
@@ -15,11 +14,9 @@ from flax import nnx
 
 import zoo
 from recipes.deepseek_v3 import RECIPES
-from tests.helpers import cpu_env, fake_gpu
+from tests.helpers import ROOT, cpu_env, fake_gpu
 from zoo import sharding
 from zoo.layers.moe import dispatch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.parametrize("overrides, match", [

@@ -22,7 +22,6 @@ from recipes.deepseek_v3 import RECIPES as DS_RECIPES
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
 from zoo.plan import peak as peak_lib
 
-assert jax.device_count() == 8, jax.devices()
 B, S = 8, 16
 SCALARS = 64   # bytes of replicated scalars in the arguments (optimizer step counters), on every device
 
@@ -84,9 +83,14 @@ def main_job_plans_its_compiled_sharded_step():
     print(f"main job fsdp=4,tp=2: {job.peak_bytes} per device, planner {planned.peak_bytes}")
 
 
-if __name__ == "__main__":
+def main():
+    assert jax.device_count() == 8, jax.devices()
     sharded_peak_is_per_device(zoo.models.LlamaConfig.preset("tiny"), LLAMA_RECIPES["qkv_offload"], "llama")
     sharded_peak_is_per_device(zoo.models.DeepSeekV3Config.preset("tiny", moe_backend="capacity", capacity_factor=4.0),
                                DS_RECIPES["mla_moe_offload"], "deepseek")
     main_job_plans_its_compiled_sharded_step()
+
+
+if __name__ == "__main__":
+    main()
     print("OK")

@@ -15,7 +15,6 @@ sharding rules on an abstract mesh (no devices: this runs on one CPU).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -25,9 +24,8 @@ import pytest
 import zoo
 from recipes.deepseek_v3 import RECIPES as DS_RECIPES
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
-from tests.helpers import cpu_env
+from tests.helpers import ROOT, cpu_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LLAMA = zoo.models.LlamaConfig.preset("tiny")
 DS = zoo.models.DeepSeekV3Config.preset("tiny", moe_backend="capacity", capacity_factor=4.0)
 
@@ -69,8 +67,7 @@ def test_bad_meshes_raise_naming_both_numbers(mesh, match):
 
 
 def test_cli_mesh_prints_per_device_json_and_refuses_shard_with_mesh():
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
-           "JAX_PLATFORMS": "cpu"}
+    env = cpu_env()
     base = [sys.executable, "-m", "recipes.plan", "--model", "llama3", "--preset", "tiny", "--recipe", "qkv_offload",
             "--batch", "8", "--seq", "16"]
     out = subprocess.run(base + ["--mesh", "fsdp=8", "--json"], env=env, cwd=ROOT, capture_output=True, text=True,

@@ -4,7 +4,6 @@ naming the directory, with the partial checkpoint removed and the earlier ones i
 from __future__ import annotations
 
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -14,8 +13,7 @@ from flax import nnx
 
 from recipes import loop
 from recipes.checkpoint import Checkpoints
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.helpers import ROOT, cpu_env
 
 
 def small():
@@ -77,7 +75,7 @@ print("restored", ckpts.steps())
 ckpts.close()
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"})
+                         env=cpu_env())
     assert out.returncode == 0, out.stderr
     assert f"CheckpointError: writing checkpoint step 2 to {tmp_path / 'ckpt'} failed: File too large (the " \
            f"partial checkpoint is removed; the earlier ones are intact: steps [1])" in out.stdout, out.stdout

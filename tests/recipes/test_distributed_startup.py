@@ -4,7 +4,6 @@ instead of waiting forever (or aborting with a C++ stack trace), and a SIGTERM t
 stops both after the same step, with one checkpoint of it."""
 from __future__ import annotations
 
-import os
 import pathlib
 import signal
 import socket
@@ -15,6 +14,7 @@ import pytest
 
 from recipes import mesh, train
 from recipes.checkpoint import Checkpoints
+from tests.helpers import cpu_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RUN = ["--batch", 2, "--seq", 16, "--set", "num_layers=1", "--log-every", 1, "--xla-flags", "none"]
@@ -27,9 +27,8 @@ def free_port() -> int:
 
 
 def env_for(process: int, port: int, **extra) -> dict:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
-            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(process),
-            **extra}
+    return cpu_env(JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                   JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(process), **extra)
 
 
 @pytest.mark.parametrize("pid,message", [("abc", "JAX_PROCESS_ID='abc' is not an integer"),
@@ -56,6 +55,7 @@ def test_a_missing_coordinator_times_out_with_a_message():
     assert out.stderr.startswith("error: no coordinator at 127.0.0.1:") and out.stderr.count("\n") == 1, out.stderr
 
 
+@pytest.mark.multidevice   # two processes: scheduled first
 def test_sigterm_to_one_process_stops_both_after_the_same_step(tmp_path):
     """Two processes on a loopback coordinator; SIGTERM reaches process 1 only. Both stop after the same step
     (agreed with an all-gather each step), write one checkpoint of it together and exit 143."""

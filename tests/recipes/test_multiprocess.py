@@ -45,9 +45,8 @@ STOPS = "; process 0 stops too. Start every process again with --resume to conti
 TOL = 1e-5         # relative: sums over devices reduce in another order across processes or meshes
 
 
-def env_for(devices: int, cache: pathlib.Path, process: int | None = None, port: int | None = None) -> dict:
-    env = cpu_env(devices, JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+def env_for(devices: int, process: int | None = None, port: int | None = None) -> dict:
+    env = cpu_env(devices)
     for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         env.pop(var, None)
     if process is not None:
@@ -56,14 +55,14 @@ def env_for(devices: int, cache: pathlib.Path, process: int | None = None, port:
     return env
 
 
-def one_process(args, cache) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *RUN, *map(str, args)], cwd=ROOT, env=env_for(4, cache),
+def one_process(args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *RUN, *map(str, args)], cwd=ROOT, env=env_for(4),
                           capture_output=True, text=True, timeout=DEADLINE)
 
 
-def two_processes(args, cache) -> list[subprocess.Popen]:
+def two_processes(args) -> list[subprocess.Popen]:
     port = free_port()
-    return [subprocess.Popen([sys.executable, *RUN, *map(str, args)], cwd=ROOT, env=env_for(2, cache, i, port),
+    return [subprocess.Popen([sys.executable, *RUN, *map(str, args)], cwd=ROOT, env=env_for(2, i, port),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
 
 
@@ -148,25 +147,20 @@ def test_the_peer_watch_says_when_the_coordinator_is_gone():
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("jax-cache")
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache) -> list[float]:
+def reference(tmp_path_factory) -> list[float]:
     """The losses of steps 1..STEPS of one process over 4 fake devices, uninterrupted."""
     metrics = tmp_path_factory.mktemp("reference") / "m.jsonl"
-    out = one_process(["--mesh", "fsdp=4", "--steps", STEPS, "--metrics", metrics], cache)
+    out = one_process(["--mesh", "fsdp=4", "--steps", STEPS, "--metrics", metrics])
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     got = rows(metrics)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     return [r["loss"] for r in got]
 
 
-def test_two_processes_log_the_losses_of_one(tmp_path, cache, reference):
+def test_two_processes_log_the_losses_of_one(tmp_path, reference):
     metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
     procs = two_processes(["--mesh", "fsdp=4", "--steps", 4, "--ckpt-dir", ckpt, "--ckpt-every", 2,
-                           "--metrics", metrics], cache)
+                           "--metrics", metrics])
     outs = finish(procs)
     assert [p.returncode for p in procs] == [0, 0], [o[0][-2000:] + o[1][-2000:] for o in outs]
     for i, (stdout, _) in enumerate(outs):
@@ -180,10 +174,10 @@ def test_two_processes_log_the_losses_of_one(tmp_path, cache, reference):
     assert not (ckpt / LOCK_NAME).exists()   # released by process 0 at the end
 
 
-def test_a_killed_process_stops_the_other_and_resume_continues(tmp_path, cache, reference):
+def test_a_killed_process_stops_the_other_and_resume_continues(tmp_path, reference):
     metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
     procs = two_processes(["--mesh", "fsdp=4", "--steps", 1000, "--ckpt-dir", ckpt, "--ckpt-every", 2,
-                           "--metrics", metrics, "--heartbeat-timeout", HEARTBEAT], cache)
+                           "--metrics", metrics, "--heartbeat-timeout", HEARTBEAT])
     try:
         deadline, seen = time.monotonic() + DEADLINE, []
         for line in procs[1].stdout:
@@ -214,7 +208,7 @@ def test_a_killed_process_stops_the_other_and_resume_continues(tmp_path, cache, 
     assert 2 <= last <= STEPS - 2, last
 
     out = one_process(["--mesh", "fsdp=2,tp=2", "--steps", STEPS, "--ckpt-dir", ckpt, "--ckpt-every", 2,
-                       "--metrics", metrics, "--resume"], cache)
+                       "--metrics", metrics, "--resume"])
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (f"took over the stale lock of a run that ended without releasing it (pid {procs[0].pid},"
             in out.stdout) == left
