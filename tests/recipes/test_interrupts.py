@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import signal
 import subprocess
 import sys
@@ -14,17 +13,17 @@ import pytest
 
 from recipes.checkpoint import Checkpoints
 from recipes.interrupt import Interrupted, Interrupts
+from tests.helpers import ROOT, cpu_env
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+# The step of tests/recipes/cli_runs.py (its 6-step schedule; the runs here go on past it until signalled), so
+# that the run's compilation cache holds it once for all of them.
 RUN = ["--batch", 2, "--seq", 16, "--set", "num_layers=1", "--log-every", 1, "--xla-flags", "none",
-       "--schedule-steps", 100_000]
+       "--schedule-steps", 6]
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("jax_cache")
-    return {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+def env():
+    return cpu_env()
 
 
 def signalled(args, env, signals, after_step=3) -> tuple[int, str, str]:
@@ -87,7 +86,7 @@ with Interrupts() as interrupts:
     time.sleep(30)
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         env=cpu_env())
     assert out.returncode == 130, out.stderr
     assert out.stderr == ("second SIGINT: exiting at once without saving (the checkpoints already written are "
                           "intact)\n")
