@@ -17,6 +17,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 CPU_OPT = "--xla_backend_optimization_level"
 _made_cache = None   # the directory this process made (removed at the end)
 
@@ -45,3 +47,10 @@ def pytest_collection_modifyitems(config, items):
     under xdist (`--dist worksteal`, pyproject.toml) the short ones fill the other workers instead of a long test
     starting last. A stable sort: every worker collects the same order."""
     items.sort(key=lambda item: item.get_closest_marker("multidevice") is None)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    """A one-layer Llama whose parameters NumPy draws into its abstract state (no compilation)."""
+    from tests.helpers import random_tiny_llama  # imports JAX: only after the flags above are set
+    return random_tiny_llama(0.3)

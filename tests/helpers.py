@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections
 import os
 import pathlib
+import types
 
 import jax
 import jax.numpy as jnp
@@ -87,3 +88,9 @@ def random_tiny_llama(scale: float = 1.0):
     leaves = [(p, v.replace(jnp.asarray(scale * rng.standard_normal(v.shape), v.dtype)))
               for p, v in nnx.to_flat_state(state)]
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+
+
+def fake_gpu(cc="9.0", kind="NVIDIA H200"):
+    """A stand-in for an NVIDIA jax.Device (what the per-device choices read), for checking them on the CPU."""
+    return types.SimpleNamespace(platform="gpu", device_kind=kind, compute_capability=cc,
+                                 client=types.SimpleNamespace(platform_version="PJRT C API\ncuda 13000"))

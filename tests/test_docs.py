@@ -32,7 +32,8 @@ EXCLUDED = {
     "JAX_COORDINATOR_ADDRESS=10.0.0.1:1234": "two hosts with 8 GPUs each (the multi-host path is not tested here)",
     "python -m bench.run ": "GPU benchmarks, one device call each (their records are in "
                              "bench/results/ and docs/benchmarks.md)",
-    "JAX_COORDINATOR_ADDRESS=127.0.0.1:12355": "two processes: tests/test_multiprocess.py runs them (its own checks)",
+    "JAX_COORDINATOR_ADDRESS=127.0.0.1:12355": ("two processes: tests/recipes/test_multiprocess.py runs them "
+                                                "(its own checks)"),
 }
 # Commands of a run block that are not run, by their start: why.
 EXCLUDED_COMMANDS = {
@@ -234,7 +235,7 @@ def test_train_commands_run(block, monkeypatch, tmp_path):
 
 def text_fixture(tmp_path: Path, argv: list[str]) -> None:
     """Writes --data's corpus and --tokenizer's tokenizer.json, and sets vocab_size to the tokenizer's."""
-    from tests.test_text import DOCS, make_tokenizer
+    from tests.recipes.test_text import DOCS, make_tokenizer
     make_tokenizer(tmp_path / argv[argv.index("--tokenizer") + 1])
     corpus = tmp_path / argv[argv.index("--data") + 1]
     corpus.mkdir(parents=True, exist_ok=True)

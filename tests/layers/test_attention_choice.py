@@ -1,0 +1,53 @@
+"""The attention kernel per device and config: auto takes cuDNN on a GPU for GQA and MLA, falls back with a warning
+where cuDNN cannot serve, an explicit choice wins or is a ValueError, a built model says what each layer runs, and
+the main job refuses cuDNN on the CPU before building."""
+import jax
+import pytest
+from flax import nnx
+
+import zoo
+from tests.helpers import fake_gpu
+from zoo.layers import attention
+
+CFG = zoo.models.DeepSeekV3Config.preset("tiny")
+CPU = jax.devices()[0]
+
+
+def test_attention_auto_takes_cudnn_on_a_gpu_for_gqa_and_mla():
+    llama = zoo.models.LlamaConfig.preset("llama3_1_8b")
+    ds = zoo.models.DeepSeekV3Config.preset("deepseek_v3_671b")
+    assert attention.kernel_head_dim(ds) == 192
+    for cfg in (llama, ds):
+        assert attention.resolve_impl(cfg, fake_gpu()).impl == "cudnn"
+        assert attention.resolve_impl(cfg, CPU).impl == "xla"
+
+
+def test_attention_auto_on_a_gpu_that_cudnn_cannot_serve_warns_of_quadratic_memory():
+    ds = zoo.models.DeepSeekV3Config.preset("deepseek_v3_671b")
+    with pytest.warns(UserWarning, match="quadratic"):
+        choice = attention.resolve_impl(ds, fake_gpu(cc="8.0", kind="NVIDIA A100"))  # 192 > 128 before Hopper
+    assert choice.impl == "xla" and "QUADRATIC" in choice.reason
+    with pytest.warns(UserWarning, match="float32"):
+        assert attention.resolve_impl(zoo.models.LlamaConfig.preset("tiny"), fake_gpu()).impl == "xla"
+
+
+def test_explicit_attention_choices_win_and_an_impossible_one_is_a_value_error():
+    cfg = zoo.models.LlamaConfig.preset("llama3_1_8b", attention_impl="xla")
+    assert attention.resolve_impl(cfg, fake_gpu()).impl == "xla"
+    with pytest.raises(ValueError, match="attention_impl='cudnn' cannot run here: cuDNN runs only on NVIDIA"):
+        attention.resolve_impl(zoo.models.LlamaConfig.preset("tiny", attention_impl="cudnn"), CPU)
+    with pytest.raises(ValueError, match="cannot run here: cuDNN flash attention takes bf16/fp16"):
+        attention.resolve_impl(zoo.models.LlamaConfig.preset("tiny", attention_impl="cudnn"), fake_gpu())
+
+
+def test_a_built_model_says_which_attention_each_layer_runs():
+    model = zoo.models.deepseek_v3(CFG, rngs=nnx.Rngs(0))
+    got = attention.attention_impls(model)
+    assert sorted(got) == ["dense_layers/layers/attn", "moe_layers/layers/attn"]
+    assert {c.impl for c in got.values()} == {"xla"}
+
+
+def test_the_main_job_refuses_cudnn_on_the_cpu_before_building(capsys):
+    from recipes import train
+    assert train.main(["--set", "attention_impl=cudnn", "--steps", "1", "--xla-flags", "none"]) == 2
+    assert "attention_impl='cudnn' cannot run here" in capsys.readouterr().err

@@ -1,0 +1,468 @@
+"""The memory planner: the study's figures, exactness against JAX's own residuals, recompute FLOPs, model state,
+warnings, the automatic recipe, the command line (`python -m recipes.plan`) and the direction of imports."""
+import dataclasses
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import rich.console
+from flax import nnx
+
+import zoo
+from recipes.deepseek_v3 import RECIPES as DS_RECIPES
+from recipes.llama3 import RECIPES as LLAMA_RECIPES
+from recipes.registry import recipes_of
+from zoo.models import registry
+from zoo.plan import Hardware, Parallelism, Training
+from zoo.plan import build as planner
+from zoo.plan import measure as audit
+from zoo.plan import state as plan_state
+
+ROOT = Path(__file__).resolve().parents[2]
+MiB, GiB = 1 << 20, 1 << 30
+B, S = 3, 8  # batch differs from the tiny models' layer counts, so stacked residuals are told apart by shape
+LLAMA_TINY = zoo.models.LlamaConfig.preset("tiny")
+L405 = zoo.models.LlamaConfig.preset("llama3_1_405b")
+
+
+def extra_recipes():
+    """Recipes beyond RECIPES: the offloaded scan carry, and all three placements in one recipe."""
+    return {"carry_offload": zoo.Recipe("carry_offload", offload=("decoder_layer_input",)),
+            "mixed": zoo.Recipe("mixed", offload=("decoder_layer_input", "mlpwi_0"), device=("key_proj",))}
+
+
+def families():
+    """Every family of the model table, tiny, with its recipes and the extra ones."""
+    return [(f.name, f.config("tiny"), f.build, {**recipes_of(f), **extra_recipes()})
+            for f in registry.FAMILIES.values()]
+
+
+CASES = [(fam, name) for fam, _, _, recipes in families() for name in recipes]
+
+
+def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+
+
+# -- the study's figures ----------------------------------------------------------------------------------------
+def test_study_figures_llama_405b_qkv_offload(monkeypatch):
+    monkeypatch.delenv(zoo.plan.POOL_ENV, raising=False)
+    p = zoo.plan(L405, LLAMA_RECIPES["qkv_offload"], batch=2, seq=8192)
+    (stack,) = p.stacks
+    tags = {t.tag: t for t in stack.tags}
+    assert {t: tags[t].host_bytes for t in ("query_proj", "key_proj", "value_proj")} == {
+        "query_proj": 512 * MiB, "key_proj": 32 * MiB, "value_proj": 32 * MiB}
+    assert stack.num_layers == 126 and stack.host_bytes_per_layer == 576 * MiB == 603_979_776
+    assert p.host_bytes == 126 * 576 * MiB == 76_101_451_776
+    assert planner.fmt_bytes(p.host_bytes) == "70.9 GiB"
+    # the scan carry stays in HBM, every other tag is recomputed, the MLP's down projection is never saved
+    assert tags["decoder_layer_input"].device_bytes == 2 * 8192 * 16384 * 2
+    assert stack.device_bytes_per_layer == tags["decoder_layer_input"].device_bytes
+    assert not tags["mlpwo"].residual and tags["mlpwo"].nbytes == 0
+    assert {t.tag for t in stack.tags if t.placement == "remat"} == {
+        "attention_out", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo"}
+    assert any("pinned host pool of 64.0 GiB" in w for w in p.warnings)
+
+
+def test_shapes_are_the_published_405b_shapes():
+    """The planner's tag shapes (traced from the layers) against the shapes the 405B config implies, written out
+    from its published sizes: D 16384, 128 query heads and 8 key/value heads of 128, F 53248."""
+    b, s, d, h, kv, hd, f = 2, 8192, 16384, 128, 8, 128, 53248
+    p = zoo.plan(L405, LLAMA_RECIPES["qkv_offload"], batch=b, seq=s)
+    assert {t.tag: t.shape for t in p.stacks[0].tags} == {
+        "decoder_layer_input": (b, s, d), "query_proj": (b, s, h, hd), "key_proj": (b, s, kv, hd),
+        "value_proj": (b, s, kv, hd), "attention_out": (b, s, h, hd), "out_proj": (b, s, d),
+        "mlpwi_0": (b, s, f), "mlpwi_1": (b, s, f), "mlpwo": (b, s, d)}
+    assert {t.dtype for t in p.stacks[0].tags} == {"bfloat16"}
+
+
+def test_shard_splits_batch_and_model_state():
+    one = zoo.plan(L405, LLAMA_RECIPES["qkv_offload"], batch=2, seq=8192)
+    many = zoo.plan(L405, LLAMA_RECIPES["qkv_offload"], batch=256, seq=8192, parallel=Parallelism(shard=128))
+    assert many.host_bytes == one.host_bytes and many.activation_bytes == one.activation_bytes
+    assert many.state.params == math.ceil(one.state.params / 128)
+    assert many.state.optimizer == math.ceil(one.state.optimizer / 128)
+    assert many.remat_flops == one.remat_flops
+
+
+# -- exactness against JAX --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family, name", CASES)
+def test_planned_bytes_equal_the_residuals_jax_saves(family, name):
+    _, cfg, build, recipes = next(f for f in families() if f[0] == family)
+    recipe = recipes[name]
+    p = zoo.plan(cfg, recipe, batch=B, seq=S)
+    model = nnx.eval_shape(lambda: build(cfg, recipe=recipe, rngs=nnx.Rngs(0)))  # JAX answers from shapes alone
+    for sp in p.stacks:
+        res = audit.layer_residuals(model, sp.name, B, S)
+        # one layer: the host residuals are the offloaded tags, byte for byte
+        assert sum(r.nbytes for r in res if r.host) == sp.host_bytes_per_layer
+        if recipe.special is None:  # `none` may save an alias of a tag (the query reshaped for GQA) instead
+            for t in sp.tags:
+                if t.tag != "decoder_layer_input":  # the carry is saved by the scan, checked below
+                    assert sum(r.nbytes for r in res if r.tag == t.tag and not r.host) == t.device_bytes, t.tag
+            assert sp.untagged_bytes == 0
+    # the whole model: residuals stacked over each scan's layers, on the device and on the host, for a loss that
+    # also differentiates the stacks' aux (the MoE balance loss), as training does
+    tokens = jax.ShapeDtypeStruct((B, S), jnp.int32)
+    graphdef, state = nnx.split(model)
+
+    def loss(state, tokens):
+        logits, aux = nnx.merge(graphdef, state)(tokens, return_aux=True)
+        return jnp.mean(logits.astype(jnp.float32)) + sum(jnp.sum(a.astype(jnp.float32)) for a in jax.tree.leaves(aux))
+
+    res = audit.residuals(loss, state, tokens)
+    lengths = {(sp.num_layers,) for sp in p.stacks}
+    assert B not in {sp.num_layers for sp in p.stacks}  # the last carry [B, S, D] is no stacked residual
+    stacked = [r for r in res if r.host or (r.source.startswith("output of scan") and r.shape[:1] in lengths)]
+    assert sum(r.nbytes for r in stacked if r.host) == p.host_bytes
+    assert sum(r.nbytes for r in stacked if not r.host) == sum(sp.num_layers * sp.device_bytes_per_layer
+                                                               for sp in p.stacks)
+    assert not any("the plan is off" in w for w in p.warnings)
+
+
+def test_none_counts_what_jax_saves_beyond_the_tags():
+    p = zoo.plan(LLAMA_TINY, LLAMA_RECIPES["none"], batch=B, seq=S)
+    (sp,) = p.stacks
+    assert sp.untagged_bytes > 0 and sp.remat_flops == 0
+    assert any("recipe 'none' keeps every intermediate" in w for w in p.warnings)
+
+
+# -- recompute FLOPs --------------------------------------------------------------------------------------------
+def test_recompute_flops_follow_the_layer():
+    c = LLAMA_TINY
+    tokens = B * S
+    down = 2 * tokens * c.mlp_dim * c.dim
+    qkv = 2 * tokens * c.dim * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    scores = 2 * B * S * S * c.num_heads * c.head_dim  # q k^T, the XLA attention path
+    flops = {n: zoo.plan(c, LLAMA_RECIPES[n], batch=B, seq=S).stacks[0]
+             for n in ("none", "full", "save_qkv", "minimal")}
+    assert flops["none"].remat_flops == 0
+    # full remat re-runs the whole forward pass but the down projection, whose output nothing needs
+    assert flops["full"].remat_flops == flops["full"].forward_flops - down
+    # keeping q, k, v skips their projections
+    assert flops["save_qkv"].remat_flops == flops["full"].remat_flops - qkv
+    # keeping every matmul output leaves the attention scores (the softmax's input is not a tag)
+    assert flops["minimal"].remat_flops == scores
+
+
+# -- model state ------------------------------------------------------------------------------------------------
+def test_model_state():
+    full = LLAMA_RECIPES["full"]
+    n = zoo.models.count_params(planner.abstract_model(LLAMA_TINY))
+    p = zoo.plan(LLAMA_TINY, full, batch=B, seq=S)
+    assert (p.state.num_params, p.state.params, p.state.grads, p.state.optimizer) == (n, 4 * n, 4 * n, 8 * n)
+    assert p.hbm_bytes == p.activation_bytes + p.state.total
+    sgd = zoo.plan(LLAMA_TINY, full, batch=B, seq=S, parallel=Parallelism(shard=3), training=Training(optimizer="sgd"))
+    assert sgd.state.optimizer == 0 and sgd.state.params == math.ceil(4 * n / 3)
+    bf16 = zoo.plan(dataclasses.replace(LLAMA_TINY, param_dtype="bfloat16"), full, batch=B, seq=S,
+                    training=Training(opt_dtype="bfloat16"))
+    assert (bf16.state.params, bf16.state.optimizer) == (2 * n, 4 * n)
+    planned = zoo.plan(L405, full, batch=1, seq=8).state.num_params
+    assert zoo.models.count_params(planner.abstract_model(L405)) == planned
+
+
+# -- warnings ---------------------------------------------------------------------------------------------------
+def test_warnings_pool_ram_and_hbm(monkeypatch):
+    def warnings(**kw):
+        return zoo.plan(L405, LLAMA_RECIPES["qkv_offload"], batch=2, seq=8192, **kw).warnings
+
+    monkeypatch.setenv(zoo.plan.POOL_ENV, "128")
+    monkeypatch.setattr(plan_state, "machine_ram_bytes", lambda: 1 << 50)
+    assert warnings() == ()
+    monkeypatch.setenv(zoo.plan.POOL_ENV, "32")
+    assert any("pinned host pool of 32.0 GiB" in w and zoo.plan.POOL_ENV in w for w in warnings())
+    monkeypatch.setenv(zoo.plan.POOL_ENV, "lots")
+    assert any("not an integer" in w for w in warnings())
+    monkeypatch.setenv(zoo.plan.POOL_ENV, "128")
+    monkeypatch.setattr(plan_state, "machine_ram_bytes", lambda: 16 * GiB)
+    assert [w for w in warnings() if "this machine's RAM (16.0 GiB)" in w]
+    monkeypatch.setattr(plan_state, "machine_ram_bytes", lambda: 1 << 50)
+    assert [w for w in warnings(hardware=Hardware(hbm_gib=141)) if "over the budget of 141.0 GiB" in w]
+
+
+# -- bad input --------------------------------------------------------------------------------------------------
+def test_bad_names_and_values_raise():
+    full = LLAMA_RECIPES["full"]
+    with pytest.raises(ValueError, match="no model family for a str"):
+        zoo.plan("llama4", full, batch=1, seq=8)
+    with pytest.raises(ValueError, match="recipe must be a zoo.Recipe or 'auto', got 'qkv'"):
+        zoo.plan(LLAMA_TINY, "qkv", batch=1, seq=8)
+    with pytest.raises(ValueError, match="optimizer='adagrad'.*adamw"):
+        zoo.plan(LLAMA_TINY, full, batch=1, seq=8, training=Training(optimizer="adagrad"))
+    with pytest.raises(ValueError, match="batch must be a positive int"):
+        zoo.plan(LLAMA_TINY, full, batch=0, seq=8)
+    with pytest.raises(ValueError, match="batch=3 does not split evenly over shard=2"):
+        zoo.plan(LLAMA_TINY, full, batch=3, seq=8, parallel=Parallelism(shard=2))
+    with pytest.raises(ValueError, match="auto' needs hbm_gib, link_gbps"):
+        zoo.plan(LLAMA_TINY, "auto", batch=1, seq=8, hardware=Hardware(tflops=1.0))
+    with pytest.raises(ValueError, match="matches no tag that Llama emits"):
+        zoo.plan(LLAMA_TINY, zoo.Recipe("moe", offload=("moe_*",)), batch=1, seq=8)
+
+
+# -- the automatic recipe ---------------------------------------------------------------------------------------
+# These tests check the link model where a transfer that fits under compute is free (overlap=1: a mechanism
+# proven to hide copies); with overlap 0 (XLA on the H200 today) see test_peak.py.
+def _tight_budget(cfg, **kw) -> float:
+    """An HBM budget (GiB) that holds the model state and the scan carry but no other tag."""
+    return zoo.plan(cfg, zoo.Recipe.full(), **kw).hbm_bytes / GiB + 0.25
+
+
+STUDY_405B = dict(batch=256, seq=8192, parallel=Parallelism(shard=128))  # batch 2 per device, FSDP over 128 GPUs
+
+
+@pytest.mark.parametrize("link", [450, 55])
+def test_auto_offloads_qkv_of_405b_at_the_study_link_and_on_pcie(link):
+    p = zoo.plan(L405, "auto", hardware=Hardware(hbm_gib=_tight_budget(L405, **STUDY_405B), link_gbps=link, overlap=1,
+                                                 tflops=800), **STUDY_405B)
+    assert isinstance(p.recipe, zoo.Recipe)
+    assert {"query_proj", "key_proj", "value_proj"} <= set(p.recipe.offload)
+    assert p.hbm_bytes <= p.hbm_budget
+    reasons = {t.tag: t.note for t in p.stacks[0].tags}
+    assert "hides" in reasons["query_proj"] and f"at {link} GB/s" in reasons["query_proj"]
+
+
+def test_auto_recomputes_what_a_slow_link_cannot_hide():
+    p = zoo.plan(L405, "auto", hardware=Hardware(hbm_gib=_tight_budget(L405, **STUDY_405B), link_gbps=1, overlap=1,
+                                                 tflops=800), **STUDY_405B)
+    assert "query_proj" not in p.recipe.offload and p.recipe.placement("query_proj") == "remat"
+    assert "would not hide" in {t.tag: t.note for t in p.stacks[0].tags}["query_proj"]
+    assert "key_proj" in p.recipe.offload  # 32 MiB per layer still hides at 1 GB/s
+
+
+def test_auto_keeps_on_device_what_fits_and_respects_a_host_budget():
+    roomy = zoo.plan(L405, "auto", hardware=Hardware(hbm_gib=10_000, link_gbps=55, overlap=1, tflops=800),
+                     **STUDY_405B)
+    needed = {t.tag for t in roomy.stacks[0].tags if t.residual}
+    assert set(roomy.recipe.device) == needed and roomy.recipe.offload == ()
+    no_host = zoo.plan(L405, "auto", hardware=Hardware(hbm_gib=_tight_budget(L405, **STUDY_405B), link_gbps=450,
+                                                       overlap=1, tflops=800, host_gib=1), **STUDY_405B)
+    assert no_host.recipe.offload == () and no_host.host_bytes == 0
+
+
+def test_auto_recipe_builds_and_trains_the_tiny_model():
+    """The chosen recipe is one JAX honours (placements read back from the residuals), and the model trains under
+    it: a few Adam steps on one batch lower the loss."""
+    # a budget that holds the model state and the scan carry, nothing more; at a slow FLOP rate every transfer hides
+    budget = zoo.plan(LLAMA_TINY, zoo.Recipe.full(), batch=B, seq=S).hbm_bytes / GiB
+    recipe = planner.auto_recipe(LLAMA_TINY, batch=B, seq=S,
+                                 hardware=Hardware(hbm_gib=budget, link_gbps=55, overlap=1, tflops=1e-6))
+    assert recipe.device == ("decoder_layer_input",) and {"query_proj", "mlpwi_0"} <= set(recipe.offload)
+    model = nnx.jit(lambda: zoo.models.llama3(LLAMA_TINY, recipe=recipe, rngs=nnx.Rngs(0)))()
+    seen = audit.placements_seen(model, "layers", B, S)
+    assert {t: seen[t] for t in audit.residual_tags(model, "layers")} == {
+        t: recipe.placement(t) for t in audit.residual_tags(model, "layers")}
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tokens = jax.random.randint(jax.random.key(0), (B, S + 1), 0, LLAMA_TINY.vocab_size)
+
+    def loss_fn(params):
+        logp = jax.nn.log_softmax(nnx.merge(graphdef, params, rest)(tokens[:, :-1]).astype(jnp.float32))
+        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+    @jax.jit
+    def sgd_step(params):
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        return loss, jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)
+
+    losses = []
+    for _ in range(6):
+        loss, params = sgd_step(params)
+        losses.append(float(loss))
+    assert np.all(np.isfinite(losses)) and losses[-1] < 0.5 * losses[0], losses
+
+
+# -- the command line -------------------------------------------------------------------------------------------
+PLAN = ("-m", "recipes.plan", "--model", "llama3", "--preset", "llama3_1_405b", "--recipe", "qkv_offload",
+        "--batch", "2", "--seq", "8192")
+
+
+def test_cli_json_has_the_study_integers():
+    r = _run(*PLAN, "--json", env={zoo.plan.POOL_ENV: "64"})
+    assert r.returncode == 0, r.stderr
+    assert "RuntimeWarning" not in r.stderr
+    out = json.loads(r.stdout)
+    assert out["stacks"][0]["host_bytes_per_layer"] == 603_979_776
+    assert out["totals"]["host_bytes"] == 76_101_451_776
+    assert out["offload"] == ["query_proj", "key_proj", "value_proj"]
+    assert any("pinned host pool" in w for w in out["warnings"])
+
+
+def test_cli_table_renders():
+    r = _run(*PLAN, env={"COLUMNS": "160"})
+    assert r.returncode == 0, r.stderr
+    for text in ("query_proj", "512.0 MiB", "32.0 MiB", "576.0 MiB", "70.9 GiB", "not a residual", "warning:"):
+        assert text in r.stdout, text
+
+
+def test_cli_auto_and_bad_input():
+    tiny = ("-m", "recipes.plan", "--model", "llama3", "--preset", "tiny", "--batch", "2", "--seq", "8")
+    r = _run(*tiny, "--recipe", "auto", "--hbm", "1", "--link", "55", "--flops", "800", env={"COLUMNS": "200"})
+    assert r.returncode == 0, r.stderr
+    assert "chosen:" in r.stdout and "kept in HBM" in r.stdout
+    # Planning for a device kind with a measured link and a datasheet rate needs only the budget, as the main job's
+    # --recipe auto (the flags' other spellings are the main job's: --hbm-limit, --peak-tflops).
+    r = _run(*tiny, "--recipe", "auto", "--device", "H200", "--hbm-limit", "1", env={"COLUMNS": "200"})
+    assert r.returncode == 0, r.stderr
+    # recompute priced at the Llama step's measured rate on the H200 (zoo.plan.links.RATES), not the datasheet's
+    rate = zoo.plan.links.step_rate("H200", LLAMA_TINY).tflops
+    assert "chosen:" in r.stdout and "55.3 GB/s" in r.stdout and f"{rate:g} TFLOP/s executed" in r.stdout
+
+
+
+@pytest.mark.parametrize("args, needles", [
+    (("--recipe", "auto", "--hbm", "1"), ("--recipe auto needs --link, --flops",)),
+    (("--shard", "3"), ("--shard 3", "--batch 2")),
+    (("--model", "gpt2"), ("--model 'gpt2'", "llama3", "deepseek_v3")),
+    (("--preset", "huge"), ("--preset 'huge'", "llama3_1_405b")),
+    (("--recipe", "qkv"), ("--recipe 'qkv'", "qkv_offload")),
+    (("--set", "tie_embeddings=maybe"), ("--set tie_embeddings=maybe", "must be a bool")),
+    (("--set", "num_layer=3"), ("--set num_layer=3", "not a field of LlamaConfig")),
+    (("--hbm", "-1"), ("--hbm", "positive")),
+])
+def test_cli_errors_name_the_flags(args, needles, capsys):
+    """Bad input is a usage error (exit 2) that names the flags, not Python keywords."""
+    from recipes import plan as plan_cli
+    with pytest.raises(SystemExit) as e:
+        plan_cli.main(["--model", "llama3", "--preset", "tiny", "--batch", "2", "--seq", "8", *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+
+
+def test_cli_set_values_take_the_field_type():
+    r = _run("-m", "recipes.plan", "--model", "llama3", "--preset", "tiny", "--batch", "2", "--seq", "8",
+             "--recipe", "full", "--set", "tie_embeddings=false", "--set", "num_layers=3", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["stacks"][0]["num_layers"] == 3
+    three = dataclasses.replace(LLAMA_TINY, num_layers=3)
+    untied, tied = (zoo.plan(dataclasses.replace(three, tie_embeddings=t), LLAMA_RECIPES["full"], batch=2,
+                             seq=8).state.num_params for t in (False, True))
+    assert tied < untied == out["model_state"]["num_params"]  # "false" is False: the LM head is its own
+
+
+def test_zoo_plan_is_callable_and_a_package_whatever_is_imported_first():
+    code = ("import zoo.plan.measure, zoo; from zoo.plan import build; assert zoo.plan.plan is build.plan; "
+            "from recipes.llama3 import RECIPES; "
+            "p = zoo.plan(zoo.models.LlamaConfig.preset('tiny'), RECIPES['qkv_offload'], batch=1, seq=8); "
+            "print(p.host_bytes)")
+    r = _run("-c", code)
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout) > 0
+
+
+def test_zoo_never_imports_recipes():
+    """The library does not depend on the application: no module under zoo/ imports recipes, and importing all of
+    zoo (planner, Hugging Face interop, the model table) loads nothing of recipes."""
+    for path in (ROOT / "zoo").rglob("*.py"):
+        for line in path.read_text().splitlines():
+            words = line.split()
+            assert not (words[:1] in (["import"], ["from"]) and words[1].split(".")[0] == "recipes"), (path, line)
+            assert not ("import_module" in line and "recipes" in line), (path, line)
+    r = _run("-c", "import sys, zoo, zoo.plan.measure, zoo.hf, zoo.models.registry; "
+                   "print(sorted(m for m in sys.modules if m.split('.')[0] == 'recipes'))")
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+# -- DeepSeek-V3 ------------------------------------------------------------------------------------------------
+DS_SLICE = dict(batch=4, seq=4096)  # the DeepSeek-shaped slice of ANCHORS.md
+
+
+def test_deepseek_study_bytes_per_token():
+    RECIPES = DS_RECIPES
+    cfg = zoo.models.DeepSeekV3Config.preset("deepseek_v3_671b")
+    tokens = DS_SLICE["batch"] * DS_SLICE["seq"]
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    moe_up = 2 * cfg.num_experts_per_tok * cfg.moe_mlp_dim
+    study = 2 * (2 * cfg.num_heads * qk + cfg.num_heads * cfg.v_head_dim + moe_up)
+    lowrank = 2 * (cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim + moe_up)
+    p = zoo.plan(cfg, RECIPES["mla_moe_offload"], **DS_SLICE)
+    moe = {s.name: s for s in p.stacks}["moe_layers"]
+    assert moe.num_layers == cfg.num_moe_layers and moe.host_bytes_per_layer == study * tokens
+    assert study == 192 * 1024  # ANCHORS.md: ~192 KiB per token and layer
+    p = zoo.plan(cfg, RECIPES["lowrank_wa_offload"], **DS_SLICE)
+    assert {s.name: s for s in p.stacks}["moe_layers"].host_bytes_per_layer == lowrank * tokens
+    assert round(lowrank / 1024) == 68  # ~68 KiB
+
+
+def test_auto_deepseek_is_link_aware():
+    """At the study's 450 GB/s the study's tensors hide under a MoE layer's forward pass; at PCIe's 55 GB/s they
+    cannot, and the low-rank tensors (MLA down-projections, MoE up-projections) are offloaded instead."""
+    from recipes.deepseek_v3 import RECIPES, STUDY
+    cfg = zoo.models.DeepSeekV3Config.preset("deepseek_v3_671b")
+    budget = _tight_budget(cfg, **DS_SLICE)
+    fast = zoo.plan(cfg, "auto", hardware=Hardware(hbm_gib=budget, link_gbps=450, overlap=1, tflops=600),
+                    **DS_SLICE)
+    assert set(STUDY) <= set(fast.recipe.offload)
+    slow = zoo.plan(cfg, "auto", hardware=Hardware(hbm_gib=budget, link_gbps=55, overlap=1, tflops=600),
+                    **DS_SLICE)
+    assert set(RECIPES["lowrank_wa_offload"].offload) <= set(slow.recipe.offload)
+    assert {"query_proj", "key_proj", "value_proj"}.isdisjoint(slow.recipe.offload)
+    notes = {t.tag: t.note for s in slow.stacks for t in s.tags}
+    assert "would not hide" in notes["query_proj"] and "at 55 GB/s" in notes["query_proj"]
+    # the estimate agrees: on PCIe the study's recipe is link-bound, the low-rank one is not
+    link = Hardware(link_gbps=55, overlap=1, tflops=600)
+    est = {n: zoo.plan(cfg, RECIPES[n], hardware=link, **DS_SLICE).step_time()
+           for n in ("mla_moe_offload", "lowrank_wa_offload")}
+    assert est["mla_moe_offload"]["exposed_transfer_s"] > 0 == est["lowrank_wa_offload"]["exposed_transfer_s"]
+
+
+def test_the_model_table_plans_deepseek():
+    fam = registry.family("deepseek_v3")
+    p = zoo.plan(fam.config("tiny"), recipes_of(fam)["mla_moe_offload"], batch=B, seq=S)
+    assert [s.name for s in p.stacks] == ["dense_layers", "moe_layers"] and p.host_bytes > 0
+    assert registry.family_of(fam.config("tiny")) is fam and recipes_of(fam) is DS_RECIPES
+
+
+def test_a_cudnn_config_is_planned_on_the_xla_path():
+    qkv = LLAMA_RECIPES["qkv_offload"]
+    cudnn = zoo.plan(dataclasses.replace(LLAMA_TINY, attention_impl="cudnn"), qkv, batch=B, seq=S)
+    xla = zoo.plan(LLAMA_TINY, qkv, batch=B, seq=S)
+    assert (cudnn.host_bytes, cudnn.activation_bytes, cudnn.remat_flops) == (xla.host_bytes, xla.activation_bytes,
+                                                                            xla.remat_flops)
+
+
+def test_tags_are_traced_once_per_stack_and_shape(monkeypatch):
+    """Building a model, planning it and auditing it trace each layer's tags once per input shape, and measuring
+    a recipe never changes the model's own."""
+    from zoo.models import stack
+    calls = []
+    real = stack.tags_lib.emitted
+    monkeypatch.setattr(stack.tags_lib, "emitted", lambda *a: calls.append(a[-1].shape) or real(*a))
+    cfg = dataclasses.replace(LLAMA_TINY, dim=48)  # a layer no other test has traced
+    model = nnx.eval_shape(lambda: zoo.models.llama3(cfg, recipe=LLAMA_RECIPES["full"], rngs=nnx.Rngs(0)))
+    zoo.plan(cfg, LLAMA_RECIPES["qkv_offload"], batch=B, seq=S)
+    audit.residual_tags(model, "layers")
+    audit.placements_seen(model, "layers", B, S, recipe=LLAMA_RECIPES["qkv_offload"])
+    assert calls == [(1, 8, 48), (B, S, 48)]
+    assert model.recipe == LLAMA_RECIPES["full"]
+
+
+def test_a_split_plan_shows_one_devices_shapes_beside_one_devices_bytes():
+    """Split over devices, the table's shape column is one device's part (the bytes beside it are per device)."""
+    recipe = LLAMA_RECIPES["qkv_offload"]
+    whole = zoo.plan(LLAMA_TINY, recipe, batch=4, seq=S, peak=None)
+    assert all(tp.device_shape is None for tp in whole.stacks[0].tags)
+    halves = zoo.plan(LLAMA_TINY, recipe, batch=4, seq=S, peak=None, parallel=Parallelism(shard=2))
+    meshed = zoo.plan(LLAMA_TINY, recipe, batch=4, seq=S, peak=None, parallel=Parallelism(mesh={"fsdp": 2, "tp": 2}))
+    heads = {tp.tag: tp for tp in meshed.stacks[0].tags}
+    for p, rows in ((halves, 2), (meshed, 2)):
+        for tp in p.stacks[0].tags:
+            assert tp.device_shape[0] == tp.shape[0] // rows
+            if tp.residual:
+                assert tp.nbytes == math.prod(tp.device_shape) * jnp.dtype(tp.dtype).itemsize
+    # tp splits the heads of the queries (4 heads -> 2 per device)
+    assert heads["query_proj"].shape[2] == 4 and heads["query_proj"].device_shape[2] == 2
+    text = io.StringIO()
+    zoo.plan.render(meshed, console=rich.console.Console(file=text, width=200))
+    assert "shape per device" in text.getvalue() and "2x8x2x16 f32" in text.getvalue()
