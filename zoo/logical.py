@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import jax
 from flax import linen as nn
+from jax.sharding import PartitionSpec
 
 
 def active() -> bool:
@@ -41,3 +42,27 @@ def size_of(logical: str) -> int:
     """How many shards the active rules split the logical axis `logical` into (1 when none are active)."""
     shape = jax.sharding.get_abstract_mesh().shape
     return math.prod(shape[a] for a in mesh_axes(logical))
+
+
+def rows_beside_embed() -> tuple[str, ...]:
+    """The batch's mesh axes that the logical axis `embed` does not use (() when no rules are active)."""
+    embed = mesh_axes("embed")
+    return tuple(a for a in mesh_axes("batch") if a not in embed)
+
+
+def split_embed(x: jax.Array, *, keep_batch: bool = True) -> jax.Array:
+    """x [batch, ..., embed] constrained to the parameters' layout of `embed`: the last dim split over the mesh
+    axes of `embed` (fsdp), the batch over its other axes (`rows_beside_embed`), or, with `keep_batch=False`,
+    whole. From the activations' layout (batch over every data axis, embed whole) that is one all-to-all, then
+    (`keep_batch=False`) one all-gather: two constraints, because XLA's SPMD partitioner makes such a move one
+    collective at a time and, for a move it cannot split, replicates the whole tensor on every device
+    ("Involuntary full rematerialization"). A no-op unless a mesh and rules are active."""
+    if not active():
+        return x
+    embed = mesh_axes("embed") or None
+    rows = rows_beside_embed() or None
+    mid = (None,) * (x.ndim - 2)
+    x = jax.lax.with_sharding_constraint(x, PartitionSpec(rows, *mid, embed))
+    if not keep_batch and rows:
+        x = jax.lax.with_sharding_constraint(x, PartitionSpec(None, *mid, embed))
+    return x
