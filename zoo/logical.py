@@ -50,19 +50,28 @@ def rows_beside_embed() -> tuple[str, ...]:
     return tuple(a for a in mesh_axes("batch") if a not in embed)
 
 
+def _spec(x: jax.Array, rows: Sequence[str], cols: Sequence[str]) -> PartitionSpec:
+    return PartitionSpec(tuple(rows) or None, *(None,) * (x.ndim - 2), tuple(cols) or None)
+
+
 def split_embed(x: jax.Array, *, keep_batch: bool = True) -> jax.Array:
-    """x [batch, ..., embed] constrained to the parameters' layout of `embed`: the last dim split over the mesh
-    axes of `embed` (fsdp), the batch over its other axes (`rows_beside_embed`), or, with `keep_batch=False`,
-    whole. From the activations' layout (batch over every data axis, embed whole) that is one all-to-all, then
-    (`keep_batch=False`) one all-gather: two constraints, because XLA's SPMD partitioner makes such a move one
-    collective at a time and, for a move it cannot split, replicates the whole tensor on every device
-    ("Involuntary full rematerialization"). A no-op unless a mesh and rules are active."""
+    """x [batch, ..., embed] from the activations' layout (batch over every data axis, embed whole) to the
+    parameters' layout of `embed`: the last dim split over the mesh axes of `embed` (fsdp), the batch over its
+    other axes (`rows_beside_embed`), or, with `keep_batch=False`, whole. `keep_batch=False` moves one mesh axis
+    at a time, the batch's minor-most first (to the last dim if `embed` uses it, else gathered), each a sharding
+    constraint that is one collective: XLA's SPMD partitioner makes such moves one at a time and, for a move it
+    cannot split, replicates the whole tensor on every device ("Involuntary full rematerialization"). A no-op
+    unless a mesh and rules are active."""
     if not active():
         return x
-    embed = mesh_axes("embed") or None
-    rows = rows_beside_embed() or None
-    mid = (None,) * (x.ndim - 2)
-    x = jax.lax.with_sharding_constraint(x, PartitionSpec(rows, *mid, embed))
-    if not keep_batch and rows:
-        x = jax.lax.with_sharding_constraint(x, PartitionSpec(None, *mid, embed))
-    return x
+    embed, batch = mesh_axes("embed"), list(mesh_axes("batch"))
+    if keep_batch:
+        return jax.lax.with_sharding_constraint(x, _spec(x, rows_beside_embed(), embed))
+    moved: list[str] = []
+    while batch:
+        axis = batch.pop()
+        if axis in embed:
+            moved.insert(0, axis)
+        x = jax.lax.with_sharding_constraint(x, _spec(x, batch, moved))
+    return x if tuple(moved) == embed else jax.lax.with_sharding_constraint(x, _spec(x, (), embed))
+
