@@ -183,8 +183,10 @@ def deepseek():
     qkv = {"tensor<8x8x4x24xf32>", "tensor<8x8x4x16xf32>"}  # query/key [B,S,H,24], value [B,S,H,16]
     # The capacity buffers [experts, groups x capacity, moe_mlp]: 8 groups (one per batch shard) of C = 8 each.
     ragged_cfg = dataclass_replace(cfg, moe_backend="ragged_dot")
-    compare("fsdp=8 ragged_dot", sharded(zoo.models.deepseek_v3, ragged_cfg, recipe, "fsdp=8", tokens,
-                                         {**{t: "[fsdp,,,]" for t in qkv}, "tensor<128x40xf32>": "[,]"}), ref)
+    # Dropless (one dispatch group) under fsdp x tp: the sorted copies [B*S*k, moe_mlp] whole over the batch.
+    compare("fsdp=4,tp=2 ragged_dot", sharded(zoo.models.deepseek_v3, ragged_cfg, recipe, "fsdp=4,tp=2", tokens,
+                                              {**{t: "[fsdp,,tp,]" for t in qkv}, "tensor<128x40xf32>": "[,tp]"}),
+            ref)
     compare("ep=8 capacity", sharded(zoo.models.deepseek_v3, cfg, recipe, "ep=8", tokens,
                                      {**{t: "[ep,,,]" for t in qkv}, "tensor<8x64x40xf32>": "[ep,,]"},
                                      all_to_all=True), ref)

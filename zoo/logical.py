@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import jax
 from flax import linen as nn
+from jax.sharding import PartitionSpec
 
 
 def active() -> bool:
@@ -41,3 +42,36 @@ def size_of(logical: str) -> int:
     """How many shards the active rules split the logical axis `logical` into (1 when none are active)."""
     shape = jax.sharding.get_abstract_mesh().shape
     return math.prod(shape[a] for a in mesh_axes(logical))
+
+
+def rows_beside_embed() -> tuple[str, ...]:
+    """The batch's mesh axes that the logical axis `embed` does not use (() when no rules are active)."""
+    embed = mesh_axes("embed")
+    return tuple(a for a in mesh_axes("batch") if a not in embed)
+
+
+def _spec(x: jax.Array, rows: Sequence[str], cols: Sequence[str]) -> PartitionSpec:
+    return PartitionSpec(tuple(rows) or None, *(None,) * (x.ndim - 2), tuple(cols) or None)
+
+
+def split_embed(x: jax.Array, *, keep_batch: bool = True) -> jax.Array:
+    """x [batch, ..., embed] from the activations' layout (batch over every data axis, embed whole) to the
+    parameters' layout of `embed`: the last dim split over the mesh axes of `embed` (fsdp), the batch over its
+    other axes (`rows_beside_embed`), or, with `keep_batch=False`, whole. `keep_batch=False` moves one mesh axis
+    at a time, the batch's minor-most first (to the last dim if `embed` uses it, else gathered), each a sharding
+    constraint that is one collective: XLA's SPMD partitioner makes such moves one at a time and, for a move it
+    cannot split, replicates the whole tensor on every device ("Involuntary full rematerialization"). A no-op
+    unless a mesh and rules are active."""
+    if not active():
+        return x
+    embed, batch = mesh_axes("embed"), list(mesh_axes("batch"))
+    if keep_batch:
+        return jax.lax.with_sharding_constraint(x, _spec(x, rows_beside_embed(), embed))
+    moved: list[str] = []
+    while batch:
+        axis = batch.pop()
+        if axis in embed:
+            moved.insert(0, axis)
+        x = jax.lax.with_sharding_constraint(x, _spec(x, batch, moved))
+    return x if tuple(moved) == embed else jax.lax.with_sharding_constraint(x, _spec(x, (), embed))
+

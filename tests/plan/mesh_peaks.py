@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 
 import zoo
-from recipes import loop
+from recipes import loop, prepare
 from recipes.deepseek_v3 import RECIPES as DS_RECIPES
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
 from zoo.plan import Parallelism
@@ -56,7 +56,7 @@ def sharded_peak_is_per_device(cfg, recipe, name):
 
 def main_job_plans_its_compiled_sharded_step():
     seen = {}
-    real_compile, real_show = loop.compile_for_shapes, loop.show_memory_plan
+    real_compile, real_show = prepare.compile_for_shapes, prepare.show_memory_plan
 
     def spy_compile(*args, **kwargs):
         seen["compiled"], graphdef, abstract = real_compile(*args, **kwargs)
@@ -66,12 +66,12 @@ def main_job_plans_its_compiled_sharded_step():
         seen["plan"] = real_show(*args, **kwargs)
         return seen["plan"]
 
-    loop.compile_for_shapes, loop.show_memory_plan = spy_compile, spy_show
+    prepare.compile_for_shapes, prepare.show_memory_plan = spy_compile, spy_show
     try:
         loop.run(loop.RunConfig(model="llama3", preset="tiny", recipe="qkv_offload", steps=1, batch=B, seq=S,
                                 mesh="fsdp=4,tp=2"))
     finally:
-        loop.compile_for_shapes, loop.show_memory_plan = real_compile, real_show
+        prepare.compile_for_shapes, prepare.show_memory_plan = real_compile, real_show
     job = seen["plan"]
     want = "compiled for 8 x cpu (mesh fsdp=4,tp=2), per device"
     assert job.peak.compiled and job.peak_source == want, job.peak_source

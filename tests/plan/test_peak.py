@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import zoo
-from recipes import defaults, loop, train
+from recipes import defaults, loop, prepare, train
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
 from zoo.plan import Hardware, Parallelism, links
 from zoo.plan import peak as peak_lib
@@ -22,13 +22,13 @@ def test_the_planners_compiled_peak_is_the_main_jobs_own_step(family, monkeypatc
     """zoo.plan(peak="compile") compiles the same step the main job runs: XLA's memory analysis of both is equal,
     field by field, and the peak is arguments + outputs - donated + temporaries."""
     seen = {}
-    real = loop.compile_for_shapes
+    real = prepare.compile_for_shapes
 
     def spy(*args, **kwargs):
         seen["compiled"], graphdef, abstract = real(*args, **kwargs)
         return seen["compiled"], graphdef, abstract
 
-    monkeypatch.setattr(loop, "compile_for_shapes", spy)
+    monkeypatch.setattr(prepare, "compile_for_shapes", spy)   # where the main job calls it
     cfg = loop.RunConfig(model=family, preset="tiny", steps=1, batch=2, seq=16)
     loop.run(cfg)
     job = peak_lib.from_compiled(seen["compiled"])

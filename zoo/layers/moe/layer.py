@@ -31,6 +31,7 @@ from zoo.layers.moe import dispatch
 from zoo.layers.moe.experts import Experts
 from zoo.layers.moe.router import Router, RoutingBias
 from zoo.layers.tagged import TaggedLayer
+from zoo.logical import split_embed
 
 
 @struct.dataclass
@@ -80,14 +81,21 @@ class MoE(TaggedLayer):
             load = jnp.bincount(idx.reshape(-1), length=self.gate.num_experts)
             dropped = jnp.zeros((), jnp.int32)
         else:
-            copies = dispatch.sort_by_expert(flat, rearrange(idx, "(g t) k -> g t k", g=g), self.gate.num_experts)
+            # One group (dropless): every copy sorted at once, the rows whole over the batch and split like the
+            # experts' `embed`, moved there (and the gradients back) explicitly (`split_embed`): left to XLA, the
+            # sort's gathers and scatters replicate whole [B*S*k, D] tensors to reach that layout.
+            rows = flat if g > 1 else rearrange(split_embed(x, keep_batch=False), "b s d -> 1 (b s) d")
+            copies = dispatch.sort_by_expert(rows, rearrange(idx, "(g t) k -> g t k", g=g), self.gate.num_experts)
             if backend == "capacity":
                 out, dropped = dispatch.capacity_dispatch(copies, self.experts.batched, self.capacity_factor)
             else:
                 out = self.experts.grouped(copies.rows[0], copies.group_sizes[0], backend)[None]
                 dropped = jnp.zeros((), jnp.int32)
             # Back to token order.
-            out = rearrange(dispatch.unsort(out, copies), "g (t k) d -> (g t) k d", k=self.gate.k)
+            out = dispatch.unsort(out, copies)
+            if g == 1:   # in the rows' layout (above) until the weighted sum
+                out = sharding.constrain(out, (None, None, "embed"))
+            out = rearrange(out, "g (t k) d -> (g t) k d", k=self.gate.k)
             load = jnp.sum(copies.group_sizes, axis=0)
         # Weighted sum over each token's k experts (accumulated in float32).
         y = jnp.einsum("tkd,tk->td", out, weights.astype(out.dtype), preferred_element_type=jnp.float32)
