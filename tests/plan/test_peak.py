@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import zoo
-from recipes import defaults, loop, prepare, train
+from recipes import cli, defaults, loop, prepare, train
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
 from zoo.plan import Hardware, Parallelism, links
 from zoo.plan import peak as peak_lib
@@ -33,7 +33,7 @@ def test_the_planners_compiled_peak_is_the_main_jobs_own_step(family, monkeypatc
     loop.run(cfg)
     job = peak_lib.from_compiled(seen["compiled"])
     fam = zoo.models.registry.family(family)
-    recipe = loop.cli.recipe(fam, None)
+    recipe = cli.recipe(fam, None)
     planned = zoo.plan(fam.config("tiny"), recipe, batch=2, seq=16, peak="compile")
     assert planned.peak_source == "compiled for cpu" and planned.peak.compiled
     assert planned.peak.detail == job.detail
