@@ -119,8 +119,9 @@ def run_child(a) -> None:
     from flax import nnx
 
     from bench.common import emit
+    from zoo.optim import lr_schedule, make_optimizer
     from zoo.plan.peak import from_compiled
-    from zoo.train_step import abstract_step, lr_schedule, make_optimizer
+    from zoo.train_step import abstract_step
 
     ident = json.loads(a.ident)
     fam, cfg = config(a)

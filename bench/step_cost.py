@@ -30,8 +30,9 @@ from bench.common import emit, peak_bytes
 from recipes.registry import recipes_of
 from zoo.models.llama import flops_per_token as llama_flops_per_token
 from zoo.models.registry import family
+from zoo.optim import lr_schedule, make_optimizer
 from zoo.plan.peak import from_compiled
-from zoo.train_step import family_step, jit_step, lr_schedule, make_optimizer, next_token_loss
+from zoo.train_step import family_step, jit_step, next_token_loss
 
 FAMILY = family("llama3")
 RECIPES = recipes_of(FAMILY)

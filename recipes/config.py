@@ -116,7 +116,8 @@ class RunConfig:
     def __post_init__(self):
         # The library's own checks, imported here rather than at the top: the command line is parsed (this module
         # imported) before JAX may start.
-        from zoo.train_step import OPT_STATE_PLACES, check_grad_accum
+        from zoo.opt_state import OPT_STATE_PLACES
+        from zoo.train_step import check_grad_accum
         check_ranges(self)
         for field in ("steps", "batch", "seq", "log_every"):
             if getattr(self, field) <= 0:

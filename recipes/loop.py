@@ -35,17 +35,12 @@ from recipes.config import RunConfig
 from recipes.interrupt import Interrupts
 from recipes.lock import DirLock
 from recipes.prepare import build_sharded, compile_for_shapes, show_memory_plan
-from zoo.train_step import (
-    all_finite,
-    lr_schedule,
-    make_optimizer,
-    moe_drops,
-    next_token_loss,
-    train_step,
-)
+from zoo.optim import lr_schedule, make_optimizer
+from zoo.train_step import all_finite, moe_drops, next_token_loss, train_step
 from zoo.train_step import jit_step as compile_step
 
-# The step itself is zoo.train_step's (the planner compiles the same one); its names are re-exported here.
+# The step itself is zoo.train_step's (the planner compiles the same one) and the optimizer zoo.optim's; their
+# names are re-exported here.
 # The phases before the first step are `recipes.prepare`'s and `recipes.resume`'s; the helpers the benches and
 # tests use are re-exported too.
 __all__ = ["all_finite", "build_sharded", "compile_for_shapes", "compile_step", "lr_schedule", "make_optimizer",

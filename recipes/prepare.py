@@ -22,8 +22,9 @@ from recipes.config import RunConfig
 from zoo import compile_options
 from zoo.layers.attention import resolve_impl
 from zoo.models.registry import Family
+from zoo.opt_state import opt_state_shardings
 from zoo.plan.peak import allocator_limit
-from zoo.train_step import compile_abstract, opt_state_shardings
+from zoo.train_step import compile_abstract
 
 
 def resolve(cfg: RunConfig):
@@ -57,7 +58,7 @@ def build_sharded(family: Family, model_cfg, recipe: zoo.Recipe, mesh, make_opt:
                   opt_state: str = "device"):
     """(model, optimizer) created on `mesh` by the rules (`zoo.sharding.init`: an abstract init, then one jitted
     init onto the shardings; no device holds a full copy of a sharded variable), the optimizer's moments where
-    `opt_state` says (`zoo.train_step.opt_state_shardings`). Values are the unsharded build's."""
+    `opt_state` says (`zoo.opt_state.opt_state_shardings`). Values are the unsharded build's."""
     def make():
         model = family.build(model_cfg, recipe=recipe, rngs=nnx.Rngs(seed))
         return model, make_opt(model)

@@ -27,12 +27,8 @@ from flax import nnx
 from zoo import compile_options, sharding
 from zoo.layers import moe
 from zoo.models.lm import MTP_LOGITS, shift_left
-
-# Optimizers the step can run (the planner counts their moments: zoo.plan.types.OPTIMIZERS).
-OPTIMIZER_NAMES = ("adamw", "adam", "lion", "momentum", "sgd")
-# Where the optimizer's moments live between steps: in HBM, or in pinned host memory (`opt_state_shardings`).
-OPT_STATE_PLACES = ("device", "host")
-HOST = "pinned_host"   # the memory kind of host-resident state (page-locked: the copies run as DMA)
+from zoo.opt_state import on_host, opt_state_shardings
+from zoo.optim import lr_schedule, make_optimizer
 
 
 def next_token_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array,
@@ -153,7 +149,7 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax
     one and selects between them in a second pass over both (for float32 AdamW, 36 bytes read and 12 written per
     parameter, and a second copy of the state in HBM). With it the decision is taken before the update: with a
     finite loss and gradient norm, a finite previous state and a finite rate, the updates of the optimizers this
-    step runs (`make_tx`: clipped AdamW, Adam, Lion, momentum, SGD) are finite, so `ok` is known first and the
+    step runs (`zoo.optim.make_tx`: clipped AdamW, Adam, Lion, momentum, SGD) are finite, so `ok` is known first and the
     select fuses into the update, in place. The updated parameters are still checked afterwards: should they
     be non-finite all the same (an overflow), `metrics["kept"]` is False and the caller must not save this state.
     """
@@ -196,73 +192,6 @@ def family_step(family, lr: optax.Schedule | None = None, grad_accum: int = 1) -
     learning-rate schedule `lr` for the cheap guard, and `grad_accum` micro-batches per update."""
     return lambda m, o, b: train_step(m, o, b, aux_loss=family.aux_loss, after_update=family.after_update, lr=lr,
                                       grad_accum=grad_accum)
-
-
-# -- the optimizer ------------------------------------------------------------------------------------------------
-def lr_schedule(*, lr: float, steps: int, warmup: int) -> optax.Schedule:
-    """Linear warm-up from 0 to `lr` over `warmup` steps, then cosine decay to lr/10 at `steps`; lr/10 after it."""
-    return optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps=warmup, decay_steps=max(steps, warmup + 1),
-                                              end_value=lr / 10)
-
-
-def state_in(tx: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
-    """`tx` with its floating-point state (the moments) held in `dtype` whatever the parameters' dtype: bf16
-    parameters with float32 moments, or float32 parameters with bf16 moments (DeepSeek-V3's choice). The update is
-    computed in the promoted dtype and its new state cast back, so the state's dtype never changes between steps."""
-    dtype = jnp.dtype(dtype)
-
-    def cast(tree):
-        return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
-
-    def update(updates, state, params=None):
-        updates, new = tx.update(updates, state, params)
-        return updates, jax.tree.map(lambda n, o: n.astype(o.dtype), new, state)
-
-    return optax.GradientTransformation(lambda params: cast(tx.init(params)), update)
-
-
-def make_tx(schedule: optax.Schedule, *, optimizer: str = "adamw", clip: float = 1.0, weight_decay: float = 0.1,
-            opt_dtype: str | None = None) -> optax.GradientTransformation:
-    """Clip the gradients' global norm to `clip`, then `optimizer` on `schedule` (AdamW: b1 0.9, b2 0.95, as Llama 3
-    and DeepSeek-V3 trained); moments in `opt_dtype` (None: the parameters' dtype)."""
-    if optimizer not in OPTIMIZER_NAMES:
-        raise ValueError(f"optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZER_NAMES)}")
-    inner = {"adamw": lambda: optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay),
-             "adam": lambda: optax.adam(schedule, b1=0.9, b2=0.95),
-             "lion": lambda: optax.lion(schedule, weight_decay=weight_decay),
-             "momentum": lambda: optax.sgd(schedule, momentum=0.9),
-             "sgd": lambda: optax.sgd(schedule)}[optimizer]()
-    if opt_dtype is not None:
-        inner = state_in(inner, opt_dtype)
-    return optax.chain(optax.clip_by_global_norm(clip), inner)
-
-
-def make_optimizer(model: nnx.Module, schedule: optax.Schedule, *, clip: float, weight_decay: float,
-                   optimizer: str = "adamw", opt_dtype: str | None = None) -> nnx.Optimizer:
-    """`make_tx`'s optimizer over the model's parameters."""
-    tx = make_tx(schedule, optimizer=optimizer, clip=clip, weight_decay=weight_decay, opt_dtype=opt_dtype)
-    return nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-
-# -- where the state lives -----------------------------------------------------------------------------------------
-def opt_state_shardings(state, shardings, where: str):
-    """`shardings` (a tree like `state`, the state of `nnx.split((model, optimizer))`) with the optimizer's
-    moments, its floating-point arrays, in HBM (`where="device"`: unchanged) or in pinned host memory ("host").
-    Its step counters stay in HBM: they are scalars the step reads first."""
-    if where not in OPT_STATE_PLACES:
-        raise ValueError(f"--opt-state must be one of {', '.join(OPT_STATE_PLACES)}, got {where!r}")
-    if where == "device":
-        return shardings
-
-    def place(path, x, s):
-        moment = path[0].key == 1 and jnp.issubdtype(x.dtype, jnp.floating) and len(x.shape) > 0
-        return s.with_memory_kind(HOST) if moment else s
-    return jax.tree.map_with_path(place, state, shardings)
-
-
-def on_host(s) -> bool:
-    """Whether sharding `s` places its array in host memory."""
-    return getattr(s, "memory_kind", None) == HOST
 
 
 # -- under jit ----------------------------------------------------------------------------------------------------
@@ -310,8 +239,8 @@ def abstract_step(family, cfg, recipe, *, schedule: optax.Schedule | None = None
     """(jitted step, graphdef, abstract state) for `cfg` under `recipe`: the model and optimizer built from shapes
     alone (no memory). `schedule` only changes constants of the program, never its memory. With `mesh`, every
     variable carries its sharding by the rules (`zoo.sharding.shardings`) and the step keeps them. `grad_accum`:
-    micro-batches per update (`train_step`); `opt_state`: where the moments live (`opt_state_shardings`; "host"
-    without a mesh lays the state out on the first device)."""
+    micro-batches per update (`train_step`); `opt_state`: where the moments live
+    (`zoo.opt_state.opt_state_shardings`; "host" without a mesh lays the state out on the first device)."""
     schedule = schedule if schedule is not None else lr_schedule(lr=1e-4, steps=100, warmup=10)
 
     def build():

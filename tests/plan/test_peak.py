@@ -9,9 +9,9 @@ import pytest
 import zoo
 from recipes import cli, defaults, loop, prepare, train
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
+from zoo.optim import make_tx
 from zoo.plan import Hardware, Parallelism, links
 from zoo.plan import peak as peak_lib
-from zoo.train_step import make_tx
 
 GiB = 1 << 30
 RUN = ["--xla-flags", "none", "--steps", "2", "--batch", "2", "--seq", "16", "--log-every", "1"]

@@ -53,10 +53,10 @@ def test_an_update_that_overflows_past_the_guard_is_never_saved(tmp_path, capsys
     """The guard is decided before the update (finite loss, gradient norm and learning rate); an update that still
     makes parameters non-finite (here an optimizer that multiplies its updates by infinity from step 4) has been
     applied in place: the run says so, stops, and does not save that state (the last checkpoint is step 2)."""
-    from zoo import train_step as ts
-    make_tx = ts.make_tx
+    from zoo import optim
+    make_tx = optim.make_tx
     blow_up = optax.scale_by_schedule(lambda count: jnp.where(count < 3, 1.0, jnp.inf))
-    monkeypatch.setattr(ts, "make_tx", lambda *a, **kw: optax.chain(make_tx(*a, **kw), blow_up))
+    monkeypatch.setattr(optim, "make_tx", lambda *a, **kw: optax.chain(make_tx(*a, **kw), blow_up))
     ckpt = tmp_path / "run"
     result = loop.run(loop.RunConfig(steps=6, batch=2, seq=16, overrides=(("num_layers", 1),), ckpt_dir=str(ckpt),
                                      ckpt_every=2))

@@ -16,8 +16,9 @@ from recipes.cli import family as model_family
 from recipes.cli import recipe as model_recipe
 from recipes.registry import default_recipe
 from tests.helpers import hlo_type, pinned_host_shapes
+from zoo.opt_state import OPT_STATE_PLACES
 from zoo.plan import Training
-from zoo.train_step import OPT_STATE_PLACES, abstract_batch, abstract_step, check_grad_accum, family_step, jit_step
+from zoo.train_step import abstract_batch, abstract_step, check_grad_accum, family_step, jit_step
 
 SEQ = 8
 SCHEDULE = loop.lr_schedule(lr=3e-3, steps=12, warmup=0)   # the first step moves the parameters

@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from zoo.opt_state import OPT_STATE_PLACES
 from zoo.plan.types import OPTIMIZERS
-from zoo.train_step import OPT_STATE_PLACES
 
 
 def check_positive(name: str, value, kind=int) -> None:
