@@ -5,7 +5,8 @@ from zoo import (
     plan,  # the planner package; calling it plans (zoo.plan(cfg, recipe, ...))
     tags,
 )
-from zoo.hf.io import from_hf, to_hf
+from zoo.hf.load import from_hf
+from zoo.hf.save import to_hf
 from zoo.plan import Plan
 from zoo.recipe import Recipe
 

@@ -14,7 +14,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zoo
-from zoo.hf import io as hf_io
+from zoo.hf import files as hf_files
+from zoo.hf import load as hf_load
 from zoo.layers import Llama3Scaling
 from zoo.models.deepseek import hf as deepseek_hf
 from zoo.models.llama import hf as llama_hf
@@ -73,7 +74,7 @@ def test_round_trip_is_bit_identical(tmp_path, overrides, shard_bytes):
     model = llama(**overrides)
     zoo.to_hf(model, tmp_path, max_shard_bytes=shard_bytes)
     files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
-    assert (len(files) > 1) == (tmp_path / hf_io.INDEX).exists()
+    assert (len(files) > 1) == (tmp_path / hf_files.INDEX).exists()
     back = zoo.from_hf(tmp_path)
     assert back.config == model.config
     assert_identical(back, model)
@@ -85,7 +86,7 @@ def test_written_layout_is_transformers(tmp_path):
     """HF names and [out, in] layouts, heads flattened head-major; the index lists every tensor once."""
     model = llama()
     zoo.to_hf(model, tmp_path, max_shard_bytes=4000)
-    index = json.loads((tmp_path / hf_io.INDEX).read_text())["weight_map"]
+    index = json.loads((tmp_path / hf_files.INDEX).read_text())["weight_map"]
     tensors = {}
     for name in set(index.values()):
         tensors.update(safetensors.numpy.load_file(tmp_path / name))
@@ -211,7 +212,7 @@ def edit_config(path, **changes):
 
 def edit_tensor(path, key, fn):
     """Rewrite the shard holding `key` with fn(tensor) in its place (fn returns None to drop it)."""
-    name = json.loads((path / hf_io.INDEX).read_text())["weight_map"][key]
+    name = json.loads((path / hf_files.INDEX).read_text())["weight_map"][key]
     tensors = safetensors.numpy.load_file(path / name)
     new = fn(tensors.pop(key))
     if new is not None:
@@ -258,15 +259,15 @@ def test_bad_checkpoint_is_refused_before_loading(ckpt, case, monkeypatch):
     corrupt, message = BAD[case]
     corrupt(ckpt)
     if message is None:  # the unexpected tensor is in a file the index does not list: add it
-        index = json.loads((ckpt / hf_io.INDEX).read_text())
+        index = json.loads((ckpt / hf_files.INDEX).read_text())
         index["weight_map"]["model.layers.0.self_attn.q_proj.bias"] = "extra.safetensors"
-        (ckpt / hf_io.INDEX).write_text(json.dumps(index))
+        (ckpt / hf_files.INDEX).write_text(json.dumps(index))
         message = "'model.layers.0.self_attn.q_proj.bias'"
 
     def no_loading(*args, **kwargs):
         raise AssertionError("from_hf started loading tensors before the checkpoint was checked")
 
-    monkeypatch.setattr(hf_io, "stream", no_loading)
+    monkeypatch.setattr(hf_load, "stream", no_loading)
     with pytest.raises(ValueError, match=message):
         zoo.from_hf(ckpt)
 
@@ -381,16 +382,16 @@ DS_BAD = {
 
 
 def add_to_index(path, key, file):
-    index = json.loads((path / hf_io.INDEX).read_text())
+    index = json.loads((path / hf_files.INDEX).read_text())
     index["weight_map"][key] = file
-    (path / hf_io.INDEX).write_text(json.dumps(index))
+    (path / hf_files.INDEX).write_text(json.dumps(index))
 
 
 @pytest.mark.parametrize("case", sorted(DS_BAD))
 def test_bad_deepseek_checkpoint_is_refused_before_loading(ds_ckpt, case, monkeypatch):
     corrupt, message = DS_BAD[case]
     corrupt(ds_ckpt)
-    monkeypatch.setattr(hf_io, "stream", lambda *a, **k: pytest.fail("loading began before the checks"))
+    monkeypatch.setattr(hf_load, "stream", lambda *a, **k: pytest.fail("loading began before the checks"))
     with pytest.raises(ValueError, match=message):
         zoo.from_hf(ds_ckpt)
 
@@ -410,9 +411,9 @@ def test_deepseek_mtp_layers_are_skipped_with_mtp_false(tmp_path):
     with pytest.raises(ValueError, match="missing tensor 'model.layers.3.enorm.weight'"):
         zoo.from_hf(tmp_path)   # by default an MTP layer the checkpoint holds is loaded: here it is incomplete
     (tmp_path / "mtp.safetensors").unlink()
-    index = json.loads((tmp_path / hf_io.INDEX).read_text())
+    index = json.loads((tmp_path / hf_files.INDEX).read_text())
     index["weight_map"] = {k: f for k, f in index["weight_map"].items() if f != "mtp.safetensors"}
-    (tmp_path / hf_io.INDEX).write_text(json.dumps(index))
+    (tmp_path / hf_files.INDEX).write_text(json.dumps(index))
     assert_identical(zoo.from_hf(tmp_path), model)   # none of its tensors (as transformers saves): loaded without
     with pytest.raises(ValueError, match="missing tensor 'model.layers.3.enorm.weight'"):
         zoo.from_hf(tmp_path, mtp=True)
@@ -439,7 +440,7 @@ def test_deepseek_mtp_round_trip_is_bit_identical(tmp_path, overrides):
     assert back.config == dataclasses.replace(model.config, moe_backend=back.config.moe_backend)
     assert_identical(back, model)
     zoo.to_hf(back, tmp_path / "b", max_shard_bytes=6000)
-    a, b = (hf_io.list_tensors(tmp_path / d) for d in "ab")
+    a, b = (hf_files.list_tensors(tmp_path / d) for d in "ab")
     mtp = {k for k in a if k.startswith("model.layers.3.")}
     assert mtp == {f"model.layers.3.{k}" for k in MTP_LAYER} | {
         f"model.layers.3.mlp.experts.{e}.{w}_proj.weight" for e in range(4) for w in ("gate", "up", "down")}

@@ -1,3 +1,5 @@
-"""Hugging Face interop: `io.from_hf` reads a checkpoint directory as a scanned zoo model, `io.to_hf` writes one that
-transformers loads (both exported as `zoo.from_hf`, `zoo.to_hf`). `config` and `keymap` are the vocabulary the
-families' own mappings (zoo/models/<family>/hf.py) are written in; `io` finds a family through the registry."""
+"""Hugging Face interop: `load.from_hf` reads a checkpoint directory as a scanned zoo model, `save.to_hf` writes one
+that transformers loads (both exported as `zoo.from_hf`, `zoo.to_hf`); both find a family through the registry.
+`files` reads the directory's config.json, index and safetensors headers, `checks` holds a checkpoint against the
+model its config describes, `atomic` swaps a written directory in whole. `config` and `keymap` are the vocabulary
+the families' own mappings (zoo/models/<family>/hf.py) are written in."""

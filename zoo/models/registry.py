@@ -39,7 +39,7 @@ def no_extra_keys(hf: dict) -> Callable[[str], bool]:
 
 @dataclasses.dataclass(frozen=True)
 class HFArch:
-    """How a family maps to a Hugging Face architecture (read and written by zoo.hf.io)."""
+    """How a family maps to a Hugging Face architecture (read by zoo.hf.load, written by zoo.hf.save)."""
     architecture: str                                       # config.json "architectures"
     model_type: str                                         # config.json "model_type"
     from_hf: Callable[..., LMConfig]                        # (hf config dict, param_dtype=) -> config
