@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 
@@ -43,38 +44,74 @@ def choose(shapes, needed, costs: dict[str, LayerCost], state: ModelState, shard
     same three steps. Hidden transfers are taken as free, so on a fast link everything that hides is offloaded;
     `host_gib` bounds that.
     """
-    overlap = Overlap.of(overlap)
-    notes: dict[str, str] = {}
-    device: list[str] = []
-    offload: list[str] = []
-    window = {s: costs[s].forward_flops / shard / rate for s in shapes}  # seconds per layer, per device
-    moved = {s: 0.0 for s in shapes}  # seconds of transfer per layer already chosen
+    chooser = _Chooser(shapes, needed, costs, shard, host_budget, link, rate, Overlap.of(overlap),
+                       hbm_left=hbm_budget - state.total)
+    chooser.place_carry()
+    alone_useless = chooser.place_singles()
+    chooser.place_pairs(alone_useless)
+    return Recipe("auto", offload=tuple(chooser.offload), device=tuple(chooser.device),
+                  description="chosen by zoo.plan for an HBM budget, a link and a FLOP rate"), chooser.notes
 
-    def nbytes(group, s: str) -> int:
-        return sum(ceil_div(sds_nbytes(shapes[s].tags[t]), shard) for t in group
-                   if t in shapes[s].tags and t in needed[s])
 
-    def total(group) -> int:
-        return sum(shapes[s].num_layers * nbytes(group, s) for s in shapes)
+@dataclasses.dataclass
+class _Chooser:
+    """`choose`'s inputs and what it has decided so far: the tags placed, HBM and host memory left, the transfer
+    time per layer already chosen, and why each tag landed where it did. Each step (`place_carry`,
+    `place_singles`, `place_pairs`) places tags through `place`."""
+    shapes: dict
+    needed: dict
+    costs: dict[str, LayerCost]
+    shard: int
+    host_budget: int | None
+    link: float
+    rate: float
+    overlap: Overlap
+    hbm_left: int
+    host_used: int = 0
+    kept: frozenset = frozenset()
+    device: list[str] = dataclasses.field(default_factory=list)
+    offload: list[str] = dataclasses.field(default_factory=list)
+    notes: dict[str, str] = dataclasses.field(default_factory=dict)
+    window: dict[str, float] = dataclasses.field(init=False)   # seconds of forward per layer, per device
+    moved: dict[str, float] = dataclasses.field(init=False)    # seconds of transfer per layer already chosen
+    candidates: list[str] = dataclasses.field(init=False)      # the needed tags but the carry, first seen first
+    order: dict[str, int] = dataclasses.field(init=False)
 
-    def exposed(s: str, moved_s: float) -> float:  # seconds per layer the transfers add to the step
-        fwd = window[s]
+    def __post_init__(self):
+        self.window = {s: self.costs[s].forward_flops / self.shard / self.rate for s in self.shapes}
+        self.moved = {s: 0.0 for s in self.shapes}
+        self.candidates = [t for t in dict.fromkeys(t for s in self.shapes for t in self.shapes[s].tags)
+                           if t != CARRY and any(t in self.needed[s] for s in self.shapes)]
+        self.order = {t: i for i, t in enumerate(self.candidates)}
+
+    def nbytes(self, group, s: str) -> int:
+        return sum(ceil_div(sds_nbytes(self.shapes[s].tags[t]), self.shard) for t in group
+                   if t in self.shapes[s].tags and t in self.needed[s])
+
+    def total(self, group) -> int:
+        return sum(self.shapes[s].num_layers * self.nbytes(group, s) for s in self.shapes)
+
+    def exposed(self, s: str, moved_s: float) -> float:
+        """Seconds per layer that `moved_s` seconds of transfer each way add to the step."""
+        fwd, overlap = self.window[s], self.overlap
         return ((1 - overlap.d2h) * moved_s + overlap.d2h * max(0.0, moved_s - fwd)
                 + (1 - overlap.h2d) * moved_s + overlap.h2d * max(0.0, moved_s - 2 * fwd))
 
-    def cost(group) -> float:  # seconds per step that offloading `group` adds
-        return sum(shapes[s].num_layers * (exposed(s, moved[s] + nbytes(group, s) / link) - exposed(s, moved[s]))
-                   for s in shapes)
+    def cost(self, group) -> float:
+        """Seconds per step that offloading `group` adds."""
+        return sum(self.shapes[s].num_layers * (self.exposed(s, self.moved[s] + self.nbytes(group, s) / self.link)
+                                                - self.exposed(s, self.moved[s])) for s in self.shapes)
 
-    def hides(group, value: float = 0.0) -> tuple[bool, str]:
+    def hides(self, group, value: float = 0.0) -> tuple[bool, str]:
         """(offloading `group` pays: its added step time < the recompute time it saves, and why)."""
-        extra, saved = cost(group), value / rate
-        worst = max((s for s in shapes if nbytes(group, s)), key=lambda s: moved[s] + nbytes(group, s) / link
-                    - window[s], default=None)
+        shapes, moved, window, link, overlap = self.shapes, self.moved, self.window, self.link, self.overlap
+        extra, saved = self.cost(group), value / self.rate
+        worst = max((s for s in shapes if self.nbytes(group, s)),
+                    key=lambda s: moved[s] + self.nbytes(group, s) / link - window[s], default=None)
         if worst is None:
             return True, "nothing to move"
-        per_layer = (f"{1e3 * (moved[worst] + nbytes(group, worst) / link):.2f} ms per layer "
-                     f"{'<=' if moved[worst] + nbytes(group, worst) / link <= window[worst] else '>'} forward "
+        per_layer = (f"{1e3 * (moved[worst] + self.nbytes(group, worst) / link):.2f} ms per layer "
+                     f"{'<=' if moved[worst] + self.nbytes(group, worst) / link <= window[worst] else '>'} forward "
                      f"{1e3 * window[worst]:.2f} ms at {link / 1e9:g} GB/s")
         if min(overlap.d2h, overlap.h2d) >= 1:
             if extra <= 0:
@@ -91,89 +128,92 @@ def choose(shapes, needed, costs: dict[str, LayerCost], state: ModelState, shard
         return False, (f"its transfers would add {1e3 * extra:.1f} ms per step ({how}, {link / 1e9:g} GB/s) >= "
                        f"{1e3 * saved:.1f} ms of recompute it saves")
 
-    def saving(group, kept: frozenset) -> int:  # recompute FLOPs per step per device that keeping `group` saves
-        return sum(shapes[s].num_layers * ceil_div(costs[s].remat_flops(kept) - costs[s].remat_flops(kept | set(group)),
-                                                    shard) for s in shapes if any(t in needed[s] for t in group))
+    def saving(self, group) -> int:
+        """Recompute FLOPs per step per device that keeping `group` saves, given the tags kept so far."""
+        kept = self.kept
+        return sum(self.shapes[s].num_layers * ceil_div(self.costs[s].remat_flops(kept)
+                                                        - self.costs[s].remat_flops(kept | set(group)), self.shard)
+                   for s in self.shapes if any(t in self.needed[s] for t in group))
 
-    hbm_left = hbm_budget - state.total
-    host_used = 0
-    kept = frozenset()
+    def _move(self, group, size: int) -> None:
+        """Count `group`'s transfers per layer and its `size` bytes of host memory."""
+        for s in self.shapes:
+            self.moved[s] += self.nbytes(group, s) / self.link
+        self.host_used += size
 
-    def place(group, value: int, what: str) -> None:
-        nonlocal hbm_left, host_used, kept
-        size = total(group)
+    def place(self, group, value: int) -> None:
+        """Keep `group` in HBM if it fits, else offload it if that pays and fits the host budget, else recompute it."""
+        size = self.total(group)
         gain = f"saves {fmt_flops(value)} of recompute per step ({value / size:.0f} FLOP/byte)"
-        if size <= hbm_left:
-            device.extend(group)
-            hbm_left -= size
-            kept |= set(group)
-            note = f"kept in HBM: {fmt_bytes(size)} fits ({fmt_bytes(hbm_left + size)} left); {gain}"
+        if size <= self.hbm_left:
+            self.device.extend(group)
+            self.hbm_left -= size
+            self.kept |= set(group)
+            note = f"kept in HBM: {fmt_bytes(size)} fits ({fmt_bytes(self.hbm_left + size)} left); {gain}"
         else:
-            ok, why = hides(group, value)
-            if ok and (host_budget is None or host_used + size <= host_budget):
-                offload.extend(group)
-                for s in shapes:
-                    moved[s] += nbytes(group, s) / link
-                host_used += size
-                kept |= set(group)
-                note = (f"offloaded: {fmt_bytes(size)} does not fit in HBM ({fmt_bytes(max(hbm_left, 0))} left); "
+            ok, why = self.hides(group, value)
+            if ok and (self.host_budget is None or self.host_used + size <= self.host_budget):
+                self.offload.extend(group)
+                self._move(group, size)
+                self.kept |= set(group)
+                note = (f"offloaded: {fmt_bytes(size)} does not fit in HBM ({fmt_bytes(max(self.hbm_left, 0))} left); "
                         f"{why}; {gain}")
             else:
-                reason = why if not ok else f"the host budget is full ({fmt_bytes(host_used)} used)"
-                note = (f"recomputed: {fmt_bytes(size)} does not fit in HBM ({fmt_bytes(max(hbm_left, 0))} left) "
+                reason = why if not ok else f"the host budget is full ({fmt_bytes(self.host_used)} used)"
+                note = (f"recomputed: {fmt_bytes(size)} does not fit in HBM ({fmt_bytes(max(self.hbm_left, 0))} left) "
                         f"and {reason}")
         for t in group:
-            notes[t] = what + note
+            self.notes[t] = note
 
-    # the scan carry: saved whatever the recipe says, so the only question is where
-    carry = total([CARRY])
-    if carry:
-        ok, why = hides([CARRY], float("inf"))   # it cannot be recomputed: offloading is the only alternative
-        if carry <= hbm_left:
-            device.append(CARRY)
-            notes[CARRY] = f"scan carry kept in HBM: fits ({fmt_bytes(hbm_left)} left of the budget)"
-            hbm_left -= carry
-        elif ok and (host_budget is None or carry <= host_budget):
-            offload.append(CARRY)
-            notes[CARRY] = (f"scan carry offloaded: does not fit in HBM; its transfers add "
-                            f"{1e3 * cost([CARRY]):.1f} ms per step")
-            for s in shapes:
-                moved[s] += nbytes([CARRY], s) / link
-            host_used += carry
+    def place_carry(self) -> None:
+        """The scan carry: saved whatever the recipe says, so the only question is where."""
+        carry = self.total([CARRY])
+        if not carry:
+            return
+        ok, why = self.hides([CARRY], float("inf"))   # it cannot be recomputed: offloading is the only alternative
+        if carry <= self.hbm_left:
+            self.device.append(CARRY)
+            self.notes[CARRY] = f"scan carry kept in HBM: fits ({fmt_bytes(self.hbm_left)} left of the budget)"
+            self.hbm_left -= carry
+        elif ok and (self.host_budget is None or carry <= self.host_budget):
+            self.offload.append(CARRY)
+            self.notes[CARRY] = (f"scan carry offloaded: does not fit in HBM; its transfers add "
+                                 f"{1e3 * self.cost([CARRY]):.1f} ms per step")
+            self._move([CARRY], carry)
         else:
-            device.append(CARRY)
-            hbm_left -= carry
-            notes[CARRY] = "scan carry kept in HBM although over budget: it cannot be recomputed and " + (
+            self.device.append(CARRY)
+            self.hbm_left -= carry
+            self.notes[CARRY] = "scan carry kept in HBM although over budget: it cannot be recomputed and " + (
                 why if not ok else "the host budget is full")
 
-    # single tags, by value
-    candidates = [t for t in dict.fromkeys(t for s in shapes for t in shapes[s].tags)
-                  if t != CARRY and any(t in needed[s] for s in shapes)]
-    order = {t: i for i, t in enumerate(candidates)}
-    heap = [(-saving([t], kept) / total([t]), order[t], t) for t in candidates]
-    heapq.heapify(heap)
-    alone_useless: list[str] = []
-    while heap:
-        _, i, tag = heapq.heappop(heap)
-        value = saving([tag], kept)
-        if heap and -value / total([tag]) > heap[0][0] + 1e-12:  # stale: its value fell below the next one's
-            heapq.heappush(heap, (-value / total([tag]), i, tag))
-        elif value <= 0:
-            alone_useless.append(tag)
-            notes[tag] = "recomputed: keeping it alone saves no recompute, given the tags already kept"
-        else:
-            place([tag], value, "")
+    def place_singles(self) -> list[str]:
+        """Every other needed tag alone, by value (recompute FLOPs saved per byte, a lazy greedy: values only fall
+        as more is kept). Returns the tags whose saving alone is zero, in the order they came up."""
+        heap = [(-self.saving([t]) / self.total([t]), self.order[t], t) for t in self.candidates]
+        heapq.heapify(heap)
+        alone_useless: list[str] = []
+        while heap:
+            _, i, tag = heapq.heappop(heap)
+            value = self.saving([tag])
+            if heap and -value / self.total([tag]) > heap[0][0] + 1e-12:  # stale: its value fell below the next one's
+                heapq.heappush(heap, (-value / self.total([tag]), i, tag))
+            elif value <= 0:
+                alone_useless.append(tag)
+                self.notes[tag] = "recomputed: keeping it alone saves no recompute, given the tags already kept"
+            else:
+                self.place([tag], value)
+        return alone_useless
 
-    # tags that only pay off together, in pairs, by value
-    while len(alone_useless) > 1:
-        pairs = [(saving(pair, kept), pair) for pair in itertools.combinations(alone_useless, 2)]
-        pairs = [(v / total(pair), v, pair) for v, pair in pairs if v > 0]
-        if not pairs:
-            break
-        _, value, pair = max(pairs, key=lambda p: (p[0], -order[p[2][0]], -order[p[2][1]]))
-        place(list(pair), value, "")
-        for t, other in (pair, pair[::-1]):
-            notes[t] = f"together with {other} (alone it saves nothing): {notes[t]}"
-            alone_useless.remove(t)
-    return Recipe("auto", offload=tuple(offload), device=tuple(device),
-                  description="chosen by zoo.plan for an HBM budget, a link and a FLOP rate"), notes
+    def place_pairs(self, alone_useless: list[str]) -> None:
+        """Tags that only pay off together, in pairs, by value (ties: the pair that came up first)."""
+        alone_useless = list(alone_useless)
+        while len(alone_useless) > 1:
+            pairs = [(self.saving(pair), pair) for pair in itertools.combinations(alone_useless, 2)]
+            pairs = [(v / self.total(pair), v, pair) for v, pair in pairs if v > 0]
+            if not pairs:
+                break
+            _, value, pair = max(pairs, key=lambda p: (p[0], -self.order[p[2][0]], -self.order[p[2][1]]))
+            self.place(list(pair), value)
+            for t, other in (pair, pair[::-1]):
+                self.notes[t] = f"together with {other} (alone it saves nothing): {self.notes[t]}"
+                alone_useless.remove(t)
