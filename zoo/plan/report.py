@@ -9,7 +9,6 @@ _SHORT = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
 def render(p: Plan, console=None) -> None:
     """Print `p` as tables: one row per tag and stack, then totals, model state, reasons and warnings."""
     from rich.console import Console
-    from rich.table import Table
 
     console = console or Console()
     shard = f", split over {p.shard} devices (per-device figures)" if p.shard > 1 else ""
@@ -17,23 +16,47 @@ def render(p: Plan, console=None) -> None:
         shard = f", mesh {p.mesh} ({p.shard} devices; per-device figures by the sharding rules)"
     accum = f" ({p.grad_accum} micro-batches of {p.batch // p.grad_accum})" if p.grad_accum > 1 else ""
     console.print(f"[bold]{p.model}[/]: recipe {p.recipe.name!r}, batch {p.batch}{accum}, seq {p.seq}{shard}")
-    colour = {"device": "green", "offload": "cyan", "remat": "magenta"}
     for s in p.stacks:
-        t = Table(title=f"stack {s.name!r}: {s.num_layers} layers", title_justify="left")
-        split = any(tp.device_shape is not None for tp in s.tags)
-        for col in ("tag", "shape per device" if split else "shape", "per layer", "placement", "note"):
-            t.add_column(col, justify="right" if col == "per layer" else "left", no_wrap=col != "note")
-        for tp in s.tags:
-            place = tp.placement if tp.residual else "-"
-            note = "not a residual" if not tp.residual else "scan carry" if tp.tag == CARRY else ""
-            shape = tp.shape if tp.device_shape is None else tp.device_shape
-            t.add_row(tp.tag, "x".join(map(str, shape)) + " " + _SHORT.get(tp.dtype, tp.dtype),
-                      fmt_bytes(tp.nbytes) if tp.residual else "0", f"[{colour.get(place, 'white')}]{place}[/]", note)
-        if s.untagged_bytes:
-            t.add_row("(untagged)", "", fmt_bytes(s.untagged_bytes), "[green]device[/]", "saved by JAX, no tag")
-        if s.invariant_bytes:
-            t.add_row("(invariant)", "", fmt_bytes(s.invariant_bytes), "[green]device[/]", "once per stack")
-        console.print(t)
+        console.print(_stack_table(s))
+    console.print(_per_stack_table(p))
+    console.print(_totals_table(p))
+    if p.recipe.name == "auto":
+        if p.link_source:
+            console.print(f"link: {p.link_gbps:g} GB/s per direction, overlap {p.overlap} ({p.link_source})")
+        console.print(f"[bold]chosen:[/] {p.recipe}")
+        for tag, note in dict.fromkeys((tp.tag, tp.note) for s in p.stacks for tp in s.tags if tp.note):
+            console.print(f"  [bold]{tag}[/]: {note}")
+    for w in p.warnings:
+        console.print(f"[bold yellow]warning:[/] {w}")
+
+
+_COLOUR = {"device": "green", "offload": "cyan", "remat": "magenta"}
+
+
+def _stack_table(s):
+    """One row per tag of the stack `s` (a StackPlan): shape, bytes per layer, placement; then what has no tag."""
+    from rich.table import Table
+
+    t = Table(title=f"stack {s.name!r}: {s.num_layers} layers", title_justify="left")
+    split = any(tp.device_shape is not None for tp in s.tags)
+    for col in ("tag", "shape per device" if split else "shape", "per layer", "placement", "note"):
+        t.add_column(col, justify="right" if col == "per layer" else "left", no_wrap=col != "note")
+    for tp in s.tags:
+        place = tp.placement if tp.residual else "-"
+        note = "not a residual" if not tp.residual else "scan carry" if tp.tag == CARRY else ""
+        shape = tp.shape if tp.device_shape is None else tp.device_shape
+        t.add_row(tp.tag, "x".join(map(str, shape)) + " " + _SHORT.get(tp.dtype, tp.dtype),
+                  fmt_bytes(tp.nbytes) if tp.residual else "0", f"[{_COLOUR.get(place, 'white')}]{place}[/]", note)
+    if s.untagged_bytes:
+        t.add_row("(untagged)", "", fmt_bytes(s.untagged_bytes), "[green]device[/]", "saved by JAX, no tag")
+    if s.invariant_bytes:
+        t.add_row("(invariant)", "", fmt_bytes(s.invariant_bytes), "[green]device[/]", "once per stack")
+    return t
+
+
+def _per_stack_table(p: Plan):
+    """Each stack's HBM, host memory and recompute, per layer and in all."""
+    from rich.table import Table
 
     st = Table(title="per stack", title_justify="left")
     for col in ("stack", "layers", "HBM/layer", "host/layer", "HBM", "host", "recompute/step"):
@@ -41,11 +64,23 @@ def render(p: Plan, console=None) -> None:
     for s in p.stacks:
         st.add_row(s.name, str(s.num_layers), fmt_bytes(s.device_bytes_per_layer), fmt_bytes(s.host_bytes_per_layer),
                    fmt_bytes(s.device_bytes), fmt_bytes(s.host_bytes), fmt_flops(s.num_layers * s.remat_flops))
-    console.print(st)
+    return st
+
+
+def _totals_table(p: Plan):
+    """Per device: activations, host memory, recompute, the model state, HBM and its peak, the predicted step."""
+    from rich.table import Table
 
     tt = Table(title="per device (HBM before XLA's temporaries)", title_justify="left", show_header=False)
     tt.add_column("what")
     tt.add_column("value", justify="right")
+    for r in _state_rows(p) + _peak_rows(p):
+        tt.add_row(*r)
+    return tt
+
+
+def _state_rows(p: Plan) -> list[tuple[str, str]]:
+    """(what, value) of the saved activations, host memory, recompute and the model state."""
     ms = p.state
     rows = [("saved activations in HBM", fmt_bytes(p.activation_bytes)),
             ("host memory (pinned)", f"{fmt_bytes(p.host_total)} of a {fmt_bytes(p.host_pool)} pool"
@@ -60,8 +95,13 @@ def render(p: Plan, console=None) -> None:
                                                               if ms.optimizer_host else ""), fmt_bytes(ms.optimizer)))
     if ms.other:
         rows.append(("other variables", fmt_bytes(ms.other)))
-    rows.append(("HBM: activations + model state", fmt_bytes(p.hbm_bytes)
-                 + (f" of {fmt_bytes(p.hbm_budget)}" if p.hbm_budget is not None else "")))
+    return rows
+
+
+def _peak_rows(p: Plan) -> list[tuple[str, str]]:
+    """(what, value) of the HBM total against the budget, the step's peak, and the predicted step time."""
+    rows = [("HBM: activations + model state", fmt_bytes(p.hbm_bytes)
+             + (f" of {fmt_bytes(p.hbm_budget)}" if p.hbm_budget is not None else ""))]
     if p.peak is not None:
         rows.append((f"peak HBM of the step, {p.peak.source}", fmt_bytes(p.peak.bytes)
                      + (f" of {fmt_bytes(p.hbm_budget)}" if p.hbm_budget is not None else "")))
@@ -76,17 +116,7 @@ def render(p: Plan, console=None) -> None:
         rows.append((f"predicted step time at {est['rate_tflops']:g} TFLOP/s executed{link}",
                      f"{est['total_s'] * 1e3:,.1f} ms (compute {est['compute_s'] * 1e3:,.1f}, recompute "
                      f"{est['remat_s'] * 1e3:,.1f}, exposed copies {est['exposed_transfer_s'] * 1e3:,.1f})"))
-    for r in rows:
-        tt.add_row(*r)
-    console.print(tt)
-    if p.recipe.name == "auto":
-        if p.link_source:
-            console.print(f"link: {p.link_gbps:g} GB/s per direction, overlap {p.overlap} ({p.link_source})")
-        console.print(f"[bold]chosen:[/] {p.recipe}")
-        for tag, note in dict.fromkeys((tp.tag, tp.note) for s in p.stacks for tp in s.tags if tp.note):
-            console.print(f"  [bold]{tag}[/]: {note}")
-    for w in p.warnings:
-        console.print(f"[bold yellow]warning:[/] {w}")
+    return rows
 
 
 def to_json(p: Plan) -> dict:
