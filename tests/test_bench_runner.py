@@ -7,6 +7,7 @@ import json
 import runpy
 import subprocess
 import sys
+import warnings
 from unittest import mock
 
 import pytest
@@ -28,7 +29,9 @@ def _parses(argv: tuple[str, ...]) -> None:
         raise _Parsed
 
     with mock.patch.object(sys, "argv", [argv[1], *argv[2:]]), \
-            mock.patch.object(argparse.ArgumentParser, "parse_args", parse_then_stop):
+            mock.patch.object(argparse.ArgumentParser, "parse_args", parse_then_stop), warnings.catch_warnings():
+        # a module the suite already imported (recipes.train) is run again as __main__: runpy says so, harmlessly
+        warnings.filterwarnings("ignore", "'.*' found in sys.modules after import of package", RuntimeWarning)
         try:
             runpy.run_module(argv[1], run_name="__main__", alter_sys=False)
         except _Parsed:
