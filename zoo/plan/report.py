@@ -1,6 +1,9 @@
 """The plan as tables (rich) and as JSON."""
 from __future__ import annotations
 
+from rich.console import Console
+from rich.table import Table
+
 from zoo.plan.types import CARRY, Plan, fmt_bytes, fmt_flops
 
 _SHORT = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
@@ -8,8 +11,6 @@ _SHORT = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
 
 def render(p: Plan, console=None) -> None:
     """Print `p` as tables: one row per tag and stack, then totals, model state, reasons and warnings."""
-    from rich.console import Console
-
     console = console or Console()
     shard = f", split over {p.shard} devices (per-device figures)" if p.shard > 1 else ""
     if p.mesh:
@@ -35,8 +36,6 @@ _COLOUR = {"device": "green", "offload": "cyan", "remat": "magenta"}
 
 def _stack_table(s):
     """One row per tag of the stack `s` (a StackPlan): shape, bytes per layer, placement; then what has no tag."""
-    from rich.table import Table
-
     t = Table(title=f"stack {s.name!r}: {s.num_layers} layers", title_justify="left")
     split = any(tp.device_shape is not None for tp in s.tags)
     for col in ("tag", "shape per device" if split else "shape", "per layer", "placement", "note"):
@@ -56,8 +55,6 @@ def _stack_table(s):
 
 def _per_stack_table(p: Plan):
     """Each stack's HBM, host memory and recompute, per layer and in all."""
-    from rich.table import Table
-
     st = Table(title="per stack", title_justify="left")
     for col in ("stack", "layers", "HBM/layer", "host/layer", "HBM", "host", "recompute/step"):
         st.add_column(col, justify="left" if col == "stack" else "right")
@@ -69,8 +66,6 @@ def _per_stack_table(p: Plan):
 
 def _totals_table(p: Plan):
     """Per device: activations, host memory, recompute, the model state, HBM and its peak, the predicted step."""
-    from rich.table import Table
-
     tt = Table(title="per device (HBM before XLA's temporaries)", title_justify="left", show_header=False)
     tt.add_column("what")
     tt.add_column("value", justify="right")
