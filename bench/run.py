@@ -292,6 +292,16 @@ SCENARIOS: dict[str, Scenario] = {
          zoo("minimal_offload", layers=6, batch=1, extra=_CH[2], est=60, gpu="0"),
          zoo("minimal_offload", layers=6, batch=1, est=60, gpu="0"),
          zoo("minimal", extra=_CH[2], est=35, gpu="0"))),
+    "chunks-pgle": Scenario(
+        "the two-chunk MLP under profile-guided latency estimation (each PGLE job times the step before and after "
+        "the recompile) and under XLA's while-loop double buffering, at 6 layers B1 and 3 layers B2, beside full, "
+        "minimal and the plain-JAX anchor, on one GPU in the order of importance",
+        (zoo("full", layers=6, batch=1, est=50, gpu="0"),
+         zoo("minimal_offload", layers=6, batch=1, extra=(*_CH[2], *_PGLE), est=120, gpu="0"),
+         zoo("minimal", est=60, gpu="0"), zoo("full", est=45, gpu="0"),
+         zoo("minimal_offload", extra=(*_CH[2], *_PGLE), est=110, gpu="0"),
+         anchor("offload_minimal", flags="cb_off", est=40, gpu="0"), anchor("minimal", est=35, gpu="0"),
+         zoo("minimal_offload", layers=6, batch=1, setting="double_buffer", extra=_CH[2], est=60, gpu="0"))),
     "llama": Scenario(
         "the 405B slice under full remat, save_qkv and qkv_offload beside the plain-JAX anchor",
         (*(llama(r, gpu="0") for r in ("full", "save_qkv", "qkv_offload")),
@@ -390,6 +400,14 @@ SCENARIOS: dict[str, Scenario] = {
          *(main_job("qkv_offload", ("--layers", "32", "--batch", str(k), "--grad-accum", str(k), "--opt-state",
                                     "host"), steps=5 if k == 8 else 4, est=60 + 14 * k, timeout=300, gpu="0",
                     name=f"main-job-8b-L32-opt-state-host-K{k}", env=_OPT_STATE_ENV) for k in (8, 16)))),
+    "host-state": Scenario(
+        "all 32 layers of the 8B preset with the optimizer state on the host at 4 micro-batches: AdamW's moments in "
+        "bfloat16 (DeepSeek-V3's choice; half the bytes to stream) beside the 8-layer cut with the state in HBM",
+        (main_job("qkv_offload", ("--layers", "32", "--batch", "4", "--grad-accum", "4", "--opt-state", "host",
+                                  "--opt-dtype", "bfloat16"), steps=5, est=200, timeout=300, gpu="0",
+                  name="main-job-8b-L32-opt-state-host-bf16-moments", env=_OPT_STATE_ENV),
+         main_job("qkv_offload", ("--layers", "8", "--batch", "2"), est=120, timeout=170, gpu="0",
+                  env=_OPT_STATE_ENV))),
     "mtp": Scenario(
         "the step-time cost of DeepSeek-V3's multi-token prediction (one depth) on the deepseek-slice, capacity "
         "dispatch, under full remat and the study's offload recipe, and its host bytes against the plan",
