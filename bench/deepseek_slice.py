@@ -13,7 +13,7 @@ kernel, `dropped` the token copies capacity dispatch dropped in the last step, `
 Expert parallelism: `--mesh ep=2 --experts 32 --batch 8` keeps each GPU's share as on one GPU (16 experts and 4
 sequences per GPU; `--batch` and `--experts` are global). Two backends shard experts over `ep`: capacity
 dispatch (`--backend capacity`), and the dropless ones with `--ep-dispatch ragged_a2a` (`--backend tokamax` or
-`ragged_dot`: each token copy sent to its expert's device with a ragged all-to-all; zoo/layers/moe/dispatch.py).
+`ragged_dot`: each token copy sent to its expert's device with a ragged all-to-all; zoo/layers/moe/expert_parallel.py).
 The record carries gpus, mesh, ep_dispatch, tflops per GPU and the largest device's peak.
 
 `auto` (the recipe `zoo.plan(cfg, "auto", ...)` chooses for this slice, batch and seq, for the SGD step's model

@@ -29,7 +29,7 @@ import zoo
 from tests import sharded_steps
 from tests.helpers import max_rel_err
 from zoo import sharding
-from zoo.layers.moe import dispatch
+from zoo.layers.moe import dispatch, expert_parallel
 
 
 def stand_in_matches_the_documented_example():
@@ -39,7 +39,7 @@ def stand_in_matches_the_documented_example():
                 send_sizes=[[1, 2], [1, 1]], output_offsets=[[0, 0], [1, 2]], recv_sizes=[[1, 1], [2, 1]])
     arrays = [jnp.asarray(v, jnp.float32 if k in ("operand", "output") else jnp.int32).reshape(-1)
               for k, v in args.items()]
-    f = jax.shard_map(lambda *a: dispatch.padded_ragged_all_to_all(*a, axis_name="x"), mesh=mesh,
+    f = jax.shard_map(lambda *a: expert_parallel.padded_ragged_all_to_all(*a, axis_name="x"), mesh=mesh,
                       in_specs=(P("x"),) * 6, out_specs=P("x"))
     got = np.asarray(jax.jit(f)(*arrays)).reshape(2, 4)
     np.testing.assert_array_equal(got, [[1, 3, 0, 0], [2, 2, 4, 0]])
@@ -73,11 +73,11 @@ def dispatch_equals_one_device(spec: str):
     to_device_0 = jnp.tile(jnp.arange(K, dtype=jnp.int32), (T, 1))   # experts 0..k-1: all on device 0
     mesh = sharding.make_mesh(spec)
     ep = sharding.mesh_sizes(mesh)["ep"]
-    assert dispatch.receive_rows(T // jax.device_count(), K, E, ep) == ep * T // jax.device_count() * K
+    assert expert_parallel.receive_rows(T // jax.device_count(), K, E, ep) == ep * T // jax.device_count() * K
     for name, idx in (("random", random_idx), ("all to device 0", to_device_0)):
         want = vjp(jax.jit(one_device), x, idx, w)
         with sharding.use(mesh):
-            got = vjp(jax.jit(lambda x, idx, w: dispatch.expert_parallel(x, idx, w, grouped)), x, idx, w)
+            got = vjp(jax.jit(lambda x, idx, w: expert_parallel.expert_parallel(x, idx, w, grouped)), x, idx, w)
         (out, dx, dw), (out0, dx0, dw0) = got, want
         np.testing.assert_array_equal(out, out0, err_msg=f"{spec} {name}: output")
         np.testing.assert_array_equal(dx, dx0, err_msg=f"{spec} {name}: tokens' gradient")
@@ -100,7 +100,7 @@ def model_step_equals_one_device(spec: str):
     ep = sharding.parse_mesh(spec, jax.device_count())["ep"]
     assert ep == jax.device_count(), spec
     # q, k [B,S,H,24] and v [B,S,H,16] split over ep; the experts' tags one device's receive buffer.
-    rows = dispatch.receive_rows(8 * 8 // ep, cfg.num_experts_per_tok, cfg.num_experts, ep)
+    rows = expert_parallel.receive_rows(8 * 8 // ep, cfg.num_experts_per_tok, cfg.num_experts, ep)
     want = {"tensor<8x8x4x24xf32>": "[ep,,,]", "tensor<8x8x4x16xf32>": "[ep,,,]",
             f"tensor<{rows}x{cfg.moe_mlp_dim}xf32>": "manual"}
     got = sharded_steps.sharded(zoo.models.deepseek_v3, cfg, recipe, spec, tokens, want, ragged=True)

@@ -16,7 +16,7 @@ import zoo
 from recipes.deepseek_v3 import RECIPES
 from tests.helpers import ROOT, cpu_env, fake_gpu
 from zoo import sharding
-from zoo.layers.moe import dispatch
+from zoo.layers.moe import backend, expert_parallel
 from zoo.plan import Parallelism, Training
 
 
@@ -32,18 +32,18 @@ def test_bad_ep_dispatch_raises_before_building(overrides, match):
 def test_auto_never_takes_capacity_under_ragged_a2a(monkeypatch):
     """On an NVIDIA GPU without tokamax, auto would take capacity dispatch (drops); under ragged_a2a it stays
     dropless (ragged_dot, and says why)."""
-    monkeypatch.setattr(dispatch, "tokamax_status", lambda: (False, "tokamax does not import"))
-    assert dispatch.backend_choice("auto", device=fake_gpu())[0] == "capacity"
-    name, why = dispatch.backend_choice("auto", device=fake_gpu(), ep_dispatch="ragged_a2a")
+    monkeypatch.setattr(backend, "tokamax_status", lambda: (False, "tokamax does not import"))
+    assert backend.backend_choice("auto", device=fake_gpu())[0] == "capacity"
+    name, why = backend.backend_choice("auto", device=fake_gpu(), ep_dispatch="ragged_a2a")
     assert name == "ragged_dot" and "does not import" in why
-    monkeypatch.setattr(dispatch, "tokamax_status", lambda: (True, "tokamax 0.0.17"))
-    assert dispatch.backend_choice("auto", device=fake_gpu(), ep_dispatch="ragged_a2a")[0] == "tokamax"
+    monkeypatch.setattr(backend, "tokamax_status", lambda: (True, "tokamax 0.0.17"))
+    assert backend.backend_choice("auto", device=fake_gpu(), ep_dispatch="ragged_a2a")[0] == "tokamax"
 
 
 def test_receive_rows_bound_every_copy_a_device_can_get():
-    assert dispatch.receive_rows(tokens=4096, k=8, num_experts=32, ep=2) == 2 * 4096 * 8
+    assert expert_parallel.receive_rows(tokens=4096, k=8, num_experts=32, ep=2) == 2 * 4096 * 8
     # 8 experts over ep=8: one expert a device, and a token's k=2 experts are distinct: at most one copy each.
-    assert dispatch.receive_rows(tokens=16, k=2, num_experts=8, ep=8) == 8 * 16
+    assert expert_parallel.receive_rows(tokens=16, k=2, num_experts=8, ep=8) == 8 * 16
 
 
 @pytest.mark.parametrize("spec", ["ep=8", "fsdp=2,ep=4", "fsdp=8"])
@@ -57,7 +57,7 @@ def test_planner_counts_the_receive_buffer_per_device(spec):
     ep = sharding.mesh_sizes(mesh)["ep"]
     per_device = sharding.tag_shard_shapes(m, 8, 16, mesh)["moe_layers"]
     one = m.tag_shapes(8, 16)["moe_layers"].tags
-    rows = dispatch.receive_rows(8 * 16 // 8, cfg.num_experts_per_tok, cfg.num_experts, ep)
+    rows = expert_parallel.receive_rows(8 * 16 // 8, cfg.num_experts_per_tok, cfg.num_experts, ep)
     assert per_device["moe_mlpwi_0"] == per_device["moe_mlpwi_1"] == (rows, cfg.moe_mlp_dim)
     assert per_device["moe_mlpwo"] == (rows, cfg.dim)
     assert one["moe_mlpwi_0"].shape == (8 * 16 * cfg.num_experts_per_tok, cfg.moe_mlp_dim)

@@ -13,7 +13,7 @@ from flax import nnx
 import zoo
 from recipes.deepseek_v3 import RECIPES
 from tests.helpers import cuda_lowering, fake_gpu, hlo_type, pinned_host_shapes
-from zoo.layers.moe import dispatch as moe
+from zoo.layers.moe import backend as moe
 from zoo.plan import measure as audit
 
 CPU = jax.devices()[0]

@@ -1,17 +1,18 @@
-"""Mixture of experts in parts: `router` (which experts, what weights, the balance loss), `dispatch` (the backends
-and how token copies reach their experts), `experts` (the routed SwiGLU experts), `layer` (`MoE`, composing them
-with an optional shared expert, and its typed aux record `MoEAux`)."""
-from zoo.layers.moe.dispatch import (
+"""Mixture of experts in parts: `router` (which experts, what weights, the balance loss), `backend` (which grouped
+matmul runs the experts), `dispatch` (token copies sorted by expert; capacity dispatch), `expert_parallel`
+(dropless expert parallelism over a ragged all-to-all), `experts` (the routed SwiGLU experts), `layer` (`MoE`,
+composing them with an optional shared expert, and its typed aux record `MoEAux`)."""
+from zoo.layers.moe.backend import (
     BACKENDS,
     EP_DISPATCHES,
     GROUPED_MATMULS,
     Backend,
     backend_choice,
-    capacity,
     resolve_backend,
     tokamax_available,
     tokamax_status,
 )
+from zoo.layers.moe.dispatch import capacity
 from zoo.layers.moe.experts import Experts
 from zoo.layers.moe.layer import (
     MoE,

@@ -15,7 +15,7 @@ from flax import nnx
 
 from zoo import sharding
 from zoo.layers.linear import logical
-from zoo.layers.moe.dispatch import GROUPED_MATMULS
+from zoo.layers.moe.backend import GROUPED_MATMULS
 from zoo.tags import name
 
 

@@ -27,7 +27,8 @@ from flax import nnx, struct
 
 from zoo import sharding
 from zoo.layers.mlp import MLP
-from zoo.layers.moe import dispatch
+from zoo.layers.moe import backend as backends
+from zoo.layers.moe import dispatch, expert_parallel
 from zoo.layers.moe.experts import Experts
 from zoo.layers.moe.router import Router, RoutingBias
 from zoo.layers.tagged import TaggedLayer
@@ -44,10 +45,10 @@ class MoEAux:
 
 class MoE(TaggedLayer):
     def __init__(self, *, dim: int, router: Router, experts: Experts, shared: MLP | None = None,
-                 backend: dispatch.Backend = "auto", capacity_factor: float = 1.25,
-                 ep_dispatch: dispatch.EpDispatch = "gather", dtype=jnp.float32):
+                 backend: backends.Backend = "auto", capacity_factor: float = 1.25,
+                 ep_dispatch: backends.EpDispatch = "gather", dtype=jnp.float32):
         # fail early on an unknown or missing backend, or one ep_dispatch cannot run
-        dispatch.backend_choice(backend, dtype=dtype, ep_dispatch=ep_dispatch)
+        backends.backend_choice(backend, dtype=dtype, ep_dispatch=ep_dispatch)
         if router.num_experts != experts.num_experts:
             raise ValueError(f"MoE: the router chooses among {router.num_experts} experts, but there are "
                              f"{experts.num_experts}")
@@ -58,7 +59,7 @@ class MoE(TaggedLayer):
     def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEAux]:
         """x [B, S, D] -> (y [B, S, D], aux)."""
         b, s, _ = x.shape
-        backend, why = dispatch.backend_choice(self.backend, dtype=self.dtype, ep_dispatch=self.ep_dispatch)
+        backend, why = backends.backend_choice(self.backend, dtype=self.dtype, ep_dispatch=self.ep_dispatch)
         if backend == "capacity" and self.backend == "auto":
             _warn_once(f"MoE: {why}")
         # Dispatch groups: one per shard of the batch under a mesh (GShard), one on a single device (a batch the
@@ -74,7 +75,7 @@ class MoE(TaggedLayer):
             flat = sharding.constrain(flat, ("batch", None, "embed"))
         scores, weights, idx = self.gate(rearrange(flat, "g t d -> (g t) d"))
         if ep:
-            out = dispatch.expert_parallel(
+            out = expert_parallel.expert_parallel(
                 flat[0], idx, self.experts.weights(),
                 lambda rows, sizes, w: self.experts.grouped(rows, sizes, backend, weights=w))
             out = rearrange(out, "(t k) d -> t k d", k=self.gate.k)
