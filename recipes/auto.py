@@ -76,24 +76,26 @@ def inputs(device: jax.Device, *, hbm_gib: float | None = None, link_gbps: float
 
 
 def choose(cfg, ins: Inputs, *, batch: int, seq: int, optimizer: str = "adamw", opt_dtype: str = "float32",
-           mesh=None, budget_gib: float | None = None, grad_accum: int = 1, opt_state: str = "device") -> zoo.Recipe:
+           mesh=None, budget_gib: float | None = None, grad_accum: int = 1, opt_state: str = "device",
+           params: str = "device") -> zoo.Recipe:
     """The recipe `zoo.plan` chooses for `cfg` at [batch, seq] with `ins` (HBM budget `budget_gib` if given)."""
     hardware = zoo.plan.Hardware(hbm_gib=budget_gib if budget_gib is not None else ins.hbm_gib,
                                  link_gbps=ins.link_gbps, overlap=ins.overlap, tflops=ins.tflops)
-    training = zoo.plan.Training(optimizer=optimizer, opt_dtype=opt_dtype, grad_accum=grad_accum, opt_state=opt_state)
+    training = zoo.plan.Training(optimizer=optimizer, opt_dtype=opt_dtype, grad_accum=grad_accum, opt_state=opt_state,
+                                 params=params)
     p = zoo.plan(cfg, "auto", batch=batch, seq=seq, hardware=hardware, parallel=zoo.plan.Parallelism(mesh=mesh),
                  training=training, peak=None)
     return p.recipe
 
 
 def fit(cfg, ins: Inputs, compile_step: Callable, *, batch: int, seq: int, optimizer: str = "adamw",
-        opt_dtype: str = "float32", mesh=None, grad_accum: int = 1, opt_state: str = "device"):
+        opt_dtype: str = "float32", mesh=None, grad_accum: int = 1, opt_state: str = "device", params: str = "device"):
     """(recipe, what `compile_step(recipe)` returned, notes): the automatic recipe, re-planned with a lower budget
     while the compiled step's peak (`zoo.plan.peak.from_compiled` of its first element) is over `ins.hbm_gib`."""
     budget, notes = ins.hbm_gib, []
     for attempt in range(ATTEMPTS):
         recipe = choose(cfg, ins, batch=batch, seq=seq, optimizer=optimizer, opt_dtype=opt_dtype, mesh=mesh,
-                        budget_gib=budget, grad_accum=grad_accum, opt_state=opt_state)
+                        budget_gib=budget, grad_accum=grad_accum, opt_state=opt_state, params=params)
         out = compile_step(recipe)
         peak = from_compiled(out[0]).bytes / GiB
         if peak <= ins.hbm_gib or attempt == ATTEMPTS - 1:

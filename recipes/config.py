@@ -59,6 +59,10 @@ class RunConfig:
     opt_state: str = flag("device", "where the optimizer's moments live between steps: device (HBM) or host (pinned "
                           "host memory; each step streams them into HBM for the update and back, one parameter at a "
                           "time)", choices=("device", "host"))
+    params: str = flag("device", "where the parameters' full-precision copy lives: device (the parameters in HBM, in "
+                       "their dtype, and nothing else) or host (a float32 master copy of 16-bit parameters in pinned "
+                       "host memory: the update is computed on it and the parameters in HBM are its rounding; needs "
+                       "--set param_dtype=bfloat16)", choices=("device", "host"))
     grad_accum: int = flag(1, "micro-batches per optimizer update: --batch is the global batch, split into K "
                            "micro-batches of batch/K sequences whose gradients are summed (in float32) before one "
                            "update; K must divide --batch. Activation memory is a micro-batch's", type=positive_int,
@@ -116,7 +120,7 @@ class RunConfig:
     def __post_init__(self):
         # The library's own checks, imported here rather than at the top: the command line is parsed (this module
         # imported) before JAX may start.
-        from zoo.opt_state import OPT_STATE_PLACES
+        from zoo.opt_state import OPT_STATE_PLACES, PARAMS_PLACES
         from zoo.train_step import check_grad_accum
         check_ranges(self)
         for field in ("steps", "batch", "seq", "log_every"):
@@ -140,6 +144,8 @@ class RunConfig:
         check_grad_accum(self.batch, self.grad_accum)
         if self.opt_state not in OPT_STATE_PLACES:
             raise ValueError(f"--opt-state must be one of {', '.join(OPT_STATE_PLACES)}, got {self.opt_state!r}")
+        if self.params not in PARAMS_PLACES:
+            raise ValueError(f"--params must be one of {', '.join(PARAMS_PLACES)}, got {self.params!r}")
         if self.opt_dtype not in OPT_DTYPES:
             raise ValueError(f"--opt-dtype must be float32 or bfloat16, got {self.opt_dtype!r}")
         if not 0 <= self.max_drop_warn <= 1:
@@ -198,6 +204,8 @@ class RunConfig:
         if self.grad_accum != 1:          # sums in another order: equal up to rounding, not bit for bit
             ident["grad_accum"] = self.grad_accum
         # not --opt-state: where the moments live changes no number, and a run may resume with them elsewhere
+        if self.params != "device":       # a float32 master copy: other numbers, and more optimizer state
+            ident["params"] = self.params
         if self.tokenizer:                # likewise: only where text data or a held-out split change the data
             ident["tokenizer"] = self.tokenizer
         if self.held_out:

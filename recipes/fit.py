@@ -95,12 +95,16 @@ def check(peak: Peak, *, host: int, pool: int, device: jax.Device, hbm_limit_gib
 
 
 def advice(*, batch: int, seq: int, recipe: str, opt_dtype: str, optimizer_bytes: int, gpu: bool = False,
-           opt_state: str = "device", grad_accum: int = 1) -> str:
-    """What to change to fit."""
+           opt_state: str = "device", grad_accum: int = 1, params: str = "device", param_dtype: str = "float32",
+           param_bytes: int = 0) -> str:
+    """What to change to fit (`param_bytes`: the parameters' HBM bytes per device, in `param_dtype`)."""
     tips = [f"a larger share of the GPU for XLA's allocator ({FRACTION_ENV}=.95; default .75)"] if gpu else []
     if opt_state == "device" and optimizer_bytes and gpu:   # on the CPU host memory is the device's memory
         tips.append(f"--opt-state host (the {fmt_bytes(optimizer_bytes)} of optimizer state in pinned host memory "
                     f"between steps)")
+    if params == "device" and param_dtype == "float32" and param_bytes and gpu:
+        tips.append(f"--set param_dtype=bfloat16 --params host (bf16 parameters and gradients in HBM, saving "
+                    f"{fmt_bytes(param_bytes)}; the float32 master copy the update runs on in pinned host memory)")
     micro = batch // grad_accum
     if micro > 1:
         tips.append(f"--grad-accum {grad_accum * 2 if micro % 2 == 0 else grad_accum * micro} (the same batch in "

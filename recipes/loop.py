@@ -140,9 +140,7 @@ def _run(cfg: RunConfig, console: Console, session: _Session) -> Result:
     # the executable compiled here is the one that runs.
     step = prepare.compile_run(cfg, console, family, model_cfg, recipe_name, recipe, device, schedule, mesh)
     plan = prepare.show_and_check(cfg, console, model_cfg, step, recipe_name, device, kernels, mesh)
-    model, optimizer = prepare.build_sharded(family, model_cfg, step.recipe, mesh, seed=cfg.seed, make_opt=lambda m: (
-        make_optimizer(m, schedule, clip=cfg.clip, weight_decay=cfg.weight_decay, opt_dtype=cfg.opt_dtype)),
-        opt_state=cfg.opt_state)
+    model, optimizer = prepare.build_run(cfg, family, model_cfg, step.recipe, mesh, schedule)
     # the mesh is recorded, not checked: a run may resume on another mesh
     record = {"run": cfg.identity(), "recipe": recipe_name, "metrics": metrics_file.path if metrics_file else None,
               "data": inputs.data_id, "mesh": mesh_lib.describe(mesh)}

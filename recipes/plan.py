@@ -33,6 +33,8 @@ SHARED = {
     "opt_dtype": {"choices": (*config.OPT_DTYPES, "float16"), "help": "dtype of the optimizer moments"},
     "opt_state": {"help": "where the optimizer moments live between steps, as `recipes.train --opt-state`: host "
                           "moves them from the HBM figures to pinned host memory"},
+    "params": {"help": "where the parameters' float32 master copy lives, as `recipes.train --params`: host counts a "
+                       "float32 copy of 16-bit parameters (4 bytes a parameter) in pinned host memory, device none"},
     "grad_accum": {"help": "micro-batches per update, as `recipes.train --grad-accum`: activations are planned for "
                            "batch/K, with float32 gradient sums in the model state"},
     "hbm_limit": {"flags": ("--hbm", "--hbm-limit"), "type": cli.positive_float,
@@ -64,7 +66,7 @@ def parser() -> argparse.ArgumentParser:
     cli.add_fields(p, config.RunConfig, ("mesh",), **SHARED)
     p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adamw",
                    help="optimizer whose moments count as model state")
-    cli.add_fields(p, config.RunConfig, ("opt_dtype", "opt_state", "grad_accum", "hbm_limit"), **SHARED)
+    cli.add_fields(p, config.RunConfig, ("opt_dtype", "opt_state", "params", "grad_accum", "hbm_limit"), **SHARED)
     p.add_argument("--host", type=cli.positive_float, metavar="GIB",
                    help="host memory budget per device for --recipe auto, GiB (none: unbounded)")
     cli.add_fields(p, config.RunConfig, ("link", "overlap"), **SHARED)
@@ -159,7 +161,7 @@ def _parallel(args) -> zoo.plan.Parallelism:
 
 def _training(args) -> zoo.plan.Training:
     return zoo.plan.Training(optimizer=args.optimizer, opt_dtype=args.opt_dtype, grad_accum=args.grad_accum,
-                             opt_state=args.opt_state)
+                             opt_state=args.opt_state, params=args.params)
 
 
 def _plot(ap: argparse.ArgumentParser, args, family, cfg) -> None:

@@ -22,7 +22,8 @@ from recipes.config import RunConfig
 from zoo import compile_options
 from zoo.layers.attention import resolve_impl
 from zoo.models.registry import Family
-from zoo.opt_state import opt_state_shardings
+from zoo.opt_state import check_params, state_shardings
+from zoo.optim import make_optimizer
 from zoo.plan.peak import allocator_limit
 from zoo.train_step import compile_abstract
 
@@ -30,11 +31,12 @@ from zoo.train_step import compile_abstract
 def resolve(cfg: RunConfig):
     """(family, recipe name, recipe, model config, device, kernels), checked: bad names, config values and a config
     the device cannot run (e.g. cuDNN attention on a CPU) raise ValueError here, before anything touches the disk
-    or compiles."""
+    or compiles (--params host with float32 parameters among them)."""
     family = cli.family(cfg.model)
     recipe_name = cfg.recipe or recipe_registry.default_recipe(family)
     recipe = None if recipe_name == "auto" else cli.recipe(family, recipe_name)   # auto: chosen once shapes are known
     model_cfg = cli.model_config(family, cfg.preset, cfg.overrides)
+    check_params(cfg.params, model_cfg.param_dtype)
     device = jax.local_devices()[0]   # this process's own (memory statistics of another's fail)
     kernels = kernel_choices(model_cfg, device, cfg.overrides)
     return family, recipe_name, recipe, model_cfg, device, kernels
@@ -55,20 +57,30 @@ def kernel_choices(model_cfg, device: jax.Device, overrides=()) -> dict[str, str
 
 
 def build_sharded(family: Family, model_cfg, recipe: zoo.Recipe, mesh, make_opt: Callable, *, seed: int,
-                  opt_state: str = "device"):
+                  opt_state: str = "device", params: str = "device"):
     """(model, optimizer) created on `mesh` by the rules (`zoo.sharding.init`: an abstract init, then one jitted
     init onto the shardings; no device holds a full copy of a sharded variable), the optimizer's moments where
-    `opt_state` says (`zoo.opt_state.opt_state_shardings`). Values are the unsharded build's."""
+    `opt_state` says and its float32 master copy (if `make_opt` makes one) where `params` says
+    (`zoo.opt_state.state_shardings`). Values are the unsharded build's."""
     def make():
         model = family.build(model_cfg, recipe=recipe, rngs=nnx.Rngs(seed))
         return model, make_opt(model)
-    return zoo.sharding.init(make, mesh, place=lambda state, out: opt_state_shardings(state, out, opt_state))
+    return zoo.sharding.init(make, mesh, place=lambda state, out: state_shardings(state, out, opt_state=opt_state,
+                                                                                   params=params))
+
+
+def build_run(cfg: RunConfig, family: Family, model_cfg, recipe: zoo.Recipe, mesh, schedule):
+    """The run's (model, optimizer), built sharded (`build_sharded`): its optimizer as the flags say, with a float32
+    master copy of the parameters in pinned host memory under --params host."""
+    return build_sharded(family, model_cfg, recipe, mesh, seed=cfg.seed, opt_state=cfg.opt_state, params=cfg.params,
+                         make_opt=lambda m: make_optimizer(m, schedule, clip=cfg.clip, weight_decay=cfg.weight_decay,
+                                                           opt_dtype=cfg.opt_dtype, master=cfg.params == "host"))
 
 
 def show_memory_plan(console: Console, model_cfg, recipe: zoo.Recipe, *, batch: int, seq: int,
                      device: jax.Device, compiled=None, hbm_limit: float | None = None,
                      opt_dtype: str = "float32", mesh=None, grad_accum: int = 1,
-                     opt_state: str = "device") -> zoo.plan.Plan:
+                     opt_state: str = "device", params: str = "device") -> zoo.plan.Plan:
     """Print the recipe's memory plan (`zoo.plan`, with the device's HBM as its budget and, given the compiled
     step, its peak with XLA's temporaries; per device under a mesh of several devices) and return it."""
     limit = allocator_limit(device)
@@ -76,7 +88,8 @@ def show_memory_plan(console: Console, model_cfg, recipe: zoo.Recipe, *, batch: 
     parallel = zoo.plan.Parallelism(mesh=mesh if mesh is not None and mesh.devices.size > 1 else None)
     p = zoo.plan(model_cfg, recipe, batch=batch, seq=seq, compiled=compiled, peak=None if compiled is None else
                  "compile", hardware=zoo.plan.Hardware(hbm_gib=hbm_gib), parallel=parallel,
-                 training=zoo.plan.Training(opt_dtype=opt_dtype, grad_accum=grad_accum, opt_state=opt_state))
+                 training=zoo.plan.Training(opt_dtype=opt_dtype, grad_accum=grad_accum, opt_state=opt_state,
+                                            params=params))
     zoo.plan.render(p, console)
     return p
 
@@ -86,10 +99,11 @@ def compile_for_shapes(family: Family, model_cfg, recipe: zoo.Recipe, cfg: RunCo
     (`zoo.train_step.compile_abstract`, the planner's compile too)."""
     return compile_abstract(family, model_cfg, recipe, batch=cfg.batch, seq=cfg.seq, schedule=schedule,
                             clip=cfg.clip, weight_decay=cfg.weight_decay, opt_dtype=cfg.opt_dtype, seed=cfg.seed,
-                            mesh=mesh, grad_accum=cfg.grad_accum, opt_state=cfg.opt_state)
+                            mesh=mesh, grad_accum=cfg.grad_accum, opt_state=cfg.opt_state, params=cfg.params)
 
 
-def check_fits(console: Console, cfg: RunConfig, plan, recipe_name: str, device: jax.Device, compiled) -> None:
+def check_fits(console: Console, cfg: RunConfig, plan, recipe_name: str, device: jax.Device, compiled,
+               param_dtype: str = "float32") -> None:
     """Refuse (ValueError: exit 2) a step whose compiled peak exceeds the device's budget, or whose host bytes
     exceed the pinned pool, before anything is allocated; --force launches it anyway (`recipes.fit`)."""
     # the offloaded activations (XLA's host temporaries) and the state kept in pinned host memory
@@ -103,7 +117,8 @@ def check_fits(console: Console, cfg: RunConfig, plan, recipe_name: str, device:
     why = "; ".join(problems)
     tips = fit.advice(batch=cfg.batch, seq=cfg.seq, recipe=recipe_name, opt_dtype=cfg.opt_dtype,
                       optimizer_bytes=plan.state.optimizer, gpu=device.platform == "gpu", opt_state=cfg.opt_state,
-                      grad_accum=cfg.grad_accum)
+                      grad_accum=cfg.grad_accum, params=cfg.params, param_dtype=param_dtype,
+                      param_bytes=plan.state.params)
     if cfg.force:
         console.print(f"warning: {why}; launching anyway (--force)", soft_wrap=True, markup=False)
         return
@@ -134,7 +149,7 @@ def compile_run(cfg: RunConfig, console: Console, family: Family, model_cfg, rec
             recipe, (compiled, graphdef, abstract), notes = auto.fit(
                 model_cfg, ins, lambda r: compile_for_shapes(family, model_cfg, r, cfg, schedule, mesh),
                 batch=cfg.batch, seq=cfg.seq, opt_dtype=cfg.opt_dtype, grad_accum=cfg.grad_accum,
-                opt_state=cfg.opt_state, mesh=mesh if mesh.devices.size > 1 else None)
+                opt_state=cfg.opt_state, params=cfg.params, mesh=mesh if mesh.devices.size > 1 else None)
         else:
             compiled, graphdef, abstract = compile_for_shapes(family, model_cfg, recipe, cfg, schedule, mesh)
     if recipe_name == "auto":
@@ -150,7 +165,9 @@ def show_and_check(cfg: RunConfig, console: Console, model_cfg, step: Step, reci
     the compiled peak, and refuse a step that does not fit (`check_fits`); the plan."""
     n_params = zoo.models.count_params(nnx.merge(step.graphdef, step.abstract)[0])
     accum = (f" ({cfg.grad_accum} micro-batches of {cfg.micro_batch} per update)" if cfg.grad_accum > 1 else "")
-    placed = "; optimizer state in pinned host memory between steps" if cfg.opt_state == "host" else ""
+    hosted = [what for what, flag in (("optimizer state", cfg.opt_state), ("float32 master parameters", cfg.params))
+              if flag == "host"]
+    placed = f"; {' and '.join(hosted)} in pinned host memory between steps" if hosted else ""
     console.print(f"model {cfg.model} {cfg.preset}: {n_params:,} parameters; batch {cfg.batch} x seq {cfg.seq}"
                   f"{accum}; {cfg.steps} steps on {device.platform} ({device.device_kind}){placed}")
     console.print(f"mesh {mesh_lib.describe(mesh)} over {jax.device_count()} device(s), {jax.process_count()} "
@@ -165,11 +182,11 @@ def show_and_check(cfg: RunConfig, console: Console, model_cfg, step: Step, reci
         console.print(f"{what}: {choice}", soft_wrap=True)
     plan = show_memory_plan(console, model_cfg, step.recipe, batch=cfg.batch, seq=cfg.seq, device=device,
                             compiled=step.compiled, hbm_limit=cfg.hbm_limit, opt_dtype=cfg.opt_dtype, mesh=mesh,
-                            grad_accum=cfg.grad_accum, opt_state=cfg.opt_state)
+                            grad_accum=cfg.grad_accum, opt_state=cfg.opt_state, params=cfg.params)
     if device.platform == "cpu" and step.recipe.offload:
         console.print("on the CPU there is no pinned host memory: offload placements compile and run but move "
                       "nothing (use a GPU to see HBM fall)")
-    check_fits(console, cfg, plan, recipe_name, device, step.compiled)
+    check_fits(console, cfg, plan, recipe_name, device, step.compiled, model_cfg.param_dtype)
     peak, peak_src = meter.peak_tflops(device, cfg.peak_tflops)
     console.print(f"MFU against {peak} TFLOP/s ({peak_src})" if peak else f"MFU: {peak_src}")
     return plan

@@ -40,6 +40,12 @@ def check_resumable(record: dict, cfg: RunConfig, directory: str, data: dict | N
     if "schedule_steps" not in have and "steps" in have:   # a record written before --schedule-steps existed
         have["schedule_steps"] = have.pop("steps")
         have["warmup"] = have["warmup"] if have.get("warmup") is not None else max(1, have["schedule_steps"] // 10)
+    had, now = have.get("params", "device"), want.get("params", "device")
+    if had != now:   # either way: the identity holds the key only for host, and records before --params lack it
+        raise ValueError(f"--resume: the checkpoint in {directory} was written with --params {had}, this run asks for "
+                         f"--params {now}: --params host trains a float32 master copy of the parameters (part of the "
+                         f"optimizer state) and --params device keeps none, so the two runs' states and numbers "
+                         f"differ; resume with --params {had}")
     diff = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
     if diff:
         if set(diff) <= {"schedule_steps", "warmup"} and cfg.schedule_steps is None and cfg.warmup is None:

@@ -1,7 +1,10 @@
 """The optimizer the training step runs: the learning-rate schedule, the gradient transformation (global-norm
-clipping, then one of `OPTIMIZER_NAMES`, with its moments in a chosen dtype), and the `nnx.Optimizer` over a
-model's parameters. The planner counts these optimizers' moments (zoo.plan.types.OPTIMIZERS)."""
+clipping, then one of `OPTIMIZER_NAMES`, with its moments in a chosen dtype), optionally over a float32 master
+copy of 16-bit parameters (`with_master`), and the `nnx.Optimizer` over a model's parameters. The planner counts
+these optimizers' moments (zoo.plan.types.OPTIMIZERS) and the master (4 bytes a parameter)."""
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,10 +37,72 @@ def state_in(tx: optax.GradientTransformation, dtype) -> optax.GradientTransform
     return optax.GradientTransformation(lambda params: cast(tx.init(params)), update)
 
 
+class MasterState(NamedTuple):
+    """`with_master`'s state: the float32 master copy of the parameters (`master`, a tree like the parameters) and
+    the wrapped transform's state, initialised on the master (`inner`). In an `nnx.Optimizer` whose transform is
+    `with_master(...)` the master is `optimizer.opt_state.master`: the path ("opt_state", MASTER) of the optimizer's
+    state, where `zoo.opt_state` finds it to place it."""
+    master: Any
+    inner: Any
+
+
+MASTER = MasterState._fields[0]   # the master's key in the optimizer's state: "master"
+
+
+def with_master(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`tx` run on a float32 master copy of the parameters (mixed-precision "master weights", as Megatron and
+    DeepSpeed keep them): the state holds the master (every floating parameter in float32) and `tx`'s state,
+    initialised on it. An update upcasts the gradients to float32 (float32 gradients, e.g. `--grad-accum`'s sums,
+    pass unrounded), runs `tx` against the master (weight decay reads the master, not the rounded parameters) and
+    adds its update to the master. An update too small to move a bf16 parameter still moves the master, and adds
+    up over steps until the rounded parameter moves: the point of the copy.
+
+    The updates it returns are float32 `new master - params`: `optax.apply_updates` then gives the new master
+    rounded to the parameters' dtype up to a double rounding in rare cases. `MasterOptimizer` (what
+    `make_optimizer(master=True)` builds) sets the parameters to `new master.astype(dtype)` exactly instead."""
+    def init(params):
+        master = jax.tree.map(_to_f32, params)
+        return MasterState(master, tx.init(master))
+
+    def update(updates, state, params=None):
+        grads = jax.tree.map(_to_f32, updates)
+        step, inner = tx.update(grads, state.inner, state.master)
+        master = optax.apply_updates(state.master, step)   # float32 + float32: the master keeps its dtype
+        if params is not None:
+            step = jax.tree.map(lambda m, p: m - p.astype(m.dtype), master, params)
+        return step, MasterState(master, inner)
+
+    return optax.GradientTransformation(init, update)
+
+
+def _to_f32(x):
+    return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+
+class MasterOptimizer(nnx.Optimizer):
+    """An `nnx.Optimizer` over `with_master(tx)`: after each update the parameters are the new master rounded to
+    their dtype, exactly (`nnx.Optimizer` would add `with_master`'s update to the 16-bit parameters: rounded
+    twice). Under jit the addition it makes first is dead code, removed."""
+
+    def update(self, model, grads, /, **kwargs):
+        updates = super().update(model, grads, **kwargs)
+        params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
+        master = nnx.as_pure(self.opt_state.master)
+        nnx.update(model, jax.tree.map(lambda m, p: m.astype(p.dtype), master, params))
+        return updates
+
+
+def has_master(optimizer) -> bool:
+    """Whether `optimizer` keeps a float32 master copy of the parameters (`make_optimizer(master=True)`)."""
+    return isinstance(optimizer, MasterOptimizer)
+
+
 def make_tx(schedule: optax.Schedule, *, optimizer: str = "adamw", clip: float = 1.0, weight_decay: float = 0.1,
-            opt_dtype: str | None = None) -> optax.GradientTransformation:
+            opt_dtype: str | None = None, master: bool = False) -> optax.GradientTransformation:
     """Clip the gradients' global norm to `clip`, then `optimizer` on `schedule` (AdamW: b1 0.9, b2 0.95, as Llama 3
-    and DeepSeek-V3 trained); moments in `opt_dtype` (None: the parameters' dtype)."""
+    and DeepSeek-V3 trained); moments in `opt_dtype` (None: the parameters' dtype, float32 with a master). With
+    `master`, the whole of it (the clip included: on the float32 gradients) runs on a float32 master copy of the
+    parameters (`with_master`, the outermost transform: its state is the optimizer's state's root)."""
     if optimizer not in OPTIMIZER_NAMES:
         raise ValueError(f"optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZER_NAMES)}")
     inner = {"adamw": lambda: optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay),
@@ -47,11 +112,14 @@ def make_tx(schedule: optax.Schedule, *, optimizer: str = "adamw", clip: float =
              "sgd": lambda: optax.sgd(schedule)}[optimizer]()
     if opt_dtype is not None:
         inner = state_in(inner, opt_dtype)
-    return optax.chain(optax.clip_by_global_norm(clip), inner)
+    tx = optax.chain(optax.clip_by_global_norm(clip), inner)
+    return with_master(tx) if master else tx
 
 
 def make_optimizer(model: nnx.Module, schedule: optax.Schedule, *, clip: float, weight_decay: float,
-                   optimizer: str = "adamw", opt_dtype: str | None = None) -> nnx.Optimizer:
-    """`make_tx`'s optimizer over the model's parameters."""
-    tx = make_tx(schedule, optimizer=optimizer, clip=clip, weight_decay=weight_decay, opt_dtype=opt_dtype)
-    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+                   optimizer: str = "adamw", opt_dtype: str | None = None, master: bool = False) -> nnx.Optimizer:
+    """`make_tx`'s optimizer over the model's parameters; with `master`, a `MasterOptimizer` (float32 master copy,
+    the parameters its rounding)."""
+    tx = make_tx(schedule, optimizer=optimizer, clip=clip, weight_decay=weight_decay, opt_dtype=opt_dtype,
+                 master=master)
+    return (MasterOptimizer if master else nnx.Optimizer)(model, tx, wrt=nnx.Param)

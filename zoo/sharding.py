@@ -188,9 +188,9 @@ def init(make: Callable[[], Any], mesh=None, rules: Iterable[tuple[str, Any]] | 
     abstract init (`nnx.eval_shape`, nothing allocated), then one jitted init whose `out_shardings` are the rules'
     shardings, so no device ever holds a full copy of a sharded variable. Values are those `make()` gives.
     Optimizer state inherits its parameters' logical axes, so it is sharded like them. `place(abstract state,
-    shardings) -> shardings` may move variables to another memory (`zoo.opt_state.opt_state_shardings`: the
-    optimizer's moments created in pinned host memory). `mesh` defaults to the active one (`jax.set_mesh`);
-    without any, `make()`."""
+    shardings) -> shardings` may move variables to another memory (`zoo.opt_state.state_shardings`: the
+    optimizer's moments or its float32 master copy created in pinned host memory). `mesh` defaults to the active
+    one (`jax.set_mesh`); without any, `make()`."""
     mesh = mesh if mesh is not None else jax.sharding.get_mesh()
     if mesh is None or mesh.empty:
         return make()

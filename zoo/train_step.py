@@ -27,8 +27,8 @@ from flax import nnx
 from zoo import compile_options, sharding
 from zoo.layers import moe
 from zoo.models.lm import MTP_LOGITS, shift_left
-from zoo.opt_state import on_host, opt_state_shardings
-from zoo.optim import lr_schedule, make_optimizer
+from zoo.opt_state import on_host, state_shardings
+from zoo.optim import has_master, lr_schedule, make_optimizer
 
 
 def next_token_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array,
@@ -83,7 +83,8 @@ def micro_batches(batch: dict[str, jax.Array], k: int) -> dict[str, jax.Array]:
     return {name: einops.rearrange(x, "(b k) ... -> k b ...", k=k) for name, x in batch.items()}
 
 
-def loss_and_grads(model: nnx.Module, batch: dict[str, jax.Array], *, aux_loss: Callable, grad_accum: int = 1):
+def loss_and_grads(model: nnx.Module, batch: dict[str, jax.Array], *, aux_loss: Callable, grad_accum: int = 1,
+                   grad_dtype=None):
     """(total loss, next-token loss, MTP loss or None, aux, gradients) of `batch`.
 
     The total is the next-token loss, plus `model.config.mtp_loss_weight()` (lambda) times the
@@ -92,10 +93,11 @@ def loss_and_grads(model: nnx.Module, batch: dict[str, jax.Array], *, aux_loss: 
 
     With `grad_accum` K > 1 the batch runs as K micro-batches of B/K sequences (`micro_batches`) in a
     `jax.lax.scan`, so activations are a micro-batch's: the gradients are summed in float32 over the micro-batches
-    and handed back in the parameters' dtypes. Each micro-batch's next-token loss is its weighted sum over the
-    whole batch's total weight, so the losses and gradients add up to the whole batch's (equal to K=1's up to
-    float32 rounding; with every token weighted 1, the mean over micro-batches); the auxiliary loss is the mean
-    of the micro-batches'. The aux (MoE loads and drop counts) is summed over the micro-batches: the batch's.
+    and handed back in the parameters' dtypes (in `grad_dtype` if given: float32 for an optimizer with a float32
+    master copy, which then receives the sums unrounded). Each micro-batch's next-token loss is its weighted sum
+    over the whole batch's total weight, so the losses and gradients add up to the whole batch's (equal to K=1's
+    up to float32 rounding; with every token weighted 1, the mean over micro-batches); the auxiliary loss is the
+    mean of the micro-batches'. The aux (MoE loads and drop counts) is summed over the micro-batches: the batch's.
     """
     def loss_fn(model, tokens, weights, batch_weights, aux_scale=1.0):
         logits, aux = model(tokens[:, :-1], return_aux=True)
@@ -127,7 +129,7 @@ def loss_and_grads(model: nnx.Module, batch: dict[str, jax.Array], *, aux_loss: 
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     acc, (losses, lm_losses, mtps, auxes) = jax.lax.scan(micro, zeros, micro_batches(batch, grad_accum))
-    grads = jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
+    grads = jax.tree.map(lambda a, p: a.astype(grad_dtype or p.dtype), acc, params)
     return (jnp.sum(losses), jnp.sum(lm_losses), None if mtps is None else jnp.sum(mtps),
             jax.tree.map(lambda x: jnp.sum(x, axis=0), auxes), grads)
 
@@ -149,11 +151,15 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax
     one and selects between them in a second pass over both (for float32 AdamW, 36 bytes read and 12 written per
     parameter, and a second copy of the state in HBM). With it the decision is taken before the update: with a
     finite loss and gradient norm, a finite previous state and a finite rate, the updates of the optimizers this
-    step runs (`zoo.optim.make_tx`: clipped AdamW, Adam, Lion, momentum, SGD) are finite, so `ok` is known first and the
-    select fuses into the update, in place. The updated parameters are still checked afterwards: should they
-    be non-finite all the same (an overflow), `metrics["kept"]` is False and the caller must not save this state.
+    step runs (`zoo.optim.make_tx`: clipped AdamW, Adam, Lion, momentum, SGD, on a float32 master copy or not) are
+    finite, so `ok` is known first and the select fuses into the update, in place. The master copy is optimizer
+    state: a step that is not finite keeps it as it was too. The updated parameters are still checked
+    afterwards: should they be non-finite all the same (an overflow), `metrics["kept"]` is False and the caller
+    must not save this state.
     """
-    loss, lm_loss, mtp, aux, grads = loss_and_grads(model, batch, aux_loss=aux_loss, grad_accum=grad_accum)
+    # An optimizer with a float32 master copy takes --grad-accum's float32 sums as they are.
+    loss, lm_loss, mtp, aux, grads = loss_and_grads(model, batch, aux_loss=aux_loss, grad_accum=grad_accum,
+                                                    grad_dtype=jnp.float32 if has_master(optimizer) else None)
     grad_norm = optax.global_norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     rate = None
@@ -201,13 +207,14 @@ def jit_step(model: nnx.Module, optimizer: nnx.Optimizer, step_fn: Callable, *, 
     state's leaves must then carry shardings: arrays, or ShapeDtypeStructs with `sharding=`).
 
     State that lives in host memory between steps (leaves whose sharding has the memory kind "pinned_host":
-    `opt_state_shardings`) is brought into HBM inside the step, one `device_put` per leaf, and sent back after
-    it, so the step itself (the update, clipping, the NaN guard's select) computes on device arrays. The unit
-    is a leaf: a stacked layer's parameter is one array for all its layers, so the copies are as many as the
-    model's parameter names and each is independent of the others: XLA's scheduler may overlap one leaf's
-    copies with another's update and free a leaf's HBM copy once it has gone back (how many it holds at once is
-    its choice; the compiled peak shows it). A finer unit, one layer's slice of a leaf, would need the update
-    inside the layer scan, which the whole-tree optax update (the global-norm clip first) does not allow."""
+    `zoo.opt_state.state_shardings`: moments, the float32 master copy) is brought into HBM inside the step, one
+    `device_put` per leaf, and sent back after it, so the step itself (the update, clipping, the NaN guard's select)
+    computes on device arrays. The unit is a leaf: a stacked layer's parameter is one array for all its layers, so
+    the copies are as many as the model's parameter names and each is independent of the others: XLA's scheduler may
+    overlap one leaf's copies with another's update and free a leaf's HBM copy once it has gone back (how many it
+    holds at once is its choice; the compiled peak shows it). A finer unit, one layer's slice of a leaf, would need
+    the update inside the layer scan, which the whole-tree optax update (the global-norm clip first) does not
+    allow."""
     graphdef, state = nnx.split((model, optimizer))
     shardings = jax.tree.map(lambda x: x.sharding, state) if keep_shardings else None
     hosted = shardings is not None and any(on_host(s) for s in jax.tree.leaves(shardings))
@@ -235,21 +242,22 @@ def abstract_batch(batch: int, seq: int) -> dict[str, jax.ShapeDtypeStruct]:
 
 def abstract_step(family, cfg, recipe, *, schedule: optax.Schedule | None = None, optimizer: str = "adamw",
                   clip: float = 1.0, weight_decay: float = 0.1, opt_dtype: str | None = None, seed: int = 0,
-                  mesh=None, grad_accum: int = 1, opt_state: str = "device"):
+                  mesh=None, grad_accum: int = 1, opt_state: str = "device", params: str = "device"):
     """(jitted step, graphdef, abstract state) for `cfg` under `recipe`: the model and optimizer built from shapes
     alone (no memory). `schedule` only changes constants of the program, never its memory. With `mesh`, every
     variable carries its sharding by the rules (`zoo.sharding.shardings`) and the step keeps them. `grad_accum`:
-    micro-batches per update (`train_step`); `opt_state`: where the moments live
-    (`zoo.opt_state.opt_state_shardings`; "host" without a mesh lays the state out on the first device)."""
+    micro-batches per update (`train_step`); `opt_state`: where the moments live; `params="host"`: a float32 master
+    copy of the parameters (`zoo.optim.with_master`) in pinned host memory, "device": none (`zoo.opt_state`;
+    "host" without a mesh lays the state out on the first device)."""
     schedule = schedule if schedule is not None else lr_schedule(lr=1e-4, steps=100, warmup=10)
 
     def build():
         model = family.build(cfg, recipe=recipe, rngs=nnx.Rngs(seed))
         return model, make_optimizer(model, schedule, clip=clip, weight_decay=weight_decay, optimizer=optimizer,
-                                     opt_dtype=opt_dtype)
+                                     opt_dtype=opt_dtype, master=params == "host")
 
     step_fn = family_step(family, schedule, grad_accum)
-    if mesh is None and opt_state == "device":
+    if mesh is None and opt_state == "device" and params == "device":
         model, opt = nnx.eval_shape(build)
         return jit_step(model, opt, step_fn)
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):  # logical names are not mesh axes
@@ -258,7 +266,7 @@ def abstract_step(family, cfg, recipe, *, schedule: optax.Schedule | None = None
     placed = (sharding.shardings(state, mesh) if mesh is not None else
               jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), state))
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
-                         opt_state_shardings(state, placed, opt_state))
+                         state_shardings(state, placed, opt_state=opt_state, params=params))
     model, opt = nnx.merge(graphdef, state)
     return jit_step(model, opt, step_fn, keep_shardings=True)
 

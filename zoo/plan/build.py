@@ -52,6 +52,7 @@ from flax import nnx
 from zoo import sharding
 from zoo.layers.attention import resolve_impl
 from zoo.models.registry import family_of
+from zoo.opt_state import check_params
 from zoo.plan import auto, links
 from zoo.plan import mesh as mesh_plan
 from zoo.plan import state as state_lib
@@ -96,7 +97,9 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
     `grad_accum` K: the step runs K micro-batches of batch / K per update (`zoo.train_step`): activations, their
     host bytes and a layer's working set are a micro-batch's, FLOPs the whole batch's, and the model state gains
     the float32 gradient sums. `opt_state="host"`: the optimizer moments live in pinned host memory between
-    steps; they leave the HBM figures, count as host memory and cross the link twice per update.
+    steps; they leave the HBM figures, count as host memory and cross the link twice per update. `params="host"`:
+    a float32 master copy of the 16-bit parameters (4 bytes a parameter) in pinned host memory, counted and
+    charged the same way (float32 parameters: ValueError, they have no separate master).
 
     (Longer than most functions for its docstring: the body, under 60 lines, is the planner's steps in order, each
     a call to a named helper.)
@@ -106,6 +109,7 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
     if getattr(cfg, "attention_impl", None) == "cudnn":
         cfg = dataclasses.replace(cfg, attention_impl=None)
     amesh, shard = _split(cfg, batch, seq, parallel, training)
+    check_params(training.params, getattr(cfg, "param_dtype", None))   # a bad cfg is refused below, by name
     micro = batch // training.grad_accum
     target = peak_target(peak, compiled, device=hardware.device_kind, mesh=parallel.mesh, amesh=amesh, shard=shard)
     kind, _, _ = device_target(hardware.device_kind)
@@ -118,7 +122,7 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
         model.check_recipe(recipe)  # raises if the recipe names a tag no stack emits
     state = (state_lib.model_state(model, shard, training.optimizer, training.opt_dtype) if amesh is None
              else mesh_plan.model_state(model, amesh, training.optimizer, training.opt_dtype))
-    state = state_lib.placed(state, model, training.grad_accum, training.opt_state)
+    state = state_lib.placed(state, model, training.grad_accum, training.opt_state, training.params)
     hbm_budget = None if hardware.hbm_gib is None else int(hardware.hbm_gib * GiB)
     pool, pool_warning = state_lib.host_pool_bytes()
     shapes = model.tag_shapes(micro, seq)

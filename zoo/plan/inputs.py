@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from zoo.opt_state import OPT_STATE_PLACES
+from zoo.opt_state import OPT_STATE_PLACES, PARAMS_PLACES
 from zoo.plan.types import OPTIMIZERS
 
 
@@ -64,12 +64,14 @@ class Parallelism:
 @dataclasses.dataclass(frozen=True)
 class Training:
     """What the step keeps and how it updates: `optimizer` (its moments per parameter, `OPTIMIZERS`) in
-    `opt_dtype`, living on the "device" or in pinned "host" memory between steps (`opt_state`); `grad_accum` K
-    micro-batches of batch / K per update, with float32 gradient sums."""
+    `opt_dtype`, living on the "device" or in pinned "host" memory between steps (`opt_state`); `params="host"`: a
+    float32 master copy of the (16-bit) parameters in pinned host memory (`zoo.optim.with_master`; "device": none);
+    `grad_accum` K micro-batches of batch / K per update, with float32 gradient sums."""
     optimizer: str = "adamw"
     opt_dtype: str = "float32"
     grad_accum: int = 1
     opt_state: str = "device"
+    params: str = "device"
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
@@ -77,3 +79,5 @@ class Training:
         check_positive("grad_accum", self.grad_accum)
         if self.opt_state not in OPT_STATE_PLACES:
             raise ValueError(f"opt_state={self.opt_state!r}: choose one of {', '.join(OPT_STATE_PLACES)}")
+        if self.params not in PARAMS_PLACES:
+            raise ValueError(f"params={self.params!r}: choose one of {', '.join(PARAMS_PLACES)}")

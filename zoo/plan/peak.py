@@ -11,7 +11,7 @@
   (the outputs that alias a donated argument are not allocated again). Host figures are XLA's separate account
   of pinned host memory: `host_temp_size_in_bytes` (offloaded residuals) and `host_argument_size_in_bytes` /
   `host_output_size_in_bytes` / `host_alias_size_in_bytes` (state that lives there between steps,
-  `--opt-state host`), which the device figures above leave out.
+  `--opt-state host`, `--params host`), which the device figures above leave out.
   Under a mesh the step is compiled as the main job compiles it (`zoo.train_step.compile_abstract`): the state
   laid out by the sharding rules, the batch split over the data axes, traced inside `zoo.sharding.use(mesh)` so
   the activation constraints apply. XLA partitions it (SPMD) and its memory analysis is one device's program:
@@ -69,13 +69,15 @@ def mesh_label(mesh) -> str:
 
 
 def compile_step(cfg, recipe, *, batch: int, seq: int, optimizer: str = "adamw", opt_dtype: str | None = None,
-                 mesh: jax.sharding.Mesh | None = None, grad_accum: int = 1, opt_state: str = "device"):
+                 mesh: jax.sharding.Mesh | None = None, grad_accum: int = 1, opt_state: str = "device",
+                 params: str = "device"):
     """The main job's training step (`zoo.train_step`) for `cfg` under `recipe` at global [batch, seq], lowered on
     abstract inputs and compiled (nothing allocated). With a `mesh` (a concrete one: its devices compile it), as
     the main job compiles it: the state on the rules' shardings, the batch split over the data axes, traced inside
     `zoo.sharding.use(mesh)`."""
     return compile_abstract(family_of(cfg), cfg, recipe, batch=batch, seq=seq, optimizer=optimizer,
-                            opt_dtype=opt_dtype, mesh=mesh, grad_accum=grad_accum, opt_state=opt_state)[0]
+                            opt_dtype=opt_dtype, mesh=mesh, grad_accum=grad_accum, opt_state=opt_state,
+                            params=params)[0]
 
 
 def from_compiled(compiled, device: jax.Device | None = None, mesh=None) -> Peak:

@@ -77,10 +77,11 @@ def _totals_table(p: Plan):
 def _state_rows(p: Plan) -> list[tuple[str, str]]:
     """(what, value) of the saved activations, host memory, recompute and the model state."""
     ms = p.state
+    hosted = [f"{what} {fmt_bytes(n)}" for what, n, there in (("optimizer state", ms.optimizer, ms.optimizer_host),
+                                                               ("float32 master", ms.master, ms.master_host)) if there]
     rows = [("saved activations in HBM", fmt_bytes(p.activation_bytes)),
             ("host memory (pinned)", f"{fmt_bytes(p.host_total)} of a {fmt_bytes(p.host_pool)} pool"
-             + (f" (activations {fmt_bytes(p.host_bytes)}, optimizer state {fmt_bytes(ms.host)})" if ms.host
-                else "")),
+             + (f" (activations {fmt_bytes(p.host_bytes)}, {', '.join(hosted)})" if ms.host else "")),
             ("recomputed per step", f"{fmt_flops(p.remat_flops)} (forward {fmt_flops(p.forward_flops)})"),
             (f"parameters ({ms.num_params:,})", fmt_bytes(ms.params)),
             ("gradients", fmt_bytes(ms.grads))]
@@ -88,6 +89,9 @@ def _state_rows(p: Plan) -> list[tuple[str, str]]:
         rows.append((f"gradient sums (float32, over {p.grad_accum} micro-batches)", fmt_bytes(ms.accum)))
     rows.append((f"optimizer state ({ms.optimizer_name})" + (", in pinned host memory between steps: not HBM"
                                                               if ms.optimizer_host else ""), fmt_bytes(ms.optimizer)))
+    if ms.master:
+        rows.append(("float32 master copy" + (", in pinned host memory between steps: not HBM" if ms.master_host
+                                               else ""), fmt_bytes(ms.master)))
     if ms.other:
         rows.append(("other variables", fmt_bytes(ms.other)))
     return rows

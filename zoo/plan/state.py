@@ -1,5 +1,6 @@
-"""The model state a plan counts (parameters, gradients, optimizer moments, other variables, gradient sums; per
-device under a uniform split) and the host memory it is checked against (XLA's pinned pool, the machine's RAM)."""
+"""The model state a plan counts (parameters, gradients, optimizer moments, other variables, gradient sums, a
+float32 master copy of the parameters; per device under a uniform split) and the host memory it is checked against
+(XLA's pinned pool, the machine's RAM)."""
 from __future__ import annotations
 
 import dataclasses
@@ -30,13 +31,15 @@ def model_state(model, shard: int, optimizer: str, opt_dtype: str) -> ModelState
                       other=ceil_div(obytes, shard), optimizer_name=optimizer)
 
 
-def placed(state: ModelState, model, grad_accum: int, opt_state: str) -> ModelState:
-    """`state` with the float32 gradient sums of gradient accumulation (per device: the parameters' bytes at 4
-    bytes a parameter) and the moments where they live."""
-    params = jax.tree.leaves(nnx.state(model, nnx.Param))
-    ratio = 4 * sum(math.prod(p.shape) for p in params) / max(sum(sds_nbytes(p) for p in params), 1)
-    accum = int(state.params * ratio) if grad_accum > 1 else 0
-    return dataclasses.replace(state, accum=accum, optimizer_host=opt_state == "host")
+def placed(state: ModelState, model, grad_accum: int, opt_state: str, params: str = "device") -> ModelState:
+    """`state` with the float32 gradient sums of gradient accumulation and, with `params="host"`, the float32
+    master copy of the parameters in pinned host memory (each per device: the parameters' bytes at 4 bytes a
+    parameter), and the moments where they live."""
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    ratio = 4 * sum(math.prod(p.shape) for p in leaves) / max(sum(sds_nbytes(p) for p in leaves), 1)
+    f32 = int(state.params * ratio)
+    return dataclasses.replace(state, accum=f32 if grad_accum > 1 else 0, optimizer_host=opt_state == "host",
+                               master=f32 if params == "host" else 0, master_host=params == "host")
 
 
 def host_pool_bytes() -> tuple[int, str | None]:

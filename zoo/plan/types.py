@@ -99,8 +99,9 @@ class StackPlan:
 @dataclasses.dataclass(frozen=True)
 class ModelState:
     """Per device: parameters, their gradients, optimizer moments, other variables; with gradient accumulation,
-    the float32 sums of the micro-batches' gradients (`accum`). The moments live in HBM, or in pinned host memory
-    between steps (`optimizer_host`: then `total`, the HBM figure, leaves them out and `host` counts them)."""
+    the float32 sums of the micro-batches' gradients (`accum`); with a float32 master copy of the parameters, its
+    bytes (`master`). The moments live in HBM, or in pinned host memory between steps (`optimizer_host`: then
+    `total`, the HBM figure, leaves them out and `host` counts them); the master likewise (`master_host`)."""
     num_params: int
     params: int
     grads: int
@@ -109,16 +110,19 @@ class ModelState:
     optimizer_name: str
     accum: int = 0
     optimizer_host: bool = False
+    master: int = 0
+    master_host: bool = False
 
     @property
     def total(self) -> int:
         """HBM held by the model state between steps and through the step."""
-        return self.params + self.grads + self.accum + self.other + (0 if self.optimizer_host else self.optimizer)
+        return (self.params + self.grads + self.accum + self.other + (0 if self.optimizer_host else self.optimizer)
+                + (0 if self.master_host else self.master))
 
     @property
     def host(self) -> int:
-        """Pinned host memory held by the model state (the moments, with the state on the host)."""
-        return self.optimizer if self.optimizer_host else 0
+        """Pinned host memory held by the model state (the moments and the master, where they live there)."""
+        return (self.optimizer if self.optimizer_host else 0) + (self.master if self.master_host else 0)
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "total": self.total, "host": self.host}
