@@ -147,7 +147,8 @@ def measure(model, tokens, *, flops_per_step: float, steps: int = 6, warmup: int
 
 
 def planned(cfg, recipe, *, batch: int, seq: int, optimizer: str = "adamw", peak: str = "auto",
-            mesh=None, grad_accum: int = 1, opt_state: str = "device", opt_dtype: str = "float32") -> dict:
+            mesh=None, grad_accum: int = 1, opt_state: str = "device", opt_dtype: str = "float32",
+            params: str = "device") -> dict:
     """The planner's host bytes and peak-HBM prediction for the record: on a GPU the main job's training step
     (zoo.train_step, with `optimizer`) compiled on abstract inputs for the device present (`planned_peak_source`
     says "compiled for ..."); under a `mesh` (a spec such as "fsdp=2", or a Mesh; `batch` is then the global batch)
@@ -156,13 +157,13 @@ def planned(cfg, recipe, *, batch: int, seq: int, optimizer: str = "adamw", peak
     the planner's labelled estimate. `planned_floor_gib` is the floor (saved activations + model state in HBM);
     `planned_host_gib` the offloaded activations, `planned_state_host_gib` the state kept in pinned host memory
     (`opt_state="host"`); `grad_accum`: micro-batches per update and `opt_dtype`: the moments' dtype, as the main
-    job's flags."""
+    job's flags, like `params` (where the float32 master copy of bf16 parameters lives)."""
     import zoo
 
     peak = {"none": None}.get(os.environ.get("BENCH_PLAN_PEAK", ""), peak)   # "none": skip the peak's compile
     p = zoo.plan(cfg, recipe, batch=batch, seq=seq, peak=peak, parallel=zoo.plan.Parallelism(mesh=mesh),
                  training=zoo.plan.Training(optimizer=optimizer, grad_accum=grad_accum, opt_state=opt_state,
-                                            opt_dtype=opt_dtype))
+                                            opt_dtype=opt_dtype, params=params))
     peak_bytes = p.peak_bytes
     est = p.step_time()
     return dict(planned_host_gib=round(p.host_bytes / 2**30, 3),

@@ -42,6 +42,10 @@ def _args():
     ap.add_argument("--grad-accum", type=int, default=1, help="main: micro-batches per update (recipes.train)")
     ap.add_argument("--opt-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="main: dtype of AdamW's moments (recipes.train --opt-dtype)")
+    ap.add_argument("--param-dtype", choices=("float32", "bfloat16"), default=None,
+                    help="main: the parameters' dtype (default: the preset's, float32)")
+    ap.add_argument("--params", choices=("device", "host"), default="device",
+                    help="main: where the float32 master copy of bf16 parameters lives (recipes.train --params)")
     ap.add_argument("--smoke", action="store_true")
     return ap.parse_args()
 
@@ -59,7 +63,8 @@ def run_main(a) -> None:
     cmd = [sys.executable, "-m", "recipes.train", "--model", m["model"], "--preset", m["preset"],
            "--set", f"num_layers={m['layers']}", "--recipe", a.recipe, "--steps", str(a.steps),
            "--batch", str(m["batch"]), "--seq", str(m["seq"]), "--log-every", "1", "--metrics", metrics,
-           "--opt-state", a.opt_state, "--grad-accum", str(a.grad_accum), "--opt-dtype", a.opt_dtype]
+           "--opt-state", a.opt_state, "--grad-accum", str(a.grad_accum), "--opt-dtype", a.opt_dtype,
+           "--params", a.params, *(("--set", f"param_dtype={a.param_dtype}") if a.param_dtype else ())]
     if a.smoke and a.recipe == "auto":   # the CPU has no memory limit, measured link or FLOP table
         cmd += ["--hbm-limit", "1", "--link", "10", "--peak-tflops", "1"]
     # The parent plans and records on the CPU: the GPU stays the child's.
@@ -69,7 +74,7 @@ def run_main(a) -> None:
         os.remove(metrics)
     ident = dict(bench="main-job-8b", impl="zoo-main-job", recipe=a.recipe, optimizer="adamw",
                  B=m["batch"], S=m["seq"], L=m["layers"], opt_state=a.opt_state, grad_accum=a.grad_accum,
-                 opt_dtype=a.opt_dtype, command=" ".join(cmd[1:]))
+                 opt_dtype=a.opt_dtype, params=a.params, command=" ".join(cmd[1:]))
     with open(log, "w") as f:
         try:
             rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env, timeout=a.timeout).returncode
@@ -85,8 +90,8 @@ def run_main(a) -> None:
         emit({**ident, "error": f"rc={rc}, {len(rows)} steps logged; log tail: {tail}"})
         return
     step_s = statistics.median(m["batch"] * m["seq"] / r["tokens_per_s"] for r in timed)
-    cfg = zoo.models.LlamaConfig.preset("llama3_1_8b", num_layers=m["layers"]) if not a.smoke else \
-        zoo.models.LlamaConfig.preset("tiny", num_layers=m["layers"])
+    cfg = zoo.models.LlamaConfig.preset("tiny" if a.smoke else "llama3_1_8b", num_layers=m["layers"],
+                                        **({"param_dtype": a.param_dtype} if a.param_dtype else {}))
     from recipes.llama3 import RECIPES
     peak = [r["peak_hbm_bytes"] for r in rows if r.get("peak_hbm_bytes")]
     kernels = [line.strip() for line in open(log) if line.startswith(("attention:", "moe backend:"))]
@@ -94,7 +99,8 @@ def run_main(a) -> None:
     # The planner's host bytes for the recipe that ran (for `auto`, the job printed its choice: no second plan).
     plan_fields = ({"planned_host_gib": None} if a.recipe == "auto" else
                    planned(cfg, RECIPES[a.recipe], batch=m["batch"], seq=m["seq"], optimizer="adamw", peak="estimate",
-                           grad_accum=a.grad_accum, opt_state=a.opt_state, opt_dtype=a.opt_dtype))
+                           grad_accum=a.grad_accum, opt_state=a.opt_state, opt_dtype=a.opt_dtype,
+                           params=a.params))
     emit({**ident, "backend": None, "param_dtype": cfg.param_dtype, "dtype": cfg.dtype,
           "step_s": round(step_s, 4), "tflops": round(statistics.median(r["model_tflops"] for r in timed), 1),
           "mfu_datasheet": timed[-1]["mfu"], "peak_gib": round(max(peak) / 2**30, 2) if peak else None,

@@ -408,6 +408,13 @@ SCENARIOS: dict[str, Scenario] = {
                   name="main-job-8b-L32-opt-state-host-bf16-moments", env=_OPT_STATE_ENV),
          main_job("qkv_offload", ("--layers", "8", "--batch", "2"), est=120, timeout=170, gpu="0",
                   env=_OPT_STATE_ENV))),
+    "params-host": Scenario(
+        "all 32 layers of the 8B preset with bfloat16 parameters in HBM and their float32 master copy and the moments "
+        "on the host (--params host), beside the same with float32 parameters in HBM (bfloat16 moments on the host)",
+        (main_job("qkv_offload", ("--layers", "32", "--batch", "4", "--grad-accum", "4", "--opt-state", "host",
+                                  "--opt-dtype", "bfloat16", "--param-dtype", "bfloat16", "--params", "host"),
+                  steps=5, est=200, timeout=300, gpu="0", name="main-job-8b-L32-params-host-bf16-moments",
+                  env=_OPT_STATE_ENV),)),
     "mtp": Scenario(
         "the step-time cost of DeepSeek-V3's multi-token prediction (one depth) on the deepseek-slice, capacity "
         "dispatch, under full remat and the study's offload recipe, and its host bytes against the plan",

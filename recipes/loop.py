@@ -145,9 +145,8 @@ def _run(cfg: RunConfig, console: Console, session: _Session) -> Result:
     record = {"run": cfg.identity(), "recipe": recipe_name, "metrics": metrics_file.path if metrics_file else None,
               "data": inputs.data_id, "mesh": mesh_lib.describe(mesh)}
     start = resume.restore(cfg, console, inputs, model, optimizer)
-    host = meter.host_bytes(step.compiled) if device.platform != "cpu" else None
-    console.print(f"compiled the step in {step.seconds:.1f} s"
-                  + (f"; host memory for offloaded values: {meter.fmt_bytes(host)}" if host is not None else ""))
+    host = meter.host_bytes(step.compiled, state_on_host=plan.state.host > 0) if device.platform != "cpu" else None
+    console.print(f"compiled the step in {step.seconds:.1f} s" + meter.host_note(host, plan, device.platform))
     loop = _Loop(cfg, console, session, step, mesh, schedule, inputs, record, model, optimizer, start=start,
                  metrics_file=metrics_file, board=board, device=device, host=host, plan=plan,
                  flops_per_step=family.flops_per_token(model_cfg, model, cfg.seq) * cfg.batch * cfg.seq)

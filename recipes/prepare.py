@@ -107,7 +107,10 @@ def check_fits(console: Console, cfg: RunConfig, plan, recipe_name: str, device:
     """Refuse (ValueError: exit 2) a step whose compiled peak exceeds the device's budget, or whose host bytes
     exceed the pinned pool, before anything is allocated; --force launches it anyway (`recipes.fit`)."""
     # the offloaded activations (XLA's host temporaries) and the state kept in pinned host memory
-    host = (meter.host_bytes(compiled) or 0) + plan.state.host if device.platform != "cpu" else plan.host_total
+    host = plan.host_total
+    if device.platform != "cpu":
+        temps = meter.host_bytes(compiled, state_on_host=plan.state.host > 0)
+        host = (plan.host_bytes if temps is None else temps) + plan.state.host
     problems, notes = fit.check(plan.peak, host=host or 0, pool=plan.host_pool, device=device,
                                 hbm_limit_gib=cfg.hbm_limit)
     for n in notes:
