@@ -14,7 +14,8 @@ from zoo.models.registry import family
 from zoo.plan import Hardware, Training, links
 
 RESULTS = pathlib.Path(__file__).parents[2] / "bench" / "results"
-RECORDS = (RESULTS / "offload-pays_2026-12-01.jsonl", RESULTS / "offload-chunks_2026-12-01.jsonl")
+RECORDS = tuple(RESULTS / f for f in ("offload-pays_2026-12-01.jsonl", "offload-chunks_2026-12-01.jsonl",
+                                      "offload-chunks-pgle_2026-12-01.jsonl"))
 H200 = "NVIDIA H200"
 
 
