@@ -16,6 +16,14 @@ import zoo
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def tiered(values, fast) -> list:
+    """`values` as pytest params for a test of one concern over many cases: those in `fast` run by default, the
+    others are marked `slow` (the full set: `-m "slow or not slow"`, which CI runs). The default run checks the
+    concern on the cases that differ in kind; the slow set adds every remaining case."""
+    import pytest
+    return [pytest.param(v, marks=() if v in fast else (pytest.mark.slow,)) for v in values]
+
+
 def cpu_env(devices: int | None = None, **extra: str) -> dict[str, str]:
     """The environment of a test's subprocess: this process's (with the run's XLA flags and compilation cache, set
     in conftest.py), the repository on PYTHONPATH, JAX on the CPU and, given `devices`, that many fake CPU devices

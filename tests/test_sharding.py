@@ -169,6 +169,7 @@ def test_llama_sharded_training_step_equals_one_device():
     print(run_8("llama"))
 
 
+@pytest.mark.slow   # the full set (-m 'slow or not slow'); see docs/testing.md
 @pytest.mark.multidevice
 def test_deepseek_sharded_training_step_equals_one_device():
     """fsdp=4 x tp=2 (ragged_dot), ep=8 and fsdp=2 x ep=4 (capacity, experts over ep) under mla_moe_offload: loss,

@@ -12,7 +12,7 @@ from flax import nnx
 
 import zoo
 from recipes.deepseek_v3 import RECIPES
-from tests.helpers import cuda_lowering, fake_gpu, hlo_type, pinned_host_shapes
+from tests.helpers import cuda_lowering, fake_gpu, hlo_type, pinned_host_shapes, tiered
 from zoo.layers.moe import backend as moe
 from zoo.plan import measure as audit
 
@@ -100,7 +100,7 @@ def test_offload_lands_as_planned_with_a_looping_grouped_matmul(backend, name, r
     assert pinned_host_shapes(cuda_lowering(model, tokens)) == want_hlo
 
 
-@pytest.mark.parametrize("backend", ["scan_backend", "tiled_backend"])
+@pytest.mark.parametrize("backend", tiered(["scan_backend", "tiled_backend"], fast=("scan_backend",)))
 def test_the_stand_in_backend_matches_ragged_dot_in_the_model(backend, request):
     """Outputs, and for the custom-VJP path every gradient, equal the ragged_dot backend's."""
     request.getfixturevalue(backend)

@@ -9,6 +9,7 @@ import pytest
 import zoo
 from recipes import cli, defaults, loop, prepare, train
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
+from tests.helpers import tiered
 from zoo.optim import make_tx
 from zoo.plan import Hardware, Parallelism, links
 from zoo.plan import peak as peak_lib
@@ -17,7 +18,7 @@ GiB = 1 << 30
 RUN = ["--xla-flags", "none", "--steps", "2", "--batch", "2", "--seq", "16", "--log-every", "1"]
 
 
-@pytest.mark.parametrize("family", ["llama3", "deepseek_v3"])
+@pytest.mark.parametrize("family", tiered(["llama3", "deepseek_v3"], fast=("llama3",)))
 def test_the_planners_compiled_peak_is_the_main_jobs_own_step(family, monkeypatch):
     """zoo.plan(peak="compile") compiles the same step the main job runs: XLA's memory analysis of both is equal,
     field by field, and the peak is arguments + outputs - donated + temporaries."""

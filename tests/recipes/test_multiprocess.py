@@ -30,7 +30,7 @@ import pytest
 from recipes import mesh
 from recipes.checkpoint import Checkpoints
 from recipes.lock import LOCK_NAME
-from tests.helpers import cpu_env
+from tests.helpers import cpu_env, tiered
 from tests.recipes.test_distributed_startup import free_port
 
 pytestmark = pytest.mark.multidevice   # processes of their own with fake CPU devices: scheduled first
@@ -158,7 +158,7 @@ def reference(tmp_path_factory) -> list[float]:
     return [r["loss"] for r in got]
 
 
-@pytest.mark.parametrize("count", [2, 4])
+@pytest.mark.parametrize("count", tiered([2, 4], fast=(2,)))
 def test_several_processes_log_the_losses_of_one(tmp_path, reference, count):
     metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
     procs = processes(["--mesh", "fsdp=4", "--steps", 4, "--ckpt-dir", ckpt, "--ckpt-every", 2,

@@ -246,6 +246,7 @@ def test_params_host_with_float32_parameters_is_refused_before_compiling(capsys)
         loop.RunConfig(params="disk")
 
 
+@pytest.mark.slow   # the full set (-m 'slow or not slow'); see docs/testing.md
 def test_a_run_with_the_master_on_the_host_resumes_exactly(tmp_path):
     """The main job with bf16 parameters and --params host, stopped after step 2 and resumed, gives the losses and
     final parameters of the uninterrupted run bit for bit (the checkpoint saves the master from host memory and

@@ -30,6 +30,7 @@ def _env():
 
 
 # -- training works (the tiny Llama's 60 steps: the README test below) -----------------------------------------
+@pytest.mark.slow   # the full set (-m 'slow or not slow'); see docs/testing.md
 def test_tiny_deepseek_v3_learns_in_60_steps_under_the_study_recipe():
     result = loop.run(loop.RunConfig(model="deepseek_v3", preset="tiny", recipe="mla_moe_offload", steps=60,
                                      batch=4, seq=32))

@@ -10,7 +10,7 @@ from flax import nnx
 
 import zoo
 from recipes.deepseek_v3 import RECIPES
-from tests.helpers import cuda_lowering, grads_under, hlo_type, max_rel_err, pinned_host_shapes
+from tests.helpers import cuda_lowering, grads_under, hlo_type, max_rel_err, pinned_host_shapes, tiered
 from zoo.layers import MLA, Rope, RoutingBias, YarnScaling
 from zoo.layers.moe import update_routing_bias
 from zoo.models.deepseek import total_balance_loss
@@ -79,7 +79,8 @@ def reference(model, tokens):
     return grads_under(model, RECIPES["none"], tokens)
 
 
-@pytest.mark.parametrize("name", [n for n in RECIPES if n != "none"])
+@pytest.mark.parametrize("name", tiered([n for n in RECIPES if n != "none"], fast=("full", "save_mla_moe",
+                                                                                     "mla_moe_offload")))
 def test_gradients_equal_under_every_recipe(model, tokens, reference, name):
     ref_loss, ref = reference
     loss, got = grads_under(model, RECIPES[name], tokens)
