@@ -1,7 +1,9 @@
 """The optimizer the training step runs: the learning-rate schedule, the gradient transformation (global-norm
 clipping, then one of `OPTIMIZER_NAMES`, with its moments in a chosen dtype), optionally over a float32 master
-copy of 16-bit parameters (`with_master`), and the `nnx.Optimizer` over a model's parameters. The planner counts
-these optimizers' moments (zoo.plan.types.OPTIMIZERS) and the master (4 bytes a parameter)."""
+copy of 16-bit parameters (`with_master`), and the `nnx.Optimizer` over a model's parameters. The transform is also
+given in parts (`TxParts`: the clip, then a transform elementwise given its shared step counts), which the streamed
+update of state in host memory runs a slice at a time (`zoo.streamed_update`). The planner counts these optimizers'
+moments (zoo.plan.types.OPTIMIZERS) and the master (4 bytes a parameter)."""
 from __future__ import annotations
 
 from typing import Any, NamedTuple

@@ -3,8 +3,10 @@
 `train_step(model, optimizer, batch)` is an ordinary function of NNX objects: next-token loss (plus the
 multi-token-prediction loss of a model with an MTP module, and the model's auxiliary loss), gradients, the
 optimizer update, the model's non-gradient updates (e.g. DeepSeek-V3's routing bias), and the NaN guard: a step
-whose loss, gradient norm or updated parameters are not finite leaves every state as it was. `jit_step` puts the
-whole step under one `jax.jit` (split into graph and state, merge inside, donate the state). `abstract_step`
+whose loss, gradient norm or updated parameters are not finite leaves every state as it was. Optimizer state that
+lives in pinned host memory (`--opt-state host`, `--params host`) is updated streamed through HBM a layer slice at a
+time (`zoo.streamed_update`), never whole. `jit_step` puts the whole step under one `jax.jit` (split into graph and
+state, merge inside, donate the state). `abstract_step`
 builds the same jitted step on shapes alone (`nnx.eval_shape`: no memory), and
 `compile_abstract` compiles it for the device present: `compiled.memory_analysis()` is XLA's own account of
 arguments, outputs, donated (aliased) bytes and temporaries, before anything is allocated.
@@ -156,6 +158,13 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax
     state: a step that is not finite keeps it as it was too. The updated parameters are still checked
     afterwards: should they be non-finite all the same (an overflow), `metrics["kept"]` is False and the caller
     must not save this state.
+
+    Optimizer state in pinned host memory (arrays whose memory space is the host: `zoo.opt_state`) is updated
+    streamed (`zoo.streamed_update.update`): the clip's norm once, then each parameter with its moments and master a
+    chunk at a time (one layer of a stacked parameter) in a loop that brings the chunk into HBM, updates it, selects
+    the old chunk where the step is not finite and sends it back, so HBM never holds the host state whole. The numbers
+    are those of the state in HBM (bit for bit on the CPU). It needs `lr` (the guard decided before the update) and
+    an optimizer made by `zoo.optim.make_optimizer`: ValueError otherwise, at trace time.
     """
     # An optimizer with a float32 master copy takes --grad-accum's float32 sums as they are.
     loss, lm_loss, mtp, aux, grads = loss_and_grads(model, batch, aux_loss=aux_loss, grad_accum=grad_accum,
@@ -263,8 +272,10 @@ def abstract_step(family, cfg, recipe, *, schedule: optax.Schedule | None = None
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):  # logical names are not mesh axes
         model, opt = nnx.eval_shape(build)
     graphdef, state = nnx.split((model, opt))
-    placed = (sharding.shardings(state, mesh) if mesh is not None else
-              jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), state))
+    # Without a mesh, a one-device mesh of the first device: an abstract argument's memory kind reaches the traced
+    # value only through a NamedSharding (a SingleDeviceSharding's pinned_host would have jit bring it into HBM whole
+    # on entry, where the streamed update cannot see it: zoo.streamed_update).
+    placed = sharding.shardings(state, mesh if mesh is not None else sharding.make_mesh(None, jax.devices()[:1]))
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
                          state_shardings(state, placed, opt_state=opt_state, params=params))
     model, opt = nnx.merge(graphdef, state)
