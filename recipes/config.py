@@ -57,7 +57,7 @@ class RunConfig:
                               "warm-up)")
     opt_dtype: str = flag("float32", "dtype of AdamW's moments, whatever the parameters' dtype", choices=OPT_DTYPES)
     opt_state: str = flag("device", "where the optimizer's moments live between steps: device (HBM) or host (pinned "
-                          "host memory; each step streams them into HBM for the update and back, one parameter at a "
+                          "host memory; each step streams them into HBM for the update and back, a layer slice at a "
                           "time)", choices=("device", "host"))
     params: str = flag("device", "where the parameters' full-precision copy lives: device (the parameters in HBM, in "
                        "their dtype, and nothing else) or host (a float32 master copy of 16-bit parameters in pinned "

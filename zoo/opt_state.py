@@ -1,8 +1,8 @@
 """Where the training state lives between steps, as a change of the state's shardings' memory kind: the
 optimizer's moments in HBM or in pinned host memory (`--opt-state host`), and the float32 master copy of 16-bit
 parameters (`zoo.optim.with_master`) in HBM or in pinned host memory (`--params host`), each independently of
-the other. The step (`zoo.train_step.jit_step`) brings host-resident leaves into HBM inside the step and sends
-them back after it."""
+the other. The step (`zoo.train_step.train_step`) updates host-resident leaves streamed through HBM, a layer slice at
+a time (`zoo.streamed_update`); they enter and leave the jitted step as host arrays."""
 from __future__ import annotations
 
 import jax

@@ -1,7 +1,9 @@
 """The optimizer the training step runs: the learning-rate schedule, the gradient transformation (global-norm
 clipping, then one of `OPTIMIZER_NAMES`, with its moments in a chosen dtype), optionally over a float32 master
-copy of 16-bit parameters (`with_master`), and the `nnx.Optimizer` over a model's parameters. The planner counts
-these optimizers' moments (zoo.plan.types.OPTIMIZERS) and the master (4 bytes a parameter)."""
+copy of 16-bit parameters (`with_master`), and the `nnx.Optimizer` over a model's parameters. The transform is also
+given in parts (`TxParts`: the clip, then a transform elementwise given its shared step counts), which the streamed
+update of state in host memory runs a slice at a time (`zoo.streamed_update`). The planner counts these optimizers'
+moments (zoo.plan.types.OPTIMIZERS) and the master (4 bytes a parameter)."""
 from __future__ import annotations
 
 from typing import Any, NamedTuple
@@ -97,12 +99,29 @@ def has_master(optimizer) -> bool:
     return isinstance(optimizer, MasterOptimizer)
 
 
-def make_tx(schedule: optax.Schedule, *, optimizer: str = "adamw", clip: float = 1.0, weight_decay: float = 0.1,
-            opt_dtype: str | None = None, master: bool = False) -> optax.GradientTransformation:
-    """Clip the gradients' global norm to `clip`, then `optimizer` on `schedule` (AdamW: b1 0.9, b2 0.95, as Llama 3
-    and DeepSeek-V3 trained); moments in `opt_dtype` (None: the parameters' dtype, float32 with a master). With
-    `master`, the whole of it (the clip included: on the float32 gradients) runs on a float32 master copy of the
-    parameters (`with_master`, the outermost transform: its state is the optimizer's state's root)."""
+class TxParts(NamedTuple):
+    """`make_tx`'s transform in the pieces a streamed update (`zoo.streamed_update`) runs one slice at a time: the
+    clip of the gradients' global norm to `clip` (the one step that reads every parameter), then `elementwise`, a
+    transform that is elementwise given the scalars its state shares between parameters (the step counts), on a
+    float32 master copy with `master`. `transform()` is `make_tx`'s whole transform; `states(opt_state)` finds the
+    master (None without one) and `elementwise`'s state in its state (the structure `transform` makes)."""
+    clip: float
+    elementwise: optax.GradientTransformation
+    master: bool
+
+    def transform(self) -> optax.GradientTransformation:
+        tx = optax.chain(optax.clip_by_global_norm(self.clip), self.elementwise)
+        return with_master(tx) if self.master else tx
+
+    def states(self, opt_state) -> tuple[Any, Any]:
+        if self.master:
+            return opt_state.master, opt_state.inner[1]
+        return None, opt_state[1]
+
+
+def tx_parts(schedule: optax.Schedule, *, optimizer: str = "adamw", clip: float = 1.0, weight_decay: float = 0.1,
+             opt_dtype: str | None = None, master: bool = False) -> TxParts:
+    """`make_tx`'s transform in parts (`TxParts`); the arguments are `make_tx`'s."""
     if optimizer not in OPTIMIZER_NAMES:
         raise ValueError(f"optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZER_NAMES)}")
     inner = {"adamw": lambda: optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay),
@@ -112,14 +131,29 @@ def make_tx(schedule: optax.Schedule, *, optimizer: str = "adamw", clip: float =
              "sgd": lambda: optax.sgd(schedule)}[optimizer]()
     if opt_dtype is not None:
         inner = state_in(inner, opt_dtype)
-    tx = optax.chain(optax.clip_by_global_norm(clip), inner)
-    return with_master(tx) if master else tx
+    return TxParts(clip, inner, master)
+
+
+def make_tx(schedule: optax.Schedule, *, optimizer: str = "adamw", clip: float = 1.0, weight_decay: float = 0.1,
+            opt_dtype: str | None = None, master: bool = False) -> optax.GradientTransformation:
+    """Clip the gradients' global norm to `clip`, then `optimizer` on `schedule` (AdamW: b1 0.9, b2 0.95, as Llama 3
+    and DeepSeek-V3 trained); moments in `opt_dtype` (None: the parameters' dtype, float32 with a master). With
+    `master`, the whole of it (the clip included: on the float32 gradients) runs on a float32 master copy of the
+    parameters (`with_master`, the outermost transform: its state is the optimizer's state's root)."""
+    return tx_parts(schedule, optimizer=optimizer, clip=clip, weight_decay=weight_decay, opt_dtype=opt_dtype,
+                    master=master).transform()
 
 
 def make_optimizer(model: nnx.Module, schedule: optax.Schedule, *, clip: float, weight_decay: float,
                    optimizer: str = "adamw", opt_dtype: str | None = None, master: bool = False) -> nnx.Optimizer:
     """`make_tx`'s optimizer over the model's parameters; with `master`, a `MasterOptimizer` (float32 master copy,
-    the parameters its rounding)."""
-    tx = make_tx(schedule, optimizer=optimizer, clip=clip, weight_decay=weight_decay, opt_dtype=opt_dtype,
-                 master=master)
-    return (MasterOptimizer if master else nnx.Optimizer)(model, tx, wrt=nnx.Param)
+    the parameters its rounding). It carries its transform's parts (`parts_of`), which a streamed update needs."""
+    kw = dict(optimizer=optimizer, clip=clip, weight_decay=weight_decay, opt_dtype=opt_dtype, master=master)
+    opt = (MasterOptimizer if master else nnx.Optimizer)(model, make_tx(schedule, **kw), wrt=nnx.Param)
+    opt.tx_parts = tx_parts(schedule, **kw)
+    return opt
+
+
+def parts_of(optimizer: nnx.Optimizer) -> TxParts | None:
+    """The parts of `optimizer`'s transform (`TxParts`) if `make_optimizer` made it, else None."""
+    return getattr(optimizer, "tx_parts", None)

@@ -3,8 +3,10 @@
 `train_step(model, optimizer, batch)` is an ordinary function of NNX objects: next-token loss (plus the
 multi-token-prediction loss of a model with an MTP module, and the model's auxiliary loss), gradients, the
 optimizer update, the model's non-gradient updates (e.g. DeepSeek-V3's routing bias), and the NaN guard: a step
-whose loss, gradient norm or updated parameters are not finite leaves every state as it was. `jit_step` puts the
-whole step under one `jax.jit` (split into graph and state, merge inside, donate the state). `abstract_step`
+whose loss, gradient norm or updated parameters are not finite leaves every state as it was. Optimizer state that
+lives in pinned host memory (`--opt-state host`, `--params host`) is updated streamed through HBM a layer slice at a
+time (`zoo.streamed_update`), never whole. `jit_step` puts the whole step under one `jax.jit` (split into graph and
+state, merge inside, donate the state). `abstract_step`
 builds the same jitted step on shapes alone (`nnx.eval_shape`: no memory), and
 `compile_abstract` compiles it for the device present: `compiled.memory_analysis()` is XLA's own account of
 arguments, outputs, donated (aliased) bytes and temporaries, before anything is allocated.
@@ -24,10 +26,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from zoo import compile_options, sharding
+from zoo import compile_options, sharding, streamed_update
 from zoo.layers import moe
 from zoo.models.lm import MTP_LOGITS, shift_left
-from zoo.opt_state import on_host, state_shardings
+from zoo.opt_state import state_shardings
 from zoo.optim import has_master, lr_schedule, make_optimizer
 
 
@@ -156,6 +158,13 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax
     state: a step that is not finite keeps it as it was too. The updated parameters are still checked
     afterwards: should they be non-finite all the same (an overflow), `metrics["kept"]` is False and the caller
     must not save this state.
+
+    Optimizer state in pinned host memory (arrays whose memory space is the host: `zoo.opt_state`) is updated
+    streamed (`zoo.streamed_update.update`): the clip's norm once, then each parameter with its moments and master a
+    chunk at a time (one layer of a stacked parameter) in a loop that brings the chunk into HBM, updates it, selects
+    the old chunk where the step is not finite and sends it back, so HBM never holds the host state whole. The numbers
+    are those of the state in HBM (bit for bit on the CPU). It needs `lr` (the guard decided before the update) and
+    an optimizer made by `zoo.optim.make_optimizer`: ValueError otherwise, at trace time.
     """
     # An optimizer with a float32 master copy takes --grad-accum's float32 sums as they are.
     loss, lm_loss, mtp, aux, grads = loss_and_grads(model, batch, aux_loss=aux_loss, grad_accum=grad_accum,
@@ -168,16 +177,27 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax
         ok = ok & jnp.isfinite(rate)
     dropped, routed = moe_drops(aux)
 
+    streamed = streamed_update.hosted(optimizer)
+    if streamed and lr is None:
+        raise ValueError("optimizer state in host memory (--opt-state host, --params host) is updated a slice at a "
+                         "time, with the NaN guard decided before the update: train_step needs the learning-rate "
+                         "schedule (lr=...)")
+    # What the guard's select below keeps: everything, but the parameters and their state a streamed update guards
+    # per slice itself (selecting them here would need the old and new state whole).
+    kept_here = (streamed_update.unguarded(model, optimizer),) if streamed else ()
     # nnx.state holds the live Variables; mapping over it snapshots their current values.
-    before = jax.tree.map(lambda x: x, nnx.state((model, optimizer)))
-    optimizer.update(model, grads)
+    before = jax.tree.map(lambda x: x, nnx.state((model, optimizer), *kept_here))
+    if streamed:
+        streamed_update.update(model, optimizer, grads, ok=ok)
+    else:
+        optimizer.update(model, grads)
     after_update(model, aux)
     if lr is None:
         params_ok = all_finite(nnx.state(model))   # e.g. a non-finite learning rate with finite gradients
         ok = ok & params_ok
     # The NaN guard: keep the old state where the step is not finite (a select, no host round trip).
     nnx.update((model, optimizer), jax.tree.map(lambda new, old: jnp.where(ok, new, old),
-                                                nnx.state((model, optimizer)), before))
+                                                nnx.state((model, optimizer), *kept_here), before))
     kept = jnp.bool_(True)
     if lr is not None:
         # The tripwire: an update that passed the guard and still made a parameter non-finite was applied.
@@ -207,28 +227,17 @@ def jit_step(model: nnx.Module, optimizer: nnx.Optimizer, step_fn: Callable, *, 
     state's leaves must then carry shardings: arrays, or ShapeDtypeStructs with `sharding=`).
 
     State that lives in host memory between steps (leaves whose sharding has the memory kind "pinned_host":
-    `zoo.opt_state.state_shardings`: moments, the float32 master copy) is brought into HBM inside the step, one
-    `device_put` per leaf, and sent back after it, so the step itself (the update, clipping, the NaN guard's select)
-    computes on device arrays. The unit is a leaf: a stacked layer's parameter is one array for all its layers, so
-    the copies are as many as the model's parameter names and each is independent of the others: XLA's scheduler may
-    overlap one leaf's copies with another's update and free a leaf's HBM copy once it has gone back (how many it
-    holds at once is its choice; the compiled peak shows it). A finer unit, one layer's slice of a leaf, would need
-    the update inside the layer scan, which the whole-tree optax update (the global-norm clip first) does not
-    allow."""
+    `zoo.opt_state.state_shardings`: moments, the float32 master copy) enters the step as host arrays and leaves it
+    as host arrays (donated, laid out as before): `train_step` updates it streamed, a layer slice at a time, through
+    HBM (`zoo.streamed_update`), so HBM never holds it whole. A `step_fn` other than `train_step` must handle host
+    arrays itself."""
     graphdef, state = nnx.split((model, optimizer))
     shardings = jax.tree.map(lambda x: x.sharding, state) if keep_shardings else None
-    hosted = shardings is not None and any(on_host(s) for s in jax.tree.leaves(shardings))
 
     def step(state, batch):
-        if hosted:
-            state = jax.tree.map(lambda x, s: jax.device_put(x, s.with_memory_kind("device")) if on_host(s) else x,
-                                 state, shardings)
         model, optimizer = nnx.merge(graphdef, state)
         metrics = step_fn(model, optimizer, batch)
-        new = nnx.state((model, optimizer))
-        if hosted:
-            new = jax.tree.map(lambda x, s: jax.device_put(x, s) if on_host(s) else x, new, shardings)
-        return new, metrics
+        return nnx.state((model, optimizer)), metrics
 
     kwargs = {"out_shardings": (shardings, None)} if keep_shardings else {}
     return jax.jit(step, donate_argnums=0, **kwargs), graphdef, state
@@ -263,8 +272,10 @@ def abstract_step(family, cfg, recipe, *, schedule: optax.Schedule | None = None
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):  # logical names are not mesh axes
         model, opt = nnx.eval_shape(build)
     graphdef, state = nnx.split((model, opt))
-    placed = (sharding.shardings(state, mesh) if mesh is not None else
-              jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), state))
+    # Without a mesh, a one-device mesh of the first device: an abstract argument's memory kind reaches the traced
+    # value only through a NamedSharding (a SingleDeviceSharding's pinned_host would have jit bring it into HBM whole
+    # on entry, where the streamed update cannot see it: zoo.streamed_update).
+    placed = sharding.shardings(state, mesh if mesh is not None else sharding.make_mesh(None, jax.devices()[:1]))
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
                          state_shardings(state, placed, opt_state=opt_state, params=params))
     model, opt = nnx.merge(graphdef, state)

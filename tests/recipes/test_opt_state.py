@@ -112,7 +112,8 @@ def _main_signature(text: str) -> tuple[str, str]:
 
 def test_cuda_lowering_takes_and_gives_the_moments_in_pinned_host_memory():
     """Lowered for CUDA (no GPU needed), the step's arguments and results in pinned host memory are exactly the
-    optimizer's moments (AdamW: two per parameter), and each is brought to the device and back inside."""
+    optimizer's moments (AdamW: two per parameter), and each comes to the device and goes back inside (a chunk at a
+    time: tests/recipes/test_streamed_update.py)."""
     fam = model_family("llama3")
     cfg = fam.config("tiny")
     jitted, _, state = abstract_step(fam, cfg, model_recipe(fam, "full"), opt_state="host")
