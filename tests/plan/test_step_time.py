@@ -74,14 +74,19 @@ def test_the_predicted_step_time_is_within_ten_percent_of_every_measured_recipe(
     records = _measured()
     assert {r["recipe"] for r in records} >= {"minimal", "minimal_offload", "full", "save_qkv", "qkv_offload",
                                              "save_mla_moe", "mla_moe_offload", "lowrank_wa_offload", "auto"}
-    off = []
+    off, predictions = [], {}
     for r in records:
-        cfg, recipes = _config(r)
-        recipe = (zoo.Recipe("auto", offload=tuple(r["auto_offload"]), device=tuple(r["auto_device"]))
-                  if r["recipe"] == "auto" else recipes[r["recipe"]])
-        p = zoo.plan(cfg, recipe, batch=r["B"], seq=r["S"], peak=None, hardware=Hardware(device_kind=H200),
-                     training=Training(optimizer="sgd"))
-        predicted = p.step_time()["total_s"]
+        # records of one program (the same job in several calls) are planned once
+        key = (r["bench"], r.get("L"), r["B"], r["S"], r.get("mlp_seq_chunks", 1), r["recipe"],
+               tuple(r.get("auto_offload") or ()), tuple(r.get("auto_device") or ()))
+        if key not in predictions:
+            cfg, recipes = _config(r)
+            recipe = (zoo.Recipe("auto", offload=tuple(r["auto_offload"]), device=tuple(r["auto_device"]))
+                      if r["recipe"] == "auto" else recipes[r["recipe"]])
+            p = zoo.plan(cfg, recipe, batch=r["B"], seq=r["S"], peak=None, hardware=Hardware(device_kind=H200),
+                         training=Training(optimizer="sgd"))
+            predictions[key] = p.step_time()["total_s"]
+        predicted = predictions[key]
         if abs(predicted / r["step_s"] - 1) > 0.10:
             off.append(f"{r['job']}: predicted {predicted:.3f} s, measured {r['step_s']:.3f} s")
     assert not off, off
