@@ -50,10 +50,11 @@ def peak_hbm_bytes(device: jax.Device) -> int | None:
 def host_bytes(compiled, *, state_on_host: bool = False) -> int | None:
     """Host memory the compiled step uses for offloaded values (None where XLA does not say).
 
-    With part of the state in pinned host memory (`--opt-state host`, `--params host`) XLA's memory analysis
-    reports no host temporaries at all: 0 B on an H200 (jax 0.11.2) for a step whose optimized HLO holds the same
-    pinned-host (S(5)) buffers of the offloaded tags as the step with its state in HBM. A 0 there is not a
-    measurement, so it is None (not known) and the caller falls back on the plan."""
+    With part of the state in pinned host memory (`--opt-state host`, `--params host`) XLA's memory analysis has
+    reported no host temporaries at all: 0 B on an H200 (jax 0.11.2) for a step that brought that state into HBM a
+    whole leaf at a time, whose optimized HLO held the same pinned-host (S(5)) buffers of the offloaded tags as the
+    step with its state in HBM (the streamed update's step reports them). A 0 there is not a measurement, so it is
+    None (not known) and the caller falls back on the plan."""
     try:
         analysis = compiled.memory_analysis()
     except Exception:  # not every backend implements it
