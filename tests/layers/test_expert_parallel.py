@@ -14,7 +14,7 @@ from flax import nnx
 
 import zoo
 from recipes.deepseek_v3 import RECIPES
-from tests.helpers import ROOT, cpu_env, fake_gpu
+from tests.helpers import ROOT, cpu_env, fake_gpu, tiered
 from zoo import sharding
 from zoo.layers.moe import backend, expert_parallel
 from zoo.plan import Parallelism, Training
@@ -85,7 +85,7 @@ def test_one_device_ragged_a2a_is_the_gather_path():
 
 
 @pytest.mark.multidevice
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", tiered([2, 4], fast=(2,)))
 def test_ragged_a2a_on_fake_devices_equals_one_device(n):
     """N=2: the stand-in against jax's documented example; the dispatch under ep=2 bit-equal to one device's
     (outputs and gradients, random routing and every copy to one device); a DeepSeek-V3 tiny step under

@@ -35,6 +35,7 @@ def test_the_largest_batch_fits_and_the_next_power_of_two_does_not():
     assert "largest batch that fits: 4" in c.render()
 
 
+@pytest.mark.slow   # a property of the walk the other tests check at one budget
 def test_a_bigger_budget_never_gives_a_smaller_batch():
     recipe = LLAMA_RECIPES["save_qkv"]
     peaks = [peak(LLAMA, recipe, b) for b in (1, 2, 4, 8, 16)]
@@ -45,6 +46,7 @@ def test_a_bigger_budget_never_gives_a_smaller_batch():
     assert found == [0, 1, 2, 4, 8, 16]   # each budget just over a batch's peak admits exactly that batch
 
 
+@pytest.mark.slow   # likewise
 def test_the_walk_from_a_start_gives_the_same_answer_up_or_down():
     recipe = LLAMA_RECIPES["full"]
     budget = peak(LLAMA, recipe, 4) * 1.001 / GiB

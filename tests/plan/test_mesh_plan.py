@@ -104,6 +104,7 @@ def test_auto_estimates_a_mesh_peak_on_the_cpu_even_with_the_devices_present():
     assert not p.peak.compiled and p.peak_source == "estimate (not compiled on the CPU: --peak compile does)"
 
 
+@pytest.mark.slow   # a mesh's case of the compiled peak (test_peak.py has one device's)
 @pytest.mark.multidevice
 def test_the_sharded_step_is_compiled_per_device_and_the_main_job_plans_with_it():
     out = subprocess.run([sys.executable, "-m", "tests.plan.mesh_peaks"], env=cpu_env(8), cwd=ROOT, capture_output=True,

@@ -53,6 +53,7 @@ def llama_one_device(tmp_path_factory):
     return losses(d / "m.jsonl")
 
 
+@pytest.mark.slow   # the main job under meshes: the fsdp=4 -> fsdp=2,tp=2 resume test
 def test_llama_fsdp_x_tp_logs_the_losses_of_one_device(tmp_path, llama_one_device):
     out = train(LLAMA + ["--mesh", "fsdp=4,tp=2", "--metrics", tmp_path / "m.jsonl"], 8)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -70,6 +71,7 @@ def test_llama_fsdp_x_tp_logs_the_losses_of_one_device(tmp_path, llama_one_devic
         assert 8 * r["model_tflops"] * 1e12 / r["tokens_per_s"] == pytest.approx(want, rel=1e-6), r
 
 
+@pytest.mark.slow   # DeepSeek-V3 under ep: test_expert_parallel.py's ep=2 step
 def test_deepseek_fsdp_x_ep_logs_the_losses_of_one_device(tmp_path):
     got = {}
     for mesh, devices in (("fsdp=1", 1), ("fsdp=2,ep=4", 8)):

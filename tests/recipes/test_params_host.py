@@ -131,6 +131,7 @@ def test_the_master_is_placed_independently_of_the_moments():
         state_shardings(plain, jax.tree.map(lambda _: device, plain), params="host")
 
 
+@pytest.mark.slow   # test_streamed_update.py compares the same runs
 def test_the_master_on_the_host_trains_as_in_hbm_bit_for_bit():
     """Tiny Llama, bf16 parameters, the master optimizer built with its master in HBM and in pinned host memory
     (--params host): the master's arrays are pinned-host arrays through the steps, the parameters device arrays;
