@@ -59,6 +59,7 @@ def test_the_walk_from_a_start_gives_the_same_answer_up_or_down():
     assert zoo.plan.largest_batch(LLAMA, recipe, seq=SEQ, hbm_gib=budget, optimizer="sgd", batches=(3, 5)).batch == 3
 
 
+@pytest.mark.slow   # a case of the walk the other capacity tests check
 def test_offloading_fits_more_than_its_save_on_device_twin():
     """The study's capacity claim, in the planner: with the budget at the offload recipe's peak at batch 4, the
     save-on-device twin (same tags kept in HBM) fits a smaller batch."""

@@ -179,6 +179,7 @@ def test_a_step_that_does_not_fit_is_told_about_the_host_state_and_accumulation(
                                            optimizer_bytes=2**30, gpu=True, opt_state="host")
 
 
+@pytest.mark.slow   # micro-batches of a MoE model: test_mtp.py's add up to the batch
 def test_deepseek_micro_batches_route_and_balance_as_the_whole_batch():
     """DeepSeek-V3 tiny, K=2 against K=1 on batch 4: the next-token loss, the token copies routed and dropped (summed
     over the micro-batches) and the routing biases after the update (moved by the summed expert loads) are the
