@@ -120,7 +120,7 @@ class RunConfig:
     def __post_init__(self):
         # The library's own checks, imported here rather than at the top: the command line is parsed (this module
         # imported) before JAX may start.
-        from zoo.opt_state import OPT_STATE_PLACES, PARAMS_PLACES
+        from zoo.opt_state import check_places
         from zoo.train_step import check_grad_accum
         check_ranges(self)
         for field in ("steps", "batch", "seq", "log_every"):
@@ -142,10 +142,7 @@ class RunConfig:
         if self.hbm_limit is not None and not (math.isfinite(self.hbm_limit) and self.hbm_limit > 0):
             raise ValueError(f"--hbm-limit must be a positive number of GiB, got {self.hbm_limit}")
         check_grad_accum(self.batch, self.grad_accum)
-        if self.opt_state not in OPT_STATE_PLACES:
-            raise ValueError(f"--opt-state must be one of {', '.join(OPT_STATE_PLACES)}, got {self.opt_state!r}")
-        if self.params not in PARAMS_PLACES:
-            raise ValueError(f"--params must be one of {', '.join(PARAMS_PLACES)}, got {self.params!r}")
+        check_places(opt_state=self.opt_state, params=self.params)
         if self.opt_dtype not in OPT_DTYPES:
             raise ValueError(f"--opt-dtype must be float32 or bfloat16, got {self.opt_dtype!r}")
         if not 0 <= self.max_drop_warn <= 1:

@@ -16,6 +16,13 @@ PARAMS_PLACES = ("device", "host")      # the float32 master copy of the paramet
 HOST = "pinned_host"   # the memory kind of host-resident state (page-locked: the copies run as DMA)
 
 
+def check_places(*, opt_state: str = "device", params: str = "device") -> None:
+    """ValueError unless `opt_state` (--opt-state) and `params` (--params) are places a part of the state may live."""
+    for flag, value, places in (("--opt-state", opt_state, OPT_STATE_PLACES), ("--params", params, PARAMS_PLACES)):
+        if value not in places:
+            raise ValueError(f"{flag} must be one of {', '.join(places)}, got {value!r}")
+
+
 def is_master(path) -> bool:
     """Whether `path` (a key path into the state of `nnx.split((model, optimizer))`) is in the optimizer's float32
     master copy: `optimizer.opt_state.master` (`zoo.optim.MasterState`, the root of the optimizer's state)."""
@@ -29,10 +36,7 @@ def state_shardings(state, shardings, *, opt_state: str = "device", params: str 
     ("host"), and the float32 master copy of the parameters likewise (`params`; "host" needs an optimizer with a
     master, `zoo.optim.make_optimizer(master=True)`: ValueError otherwise). The step counters stay in HBM: they are
     scalars the step reads first. The 16-bit parameters the forward pass reads stay in HBM in every case."""
-    if opt_state not in OPT_STATE_PLACES:
-        raise ValueError(f"--opt-state must be one of {', '.join(OPT_STATE_PLACES)}, got {opt_state!r}")
-    if params not in PARAMS_PLACES:
-        raise ValueError(f"--params must be one of {', '.join(PARAMS_PLACES)}, got {params!r}")
+    check_places(opt_state=opt_state, params=params)
     paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
     if params == "host" and not any(is_master(p) for p in paths):
         raise ValueError("--params host places the optimizer's float32 master copy of the parameters in pinned host "
@@ -53,8 +57,7 @@ def state_shardings(state, shardings, *, opt_state: str = "device", params: str 
 def check_params(params: str, param_dtype: str) -> None:
     """ValueError unless `params` (--params) is a place and, for "host", the parameters are 16-bit: the master copy
     is their float32 copy, and float32 parameters have no separate one."""
-    if params not in PARAMS_PLACES:
-        raise ValueError(f"--params must be one of {', '.join(PARAMS_PLACES)}, got {params!r}")
+    check_places(params=params)
     if params == "host" and param_dtype == "float32":
         raise ValueError("--params host keeps a float32 master copy of 16-bit parameters in pinned host memory, but "
                          "the parameters are float32 (param_dtype=float32): there is no separate master. Add --set "
