@@ -11,9 +11,9 @@ builds the same jitted step on shapes alone (`nnx.eval_shape`: no memory), and
 `compile_abstract` compiles it for the device present: `compiled.memory_analysis()` is XLA's own account of
 arguments, outputs, donated (aliased) bytes and temporaries, before anything is allocated.
 
-Why this lives in `zoo` (not in `recipes/loop.py`): the planner (`zoo.plan`, peak="compile") must compile exactly
-the step the main job runs, and `zoo` never imports `recipes`. Passing a step function into `zoo.plan` instead
-would let the two drift apart silently; one definition cannot.
+Why this lives in `zoo` (not in the main job's loop): the planner (`zoo.plan`, peak="compile") must compile
+exactly the step the main job runs, and the library never imports the application. Passing a step function into
+`zoo.plan` instead would let the two drift apart silently; one definition cannot.
 """
 from __future__ import annotations
 
