@@ -148,10 +148,9 @@ def make_optimizer(model: nnx.Module, schedule: optax.Schedule, *, clip: float, 
                    optimizer: str = "adamw", opt_dtype: str | None = None, master: bool = False) -> nnx.Optimizer:
     """`make_tx`'s optimizer over the model's parameters; with `master`, a `MasterOptimizer` (float32 master copy,
     the parameters its rounding). It carries its transform's parts (`parts_of`), which a streamed update needs."""
-    parts = tx_parts(schedule, optimizer=optimizer, clip=clip, weight_decay=weight_decay, opt_dtype=opt_dtype,
-                     master=master)
-    opt = (MasterOptimizer if master else nnx.Optimizer)(model, parts.transform(), wrt=nnx.Param)
-    opt.tx_parts = parts
+    kw = dict(optimizer=optimizer, clip=clip, weight_decay=weight_decay, opt_dtype=opt_dtype, master=master)
+    opt = (MasterOptimizer if master else nnx.Optimizer)(model, make_tx(schedule, **kw), wrt=nnx.Param)
+    opt.tx_parts = tx_parts(schedule, **kw)
     return opt
 
 
