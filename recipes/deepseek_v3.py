@@ -13,6 +13,8 @@ from zoo import Recipe
 MLA_QKV = ("query_proj", "key_proj", "value_proj")
 MOE_UP = ("moe_mlpwi_0", "moe_mlpwi_1")
 STUDY = MLA_QKV + MOE_UP
+# The attention kernel's output and softmax statistics: keeping both leaves no attention forward in the backward pass.
+CONTEXT = ("attention_out", "context")
 
 DEFAULT = "mla_moe_offload"  # the study's recipe: what `--recipe` runs when not given
 RECIPES: dict[str, Recipe] = {
@@ -31,4 +33,13 @@ RECIPES: dict[str, Recipe] = {
                                              "rope key too) and the MoE up-projections to pinned host memory: the "
                                              "low-rank recipe measured in ANCHORS.md; the backward pass recomputes "
                                              "no down-projection"),
+    "context_save": Recipe("context_save", device=CONTEXT,
+                           description="MLA's attention output and softmax statistics kept in HBM: no attention "
+                                       "forward in the backward pass"),
+    "context_offload": Recipe("context_offload", offload=CONTEXT,
+                              description="MLA's attention output and softmax statistics to pinned host memory: long "
+                                          "context's recipe (attention recompute grows as S^2)"),
+    "lowrank_context_offload": Recipe("lowrank_context_offload",
+                                      offload=("query_wa_proj", "kv_wa_proj") + MOE_UP + CONTEXT,
+                                      description="lowrank_wa_offload plus the attention output and statistics"),
 }

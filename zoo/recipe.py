@@ -25,6 +25,10 @@ Placement = Literal["device", "offload", "remat"]
 # The only destination JAX moves to host memory. Any other string (e.g. "host") silently keeps the value on the
 # device, which is why it is fixed here and not a parameter.
 OFFLOAD_DST = "pinned_host"
+# Tags that only pay together: the attention kernel's backward reads its output (attention_out) and its softmax
+# statistics (context); keeping one without the other leaves the forward kernel in the backward pass to make the
+# missing one, so the kept one saves nothing (zoo.layers.attention_kernel).
+TOGETHER = (("attention_out", "context"),)
 
 
 def _expand(patterns: Iterable[str], field: str) -> tuple[str, ...]:
@@ -72,6 +76,14 @@ class Recipe:
                              f"placement. The vocabulary is: {tags_lib.vocabulary()}")
         object.__setattr__(self, "offload", offload)
         object.__setattr__(self, "device", device)
+        for group in TOGETHER:
+            kept = [t for t in group if t in offload or t in device]
+            if kept and len(kept) < len(group):
+                missing = [t for t in group if t not in kept]
+                raise ValueError(f"Recipe {self.name!r} keeps {kept} but recomputes {missing}: {' and '.join(group)} "
+                                 f"only pay together (the attention kernel's backward reads both, so keeping one "
+                                 f"still runs the attention forward again); keep {missing} too (on device or "
+                                 f"offloaded), or neither")
 
     @classmethod
     def none(cls, name: str = "none") -> Recipe:

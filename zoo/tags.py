@@ -37,10 +37,12 @@ _TAGS = (
     Tag("key_proj", "[B,S,Hkv,dq]", "keys after RoPE (GQA, after the k norm where there is one) or after "
         "concatenating nope and shared rope parts (MLA)"),
     Tag("value_proj", "[B,S,Hkv,dv]", "values"),
-    Tag("attention_out", "[B,S,H,dv]", "attention output before the output projection"),
+    Tag("attention_out", "[B,S,H,dv]", "the attention kernel's output (before the output projection), named by the "
+        "kernel as one of its two residuals; keep it together with context or neither"),
     Tag("out_proj", "[B,S,D]", "attention output projection"),
-    Tag("context", "kernel-defined", "an attention kernel's own residuals (output, logsumexp) where the kernel "
-        "exposes them; jax.nn.dot_product_attention does not, so no zoo layer emits it yet"),
+    Tag("context", "[B,H,S]", "the attention kernel's softmax statistics (float32 log-sum-exp of each query's "
+        "logits), what its backward reads beside q, k, v and attention_out: keeping both leaves no attention forward "
+        "in the backward pass (zoo.layers.attention_kernel)"),
     Tag("query_wa_proj", "[B,S,q_lora_rank]", "MLA query down-projection, before its RMSNorm"),
     Tag("mla_q", "[B,S,q_lora_rank]", "MLA query latent after its RMSNorm"),
     Tag("kv_wa_proj", "[B,S,kv_lora_rank+qk_rope]", "MLA key/value down-projection (latent and shared rope key)"),

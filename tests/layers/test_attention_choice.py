@@ -22,11 +22,11 @@ def test_attention_auto_takes_cudnn_on_a_gpu_for_gqa_and_mla():
         assert attention.resolve_impl(cfg, CPU).impl == "xla"
 
 
-def test_attention_auto_on_a_gpu_that_cudnn_cannot_serve_warns_of_quadratic_memory():
+def test_attention_auto_on_a_gpu_that_cudnn_cannot_serve_warns_that_the_xla_kernel_runs():
     ds = zoo.models.DeepSeekV3Config.preset("deepseek_v3_671b")
-    with pytest.warns(UserWarning, match="quadratic"):
+    with pytest.warns(UserWarning, match="the XLA kernel on NVIDIA A100"):
         choice = attention.resolve_impl(ds, fake_gpu(cc="8.0", kind="NVIDIA A100"))  # 192 > 128 before Hopper
-    assert choice.impl == "xla" and "QUADRATIC" in choice.reason
+    assert choice.impl == "xla" and "XLA kernel" in choice.reason and "up to 128" in choice.reason
     with pytest.warns(UserWarning, match="float32"):
         assert attention.resolve_impl(zoo.models.LlamaConfig.preset("tiny"), fake_gpu()).impl == "xla"
 

@@ -11,7 +11,7 @@ rope parts of q and k; q = [q_nope, q_rope] and k = [k_nope, k_rope] are concate
 the softmax scale 1/sqrt(qk_nope + qk_rope) times YaRN's mscale^2, as DeepSeek does.
 
 Tags: query_wa_proj, mla_q, kv_wa_proj, mla_kv, query_proj and key_proj (after RoPE and concatenation),
-value_proj [B,S,H,v_head], attention_out [B,S,H,v_head], out_proj.
+value_proj [B,S,H,v_head], attention_out [B,S,H,v_head] and context [B,H,S] (named by the kernel), out_proj.
 
 Parameter names follow transformers' `DeepseekV3Attention` (q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa,
 kv_a_layernorm, kv_b_proj, o_proj); kernels are stored [in, out] with heads split out, as everywhere in the zoo.
@@ -24,10 +24,11 @@ RoPE of `zoo.layers.rope`, which is exactly what transformers computes: a loader
 The tagged query_proj / key_proj hold the rope part in the de-interleaved (rotate-half) order, as transformers'
 query and key states do. With `rope_interleave=False` the weights are taken to be in rotate-half order already.
 
-Value head dim. `jax.nn.dot_product_attention` (jax 0.10-0.11) needs one head dim for q, k and v; DeepSeek-V3 has
-qk 192 and v 128. The values are padded with zeros to the qk head dim for the kernel and its output is sliced
-back: exact, and the tags value_proj and attention_out are the un-padded [B,S,H,v_head] tensors. Head dim 192 is
-within cuDNN flash attention's limit on Hopper (256), so the kernel is chosen as for GQA (zoo.layers.attention).
+Value head dim. DeepSeek-V3 has qk 192 and v 128; cuDNN's kernel (through `jax.nn.dot_product_attention`) takes one
+head dim, so `zoo.layers.attention_kernel` pads the values with zeros for it and slices the output back: exact, and
+the tags value_proj and attention_out are the un-padded [B,S,H,v_head] tensors (the XLA kernel takes v_head as it
+is). Head dim 192 is within cuDNN flash attention's limit on Hopper (256). The kernel also names `context`, its
+softmax statistics [B,H,S].
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zoo.layers.attention import AttentionChoice, Implementation, causal_attention, choose_impl, positions_for
+from zoo.layers.attention import positions_for
+from zoo.layers.attention_kernel import AttentionChoice, Implementation, causal_attention, choose_impl
 from zoo.layers.linear import projection
 from zoo.layers.norm import RMSNorm
 from zoo.layers.rope import Rope, YarnScaling
@@ -47,12 +49,6 @@ from zoo.tags import name
 def deinterleave(x: jax.Array) -> jax.Array:
     """[..., (x0, x1), (x2, x3), ...] -> [..., x0, x2, ..., x1, x3, ...]: interleaved pairs to rotate-half halves."""
     return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
-
-
-def _pad_to(x: jax.Array, size: int) -> jax.Array:
-    """Zero-pad the last axis of x up to `size` (no-op when it is at least that long)."""
-    pad = size - x.shape[-1]
-    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) if pad > 0 else x
 
 
 class MLA(TaggedLayer):
@@ -85,12 +81,15 @@ class MLA(TaggedLayer):
         self.qk_nope_head_dim = qk_nope_head_dim
         self.v_head_dim = v_head_dim
         self.implementation = implementation
-        self.kernel_head_dim = max(qk_head_dim, v_head_dim)  # values are padded to the q/k head dim
+        self.kernel_head_dim = max(qk_head_dim, v_head_dim)  # cuDNN: values are padded to the q/k head dim
+        self.kernel = choose_impl(implementation, dtype=dtype, head_dim=self.kernel_head_dim)  # once, when built
         mscale = rope.scaling.softmax_mscale() if isinstance(rope.scaling, YarnScaling) else 1.0
         self.scale = qk_head_dim ** -0.5 * mscale
 
     def attention_choice(self, device: jax.Device | None = None) -> AttentionChoice:
-        """The attention implementation this layer runs on `device` (default: the first device)."""
+        """The kernel this layer runs: chosen when it was built, for the first device (or for `device`)."""
+        if device is None:
+            return self.kernel
         return choose_impl(self.implementation, dtype=self.dtype, head_dim=self.kernel_head_dim, device=device)
 
     def _rotate(self, x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -114,8 +113,6 @@ class MLA(TaggedLayer):
         k = name(jnp.concatenate([kv_up[..., :nope], k_rope], axis=-1), "key_proj", BSH)
         v = name(kv_up[..., nope:], "value_proj", BSH)                              # [B,S,H,v_head]
 
-        # The kernel takes one head dim: zero-pad to the larger one (exact), slice the output back.
-        out = causal_attention(_pad_to(q, v.shape[-1]), _pad_to(k, v.shape[-1]), _pad_to(v, q.shape[-1]),
-                               scale=self.scale, implementation=self.implementation)
-        out = name(out[..., :self.v_head_dim], "attention_out", BSH)
+        # names attention_out [B,S,H,v_head] and context (cuDNN pads v to the q/k head dim inside, exactly)
+        out = causal_attention(q, k, v, impl=self.kernel.impl, scale=self.scale)
         return name(self.o_proj(out), "out_proj", BSD)

@@ -50,7 +50,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo import sharding
-from zoo.layers.attention import resolve_impl
 from zoo.models.registry import family_of
 from zoo.opt_state import check_params
 from zoo.plan import auto, links
@@ -126,11 +125,8 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
     hbm_budget = None if hardware.hbm_gib is None else int(hardware.hbm_gib * GiB)
     pool, pool_warning = state_lib.host_pool_bytes()
     shapes = model.tag_shapes(micro, seq)
-    # FLOPs are counted on XLA's attention on every device (cuDNN's kernel is one custom call: no dots to count)
-    flop_cfg = cfg
-    if hasattr(cfg, "attention_impl") and resolve_impl(cfg).impl != "xla":
-        flop_cfg = dataclasses.replace(cfg, attention_impl="xla")  # a second abstract model, only where cuDNN runs
-    costs = {s: layer_cost(flop_cfg, s, micro, seq) for s in shapes}
+    # attention's FLOPs are counted from its shapes whatever kernel runs (zoo.plan.measure.LayerCost)
+    costs = {s: layer_cost(cfg, s, micro, seq) for s in shapes}
     needed = {s: costs[s].residual_tags(shapes[s].tags) for s in shapes}
     device_shapes, per_device = _per_device(model, shapes, micro, seq, amesh, shard)
 

@@ -11,7 +11,11 @@ What JAX saves between the forward and the backward pass, under a checkpoint pol
 - `model_residuals`: the whole model's loss; host residuals are marked as such.
 
 What the backward pass re-runs: `LayerCost` traces one layer once to a jaxpr and counts the matmul FLOPs of its
-gradient under any set of saved tags (cached). Every function takes the policy to measure; none changes a model's
+gradient under any set of saved tags (cached). Attention's own FLOPs are counted from the layer's q and v shapes
+(`zoo.layers.attention_kernel.attention_flops`: causal, half the square), whatever kernel runs (cuDNN's is one custom
+call with no matmul in the jaxpr; the XLA kernel's matmuls run under the kernel's name scope and are skipped): once in
+the forward pass, and again in the backward pass unless the recipe keeps the kernel's residuals (`attention_out` and
+`context`). Every function takes the policy to measure; none changes a model's
 recipe (the default policy is the model's own recipe's).
 """
 from __future__ import annotations
@@ -31,6 +35,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo import tags as tags_lib
+from zoo.layers.attention_kernel import SCOPE as ATTENTION_SCOPE
+from zoo.layers.attention_kernel import attention_flops
 from zoo.models.registry import family_of
 from zoo.models.stack import remat
 from zoo.recipe import Recipe
@@ -182,10 +188,21 @@ def model_residuals(model, tokens: jax.Array) -> list[Residual]:
 
 
 # -- what the backward pass re-runs ---------------------------------------------------------------------------------
+# The tags whose keeping leaves no attention forward in the backward pass (the kernel's residuals).
+ATTENTION_RESIDUALS = frozenset({"attention_out", "context"})
+
+
+def _in_attention_kernel(eqn) -> bool:
+    return ATTENTION_SCOPE in str(getattr(eqn.source_info, "name_stack", ""))
+
+
 def flops(jaxpr) -> int:
-    """Matmul FLOPs (2*M*N*K) of `jaxpr` and every jaxpr inside it."""
+    """Matmul FLOPs (2*M*N*K) of `jaxpr` and every jaxpr inside it, but the attention kernel's own (counted from
+    shapes: `LayerCost.attention_flops`)."""
     total = 0
     for eqn in jaxpr.eqns:
+        if _in_attention_kernel(eqn):
+            continue
         prim = eqn.primitive.name
         if prim == "dot_general":
             (lc, _), _ = eqn.params["dimension_numbers"]
@@ -220,7 +237,11 @@ class LayerCost:
         fn, state = stack.layer_fn()
         self.args, treedef = jax.tree.flatten((state, stack.abstract_input(batch, seq)))
         closed = jax.make_jaxpr(lambda *a: fn(*jax.tree.unflatten(treedef, a))[0])(*self.args)
-        self.forward_flops = flops(closed.jaxpr)
+        tags = stack.tag_shapes(stack.abstract_input(batch, seq))
+        # causal attention, whatever kernel runs (0 for a layer without attention)
+        self.attention_flops = (attention_flops(tags["query_proj"], tags["value_proj"])
+                                if {"query_proj", "value_proj", "context"} <= set(tags) else 0)
+        self.forward_flops = flops(closed.jaxpr) + self.attention_flops
         as_fun = jax.extend.core.jaxpr_as_fun(closed)
         self._fn = lambda *a: as_fun(*a)[0]
         self._wrt = tuple(i for i, a in enumerate(self.args) if jnp.issubdtype(a.dtype, jnp.inexact))
@@ -242,9 +263,14 @@ class LayerCost:
         return frozenset(r.tag for r in residuals(loss, *self.args) if r.tag is not None)
 
     def remat_flops(self, saved: frozenset[str]) -> int:
+        """Forward FLOPs the backward pass re-runs when the tags `saved` are kept (in HBM or on the host)."""
         if saved not in self._cache:
-            policy = Recipe("saved", device=tuple(sorted(saved))).policy()
-            self._cache[saved] = self._grad_flops(policy) - self._grad_none
+            # the kernel's forward re-runs unless both of its residuals are kept (zoo.recipe.TOGETHER)
+            whole = ATTENTION_RESIDUALS <= saved
+            attention = 0 if whole else self.attention_flops
+            kept = saved if whole else saved - ATTENTION_RESIDUALS
+            policy = Recipe("saved", device=tuple(sorted(kept))).policy()
+            self._cache[saved] = self._grad_flops(policy) - self._grad_none + attention
         return self._cache[saved]
 
     def recipe_flops(self, recipe: Recipe, emitted) -> int:

@@ -49,7 +49,7 @@ def test_layers_report_the_tags_they_emit():
     attn = Attention(dim=64, num_heads=4, num_kv_heads=2, head_dim=16, rope=CFG.rope(), rngs=rngs)
     got = {t: s.shape for t, s in zoo.tags.emitted_by(attn, x).items()}
     assert got == {"query_proj": (B, S, 4, 16), "key_proj": (B, S, 2, 16), "value_proj": (B, S, 2, 16),
-                   "attention_out": (B, S, 4, 16), "out_proj": (B, S, 64)}
+                   "attention_out": (B, S, 4, 16), "context": (B, 4, S), "out_proj": (B, S, 64)}
     got = {t: s.shape for t, s in zoo.tags.emitted_by(MLP(dim=64, hidden=128, rngs=rngs), x).items()}
     assert got == {"mlpwi_0": (B, S, 128), "mlpwi_1": (B, S, 128), "mlpwo": (B, S, 64)}
     shared = MLP(dim=64, hidden=32, tag_prefix="shared_", rngs=rngs)
@@ -118,8 +118,9 @@ def test_every_emitted_tag_is_really_emitted(model):
     emitted = model.tag_shapes(1, 8)["layers"].tags
     needed = audit.residual_tags(model, "layers")
     assert set(needed) == set(emitted) - {"mlpwo"}  # mlpwo only flows into the residual sum: never saved
-    for t in needed:
-        model.set_recipe(zoo.Recipe(f"only_{t}", offload=(t,)))
+    for t in needed:   # attention_out and context only go together (zoo.recipe.TOGETHER)
+        group = next((g for g in zoo.recipe.TOGETHER if t in g), (t,))
+        model.set_recipe(zoo.Recipe(f"only_{t}", offload=group))
         assert audit.placements_seen(model, "layers")[t] == "offload", t
 
 
@@ -205,7 +206,8 @@ def test_every_layer_reports_its_tags_for_a_config():
     assert tags["query_proj"].shape == (2, 8192, 128, 128) and tags["query_proj"].dtype == jnp.bfloat16
     assert tags["key_proj"].shape == tags["value_proj"].shape == (2, 8192, 8, 128)
     assert tags["mlpwi_0"].shape == (2, 8192, 53248)
-    assert list(layer.attn.tag_shapes(2, 8192)) == ["query_proj", "key_proj", "value_proj", "attention_out", "out_proj"]
+    assert list(layer.attn.tag_shapes(2, 8192)) == ["query_proj", "key_proj", "value_proj", "attention_out", "context",
+                                                 "out_proj"]
     assert list(layer.mlp.tag_shapes(2, 8192)) == ["mlpwi_0", "mlpwi_1", "mlpwo"]
 
 

@@ -1,0 +1,215 @@
+"""The causal attention kernel, with its residuals named: which kernel runs, and what its backward pass reads.
+
+A training step that recomputes a layer runs attention's forward pass again in the backward pass unless the
+kernel's residuals are kept. Its backward reads q, k and v (the tags query_proj, key_proj, value_proj), its own
+output and its softmax statistics (the log-sum-exp of each query's logits). This module names those two:
+
+- ``attention_out`` [B, S, H, dv]: the kernel's output (what the output projection reads too);
+- ``context`` [B, H, S] float32: the kernel's softmax statistics.
+
+Both are named inside a `jax.custom_vjp` whose forward rule returns them as the residuals of the backward rule, so a
+checkpoint policy that keeps both (in HBM or offloaded) leaves no attention forward in the backward pass. Keeping one
+without the other saves nothing: the kernel's forward runs again to make the missing one (`zoo.recipe` refuses such a
+recipe). The attention forward is quadratic in the sequence length and its residuals are linear, so at long context
+keeping them (even in pinned host memory, over PCIe) beats recomputing them.
+
+Two kernels, chosen per device when a layer is built (`choose_impl`):
+
+- ``cudnn``: cuDNN flash attention through `jax.nn.dot_product_attention(implementation="cudnn")` on NVIDIA GPUs.
+  The forward rule runs `jax.vjp` of it and names the residual leaves that are not q, k, v (its output and its
+  softmax statistics); the backward rule hands them back to cuDNN's own backward kernel.
+- ``xla``: a memory-efficient formulation in plain JAX (`zoo.layers.xla_attention`): the forward keeps only the
+  output and the log-sum-exp, and the backward recomputes the probabilities from them (FlashAttention-2's
+  algorithm, Dao 2023), so nothing of size [B, H, S, S] is saved between the passes.
+
+What cuDNN takes through `jax.nn.dot_product_attention` (jax 0.10-0.12, `jax._src.cudnn.fused_attention_stablehlo`
+`check_layout` / `check_is_flash_attention`): q, k, v in bf16 or fp16; one head dim for q, k and v; head dim a
+multiple of 8 and at most 256 on Hopper and later (compute capability >= 9.0), at most 128 before. Values with a
+smaller head dim (MLA: 128 against q/k 192) are zero-padded for cuDNN and its output sliced back inside the forward
+rule; the saved `attention_out` is the un-padded output (exact: the padded columns of the output are zeros), padded
+again for cuDNN's backward.
+
+The planner counts attention's FLOPs from the layer's q and v shapes (`attention_flops`), whatever kernel runs: the
+kernel's own matmuls run under the name scope `SCOPE` and are left out of jaxpr counts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from zoo.layers import xla_attention
+from zoo.sharding import BSH
+from zoo.tags import name
+
+Implementation = Literal["xla", "cudnn"] | None
+IMPLEMENTATIONS = (None, "xla", "cudnn")
+_CUDNN_DTYPES = ("bfloat16", "float16")
+# The name scope of the kernel's own computation (forward and backward): jaxpr FLOP counts skip it, and the planner
+# counts attention from its shapes instead (a cuDNN custom call has no matmul in the jaxpr to count).
+SCOPE = "zoo_attention_kernel"
+# The softmax statistics' logical axes (per query head and position), for a sharding constraint at the tag site.
+STATS_AXES = ("batch", "heads", "seq")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionChoice:
+    impl: str          # "xla" or "cudnn": what runs
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.impl} ({self.reason})"
+
+
+def _cudnn_refusal(dtype, head_dim: int, device: jax.Device) -> str | None:
+    """None if cuDNN flash attention takes this case on `device`, else why not."""
+    if device.platform != "gpu" or "cuda" not in str(getattr(device.client, "platform_version", "")).lower():
+        return f"cuDNN runs only on NVIDIA GPUs, and the device is {device.platform} ({device.device_kind})"
+    if jnp.dtype(dtype).name not in _CUDNN_DTYPES:
+        return f"cuDNN flash attention takes bf16/fp16, and the activations are {jnp.dtype(dtype).name}"
+    cc = str(getattr(device, "compute_capability", "0"))
+    limit = 256 if float(cc or 0) >= 9.0 else 128
+    if head_dim % 8 or head_dim > limit:
+        return (f"cuDNN flash attention takes head dims that are multiples of 8 up to {limit} on compute "
+                f"capability {cc}, and the kernel's head dim is {head_dim}")
+    return None
+
+
+def choose_impl(requested: Implementation, *, dtype, head_dim: int,
+                device: jax.Device | None = None) -> AttentionChoice:
+    """Which attention runs for `requested` (None: auto) with activations of `dtype` and the kernel's `head_dim`
+    on `device` (default: the first device). Layers call it once, when they are built.
+
+    An explicit "cudnn" that cuDNN cannot take is a ValueError; auto on a GPU that cannot use cuDNN warns that the
+    XLA kernel runs (slower than cuDNN's; its residuals are still linear in the sequence length)."""
+    if requested not in IMPLEMENTATIONS:
+        raise ValueError(f"attention_impl must be one of {IMPLEMENTATIONS}, got {requested!r}")
+    device = device or jax.devices()[0]
+    if requested == "xla":
+        return AttentionChoice("xla", "asked for")
+    refusal = _cudnn_refusal(dtype, head_dim, device)
+    if requested == "cudnn":
+        if refusal:
+            raise ValueError(f"attention_impl='cudnn' cannot run here: {refusal}. Use attention_impl=None (auto) "
+                             f"or 'xla'")
+        return AttentionChoice("cudnn", "asked for")
+    if refusal is None:
+        return AttentionChoice("cudnn", f"auto: cuDNN flash attention on {device.device_kind}")
+    if device.platform == "gpu":
+        warnings.warn(f"attention: the XLA kernel on {device.device_kind} (slower than cuDNN flash attention; its "
+                      f"[B, H, S, S] logits are temporaries of each pass, never saved), because {refusal}",
+                      stacklevel=2)
+        return AttentionChoice("xla", f"auto, XLA kernel: {refusal}")
+    return AttentionChoice("xla", f"auto on {device.platform}")
+
+
+def resolve_impl(cfg, device: jax.Device | None = None) -> AttentionChoice:
+    """The attention a model built from `cfg` (its attention_impl, dtype and kernel head dim, from the config's
+    `attention_head_dim()`) runs on `device`. An impossible explicit choice is a ValueError naming why."""
+    return choose_impl(cfg.attention_impl, dtype=jnp.dtype(cfg.dtype), head_dim=cfg.attention_head_dim(),
+                       device=device)
+
+
+def attention_flops(q: jax.ShapeDtypeStruct, v: jax.ShapeDtypeStruct) -> int:
+    """Forward FLOPs of causal attention for queries q [B, S, H, dq] and values v [B, S, Hkv, dv]: the logits
+    (2 B H S^2 dq) and the weighted values (2 B H S^2 dv), half of each under the causal mask."""
+    b, s, h, dq = q.shape
+    return b * h * s * s * (dq + v.shape[-1])
+
+
+def _pad_last(x: jax.Array, size: int) -> jax.Array:
+    pad = size - x.shape[-1]
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) if pad > 0 else x
+
+
+def _stats_axes(leaf: jax.Array, q: jax.Array) -> tuple[str | None, ...]:
+    """Logical axes of a softmax-statistics array: batch first, then heads and seq where their sizes match."""
+    b, s, h, _ = q.shape
+    axes: list[str | None] = ["batch"]
+    for size in leaf.shape[1:]:
+        label = "heads" if size == h and "heads" not in axes else "seq" if size == s and "seq" not in axes else None
+        axes.append(label)
+    return tuple(axes)
+
+
+def _cudnn_with_residuals(q, k, v, scale):
+    """cuDNN's forward and its backward as (out, residuals, backward(residuals, g) -> (dq, dk, dv)), the residuals
+    being q, k, v and the named output and statistics."""
+    dv, d = v.shape[-1], q.shape[-1]
+    vp = _pad_last(v, d)
+    with jax.named_scope(SCOPE):
+        out_p, vjp_fn = jax.vjp(lambda q, k, vp: jax.nn.dot_product_attention(
+            q, k, vp, scale=scale, is_causal=True, implementation="cudnn"), q, k, vp)
+    leaves, tree = jax.tree.flatten(vjp_fn)
+    out = name(out_p[..., :dv], "attention_out", BSH)
+    kinds, stats = [], []
+    for leaf in leaves:
+        if leaf is q or leaf is k or leaf is vp:
+            kinds.append(("input", (q, k, vp).index(leaf) if leaf is not vp else 2))
+        elif leaf is out_p:
+            kinds.append(("out", None))
+        else:
+            kinds.append(("stats", len(stats)))
+            stats.append(name(leaf, "context", _stats_axes(leaf, q)))
+    if len(stats) != 1:
+        raise ValueError(f"cuDNN attention's backward reads {len(stats)} residuals beside q, k, v and its output "
+                         f"(expected one: the softmax statistics); the zoo cannot name them as one tag")
+
+    def backward(res, g):
+        q, k, v, out, stats = res
+        vp, outp = _pad_last(v, d), _pad_last(out, d)
+        inputs = (q, k, vp)
+        rebuilt = [inputs[i] if kind == "input" else outp if kind == "out" else stats[i] for kind, i in kinds]
+        with jax.named_scope(SCOPE):
+            dq, dk, dvp = jax.tree.unflatten(tree, rebuilt)(_pad_last(g, d))
+        return dq, dk, dvp[..., :dv]
+
+    return out, (q, k, v, out, tuple(stats)), backward
+
+
+def _xla_with_residuals(q, k, v, scale):
+    with jax.named_scope(SCOPE):
+        out, lse = xla_attention.forward(q, k, v, scale)
+    out = name(out, "attention_out", BSH)
+    lse = name(lse, "context", STATS_AXES)
+
+    def backward(res, g):
+        q, k, v, out, lse = res
+        with jax.named_scope(SCOPE):
+            return xla_attention.backward(q, k, v, out, lse, g, scale)
+
+    return out, (q, k, v, out, lse), backward
+
+
+_KERNELS = {"cudnn": _cudnn_with_residuals, "xla": _xla_with_residuals}
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str | None = None,
+                     scale: float | None = None) -> jax.Array:
+    """Causal attention over q [B, S, H, dq], k [B, S, Hkv, dq], v [B, S, Hkv, dv] (Hkv divides H) with the kernel
+    `impl` ("xla" or "cudnn"; the zoo's layers pass what `choose_impl` chose when they were built; None chooses for
+    the first device now), naming its output `attention_out` and its softmax statistics `context`. `scale` defaults
+    to dq ** -0.5. Returns [B, S, H, dv]."""
+    if impl is None:
+        impl = choose_impl(None, dtype=q.dtype, head_dim=max(q.shape[-1], v.shape[-1])).impl
+    if impl not in _KERNELS:
+        raise ValueError(f"causal_attention: impl must be 'xla' or 'cudnn' (see choose_impl), got {impl!r}")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    kernel = _KERNELS[impl]
+    backward_of = {}
+
+    def forward(q, k, v):
+        out, res, backward = kernel(q, k, v, scale)
+        backward_of["rule"] = backward   # static structure, traced with the forward rule
+        return out, res
+
+    @jax.custom_vjp
+    def attend(q, k, v):
+        # The primal also runs the forward rule, so an abstract trace (zoo.tags.emitted) sees both names.
+        return kernel(q, k, v, scale)[0]
+
+    attend.defvjp(forward, lambda res, g: backward_of["rule"](res, g))
+    return attend(q, k, v)

@@ -1,0 +1,62 @@
+"""Causal grouped-query attention in plain JAX whose residuals are its output and log-sum-exp (FlashAttention-2's
+backward, Dao 2023, without the tiling).
+
+    forward:  s = scale q k^T (masked causally), lse = logsumexp(s), p = exp(s - lse), out = p v
+    backward: p = exp(s - lse) again; dv = p^T do; dp = do v^T; ds = p (dp - rowsum(do * out)); dq = scale ds k;
+              dk = scale ds^T q
+
+Only `out` [B, S, H, dv] and `lse` [B, H, S] (float32) pass from the forward to the backward: nothing of size
+[B, H, S, S] is saved, though each pass holds the logits of its own as a temporary. Logits, softmax and the
+statistics are float32; the probabilities meet the values in the values' dtype, as `jax.nn.dot_product_attention`'s
+XLA path does. Query head h attends with key/value head h // (H // Hkv).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
+    b, s, h, d = q.shape
+    return q.reshape(b, s, kv_heads, h // kv_heads, d)
+
+
+def _stat_dtype(dtype):
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _logits(q, k, scale):
+    """Scaled, causally masked logits [B, Hkv, G, S, S] in float32 (float64 for float64 inputs)."""
+    qg = _grouped(q, k.shape[2])
+    dt = _stat_dtype(q.dtype)
+    s = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=dt) * jnp.asarray(scale, dt)
+    n = q.shape[1]
+    causal = jnp.tril(jnp.ones((n, n), dtype=bool))
+    return jnp.where(causal, s, jnp.finfo(dt).min)
+
+
+def forward(q: jax.Array, k: jax.Array, v: jax.Array, scale: float) -> tuple[jax.Array, jax.Array]:
+    """(out [B, S, H, dv] in q's dtype, lse [B, H, S] in float32)."""
+    b, n, h, _ = q.shape
+    s = _logits(q, k, scale)
+    lse = jax.nn.logsumexp(s, axis=-1)                                  # [B, Hkv, G, S]
+    p = jnp.exp(s - lse[..., None]).astype(v.dtype)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", p, v).reshape(b, n, h, v.shape[-1]).astype(q.dtype)
+    return out, lse.reshape(b, h, n)
+
+
+def backward(q, k, v, out, lse, g, scale: float):
+    """(dq, dk, dv) of `forward` for the output cotangent g [B, S, H, dv], from the saved out and lse."""
+    b, n, h, dq_dim = q.shape
+    kv = k.shape[2]
+    dt = _stat_dtype(q.dtype)
+    s = _logits(q, k, scale)
+    p = jnp.exp(s - lse.reshape(b, kv, h // kv, n)[..., None])          # [B, Hkv, G, S, S]
+    gg = _grouped(g, kv)                                                # [B, S, Hkv, G, dv]
+    dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(v.dtype), gg, preferred_element_type=dt)
+    dp = jnp.einsum("bqkgd,bskd->bkgqs", gg, v, preferred_element_type=dt)
+    rows = jnp.einsum("bqkgd,bqkgd->bkgq", gg.astype(dt), _grouped(out, kv).astype(dt))
+    ds = p * (dp - rows[..., None]) * jnp.asarray(scale, dt)
+    dq = jnp.einsum("bkgqs,bskd->bqkgd", ds, k.astype(dt)).reshape(b, n, h, dq_dim)
+    dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, _grouped(q, kv).astype(dt))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
