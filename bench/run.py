@@ -55,10 +55,10 @@ SELECTIVE_MEMCPY = "--xla_gpu_experimental_enable_selective_memcpy_overlap=true"
 # The benches a job may run (`python -m bench.X`, or `recipes.train` itself), and the anchor scripts.
 BENCHES = ("bench.overlap_slice", "bench.llama_slice", "bench.deepseek_slice", "bench.main_job_8b",
            "bench.capacity_sweep", "bench.step_cost", "bench.stream_probe", "bench.tokamax_tiles",
-           "bench.profile_step", "bench.loss_curve", "bench.stack_depth", "recipes.train")
-ANCHORS = ("plain_jax_llama.py", "plain_jax_llama_fsdp.py", "plain_jax_deepseek.py")
+           "bench.profile_step", "bench.loss_curve", "bench.stack_depth", "bench.ctx_slice", "recipes.train")
+ANCHORS = ("plain_jax_llama.py", "plain_jax_llama_fsdp.py", "plain_jax_deepseek.py", "plain_jax_llama_ctx.py")
 TAKES_SMOKE = ("bench.overlap_slice", "bench.llama_slice", "bench.deepseek_slice", "bench.main_job_8b",
-               "bench.capacity_sweep", "bench.step_cost", "bench.loss_curve", "bench.stack_depth")
+               "bench.ctx_slice", "bench.capacity_sweep", "bench.step_cost", "bench.loss_curve", "bench.stack_depth")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +168,24 @@ def anchor_deepseek(policy, batch=4, est=70, timeout=110, gpu=None) -> Job:
                est, timeout, env={"E": "16", "NL": "3"},
                ident={"bench": "deepseek-slice", "impl": "anchor", "recipe": policy, "setting": "lhs"},
                anchor={"bench": "deepseek-slice", "S": 4096, "backend": "ragged_dot"}, gpus=gpu)
+
+
+def ctx(recipe, seq, layers, family="llama3", est=45, timeout=150, gpu="0") -> Job:
+    """bench.ctx_slice: the zoo's decoder stack alone (8B-shaped Llama layers, or the DeepSeek slice's), batch 1."""
+    return Job(f"ctx-{family}-S{seq // 1024}K-L{layers}-{recipe}",
+               ("-m", "bench.ctx_slice", recipe, "--family", family, "--seq", str(seq), "--layers", str(layers)),
+               LHS, est, timeout, ident={"bench": f"{family}-ctx-slice", "impl": "zoo", "recipe": recipe,
+                                         "setting": "zoo"}, gpus=gpu)
+
+
+def anchor_ctx(policy, seq, layers, est=40, timeout=150, gpu="0") -> Job:
+    """plain_jax_llama_ctx.py: the plain-JAX long-context baseline (8B-shaped layers, batch 1); command buffers off
+    for the policies that offload, as the zoo's step compiles them."""
+    flags = "cb_off" if "offload" in policy else "lhs"
+    return Job(f"anchor-ctx-S{seq // 1024}K-L{layers}-{policy}", ("{anchor}/plain_jax_llama_ctx.py", policy, "1"),
+               ANCHOR_FLAGS[flags], est, timeout, env={"SEQ": str(seq), "NL": str(layers)},
+               ident={"bench": "llama3-ctx-slice", "impl": "anchor", "recipe": policy, "setting": flags},
+               anchor={"bench": "llama3-ctx-slice", "S": seq, "backend": "none"}, gpus=gpu)
 
 
 def main_job(recipe, extra=(), steps=12, est=110, timeout=200, gpu=None, name=None, env=None) -> Job:
@@ -420,6 +438,24 @@ SCENARIOS: dict[str, Scenario] = {
         "dispatch, under full remat and the study's offload recipe, and its host bytes against the plan",
         tuple(deepseek(r, extra=("--mtp", str(m)), name=f"deepseek-capacity-B4-{r}-mtp{m}", timeout=120)
               for r in ("full", "mla_moe_offload") for m in (0, 1))),
+    "long-context": Scenario(
+        "long context on one GPU: the zoo's 8B-shaped stack at 32K/8 layers, 64K/4 and 128K/2 (batch 1) under full "
+        "remat and the context recipes beside the plain-JAX baseline's policies, in the order of importance",
+        (ctx("full", 32768, 8), ctx("context_offload", 32768, 8), anchor_ctx("full", 32768, 8),
+         anchor_ctx("ctx_offload", 32768, 8),
+         ctx("full", 65536, 4), ctx("context_offload", 65536, 4), anchor_ctx("full", 65536, 4),
+         anchor_ctx("ctx_offload", 65536, 4),
+         ctx("full", 131072, 2, est=50), ctx("context_offload", 131072, 2, est=50), anchor_ctx("full", 131072, 2),
+         anchor_ctx("ctx_offload", 131072, 2),
+         ctx("minimal", 32768, 8), ctx("minimal_no_context", 32768, 8), anchor_ctx("minimal_ctx", 32768, 8),
+         anchor_ctx("minimal", 32768, 8), ctx("context_save", 32768, 8), anchor_ctx("ctx_save", 32768, 8))),
+    "long-context-more": Scenario(
+        "long context, the rest: q, k, v recipes and auto on the 8B-shaped stack at 32K, the DeepSeek slice's stack "
+        "at 32K under full and MLA's context offloaded",
+        (ctx("qkv_offload", 32768, 8), ctx("qkv_context_offload", 32768, 8), ctx("save_qkv", 32768, 8),
+         ctx("auto", 32768, 8), anchor_ctx("offload_qkv_ctx", 32768, 8),
+         ctx("full", 32768, 4, family="deepseek_v3", est=60), ctx("context_offload", 32768, 4, family="deepseek_v3",
+                                                                    est=60))),
     "offload-profile": Scenario(
         "where the offload time goes: the plain-JAX anchor under XLA's overlap options and profiles of the zoo's "
         "step (405B slice, 3 layers, batch 2), two single-GPU queues side by side",
@@ -468,7 +504,7 @@ def smoke(job: Job) -> Job:
         if job.program == "bench.capacity_sweep":
             argv += ["--hbm", "0.01"]
     elif job.program in ANCHORS:
-        env.update(SMALL="1", NL="2")
+        env.update(SMALL="1", NL="2", **({"SEQ": "64"} if "SEQ" in env else {}))
     return dataclasses.replace(job, argv=tuple(argv), env=env, timeout_s=300, est_s=30)
 
 

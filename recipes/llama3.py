@@ -31,6 +31,9 @@ RECIPES: dict[str, Recipe] = {
                                               "host memory"),
     "minimal": Recipe("minimal", device=MATMULS,
                       description="every matmul output and the attention statistics kept in HBM"),
+    "minimal_no_context": Recipe("minimal_no_context", device=tuple(t for t in MATMULS if t not in CONTEXT),
+                                 description="every matmul output but the attention kernel's kept in HBM: the "
+                                             "backward pass runs attention's forward again (less HBM than minimal)"),
     "minimal_offload": Recipe("minimal_offload", offload=MATMULS,
                               description="every matmul output and the attention statistics offloaded to pinned "
                                           "host memory"),

@@ -192,7 +192,7 @@ class Plan:
     def forward_flops(self) -> int:
         return sum(s.num_layers * s.forward_flops for s in self.stacks)
 
-    def step_time(self) -> dict | None:
+    def step_time(self, stacks_only: bool = False) -> dict | None:
         """The predicted time of a training step: its model FLOPs (forward and backward, `model_flops`, or three
         times the stacks' forward where unknown) with the step's measured non-FLOP work (`step_overhead`), plus
         the recipe's recompute, at the step's measured rate (`step_tflops`, else `tflops`: zoo.plan.links.RATES),
@@ -201,12 +201,14 @@ class Plan:
         under the layer's compute (device-to-host stores under its forward pass, host-to-device reloads under its
         backward: twice the forward, plus its recompute); each micro-batch moves its own activations. Optimizer
         state on the host crosses the link twice per update (in and out), charged in full: the update it would
-        hide under is memory-bound and short. None without a rate, or with host bytes and no link."""
+        hide under is memory-bound and short. None without a rate, or with host bytes and no link.
+        `stacks_only`: the decoder stacks alone (three times their forward, their recompute and copies; no
+        embedding, head or loss), as a benchmark of the stacks runs them."""
         tflops = self.step_tflops or self.tflops
         if tflops is None or (self.host_total and self.link_gbps is None):
             return None
         rate, link, ov = tflops * 1e12, (self.link_gbps or 1.0) * 1e9, self.overlap
-        work = self.model_flops if self.model_flops is not None else 3 * self.forward_flops
+        work = self.model_flops if self.model_flops is not None and not stacks_only else 3 * self.forward_flops
         overhead = self.step_overhead if self.step_tflops else 0.0
         out = dict(compute_s=work * (1 + overhead) / rate, remat_s=self.remat_flops / rate, exposed_transfer_s=0.0)
         k = self.grad_accum
