@@ -135,28 +135,33 @@ def _stats_axes(leaf: jax.Array, q: jax.Array) -> tuple[str | None, ...]:
     return tuple(axes)
 
 
-def _cudnn_with_residuals(q, k, v, scale):
-    """cuDNN's forward and its backward as (out, residuals, backward(residuals, g) -> (dq, dk, dv)), the residuals
-    being q, k, v and the named output and statistics."""
+def _cudnn_attend(q, k, v, scale):
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="cudnn")
+
+
+def _vjp_with_residuals(q, k, v, scale, attend=_cudnn_attend):
+    """A kernel with a VJP of its own (cuDNN's) as (out, residuals, backward(residuals, g) -> (dq, dk, dv)): its
+    forward through `jax.vjp`, the residual leaves that are not q, k, v named (its output attention_out, the other
+    one context), handed back to its own backward. Values are zero-padded to q's head dim (exact) for the kernel."""
     dv, d = v.shape[-1], q.shape[-1]
     vp = _pad_last(v, d)
     with jax.named_scope(SCOPE):
-        out_p, vjp_fn = jax.vjp(lambda q, k, vp: jax.nn.dot_product_attention(
-            q, k, vp, scale=scale, is_causal=True, implementation="cudnn"), q, k, vp)
+        out_p, vjp_fn = jax.vjp(lambda q, k, vp: attend(q, k, vp, scale), q, k, vp)
     leaves, tree = jax.tree.flatten(vjp_fn)
     out = name(out_p[..., :dv], "attention_out", BSH)
     kinds, stats = [], []
     for leaf in leaves:
-        if leaf is q or leaf is k or leaf is vp:
-            kinds.append(("input", (q, k, vp).index(leaf) if leaf is not vp else 2))
+        position = next((i for i, x in enumerate((q, k, vp)) if leaf is x), None)
+        if position is not None:
+            kinds.append(("input", position))
         elif leaf is out_p:
             kinds.append(("out", None))
         else:
             kinds.append(("stats", len(stats)))
             stats.append(name(leaf, "context", _stats_axes(leaf, q)))
     if len(stats) != 1:
-        raise ValueError(f"cuDNN attention's backward reads {len(stats)} residuals beside q, k, v and its output "
-                         f"(expected one: the softmax statistics); the zoo cannot name them as one tag")
+        raise ValueError(f"the attention kernel's backward reads {len(stats)} residuals beside q, k, v and its "
+                         f"output (expected one: the softmax statistics); the zoo cannot name them as one tag")
 
     def backward(res, g):
         q, k, v, out, stats = res
@@ -184,7 +189,7 @@ def _xla_with_residuals(q, k, v, scale):
     return out, (q, k, v, out, lse), backward
 
 
-_KERNELS = {"cudnn": _cudnn_with_residuals, "xla": _xla_with_residuals}
+_KERNELS = {"cudnn": _vjp_with_residuals, "xla": _xla_with_residuals}
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str | None = None,
