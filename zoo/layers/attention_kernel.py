@@ -149,30 +149,36 @@ def _vjp_with_residuals(q, k, v, scale, attend=_cudnn_attend):
         out_p, vjp_fn = jax.vjp(lambda q, k, vp: attend(q, k, vp, scale), q, k, vp)
     leaves, tree = jax.tree.flatten(vjp_fn)
     out = name(out_p[..., :dv], "attention_out", BSH)
-    kinds, stats = [], []
+    kinds, stats, empty = [], [], []
     for leaf in leaves:
         position = next((i for i, x in enumerate((q, k, vp)) if leaf is x), None)
         if position is not None:
             kinds.append(("input", position))
-        elif leaf is out_p:
-            kinds.append(("out", None))
+        elif leaf is out_p or (leaf.shape == out_p.shape and leaf.dtype == out_p.dtype):
+            kinds.append(("out", None))   # the kernel's output, as its backward reads it
+        elif not getattr(leaf, "size", 1):   # cuDNN's placeholders for an absent bias or lengths: zeros(0)
+            kinds.append(("empty", len(empty)))
+            empty.append(leaf)
         else:
             kinds.append(("stats", len(stats)))
             stats.append(name(leaf, "context", _stats_axes(leaf, q)))
     if len(stats) != 1:
         raise ValueError(f"the attention kernel's backward reads {len(stats)} residuals beside q, k, v and its "
-                         f"output (expected one: the softmax statistics); the zoo cannot name them as one tag")
+                         f"output ({[(x.shape, str(x.dtype)) for x in stats]}; expected one: the softmax "
+                         f"statistics); the zoo cannot name them as one tag")
 
     def backward(res, g):
-        q, k, v, out, stats = res
+        q, k, v, out, stats, empty = res
         vp, outp = _pad_last(v, d), _pad_last(out, d)
         inputs = (q, k, vp)
-        rebuilt = [inputs[i] if kind == "input" else outp if kind == "out" else stats[i] for kind, i in kinds]
+        pick = {"input": lambda i: inputs[i], "out": lambda i: outp, "stats": lambda i: stats[i],
+                "empty": lambda i: empty[i]}
+        rebuilt = [pick[kind](i) for kind, i in kinds]
         with jax.named_scope(SCOPE):
             dq, dk, dvp = jax.tree.unflatten(tree, rebuilt)(_pad_last(g, d))
         return dq, dk, dvp[..., :dv]
 
-    return out, (q, k, v, out, tuple(stats)), backward
+    return out, (q, k, v, out, tuple(stats), tuple(empty)), backward
 
 
 def _xla_with_residuals(q, k, v, scale):
