@@ -116,6 +116,7 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
     is_auto = _check_recipe(recipe, hardware, link_gbps, kind)
     model = abstract_model(cfg)
     step_tflops, overhead, rate_source = step_rate_of(kind, cfg, hardware.step_tflops)
+    att = links.attention_rate(kind) if hardware.step_tflops is None else None
     model_flops = family_of(cfg).flops_per_token(cfg, model, seq) * batch * seq / shard
     if not is_auto:
         model.check_recipe(recipe)  # raises if the recipe names a tag no stack emits
@@ -159,6 +160,8 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
                 warnings=state_lib.warnings(host + state.host, activation, state, hbm_budget, pool, extra),
                 link_gbps=link_gbps, tflops=hardware.tflops, overlap=overlap, link_source=link_source, peak=pk,
                 model_flops=model_flops, step_tflops=step_tflops, step_overhead=overhead,
+                attention_tflops=None if att is None else att.tflops,
+                attention_forward_tflops=None if att is None else att.forward_tflops,
                 step_rate_source=rate_source, grad_accum=training.grad_accum)
 
 
@@ -245,7 +248,10 @@ def _stack_plan(model, s: str, st, recipe: Recipe, needed, cost, notes: dict, pe
                       untagged_bytes=ceil_div(max(untagged, 0) // st.num_layers, shard),
                       invariant_bytes=ceil_div(hoisted, shard),
                       forward_flops=ceil_div(grad_accum * cost.forward_flops, shard),
-                      remat_flops=ceil_div(grad_accum * cost.recipe_flops(recipe, st.tags), shard))
+                      remat_flops=ceil_div(grad_accum * cost.recipe_flops(recipe, st.tags), shard),
+                      attention_flops=ceil_div(grad_accum * cost.attention_flops, shard),
+                      remat_attention_flops=ceil_div(grad_accum * cost.recipe_attention_flops(recipe, st.tags),
+                                                     shard))
     return stack, warnings
 
 

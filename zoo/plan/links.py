@@ -87,6 +87,33 @@ RATES: tuple[StepRate, ...] = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionRate:
+    """How fast causal attention runs on a device, in FLOPs counted as `zoo.layers.attention_kernel.attention_flops`
+    counts them (half of the square): the forward and backward of a step (three times the forward's count) and a
+    forward re-run in the backward pass. Attention runs slower than the matmuls the step rates were measured on, and
+    at long context it is most of the step."""
+    device_kind: str
+    kernel: str
+    tflops: float           # forward + backward (3 x the forward's FLOPs) per second, per device
+    forward_tflops: float   # a forward re-run in the backward pass (a recipe that does not keep its residuals)
+    date: str
+    source: str
+
+
+ATTENTION_RATES: tuple[AttentionRate, ...] = (
+    AttentionRate("H200", "cudnn", 430.0, 650.0, "2026-12-01",
+                  "bench/results/long-context_2026-12-01.jsonl: the 8B-shaped stack (batch 1, bf16, SGD) at 32K/8, "
+                  "64K/4 and 128K/2 layers, the same matmul FLOPs each: context_offload 1.189 / 1.652 / 2.587 s, "
+                  "full 1.270 / 1.849 / 3.060 s; the step rate above for the matmuls, the rest fitted"),
+)
+
+
+def attention_rate(device_kind: str | None, kernel: str = "cudnn") -> AttentionRate | None:
+    """The measured attention rate of a device kind for `kernel`, or None (then attention runs at the step rate)."""
+    return next((r for r in ATTENTION_RATES if _matches(r.device_kind, device_kind) and r.kernel == kernel), None)
+
+
 def _matches(kind: str, device_kind: str | None) -> bool:
     return bool(device_kind) and kind.lower() in device_kind.lower()
 

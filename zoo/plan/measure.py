@@ -273,6 +273,12 @@ class LayerCost:
             self._cache[saved] = self._grad_flops(policy) - self._grad_none + attention
         return self._cache[saved]
 
+    def recipe_attention_flops(self, recipe: Recipe, emitted) -> int:
+        """Of `recipe_flops`, attention's forward run again (0 where the recipe keeps the kernel's residuals)."""
+        if recipe.special == "none" or ATTENTION_RESIDUALS <= {t for t in emitted if recipe.placement(t) != "remat"}:
+            return 0
+        return self.attention_flops
+
     def recipe_flops(self, recipe: Recipe, emitted) -> int:
         """Forward FLOPs the backward pass re-runs under `recipe`."""
         if recipe.special == "none":

@@ -69,6 +69,8 @@ class StackPlan:
     invariant_bytes: int            # once per stack: residuals JAX hoists out of the scan (masks, RoPE tables)
     forward_flops: int              # per layer, per device
     remat_flops: int                # per layer, per device: forward work re-run in the backward pass
+    attention_flops: int = 0        # per layer, per device: of forward_flops, causal attention's
+    remat_attention_flops: int = 0  # per layer, per device: of remat_flops, attention's forward run again
 
     @property
     def device_bytes_per_layer(self) -> int:
@@ -150,6 +152,8 @@ class Plan:
     model_flops: float | None = None  # per device per step: the family's model FLOPs, forward and backward
     step_tflops: float | None = None  # the rate recompute adds time at on the device (zoo.plan.links.RATES)
     step_overhead: float = 0.0      # the step's non-FLOP work, as a fraction of its model FLOPs' time
+    attention_tflops: float | None = None          # attention's forward + backward rate (zoo.plan.links)
+    attention_forward_tflops: float | None = None  # its forward re-run's rate
     step_rate_source: str | None = None
     grad_accum: int = 1             # micro-batches per update: activations are a micro-batch's (batch / grad_accum)
 
@@ -210,7 +214,13 @@ class Plan:
         rate, link, ov = tflops * 1e12, (self.link_gbps or 1.0) * 1e9, self.overlap
         work = self.model_flops if self.model_flops is not None and not stacks_only else 3 * self.forward_flops
         overhead = self.step_overhead if self.step_tflops else 0.0
-        out = dict(compute_s=work * (1 + overhead) / rate, remat_s=self.remat_flops / rate, exposed_transfer_s=0.0)
+        # causal attention at its own measured rate where there is one (it runs slower than the matmuls)
+        attention = sum(s.num_layers * s.attention_flops for s in self.stacks)
+        again = sum(s.num_layers * s.remat_attention_flops for s in self.stacks)
+        att_rate = (self.attention_tflops or tflops) * 1e12
+        fwd_rate = (self.attention_forward_tflops or tflops) * 1e12
+        out = dict(compute_s=(work - 3 * attention) * (1 + overhead) / rate + 3 * attention / att_rate,
+                   remat_s=(self.remat_flops - again) / rate + again / fwd_rate, exposed_transfer_s=0.0)
         k = self.grad_accum
         for s in self.stacks:   # FLOPs are per step (k micro-batches); a micro-batch's copies hide under its own
             fwd, remat, move = s.forward_flops / rate / k, s.remat_flops / rate / k, s.host_bytes_per_layer / link
