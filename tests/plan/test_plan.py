@@ -69,7 +69,7 @@ def test_study_figures_llama_405b_qkv_offload(monkeypatch):
     assert stack.device_bytes_per_layer == tags["decoder_layer_input"].device_bytes
     assert not tags["mlpwo"].residual and tags["mlpwo"].nbytes == 0
     assert {t.tag for t in stack.tags if t.placement == "remat"} == {
-        "attention_out", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo"}
+        "attention_out", "context", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo"}
     assert any("pinned host pool of 64.0 GiB" in w for w in p.warnings)
 
 
@@ -80,9 +80,10 @@ def test_shapes_are_the_published_405b_shapes():
     p = zoo.plan(L405, LLAMA_RECIPES["qkv_offload"], batch=b, seq=s)
     assert {t.tag: t.shape for t in p.stacks[0].tags} == {
         "decoder_layer_input": (b, s, d), "query_proj": (b, s, h, hd), "key_proj": (b, s, kv, hd),
-        "value_proj": (b, s, kv, hd), "attention_out": (b, s, h, hd), "out_proj": (b, s, d),
+        "value_proj": (b, s, kv, hd), "attention_out": (b, s, h, hd), "context": (b, h, s), "out_proj": (b, s, d),
         "mlpwi_0": (b, s, f), "mlpwi_1": (b, s, f), "mlpwo": (b, s, d)}
-    assert {t.dtype for t in p.stacks[0].tags} == {"bfloat16"}
+    # the softmax statistics are float32 (the attention kernel's), every other tag the activations' bf16
+    assert {t.tag: t.dtype for t in p.stacks[0].tags if t.dtype != "bfloat16"} == {"context": "float32"}
 
 
 def test_shard_splits_batch_and_model_state():
@@ -142,16 +143,23 @@ def test_recompute_flops_follow_the_layer():
     tokens = B * S
     down = 2 * tokens * c.mlp_dim * c.dim
     qkv = 2 * tokens * c.dim * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    scores = 2 * B * S * S * c.num_heads * c.head_dim  # q k^T, the XLA attention path
+    # causal attention, counted from the shapes whatever kernel runs: half of 2 x 2 B H S^2 d
+    attention = 2 * 2 * B * S * S * c.num_heads * c.head_dim // 2
     flops = {n: zoo.plan(c, LLAMA_RECIPES[n], batch=B, seq=S).stacks[0]
-             for n in ("none", "full", "save_qkv", "minimal")}
+             for n in ("none", "full", "save_qkv", "minimal", "minimal_no_context", "context_offload")}
     assert flops["none"].remat_flops == 0
+    assert all(f.attention_flops == attention for f in flops.values())
     # full remat re-runs the whole forward pass but the down projection, whose output nothing needs
     assert flops["full"].remat_flops == flops["full"].forward_flops - down
+    assert flops["full"].remat_attention_flops == attention
     # keeping q, k, v skips their projections
     assert flops["save_qkv"].remat_flops == flops["full"].remat_flops - qkv
-    # keeping every matmul output leaves the attention scores (the softmax's input is not a tag)
-    assert flops["minimal"].remat_flops == scores
+    # keeping every matmul output and the kernel's statistics leaves nothing but elementwise work
+    assert flops["minimal"].remat_flops == 0
+    # without the kernel's residuals the attention forward runs again
+    assert flops["minimal_no_context"].remat_flops == flops["minimal_no_context"].remat_attention_flops == attention
+    # keeping only them leaves everything else: full remat but the attention
+    assert flops["context_offload"].remat_flops == flops["full"].remat_flops - attention
 
 
 # -- model state ------------------------------------------------------------------------------------------------

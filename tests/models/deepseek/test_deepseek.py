@@ -43,7 +43,8 @@ def test_stacks_and_their_tags(model):
     shapes = model.tag_shapes(B, S)
     mla = {"decoder_layer_input": (B, S, 64), "query_wa_proj": (B, S, 32), "mla_q": (B, S, 32),
            "query_proj": (B, S, 4, 24), "kv_wa_proj": (B, S, 24), "mla_kv": (B, S, 16), "key_proj": (B, S, 4, 24),
-           "value_proj": (B, S, 4, 16), "attention_out": (B, S, 4, 16), "out_proj": (B, S, 64)}
+           "value_proj": (B, S, 4, 16), "attention_out": (B, S, 4, 16), "context": (B, 4, S),
+           "out_proj": (B, S, 64)}
     assert {t: s.shape for t, s in shapes["dense_layers"].tags.items()} == {
         **mla, "mlpwi_0": (B, S, 128), "mlpwi_1": (B, S, 128), "mlpwo": (B, S, 64)}
     assert {t: s.shape for t, s in shapes["moe_layers"].tags.items()} == {
@@ -330,5 +331,5 @@ def test_every_layer_reports_its_tags_for_a_config():
     assert tags["query_proj"].shape == (1, 4096, 128, 192) and tags["value_proj"].shape == (1, 4096, 128, 128)
     assert tags["moe_mlpwi_0"].shape == (4096 * 8, 2048)
     assert set(layer.attn.tag_shapes(1, 16)) == {"query_wa_proj", "mla_q", "kv_wa_proj", "mla_kv", "query_proj",
-                                                 "key_proj", "value_proj", "attention_out", "out_proj"}
+                                                 "key_proj", "value_proj", "attention_out", "context", "out_proj"}
     assert {"moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo", "shared_mlpwi_0"} <= set(layer.mlp.tag_shapes(1, 16))

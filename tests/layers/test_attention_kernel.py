@@ -1,0 +1,141 @@
+"""The attention kernel with named residuals (zoo.layers.attention_kernel, zoo.layers.xla_attention): the XLA kernel
+against jax.nn.dot_product_attention (forward and gradients, GQA, a value head dim unlike q's), its gradients
+against finite differences in float64, cuDNN's wrapper logic on a kernel with cuDNN's residual structure (inputs,
+zero-size placeholders, statistics, output), the tags it emits, what a checkpoint policy saves (never [B, H, S, S]),
+and the recipe rule that keeps attention_out and context together."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import zoo
+from zoo.layers import attention_kernel as ak
+from zoo.layers import xla_attention
+from zoo.plan import measure
+
+B, S, H, KV, D, DV = 2, 16, 4, 2, 12, 8
+
+
+def inputs(dtype=jnp.float32, dv=DV, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (B, S, H, D), dtype)
+    k = jax.random.normal(ks[1], (B, S, KV, D), dtype)
+    v = jax.random.normal(ks[2], (B, S, KV, dv), dtype)
+    g = jax.random.normal(ks[3], (B, S, H, dv), dtype)
+    return q, k, v, g
+
+
+def reference(q, k, v):
+    """jax.nn.dot_product_attention (XLA), values zero-padded to q's head dim and the output sliced back."""
+    vp = jnp.pad(v, [(0, 0)] * 3 + [(0, q.shape[-1] - v.shape[-1])])
+    return jax.nn.dot_product_attention(q, k, vp, is_causal=True, implementation="xla")[..., :v.shape[-1]]
+
+
+def rel(a, b):
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+@pytest.mark.parametrize("dv", [D, DV])
+def test_the_xla_kernel_equals_jax_attention_forward_and_gradients(dv):
+    q, k, v, g = inputs(dv=dv)
+    out, vjp = jax.vjp(lambda *a: ak.causal_attention(*a, impl="xla"), q, k, v)
+    ref, ref_vjp = jax.vjp(reference, q, k, v)
+    assert out.shape == (B, S, H, dv) and rel(out, ref) < 1e-6
+    for got, want in zip(vjp(g), ref_vjp(g)):
+        assert got.shape == want.shape and rel(got, want) < 1e-5
+
+
+def test_the_xla_kernel_gradients_match_finite_differences_in_float64():
+    with jax.enable_x64(True):
+        q, k, v, _ = inputs(jnp.float64)
+        check_grads(lambda *a: ak.causal_attention(*a, impl="xla"), (q, k, v), order=1, modes=["rev"],
+                    atol=1e-6, rtol=1e-6)
+
+
+def test_the_xla_kernel_is_causal_and_returns_the_logsumexp():
+    q, k, v, _ = inputs()
+    out, lse = xla_attention.forward(q, k, v, D ** -0.5)
+    assert lse.shape == (B, H, S) and lse.dtype == jnp.float32
+    # the first query sees only the first key: its log-sum-exp is that one logit
+    first = jnp.einsum("bhd,bhd->bh", q[:, 0], jnp.repeat(k[:, 0], H // KV, axis=1)) * D ** -0.5
+    np.testing.assert_allclose(lse[:, :, 0], first, rtol=1e-5)
+    later = ak.causal_attention(q, k, v.at[:, -1].set(100.0), impl="xla")
+    np.testing.assert_array_equal(np.asarray(later[:, :-1]), np.asarray(out[:, :-1]))
+
+
+def _cudnn_like():
+    """A kernel whose VJP holds cuDNN's residual structure: q, k, v, two zero-size placeholders, the statistics
+    [B, H, S, 1] and the output."""
+    @jax.custom_vjp
+    def kernel(q, k, v, scale):
+        return xla_attention.forward(q, k, v, scale)[0]
+
+    def fwd(q, k, v, scale):
+        out, lse = xla_attention.forward(q, k, v, scale)
+        empty = jnp.zeros(0, q.dtype)
+        return out, (q, k, v, empty, empty, lse[..., None], out, scale)
+
+    def bwd(res, g):
+        q, k, v, empty, _, lse, out, scale = res
+        assert empty.shape == (0,)
+        return (*xla_attention.backward(q, k, v, out, lse[..., 0], g, scale), None)
+
+    kernel.defvjp(fwd, bwd)
+    return lambda q, k, vp, scale: kernel(q, k, vp, scale)
+
+
+def test_the_wrapper_of_a_kernel_with_its_own_vjp_names_its_residuals_and_hands_them_back():
+    """cuDNN's path on the CPU: the residual leaves are sorted into inputs, placeholders, statistics and output by
+    identity; values are padded to q's head dim for the kernel and the saved output is the un-padded one."""
+    q, k, v, g = inputs()
+    out, res, backward = ak._vjp_with_residuals(q, k, v, D ** -0.5, attend=_cudnn_like())
+    saved_q, saved_k, saved_v, saved_out, stats, empty = res
+    assert saved_v.shape == v.shape and saved_out.shape == (B, S, H, DV)
+    assert [s.shape for s in stats] == [(B, H, S, 1)] and [e.shape for e in empty] == [(0,)]
+    assert rel(out, reference(q, k, v)) < 1e-6
+    _, ref_vjp = jax.vjp(reference, q, k, v)
+    for got, want in zip(backward(res, g), ref_vjp(g)):
+        assert got.shape == want.shape and rel(got, want) < 1e-5
+
+
+def test_the_kernel_emits_attention_out_and_context():
+    q, k, v, _ = inputs()
+    got = zoo.tags.emitted(lambda q, k, v: ak.causal_attention(q, k, v, impl="xla"), q, k, v)
+    assert {t: (s.shape, s.dtype) for t, s in got.items()} == {
+        "attention_out": ((B, S, H, DV), jnp.float32), "context": ((B, H, S), jnp.float32)}
+
+
+@pytest.mark.parametrize("recipe, saved", [
+    (zoo.Recipe("keep", device=("attention_out", "context")), {"attention_out", "context"}),
+    (zoo.Recipe.full(), set()),
+])
+def test_a_policy_saves_the_named_residuals_and_nothing_quadratic(recipe, saved):
+    q, k, v, _ = inputs()
+
+    def loss(q, k, v):
+        return jnp.sum(jnp.sin(ak.causal_attention(q, k, v, impl="xla")))
+
+    res = measure.residuals(jax.checkpoint(loss, policy=recipe.policy()), q, k, v)
+    assert {r.tag for r in res if r.tag} == saved
+    assert not any(S * S <= np.prod(r.shape[-2:]) for r in res if len(r.shape) >= 2), [r.shape for r in res]
+
+
+def test_a_recipe_keeping_half_of_the_kernels_residuals_is_refused():
+    with pytest.raises(ValueError, match=r"keeps \['context'\] but recomputes \['attention_out'\]"):
+        zoo.Recipe("half", offload=("context",))
+    with pytest.raises(ValueError, match=r"keeps \['attention_out'\] but recomputes \['context'\]"):
+        zoo.Recipe("half", device=("attention_out",))
+    zoo.Recipe("split", device=("context",), offload=("attention_out",))   # each kept, in two places: fine
+
+
+def test_an_unknown_kernel_is_a_value_error():
+    q, k, v, _ = inputs()
+    with pytest.raises(ValueError, match="impl must be 'xla' or 'cudnn'"):
+        ak.causal_attention(q, k, v, impl="flash")
+
+
+def test_attention_flops_are_causal_half_of_the_square():
+    q = jax.ShapeDtypeStruct((B, S, H, D), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((B, S, KV, DV), jnp.bfloat16)
+    assert ak.attention_flops(q, v) == (2 * B * S * S * H * D + 2 * B * S * S * H * DV) // 2
