@@ -1,12 +1,11 @@
 """The memory planner's command line: what a recipe keeps in HBM, puts in host memory and recomputes.
 
-    python -m recipes.plan --model llama3 --preset llama3_1_405b --recipe qkv_offload --batch 2 --seq 8192
-    python -m recipes.plan --model llama3 --preset llama3_1_405b --recipe qkv_offload --batch 4 --seq 8192 \
-        --mesh fsdp=2
-    python -m recipes.plan --model deepseek_v3 --preset deepseek_v3_671b --recipe auto --batch 4 --seq 4096 \\
+    python -m recipes.plan --model FAMILY --preset PRESET --recipe qkv_offload --batch 2 --seq 8192
+    python -m recipes.plan --model FAMILY --preset PRESET --recipe qkv_offload --batch 4 --seq 8192 --mesh fsdp=2
+    python -m recipes.plan --model FAMILY --preset PRESET --recipe auto --batch 4 --seq 4096 \
         --hbm 141 --link 55 --flops 600
-    python -m recipes.plan --model deepseek_v3 --preset deepseek_v3_671b --set num_layers=4 --set num_experts=16 \\
-        --recipe mla_moe_offload --seq 4096 --max-batch --hbm 104.9 --optimizer sgd   # the largest batch that fits
+    python -m recipes.plan --model FAMILY --preset PRESET --set num_layers=4 --recipe NAME --seq 4096 \
+        --max-batch --hbm 104.9 --optimizer sgd   # the largest batch that fits
 
 The model flags are those of `python -m recipes.train` (recipes/cli.py); the plan is `zoo.plan` (zoo/plan/).
 Nothing is allocated: the model is built from shapes alone, so any size plans on a laptop.

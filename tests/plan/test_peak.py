@@ -90,7 +90,10 @@ def test_training_defaults_per_preset():
     assert loop.RunConfig(preset="llama3_1_8b", lr=1e-3, warmup=3).peak_lr == 1e-3   # explicit wins
     assert loop.RunConfig(preset="llama3_1_8b", lr=1e-3, warmup=3).total_warmup == 3
     assert loop.RunConfig(preset="llama3_1_8b").identity()["lr"] == 3e-4
-    assert defaults.for_preset("some_new_preset") == defaults.FULL_SIZE
+    assert defaults.for_preset("llama3", "some_new_preset").lr == defaults.FULL_SIZE[0]
+    # a family's published schedules are its own: a preset of one family is not another's
+    assert loop.RunConfig(model="qwen3", preset="qwen3_8b").peak_lr == defaults.FULL_SIZE[0]
+    assert defaults.for_preset("deepseek_v3", "tiny").lr == 3e-3
     with pytest.raises(ValueError, match="--opt-dtype"):
         loop.RunConfig(opt_dtype="int8")
 

@@ -312,7 +312,7 @@ def test_cli_auto_and_bad_input():
     # --recipe auto (the flags' other spellings are the main job's: --hbm-limit, --peak-tflops).
     r = _run(*tiny, "--recipe", "auto", "--device", "H200", "--hbm-limit", "1", env={"COLUMNS": "200"})
     assert r.returncode == 0, r.stderr
-    # recompute priced at the Llama step's measured rate on the H200 (zoo.plan.links.RATES), not the datasheet's
+    # recompute priced at the Llama step's measured rate on the H200 (the family's step_rates), not the datasheet's
     rate = zoo.plan.links.step_rate("H200", LLAMA_TINY).tflops
     assert "chosen:" in r.stdout and "55.3 GB/s" in r.stdout and f"{rate:g} TFLOP/s executed" in r.stdout
 

@@ -30,8 +30,10 @@ def test_overlap_takes_one_fraction_or_a_pair():
 def test_step_rates_are_looked_up_by_device_family_and_backend():
     llama = zoo.models.LlamaConfig.preset("tiny")
     ds = family("deepseek_v3").config("tiny", moe_backend="capacity")
-    assert links.step_rate(H200, llama).config == "LlamaConfig"
+    assert links.step_rate(H200, llama) is family("llama3").step_rates[0]   # what the family declares
     assert links.step_rate(H200, ds).moe_backend == "capacity"
+    # a family with no measured rate gets none (none is borrowed from another family)
+    assert links.step_rate(H200, family("qwen3_moe").config("tiny", moe_backend="capacity")) is None
     # another backend runs at another rate: no figure is borrowed for it
     assert links.step_rate(H200, family("deepseek_v3").config("tiny", moe_backend="ragged_dot")) is None
     assert links.step_rate("cpu", llama) is None

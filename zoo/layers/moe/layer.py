@@ -4,7 +4,7 @@
 
 `MoE.__call__` returns (y, `MoEAux`): a typed record, which a scanned stack stacks over its layers like any pytree
 ([L, E], [L], [L]). Training adds `total_balance_loss(aux)` to its loss and, for a router with a `RoutingBias`
-(DeepSeek-V3's auxiliary-loss-free balance), calls `update_routing_bias(model, aux, rate)` after the step. Load
+(the auxiliary-loss-free balance), calls `update_routing_bias(model, aux, rate)` after the step. Load
 statistics are global (summed over the dispatch groups): the bias update is the same on any mesh.
 
 The bias is a `RoutingBias`, not an `nnx.Param`: optimizers over `nnx.Param` leave it alone. A functional loop that
