@@ -110,7 +110,8 @@ def fit(cfg, ins: Inputs, compile_step: Callable, *, batch: int, seq: int, optim
 
 
 def summary(recipe: zoo.Recipe) -> str:
-    kept = ", ".join(recipe.device) or "none"
-    sent = ", ".join(recipe.offload) or "none"
+    names = recipe.resolve()
+    kept = ", ".join(names.device) or "none"
+    sent = ", ".join(names.offload) or "none"
     return f"keeps [{kept}] in HBM, offloads [{sent}], recomputes every other tag"
 
