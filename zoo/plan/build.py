@@ -1,6 +1,6 @@
 """The memory planner: what a recipe keeps in HBM, puts in host memory and recomputes, before launch.
 
-``zoo.plan(cfg, recipe, batch=, seq=)`` (with the optional groups ``hardware=``, ``parallel=``, ``training=``,
+``zoo.plan.plan(cfg, recipe, batch=, seq=)`` (with the optional groups ``hardware=``, ``parallel=``, ``training=``,
 ``zoo.plan.inputs``) builds the model abstractly (``nnx.eval_shape``: no memory), reads each
 stack's tags and their shapes from the layers themselves (``model.tag_shapes``) and returns a :class:`Plan`:
 

@@ -4,7 +4,7 @@
     c.batch          # the largest batch whose peak fits (0: none does)
     c.tried          # (batch, peak bytes, peak source, fits) for each batch planned, in the order planned
 
-Each batch tried is one `zoo.plan(cfg, recipe, batch=B, seq=seq, peak=peak)`; its `peak_bytes` (XLA's
+Each batch tried is one `zoo.plan.plan(cfg, recipe, batch=B, seq=seq, peak=peak)`; its `peak_bytes` (XLA's
 temporaries included: compiled for the device present, or the planner's estimate, `zoo.plan.peak`) is compared
 with the budget. The peak grows with the batch, so the walk goes up the powers of two from `start` and stops at
 the first batch that does not fit; if `start` itself does not fit it walks down instead, to the first that does.

@@ -222,7 +222,7 @@ def test_a_one_layer_stack_offloads_too():
     shapes = model.tag_shapes(B, S)["layers"].tags
     host = collections.Counter(r.shape for r in audit.model_residuals(model, tokens) if r.host)
     assert host == collections.Counter(shapes[t].shape for t in RECIPES["qkv_offload"].offload)
-    plan = zoo.plan(cfg, RECIPES["qkv_offload"], batch=B, seq=S)
+    plan = zoo.plan.plan(cfg, RECIPES["qkv_offload"], batch=B, seq=S)
     assert plan.host_bytes == sum(math.prod(shapes[t].shape) * 4 for t in RECIPES["qkv_offload"].offload)
 
 
