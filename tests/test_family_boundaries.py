@@ -138,3 +138,16 @@ def test_the_check_sees_a_family_named_in_generic_code(tmp_path):
     probe.write_text("from zoo.models.qwen3 import Qwen3Config  # noqa: F401\nfrom zoo.layers import Llama3Scaling\n"
                      "RATE = {'LlamaConfig': 760.0}\n")
     assert mentions(probe, root=tmp_path) == ["3: RATE = {'LlamaConfig': 760.0}"]
+
+
+def test_every_family_is_reachable_by_its_name():
+    """`recipes.<family>` is its recipe set and `zoo.models.<Config>` its config class, for every family (none is
+    left out of a hand-written list)."""
+    import recipes
+    import zoo
+    assert set(registry.FAMILIES) >= {"llama3", "deepseek_v3", "qwen3", "qwen3_moe"}
+    for f in registry.FAMILIES.values():
+        assert getattr(recipes, f.name).DEFAULT in getattr(recipes, f.name).RECIPES
+        assert getattr(zoo.models, f.config_cls.__name__) is f.config_cls
+    with pytest.raises(AttributeError, match="no attribute 'not_a_module'"):
+        recipes.not_a_module  # noqa: B018
