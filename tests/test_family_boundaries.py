@@ -151,3 +151,13 @@ def test_every_family_is_reachable_by_its_name():
         assert getattr(zoo.models, f.config_cls.__name__) is f.config_cls
     with pytest.raises(AttributeError, match="no attribute 'not_a_module'"):
         recipes.not_a_module  # noqa: B018
+
+
+def test_a_family_declares_defaults_only_for_its_own_presets():
+    import dataclasses
+    llama = registry.family("llama3")
+    published = llama.train_defaults["llama3_1_8b"]
+    bad = dataclasses.replace(llama, name="llama_copy", train_defaults={"qwen3_8b": published})
+    with pytest.raises(ValueError, match=r"llama_copy: training defaults for \['qwen3_8b'\], which are not its "):
+        registry.register(bad)
+    assert "llama_copy" not in registry.FAMILIES
