@@ -100,7 +100,8 @@ def plan_child(a) -> dict:
     measure = [c.batch, 2 * c.batch] if c.batch else [min(planned)]
     for b in measure:
         if b not in planned:  # 2 B* past the cap
-            p = zoo.plan(cfg, recipe, batch=b, seq=a.seq, training=zoo.plan.Training(optimizer="sgd"), peak="compile")
+            p = zoo.plan.plan(cfg, recipe, batch=b, seq=a.seq, training=zoo.plan.Training(optimizer="sgd"),
+                              peak="compile")
             planned[b] = (p.peak_bytes, p.peak_source)
     return dict(capacity=c.to_dict(), measure=measure, backend=backend, backend_why=why,
                 planned={str(b): v for b, v in planned.items()}, L=cfg.num_layers, E=cfg.num_experts,

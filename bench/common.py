@@ -161,8 +161,8 @@ def planned(cfg, recipe, *, batch: int, seq: int, optimizer: str = "adamw", peak
     import zoo
 
     peak = {"none": None}.get(os.environ.get("BENCH_PLAN_PEAK", ""), peak)   # "none": skip the peak's compile
-    p = zoo.plan(cfg, recipe, batch=batch, seq=seq, peak=peak, parallel=zoo.plan.Parallelism(mesh=mesh),
-                 training=zoo.plan.Training(optimizer=optimizer, grad_accum=grad_accum, opt_state=opt_state,
+    p = zoo.plan.plan(cfg, recipe, batch=batch, seq=seq, peak=peak, parallel=zoo.plan.Parallelism(mesh=mesh),
+                      training=zoo.plan.Training(optimizer=optimizer, grad_accum=grad_accum, opt_state=opt_state,
                                             opt_dtype=opt_dtype, params=params))
     peak_bytes = p.peak_bytes
     est = p.step_time()

@@ -13,7 +13,7 @@ offloads). 2 warm-up steps, the median of --steps timed steps.
 
 The record carries the attention forward count of the compiled program (`fmha_fwd_calls`: cuDNN's forward kernel,
 `__cudnn$fmhaSoftmax`, per layer body: 1 when the recipe keeps the kernel's residuals, 2 when the backward pass
-runs it again) and the planner's prediction for the same stacks (`planned_step_s`, `zoo.plan(...).step_time(
+runs it again) and the planner's prediction for the same stacks (`planned_step_s`, `zoo.plan.plan(...).step_time(
 stacks_only=True)`: the stacks' work, recompute and exposed copies at the family's measured rate).
 """
 from __future__ import annotations
@@ -80,11 +80,11 @@ def main():
     def run():
         chosen = recipe
         if recipe == "auto":
-            chosen = zoo.plan(cfg, "auto", batch=a.batch, seq=seq, peak=None,
+            chosen = zoo.plan.plan(cfg, "auto", batch=a.batch, seq=seq, peak=None,
                               training=zoo.plan.Training(optimizer="sgd")).recipe
         model = family(a.family).build(cfg, recipe=chosen, rngs=nnx.Rngs(0))
         flops = stack_flops(model, a.batch, seq)
-        p = zoo.plan(cfg, chosen, batch=a.batch, seq=seq, peak=None, training=zoo.plan.Training(optimizer="sgd"))
+        p = zoo.plan.plan(cfg, chosen, batch=a.batch, seq=seq, peak=None, training=zoo.plan.Training(optimizer="sgd"))
         est = p.step_time(stacks_only=True)
         stacks = {n: s for n, s in model.stacks().items()}
         graphdef, params, rest = nnx.split(nnx.Dict(stacks), nnx.Param, ...)

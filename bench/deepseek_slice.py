@@ -16,7 +16,7 @@ dispatch (`--backend capacity`), and the dropless ones with `--ep-dispatch ragge
 `ragged_dot`: each token copy sent to its expert's device with a ragged all-to-all; zoo/layers/moe/expert_parallel.py).
 The record carries gpus, mesh, ep_dispatch, tflops per GPU and the largest device's peak.
 
-`auto` (the recipe `zoo.plan(cfg, "auto", ...)` chooses for this slice, batch and seq, for the SGD step's model
+`auto` (the recipe `zoo.plan.plan(cfg, "auto", ...)` chooses for this slice, batch and seq, for the SGD step's model
 state): the HBM budget is the allocator's `bytes_limit` on the device (`--auto-hbm` on the CPU, default 1 GiB with
 `--smoke`), the link and its overlap are those measured for the device (`zoo.plan.links`), the FLOP rate is the
 main job's per-device table (`recipes.meter.peak_tflops`: the datasheet bf16 peak, 989 on an H200; `--auto-tflops`
@@ -44,8 +44,8 @@ GiB = 1 << 30
 
 def resolve_auto(cfg, *, batch: int, seq: int, mesh: str | None, hbm_gib: float | None, tflops: float | None,
                  smoke: bool):
-    """(the Recipe `zoo.plan(cfg, "auto", ...)` chooses for the SGD step's model state, the record's auto_* fields),
-    its inputs from the device as the main job's `--recipe auto` takes them (recipes.auto)."""
+    """(the Recipe `zoo.plan.plan(cfg, "auto", ...)` chooses for the SGD step's model state, the record's auto_*
+    fields), its inputs from the device as the main job's `--recipe auto` takes them (recipes.auto)."""
     import dataclasses
 
     from recipes import auto

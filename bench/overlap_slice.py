@@ -85,7 +85,7 @@ def main():
         tokens = jax.random.randint(jax.random.key(1), (batch, seq), 0, cfg.vocab_size, jnp.int32)
         flops = llama_step_flops(cfg, model, batch, seq)
         try:
-            planned = round(zoo.plan(cfg, recipe, batch=batch, seq=seq, peak=None).host_bytes / 2**30, 3)
+            planned = round(zoo.plan.plan(cfg, recipe, batch=batch, seq=seq, peak=None).host_bytes / 2**30, 3)
         except Exception as e:  # the plan is a comparison, not a precondition
             planned = f"{type(e).__name__}: {str(e)[:80]}"
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)

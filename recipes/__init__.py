@@ -1,14 +1,16 @@
-"""Per-model offload recipes (data) and the training loop that applies them.
+"""The training application: the command lines, the training loop, and the recipe sets (data), one per model
+family: `recipes/<family name>.py` exporting `RECIPES` and `DEFAULT` (`recipes.registry`).
 
-Submodules load on first use (`recipes.llama3`), so `python -m recipes.train` can set `XLA_FLAGS` before
-anything imports JAX.
+Submodules load on first use (`recipes.<family name>`, `recipes.loop`), so `python -m recipes.train` can set
+`XLA_FLAGS` before anything imports JAX.
 """
 import importlib
+import importlib.util
 
-__all__ = ["deepseek_v3", "llama3"]
+DEFAULT_MODEL = "llama3"  # --model's default: the family of the README's main job
 
 
 def __getattr__(name):
-    if name in __all__:
-        return importlib.import_module(f"recipes.{name}")
-    raise AttributeError(f"module 'recipes' has no attribute {name!r}")
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

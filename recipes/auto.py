@@ -1,4 +1,4 @@
-"""`--recipe auto` on a device: what `zoo.plan(cfg, "auto", ...)` needs, taken from the device, and its choice.
+"""`--recipe auto` on a device: what `zoo.plan.plan(cfg, "auto", ...)` needs, taken from the device, and its choice.
 
 The planner's automatic recipe (`zoo.plan.auto.choose`) needs an HBM budget, a host link (rate and overlap) and a
 FLOP rate. On a device each has a default, and every figure says where it came from:
@@ -83,8 +83,8 @@ def choose(cfg, ins: Inputs, *, batch: int, seq: int, optimizer: str = "adamw", 
                                  link_gbps=ins.link_gbps, overlap=ins.overlap, tflops=ins.tflops)
     training = zoo.plan.Training(optimizer=optimizer, opt_dtype=opt_dtype, grad_accum=grad_accum, opt_state=opt_state,
                                  params=params)
-    p = zoo.plan(cfg, "auto", batch=batch, seq=seq, hardware=hardware, parallel=zoo.plan.Parallelism(mesh=mesh),
-                 training=training, peak=None)
+    p = zoo.plan.plan(cfg, "auto", batch=batch, seq=seq, hardware=hardware, parallel=zoo.plan.Parallelism(mesh=mesh),
+                      training=training, peak=None)
     return p.recipe
 
 
@@ -110,7 +110,8 @@ def fit(cfg, ins: Inputs, compile_step: Callable, *, batch: int, seq: int, optim
 
 
 def summary(recipe: zoo.Recipe) -> str:
-    kept = ", ".join(recipe.device) or "none"
-    sent = ", ".join(recipe.offload) or "none"
+    names = recipe.resolve()
+    kept = ", ".join(names.device) or "none"
+    sent = ", ".join(names.offload) or "none"
     return f"keeps [{kept}] in HBM, offloads [{sent}], recomputes every other tag"
 

@@ -94,10 +94,42 @@ def family(name: str):
     return registry.FAMILIES[name]
 
 
+def parse_field(cls: type, name: str, text: str):
+    """Command-line text for the field `name` of the config class `cls`, as that field's type (read from its
+    annotation: `zoo.models.config.field_types`): "false" -> False for a bool, "3" -> 3 for an int, "none" -> None
+    where None is allowed. ValueError naming the field and its type otherwise. The config checks the value itself
+    when it is made."""
+    from zoo.models.config import field_types, type_name, type_options
+    types_ = field_types(cls)
+    if name not in types_:
+        raise ValueError(f"{name!r} is not a field of {cls.__name__}; its fields: {', '.join(sorted(types_))}")
+    allowed, optional = type_options(types_[name])
+    low = text.strip().lower()
+    if optional and low in ("none", "null"):
+        return None
+    for t in allowed:
+        if t is bool and low in ("true", "false", "1", "0", "yes", "no"):
+            return low in ("true", "1", "yes")
+        if t is int:
+            try:
+                return int(text)
+            except ValueError:
+                pass
+        if t is float:
+            try:
+                value = float(text)
+            except ValueError:
+                continue
+            if math.isfinite(value):
+                return value
+        if t is str:
+            return text
+    raise ValueError(f"{cls.__name__}.{name} must be {type_name(allowed, optional)}, got {text!r}")
+
+
 def model_config(fam, preset: str, overrides=()):
     """The family's preset with `overrides` ((FIELD, VALUE) pairs): text values are converted to the field's type
-    (`zoo.models.config.parse_field`: "false" -> False for a bool field), others are used as given."""
-    from zoo.models.config import parse_field
+    (`parse_field`: "false" -> False for a bool field), others are used as given."""
     if preset not in fam.presets():
         raise ValueError(f"--preset {preset!r} is not a {fam.name} preset; choose one of: {', '.join(fam.presets())}")
     values = {}

@@ -15,7 +15,7 @@ import json
 import math
 from typing import Any
 
-from recipes import defaults, flags
+from recipes import DEFAULT_MODEL, defaults, flags
 from recipes.cli import INT32_MAX, field_override, positive_int
 
 OPT_DTYPES = ("float32", "bfloat16")
@@ -33,10 +33,10 @@ def flag(default: Any, help: str, *names: str, **argparse_kwargs) -> Any:
 # -- the run ----------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    model: str = flag("llama3", "model family, a name in the zoo's model table (zoo.models.registry), e.g. llama3, "
-                      "deepseek_v3", metavar="FAMILY")
-    preset: str = flag("tiny", "a config classmethod of the family, e.g. tiny, llama3_1_405b, deepseek_v3_671b",
-                       metavar="NAME")
+    model: str = flag(DEFAULT_MODEL, "model family: a name in the zoo's model table (zoo.models.registry; a name "
+                      "not there lists them)", metavar="FAMILY")
+    preset: str = flag("tiny", "a size of the family (a key of its config's PRESETS; a name not there lists them), "
+                       "e.g. tiny", metavar="NAME")
     overrides: tuple[tuple[str, Any], ...] = flag(
         (), "replace a config field, e.g. --set num_layers=3 or --set tie_embeddings=false; the value is checked "
         "against the field's type (repeatable)", "--set", type=field_override, action="append",
@@ -51,8 +51,8 @@ class RunConfig:
         None, "the learning-rate schedule's length (default: --steps); steps past it run at its final learning "
         "rate, lr/10: resume with a larger --steps and the same --schedule-steps to train on past a finished run",
         metavar="N")
-    lr: float | None = flag(None, "peak learning rate (default: 3e-3 for tiny, the published peak for a full-size "
-                            "preset: recipes/defaults.py)")
+    lr: float | None = flag(None, "peak learning rate (default: 3e-3 for tiny, the published peak of a full-size "
+                            "preset (its family's training defaults), else 3e-4: recipes/defaults.py)")
     warmup: int | None = flag(None, "warm-up steps (default: schedule steps // 10, at most the preset's published "
                               "warm-up)")
     opt_dtype: str = flag("float32", "dtype of AdamW's moments, whatever the parameters' dtype", choices=OPT_DTYPES)
@@ -183,11 +183,11 @@ class RunConfig:
 
     @property
     def total_warmup(self) -> int:
-        return self.warmup if self.warmup is not None else defaults.warmup(self.preset, self.total_schedule)
+        return self.warmup if self.warmup is not None else defaults.warmup(self.model, self.preset, self.total_schedule)
 
     @property
     def peak_lr(self) -> float:
-        return self.lr if self.lr is not None else defaults.for_preset(self.preset).lr
+        return self.lr if self.lr is not None else defaults.for_preset(self.model, self.preset).lr
 
     def identity(self) -> dict[str, Any]:
         """What a checkpoint must match to be resumed: everything that changes the numbers (not --steps, where to

@@ -1,12 +1,11 @@
 """The memory planner's command line: what a recipe keeps in HBM, puts in host memory and recomputes.
 
-    python -m recipes.plan --model llama3 --preset llama3_1_405b --recipe qkv_offload --batch 2 --seq 8192
-    python -m recipes.plan --model llama3 --preset llama3_1_405b --recipe qkv_offload --batch 4 --seq 8192 \
-        --mesh fsdp=2
-    python -m recipes.plan --model deepseek_v3 --preset deepseek_v3_671b --recipe auto --batch 4 --seq 4096 \\
+    python -m recipes.plan --model FAMILY --preset PRESET --recipe qkv_offload --batch 2 --seq 8192
+    python -m recipes.plan --model FAMILY --preset PRESET --recipe qkv_offload --batch 4 --seq 8192 --mesh fsdp=2
+    python -m recipes.plan --model FAMILY --preset PRESET --recipe auto --batch 4 --seq 4096 \
         --hbm 141 --link 55 --flops 600
-    python -m recipes.plan --model deepseek_v3 --preset deepseek_v3_671b --set num_layers=4 --set num_experts=16 \\
-        --recipe mla_moe_offload --seq 4096 --max-batch --hbm 104.9 --optimizer sgd   # the largest batch that fits
+    python -m recipes.plan --model FAMILY --preset PRESET --set num_layers=4 --recipe NAME --seq 4096 \
+        --max-batch --hbm 104.9 --optimizer sgd   # the largest batch that fits
 
 The model flags are those of `python -m recipes.train` (recipes/cli.py); the plan is `zoo.plan` (zoo/plan/).
 Nothing is allocated: the model is built from shapes alone, so any size plans on a laptop.
@@ -137,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         recipe = "auto" if args.recipe == "auto" else cli.recipe(family, args.recipe)
         hardware = zoo.plan.Hardware(hbm_gib=args.hbm_limit, host_gib=args.host, link_gbps=args.link,
                                      overlap=args.overlap, tflops=args.peak_tflops, device_kind=args.device)
-        p = zoo.plan(cfg, recipe, batch=args.batch, seq=args.seq, hardware=hardware, parallel=_parallel(args),
-                     training=_training(args), peak=None if args.peak == "none" else args.peak,
-                     model_name=f"{args.model} {args.preset}")
+        p = zoo.plan.plan(cfg, recipe, batch=args.batch, seq=args.seq, hardware=hardware, parallel=_parallel(args),
+                          training=_training(args), peak=None if args.peak == "none" else args.peak,
+                          model_name=f"{args.model} {args.preset}")
     except ValueError as e:
         ap.error(str(e))
     if args.json:
@@ -168,9 +167,9 @@ def _plot(ap: argparse.ArgumentParser, args, family, cfg) -> None:
     """--plot: every recipe of the family planned at the same shapes (no peak: the bars are saved bytes)."""
     from recipes import plot, registry
     try:
-        plans = {name: zoo.plan(cfg, r, batch=args.batch, seq=args.seq, parallel=_parallel(args),
-                                training=zoo.plan.Training(optimizer=args.optimizer, opt_dtype=args.opt_dtype),
-                                hardware=zoo.plan.Hardware(hbm_gib=args.hbm_limit), peak=None)
+        plans = {name: zoo.plan.plan(cfg, r, batch=args.batch, seq=args.seq, parallel=_parallel(args),
+                                     training=zoo.plan.Training(optimizer=args.optimizer, opt_dtype=args.opt_dtype),
+                                     hardware=zoo.plan.Hardware(hbm_gib=args.hbm_limit), peak=None)
                  for name, r in registry.recipes_of(family).items()}
         sets = "".join(f" {k}={v}" for k, v in args.overrides)
         where = f", mesh {args.mesh}" if args.mesh else f", over {args.shard} devices" if args.shard > 1 else ""

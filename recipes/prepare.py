@@ -86,9 +86,9 @@ def show_memory_plan(console: Console, model_cfg, recipe: zoo.Recipe, *, batch: 
     limit = allocator_limit(device)
     hbm_gib = hbm_limit or (limit / 2 ** 30 if limit else None)
     parallel = zoo.plan.Parallelism(mesh=mesh if mesh is not None and mesh.devices.size > 1 else None)
-    p = zoo.plan(model_cfg, recipe, batch=batch, seq=seq, compiled=compiled, peak=None if compiled is None else
-                 "compile", hardware=zoo.plan.Hardware(hbm_gib=hbm_gib), parallel=parallel,
-                 training=zoo.plan.Training(opt_dtype=opt_dtype, grad_accum=grad_accum, opt_state=opt_state,
+    p = zoo.plan.plan(model_cfg, recipe, batch=batch, seq=seq, compiled=compiled, peak=None if compiled is None else
+                      "compile", hardware=zoo.plan.Hardware(hbm_gib=hbm_gib), parallel=parallel,
+                      training=zoo.plan.Training(opt_dtype=opt_dtype, grad_accum=grad_accum, opt_state=opt_state,
                                             params=params))
     zoo.plan.render(p, console)
     return p

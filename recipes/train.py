@@ -1,6 +1,6 @@
 """The main job: train a zoo model under a recipe and show what the recipe costs.
 
-    python -m recipes.train --model llama3 --preset tiny --recipe qkv_offload --steps 60
+    python -m recipes.train --preset tiny --recipe qkv_offload --steps 60     # --model FAMILY: another family
 
 Runs on the CPU by default (the tiny preset, batch 8 x seq 64: under a minute); the same command with a
 full-size preset trains on a GPU. The XLA flag set (`--xla-flags`) is applied before JAX is imported: this

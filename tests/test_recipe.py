@@ -24,7 +24,8 @@ def test_name_rejects_unknown_tag():
 
 def test_patterns_expand_over_vocabulary():
     r = zoo.Recipe("r", offload=("moe_*",), device=("query_proj",))
-    assert r.offload == ("moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo")
+    assert r.offload == ("moe_*",)   # what was written
+    assert r.resolve().offload == ("moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo") and r.resolve().device == ("query_proj",)
     assert r.placement("moe_mlpwo") == "offload" and r.placement("query_proj") == "device"
     assert r.placement("mlpwo") == "remat"
 
@@ -34,6 +35,7 @@ def test_patterns_expand_over_vocabulary():
     (dict(device=("nothing_*",)), "matches no tag"),
     (dict(offload=("query_proj",), device=("query_*",)), r"\['query_proj'\] placed both"),
     (dict(offload="query_proj"), "a tuple of tags"),
+    (dict(device=["query_proj"]), r"device takes a tuple of tags, got \['query_proj'\]"),
 ])
 def test_bad_recipes_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -76,3 +78,33 @@ def test_policy_offloads_to_pinned_host():
 def test_recipes_are_hashable_values():
     a = zoo.Recipe("a", offload=("query_proj",))
     assert a == zoo.Recipe("a", offload=("query_proj",)) and hash(a) == hash(zoo.Recipe("a", offload=("query_proj",)))
+
+
+def test_a_recipe_is_the_value_it_was_made_as():
+    """Fields hold what was written; `dataclasses.replace` and `==` see only them, and a replaced recipe still
+    matches the model the original matched (its patterns are not swapped for one expansion of them)."""
+    import dataclasses
+
+    from flax import nnx
+
+    written = zoo.Recipe("x", offload=("*_proj",), description="every projection")
+    assert written.offload == ("*_proj",) and not hasattr(written, "patterns")
+    assert {f.name: getattr(written, f.name) for f in dataclasses.fields(written)} == dict(
+        name="x", offload=("*_proj",), device=(), special=None, description="every projection")
+    renamed = dataclasses.replace(written, name="y")
+    assert renamed.offload == written.offload and renamed.resolve().offload == written.resolve().offload
+    assert renamed != written and dataclasses.replace(renamed, name="x") == written
+    assert hash(dataclasses.replace(renamed, name="x")) == hash(written)
+    # a pattern and the names it expands to are different values with the same placements
+    spelled = zoo.Recipe("x", offload=written.resolve().offload, description="every projection")
+    assert spelled != written and spelled.resolve().offload == written.resolve().offload
+    model = zoo.models.registry.family("llama3").build(zoo.models.registry.config("llama3", "tiny"),
+                                                       rngs=nnx.Rngs(0))
+    emitted = {t for st in model.tag_shapes(1, 8).values() for t in st.tags}
+    for r in (written, renamed):
+        r.check_emitted(emitted, where="Llama")
+        model.check_recipe(r)
+    # against a model, the expansion keeps only what it emits (the MLA projections are not a Llama's)
+    assert written.resolve(emitted).offload == ("query_proj", "key_proj", "value_proj", "out_proj")
+    with pytest.raises(ValueError, match="offload entry 'moe_\\*' matches no tag that Llama emits"):
+        zoo.Recipe("m", offload=("moe_*",)).resolve(emitted, where="Llama")

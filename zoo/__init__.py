@@ -2,7 +2,7 @@
 from zoo import (
     layers,
     models,
-    plan,  # the planner package; calling it plans (zoo.plan(cfg, recipe, ...))
+    plan,  # the planner package: zoo.plan.plan(cfg, recipe, ...)
     tags,
 )
 from zoo.hf.load import from_hf

@@ -74,6 +74,6 @@ def chunking_hint(recipe: Recipe | None, mlp_seq_chunks: int, platform: str) -> 
     can start only once its whole tensor exists, and 2 sequence chunks (`mlp_seq_chunks=2`) start half of it one
     chunk earlier. None where it would not help (nothing of the MLP offloaded, already chunked, not a GPU)."""
     if (not offloads(recipe) or platform.lower() not in GPU_PLATFORMS or mlp_seq_chunks != 1
-            or not set(CHUNKED_MLP_TAGS) & set(recipe.offload)):
+            or not set(CHUNKED_MLP_TAGS) & set(recipe.resolve().offload)):
         return None
     return f"hint: --set mlp_seq_chunks=2 hides more of the MLP's copies ({CHUNKS_SOURCE})"

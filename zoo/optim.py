@@ -25,8 +25,9 @@ def lr_schedule(*, lr: float, steps: int, warmup: int) -> optax.Schedule:
 
 def state_in(tx: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
     """`tx` with its floating-point state (the moments) held in `dtype` whatever the parameters' dtype: bf16
-    parameters with float32 moments, or float32 parameters with bf16 moments (DeepSeek-V3's choice). The update is
-    computed in the promoted dtype and its new state cast back, so the state's dtype never changes between steps."""
+    parameters with float32 moments, or float32 parameters with bf16 moments (a published 671B run's choice). The
+    update is computed in the promoted dtype and its new state cast back, so the state's dtype never changes between
+    steps."""
     dtype = jnp.dtype(dtype)
 
     def cast(tree):
@@ -136,10 +137,10 @@ def tx_parts(schedule: optax.Schedule, *, optimizer: str = "adamw", clip: float 
 
 def make_tx(schedule: optax.Schedule, *, optimizer: str = "adamw", clip: float = 1.0, weight_decay: float = 0.1,
             opt_dtype: str | None = None, master: bool = False) -> optax.GradientTransformation:
-    """Clip the gradients' global norm to `clip`, then `optimizer` on `schedule` (AdamW: b1 0.9, b2 0.95, as Llama 3
-    and DeepSeek-V3 trained); moments in `opt_dtype` (None: the parameters' dtype, float32 with a master). With
-    `master`, the whole of it (the clip included: on the float32 gradients) runs on a float32 master copy of the
-    parameters (`with_master`, the outermost transform: its state is the optimizer's state's root)."""
+    """Clip the gradients' global norm to `clip`, then `optimizer` on `schedule` (AdamW: b1 0.9, b2 0.95, as the
+    published dense and MoE runs trained); moments in `opt_dtype` (None: the parameters' dtype, float32 with a
+    master). With `master`, the whole of it (the clip included: on the float32 gradients) runs on a float32 master
+    copy of the parameters (`with_master`, the outermost transform: its state is the optimizer's state's root)."""
     return tx_parts(schedule, optimizer=optimizer, clip=clip, weight_decay=weight_decay, opt_dtype=opt_dtype,
                     master=master).transform()
 

@@ -1,6 +1,7 @@
 """Recipes: for each tag, where its tensor lives between the forward and the backward pass.
 
-A recipe is data: a name and two tuples of tags (or `fnmatch` patterns over the vocabulary):
+A recipe is a value: a name and two tuples of tags (or `fnmatch` patterns over the vocabulary), kept as written;
+`Recipe.resolve()` expands them (over the vocabulary, or over the tags a model emits):
 
 - ``device``:  kept in HBM (saved residual),
 - ``offload``: copied to pinned host memory in the forward pass and streamed back in the backward pass,
@@ -31,59 +32,87 @@ OFFLOAD_DST = "pinned_host"
 TOGETHER = (("attention_out", "context"),)
 
 
-def _expand(patterns: Iterable[str], field: str) -> tuple[str, ...]:
-    out: list[str] = []
-    for pat in patterns:
-        if not isinstance(pat, str):
-            raise ValueError(f"Recipe.{field}: expected tag names or patterns (str), got {pat!r}")
-        hits = [t for t in tags_lib.NAMES if fnmatch.fnmatchcase(t, pat)]
-        if not hits:
-            raise ValueError(f"Recipe.{field}: {pat!r} matches no tag; the vocabulary is: {tags_lib.vocabulary()}")
-        out.extend(h for h in hits if h not in out)
-    return tuple(out)
+def _expand(patterns: tuple[str, ...], names: Iterable[str]) -> tuple[str, ...]:
+    """The names of `names` (in their order) that some pattern of `patterns` matches."""
+    return tuple(t for t in names if any(fnmatch.fnmatchcase(t, pat) for pat in patterns))
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedRecipe:
+    """A recipe's patterns expanded to tag names (`Recipe.resolve`): over the vocabulary, or over the tags one
+    model emits."""
+    recipe: Recipe
+    offload: tuple[str, ...]
+    device: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """A mapping from tag to placement; unnamed tags are rematerialized.
+    """A mapping from tag to placement; unnamed tags are rematerialized. A value: it holds what was written (tag
+    names or patterns) and nothing else, so `==`, `hash` and `dataclasses.replace` see exactly those fields; what
+    the patterns name is `resolve()`'s result.
 
     >>> r = Recipe("qkv_offload", offload=("query_proj", "key_proj", "value_proj"))
     >>> r.placement("key_proj"), r.placement("mlpwo")
     ('offload', 'remat')
+    >>> Recipe("moe", offload=("moe_*",)).resolve().offload
+    ('moe_mlpwi_0', 'moe_mlpwi_1', 'moe_mlpwo')
     """
 
     name: str
-    offload: tuple[str, ...] = ()
+    offload: tuple[str, ...] = ()   # tag names or fnmatch patterns over the vocabulary, as written
     device: tuple[str, ...] = ()
     # "none": everything saved on device; "full": everything recomputed. Use the constructors below.
     special: Literal["none", "full"] | None = None
     description: str = ""
 
     def __post_init__(self):
-        if isinstance(self.offload, str) or isinstance(self.device, str):
-            raise ValueError(f"Recipe {self.name!r}: offload and device take a tuple of tags, not a single string")
+        """Checks only (the fields are never rewritten): tuples of strings, each matching a tag of the vocabulary,
+        no tag placed twice, a special recipe without tags."""
+        for field in ("offload", "device"):
+            value = getattr(self, field)
+            if not isinstance(value, tuple):
+                raise ValueError(f"Recipe {self.name!r}: {field} takes a tuple of tags, got {value!r}")
+            for pat in value:
+                if not isinstance(pat, str):
+                    raise ValueError(f"Recipe.{field}: expected tag names or patterns (str), got {pat!r}")
+                if not _expand((pat,), tags_lib.NAMES):
+                    raise ValueError(f"Recipe.{field}: {pat!r} matches no tag; the vocabulary is: "
+                                     f"{tags_lib.vocabulary()}")
         if self.special not in (None, "none", "full"):
             raise ValueError(f"Recipe {self.name!r}: special must be None, 'none' or 'full', got {self.special!r}")
         if self.special is not None and (self.offload or self.device):
             raise ValueError(f"Recipe {self.name!r}: the special recipe {self.special!r} takes no tags")
-        # Keep what the user wrote (patterns) in `patterns`, and store the expanded tag names.
-        object.__setattr__(self, "patterns", {"offload": tuple(self.offload), "device": tuple(self.device)})
-        offload = _expand(self.offload, "offload")
-        device = _expand(self.device, "device")
-        both = sorted(set(offload) & set(device))
+        r = self.resolve()
+        both = sorted(set(r.offload) & set(r.device))
         if both:
             raise ValueError(f"Recipe {self.name!r}: {both} placed both on device and offloaded; a tag has one "
                              f"placement. The vocabulary is: {tags_lib.vocabulary()}")
-        object.__setattr__(self, "offload", offload)
-        object.__setattr__(self, "device", device)
         for group in TOGETHER:
-            kept = [t for t in group if t in offload or t in device]
+            kept = [t for t in group if t in r.offload or t in r.device]
             if kept and len(kept) < len(group):
                 missing = [t for t in group if t not in kept]
                 raise ValueError(f"Recipe {self.name!r} keeps {kept} but recomputes {missing}: {' and '.join(group)} "
                                  f"only pay together (the attention kernel's backward reads both, so keeping one "
                                  f"still runs the attention forward again); keep {missing} too (on device or "
                                  f"offloaded), or neither")
+
+    def resolve(self, emitted: Iterable[str] | None = None, where: str = "the model") -> ResolvedRecipe:
+        """The tag names this recipe offloads and keeps on the device: over the whole vocabulary, or, given the
+        tags a model emits, over those (ValueError if a name or pattern matches none of them: a recipe that names
+        a tag the model never computes would otherwise do nothing, silently; MaxText lost a 2.6x to a renamed tag
+        this way)."""
+        if emitted is None:
+            names: Iterable[str] = tags_lib.NAMES
+        else:
+            names = [t for t in tags_lib.NAMES if t in set(emitted)]
+            for field in ("offload", "device"):
+                for pat in getattr(self, field):
+                    if not _expand((pat,), names):
+                        raise ValueError(
+                            f"Recipe {self.name!r}: {field} entry {pat!r} matches no tag that {where} emits; "
+                            f"{where} emits: {', '.join(sorted(names))}")
+        return ResolvedRecipe(self, _expand(self.offload, names), _expand(self.device, names))
 
     @classmethod
     def none(cls, name: str = "none") -> Recipe:
@@ -100,9 +129,9 @@ class Recipe:
             raise ValueError(f"unknown tag {tag!r}; the vocabulary is: {tags_lib.vocabulary()}")
         if self.special == "none":
             return "device"
-        if tag in self.offload:
+        if _expand(self.offload, (tag,)):
             return "offload"
-        if tag in self.device:
+        if _expand(self.device, (tag,)):
             return "device"
         return "remat"
 
@@ -110,18 +139,9 @@ class Recipe:
         return {t: self.placement(t) for t in emitted}
 
     def check_emitted(self, emitted: Iterable[str], where: str = "the model") -> None:
-        """Raise ValueError if a name or pattern of this recipe matches no tag that `where` emits.
-
-        A recipe that names a tag the model never computes would otherwise do nothing, silently (MaxText lost a
-        2.6x to a renamed tag this way).
-        """
-        emitted = set(emitted)
-        for field, pats in self.patterns.items():
-            for pat in pats:
-                if not any(fnmatch.fnmatchcase(t, pat) for t in emitted):
-                    raise ValueError(
-                        f"Recipe {self.name!r}: {field} entry {pat!r} matches no tag that {where} emits; "
-                        f"{where} emits: {', '.join(sorted(emitted))}")
+        """Raise ValueError if a name or pattern of this recipe matches no tag that `where` emits
+        (`resolve(emitted)`)."""
+        self.resolve(emitted, where)
 
     def policy(self):
         """The JAX checkpoint policy for this recipe (for `jax.checkpoint` / `nnx.remat`)."""
@@ -130,9 +150,10 @@ class Recipe:
             return cp.everything_saveable
         if self.special == "full" or not (self.offload or self.device):
             return cp.nothing_saveable
+        r = self.resolve()
         return cp.save_and_offload_only_these_names(
-            names_which_can_be_saved=list(self.device),
-            names_which_can_be_offloaded=list(self.offload),
+            names_which_can_be_saved=list(r.device),
+            names_which_can_be_offloaded=list(r.offload),
             offload_src="device",
             offload_dst=OFFLOAD_DST,
         )
@@ -140,6 +161,7 @@ class Recipe:
     def __str__(self) -> str:
         if self.special:
             return f"{self.name}: {self.description}"
-        parts = [f"offload={list(self.offload)}" if self.offload else "",
-                 f"device={list(self.device)}" if self.device else ""]
+        r = self.resolve()
+        parts = [f"offload={list(r.offload)}" if r.offload else "",
+                 f"device={list(r.device)}" if r.device else ""]
         return f"{self.name}: " + ", ".join(p for p in parts if p) + "; every other tag recomputed"

@@ -24,7 +24,8 @@ Every logical name of the zoo appears in every rule set (`None`: replicated, by 
 Use:
     mesh = zoo.sharding.make_mesh("fsdp=4,tp=2")
     zoo.sharding.check_mesh(cfg, mesh, batch=8)           # ValueError before compiling
-    model = zoo.sharding.create(zoo.models.llama3, cfg, recipe=r, mesh=mesh, seed=0)   # never a full copy
+    build = zoo.models.registry.family_of(cfg).build
+    model = zoo.sharding.create(build, cfg, recipe=r, mesh=mesh, seed=0)   # never a full copy
     with zoo.sharding.use(mesh):                           # jax.set_mesh + nn.logical_axis_rules
         step = jax.jit(...)                                # trace inside: the activation constraints see the rules
 """

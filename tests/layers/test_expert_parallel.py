@@ -64,7 +64,7 @@ def test_planner_counts_the_receive_buffer_per_device(spec):
     assert per_device["query_proj"][0] * 8 == one["query_proj"].shape[0]
     # The plan of the study's recipe offloads the two receive-buffer tags at these per-device bytes.
     recipe = RECIPES["mla_moe_offload"]
-    plan = zoo.plan(cfg, recipe, batch=8, seq=16, peak=None, parallel=Parallelism(mesh=spec),
+    plan = zoo.plan.plan(cfg, recipe, batch=8, seq=16, peak=None, parallel=Parallelism(mesh=spec),
                     training=Training(optimizer="sgd"))
     host = {t.tag: t.host_bytes for t in next(s for s in plan.stacks if s.name == "moe_layers").tags}
     assert host["moe_mlpwi_0"] == host["moe_mlpwi_1"] == rows * cfg.moe_mlp_dim * 4

@@ -62,7 +62,7 @@ def test_offloaded_chunks_land_in_pinned_host_as_planned(tokens):
     chunk = hlo_type((B, S // CHUNKS, CFG.mlp_dim), jnp.float32)
     assert pinned[chunk] == 2 * CHUNKS
     # the planner counts the same bytes as unchunked
-    plans = [zoo.plan(c, recipe, batch=B, seq=S, peak=None) for c in (CFG, CHUNKED)]
+    plans = [zoo.plan.plan(c, recipe, batch=B, seq=S, peak=None) for c in (CFG, CHUNKED)]
     assert plans[0].host_bytes == plans[1].host_bytes > 0
     assert plans[1].host_bytes == measure.stack_residuals(model, "layers", B, S, recipe.policy())[1]
 

@@ -1,6 +1,6 @@
 """Run by tests/plan/test_mesh_plan.py in a subprocess with 8 fake CPU devices: `python -m tests.plan.mesh_peaks`.
 
-The planner's peak under a mesh whose devices are present is the sharded step compiled (`zoo.plan(...,
+The planner's peak under a mesh whose devices are present is the sharded step compiled (`zoo.plan.plan(...,
 mesh=, peak="compile")`), and XLA's memory analysis of an SPMD-partitioned step is one device's:
 - tiny Llama and tiny DeepSeek-V3 under fsdp=4 (4 of the 8 devices): the source says compiled for 4 devices and
   the mesh; the peak is below the one-device compiled peak; the argument bytes are the planner's own per-device
@@ -8,7 +8,7 @@ mesh=, peak="compile")`), and XLA's memory analysis of an SPMD-partitioned step 
   to a few bytes of replicated scalars (step counters), as the one-device arguments are the one-device state plus
   the batch: a per-device figure, not a global one.
 - the main job (`recipes.loop.run`) under fsdp=4 x tp=2 (8 devices) plans its peak from its own compiled sharded
-  step, labelled with the mesh, and `zoo.plan(..., mesh="fsdp=4,tp=2", peak="compile")` compiles the same program:
+  step, labelled with the mesh, and `zoo.plan.plan(..., mesh="fsdp=4,tp=2", peak="compile")` compiles the same program:
   XLA's memory analysis is equal field by field.
 Prints OK at the end.
 """
@@ -40,8 +40,8 @@ def check_arguments(p, data_shards: int) -> None:
 
 
 def sharded_peak_is_per_device(cfg, recipe, name):
-    one = zoo.plan(cfg, recipe, batch=B, seq=S, peak="compile")
-    four = zoo.plan(cfg, recipe, batch=B, seq=S, peak="compile", parallel=Parallelism(mesh="fsdp=4"))
+    one = zoo.plan.plan(cfg, recipe, batch=B, seq=S, peak="compile")
+    four = zoo.plan.plan(cfg, recipe, batch=B, seq=S, peak="compile", parallel=Parallelism(mesh="fsdp=4"))
     assert one.peak_source == "compiled for cpu", one.peak_source
     assert four.peak.compiled and four.peak_source == "compiled for 4 x cpu (mesh fsdp=4), per device", \
         four.peak_source
@@ -76,8 +76,8 @@ def main_job_plans_its_compiled_sharded_step():
     want = "compiled for 8 x cpu (mesh fsdp=4,tp=2), per device"
     assert job.peak.compiled and job.peak_source == want, job.peak_source
     assert job.peak.detail == peak_lib.from_compiled(seen["compiled"]).detail
-    planned = zoo.plan(zoo.models.LlamaConfig.preset("tiny"), LLAMA_RECIPES["qkv_offload"], batch=B, seq=S,
-                       peak="compile", parallel=Parallelism(mesh="fsdp=4,tp=2"))
+    planned = zoo.plan.plan(zoo.models.LlamaConfig.preset("tiny"), LLAMA_RECIPES["qkv_offload"], batch=B, seq=S,
+                            peak="compile", parallel=Parallelism(mesh="fsdp=4,tp=2"))
     assert planned.peak_source == want, planned.peak_source
     assert planned.peak.detail == job.peak.detail, (planned.peak.detail, job.peak.detail)
     check_arguments(planned, 4)   # fsdp=4 splits the batch; tp=2 does not

@@ -16,7 +16,8 @@ SEQ = 64
 
 
 def peak(cfg, recipe, batch, seq=SEQ, peak_mode="estimate"):
-    return zoo.plan(cfg, recipe, batch=batch, seq=seq, peak=peak_mode, training=Training(optimizer="sgd")).peak_bytes
+    return zoo.plan.plan(cfg, recipe, batch=batch, seq=seq, peak=peak_mode,
+                         training=Training(optimizer="sgd")).peak_bytes
 
 
 def test_the_largest_batch_fits_and_the_next_power_of_two_does_not():

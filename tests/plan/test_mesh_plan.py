@@ -1,4 +1,4 @@
-"""The planner under a mesh (`zoo.plan(..., mesh=)`, `python -m recipes.plan --mesh`): per-device figures from the
+"""The planner under a mesh (`zoo.plan.plan(..., mesh=)`, `python -m recipes.plan --mesh`): per-device figures from the
 sharding rules on an abstract mesh (no devices: this runs on one CPU).
 
 - fsdp=8: every parameter of the tiny Llama has an `embed` axis, so parameters, gradients and optimizer state are
@@ -33,8 +33,8 @@ DS = zoo.models.DeepSeekV3Config.preset("tiny", moe_backend="capacity", capacity
 
 def test_fsdp8_divides_everything_by_8():
     r = LLAMA_RECIPES["qkv_offload"]
-    one = zoo.plan(LLAMA, r, batch=8, seq=16)
-    eight = zoo.plan(LLAMA, r, batch=8, seq=16, parallel=Parallelism(mesh="fsdp=8"))
+    one = zoo.plan.plan(LLAMA, r, batch=8, seq=16)
+    eight = zoo.plan.plan(LLAMA, r, batch=8, seq=16, parallel=Parallelism(mesh="fsdp=8"))
     assert eight.mesh == "dp=1,fsdp=8,tp=1,ep=1" and eight.shard == 8
     for field in ("params", "grads", "optimizer"):
         assert getattr(eight.state, field) * 8 == getattr(one.state, field), field
@@ -45,16 +45,16 @@ def test_fsdp8_divides_everything_by_8():
 
 def test_fsdp_x_tp_splits_qkv_8_ways_and_norm_scales_4_ways():
     r = LLAMA_RECIPES["qkv_offload"]
-    one = zoo.plan(LLAMA, r, batch=8, seq=16)
-    mixed = zoo.plan(LLAMA, r, batch=8, seq=16, parallel=Parallelism(mesh={"fsdp": 4, "tp": 2}))
+    one = zoo.plan.plan(LLAMA, r, batch=8, seq=16)
+    mixed = zoo.plan.plan(LLAMA, r, batch=8, seq=16, parallel=Parallelism(mesh={"fsdp": 4, "tp": 2}))
     assert mixed.host_bytes * 8 == one.host_bytes
     assert one.state.params / 8 < mixed.state.params <= one.state.params / 4
 
 
 def test_deepseek_fsdp_x_ep_host_bytes_are_the_plan_over_8():
     r = DS_RECIPES["mla_moe_offload"]
-    one = zoo.plan(DS, r, batch=8, seq=16)
-    ep = zoo.plan(DS, r, batch=8, seq=16, parallel=Parallelism(mesh="fsdp=2,ep=4"))
+    one = zoo.plan.plan(DS, r, batch=8, seq=16)
+    ep = zoo.plan.plan(DS, r, batch=8, seq=16, parallel=Parallelism(mesh="fsdp=2,ep=4"))
     assert one.host_bytes > 0 and ep.host_bytes * 8 == one.host_bytes
     assert one.state.params / 8 < ep.state.params < one.state.params / 2   # experts / 8, the rest / 2 (fsdp)
 
@@ -64,7 +64,7 @@ def test_deepseek_fsdp_x_ep_host_bytes_are_the_plan_over_8():
                                         ("pp=2", "unknown axis 'pp'")])
 def test_bad_meshes_raise_naming_both_numbers(mesh, match):
     with pytest.raises(ValueError, match=match):
-        zoo.plan(LLAMA, LLAMA_RECIPES["full"], batch=8, seq=16, parallel=Parallelism(mesh=mesh))
+        zoo.plan.plan(LLAMA, LLAMA_RECIPES["full"], batch=8, seq=16, parallel=Parallelism(mesh=mesh))
 
 
 def test_cli_mesh_prints_per_device_json_and_refuses_shard_with_mesh():
@@ -75,7 +75,7 @@ def test_cli_mesh_prints_per_device_json_and_refuses_shard_with_mesh():
                          timeout=300)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
-    want = zoo.plan(LLAMA, LLAMA_RECIPES["qkv_offload"], batch=8, seq=16).to_dict()
+    want = zoo.plan.plan(LLAMA, LLAMA_RECIPES["qkv_offload"], batch=8, seq=16).to_dict()
     assert got["mesh"] == "dp=1,fsdp=8,tp=1,ep=1"
     assert got["model_state"]["params"] * 8 == want["model_state"]["params"]
     assert got["totals"]["host_bytes"] * 8 == want["totals"]["host_bytes"]
@@ -90,17 +90,18 @@ def test_compile_under_a_mesh_larger_than_the_devices_present_raises_naming_both
         pytest.skip(f"{n} does not divide the tiny model's dim")
     with pytest.raises(ValueError, match=rf"mesh fsdp={n} needs {n} devices, but {n // 2} cpu device\(s\) are "
                                          rf"present"):
-        zoo.plan(LLAMA, LLAMA_RECIPES["full"], batch=n, seq=16, peak="compile", parallel=Parallelism(mesh=f"fsdp={n}"))
-    p = zoo.plan(LLAMA, LLAMA_RECIPES["full"], batch=n, seq=16,
-                 parallel=Parallelism(mesh=f"fsdp={n}"))   # auto: an estimate, and why
+        zoo.plan.plan(LLAMA, LLAMA_RECIPES["full"], batch=n, seq=16, peak="compile",
+                      parallel=Parallelism(mesh=f"fsdp={n}"))
+    p = zoo.plan.plan(LLAMA, LLAMA_RECIPES["full"], batch=n, seq=16,
+                      parallel=Parallelism(mesh=f"fsdp={n}"))   # auto: an estimate, and why
     assert not p.peak.compiled and p.peak_source == f"estimate (mesh fsdp={n} needs {n} devices, {n // 2} cpu present)"
     with pytest.raises(ValueError, match="shard=2: a uniform split is not a program; give mesh='fsdp=2'"):
-        zoo.plan(LLAMA, LLAMA_RECIPES["full"], batch=2, seq=16, peak="compile", parallel=Parallelism(shard=2))
+        zoo.plan.plan(LLAMA, LLAMA_RECIPES["full"], batch=2, seq=16, peak="compile", parallel=Parallelism(shard=2))
 
 
 def test_auto_estimates_a_mesh_peak_on_the_cpu_even_with_the_devices_present():
-    p = zoo.plan(LLAMA, LLAMA_RECIPES["qkv_offload"], batch=8, seq=16,
-                 parallel=Parallelism(mesh=f"fsdp={jax.device_count()}"))
+    p = zoo.plan.plan(LLAMA, LLAMA_RECIPES["qkv_offload"], batch=8, seq=16,
+                      parallel=Parallelism(mesh=f"fsdp={jax.device_count()}"))
     assert not p.peak.compiled and p.peak_source == "estimate (not compiled on the CPU: --peak compile does)"
 
 

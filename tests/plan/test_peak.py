@@ -20,7 +20,7 @@ RUN = ["--xla-flags", "none", "--steps", "2", "--batch", "2", "--seq", "16", "--
 
 @pytest.mark.parametrize("family", tiered(["llama3", "deepseek_v3"], fast=("llama3",)))
 def test_the_planners_compiled_peak_is_the_main_jobs_own_step(family, monkeypatch):
-    """zoo.plan(peak="compile") compiles the same step the main job runs: XLA's memory analysis of both is equal,
+    """zoo.plan.plan(peak="compile") compiles the same step the main job runs: XLA's memory analysis of both is equal,
     field by field, and the peak is arguments + outputs - donated + temporaries."""
     seen = {}
     real = prepare.compile_for_shapes
@@ -35,7 +35,7 @@ def test_the_planners_compiled_peak_is_the_main_jobs_own_step(family, monkeypatc
     job = peak_lib.from_compiled(seen["compiled"])
     fam = zoo.models.registry.family(family)
     recipe = cli.recipe(fam, None)
-    planned = zoo.plan(fam.config("tiny"), recipe, batch=2, seq=16, peak="compile")
+    planned = zoo.plan.plan(fam.config("tiny"), recipe, batch=2, seq=16, peak="compile")
     assert planned.peak_source == "compiled for cpu" and planned.peak.compiled
     assert planned.peak.detail == job.detail
     d = job.detail
@@ -46,13 +46,13 @@ def test_the_planners_compiled_peak_is_the_main_jobs_own_step(family, monkeypatc
 
 def test_another_device_is_an_estimate_and_cannot_be_compiled_here():
     cfg, recipe = zoo.models.LlamaConfig.preset("tiny"), LLAMA_RECIPES["qkv_offload"]
-    p = zoo.plan(cfg, recipe, batch=2, seq=16, hardware=Hardware(device_kind="H200"))
+    p = zoo.plan.plan(cfg, recipe, batch=2, seq=16, hardware=Hardware(device_kind="H200"))
     assert not p.peak.compiled and p.peak_source.startswith("estimate") and "H200" in p.peak_source
     assert p.peak_bytes > p.hbm_bytes == p.peak.detail["floor"]
     assert p.to_dict()["peak_source"] == p.peak_source
     with pytest.raises(ValueError, match="compiles for the device present"):
-        zoo.plan(cfg, recipe, batch=2, seq=16, peak="compile", hardware=Hardware(device_kind="H200"))
-    assert zoo.plan(cfg, recipe, batch=2, seq=16, peak=None).peak_bytes is None
+        zoo.plan.plan(cfg, recipe, batch=2, seq=16, peak="compile", hardware=Hardware(device_kind="H200"))
+    assert zoo.plan.plan(cfg, recipe, batch=2, seq=16, peak=None).peak_bytes is None
 
 
 def test_the_main_job_refuses_a_step_over_the_budget_before_running_it(capsys):
@@ -90,7 +90,10 @@ def test_training_defaults_per_preset():
     assert loop.RunConfig(preset="llama3_1_8b", lr=1e-3, warmup=3).peak_lr == 1e-3   # explicit wins
     assert loop.RunConfig(preset="llama3_1_8b", lr=1e-3, warmup=3).total_warmup == 3
     assert loop.RunConfig(preset="llama3_1_8b").identity()["lr"] == 3e-4
-    assert defaults.for_preset("some_new_preset") == defaults.FULL_SIZE
+    assert defaults.for_preset("llama3", "some_new_preset").lr == defaults.FULL_SIZE[0]
+    # a family's published schedules are its own: a preset of one family is not another's
+    assert loop.RunConfig(model="qwen3", preset="qwen3_8b").peak_lr == defaults.FULL_SIZE[0]
+    assert defaults.for_preset("deepseek_v3", "tiny").lr == 3e-3
     with pytest.raises(ValueError, match="--opt-dtype"):
         loop.RunConfig(opt_dtype="int8")
 
@@ -116,18 +119,18 @@ def test_auto_offloads_only_what_pays_when_copies_do_not_overlap():
     (XLA on the H200: copies serialised on the compute stream) each would add its link time to the step, far more
     than recomputing it, so they are recomputed, and the reasons say so."""
     cfg = zoo.models.LlamaConfig.preset("llama3_1_405b")
-    budget = zoo.plan(cfg, zoo.Recipe.full(), peak=None, **STUDY_405B).hbm_bytes / GiB + 0.25
+    budget = zoo.plan.plan(cfg, zoo.Recipe.full(), peak=None, **STUDY_405B).hbm_bytes / GiB + 0.25
     kw = dict(link_gbps=55, tflops=800, hbm_gib=budget)
-    hidden = zoo.plan(cfg, "auto", hardware=Hardware(overlap=1, **kw), peak=None, **STUDY_405B)
-    serial = zoo.plan(cfg, "auto", hardware=Hardware(overlap=0, **kw), peak=None, **STUDY_405B)
+    hidden = zoo.plan.plan(cfg, "auto", hardware=Hardware(overlap=1, **kw), peak=None, **STUDY_405B)
+    serial = zoo.plan.plan(cfg, "auto", hardware=Hardware(overlap=0, **kw), peak=None, **STUDY_405B)
     assert {"query_proj", "key_proj", "value_proj"} <= set(hidden.recipe.offload)
     assert serial.recipe.offload == () and serial.recipe.placement("query_proj") == "remat"
     note = {t.tag: t.note for t in serial.stacks[0].tags}["query_proj"]
     assert "overlap 0" in note and "would add" in note and "recompute it saves" in note
     # the step-time estimate: with overlap 0 a fixed offload recipe pays every transfer, both ways
     qkv = LLAMA_RECIPES["qkv_offload"]
-    p0 = zoo.plan(cfg, qkv, peak=None, hardware=Hardware(link_gbps=55, tflops=800, overlap=0), **STUDY_405B)
-    p1 = zoo.plan(cfg, qkv, peak=None, hardware=Hardware(link_gbps=55, tflops=800, overlap=1), **STUDY_405B)
+    p0 = zoo.plan.plan(cfg, qkv, peak=None, hardware=Hardware(link_gbps=55, tflops=800, overlap=0), **STUDY_405B)
+    p1 = zoo.plan.plan(cfg, qkv, peak=None, hardware=Hardware(link_gbps=55, tflops=800, overlap=1), **STUDY_405B)
     (s,) = p0.stacks
     assert p0.step_time()["exposed_transfer_s"] == pytest.approx(s.num_layers * 2 * s.host_bytes_per_layer / 55e9)
     assert p1.step_time()["exposed_transfer_s"] == 0
@@ -140,14 +143,16 @@ def test_the_link_defaults_to_the_measured_one():
     assert "command buffers off" in h200.setting and h200.date
     assert links.measured("cpu") is None
     cfg = zoo.models.LlamaConfig.preset("tiny")
-    p = zoo.plan(cfg, "auto", batch=2, seq=16, peak=None, hardware=Hardware(hbm_gib=1, tflops=800, device_kind="H200"))
+    p = zoo.plan.plan(cfg, "auto", batch=2, seq=16, peak=None,
+                      hardware=Hardware(hbm_gib=1, tflops=800, device_kind="H200"))
     assert (p.link_gbps, p.overlap) == (55.3, measured) and "measured on H200" in p.link_source
-    given = zoo.plan(cfg, "auto", batch=2, seq=16, peak=None, hardware=Hardware(hbm_gib=1, tflops=800, link_gbps=450))
+    given = zoo.plan.plan(cfg, "auto", batch=2, seq=16, peak=None,
+                          hardware=Hardware(hbm_gib=1, tflops=800, link_gbps=450))
     assert (given.link_gbps, given.overlap) == (450, links.Overlap(0.0, 0.0))   # none measured on the CPU
     with pytest.raises(ValueError, match="no link is measured for 'cpu'"):
-        zoo.plan(cfg, "auto", batch=2, seq=16, peak=None, hardware=Hardware(hbm_gib=1, tflops=800))
+        zoo.plan.plan(cfg, "auto", batch=2, seq=16, peak=None, hardware=Hardware(hbm_gib=1, tflops=800))
     with pytest.raises(ValueError, match="overlap must be a fraction"):
-        zoo.plan(cfg, LLAMA_RECIPES["qkv_offload"], batch=2, seq=16, peak=None, hardware=Hardware(overlap=2))
+        zoo.plan.plan(cfg, LLAMA_RECIPES["qkv_offload"], batch=2, seq=16, peak=None, hardware=Hardware(overlap=2))
 
 
 def test_the_abstract_step_allocates_nothing():

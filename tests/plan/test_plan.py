@@ -56,7 +56,7 @@ def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 # -- the study's figures ----------------------------------------------------------------------------------------
 def test_study_figures_llama_405b_qkv_offload(monkeypatch):
     monkeypatch.delenv(zoo.plan.POOL_ENV, raising=False)
-    p = zoo.plan(L405, LLAMA_RECIPES["qkv_offload"], batch=2, seq=8192)
+    p = zoo.plan.plan(L405, LLAMA_RECIPES["qkv_offload"], batch=2, seq=8192)
     (stack,) = p.stacks
     tags = {t.tag: t for t in stack.tags}
     assert {t: tags[t].host_bytes for t in ("query_proj", "key_proj", "value_proj")} == {
@@ -77,7 +77,7 @@ def test_shapes_are_the_published_405b_shapes():
     """The planner's tag shapes (traced from the layers) against the shapes the 405B config implies, written out
     from its published sizes: D 16384, 128 query heads and 8 key/value heads of 128, F 53248."""
     b, s, d, h, kv, hd, f = 2, 8192, 16384, 128, 8, 128, 53248
-    p = zoo.plan(L405, LLAMA_RECIPES["qkv_offload"], batch=b, seq=s)
+    p = zoo.plan.plan(L405, LLAMA_RECIPES["qkv_offload"], batch=b, seq=s)
     assert {t.tag: t.shape for t in p.stacks[0].tags} == {
         "decoder_layer_input": (b, s, d), "query_proj": (b, s, h, hd), "key_proj": (b, s, kv, hd),
         "value_proj": (b, s, kv, hd), "attention_out": (b, s, h, hd), "context": (b, h, s), "out_proj": (b, s, d),
@@ -87,8 +87,8 @@ def test_shapes_are_the_published_405b_shapes():
 
 
 def test_shard_splits_batch_and_model_state():
-    one = zoo.plan(L405, LLAMA_RECIPES["qkv_offload"], batch=2, seq=8192)
-    many = zoo.plan(L405, LLAMA_RECIPES["qkv_offload"], batch=256, seq=8192, parallel=Parallelism(shard=128))
+    one = zoo.plan.plan(L405, LLAMA_RECIPES["qkv_offload"], batch=2, seq=8192)
+    many = zoo.plan.plan(L405, LLAMA_RECIPES["qkv_offload"], batch=256, seq=8192, parallel=Parallelism(shard=128))
     assert many.host_bytes == one.host_bytes and many.activation_bytes == one.activation_bytes
     assert many.state.params == math.ceil(one.state.params / 128)
     assert many.state.optimizer == math.ceil(one.state.optimizer / 128)
@@ -100,7 +100,7 @@ def test_shard_splits_batch_and_model_state():
 def test_planned_bytes_equal_the_residuals_jax_saves(family, name):
     _, cfg, build, recipes = next(f for f in families() if f[0] == family)
     recipe = recipes[name]
-    p = zoo.plan(cfg, recipe, batch=B, seq=S)
+    p = zoo.plan.plan(cfg, recipe, batch=B, seq=S)
     model = nnx.eval_shape(lambda: build(cfg, recipe=recipe, rngs=nnx.Rngs(0)))  # JAX answers from shapes alone
     for sp in p.stacks:
         res = audit.layer_residuals(model, sp.name, B, S)
@@ -131,7 +131,7 @@ def test_planned_bytes_equal_the_residuals_jax_saves(family, name):
 
 
 def test_none_counts_what_jax_saves_beyond_the_tags():
-    p = zoo.plan(LLAMA_TINY, LLAMA_RECIPES["none"], batch=B, seq=S)
+    p = zoo.plan.plan(LLAMA_TINY, LLAMA_RECIPES["none"], batch=B, seq=S)
     (sp,) = p.stacks
     assert sp.untagged_bytes > 0 and sp.remat_flops == 0
     assert any("recipe 'none' keeps every intermediate" in w for w in p.warnings)
@@ -145,7 +145,7 @@ def test_recompute_flops_follow_the_layer():
     qkv = 2 * tokens * c.dim * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
     # causal attention, counted from the shapes whatever kernel runs: half of 2 x 2 B H S^2 d
     attention = 2 * 2 * B * S * S * c.num_heads * c.head_dim // 2
-    flops = {n: zoo.plan(c, LLAMA_RECIPES[n], batch=B, seq=S).stacks[0]
+    flops = {n: zoo.plan.plan(c, LLAMA_RECIPES[n], batch=B, seq=S).stacks[0]
              for n in ("none", "full", "save_qkv", "minimal", "minimal_no_context", "context_offload")}
     assert flops["none"].remat_flops == 0
     assert all(f.attention_flops == attention for f in flops.values())
@@ -166,22 +166,23 @@ def test_recompute_flops_follow_the_layer():
 def test_model_state():
     full = LLAMA_RECIPES["full"]
     n = zoo.models.count_params(planner.abstract_model(LLAMA_TINY))
-    p = zoo.plan(LLAMA_TINY, full, batch=B, seq=S)
+    p = zoo.plan.plan(LLAMA_TINY, full, batch=B, seq=S)
     assert (p.state.num_params, p.state.params, p.state.grads, p.state.optimizer) == (n, 4 * n, 4 * n, 8 * n)
     assert p.hbm_bytes == p.activation_bytes + p.state.total
-    sgd = zoo.plan(LLAMA_TINY, full, batch=B, seq=S, parallel=Parallelism(shard=3), training=Training(optimizer="sgd"))
+    sgd = zoo.plan.plan(LLAMA_TINY, full, batch=B, seq=S, parallel=Parallelism(shard=3),
+                        training=Training(optimizer="sgd"))
     assert sgd.state.optimizer == 0 and sgd.state.params == math.ceil(4 * n / 3)
-    bf16 = zoo.plan(dataclasses.replace(LLAMA_TINY, param_dtype="bfloat16"), full, batch=B, seq=S,
-                    training=Training(opt_dtype="bfloat16"))
+    bf16 = zoo.plan.plan(dataclasses.replace(LLAMA_TINY, param_dtype="bfloat16"), full, batch=B, seq=S,
+                         training=Training(opt_dtype="bfloat16"))
     assert (bf16.state.params, bf16.state.optimizer) == (2 * n, 4 * n)
-    planned = zoo.plan(L405, full, batch=1, seq=8).state.num_params
+    planned = zoo.plan.plan(L405, full, batch=1, seq=8).state.num_params
     assert zoo.models.count_params(planner.abstract_model(L405)) == planned
 
 
 # -- warnings ---------------------------------------------------------------------------------------------------
 def test_warnings_pool_ram_and_hbm(monkeypatch):
     def warnings(**kw):
-        return zoo.plan(L405, LLAMA_RECIPES["qkv_offload"], batch=2, seq=8192, **kw).warnings
+        return zoo.plan.plan(L405, LLAMA_RECIPES["qkv_offload"], batch=2, seq=8192, **kw).warnings
 
     monkeypatch.setenv(zoo.plan.POOL_ENV, "128")
     monkeypatch.setattr(plan_state, "machine_ram_bytes", lambda: 1 << 50)
@@ -201,19 +202,19 @@ def test_warnings_pool_ram_and_hbm(monkeypatch):
 def test_bad_names_and_values_raise():
     full = LLAMA_RECIPES["full"]
     with pytest.raises(ValueError, match="no model family for a str"):
-        zoo.plan("llama4", full, batch=1, seq=8)
+        zoo.plan.plan("llama4", full, batch=1, seq=8)
     with pytest.raises(ValueError, match="recipe must be a zoo.Recipe or 'auto', got 'qkv'"):
-        zoo.plan(LLAMA_TINY, "qkv", batch=1, seq=8)
+        zoo.plan.plan(LLAMA_TINY, "qkv", batch=1, seq=8)
     with pytest.raises(ValueError, match="optimizer='adagrad'.*adamw"):
-        zoo.plan(LLAMA_TINY, full, batch=1, seq=8, training=Training(optimizer="adagrad"))
+        zoo.plan.plan(LLAMA_TINY, full, batch=1, seq=8, training=Training(optimizer="adagrad"))
     with pytest.raises(ValueError, match="batch must be a positive int"):
-        zoo.plan(LLAMA_TINY, full, batch=0, seq=8)
+        zoo.plan.plan(LLAMA_TINY, full, batch=0, seq=8)
     with pytest.raises(ValueError, match="batch=3 does not split evenly over shard=2"):
-        zoo.plan(LLAMA_TINY, full, batch=3, seq=8, parallel=Parallelism(shard=2))
+        zoo.plan.plan(LLAMA_TINY, full, batch=3, seq=8, parallel=Parallelism(shard=2))
     with pytest.raises(ValueError, match="auto' needs hbm_gib, link_gbps"):
-        zoo.plan(LLAMA_TINY, "auto", batch=1, seq=8, hardware=Hardware(tflops=1.0))
+        zoo.plan.plan(LLAMA_TINY, "auto", batch=1, seq=8, hardware=Hardware(tflops=1.0))
     with pytest.raises(ValueError, match="matches no tag that Llama emits"):
-        zoo.plan(LLAMA_TINY, zoo.Recipe("moe", offload=("moe_*",)), batch=1, seq=8)
+        zoo.plan.plan(LLAMA_TINY, zoo.Recipe("moe", offload=("moe_*",)), batch=1, seq=8)
 
 
 # -- the automatic recipe ---------------------------------------------------------------------------------------
@@ -221,7 +222,7 @@ def test_bad_names_and_values_raise():
 # proven to hide copies); with overlap 0 (XLA on the H200 today) see test_peak.py.
 def _tight_budget(cfg, **kw) -> float:
     """An HBM budget (GiB) that holds the model state and the scan carry but no other tag."""
-    return zoo.plan(cfg, zoo.Recipe.full(), **kw).hbm_bytes / GiB + 0.25
+    return zoo.plan.plan(cfg, zoo.Recipe.full(), **kw).hbm_bytes / GiB + 0.25
 
 
 STUDY_405B = dict(batch=256, seq=8192, parallel=Parallelism(shard=128))  # batch 2 per device, FSDP over 128 GPUs
@@ -229,8 +230,8 @@ STUDY_405B = dict(batch=256, seq=8192, parallel=Parallelism(shard=128))  # batch
 
 @pytest.mark.parametrize("link", [450, 55])
 def test_auto_offloads_qkv_of_405b_at_the_study_link_and_on_pcie(link):
-    p = zoo.plan(L405, "auto", hardware=Hardware(hbm_gib=_tight_budget(L405, **STUDY_405B), link_gbps=link, overlap=1,
-                                                 tflops=800), **STUDY_405B)
+    p = zoo.plan.plan(L405, "auto", hardware=Hardware(hbm_gib=_tight_budget(L405, **STUDY_405B), link_gbps=link,
+                                                      overlap=1, tflops=800), **STUDY_405B)
     assert isinstance(p.recipe, zoo.Recipe)
     assert {"query_proj", "key_proj", "value_proj"} <= set(p.recipe.offload)
     assert p.hbm_bytes <= p.hbm_budget
@@ -239,20 +240,20 @@ def test_auto_offloads_qkv_of_405b_at_the_study_link_and_on_pcie(link):
 
 
 def test_auto_recomputes_what_a_slow_link_cannot_hide():
-    p = zoo.plan(L405, "auto", hardware=Hardware(hbm_gib=_tight_budget(L405, **STUDY_405B), link_gbps=1, overlap=1,
-                                                 tflops=800), **STUDY_405B)
+    p = zoo.plan.plan(L405, "auto", hardware=Hardware(hbm_gib=_tight_budget(L405, **STUDY_405B), link_gbps=1, overlap=1,
+                                                      tflops=800), **STUDY_405B)
     assert "query_proj" not in p.recipe.offload and p.recipe.placement("query_proj") == "remat"
     assert "would not hide" in {t.tag: t.note for t in p.stacks[0].tags}["query_proj"]
     assert "key_proj" in p.recipe.offload  # 32 MiB per layer still hides at 1 GB/s
 
 
 def test_auto_keeps_on_device_what_fits_and_respects_a_host_budget():
-    roomy = zoo.plan(L405, "auto", hardware=Hardware(hbm_gib=10_000, link_gbps=55, overlap=1, tflops=800),
-                     **STUDY_405B)
+    roomy = zoo.plan.plan(L405, "auto", hardware=Hardware(hbm_gib=10_000, link_gbps=55, overlap=1, tflops=800),
+                          **STUDY_405B)
     needed = {t.tag for t in roomy.stacks[0].tags if t.residual}
     assert set(roomy.recipe.device) == needed and roomy.recipe.offload == ()
-    no_host = zoo.plan(L405, "auto", hardware=Hardware(hbm_gib=_tight_budget(L405, **STUDY_405B), link_gbps=450,
-                                                       overlap=1, tflops=800, host_gib=1), **STUDY_405B)
+    no_host = zoo.plan.plan(L405, "auto", hardware=Hardware(hbm_gib=_tight_budget(L405, **STUDY_405B), link_gbps=450,
+                                                            overlap=1, tflops=800, host_gib=1), **STUDY_405B)
     assert no_host.recipe.offload == () and no_host.host_bytes == 0
 
 
@@ -260,7 +261,7 @@ def test_auto_recipe_builds_and_trains_the_tiny_model():
     """The chosen recipe is one JAX honours (placements read back from the residuals), and the model trains under
     it: a few Adam steps on one batch lower the loss."""
     # a budget that holds the model state and the scan carry, nothing more; at a slow FLOP rate every transfer hides
-    budget = zoo.plan(LLAMA_TINY, zoo.Recipe.full(), batch=B, seq=S).hbm_bytes / GiB
+    budget = zoo.plan.plan(LLAMA_TINY, zoo.Recipe.full(), batch=B, seq=S).hbm_bytes / GiB
     recipe = planner.auto_recipe(LLAMA_TINY, batch=B, seq=S,
                                  hardware=Hardware(hbm_gib=budget, link_gbps=55, overlap=1, tflops=1e-6))
     assert recipe.device == ("decoder_layer_input",) and {"query_proj", "mlpwi_0"} <= set(recipe.offload)
@@ -320,7 +321,7 @@ def test_cli_auto_and_bad_input():
     # --recipe auto (the flags' other spellings are the main job's: --hbm-limit, --peak-tflops).
     r = _run(*tiny, "--recipe", "auto", "--device", "H200", "--hbm-limit", "1", env={"COLUMNS": "200"})
     assert r.returncode == 0, r.stderr
-    # recompute priced at the Llama step's measured rate on the H200 (zoo.plan.links.RATES), not the datasheet's
+    # recompute priced at the Llama step's measured rate on the H200 (the family's step_rates), not the datasheet's
     rate = zoo.plan.links.step_rate("H200", LLAMA_TINY).tflops
     assert "chosen:" in r.stdout and "55.3 GB/s" in r.stdout and f"{rate:g} TFLOP/s executed" in r.stdout
 
@@ -354,15 +355,15 @@ def test_cli_set_values_take_the_field_type():
     out = json.loads(r.stdout)
     assert out["stacks"][0]["num_layers"] == 3
     three = dataclasses.replace(LLAMA_TINY, num_layers=3)
-    untied, tied = (zoo.plan(dataclasses.replace(three, tie_embeddings=t), LLAMA_RECIPES["full"], batch=2,
-                             seq=8).state.num_params for t in (False, True))
+    untied, tied = (zoo.plan.plan(dataclasses.replace(three, tie_embeddings=t), LLAMA_RECIPES["full"], batch=2,
+                                  seq=8).state.num_params for t in (False, True))
     assert tied < untied == out["model_state"]["num_params"]  # "false" is False: the LM head is its own
 
 
-def test_zoo_plan_is_callable_and_a_package_whatever_is_imported_first():
+def test_zoo_plan_is_a_package_with_the_planner_whatever_is_imported_first():
     code = ("import zoo.plan.measure, zoo; from zoo.plan import build; assert zoo.plan.plan is build.plan; "
             "from recipes.llama3 import RECIPES; "
-            "p = zoo.plan(zoo.models.LlamaConfig.preset('tiny'), RECIPES['qkv_offload'], batch=1, seq=8); "
+            "p = zoo.plan.plan(zoo.models.LlamaConfig.preset('tiny'), RECIPES['qkv_offload'], batch=1, seq=8); "
             "print(p.host_bytes)")
     r = _run("-c", code)
     assert r.returncode == 0, r.stderr
@@ -394,11 +395,11 @@ def test_deepseek_study_bytes_per_token():
     moe_up = 2 * cfg.num_experts_per_tok * cfg.moe_mlp_dim
     study = 2 * (2 * cfg.num_heads * qk + cfg.num_heads * cfg.v_head_dim + moe_up)
     lowrank = 2 * (cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim + moe_up)
-    p = zoo.plan(cfg, RECIPES["mla_moe_offload"], **DS_SLICE)
+    p = zoo.plan.plan(cfg, RECIPES["mla_moe_offload"], **DS_SLICE)
     moe = {s.name: s for s in p.stacks}["moe_layers"]
     assert moe.num_layers == cfg.num_moe_layers and moe.host_bytes_per_layer == study * tokens
     assert study == 192 * 1024  # ANCHORS.md: ~192 KiB per token and layer
-    p = zoo.plan(cfg, RECIPES["lowrank_wa_offload"], **DS_SLICE)
+    p = zoo.plan.plan(cfg, RECIPES["lowrank_wa_offload"], **DS_SLICE)
     assert {s.name: s for s in p.stacks}["moe_layers"].host_bytes_per_layer == lowrank * tokens
     assert round(lowrank / 1024) == 68  # ~68 KiB
 
@@ -410,33 +411,33 @@ def test_auto_deepseek_is_link_aware():
     from recipes.deepseek_v3 import RECIPES, STUDY
     cfg = zoo.models.DeepSeekV3Config.preset("deepseek_v3_671b")
     budget = _tight_budget(cfg, **DS_SLICE)
-    fast = zoo.plan(cfg, "auto", hardware=Hardware(hbm_gib=budget, link_gbps=450, overlap=1, tflops=600),
-                    **DS_SLICE)
+    fast = zoo.plan.plan(cfg, "auto", hardware=Hardware(hbm_gib=budget, link_gbps=450, overlap=1, tflops=600),
+                         **DS_SLICE)
     assert set(STUDY) <= set(fast.recipe.offload)
-    slow = zoo.plan(cfg, "auto", hardware=Hardware(hbm_gib=budget, link_gbps=55, overlap=1, tflops=600),
-                    **DS_SLICE)
+    slow = zoo.plan.plan(cfg, "auto", hardware=Hardware(hbm_gib=budget, link_gbps=55, overlap=1, tflops=600),
+                         **DS_SLICE)
     assert set(RECIPES["lowrank_wa_offload"].offload) <= set(slow.recipe.offload)
     assert {"query_proj", "key_proj", "value_proj"}.isdisjoint(slow.recipe.offload)
     notes = {t.tag: t.note for s in slow.stacks for t in s.tags}
     assert "would not hide" in notes["query_proj"] and "at 55 GB/s" in notes["query_proj"]
     # the estimate agrees: on PCIe the study's recipe is link-bound, the low-rank one is not
     link = Hardware(link_gbps=55, overlap=1, tflops=600)
-    est = {n: zoo.plan(cfg, RECIPES[n], hardware=link, **DS_SLICE).step_time()
+    est = {n: zoo.plan.plan(cfg, RECIPES[n], hardware=link, **DS_SLICE).step_time()
            for n in ("mla_moe_offload", "lowrank_wa_offload")}
     assert est["mla_moe_offload"]["exposed_transfer_s"] > 0 == est["lowrank_wa_offload"]["exposed_transfer_s"]
 
 
 def test_the_model_table_plans_deepseek():
     fam = registry.family("deepseek_v3")
-    p = zoo.plan(fam.config("tiny"), recipes_of(fam)["mla_moe_offload"], batch=B, seq=S)
+    p = zoo.plan.plan(fam.config("tiny"), recipes_of(fam)["mla_moe_offload"], batch=B, seq=S)
     assert [s.name for s in p.stacks] == ["dense_layers", "moe_layers"] and p.host_bytes > 0
     assert registry.family_of(fam.config("tiny")) is fam and recipes_of(fam) is DS_RECIPES
 
 
 def test_a_cudnn_config_is_planned_on_the_xla_path():
     qkv = LLAMA_RECIPES["qkv_offload"]
-    cudnn = zoo.plan(dataclasses.replace(LLAMA_TINY, attention_impl="cudnn"), qkv, batch=B, seq=S)
-    xla = zoo.plan(LLAMA_TINY, qkv, batch=B, seq=S)
+    cudnn = zoo.plan.plan(dataclasses.replace(LLAMA_TINY, attention_impl="cudnn"), qkv, batch=B, seq=S)
+    xla = zoo.plan.plan(LLAMA_TINY, qkv, batch=B, seq=S)
     assert (cudnn.host_bytes, cudnn.activation_bytes, cudnn.remat_flops) == (xla.host_bytes, xla.activation_bytes,
                                                                             xla.remat_flops)
 
@@ -450,7 +451,7 @@ def test_tags_are_traced_once_per_stack_and_shape(monkeypatch):
     monkeypatch.setattr(stack.tags_lib, "emitted", lambda *a: calls.append(a[-1].shape) or real(*a))
     cfg = dataclasses.replace(LLAMA_TINY, dim=48)  # a layer no other test has traced
     model = nnx.eval_shape(lambda: zoo.models.llama3(cfg, recipe=LLAMA_RECIPES["full"], rngs=nnx.Rngs(0)))
-    zoo.plan(cfg, LLAMA_RECIPES["qkv_offload"], batch=B, seq=S)
+    zoo.plan.plan(cfg, LLAMA_RECIPES["qkv_offload"], batch=B, seq=S)
     audit.residual_tags(model, "layers")
     audit.placements_seen(model, "layers", B, S, recipe=LLAMA_RECIPES["qkv_offload"])
     assert calls == [(1, 8, 48), (B, S, 48)]
@@ -460,10 +461,11 @@ def test_tags_are_traced_once_per_stack_and_shape(monkeypatch):
 def test_a_split_plan_shows_one_devices_shapes_beside_one_devices_bytes():
     """Split over devices, the table's shape column is one device's part (the bytes beside it are per device)."""
     recipe = LLAMA_RECIPES["qkv_offload"]
-    whole = zoo.plan(LLAMA_TINY, recipe, batch=4, seq=S, peak=None)
+    whole = zoo.plan.plan(LLAMA_TINY, recipe, batch=4, seq=S, peak=None)
     assert all(tp.device_shape is None for tp in whole.stacks[0].tags)
-    halves = zoo.plan(LLAMA_TINY, recipe, batch=4, seq=S, peak=None, parallel=Parallelism(shard=2))
-    meshed = zoo.plan(LLAMA_TINY, recipe, batch=4, seq=S, peak=None, parallel=Parallelism(mesh={"fsdp": 2, "tp": 2}))
+    halves = zoo.plan.plan(LLAMA_TINY, recipe, batch=4, seq=S, peak=None, parallel=Parallelism(shard=2))
+    meshed = zoo.plan.plan(LLAMA_TINY, recipe, batch=4, seq=S, peak=None,
+                           parallel=Parallelism(mesh={"fsdp": 2, "tp": 2}))
     heads = {tp.tag: tp for tp in meshed.stacks[0].tags}
     for p, rows in ((halves, 2), (meshed, 2)):
         for tp in p.stacks[0].tags:

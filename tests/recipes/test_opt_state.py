@@ -147,23 +147,23 @@ def test_the_plan_counts_a_micro_batch_and_the_state_where_it_lives():
     import zoo
     fam = model_family("llama3")
     cfg, recipe = fam.config("tiny"), model_recipe(fam, "qkv_offload")
-    whole = zoo.plan(cfg, recipe, batch=4, seq=SEQ, peak=None)
-    accum = zoo.plan(cfg, recipe, batch=4, seq=SEQ, peak=None, training=Training(grad_accum=2))
-    half = zoo.plan(cfg, recipe, batch=2, seq=SEQ, peak=None)
+    whole = zoo.plan.plan(cfg, recipe, batch=4, seq=SEQ, peak=None)
+    accum = zoo.plan.plan(cfg, recipe, batch=4, seq=SEQ, peak=None, training=Training(grad_accum=2))
+    half = zoo.plan.plan(cfg, recipe, batch=2, seq=SEQ, peak=None)
     assert accum.activation_bytes == half.activation_bytes < whole.activation_bytes
     assert accum.host_bytes == half.host_bytes < whole.host_bytes
     assert accum.forward_flops == whole.forward_flops and accum.model_flops == whole.model_flops
     assert whole.state.accum == 0 and accum.state.accum == 4 * whole.state.num_params   # float32 sums
     assert accum.state.total == whole.state.total + accum.state.accum
-    hosted = zoo.plan(cfg, recipe, batch=4, seq=SEQ, peak=None, training=Training(opt_state="host"))
+    hosted = zoo.plan.plan(cfg, recipe, batch=4, seq=SEQ, peak=None, training=Training(opt_state="host"))
     assert hosted.state.optimizer == whole.state.optimizer > 0
     assert hosted.state.total == whole.state.total - whole.state.optimizer
     assert hosted.host_total == whole.host_bytes + whole.state.optimizer
     assert hosted.to_dict()["model_state"]["host"] == whole.state.optimizer
     with pytest.raises(ValueError, match="grad_accum=3 must divide batch=4"):
-        zoo.plan(cfg, recipe, batch=4, seq=SEQ, peak=None, training=Training(grad_accum=3))
+        zoo.plan.plan(cfg, recipe, batch=4, seq=SEQ, peak=None, training=Training(grad_accum=3))
     with pytest.raises(ValueError, match="opt_state='disk'"):
-        zoo.plan(cfg, recipe, batch=4, seq=SEQ, peak=None, training=Training(opt_state="disk"))
+        zoo.plan.plan(cfg, recipe, batch=4, seq=SEQ, peak=None, training=Training(opt_state="disk"))
 
 
 def test_a_step_that_does_not_fit_is_told_about_the_host_state_and_accumulation():

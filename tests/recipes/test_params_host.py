@@ -196,9 +196,9 @@ def test_the_plan_counts_the_master_where_it_lives():
     step that does not fit offers bf16 parameters with their master on the host (on a GPU, float32 parameters)."""
     fam = model_family("llama3")
     cfg, recipe = dataclasses.replace(fam.config("tiny"), param_dtype="bfloat16"), model_recipe(fam, "qkv_offload")
-    dev = zoo.plan(cfg, recipe, batch=2, seq=SEQ, peak=None)
-    host = zoo.plan(cfg, recipe, batch=2, seq=SEQ, peak=None, training=Training(params="host"))
-    both = zoo.plan(cfg, recipe, batch=2, seq=SEQ, peak=None, training=Training(params="host", opt_state="host"))
+    dev = zoo.plan.plan(cfg, recipe, batch=2, seq=SEQ, peak=None)
+    host = zoo.plan.plan(cfg, recipe, batch=2, seq=SEQ, peak=None, training=Training(params="host"))
+    both = zoo.plan.plan(cfg, recipe, batch=2, seq=SEQ, peak=None, training=Training(params="host", opt_state="host"))
     n = dev.state.num_params
     assert dev.state.master == 0 and host.state.master == 4 * n == 2 * host.state.params
     assert host.state.total == dev.state.total and host.host_total == dev.host_total + 4 * n
@@ -206,7 +206,7 @@ def test_the_plan_counts_the_master_where_it_lives():
     assert both.state.host == both.state.optimizer + 4 * n
     assert both.state.total == dev.state.total - dev.state.optimizer
     with pytest.raises(ValueError, match="--params host .* the parameters are float32"):
-        zoo.plan(fam.config("tiny"), recipe, batch=2, seq=SEQ, peak=None, training=Training(params="host"))
+        zoo.plan.plan(fam.config("tiny"), recipe, batch=2, seq=SEQ, peak=None, training=Training(params="host"))
     kw = dict(batch=8, seq=64, recipe="full", opt_dtype="float32", optimizer_bytes=2**30, gpu=True)
     assert "--set param_dtype=bfloat16 --params host (bf16 parameters and gradients in HBM, saving 512.0 MiB" in \
         fit.advice(**kw, param_bytes=2**29)
@@ -228,7 +228,7 @@ def test_the_planner_compiles_the_step_with_the_master_on_the_host():
     master = sorted(hlo_type(x.shape, jnp.float32) for x in jax.tree.leaves(state[0]))
     assert sorted(re.findall(r'(tensor<[^>]*>) \{mhlo\.memory_kind = "pinned_host"', args)) == master
     assert len(re.findall(r'mhlo\.memory_kind = "pinned_host"', results)) == len(master)
-    planned = zoo.plan(cfg, recipe, batch=2, seq=SEQ, peak="compile", training=Training(params="host"))
+    planned = zoo.plan.plan(cfg, recipe, batch=2, seq=SEQ, peak="compile", training=Training(params="host"))
     compiled = compile_abstract(fam, cfg, recipe, batch=2, seq=SEQ, params="host", opt_dtype="float32")[0]
     assert planned.peak.compiled and planned.peak_bytes == from_compiled(compiled).bytes
 

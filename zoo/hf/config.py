@@ -52,7 +52,7 @@ def check_types(hf: dict, *, ints: tuple[str, ...] = (), floats: tuple[str, ...]
                 raise ValueError(f"config.json: {field}={hf[field]!r} must be {what}")
     names = hf.get("architectures")
     if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
-        raise ValueError(f"config.json: architectures={names!r} must be a list of names, e.g. [\"LlamaForCausalLM\"]")
+        raise ValueError(f"config.json: architectures={names!r} must be a list of names (architectures)")
 
 
 def check_unsupported(hf: dict, unsupported: dict[str, Any], arch: str) -> None:

@@ -11,11 +11,11 @@ not per expert). The layout change between one HF tensor and its zoo slice:
   kernel with its k input axes first, heads unflattened: zoo = weight.T.reshape(zoo_shape).
 
 A `copy` entry is a second HF tensor of a parameter that has its own entry: a checkpoint that stores a shared
-tensor twice (DeepSeek-V3's multi-token-prediction layer keeps copies of the embedding and the LM head). `from_hf`
+tensor twice (a multi-token-prediction layer that keeps copies of the embedding and the LM head). `from_hf`
 checks that it equals the tensor it copies and reads nothing from it; `to_hf` writes it from the same parameter.
 
-Published checkpoints are the reference layout (DeepSeek-V3's experts one tensor each, its rope columns
-interleaved, which the zoo's MLA takes as they are: see `zoo.layers.mla`), and what `to_hf` writes.
+Published checkpoints are the reference layout (experts one tensor each; MLA's rope columns interleaved,
+which the zoo's MLA takes as they are: see `zoo.layers.mla`), and what `to_hf` writes.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from flax import nnx
 
 class Stored(nnx.Variable):
     """A variable that checkpoints store and no gradient trains (an optimizer over `nnx.Param` leaves it alone),
-    e.g. DeepSeek-V3's routing bias. Parameter counts include it."""
+    e.g. a router's load-balancing bias. Parameter counts include it."""
 
 
 def logical(axes: Sequence[str | None]) -> dict:

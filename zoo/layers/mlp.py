@@ -1,7 +1,7 @@
 """SwiGLU feed-forward (Shazeer, 2020): down(silu(gate(x)) * up(x)).
 
 Tags: {prefix}mlpwi_0 (gate, before the activation), {prefix}mlpwi_1 (up), {prefix}mlpwo (down). The prefix
-lets the same layer serve as DeepSeek-V3's shared expert ("shared_").
+lets the same layer serve as a mixture of experts' shared expert ("shared_").
 
 `seq_chunks=n` runs the MLP on n equal slices of the sequence, one after the other, each slice's tensors tagged
 with the layer's tags (the tag's tensor is their concatenation: `zoo.tags.emitted`). The arithmetic is the same

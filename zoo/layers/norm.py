@@ -1,7 +1,7 @@
 """RMSNorm (Zhang & Sennrich, 2019), statistics in float32.
 
 Written out rather than `nnx.RMSNorm` so that the order of operations is the published one (normalise in float32,
-cast to the activation dtype, then scale), which is what the Llama and DeepSeek checkpoints were trained with.
+cast to the activation dtype, then scale), which is what the published checkpoints were trained with.
 """
 from __future__ import annotations
 

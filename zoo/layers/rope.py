@@ -1,4 +1,5 @@
-"""Rotary position embeddings (Su et al., 2021) with the frequency scalings of Llama 3.1 and of YaRN.
+"""Rotary position embeddings (Su et al., 2021) with two frequency scalings: the wavelength bands of
+arXiv:2407.21783 (`Llama3Scaling`, after transformers' name for it) and YaRN.
 
 Layout: the "rotate half" layout of the Hugging Face checkpoints: a head vector is split into two halves
 [x1, x2] and rotated as (x1 cos - x2 sin, x2 cos + x1 sin). Frequencies are constants of the config, computed
@@ -16,7 +17,8 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Llama3Scaling:
-    """Llama 3.1's rope_scaling: long wavelengths divided by `factor`, short ones kept, a smooth band between."""
+    """The wavelength bands of arXiv:2407.21783: long wavelengths divided by `factor`, short ones kept, a smooth
+    band between."""
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -37,9 +39,9 @@ class Llama3Scaling:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class YarnScaling:
-    """YaRN (Peng et al., 2023) as DeepSeek-V3 uses it: interpolate low frequencies by `factor` with a linear ramp
-    between beta_slow and beta_fast rotations; `attention_factor` scales cos/sin (1.0 for DeepSeek-V3, whose
-    mscale correction goes into the softmax scale instead; see `softmax_mscale`)."""
+    """YaRN (Peng et al., 2023) as arXiv:2412.19437 uses it: interpolate low frequencies by `factor` with a linear ramp
+    between beta_slow and beta_fast rotations; `attention_factor` scales cos/sin (1.0 for the published 671B MoE,
+    whose mscale correction goes into the softmax scale instead; see `softmax_mscale`)."""
     factor: float = 40.0
     original_max_position_embeddings: int = 4096
     beta_fast: float = 32.0
@@ -64,14 +66,14 @@ class YarnScaling:
 
     def attention_factor(self) -> float:
         """The factor on cos/sin (transformers' `_compute_yarn_parameters`): mscale / mscale_all_dim when both are
-        set (1.0 for DeepSeek-V3), else the paper's 0.1 ln(factor) + 1."""
+        set (1.0 for the published 671B MoE), else the paper's 0.1 ln(factor) + 1."""
         if self.mscale and self.mscale_all_dim:
             return yarn_get_mscale(self.factor, self.mscale) / yarn_get_mscale(self.factor, self.mscale_all_dim)
         return yarn_get_mscale(self.factor, 1.0)
 
     def softmax_mscale(self) -> float:
-        """DeepSeek multiplies the softmax scale by mscale(factor, mscale_all_dim)^2 when mscale_all_dim is set
-        (transformers' `yarn_apply_mscale`): (0.1 ln 40 + 1)^2 = 1.8438... for DeepSeek-V3."""
+        """arXiv:2412.19437 multiplies the softmax scale by mscale(factor, mscale_all_dim)^2 when mscale_all_dim is set
+        (transformers' `yarn_apply_mscale`): (0.1 ln 40 + 1)^2 = 1.8438... for its 671B model."""
         if not self.mscale_all_dim:
             return 1.0
         return yarn_get_mscale(self.factor, self.mscale_all_dim) ** 2

@@ -1,11 +1,15 @@
 """Models: the causal LM and its scanned stacks (shared), and one package per model family, each registering its
-`Family` record into `registry` when imported (the line below imports them all)."""
-from zoo.models import deepseek, llama, qwen3_moe, registry  # noqa: F401  the families: importing one registers it
-from zoo.models.config import LMConfig, MoEConfig
-from zoo.models.deepseek import DeepSeekV3, DeepSeekV3Config, deepseek_v3
-from zoo.models.llama import Llama, LlamaConfig, llama3
-from zoo.models.lm import CausalLM, StackTags, count_params
-from zoo.models.stack import Stack
+`Family` record into `registry` when imported.
 
-__all__ = ["LMConfig", "MoEConfig", "CausalLM", "StackTags", "count_params", "Llama", "LlamaConfig", "llama3",
-           "Stack", "DeepSeekV3", "DeepSeekV3Config", "deepseek_v3", "registry"]
+A family's registration is its line here: importing its package registers it and exports its model and config
+classes (its builder and the rest are the package's, `zoo.models.<package>`, or its record's,
+`registry.family(name)`).
+"""
+from zoo.models import registry  # noqa: F401
+from zoo.models.config import LMConfig, MoEConfig  # noqa: F401
+from zoo.models.deepseek import DeepSeekV3, DeepSeekV3Config, deepseek_v3  # noqa: F401
+from zoo.models.llama import Llama, LlamaConfig, llama3  # noqa: F401
+from zoo.models.lm import CausalLM, StackTags, count_params  # noqa: F401
+from zoo.models.qwen3 import Qwen3, Qwen3Config  # noqa: F401
+from zoo.models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig  # noqa: F401
+from zoo.models.stack import Stack  # noqa: F401

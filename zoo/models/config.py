@@ -3,8 +3,8 @@
 Each family's config (zoo/models/<family>/config.py) extends it. Construction checks every field against its type
 annotation (a bool field takes only a bool, an int field rejects bools and floats, a float must be finite, an
 `X | None` field also takes None), then the ranges the base knows, then the subclass's own `check()`. Every bad
-value is a ValueError naming its field. `parse_field` turns text (a command line's `--set FIELD=VALUE`) into
-a field's type with the same rules.
+value is a ValueError naming its field. Text (a command line's `--set FIELD=VALUE`) is the application's to turn
+into values (`recipes.cli.parse_field`, with `field_types`, `type_options` and `type_name` from here).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from zoo.layers.moe import BACKENDS, EP_DISPATCHES, backend_choice, resolve_back
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
 
 
-def _options(hint) -> tuple[tuple[type, ...], bool]:
+def type_options(hint) -> tuple[tuple[type, ...], bool]:
     """(the non-None types a hint allows, whether None is allowed)."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         args = typing.get_args(hint)
@@ -43,7 +43,7 @@ def _type_ok(value, allowed: tuple[type, ...]) -> bool:
     return False
 
 
-def _type_name(allowed: tuple[type, ...], optional: bool) -> str:
+def type_name(allowed: tuple[type, ...], optional: bool) -> str:
     names = {bool: "a bool", int: "an int", float: "a finite number", str: "a string"}
     out = " or ".join(names.get(t, f"a {t.__name__}") for t in allowed)
     return out + " or None" if optional else out
@@ -58,42 +58,12 @@ def field_types(cls: type) -> dict[str, Any]:
 
 def check_types(cfg) -> None:
     for name, hint in field_types(type(cfg)).items():
-        allowed, optional = _options(hint)
+        allowed, optional = type_options(hint)
         value = getattr(cfg, name)
         if value is None and optional:
             continue
         if not _type_ok(value, allowed):
-            raise ValueError(f"{type(cfg).__name__}.{name} must be {_type_name(allowed, optional)}, got {value!r}")
-
-
-def parse_field(cls: type, name: str, text: str):
-    """Command-line text for the field `name` of `cls`, as that field's type: "false" -> False for a bool, "3" -> 3
-    for an int, "none" -> None where None is allowed. ValueError naming the field and its type otherwise."""
-    types_ = field_types(cls)
-    if name not in types_:
-        raise ValueError(f"{name!r} is not a field of {cls.__name__}; its fields: {', '.join(sorted(types_))}")
-    allowed, optional = _options(types_[name])
-    low = text.strip().lower()
-    if optional and low in ("none", "null"):
-        return None
-    for t in allowed:
-        if t is bool and low in ("true", "false", "1", "0", "yes", "no"):
-            return low in ("true", "1", "yes")
-        if t is int:
-            try:
-                return int(text)
-            except ValueError:
-                pass
-        if t is float:
-            try:
-                value = float(text)
-            except ValueError:
-                continue
-            if math.isfinite(value):
-                return value
-        if t is str:
-            return text
-    raise ValueError(f"{cls.__name__}.{name} must be {_type_name(allowed, optional)}, got {text!r}")
+            raise ValueError(f"{type(cfg).__name__}.{name} must be {type_name(allowed, optional)}, got {value!r}")
 
 
 def check_positive(cfg, *fields: str) -> None:

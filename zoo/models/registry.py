@@ -6,23 +6,25 @@ imported; `zoo/models/__init__.py` imports each family package (one line per fam
 the record (and `LMConfig`'s hooks: `attention_head_dim`, `kernel_choices`, `mesh_divisors`) answers, never a
 family's fields by name:
 
-    family("llama3").config("llama3_1_405b", num_layers=4)   # a preset with overrides
+    family(name).config("tiny", num_layers=4)   # a preset with overrides
     family_of(cfg).build(cfg, recipe=..., rngs=...)
     family_for_hf(config_json).hf.from_hf(config_json, param_dtype="bfloat16")
+    family_of(cfg).step_rate(device_kind, cfg)   # its measured step rate on a device (the planner's), or None
+    family(name).train_defaults.get(preset)     # the published peak learning rate and warm-up of a preset
 
 Recipes are the application's (`recipes/<family name>.py`): nothing here names them.
 """
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zoo.models.config import LMConfig
+from zoo.models.config import LMConfig, MoEConfig
 
 
 def no_aux_loss(cfg: LMConfig, aux: dict) -> jax.Array:
@@ -49,9 +51,32 @@ class HFArch:
 
 
 @dataclasses.dataclass(frozen=True)
+class StepRate:
+    """How fast a training step of the family runs on a device, measured (read by the planner, zoo.plan.links):
+    `tflops`, the rate at which a recipe's extra (recomputed) FLOPs add time, per device, and `overhead`, the step's
+    work that is not its model FLOPs (norms, softmax, routing, the loss) as a fraction of its model FLOPs' time at
+    that rate."""
+    device_kind: str         # matched (case-insensitive substring) against jax.Device.device_kind
+    moe_backend: str | None  # for a family with experts: the dispatch backend measured (None: any / no experts)
+    tflops: float
+    overhead: float
+    date: str
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainDefaults:
+    """A preset's published training schedule: the peak learning rate and the warm-up (None: no published cap)."""
+    lr: float
+    warmup_cap: int | None
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
     """One model family: its config class (whose `PRESETS` table names its sizes), its builder, its Hugging Face
-    mapping, its FLOP count and its training-time hooks."""
+    mapping, its FLOP count, its training-time hooks, and what was measured or published for it: step rates per
+    device and training defaults per preset."""
     name: str                                               # --model; recipes/<name>.py holds its recipes
     config_cls: type[LMConfig]
     build: Callable[..., nnx.Module]                        # build(cfg, recipe=, rngs=)
@@ -59,6 +84,8 @@ class Family:
     flops_per_token: Callable[[Any, nnx.Module, int], float]  # (cfg, model, seq) -> training FLOPs per token
     aux_loss: Callable[[Any, dict], jax.Array] = no_aux_loss      # (cfg, aux) -> scalar added to the loss
     after_update: Callable[[nnx.Module, dict], None] = no_update  # (model, aux): state updates after the step
+    step_rates: tuple[StepRate, ...] = ()                  # measured step rates, by device (and MoE backend)
+    train_defaults: Mapping[str, TrainDefaults] = dataclasses.field(default_factory=dict)  # {preset: published}
 
     def presets(self) -> tuple[str, ...]:
         return self.config_cls.presets()
@@ -74,12 +101,27 @@ class Family:
             raise ValueError(f"{bad} not fields of {self.config_cls.__name__}; its fields: {', '.join(sorted(fields))}")
         return self.config_cls.preset(preset, **overrides)
 
+    def step_rate(self, device_kind: str | None, cfg: LMConfig) -> StepRate | None:
+        """The measured step rate of `cfg` (this family's) on a device kind, for its MoE backend; None if none
+        was measured there."""
+        backend = cfg.moe_backend if isinstance(cfg, MoEConfig) else None
+        for r in self.step_rates:
+            if (device_kind and r.device_kind.lower() in device_kind.lower()
+                    and (r.moe_backend is None or r.moe_backend == backend)):
+                return r
+        return None
+
 
 FAMILIES: dict[str, Family] = {}
 
 
 def register(f: Family) -> Family:
-    """Add a family to the table (a family package calls this once, when imported)."""
+    """Add a family to the table (a family package calls this once, when imported). ValueError for a name or a
+    Hugging Face architecture already taken, or training defaults for a preset the family does not have."""
+    unknown = sorted(set(f.train_defaults) - set(f.presets()))
+    if unknown:
+        raise ValueError(f"{f.name}: training defaults for {unknown}, which are not its presets: "
+                         f"{', '.join(f.presets())}")
     if f.name in FAMILIES and FAMILIES[f.name] is not f:
         raise ValueError(f"model family {f.name!r} is registered twice")
     taken = {g.hf.architecture: g.name for g in FAMILIES.values() if g.name != f.name}

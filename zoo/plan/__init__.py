@@ -1,8 +1,8 @@
 """The memory planner: what a recipe keeps in HBM, puts in host memory and recomputes, before launch.
 
-    p = zoo.plan(cfg, recipe, batch=2, seq=8192)      # a zoo.Recipe, or "auto" with a budget, a link and a rate
-    p = zoo.plan(cfg, "auto", batch=2, seq=8192, hardware=zoo.plan.Hardware(hbm_gib=141, tflops=800),
-                 parallel=zoo.plan.Parallelism(mesh="fsdp=8"), training=zoo.plan.Training(opt_dtype="bfloat16"))
+    p = zoo.plan.plan(cfg, recipe, batch=2, seq=8192)   # a zoo.Recipe, or "auto" with a budget, a link and a rate
+    p = zoo.plan.plan(cfg, "auto", batch=2, seq=8192, hardware=zoo.plan.Hardware(hbm_gib=141, tflops=800),
+                      parallel=zoo.plan.Parallelism(mesh="fsdp=8"), training=zoo.plan.Training(opt_dtype="bfloat16"))
     zoo.plan.render(p)                                # tables; p.to_dict() or zoo.plan.to_json(p) for JSON
     zoo.plan.largest_batch(cfg, recipe, seq=8192, hbm_gib=141)   # the largest power-of-two batch that fits
 
@@ -12,12 +12,8 @@ the audit of a recipe), `auto` (the automatic recipe), `state` (model state, hos
 planned for, its link and rate, how the peak is found), `build` (`plan`), `report` (tables and JSON),
 `capacity` (the largest batch that fits a budget). The command line is the application's.
 
-`zoo.plan` is this package, and calling it calls `plan`: `zoo.plan(cfg, recipe, ...)` and `zoo.plan.measure`
-both work, whatever was imported first.
+`zoo.plan` is this package, a plain module; the planner is its function `zoo.plan.plan`.
 """
-import sys
-import types as _types
-
 from zoo.plan import measure
 from zoo.plan.build import auto_recipe, plan
 from zoo.plan.capacity import Capacity, largest_batch
@@ -30,10 +26,3 @@ __all__ = ["POOL_ENV", "Capacity", "Hardware", "ModelState", "Parallelism", "Pla
            "Training", "auto_recipe", "fmt_bytes", "host_pool_bytes", "largest_batch", "measure", "plan", "render",
            "to_json"]
 
-
-class _CallableModule(_types.ModuleType):
-    def __call__(self, *args, **kwargs) -> Plan:
-        return plan(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

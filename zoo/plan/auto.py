@@ -1,6 +1,6 @@
 """The automatic recipe: each tag's placement chosen for an HBM budget, a host link and a FLOP rate.
 
-`choose` is what `zoo.plan(cfg, "auto", ...)` runs; it says why each tag landed where it did.
+`choose` is what `zoo.plan.plan(cfg, "auto", ...)` runs; it says why each tag landed where it did.
 """
 from __future__ import annotations
 

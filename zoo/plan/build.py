@@ -1,12 +1,12 @@
 """The memory planner: what a recipe keeps in HBM, puts in host memory and recomputes, before launch.
 
-``zoo.plan(cfg, recipe, batch=, seq=)`` (with the optional groups ``hardware=``, ``parallel=``, ``training=``,
+``zoo.plan.plan(cfg, recipe, batch=, seq=)`` (with the optional groups ``hardware=``, ``parallel=``, ``training=``,
 ``zoo.plan.inputs``) builds the model abstractly (``nnx.eval_shape``: no memory), reads each
 stack's tags and their shapes from the layers themselves (``model.tag_shapes``) and returns a :class:`Plan`:
 
 - per stack and tag: the shape, the bytes one layer's tensor takes, and its placement. Only tags the backward
-  pass needs count: those JAX saves when every tag may be saved (``zoo.plan.measure.residual_tags``). Llama's
-  ``mlpwo``, for one, only flows into the residual sum and is never saved, whatever the recipe says; it is
+  pass needs count: those JAX saves when every tag may be saved (``zoo.plan.measure.residual_tags``). A dense
+  decoder's ``mlpwo``, for one, only flows into the residual sum and is never saved, whatever the recipe says; it is
   listed as "not a residual" with 0 bytes.
 - the scan carry (``decoder_layer_input``) is saved once per layer on the device by every recipe (the
   rematerialized body needs its input in the backward pass) unless the recipe offloads it.

@@ -4,11 +4,11 @@
     c.batch          # the largest batch whose peak fits (0: none does)
     c.tried          # (batch, peak bytes, peak source, fits) for each batch planned, in the order planned
 
-Each batch tried is one `zoo.plan(cfg, recipe, batch=B, seq=seq, peak=peak)`; its `peak_bytes` (XLA's
+Each batch tried is one `zoo.plan.plan(cfg, recipe, batch=B, seq=seq, peak=peak)`; its `peak_bytes` (XLA's
 temporaries included: compiled for the device present, or the planner's estimate, `zoo.plan.peak`) is compared
 with the budget. The peak grows with the batch, so the walk goes up the powers of two from `start` and stops at
 the first batch that does not fit; if `start` itself does not fit it walks down instead, to the first that does.
-Compiling costs about 30 s a batch for the DeepSeek-V3 slice on an H200: `start` near the answer saves compiles.
+Compiling costs about 30 s a batch for a 4-layer slice of a 671B MoE on an H200: `start` near the answer saves compiles.
 
 The budget is `hbm_gib`, or else the allocator's limit on the device present (`memory_stats()["bytes_limit"]`:
 what XLA may use, e.g. 75% of an H200's 141 GB under JAX's default preallocation); the CPU has none, nor does a

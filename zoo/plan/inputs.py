@@ -1,9 +1,9 @@
 """What a plan is asked for beyond the model, the recipe and the shape, in three small groups:
 
-    zoo.plan(cfg, recipe, batch=8, seq=4096,
-             hardware=Hardware(hbm_gib=141, link_gbps=55, tflops=800),   # the device planned for
-             parallel=Parallelism(mesh="fsdp=4,tp=2"),                    # how the step is split over devices
-             training=Training(optimizer="adamw", grad_accum=2))          # what the step keeps and how it updates
+    zoo.plan.plan(cfg, recipe, batch=8, seq=4096,
+                  hardware=Hardware(hbm_gib=141, link_gbps=55, tflops=800),   # the device planned for
+                  parallel=Parallelism(mesh="fsdp=4,tp=2"),                    # how the step is split over devices
+                  training=Training(optimizer="adamw", grad_accum=2))          # what the step keeps and how it updates
 
 Each group checks its own values when it is made (a ValueError naming the field); checks between groups and the
 shape (a mesh the batch does not split over, micro-batches that do not divide it) are the planner's.

@@ -6,7 +6,8 @@
   profile of the step with the compile options the zoo uses for it (`Link.setting`, `zoo.compile_options`);
   a slice's edge layers (the last layer's stores, the first reloads of the backward pass) hide least, so a
   figure measured on a few layers is a floor for a deep stack.
-- `StepRate`: how fast a training step of a model family runs on the device, as two measured figures: `tflops`,
+- `step_rate`: how fast a training step of a model family runs on the device, as two measured figures that the
+  family declares (`zoo.models.registry.StepRate`, in its package): `tflops`,
   the rate at which extra matmul work (a recipe's recompute) adds time, and `overhead`, the step's work that is
   not its model FLOPs (norms, softmax, routing and dispatch, the loss: memory-bound) as a fraction of the time
   its model FLOPs take at that rate. Predicted step time = (model FLOPs x (1 + overhead) + recompute FLOPs) /
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from zoo.models.config import MoEConfig
+from zoo.models.registry import StepRate, family_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,17 +58,6 @@ class Link:
     source: str
 
 
-@dataclasses.dataclass(frozen=True)
-class StepRate:
-    device_kind: str
-    config: str             # the model family's config class (LlamaConfig, DeepSeekV3Config)
-    moe_backend: str | None  # for a family with experts: the dispatch backend measured (None: any / no experts)
-    tflops: float           # TFLOP/s at which a recipe's extra (recomputed) FLOPs add time, per device
-    overhead: float         # the step's non-FLOP work, as a fraction of its model FLOPs' time at `tflops`
-    date: str
-    source: str
-
-
 MEASURED: tuple[Link, ...] = (
     Link("H200", 55.3, Overlap(0.634, 0.475),
          "command buffers off for the offloading step (zoo.compile_options)", "2026-12-01",
@@ -76,16 +66,6 @@ MEASURED: tuple[Link, ...] = (
          "63.4% overlapped with compute, H2D 52.8 GB/s and 47.5%; qkv_offload against save_qkv exposes the same "
          "28% of its copy time as minimal_offload against minimal"),
 )
-
-RATES: tuple[StepRate, ...] = (
-    StepRate("H200", "LlamaConfig", None, 760.0, 0.207, "2026-12-01",
-             "bench/results/offload-pays_2026-12-01.jsonl: the 405B-shaped slice (3 layers, batch 2, seq 8192, bf16, "
-             "cuDNN attention, SGD): minimal 1.901 s and full 2.218 s on one GPU in one call"),
-    StepRate("H200", "DeepSeekV3Config", "capacity", 970.0, 1.34, "2026-12-01",
-             "bench/results/offload-pays_2026-12-01.jsonl: the DeepSeek-V3 slice (1 dense + 3 MoE layers, 16 experts, "
-             "batch 4, seq 4096, capacity dispatch, SGD): full 0.964 s and auto (everything saved) 0.868 s"),
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class AttentionRate:
@@ -105,7 +85,7 @@ ATTENTION_RATES: tuple[AttentionRate, ...] = (
     AttentionRate("H200", "cudnn", 430.0, 650.0, "2026-12-01",
                   "bench/results/long-context_2026-12-01.jsonl: the 8B-shaped stack (batch 1, bf16, SGD) at 32K/8, "
                   "64K/4 and 128K/2 layers, the same matmul FLOPs each: context_offload 1.189 / 1.652 / 2.587 s, "
-                  "full 1.270 / 1.849 / 3.060 s; the step rate above for the matmuls, the rest fitted"),
+                  "full 1.270 / 1.849 / 3.060 s; the family's step rate for the matmuls, the rest fitted"),
 )
 
 
@@ -124,10 +104,6 @@ def measured(device_kind: str | None) -> Link | None:
 
 
 def step_rate(device_kind: str | None, cfg) -> StepRate | None:
-    """The measured step rate of `cfg`'s family (and MoE backend) on a device kind, or None."""
-    backend = cfg.moe_backend if isinstance(cfg, MoEConfig) else None
-    for r in RATES:
-        if (_matches(r.device_kind, device_kind) and r.config == type(cfg).__name__
-                and (r.moe_backend is None or r.moe_backend == backend)):
-            return r
-    return None
+    """The measured step rate of `cfg`'s family (and MoE backend) on a device kind, or None: what the family
+    declares (`zoo.models.registry.Family.step_rates`)."""
+    return family_of(cfg).step_rate(device_kind, cfg)

@@ -1,4 +1,4 @@
-"""Per-device figures under a mesh (`zoo.plan(..., mesh=...)`; the application's planner command takes `--mesh`).
+"""Per-device figures under a mesh (`zoo.plan.plan(..., mesh=...)`; the application's planner command takes `--mesh`).
 
 No devices are needed: the mesh is an `AbstractMesh` (`zoo.sharding.abstract_mesh`) and
 - model state (parameters, gradients, optimizer moments, other variables) is each variable's per-device shape

@@ -15,7 +15,7 @@
   Under a mesh the step is compiled as the main job compiles it (`zoo.train_step.compile_abstract`): the state
   laid out by the sharding rules, the batch split over the data axes, traced inside `zoo.sharding.use(mesh)` so
   the activation constraints apply. XLA partitions it (SPMD) and its memory analysis is one device's program:
-  every figure is per device (a tiny Llama's argument bytes are one device's / 4 under fsdp=4, / 8 under fsdp=8,
+  every figure is per device (a tiny dense model's argument bytes are one device's / 4 under fsdp=4, / 8 under fsdp=8,
   on jax 0.10.2 and 0.11.2 alike); the devices of the mesh must be present.
 - **estimate** (planning for another device, e.g. an H200 config on a laptop, or for a mesh larger than the
   devices present, or a uniform `shard=N` split, which is no program to compile): a CPU compile is not a GPU's

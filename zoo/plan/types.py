@@ -233,8 +233,9 @@ class Plan:
         return out
 
     def to_dict(self) -> dict:
-        return dict(model=self.model, recipe=self.recipe.name, offload=list(self.recipe.offload),
-                    device=list(self.recipe.device), special=self.recipe.special, batch=self.batch, seq=self.seq,
+        names = self.recipe.resolve()
+        return dict(model=self.model, recipe=self.recipe.name, offload=list(names.offload),
+                    device=list(names.device), special=self.recipe.special, batch=self.batch, seq=self.seq,
                     shard=self.shard, mesh=self.mesh, grad_accum=self.grad_accum,
                     stacks=[s.to_dict() for s in self.stacks],
                     model_state=self.state.to_dict(),

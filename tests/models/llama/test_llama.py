@@ -224,13 +224,13 @@ def test_a_one_layer_stack_offloads_too():
     shapes = model.tag_shapes(B, S)["layers"].tags
     host = collections.Counter(r.shape for r in audit.model_residuals(model, tokens) if r.host)
     assert host == collections.Counter(shapes[t].shape for t in RECIPES["qkv_offload"].offload)
-    plan = zoo.plan(cfg, RECIPES["qkv_offload"], batch=B, seq=S)
+    plan = zoo.plan.plan(cfg, RECIPES["qkv_offload"], batch=B, seq=S)
     assert plan.host_bytes == sum(math.prod(shapes[t].shape) * 4 for t in RECIPES["qkv_offload"].offload)
 
 
 def test_set_values_parse_to_the_field_type():
     """`--set FIELD=VALUE` text becomes the field's type; junk is a ValueError naming the field and the type."""
-    from zoo.models.config import parse_field
+    from recipes.cli import parse_field
     cls = zoo.models.LlamaConfig
     assert parse_field(cls, "tie_embeddings", "false") is False and parse_field(cls, "tie_embeddings", "True") is True
     assert parse_field(cls, "num_layers", "3") == 3 and parse_field(cls, "rope_theta", "1e4") == 10000.0

@@ -166,3 +166,20 @@ def test_the_main_job_trains_it():
     first, last = (float(line.split("loss")[1].split()[0]) for line in r.stdout.splitlines()
                    if line.startswith("step") and line.split()[1] in ("1", "6"))
     assert last < first, r.stdout
+
+
+def test_the_moe_backend_is_chosen_when_the_model_is_built(monkeypatch):
+    """The MoE layer asks which backend runs once, when it is built for the device, and says which; tracing and
+    calling the model asks nothing (a model built for one device keeps its choice)."""
+    from zoo.layers.moe import backend as backends
+    asked = []
+    choose = backends.backend_choice
+    monkeypatch.setattr(backends, "backend_choice", lambda *a, **kw: asked.append(kw) or choose(*a, **kw))
+    model = qwen3_moe(dataclasses.replace(TINY, moe_backend="auto"), rngs=nnx.Rngs(0))
+    moe = model.moe_layers.layers.mlp
+    assert (moe.backend, moe.runs) == ("auto", "ragged_dot") and "auto on cpu" in moe.choice
+    built = len(asked)
+    assert built >= 1
+    tokens = jax.random.randint(jax.random.key(0), (B, S), 0, TINY.vocab_size)
+    nnx.jit(lambda m: m(tokens))(model)
+    assert len(asked) == built

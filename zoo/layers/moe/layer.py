@@ -4,7 +4,7 @@
 
 `MoE.__call__` returns (y, `MoEAux`): a typed record, which a scanned stack stacks over its layers like any pytree
 ([L, E], [L], [L]). Training adds `total_balance_loss(aux)` to its loss and, for a router with a `RoutingBias`
-(DeepSeek-V3's auxiliary-loss-free balance), calls `update_routing_bias(model, aux, rate)` after the step. Load
+(the auxiliary-loss-free balance), calls `update_routing_bias(model, aux, rate)` after the step. Load
 statistics are global (summed over the dispatch groups): the bias update is the same on any mesh.
 
 The bias is a `RoutingBias`, not an `nnx.Param`: optimizers over `nnx.Param` leave it alone. A functional loop that
@@ -44,24 +44,29 @@ class MoEAux:
 
 
 class MoE(TaggedLayer):
+    """The MoE layer, for one device kind: the backend that runs (`runs`, and why: `choice`) is chosen once, when
+    the layer is built (`backend_choice` for `device`, default the first device), never while tracing; a build
+    where "auto" falls back to capacity dispatch warns then."""
+
     def __init__(self, *, dim: int, router: Router, experts: Experts, shared: MLP | None = None,
                  backend: backends.Backend = "auto", capacity_factor: float = 1.25,
-                 ep_dispatch: backends.EpDispatch = "gather", dtype=jnp.float32):
-        # fail early on an unknown or missing backend, or one ep_dispatch cannot run
-        backends.backend_choice(backend, dtype=dtype, ep_dispatch=ep_dispatch)
+                 ep_dispatch: backends.EpDispatch = "gather", dtype=jnp.float32, device: jax.Device | None = None):
+        # fails early on an unknown or missing backend, or one ep_dispatch cannot run
+        runs, why = backends.backend_choice(backend, dtype=dtype, device=device, ep_dispatch=ep_dispatch)
         if router.num_experts != experts.num_experts:
             raise ValueError(f"MoE: the router chooses among {router.num_experts} experts, but there are "
                              f"{experts.num_experts}")
+        if runs == "capacity" and backend == "auto":
+            warnings.warn(f"MoE: {why}", stacklevel=2)
         self.dim, self.dtype = dim, dtype
         self.gate, self.experts, self.shared_experts = router, experts, shared
         self.backend, self.capacity_factor, self.ep_dispatch = backend, capacity_factor, ep_dispatch
+        self.runs, self.choice = runs, why
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEAux]:
         """x [B, S, D] -> (y [B, S, D], aux)."""
         b, s, _ = x.shape
-        backend, why = backends.backend_choice(self.backend, dtype=self.dtype, ep_dispatch=self.ep_dispatch)
-        if backend == "capacity" and self.backend == "auto":
-            _warn_once(f"MoE: {why}")
+        backend = self.runs
         # Dispatch groups: one per shard of the batch under a mesh (GShard), one on a single device (a batch the
         # mesh does not divide, e.g. the recipe check's batch of 1, gets gcd(batch, shards)). The dropless backends
         # sort all copies at once (one group), or each device its own under expert parallelism (ragged_a2a; a
@@ -105,15 +110,6 @@ class MoE(TaggedLayer):
             y = y + self.shared_experts(x)
         return y, MoEAux(load=load.astype(jnp.float32), balance_loss=self.gate.balance_loss(scores, idx, batch=b),
                          dropped=dropped)
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, stacklevel=3)
 
 
 # -- reading a model's aux ({stack: MoEAux stacked over layers, or {} for a stack without experts}) ----------------

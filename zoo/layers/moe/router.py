@@ -5,17 +5,17 @@ A router is an `nnx.Module` with `num_experts`, `k` and two methods (`Router`, t
 - `balance_loss(scores, idx, batch=) -> []`: the auxiliary loss that keeps the load balanced, already weighted.
 
 Two routers:
-- `GroupLimitedRouter`, DeepSeek-V3's (DeepSeek-AI, 2024, sections 2.1.2-2.1.3): sigmoid affinities; a
+- `GroupLimitedRouter` (arXiv:2412.19437, sections 2.1.2-2.1.3): sigmoid affinities; a
   score-correction bias b_i (a `RoutingBias`, moved by the auxiliary-loss-free update, never by gradients) used
   only to *choose*; the experts split into `n_group` groups, a group scored by the sum of its two best biased
   affinities, the `topk_group` best groups kept, the top-k experts chosen among them. The weights are the chosen
   *unbiased* affinities, normalised to sum to one (`norm_topk_prob`) and times `routed_scaling_factor`. Its balance
   loss is the complementary sequence-wise one.
-- `SoftmaxRouter` (Mixtral, Qwen3-MoE): softmax over the experts, top-k, renormalised to sum to one when
+- `SoftmaxRouter` (Mixtral and its successors): softmax over the experts, top-k, renormalised to sum to one when
   `norm_topk_prob`. Its balance loss is Switch Transformer's (Fedus et al., 2021) as transformers computes it.
 
 Parameter names follow transformers: `kernel` [D, E] is the `gate.weight` of the published checkpoints
-(transposed), `e_score_correction_bias` DeepSeek-V3's bias.
+(transposed), `e_score_correction_bias` the group-limited router's bias.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from zoo.layers.linear import Stored, fan_in_init, logical
 
 
 class RoutingBias(Stored):
-    """DeepSeek-V3's e_score_correction_bias: set by the load-balancing update, never by gradients."""
+    """The group-limited router's e_score_correction_bias: set by the load-balancing update, never by gradients."""
 
 
 class Router(Protocol):
@@ -50,9 +50,9 @@ def _logits(x: jax.Array, kernel: nnx.Param) -> jax.Array:
     return x.astype(jnp.float32) @ kernel[...].astype(jnp.float32)
 
 
-# -- DeepSeek-V3 ----------------------------------------------------------------------------------------------
+# -- group-limited --------------------------------------------------------------------------------------------
 def check_routing(*, num_experts: int, k: int, n_group: int, topk_group: int, where: str) -> None:
-    """The group-limited router's limits (the one place they are checked: the router and DeepSeekV3Config)."""
+    """The group-limited router's limits (the one place they are checked: the router and the configs that use it)."""
     if num_experts % n_group:
         raise ValueError(f"{where}: n_group={n_group} must divide num_experts={num_experts}")
     if not 0 < topk_group <= n_group:
@@ -64,7 +64,7 @@ def check_routing(*, num_experts: int, k: int, n_group: int, topk_group: int, wh
 
 def route(scores: jax.Array, bias: jax.Array, *, k: int, n_group: int, topk_group: int,
           routed_scaling_factor: float, norm_topk_prob: bool = True) -> tuple[jax.Array, jax.Array]:
-    """Group-limited top-k of DeepSeek-V3 over sigmoid `scores` [T, E] (float32) with the selection `bias` [E].
+    """Group-limited top-k (arXiv:2412.19437) over sigmoid `scores` [T, E] (float32) with the selection `bias` [E].
 
     Returns (weights [T, k] float32, expert indices [T, k] int32). The bias only chooses; weights are unbiased."""
     t, e = scores.shape
@@ -94,7 +94,7 @@ def sequence_balance_loss(scores: jax.Array, idx: jax.Array, *, batch: int, weig
 
 
 class GroupLimitedRouter(nnx.Module):
-    """Sigmoid affinities of each token to each expert, and DeepSeek-V3's group-limited choice."""
+    """Sigmoid affinities of each token to each expert, and the group-limited choice."""
 
     def __init__(self, *, dim: int, num_experts: int, k: int, n_group: int, topk_group: int,
                  routed_scaling_factor: float, norm_topk_prob: bool = True, balance_loss_weight: float = 1e-4,
@@ -118,7 +118,7 @@ class GroupLimitedRouter(nnx.Module):
         return sequence_balance_loss(scores, idx, batch=batch, weight=self.balance_loss_weight)
 
 
-# -- softmax top-k (Mixtral, Qwen3-MoE) --------------------------------------------------------------------------
+# -- softmax top-k (Mixtral) --------------------------------------------------------------------------------------
 def switch_balance_loss(probs: jax.Array, idx: jax.Array, *, weight: float) -> jax.Array:
     """Switch Transformer's load-balancing loss as transformers computes it (`load_balancing_loss_func`):
     weight * E * sum_i f_i P_i, f_i = copies routed to i / tokens, P_i = mean router probability of i."""

@@ -1,12 +1,12 @@
 """The DeepSeek-V3 family: `DeepSeekV3Config` (config.py), the model (model.py), the Hugging Face mapping (hf.py),
-and its `Family` record (FLOPs, the balance loss, the routing-bias update), registered when this package is
-imported."""
+and its `Family` record (FLOPs, the balance loss, the routing-bias update; training.py's step rates and training
+defaults), registered when this package is imported."""
 import jax
 from flax import nnx
 
 from zoo.layers.moe import total_balance_loss, update_routing_bias
 from zoo.models import registry
-from zoo.models.deepseek import hf
+from zoo.models.deepseek import hf, training
 from zoo.models.deepseek.config import DeepSeekV3Config
 from zoo.models.deepseek.model import DeepSeekDecoderLayer, DeepSeekV3, deepseek_moe, deepseek_v3
 from zoo.models.lm import non_embedding_params
@@ -43,4 +43,5 @@ def after_update(model: nnx.Module, aux: dict) -> None:
 FAMILY = registry.register(registry.Family(
     "deepseek_v3", DeepSeekV3Config, deepseek_v3,
     registry.HFArch(hf.ARCHITECTURE, hf.MODEL_TYPE, hf.from_hf, hf.to_hf, hf.keys, hf.mtp_keys),
-    flops_per_token, aux_loss=aux_loss, after_update=after_update))
+    flops_per_token, aux_loss=aux_loss, after_update=after_update, step_rates=training.STEP_RATES,
+    train_defaults=training.TRAIN_DEFAULTS))

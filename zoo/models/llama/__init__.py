@@ -1,9 +1,9 @@
 """The Llama 3.1 family: `LlamaConfig` (config.py), the model (model.py), the Hugging Face mapping (hf.py), and
-its `Family` record, registered when this package is imported."""
+its `Family` record (with training.py's step rates and training defaults), registered when this package is imported."""
 from flax import nnx
 
 from zoo.models import registry
-from zoo.models.llama import hf
+from zoo.models.llama import hf, training
 from zoo.models.llama.config import LlamaConfig
 from zoo.models.llama.model import Llama, LlamaDecoderLayer, llama3
 from zoo.models.lm import non_embedding_params
@@ -20,4 +20,4 @@ def flops_per_token(cfg: LlamaConfig, model: nnx.Module, seq: int) -> float:
 FAMILY = registry.register(registry.Family(
     "llama3", LlamaConfig, llama3,
     registry.HFArch(hf.ARCHITECTURE, hf.MODEL_TYPE, hf.from_hf, hf.to_hf, hf.keys),
-    flops_per_token))
+    flops_per_token, step_rates=training.STEP_RATES, train_defaults=training.TRAIN_DEFAULTS))

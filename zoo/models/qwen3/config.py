@@ -1,0 +1,46 @@
+"""`Qwen3Config` and its sizes: Qwen3-8B and Qwen3-32B as published, and a tiny one for tests and CPU runs. The
+presets count the published checkpoints' parameters: 8,190,735,360 and 32,762,123,264."""
+from __future__ import annotations
+
+import dataclasses
+
+from zoo.layers import Rope
+from zoo.models.config import LMConfig, check_divides, check_positive, check_positive_float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Qwen3Config(LMConfig):
+    # from LMConfig: vocab_size, dim, num_layers, tie_embeddings, dtype, param_dtype, attention_impl, mlp_seq_chunks
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int                      # independent of dim (Qwen3-32B: 64 x 128 = 8192 against dim 5120)
+    mlp_dim: int                       # the SwiGLU's hidden size (transformers: intermediate_size)
+    rope_theta: float = 1000000.0
+    norm_eps: float = 1e-6             # every RMSNorm's, the per-head q/k norms' included
+
+    PRESETS = {
+        "qwen3_8b": dict(vocab_size=151936, dim=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+                         mlp_dim=12288),
+        "qwen3_32b": dict(vocab_size=151936, dim=5120, num_layers=64, num_heads=64, num_kv_heads=8, head_dim=128,
+                          mlp_dim=25600),
+        # two layers in float32, for tests and CPU runs; head_dim x heads (64) differs from neither dim nor the
+        # kv width, so that a mixed-up projection shape fails
+        "tiny": dict(vocab_size=256, dim=48, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=96,
+                     dtype="float32", param_dtype="float32"),
+    }
+
+    def check(self):
+        check_positive(self, "num_heads", "num_kv_heads", "head_dim", "mlp_dim")
+        check_positive_float(self, "rope_theta")
+        check_divides(self, "num_kv_heads", "num_heads")
+        if self.head_dim % 2:
+            raise ValueError(f"{type(self).__name__}.head_dim must be even for RoPE, got {self.head_dim}")
+
+    def attention_head_dim(self) -> int:
+        return self.head_dim
+
+    def mesh_divisors(self) -> tuple[tuple[str, str], ...]:
+        return (("tp", "num_heads"), ("tp", "num_kv_heads"), ("tp", "mlp_dim")) + super().mesh_divisors()
+
+    def rope(self) -> Rope:
+        return Rope(dim=self.head_dim, theta=self.rope_theta)

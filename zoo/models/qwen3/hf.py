@@ -1,0 +1,51 @@
+"""Qwen3 (dense) <-> Hugging Face `Qwen3ForCausalLM`: config.json fields and tensor keys."""
+from __future__ import annotations
+
+from typing import Any
+
+from zoo.hf.config import activation_dtype, check_types, check_unsupported, require, rope_settings
+from zoo.hf.keymap import GQA, NORMS, SWIGLU, Entry, embed_and_head, stacked
+from zoo.models.qwen3.config import Qwen3Config
+
+ARCHITECTURE, MODEL_TYPE = "Qwen3ForCausalLM", "qwen3"
+SUPPORTED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
+             "tie_word_embeddings", "hidden_act", "attention_bias", "use_sliding_window", "architectures",
+             "model_type", "dtype", "torch_dtype")
+IGNORED = ("max_position_embeddings", "attention_dropout", "initializer_range", "bos_token_id", "eos_token_id",
+           "pad_token_id", "use_cache", "transformers_version", "sliding_window", "max_window_layers", "layer_types")
+UNSUPPORTED: dict[str, Any] = {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False,
+                               "quantization_config": None}
+QK_NORMS = [("attn.q_norm.scale", "self_attn.q_norm.weight", None),
+            ("attn.k_norm.scale", "self_attn.k_norm.weight", None)]
+
+
+def from_hf(hf: dict, *, param_dtype: str) -> Qwen3Config:
+    check_types(hf, bools=("use_sliding_window",))
+    check_unsupported(hf, UNSUPPORTED, ARCHITECTURE)
+    theta, scaling = rope_settings(hf)
+    if scaling is not None:
+        raise ValueError(f"config.json: rope_scaling.rope_type={scaling['rope_type']!r} is not supported for "
+                         f"{ARCHITECTURE} (supported: 'default')")
+    heads, dim = require(hf, "num_attention_heads"), require(hf, "hidden_size")
+    return Qwen3Config(
+        vocab_size=require(hf, "vocab_size"), dim=dim, num_layers=require(hf, "num_hidden_layers"),
+        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or dim // heads, mlp_dim=require(hf, "intermediate_size"), rope_theta=theta,
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        dtype=activation_dtype(param_dtype), param_dtype=param_dtype)
+
+
+def to_hf(cfg: Qwen3Config) -> dict:
+    return dict(
+        architectures=[ARCHITECTURE], model_type=MODEL_TYPE, vocab_size=cfg.vocab_size, hidden_size=cfg.dim,
+        intermediate_size=cfg.mlp_dim, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_act="silu", attention_bias=False,
+        use_sliding_window=False, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, rope_scaling=None,
+        tie_word_embeddings=cfg.tie_embeddings,
+        max_position_embeddings=40960,  # Qwen3's context; metadata only (RoPE needs no maximum)
+        torch_dtype=cfg.param_dtype)
+
+
+def keys(cfg: Qwen3Config) -> list[Entry]:
+    return embed_and_head(cfg) + stacked(("layers", "layers"), range(cfg.num_layers), GQA + QK_NORMS + NORMS + SWIGLU)
