@@ -162,8 +162,25 @@ class RunConfig:
                              f"{self.eval_batches}")
         if not 0 <= self.held_out < 1:
             raise ValueError(f"--heldout must be a fraction in [0, 1), got {self.heldout}")
+        self._check_eval()
         if self.tokenizer and not self.data:
             raise ValueError("--tokenizer needs --data (text files to tokenize)")
+
+    def _check_eval(self) -> None:
+        """--heldout and --eval-every go together: a held-out share nothing evaluates would only be lost to
+        training, and an evaluation of an empty share would never happen."""
+        if self.heldout is None:
+            return
+        if not self.data:
+            raise ValueError(f"--heldout {self.heldout:g} is a share of --data, and there is no --data (the synthetic "
+                             f"data has held-out sequences of its own): drop --heldout")
+        if not self.eval_every and self.heldout > 0:
+            raise ValueError(f"--heldout {self.heldout:g} keeps {100 * self.heldout:g}% of --data out of training, "
+                             f"but nothing evaluates it without --eval-every: add --eval-every K (every K steps and "
+                             f"at the end), or drop --heldout")
+        if self.eval_every and self.heldout == 0:
+            raise ValueError(f"--eval-every {self.eval_every} with --heldout 0 has no held-out data to evaluate: "
+                             f"give --heldout a fraction above 0 (default 0.01), or drop --eval-every")
 
     @property
     def micro_batch(self) -> int:
