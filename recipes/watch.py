@@ -120,11 +120,11 @@ class Board:
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(self.fd, 4096, 0).decode(errors="replace").strip()
+            holder = os.pread(self.fd, 4096, 0).decode(errors="replace").strip() or "a live process"
             os.close(self.fd)
-            raise ValueError(f"--tensorboard {self.directory} is being written by another run ({holder or 'a live '
-                             f'process'}); give each run its own directory (`tensorboard --logdir` of their "
-                             f"parent shows them side by side)") from None
+            raise ValueError(f"--tensorboard {self.directory} is being written by another run ({holder}); give each "
+                             f"run its own directory (`tensorboard --logdir` of their parent shows them side by "
+                             f"side)") from None
         try:
             self._claim(run, resume)
         except BaseException:
