@@ -96,6 +96,8 @@ class RunConfig:
                                       "before giving up", metavar="SECONDS")
     tokenizer: str | None = flag(None, "text --data: a Hugging Face tokenizer.json (or its directory); the text is "
                                  "tokenized once and cached by content (pip install -e \".[text]\")", metavar="DIR")
+    text_encoding: str | None = flag(None, "text --data: the files' encoding (e.g. latin-1); default UTF-8, and a "
+                                     "file that is not UTF-8 is refused naming the byte", metavar="ENC")
     eval_every: int = flag(0, "every K steps (and at the end), the loss and perplexity on held-out data: the last "
                            "--heldout of --data, or unseen synthetic sequences (0: never)", metavar="K")
     heldout: float | None = flag(None, "fraction of --data kept out of training for --eval-every (default: 0.01 "
@@ -165,6 +167,11 @@ class RunConfig:
         self._check_eval()
         if self.tokenizer and not self.data:
             raise ValueError("--tokenizer needs --data (text files to tokenize)")
+        if self.text_encoding and not self.tokenizer:
+            raise ValueError("--text-encoding needs text --data and --tokenizer (it says how to read the text)")
+        if self.text_encoding:
+            from recipes.text import check_encoding
+            check_encoding(self.text_encoding)
 
     def _check_eval(self) -> None:
         """--heldout and --eval-every go together: a held-out share nothing evaluates would only be lost to
@@ -222,6 +229,8 @@ class RunConfig:
             ident["params"] = self.params
         if self.tokenizer:                # likewise: only where text data or a held-out split change the data
             ident["tokenizer"] = self.tokenizer
+        if self.text_encoding:
+            ident["text_encoding"] = self.text_encoding
         if self.held_out:
             ident["heldout"] = self.held_out
         return json.loads(json.dumps(ident))
