@@ -618,6 +618,11 @@ def test_a_checkpoint_reads_nothing_outside_its_directory(tmp_path):
     (single / "model.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")
     with pytest.raises(ValueError, match="the weights file names 'model.safetensors', a symlink to .*outside"):
         zoo.from_hf(single)
+    (single / "model.safetensors").unlink()
+    (single / "config.json").rename(tmp_path / "config.json")
+    (single / "config.json").symlink_to(tmp_path / "config.json")
+    with pytest.raises(ValueError, match="config.json names 'config.json', a symlink to .*outside"):
+        zoo.from_hf(single)
     # the hub cache's layout: models--x/snapshots/<revision>/file -> ../../blobs/<hash>
     repo = tmp_path / "models--org--tiny"
     (repo / "blobs").mkdir(parents=True)
@@ -625,7 +630,7 @@ def test_a_checkpoint_reads_nothing_outside_its_directory(tmp_path):
     snap.mkdir(parents=True)
     for f in ("config.json", "model.safetensors"):
         (repo / "blobs" / f"hash-{f}").write_bytes((tmp_path / "elsewhere.safetensors").read_bytes()
-                                                   if f == "model.safetensors" else (single / f).read_bytes())
+                                                   if f == "model.safetensors" else (tmp_path / f).read_bytes())
         (snap / f).symlink_to(f"../../blobs/hash-{f}")
     assert_identical(zoo.from_hf(snap), model)
 

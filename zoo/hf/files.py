@@ -52,7 +52,7 @@ def read_config(path: Path) -> dict:
     file = path / "config.json"
     if not file.is_file():
         raise ValueError(f"{path}: no config.json; from_hf reads a Hugging Face checkpoint directory")
-    return read_json(file)
+    return read_json(inside(path, "config.json", f"{path}: config.json"))
 
 
 def open_safetensors(file: Path):

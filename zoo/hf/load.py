@@ -81,10 +81,12 @@ def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *
     `dtype`: parameter dtype (default: the checkpoint's); float32 parameters compute in float32, others in
     bfloat16. `mesh` (default: the mesh set with `jax.set_mesh`, if any) and `rules` (logical axis -> mesh axis)
     place each parameter on its target sharding as it is read. Raises ValueError, before loading anything, for an
-    unknown architecture, an unsupported config field, a config.json or index that is not JSON, a safetensors file
-    whose header is damaged or that is shorter than its header says, or a tensor that is missing, mis-shaped or left
-    over; and, while streaming, for a tensor holding NaN or infinity (naming tensor and file) unless
-    `allow_nonfinite=True`.
+    unknown architecture, an unsupported config field, a config.json or index that is not JSON, an index entry that
+    is not a string or names a file outside the directory (`..`, an absolute path, a symlink escaping it: the
+    directory is untrusted input, `zoo.hf.files`), a safetensors file whose header is damaged or that is shorter
+    than its header says, or a tensor that is missing, mis-shaped or left over; and, while streaming, for a tensor
+    holding NaN or infinity in the parameter's dtype (naming tensor and file: stored so, or float32 values that a
+    cast to float16 overflows) unless `allow_nonfinite=True`.
 
     `mtp`: the multi-token-prediction module config.json announces (DeepSeek-V3: `num_nextn_predict_layers`,
     stored as layers num_hidden_layers..). False: build the model without it and skip its tensors (inference does
