@@ -6,8 +6,8 @@ host`'s moments, `--params host`'s master; then each offloaded tag's bytes), wit
 as lines. The bytes are the planner's (`zoo.plan`, before XLA's temporaries), of plans made as the printed one.
 
 The y-axis is linear and sized for the ordinary bars and the HBM budget: a bar more than `OUTLIER` times the
-median bar (`none`'s, which saves every residual) would squash every other recipe into the bottom of the chart,
-so it is cut at the top of the axis, drawn with a break (a zigzag) and its total written on it.
+median HBM bar (`none`'s, which saves every residual) would squash every other recipe into the bottom of the
+chart, so it is cut at the top of the axis, drawn with a break (a zigzag) and its total written on it.
 Needs matplotlib (`pip install -e ".[watch]"`).
 """
 from __future__ import annotations
@@ -72,14 +72,16 @@ def tag_bytes(p: zoo.plan.Plan) -> tuple[dict[str, int], dict[str, int]]:
     return hbm, host
 
 
-def axis_top(totals: list[float], budget: float | None) -> tuple[float, bool]:
-    """(the y-axis' top in GiB, whether some bar is cut there): room for every bar up to `OUTLIER` times the
-    median bar and for the HBM `budget` when it is near them."""
-    bars = sorted(t for t in totals if t > 0) or [1.0]
-    median = bars[len(bars) // 2]
-    ordinary = max(t for t in bars if t <= OUTLIER * median)
+def axis_top(hbm: list[float], others: list[float], budget: float | None) -> tuple[float, bool]:
+    """(the y-axis' top in GiB, whether some bar is cut there) for HBM bars `hbm` and host bars `others`: room for
+    every bar up to `OUTLIER` times the median HBM bar (every recipe's holds the model state: they compare) and for
+    the HBM `budget` when it is near them."""
+    ranked = sorted(hbm) or [1.0]
+    median = ranked[len(ranked) // 2] or 1.0
+    bars = [t for t in [*hbm, *others] if t > 0] or [1.0]
+    ordinary = max([t for t in bars if t <= OUTLIER * median] or [median])
     top = 1.1 * max(ordinary, budget if budget and budget <= 3 * ordinary else 0.0)
-    return top, bars[-1] > top
+    return top, max(bars) > top
 
 
 def recipes_chart(plans: dict[str, zoo.plan.Plan], path: str, *, title: str) -> str:
@@ -95,7 +97,8 @@ def recipes_chart(plans: dict[str, zoo.plan.Plan], path: str, *, title: str) -> 
     width = 0.38
     any_plan = next(iter(plans.values()))
     budget = any_plan.hbm_budget / GiB if any_plan.hbm_budget else None
-    top, cut = axis_top([sum(d.values()) / GiB for pair in parts.values() for d in pair], budget)
+    top, cut = axis_top([sum(hbm.values()) / GiB for hbm, _ in parts.values()],
+                        [sum(host.values()) / GiB for _, host in parts.values()], budget)
     clipped = []
     for i, (name, (hbm, host)) in enumerate(parts.items()):
         for x, where, side in ((i - width / 2, hbm, "HBM"), (i + width / 2, host, "host")):
