@@ -101,10 +101,13 @@ class RunConfig:
     eval_every: int = flag(0, "every K steps (and at the end), the loss and perplexity on held-out data: the last "
                            "--heldout of --data, or unseen synthetic sequences (0: never)", metavar="K")
     heldout: float | None = flag(None, "fraction of --data kept out of training for --eval-every (default: 0.01 "
-                                 "with --eval-every, else 0)", metavar="FRACTION")
+                                 "with --eval-every, else 0; refused without --eval-every, which alone reads it)",
+                                 metavar="FRACTION")
     eval_batches: int = flag(16, "at most N held-out batches per evaluation", metavar="N")
     tensorboard: str | None = flag(None, "write TensorBoard scalars here (losses, grad norm, lr, TFLOP/s, MFU, HBM, "
-                                   "host bytes, drops; pip install -e \".[watch]\")", metavar="DIR")
+                                   "host bytes, drops; pip install -e \".[watch]\"); one run per directory: "
+                                   "another run's event files there are refused, --resume continues its own",
+                                   metavar="DIR")
     metrics: str | None = flag(None, "write one JSON line per logged step", metavar="PATH")
     log_every: int = flag(10, "print (and write to --metrics) every K steps")
     ckpt_dir: str | None = flag(None, "orbax checkpoints here", metavar="DIR")
