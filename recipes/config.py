@@ -96,13 +96,18 @@ class RunConfig:
                                       "before giving up", metavar="SECONDS")
     tokenizer: str | None = flag(None, "text --data: a Hugging Face tokenizer.json (or its directory); the text is "
                                  "tokenized once and cached by content (pip install -e \".[text]\")", metavar="DIR")
+    text_encoding: str | None = flag(None, "text --data: the files' encoding (e.g. latin-1); default UTF-8, and a "
+                                     "file that is not UTF-8 is refused naming the byte", metavar="ENC")
     eval_every: int = flag(0, "every K steps (and at the end), the loss and perplexity on held-out data: the last "
                            "--heldout of --data, or unseen synthetic sequences (0: never)", metavar="K")
     heldout: float | None = flag(None, "fraction of --data kept out of training for --eval-every (default: 0.01 "
-                                 "with --eval-every, else 0)", metavar="FRACTION")
+                                 "with --eval-every, else 0; refused without --eval-every, which alone reads it)",
+                                 metavar="FRACTION")
     eval_batches: int = flag(16, "at most N held-out batches per evaluation", metavar="N")
     tensorboard: str | None = flag(None, "write TensorBoard scalars here (losses, grad norm, lr, TFLOP/s, MFU, HBM, "
-                                   "host bytes, drops; pip install -e \".[watch]\")", metavar="DIR")
+                                   "host bytes, drops; pip install -e \".[watch]\"); one run per directory: "
+                                   "another run's event files there are refused, --resume continues its own",
+                                   metavar="DIR")
     metrics: str | None = flag(None, "write one JSON line per logged step", metavar="PATH")
     log_every: int = flag(10, "print (and write to --metrics) every K steps")
     ckpt_dir: str | None = flag(None, "orbax checkpoints here", metavar="DIR")
@@ -162,8 +167,30 @@ class RunConfig:
                              f"{self.eval_batches}")
         if not 0 <= self.held_out < 1:
             raise ValueError(f"--heldout must be a fraction in [0, 1), got {self.heldout}")
+        self._check_eval()
         if self.tokenizer and not self.data:
             raise ValueError("--tokenizer needs --data (text files to tokenize)")
+        if self.text_encoding and not self.tokenizer:
+            raise ValueError("--text-encoding needs text --data and --tokenizer (it says how to read the text)")
+        if self.text_encoding:
+            from recipes.text import check_encoding
+            check_encoding(self.text_encoding)
+
+    def _check_eval(self) -> None:
+        """--heldout and --eval-every go together: a held-out share nothing evaluates would only be lost to
+        training, and an evaluation of an empty share would never happen."""
+        if self.heldout is None:
+            return
+        if not self.data:
+            raise ValueError(f"--heldout {self.heldout:g} is a share of --data, and there is no --data (the synthetic "
+                             f"data has held-out sequences of its own): drop --heldout")
+        if not self.eval_every and self.heldout > 0:
+            raise ValueError(f"--heldout {self.heldout:g} keeps {100 * self.heldout:g}% of --data out of training, "
+                             f"but nothing evaluates it without --eval-every: add --eval-every K (every K steps and "
+                             f"at the end), or drop --heldout")
+        if self.eval_every and self.heldout == 0:
+            raise ValueError(f"--eval-every {self.eval_every} with --heldout 0 has no held-out data to evaluate: "
+                             f"give --heldout a fraction above 0 (default 0.01), or drop --eval-every")
 
     @property
     def micro_batch(self) -> int:
@@ -205,6 +232,8 @@ class RunConfig:
             ident["params"] = self.params
         if self.tokenizer:                # likewise: only where text data or a held-out split change the data
             ident["tokenizer"] = self.tokenizer
+        if self.text_encoding:
+            ident["text_encoding"] = self.text_encoding
         if self.held_out:
             ident["heldout"] = self.held_out
         return json.loads(json.dumps(ident))

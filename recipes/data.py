@@ -189,10 +189,10 @@ def fingerprint(fd: int, size: int) -> str:
 
 def open_data(path: str | os.PathLike, *, tokenizer: str | None, vocab: int, batch: int, seq: int, seed: int,
               dtype: str | None, heldout: float = 0.0, say: Callable[[str], None] = print,
-              progress: Callable | None = None) -> tuple[TokenFile, TokenFile | None]:
+              progress: Callable | None = None, encoding: str | None = None) -> tuple[TokenFile, TokenFile | None]:
     """(training source, held-out source or None) for `--data PATH`: a token file, or text files tokenized
-    with `--tokenizer` (`recipes.text.prepare`: once, cached by content). `heldout`: the fraction of ids kept
-    out of training, at the end of the file."""
+    with `--tokenizer` (`recipes.text.prepare`: once, cached by content; `encoding`: `--text-encoding`).
+    `heldout`: the fraction of ids kept out of training, at the end of the file."""
     if not 0 <= heldout < 1:
         raise ValueError(f"--heldout must be a fraction in [0, 1), got {heldout}")
     if text.is_text(path):
@@ -201,9 +201,12 @@ def open_data(path: str | os.PathLike, *, tokenizer: str | None, vocab: int, bat
                              f"tokenizer.json)")
         if dtype is not None:
             raise ValueError("--data-dtype is for token files; text is tokenized into the tokenizer's dtype")
-        path, dtype = text.prepare(path, tokenizer, vocab=vocab, say=say, progress=progress)
+        path, dtype = text.prepare(path, tokenizer, vocab=vocab, say=say, progress=progress, encoding=encoding)
     elif tokenizer is not None:
         raise ValueError(f"--tokenizer is for text data (.txt, .jsonl or a directory of them); --data "
+                         f"{os.fspath(path)!r} is read as a token file")
+    elif encoding is not None:
+        raise ValueError(f"--text-encoding is for text data (.txt, .jsonl or a directory of them); --data "
                          f"{os.fspath(path)!r} is read as a token file")
     split = 1.0 - heldout
     kwargs = dict(vocab=vocab, batch=batch, seq=seq, seed=seed, dtype=dtype)

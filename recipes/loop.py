@@ -135,7 +135,9 @@ def _run(cfg: RunConfig, console: Console, session: _Session) -> Result:
         if cfg.metrics and jax.process_index() == 0 else None)   # multi-host: process 0 writes
     mesh = mesh_lib.resolve(cfg.mesh, model_cfg, cfg.micro_batch)   # each micro-batch splits over the data axes
     schedule = lr_schedule(lr=cfg.peak_lr, steps=cfg.total_schedule, warmup=cfg.total_warmup)
-    board = watch.Board(cfg.tensorboard) if cfg.tensorboard and jax.process_index() == 0 else None
+    board = (session.stack.enter_context(contextlib.closing(watch.Board(
+        cfg.tensorboard, run=cfg.identity(), resume=cfg.resume))) if cfg.tensorboard and jax.process_index() == 0
+        else None)
     # Compile the step on shapes alone (nothing allocated), check that it fits, and only then build the model:
     # the executable compiled here is the one that runs.
     step = prepare.compile_run(cfg, console, family, model_cfg, recipe_name, recipe, device, schedule, mesh)
@@ -197,6 +199,8 @@ class _Loop:
         cfg, session, mesh, source = self.cfg, self.session, self.mesh, self.inputs.source
         if self.metrics_file:
             self.metrics_file.start_at(self.start)
+        if self.board:
+            self.board.start_at(self.start)
         result = Result([], [], None, self.last_ckpt)
         session.interrupts.training = True   # from here a signal ends the run after its step, with a checkpoint
         try:
@@ -301,8 +305,6 @@ class _Loop:
         self.drops.summary()
         if self.metrics_file:
             self.metrics_file.close()
-        if self.board:
-            self.board.close()
         if self.ckpts is not None:
             try:
                 self.ckpts.close()

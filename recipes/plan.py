@@ -85,8 +85,11 @@ def parser() -> argparse.ArgumentParser:
                         "the CPU")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
     p.add_argument("--plot", default=None, metavar="FILE.png",
-                   help="also draw every recipe of the family: HBM and pinned host bytes per tag as stacked bars, "
-                        "with the HBM budget and the pinned pool (recipes/plot.py; needs matplotlib)")
+                   help="also draw every recipe of the family as this plan is made (the same optimizer, --opt-state, "
+                        "--params, --grad-accum, mesh and budget): HBM and pinned host bytes per tag as stacked bars, "
+                        "with the HBM budget and the pinned pool (recipes/plot.py; needs matplotlib). A directory: "
+                        "the chart is written in it as MODEL-PRESET.png; a name without a suffix is written as PNG "
+                        "under that exact name")
     return p
 
 
@@ -98,6 +101,15 @@ def _present_kind() -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
+    if args.plot is not None:
+        if args.max_batch is not None:
+            ap.error("--plot draws every recipe at one batch and --max-batch searches batches for one recipe: run "
+                     "them as two commands (--plot with --batch N draws the recipes at N)")
+        from recipes import plot
+        try:
+            args.plot = plot.check_output(args.plot, f"{args.model}-{args.preset}")   # before anything is planned
+        except ValueError as e:
+            ap.error(str(e))
     if args.max_batch is not None:
         return _max_batch(ap, args)
     if args.batch is None:
@@ -134,11 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         family = cli.family(args.model)
         cfg = cli.model_config(family, args.preset, args.overrides)
         recipe = "auto" if args.recipe == "auto" else cli.recipe(family, args.recipe)
-        hardware = zoo.plan.Hardware(hbm_gib=args.hbm_limit, host_gib=args.host, link_gbps=args.link,
-                                     overlap=args.overlap, tflops=args.peak_tflops, device_kind=args.device)
-        p = zoo.plan.plan(cfg, recipe, batch=args.batch, seq=args.seq, hardware=hardware, parallel=_parallel(args),
-                          training=_training(args), peak=None if args.peak == "none" else args.peak,
-                          model_name=f"{args.model} {args.preset}")
+        p = zoo.plan.plan(cfg, recipe, batch=args.batch, seq=args.seq, hardware=_hardware(args), parallel=_parallel(args),
+                     training=_training(args), peak=None if args.peak == "none" else args.peak,
+                     model_name=f"{args.model} {args.preset}")
     except ValueError as e:
         ap.error(str(e))
     if args.json:
@@ -150,8 +160,13 @@ def main(argv: list[str] | None = None) -> int:
                                                            and allocator_limit(jax.devices()[0])):
             print(f"HBM budget: the allocator's limit of the GPU present: {fit.allocator_share()}")
     if args.plot:
-        _plot(ap, args, family, cfg)
+        _plot(ap, args, family, cfg, p)
     return 0
+
+
+def _hardware(args) -> zoo.plan.Hardware:
+    return zoo.plan.Hardware(hbm_gib=args.hbm_limit, host_gib=args.host, link_gbps=args.link, overlap=args.overlap,
+                             tflops=args.peak_tflops, device_kind=args.device)
 
 
 def _parallel(args) -> zoo.plan.Parallelism:
@@ -163,22 +178,31 @@ def _training(args) -> zoo.plan.Training:
                              opt_state=args.opt_state, params=args.params)
 
 
-def _plot(ap: argparse.ArgumentParser, args, family, cfg) -> None:
-    """--plot: every recipe of the family planned at the same shapes (no peak: the bars are saved bytes)."""
+def _plot(ap: argparse.ArgumentParser, args, family, cfg, printed: zoo.plan.Plan) -> None:
+    """--plot: every recipe of the family planned as the printed plan was (the same shapes, Training, Hardware and
+    Parallelism; no peak: the bars are saved bytes); the printed recipe's bar is the printed plan itself, and a
+    recipe --recipe auto chose is drawn beside the family's."""
     from recipes import plot, registry
     try:
-        plans = {name: zoo.plan.plan(cfg, r, batch=args.batch, seq=args.seq, parallel=_parallel(args),
-                                     training=zoo.plan.Training(optimizer=args.optimizer, opt_dtype=args.opt_dtype),
-                                     hardware=zoo.plan.Hardware(hbm_gib=args.hbm_limit), peak=None)
-                 for name, r in registry.recipes_of(family).items()}
+        plans = {}
+        for name, r in registry.recipes_of(family).items():
+            plans[name] = (printed if r == printed.recipe else
+                           zoo.plan.plan(cfg, r, batch=args.batch, seq=args.seq, parallel=_parallel(args),
+                                    training=_training(args), hardware=_hardware(args), peak=None))
+        if printed not in plans.values():
+            plans[f"{args.recipe}: {printed.recipe.name}" if args.recipe == "auto" else printed.recipe.name] = printed
         sets = "".join(f" {k}={v}" for k, v in args.overrides)
         where = f", mesh {args.mesh}" if args.mesh else f", over {args.shard} devices" if args.shard > 1 else ""
-        plot.recipes_chart(plans, args.plot,
-                           title=f"{args.model} {args.preset}{sets}: batch {args.batch}, seq {args.seq}{where}")
+        t = _training(args)
+        how = "".join(f", {label} {value}" for label, value, default in (
+            ("grad accum", t.grad_accum, 1), ("opt state", t.opt_state, "device"), ("params", t.params, "device"),
+            ("optimizer", t.optimizer, "adamw"), ("moments", t.opt_dtype, "float32")) if value != default)
+        written = plot.recipes_chart(plans, args.plot, title=f"{args.model} {args.preset}{sets}: batch {args.batch}, "
+                                                             f"seq {args.seq}{where}{how}")
     except ValueError as e:
         ap.error(str(e))
-    print(f"wrote {args.plot}: HBM and host bytes per tag of {len(plans)} recipes ({', '.join(plans)})",
-          file=sys.stderr if args.json else sys.stdout)
+    print(f"wrote {args.plot}: HBM and host bytes per tag of {len(plans)} recipes ({', '.join(plans)})"
+          + (f"; {written}" if written else ""), file=sys.stderr if args.json else sys.stdout)
 
 
 def _max_batch(ap: argparse.ArgumentParser, args) -> int:

@@ -21,6 +21,7 @@ def sources(cfg: RunConfig, vocab: int, console: Console) -> tuple[data_lib.Sour
     if cfg.data:
         src, held = data_lib.open_data(cfg.data, tokenizer=cfg.tokenizer, vocab=vocab, batch=cfg.batch, seq=cfg.seq,
                                        seed=cfg.seed, dtype=cfg.data_dtype, heldout=cfg.held_out,
+                                       encoding=cfg.text_encoding,
                                        say=lambda m: console.print(m, soft_wrap=True, markup=False),
                                        progress=watch.bytes_bar(console) if console.is_terminal else None)
     else:

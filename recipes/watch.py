@@ -8,11 +8,15 @@ and TensorBoard scalars (`--tensorboard DIR`).
   step always (loss, grad norm, tok/s, TFLOP/s, MFU, HBM, host bytes, ETA, held-out loss).
 - `DropWatch(console, threshold)`: capacity dispatch's dropped token copies, warned about once and summed up.
 - `Board(directory)`: scalars through tensorboardX (a pure-Python event writer, no TensorFlow; `pip install -e
-  ".[watch]"`); `tensorboard --logdir DIR` shows them.
+  ".[watch]"`); `tensorboard --logdir DIR` shows them. One run per directory (a resumed run continues its own).
 """
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -90,23 +94,87 @@ SCALARS = {"loss": "train/loss", "mtp_loss": "train/mtp_loss", "aux_loss": "trai
 
 
 class Board:
-    """TensorBoard scalars of each logged row (keys in SCALARS; a None value is skipped)."""
+    """TensorBoard scalars of each logged row (keys in SCALARS; a None value is skipped), into `directory`, which
+    this run holds for itself:
 
-    def __init__(self, directory: str):
+    - a second live run given the same directory is refused (an exclusive `fcntl.flock` on
+      `directory/.zoo-tensorboard.lock`, dropped by the kernel when the run ends): two runs' event files in one
+      directory are one TensorBoard run, their train/loss interleaved;
+    - a directory already holding event files is refused unless this is `--resume` of the run that wrote them (its
+      identity is recorded in `directory/.zoo-tensorboard.json`); a resumed run then continues the curves from its
+      checkpoint (`start_at`: TensorBoard drops the old events of the steps it runs again).
+
+    ValueError naming the directory, before anything compiles."""
+
+    def __init__(self, directory: str, *, run: dict | None = None, resume: bool = False):
         try:
             from tensorboardX import SummaryWriter
         except ImportError:
             raise ValueError("--tensorboard needs the `tensorboardX` package: pip install -e \".[watch]\"") from None
-        self.writer = SummaryWriter(directory)
+        self.directory, self.make, self.writer = os.path.abspath(directory), SummaryWriter, None
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            self.fd = os.open(os.path.join(self.directory, BOARD_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise ValueError(f"--tensorboard {self.directory} cannot be written: {e.strerror or e}") from None
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 4096, 0).decode(errors="replace").strip() or "a live process"
+            os.close(self.fd)
+            raise ValueError(f"--tensorboard {self.directory} is being written by another run ({holder}); give each "
+                             f"run its own directory (`tensorboard --logdir` of their parent shows them side by "
+                             f"side)") from None
+        try:
+            self._claim(run, resume)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def _claim(self, run: dict | None, resume: bool) -> None:
+        record_path = os.path.join(self.directory, BOARD_RECORD)
+        events = sorted(f for f in os.listdir(self.directory) if f.startswith("events.out.tfevents"))
+        if events:
+            try:
+                with open(record_path) as f:
+                    owner = json.load(f).get("run")
+            except (OSError, ValueError, AttributeError):
+                owner = None
+            if not (resume and owner is not None and owner == run):
+                why = ("this run is not --resume" if not resume and owner == run else
+                       "they are another run's" if owner is not None else "no run of the zoo recorded them")
+                raise ValueError(f"--tensorboard {self.directory} already holds event files ({events[0]}"
+                                 f"{' ...' if len(events) > 1 else ''}) and {why}: TensorBoard would show both "
+                                 f"runs as one, their steps interleaved; choose an empty directory (e.g. a new "
+                                 f"subdirectory: `tensorboard --logdir` of the parent shows every run)")
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        with open(record_path + ".tmp", "w") as f:
+            json.dump({"run": run}, f)
+        os.replace(record_path + ".tmp", record_path)
+
+    def start_at(self, step: int) -> None:
+        """Open the writer for steps after `step`: TensorBoard discards earlier events of steps > `step`."""
+        # tensorboardX names its file by the second and the host and opens it "wb": the suffix keeps a resumed
+        # run's file from replacing the one it continues
+        self.writer = self.make(self.directory, purge_step=step + 1 if step else None,
+                                filename_suffix=f".{os.getpid()}.from{step}")
 
     def write(self, row: dict) -> None:
+        if self.writer is None:
+            self.start_at(0)
         for key, name in SCALARS.items():
             if row.get(key) is not None:
                 self.writer.add_scalar(name, float(row[key]), row["step"])
         self.writer.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
+        os.close(self.fd)   # the lock goes with it
+
+
+BOARD_LOCK, BOARD_RECORD = ".zoo-tensorboard.lock", ".zoo-tensorboard.json"
 
 
 class DropWatch:

@@ -105,3 +105,26 @@ def test_to_hf_refuses_a_non_empty_directory_unless_told_to_overwrite(tiny_model
     assert (out / "tokenizer.json").read_text() == "old"
     back = zoo.from_hf(out)
     np.testing.assert_array_equal(back.embed.embedding[...], tiny_model.embed.embedding[...])
+
+
+def test_overwrite_replaces_what_it_owns_and_keeps_the_rest(tiny_model, tmp_path):
+    """Files and links named like the shards to_hf writes are replaced (a dangling link too: the link, never its
+    target), so from_hf accepts the result; another safetensors file (an adapter) is the user's: kept, and never
+    read as weights; a folder named like a shard is refused, not removed."""
+    out = tmp_path / "hf"
+    out.mkdir()
+    target = tmp_path / "target.safetensors"
+    target.write_text("not mine to delete")
+    (out / "model-00001-of-00002.safetensors").symlink_to(tmp_path / "nowhere")
+    (out / "model-00002-of-00002.safetensors").symlink_to(target)
+    (out / "adapter_model.safetensors").write_text("adapter")
+    zoo.to_hf(tiny_model, out, overwrite=True)
+    assert sorted(os.listdir(out)) == ["adapter_model.safetensors", "config.json", "model.safetensors"]
+    assert target.read_text() == "not mine to delete" and (out / "adapter_model.safetensors").read_text() == "adapter"
+    np.testing.assert_array_equal(zoo.from_hf(out).embed.embedding[...], tiny_model.embed.embedding[...])
+    (out / "model-00003-of-00004.safetensors").mkdir()
+    (out / "model-00003-of-00004.safetensors" / "keep").write_text("k")
+    with pytest.raises(ValueError, match="model-00003-of-00004.safetensors is a folder named like a checkpoint "
+                                         "file, which overwrite=True would have to remove; move or rename it"):
+        zoo.to_hf(tiny_model, out, overwrite=True)
+    assert (out / "model-00003-of-00004.safetensors" / "keep").read_text() == "k"

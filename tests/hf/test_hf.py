@@ -589,3 +589,68 @@ def test_damaged_hf_files_are_named_and_non_finite_weights_refused(tiny_model, t
     (d / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match=f"{d / 'config.json'} is not valid JSON"):
         zoo.from_hf(d)
+
+
+def test_a_checkpoint_reads_nothing_outside_its_directory(tmp_path):
+    """Index entries that climb out (`..`, an absolute path, a symlink escaping the directory) or are not strings
+    are ValueErrors naming the entry; the hub cache's snapshots/ -> blobs/ links are read."""
+    model = llama()
+    zoo.to_hf(model, tmp_path / "other", max_shard_bytes=4000)
+    d = tmp_path / "ckpt"
+    zoo.to_hf(model, d, max_shard_bytes=4000)
+    index = json.loads((d / hf_files.INDEX).read_text())
+    key, name = next(iter(index["weight_map"].items()))
+    for bad, message in ((f"../other/{name}", "is not a file inside"), (str(tmp_path / "other" / name),
+                                                                        "is not a file inside"),
+                         (3, "the file name must be a string, got int 3"), (None, "must be a string, got NoneType")):
+        (d / hf_files.INDEX).write_text(json.dumps({"weight_map": {**index["weight_map"], key: bad}}))
+        with pytest.raises(ValueError, match=f"weight_map entry '{key}'.*{message}"):
+            zoo.from_hf(d)
+    (d / hf_files.INDEX).write_text(json.dumps(index))
+    (d / name).unlink()
+    (d / name).symlink_to(tmp_path / "other" / name)                   # a symlink escaping the directory
+    with pytest.raises(ValueError, match=f"weight_map entry '{key}' names '{name}', a symlink to .*outside"):
+        zoo.from_hf(d)
+    single = tmp_path / "single"
+    zoo.to_hf(model, single)
+    (tmp_path / "elsewhere.safetensors").write_bytes((single / "model.safetensors").read_bytes())
+    (single / "model.safetensors").unlink()
+    (single / "model.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")
+    with pytest.raises(ValueError, match="the weights file names 'model.safetensors', a symlink to .*outside"):
+        zoo.from_hf(single)
+    (single / "model.safetensors").unlink()
+    (single / "config.json").rename(tmp_path / "config.json")
+    (single / "config.json").symlink_to(tmp_path / "config.json")
+    with pytest.raises(ValueError, match="config.json names 'config.json', a symlink to .*outside"):
+        zoo.from_hf(single)
+    # the hub cache's layout: models--x/snapshots/<revision>/file -> ../../blobs/<hash>
+    repo = tmp_path / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    for f in ("config.json", "model.safetensors"):
+        (repo / "blobs" / f"hash-{f}").write_bytes((tmp_path / "elsewhere.safetensors").read_bytes()
+                                                   if f == "model.safetensors" else (tmp_path / f).read_bytes())
+        (snap / f).symlink_to(f"../../blobs/hash-{f}")
+    assert_identical(zoo.from_hf(snap), model)
+
+
+def test_a_cast_that_overflows_is_refused_after_the_cast(tmp_path):
+    """float32 values beyond float16's range would load as infinity: a ValueError naming the tensor (checked in the
+    loaded dtype), unless allow_nonfinite=True; bfloat16 holds them."""
+    model = llama()
+    zoo.to_hf(model, tmp_path)
+    file = tmp_path / "model.safetensors"
+    tensors = safetensors.numpy.load_file(file)
+    tensors["model.norm.weight"][3] = 1e5
+    safetensors.numpy.save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"tensor 'model.norm.weight' in .*: 1 of its 24 float32 values overflow "
+                                         r"float16 \(largest magnitude 1e\+05, beyond float16's 6.55e\+04\)"):
+        zoo.from_hf(tmp_path, dtype=jnp.float16)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "float16"}))
+    with pytest.raises(ValueError, match="'model.norm.weight' .* overflow float16"):
+        zoo.from_hf(tmp_path, dtype=None)
+    loaded = zoo.from_hf(tmp_path, dtype=jnp.float16, allow_nonfinite=True)
+    assert np.isinf(np.asarray(loaded.norm.scale[...], np.float32)).sum() == 1
+    assert np.isfinite(np.asarray(zoo.from_hf(tmp_path, dtype=jnp.bfloat16).norm.scale[...], np.float32)).all()

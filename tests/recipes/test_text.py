@@ -118,3 +118,77 @@ def test_text_run_with_eval_and_tensorboard(corpus, tmp_path):
     assert [r["step"] for r in evals] == [2, 4]
     assert all(np.isclose(r["eval_perplexity"], np.exp(r["eval_loss"])) for r in evals)
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tb"))
+
+
+def test_text_that_is_not_utf8_is_refused_naming_file_and_byte_unless_an_encoding_is_given(corpus, tmp_path):
+    tok, _, tok_dir = corpus
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("caf\u00e9 cr\u00e8me".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin.txt' is not UTF-8 text: byte 3 \(0xe9\) does not decode; pass "
+                                         r"--text-encoding ENC"):
+        text.prepare(latin, tok_dir, vocab=300)
+    lines = tmp_path / "lines.jsonl"
+    lines.write_bytes(b'{"text": "ok"}\n' + '{"text": "\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"lines.jsonl' is not UTF-8 text: byte 25 \(line 2\)"):
+        text.prepare(lines, tok_dir, vocab=300)
+    path, _ = text.prepare(latin, tok_dir, vocab=300, encoding="latin-1")   # decoded as said: no U+FFFD
+    ids = np.fromfile(path, "<u2")
+    assert tok.decode(ids[:-1].tolist()) == "caf\u00e9 cr\u00e8me"
+    with pytest.raises(ValueError, match="--text-encoding 'klingon' is not an encoding Python knows"):
+        text.prepare(latin, tok_dir, vocab=300, encoding="klingon")
+    with pytest.raises(ValueError, match="--text-encoding needs text --data and --tokenizer"):
+        from recipes.config import RunConfig
+        RunConfig(data=str(latin), text_encoding="latin-1")
+
+
+def test_a_damaged_cache_or_a_changed_eos_token_is_tokenized_again(corpus):
+    tok, root, tok_dir = corpus
+    said = []
+    path, _ = text.prepare(root, tok_dir, vocab=300, say=said.append)
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) // 2])                     # cut short (a full disk, a copy killed)
+    said.clear()
+    again, _ = text.prepare(root, tok_dir, vocab=300, say=said.append)
+    assert again == path and path.read_bytes() == whole
+    assert "is damaged" in said[0] and "tokenizing again" in said[0] and any("tokens/s" in s for s in said)
+    # a new eos_token in tokenizer_config.json: another cache entry, whose documents end with the new id
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "the", "__type": "x"}}))
+    other, _ = text.prepare(root, tok_dir, vocab=300, say=said.append)
+    assert other != path and np.fromfile(other, "<u2")[-1] == tok.token_to_id("the")
+    for eos, message in ((2, r"eos_token of .*tokenizer_config.json is 2 \(a int\); it must be the token's text"),
+                         ({"id": 2}, "is an object without a \"content\" string"),
+                         ("<nope>", "eos_token '<nope>' of .* is not in the vocabulary")):
+        (tok_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
+        with pytest.raises(ValueError, match=message):
+            text.prepare(root, tok_dir, vocab=300)
+    (tok_dir / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="tokenizer_config.json is not valid JSON"):
+        text.prepare(root, tok_dir, vocab=300)
+
+
+def test_two_runs_tokenizing_the_same_files_at_once_share_one_cache_entry(corpus):
+    """The second run waits on the first's lock (a state, not a clock: the first holds it until released here),
+    then reads the entry the first made; no temporary file is left."""
+    import threading
+    _, root, tok_dir = corpus
+    files = text.text_files(root)
+    tok, tok_file = text.load_tokenizer(tok_dir)
+    key = text.content_hash(files, tok_file, root, eos=text.eos_id(tok, tok_file), encoding=None)
+    out = text.cache_dir() / f"{key}.bin"
+    out.parent.mkdir(parents=True)
+    waiting, said, got = threading.Event(), [], []
+
+    def say(line):
+        said.append(line)
+        if line.startswith("waiting for"):
+            waiting.set()
+    with text._locked(out.with_suffix(".lock"), lambda _: None):      # the first run, tokenizing
+        second = threading.Thread(target=lambda: got.append(text.prepare(root, tok_dir, vocab=300, say=say)))
+        second.start()
+        assert waiting.wait(60)
+        first = text._make(tok, tok_file, files, text.eos_id(tok, tok_file), "uint16", out, None, lambda _: None,
+                           None)
+    second.join(60)
+    assert got == [(out, "uint16")] and "from the cache" in said[-1] and not any("tokens/s" in s for s in said)
+    assert first["tokens"] == np.fromfile(out, "<u2").size
+    assert sorted(p.suffix for p in out.parent.iterdir()) == [".bin", ".json", ".lock"]

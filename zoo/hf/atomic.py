@@ -18,13 +18,30 @@ def give_mode_of(path: Path, new: Path) -> None:
     os.chmod(new, stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o777 & ~_umask())
 
 
+def is_checkpoint_file(name: str) -> bool:
+    """Is `name` one `to_hf` owns (`CHECKPOINT_FILES`: the weights and config of a checkpoint)?"""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in CHECKPOINT_FILES)
+
+
+def check_replaceable(path: Path) -> None:
+    """ValueError naming the folder in `path` that bears a checkpoint file's name: `to_hf` replaces files and links
+    of those names (a link, never what it points to), and never removes a folder a user made."""
+    if not path.is_dir():
+        return
+    for item in sorted(path.iterdir()):
+        if is_checkpoint_file(item.name) and item.is_dir() and not item.is_symlink():
+            raise ValueError(f"to_hf: {item} is a folder named like a checkpoint file, which overwrite=True would "
+                             f"have to remove; move or rename it")
+
+
 def keep_user_files(old: Path, new: Path) -> None:
-    """Hard-link (else copy) into `new` everything in `old` that is not a checkpoint file (`CHECKPOINT_FILES`):
-    tokenizer files, README, folders; symlinks stay symlinks."""
+    """Hard-link (else copy) into `new` everything in `old` that is not a checkpoint file (`CHECKPOINT_FILES`, be it
+    a file or a link, even a dangling one): tokenizer files, README, other safetensors files (an adapter), folders;
+    symlinks stay symlinks."""
     if not old.exists():
         return
     for item in old.iterdir():
-        if any(fnmatch.fnmatch(item.name, pattern) for pattern in CHECKPOINT_FILES) and item.is_file():
+        if is_checkpoint_file(item.name) and (item.is_symlink() or not item.is_dir()):
             continue
         if item.is_symlink():
             os.symlink(os.readlink(item), new / item.name)

@@ -1,6 +1,14 @@
 """The files of a Hugging Face checkpoint directory: config.json, the safetensors shards and their index, read as
 JSON and safetensors headers (no tensor is read here). A file that is not what it should be is a ValueError naming
-it."""
+it.
+
+A checkpoint directory is untrusted input: nothing outside it is read. An index entry that is not a string, names
+an absolute path or a path with `..`, or resolves (through a symlink) outside the directory is a ValueError naming
+the entry. The one exception is the Hugging Face hub cache's own layout, `.../snapshots/<revision>/` whose files
+are symlinks into the same repository's `.../blobs/` (what `huggingface_hub.snapshot_download` makes).
+
+Which files hold the weights: those the index names; without an index `model.safetensors` (as transformers reads
+it); without either, every `*.safetensors` file of the directory."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,8 +22,11 @@ INDEX = "model.safetensors.index.json"
 FLOAT_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 # What a Hugging Face model directory's weights and config are: `to_hf(..., overwrite=True)` replaces these (and
 # only these), so no stale shard or a second format's weights stay beside the new ones.
-CHECKPOINT_FILES = ("config.json", "*.safetensors", INDEX, "pytorch_model*.bin", "pytorch_model.bin.index.json",
-                    "tf_model.h5", "flax_model*.msgpack", "flax_model.msgpack.index.json")
+# The names `to_hf` writes ("model.safetensors", "model-00001-of-00002.safetensors") and transformers' other
+# formats; another *.safetensors (a PEFT adapter_model.safetensors) is the user's and kept.
+CHECKPOINT_FILES = ("config.json", "model.safetensors", "model-*-of-*.safetensors", INDEX, "pytorch_model*.bin",
+                    "pytorch_model.bin.index.json", "tf_model.h5", "flax_model*.msgpack",
+                    "flax_model.msgpack.index.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +52,7 @@ def read_config(path: Path) -> dict:
     file = path / "config.json"
     if not file.is_file():
         raise ValueError(f"{path}: no config.json; from_hf reads a Hugging Face checkpoint directory")
-    return read_json(file)
+    return read_json(inside(path, "config.json", f"{path}: config.json"))
 
 
 def open_safetensors(file: Path):
@@ -53,21 +64,58 @@ def open_safetensors(file: Path):
         raise ValueError(f"{file} is not a readable safetensors file (truncated or damaged?): {e}") from None
 
 
-def list_tensors(path: Path) -> dict[str, TensorInfo]:
-    """{key: file, shape, dtype} of every tensor in the checkpoint, read from the headers only."""
+def _roots(path: Path) -> list[Path]:
+    """Where the checkpoint's files may resolve to: its directory, and for a hub cache snapshot
+    (`<repo>/snapshots/<revision>`) the repository's `blobs` folder."""
+    root = path.resolve()
+    return [root, root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [root]
+
+
+def inside(path: Path, name, where: str) -> Path:
+    """The file `name` of the checkpoint directory `path`; ValueError naming `where` (the entry) if `name` is not a
+    string, is absolute or climbs out with `..`, or resolves outside the directory (a symlink escaping it)."""
+    if not isinstance(name, str):
+        raise ValueError(f"{where}: the file name must be a string, got {type(name).__name__} {name!r}")
+    if not name or Path(name).is_absolute() or ".." in Path(name).parts or "\0" in name:
+        raise ValueError(f"{where} names {name!r}, which is not a file inside {path}: a checkpoint reads only its "
+                         f"own directory")
+    file = path / name
+    target = file.resolve()
+    if not any(target == r or r in target.parents for r in _roots(path)):
+        raise ValueError(f"{where} names {name!r}, a symlink to {target}, outside {path}: a checkpoint reads only "
+                         f"its own directory")
+    return file
+
+
+def weight_files(path: Path) -> list[str]:
+    """The safetensors files that hold the weights (see the module docstring), each checked to lie inside `path`."""
     if (path / INDEX).is_file():
         weight_map = read_json(path / INDEX).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{path / INDEX} has no weight_map object")
-        files = sorted(set(weight_map.values()))
+        for key, name in weight_map.items():
+            inside(path, name, f"{path / INDEX}: weight_map entry {key!r}")
+            if not (path / name).is_file():
+                raise ValueError(f"{path}: {INDEX} entry {key!r} names {name!r}, which is not a file")
+        return sorted(set(weight_map.values()))
+    if (path / "model.safetensors").exists():
+        names = ["model.safetensors"]
     else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
+        names = sorted(p.name for p in path.glob("*.safetensors"))
+    for name in names:
+        inside(path, name, f"{path}: the weights file")
+        if not (path / name).is_file():
+            raise ValueError(f"{path}: {name} is not a file (a directory, or a link to nothing)")
+    return names
+
+
+def list_tensors(path: Path) -> dict[str, TensorInfo]:
+    """{key: file, shape, dtype} of every tensor in the checkpoint, read from the headers only."""
+    files = weight_files(path)
     if not files:
         raise ValueError(f"{path}: no *.safetensors files")
     out: dict[str, TensorInfo] = {}
     for name in files:
-        if not (path / name).is_file():
-            raise ValueError(f"{path}: {INDEX} names {name!r}, which does not exist")
         with open_safetensors(path / name) as f:
             for key in f.keys():
                 if key in out:

@@ -81,10 +81,12 @@ def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *
     `dtype`: parameter dtype (default: the checkpoint's); float32 parameters compute in float32, others in
     bfloat16. `mesh` (default: the mesh set with `jax.set_mesh`, if any) and `rules` (logical axis -> mesh axis)
     place each parameter on its target sharding as it is read. Raises ValueError, before loading anything, for an
-    unknown architecture, an unsupported config field, a config.json or index that is not JSON, a safetensors file
-    whose header is damaged or that is shorter than its header says, or a tensor that is missing, mis-shaped or left
-    over; and, while streaming, for a tensor holding NaN or infinity (naming tensor and file) unless
-    `allow_nonfinite=True`.
+    unknown architecture, an unsupported config field, a config.json or index that is not JSON, an index entry that
+    is not a string or names a file outside the directory (`..`, an absolute path, a symlink escaping it: the
+    directory is untrusted input, `zoo.hf.files`), a safetensors file whose header is damaged or that is shorter
+    than its header says, or a tensor that is missing, mis-shaped or left over; and, while streaming, for a tensor
+    holding NaN or infinity in the parameter's dtype (naming tensor and file: stored so, or float32 values that a
+    cast to float16 overflows) unless `allow_nonfinite=True`.
 
     `mtp`: the multi-token-prediction module config.json announces (DeepSeek-V3: `num_nextn_predict_layers`,
     stored as layers num_hidden_layers..). False: build the model without it and skip its tensors (inference does
@@ -136,28 +138,47 @@ def check_from_hf_args(path, recipe, allow_nonfinite, mtp) -> None:
         raise TypeError(f"from_hf: mtp must be a bool or None, got {type(mtp).__name__}")
 
 
+def check_finite(key: str, file: Path, stored: np.ndarray, loaded: np.ndarray) -> None:
+    """ValueError naming the tensor if `loaded` (the tensor in the parameter's dtype) holds NaN or infinity: ones
+    stored so, or finite values the cast overflowed."""
+    bad = int(np.size(loaded) - np.count_nonzero(np.isfinite(loaded)))
+    if not bad:
+        return
+    was = int(np.size(stored) - np.count_nonzero(np.isfinite(stored)))
+    if was:
+        raise ValueError(f"tensor {key!r} in {file} holds {was} non-finite value(s) (NaN or infinity) of "
+                         f"{np.size(stored)}; pass allow_nonfinite=True to load it anyway")
+    dt = np.dtype(loaded.dtype)
+    raise ValueError(f"tensor {key!r} in {file}: {bad} of its {np.size(stored)} {np.dtype(stored.dtype).name} "
+                     f"values overflow {dt.name} (largest magnitude {float(np.max(np.abs(stored))):.4g}, beyond "
+                     f"{dt.name}'s {float(jnp.finfo(dt).max):.4g}) and would load as infinity; load with a wider "
+                     f"dtype= (e.g. bfloat16 or float32), or pass allow_nonfinite=True")
+
+
 def stream(path: Path, found: dict[str, TensorInfo], entries: list[keymap.Entry], flat: dict[tuple, nnx.Variable],
            shardings: dict[tuple, Any], *, allow_nonfinite: bool = False) -> list[tuple[tuple, nnx.Variable]]:
     """Read every parameter (checked already) onto its sharding, one layer at a time: [(path, filled variable)].
     ValueError naming tensor and file for a tensor that does not read or (unless `allow_nonfinite`) holds NaN or
-    infinity."""
+    infinity, checked in the parameter's dtype (a float32 value float16 cannot hold is an error too)."""
     loaded = []
     with contextlib.ExitStack() as stack:
         files = {name: stack.enter_context(open_safetensors(path / name))
                  for name in sorted({found[k].file for e in entries for k in e.keys()})}
 
         def read(key):
-            file = path / found[key].file
             try:
-                value = files[found[key].file].get_tensor(key)
+                return files[found[key].file].get_tensor(key)
             except Exception as e:   # safetensors' own error type
-                raise ValueError(f"tensor {key!r} in {file} does not read: {e}") from None
+                raise ValueError(f"tensor {key!r} in {path / found[key].file} does not read: {e}") from None
+
+        def cast(e, key, value, slice_shape, dt):
+            """The tensor as the parameter's slice in its dtype; its finiteness checked AFTER the cast (float32
+            values beyond float16's range become infinity there)."""
+            with np.errstate(over="ignore"):   # an overflow is refused below, naming the tensor
+                out = np.asarray(e.to_zoo(value, slice_shape), dt)
             if not allow_nonfinite:
-                bad = int(np.size(value) - np.count_nonzero(np.isfinite(value)))
-                if bad:
-                    raise ValueError(f"tensor {key!r} in {file} holds {bad} non-finite value(s) (NaN or infinity) "
-                                     f"of {np.size(value)}; pass allow_nonfinite=True to load it anyway")
-            return value
+                check_finite(key, path / found[key].file, value, out)
+            return out
 
         for e in entries:
             if e.copy:   # equal to the tensor its parameter is read from (check_copies)
@@ -166,11 +187,11 @@ def stream(path: Path, found: dict[str, TensorInfo], entries: list[keymap.Entry]
             dt, sharding = var.dtype, shardings[e.path]
             slice_shape = var.shape[e.depth:]
             if e.depth == 0:
-                value = jax.device_put(np.asarray(e.to_zoo(read(e.hf), slice_shape), dt), sharding)
+                value = jax.device_put(cast(e, e.hf, read(e.hf), slice_shape, dt), sharding)
             else:
                 value = _allocate(var.shape, dt, sharding)
                 for index, key in e.tensors():
-                    piece = np.asarray(e.to_zoo(read(key), slice_shape), dt)
+                    piece = cast(e, key, read(key), slice_shape, dt)
                     value = _set_slice(value, piece, np.asarray(index, np.int32))
             loaded.append((e.path, var.replace(value)))
     return loaded

@@ -19,7 +19,7 @@ import safetensors.numpy
 from flax import nnx
 
 from zoo.hf import keymap
-from zoo.hf.atomic import give_mode_of, keep_user_files, swap_in
+from zoo.hf.atomic import check_replaceable, give_mode_of, keep_user_files, swap_in
 from zoo.hf.checks import check_keymap_covers
 from zoo.hf.files import INDEX
 from zoo.models import registry
@@ -38,8 +38,12 @@ def to_hf(model: nnx.Module, path: str | os.PathLike, *, max_shard_bytes: int = 
     model.safetensors.index.json when there is more than one) that `transformers.AutoModelForCausalLM`
     loads. `path` is created if needed and must be empty: ValueError otherwise, listing what it holds. With
     `overwrite=True` a non-empty directory is accepted: the files of a previous checkpoint in it (config.json,
-    safetensors shards and index, and `.bin`/`.h5`/`.msgpack` weights: `CHECKPOINT_FILES`) are replaced, and
-    everything else (tokenizer files, README, generation_config.json) is kept.
+    `model.safetensors`, `model-*-of-*.safetensors` shards and their index, and `.bin`/`.h5`/`.msgpack` weights:
+    `zoo.hf.files.CHECKPOINT_FILES`; files or links of those names, a link and never its target) are replaced, so
+    no stale shard stays beside the new ones, and everything else (tokenizer files, README, generation_config.json,
+    another `*.safetensors` such as an adapter) is kept: `from_hf` reads the index, else `model.safetensors`, so
+    what is kept is never read as weights. A folder named like a checkpoint file is a ValueError (it is not
+    removed).
 
     The checkpoint is written into a temporary folder beside `path` (`.<name>.partial-*`) and swapped in only when
     complete (`swap_in`), so a failure (a full disk, an interrupt) leaves `path` as it was: an OSError names the
@@ -56,6 +60,7 @@ def to_hf(model: nnx.Module, path: str | os.PathLike, *, max_shard_bytes: int = 
     if held and not overwrite:
         raise ValueError(f"to_hf: {path} is not empty ({', '.join(held[:5])}{' ...' if len(held) > 5 else ''}); "
                          f"write to an empty directory, or pass overwrite=True to replace the checkpoint files in it")
+    check_replaceable(path)
     flat = dict(nnx.to_flat_state(nnx.state(model)))
     entries = arch.hf.keys(cfg)
     check_keymap_covers(arch, flat, entries)

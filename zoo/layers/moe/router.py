@@ -121,7 +121,15 @@ class GroupLimitedRouter(nnx.Module):
 # -- softmax top-k (Mixtral) --------------------------------------------------------------------------------------
 def switch_balance_loss(probs: jax.Array, idx: jax.Array, *, weight: float) -> jax.Array:
     """Switch Transformer's load-balancing loss as transformers computes it (`load_balancing_loss_func`):
-    weight * E * sum_i f_i P_i, f_i = copies routed to i / tokens, P_i = mean router probability of i."""
+    weight * E * sum_i f_i P_i, f_i = copies routed to i / tokens, P_i = mean router probability of i, over the
+    tokens of one forward pass.
+
+    A product of two means over the tokens, it does not add up over parts of a batch: with gradient accumulation
+    each micro-batch's loss has its own f_i and P_i and the step takes their mean (what transformers and Megatron
+    compute per forward pass), which differs from the whole batch's. Exact equality would need every micro-batch's
+    f_i before the first backward pass (a forward pass over the whole batch first): f_i enters the gradient as the
+    weight of each token's d p_ti, and keeping per-expert gradients to reweight later costs E copies of them.
+    (DeepSeek-V3's `sequence_balance_loss` is a mean over sequences: it adds up exactly.)"""
     t, e = probs.shape
     f = jax.lax.stop_gradient(jnp.sum(jax.nn.one_hot(idx, e, dtype=jnp.float32), axis=(0, 1)) / t)
     return weight * e * jnp.sum(f * jnp.mean(probs, axis=0))

@@ -23,7 +23,9 @@ def flops_per_token(cfg: Qwen3MoeConfig, model: nnx.Module, seq: int) -> float:
 
 
 def aux_loss(cfg: Qwen3MoeConfig, aux: dict) -> jax.Array:
-    """Every MoE layer's Switch balance loss (already times cfg.balance_loss_weight, router_aux_loss_coef)."""
+    """Every MoE layer's Switch balance loss (already times cfg.balance_loss_weight, router_aux_loss_coef), of the
+    tokens of one forward pass: with `--grad-accum K` the mean of the K micro-batches' losses, not the whole
+    batch's (`zoo.layers.moe.router.switch_balance_loss` says why)."""
     return total_balance_loss(aux)
 
 
