@@ -146,9 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         family = cli.family(args.model)
         cfg = cli.model_config(family, args.preset, args.overrides)
         recipe = "auto" if args.recipe == "auto" else cli.recipe(family, args.recipe)
-        p = zoo.plan.plan(cfg, recipe, batch=args.batch, seq=args.seq, hardware=_hardware(args), parallel=_parallel(args),
-                     training=_training(args), peak=None if args.peak == "none" else args.peak,
-                     model_name=f"{args.model} {args.preset}")
+        p = zoo.plan.plan(cfg, recipe, batch=args.batch, seq=args.seq, hardware=_hardware(args),
+                          parallel=_parallel(args), training=_training(args),
+                          peak=None if args.peak == "none" else args.peak, model_name=f"{args.model} {args.preset}")
     except ValueError as e:
         ap.error(str(e))
     if args.json:
