@@ -36,6 +36,10 @@ def resolve(cfg: RunConfig):
     recipe_name = cfg.recipe or recipe_registry.default_recipe(family)
     recipe = None if recipe_name == "auto" else cli.recipe(family, recipe_name)   # auto: chosen once shapes are known
     model_cfg = cli.model_config(family, cfg.preset, cfg.overrides)
+    try:
+        model_cfg.check_seq(cfg.seq)
+    except ValueError as e:
+        raise ValueError(f"--seq {cfg.seq}: {e}") from None
     check_params(cfg.params, model_cfg.param_dtype)
     device = jax.local_devices()[0]   # this process's own (memory statistics of another's fail)
     kernels = kernel_choices(model_cfg, device, cfg.overrides)

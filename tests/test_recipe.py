@@ -108,3 +108,14 @@ def test_a_recipe_is_the_value_it_was_made_as():
     assert written.resolve(emitted).offload == ("query_proj", "key_proj", "value_proj", "out_proj")
     with pytest.raises(ValueError, match="offload entry 'moe_\\*' matches no tag that Llama emits"):
         zoo.Recipe("m", offload=("moe_*",)).resolve(emitted, where="Llama")
+
+
+def test_a_sequence_longer_than_the_models_context_is_refused_before_anything_compiles():
+    """`max_seq_len` (a preset's published context) bounds the planner (and the main job: tests/recipes); a user
+    raises it."""
+    cfg = zoo.models.LlamaConfig.preset("llama3_1_8b", num_layers=1)
+    assert cfg.max_seq_len == 131072
+    with pytest.raises(ValueError, match="sequence length 262144 is longer than LlamaConfig.max_seq_len=131072"):
+        zoo.plan.plan(cfg, zoo.Recipe.full(), batch=1, seq=262144, peak=None)
+    with pytest.raises(ValueError, match="max_seq_len must be a positive int"):
+        zoo.models.LlamaConfig.preset("tiny", max_seq_len=0)

@@ -238,3 +238,9 @@ def test_custom_loop_example_trains_with_the_recipe_policy():
     from zoo.plan import measure
     host = [r for r in measure.residuals(ex.loss_fn, ex.init(jax.random.key(0)), ex.batch(0)) if r.host]
     assert len(host) == 3 and all(r.shape[0] == ex.LAYERS for r in host)   # q, k, v, stacked over the layers
+
+
+def test_the_main_job_refuses_a_sequence_beyond_the_models_context(capsys):
+    from recipes import train
+    assert train.main(["--preset", "tiny", "--set", "max_seq_len=32", "--seq", "64", "--steps", "1"]) == 2
+    assert "--seq 64: sequence length 64 is longer than LlamaConfig.max_seq_len=32" in capsys.readouterr().err

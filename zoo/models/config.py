@@ -105,12 +105,15 @@ class LMConfig:
     param_dtype: str = "float32"       # parameters
     attention_impl: str | None = None  # None: XLA (any device); "cudnn": cuDNN flash attention (GPU, bf16)
     mlp_seq_chunks: int = 1            # the dense MLP in this many sequence chunks (zoo.layers.mlp: earlier copies)
+    max_seq_len: int | None = None     # the longest sequence the model takes (a published context); None: any
     # {preset name: {field: value}}: the published sizes and a tiny one, as a table (a subclass sets its own)
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
 
     def __post_init__(self):
         check_types(self)
         check_positive(self, "vocab_size", "dim", "num_layers", "mlp_seq_chunks")
+        if self.max_seq_len is not None:
+            check_positive(self, "max_seq_len")
         check_positive_float(self, "norm_eps")
         dtype_of(f"{type(self).__name__}.dtype", self.dtype)
         dtype_of(f"{type(self).__name__}.param_dtype", self.param_dtype)
@@ -121,6 +124,15 @@ class LMConfig:
 
     def check(self) -> None:
         """The model's own checks (ranges, divisibility), after the types and the base's fields."""
+
+    def check_seq(self, seq: int) -> None:
+        """ValueError unless `seq` is a positive int within `max_seq_len` (the positions the model was made for)."""
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0:
+            raise ValueError(f"the sequence length must be a positive int, got {seq!r}")
+        if self.max_seq_len is not None and seq > self.max_seq_len:
+            raise ValueError(f"sequence length {seq} is longer than {type(self).__name__}.max_seq_len="
+                             f"{self.max_seq_len} (the context its positions were made for); raise it with "
+                             f"max_seq_len=N (--set max_seq_len=N) to train longer")
 
     def attention_head_dim(self) -> int:
         """The head dim the attention kernel sees (it decides cuDNN's eligibility: zoo.layers.attention)."""

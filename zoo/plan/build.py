@@ -180,6 +180,8 @@ def _split(cfg, batch: int, seq: int, parallel: Parallelism, training: Training)
     """(the abstract mesh or None, the device count): the shape checked against the split and the micro-batches."""
     check_positive("batch", batch)
     check_positive("seq", seq)
+    if hasattr(cfg, "check_seq"):
+        cfg.check_seq(seq)
     shard, amesh = parallel.shard, None
     if parallel.mesh is not None:
         amesh = mesh_plan.as_abstract(parallel.mesh)

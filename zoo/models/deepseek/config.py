@@ -39,7 +39,8 @@ class DeepSeekV3Config(MoEConfig):
 
     PRESETS = {
         # DeepSeek-V3 / R1: 61 layers (3 dense), 256 experts top-8 in 8 groups (4 kept), 1 shared expert
-        "deepseek_v3_671b": dict(vocab_size=129280, dim=7168, num_layers=61, first_dense_layers=3, num_heads=128,
+        "deepseek_v3_671b": dict(max_seq_len=163840,
+                                 vocab_size=129280, dim=7168, num_layers=61, first_dense_layers=3, num_heads=128,
                                  q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
                                  v_head_dim=128, mlp_dim=18432, num_experts=256, num_experts_per_tok=8,
                                  moe_mlp_dim=2048, num_shared_experts=1, n_group=8, topk_group=4),

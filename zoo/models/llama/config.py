@@ -18,11 +18,14 @@ class LlamaConfig(LMConfig):
     # from LMConfig: vocab_size, dim, num_layers, norm_eps (1e-5), tie_embeddings, dtype, param_dtype, attention_impl
 
     PRESETS = {
-        "llama3_1_8b": dict(vocab_size=128256, dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+        "llama3_1_8b": dict(max_seq_len=131072,
+                            vocab_size=128256, dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
                             mlp_dim=14336),
-        "llama3_1_70b": dict(vocab_size=128256, dim=8192, num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
+        "llama3_1_70b": dict(max_seq_len=131072,
+                             vocab_size=128256, dim=8192, num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
                              mlp_dim=28672),
-        "llama3_1_405b": dict(vocab_size=128256, dim=16384, num_layers=126, num_heads=128, num_kv_heads=8,
+        "llama3_1_405b": dict(max_seq_len=131072,
+                              vocab_size=128256, dim=16384, num_layers=126, num_heads=128, num_kv_heads=8,
                               head_dim=128, mlp_dim=53248),
         # a few layers in float32, for tests and CPU runs
         "tiny": dict(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,

@@ -19,9 +19,11 @@ class Qwen3Config(LMConfig):
     norm_eps: float = 1e-6             # every RMSNorm's, the per-head q/k norms' included
 
     PRESETS = {
-        "qwen3_8b": dict(vocab_size=151936, dim=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+        "qwen3_8b": dict(max_seq_len=40960,
+                         vocab_size=151936, dim=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
                          mlp_dim=12288),
-        "qwen3_32b": dict(vocab_size=151936, dim=5120, num_layers=64, num_heads=64, num_kv_heads=8, head_dim=128,
+        "qwen3_32b": dict(max_seq_len=40960,
+                          vocab_size=151936, dim=5120, num_layers=64, num_heads=64, num_kv_heads=8, head_dim=128,
                           mlp_dim=25600),
         # two layers in float32, for tests and CPU runs; head_dim x heads (64) differs from neither dim nor the
         # kv width, so that a mixed-up projection shape fails

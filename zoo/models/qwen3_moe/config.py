@@ -23,9 +23,11 @@ class Qwen3MoeConfig(MoEConfig):
     balance_loss_weight: float = 1e-3  # transformers: router_aux_loss_coef (Switch Transformer's balance loss)
 
     PRESETS = {
-        "qwen3_30b_a3b": dict(vocab_size=151936, dim=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+        "qwen3_30b_a3b": dict(max_seq_len=40960,
+                              vocab_size=151936, dim=2048, num_layers=48, num_heads=32, num_kv_heads=4,
                               head_dim=128, mlp_dim=6144, num_experts=128, num_experts_per_tok=8, moe_mlp_dim=768),
-        "qwen3_235b_a22b": dict(vocab_size=151936, dim=4096, num_layers=94, num_heads=64, num_kv_heads=4,
+        "qwen3_235b_a22b": dict(max_seq_len=40960,
+                                vocab_size=151936, dim=4096, num_layers=94, num_heads=64, num_kv_heads=4,
                                 head_dim=128, mlp_dim=12288, num_experts=128, num_experts_per_tok=8,
                                 moe_mlp_dim=1536),
         # four layers in float32, the first two dense (both kinds of layer, each stack scanning); sizes chosen so
