@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from bench import records
 from zoo.layers import moe
 from zoo.models.lm import MTP_LOGITS
 from zoo.train_step import mtp_loss
@@ -180,7 +181,7 @@ def emit(record: dict) -> None:
     record.setdefault("gpus", jax.device_count())
     record.setdefault("mesh", None)
     record.setdefault("date", datetime.date.today().isoformat())
-    line = json.dumps(record)
+    line = json.dumps(records.normalize(record))   # checked against the one schema (bench/records.py)
     print(line, flush=True)
     out = os.environ.get("BENCH_OUT")
     if out:

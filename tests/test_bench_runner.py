@@ -52,12 +52,11 @@ def test_every_job_names_a_known_bench_and_its_arguments_parse(name):
     assert len({j.name for j in jobs}) == len(jobs), f"{name}: job names repeat"
     for job in jobs:
         for form in (job, run.smoke(job)):
-            if form.argv[0] == "-m":
-                assert form.program in run.BENCHES, (name, job.name, form.program)
-                _parses(_filled(form.argv))
-            else:
-                assert form.argv[0].startswith("{anchor}/") and form.program in run.ANCHORS, (name, job.name)
-                assert form.anchor is not None, f"{job.name}: an anchor's line needs its record schema"
+            assert form.argv[0] == "-m", (name, job.name, form.argv)
+            assert form.program in run.BENCHES + run.ANCHORS, (name, job.name, form.program)
+            _parses(_filled(form.argv))
+            if form.program in run.ANCHORS:
+                assert form.anchor is not None, f"{job.name}: a baseline's line needs its record fields"
         assert form.timeout_s >= form.est_s > 0
         assert job.gpus is None or len(job.gpus.split(",")) == job.devices, job.name
         if job.program in run.ANCHORS:
