@@ -46,6 +46,7 @@ def loss_fn(model: nnx.Module, tokens: jax.Array):
     return ce + total_balance_loss(aux), aux
 
 
+# --8<-- [start:nnx]
 # -- (a) nnx.jit + nnx.value_and_grad + nnx.Optimizer ------------------------------------------------------------
 @nnx.jit
 def nnx_step(model: nnx.Module, optimizer: nnx.Optimizer, tokens: jax.Array) -> jax.Array:
@@ -62,8 +63,10 @@ def make_nnx() -> tuple[nnx.Module, nnx.Optimizer]:
     # here gives the first step the inputs every later step gets, so the second step does not compile again.
     nnx.update((model, optimizer), jax.device_put(nnx.state((model, optimizer)), jax.devices()[0]))
     return model, optimizer
+# --8<-- [end:nnx]
 
 
+# --8<-- [start:functional]
 # -- (b) nnx.split / nnx.merge around jax.jit ----------------------------------------------------------------
 graphdef = nnx.graphdef(zoo.models.deepseek_v3(cfg, recipe=recipe, rngs=nnx.Rngs(0)))   # the structure alone
 tx = optax.adamw(3e-3)
@@ -90,6 +93,7 @@ def make_functional():
     _, params, rest = nnx.split(zoo.models.deepseek_v3(cfg, recipe=recipe, rngs=nnx.Rngs(0)), nnx.Param, ...)
     # Placed once (see make_nnx): the second step then gets inputs placed as the first step's were.
     return jax.device_put((params, rest, tx.init(params)), jax.devices()[0])
+# --8<-- [end:functional]
 
 
 def main(steps: int = 30) -> None:
