@@ -1,7 +1,7 @@
 """Shared pieces of the GPU benchmarks: an SGD training step on a zoo model, timing, memory figures.
 
 Each benchmark process measures ONE configuration (XLA reads its flags at start and `peak_bytes_in_use`
-never resets), and prints one JSON line. Figures follow DESIGN section 8: median of several steps after
+never resets), and prints one JSON line (a record of `bench.records`). Figures: median of several steps after
 warm-up; model FLOPs = 6 * matmul parameters * tokens + causal attention (counted as half).
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ Every backend sorts the B*S*k token copies by expert (`zoo.layers.moe.dispatch`)
 when nothing is dropped:
 
 - ``"ragged_dot"``: `jax.lax.ragged_dot`, dropless; the reference, and right on CPU. On GPUs (jax 0.11) XLA
-  computes every expert for every row: 48 TFLOP/s on an H200 where a batched einsum reaches 805 (ANCHORS.md).
+  computes every expert for every row: 48 TFLOP/s on an H200 where a batched einsum reaches 805.
 - ``"tokamax"``: tokamax's `ragged_dot` (a real grouped GEMM; Mosaic GPU kernel), dropless, same API and
   results; imported only when chosen (it needs jax >= 0.11.1 and is not a dependency of the zoo). On an NVIDIA
   GPU the zoo asks for its Mosaic kernel by name, so an unsupported case fails loudly instead of falling back to
@@ -17,7 +17,7 @@ when nothing is dropped:
 - ``"auto"``: only a backend known to run well on the device. On an NVIDIA GPU: tokamax when it imports and its
   Mosaic kernel covers the case (bf16/fp16, compute capability 8.x, 9.x or 10.x); otherwise capacity dispatch,
   with a warning that it drops copies over capacity, since ragged_dot computes every expert for every row there
-  (48 against 805 TFLOP/s on an H200, and out of memory at the deepseek-slice batch; ANCHORS.md). On any other
+  (48 against 805 TFLOP/s on an H200, and out of memory at the deepseek-slice batch). On any other
   device: ragged_dot (exact, and what XLA does well on CPUs and TPUs). `backend_choice` says which and why.
 """
 from __future__ import annotations
