@@ -562,10 +562,14 @@ def run_job(job: Job, gpu: str | None, out: str, remaining: float, *, anchor_dir
         f.write(" ".join(argv) + "\n" + "\n".join(text.splitlines()[-150:]))
     recs = _records(job, rc, stdout, text, records_path, smoke_run, flags)
     ident = {k: _fill(v, job, anchor_dir, out) if isinstance(v, str) else v for k, v in job.ident.items()}
-    defaults = dict(bench=ident.get("bench") or job.name, impl="anchor" if job.anchor else "zoo",
-                    date=time.strftime("%Y-%m-%d"))
     return [records.normalize({**ident, **records.flat(r), "job": job.name, "gpu_index": gpu, "wall_s": wall},
-                              **defaults) for r in recs]
+                              **_record_defaults(job)) for r in recs]
+
+
+def _record_defaults(job: Job) -> dict:
+    """The schema fields a job's record may lack (an error, a skipped job): its bench, impl and today."""
+    return dict(bench=job.ident.get("bench") or job.name, impl="anchor" if job.anchor else "zoo",
+                date=time.strftime("%Y-%m-%d"))
 
 
 def _job_env(smoke_run: bool) -> dict:
@@ -656,7 +660,8 @@ def run(name: str, anchor_dir: str, out: str, *, deadline: float = 540, only: st
             with lock:
                 with open(results_path, "a") as f:
                     for rec in recs:
-                        f.write(json.dumps({**rec, "scenario": name}) + "\n")
+                        rec = {**records.flat(rec), "scenario": name}
+                        f.write(json.dumps(records.normalize(rec, **_record_defaults(job))) + "\n")
                         print(json.dumps({k: rec.get(k) for k in (
                             "job", "gpu_index", "step_s", "peak_gib", "host_temp_gib", "wall_s", "error",
                             "skipped", "as_expected") if k in rec}), flush=True)

@@ -3,7 +3,6 @@ GPU form and the smoke form) without running; one smoke job runs end to end into
 from __future__ import annotations
 
 import argparse
-import json
 import runpy
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from unittest import mock
 
 import pytest
 
-from bench import run
+from bench import records, run
 from tests.helpers import ROOT, cpu_env
 
 
@@ -79,9 +78,9 @@ def test_a_smoke_job_runs_end_to_end(tmp_path):
     p = subprocess.run([sys.executable, "-m", "bench.run", "stream-probe", str(out), "--smoke", "--only", "device"],
                        cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
-    recs = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    recs = records.load(out / "results.jsonl")          # in the one schema
     assert len(recs) == 1
-    rec = recs[0]
+    rec = records.flat(recs[0])
     assert rec["job"] == "stream-probe-device-plain" and rec["scenario"] == "stream-probe"
     assert rec["bench"] == "stream-probe" and rec["variant"] == "device" and rec["step_s"] > 0, rec
     assert "--xla_gpu_per_fusion_autotune_cache_dir" in rec["flags"]
