@@ -1,6 +1,7 @@
 """The benchmark pages' plots, drawn from the committed records (bench/results/) into docs/benchmarks/img/.
 
     python -m bench.plots            # writes offload_cost.png, capacity.png, planner.png, scaling.png
+    python -m bench.plots --out DIR  # elsewhere
 
 Each plot reads records through `bench.records` (every figure is a record's) and says in its title which file it
 comes from; a record without a step time (an error, a skipped job) is left out.
@@ -22,7 +23,7 @@ def _load(name: str) -> list[dict]:
     return [r for r in records.load_flat(RESULTS / name) if r.get("step_s") and not r.get("error")]
 
 
-def offload_cost(plt) -> None:
+def offload_cost(plt, out: pathlib.Path) -> None:
     """Step time of each recipe relative to full remat (the median over the calls), zoo's own setting."""
     recs = [r for r in _load("offload-pays_2026-12-01.jsonl") if r["impl"] == "zoo" and r.get("setting") == "zoo"]
     panels = (("llama405b-slice", 3, "Llama 405B-shaped slice, 3 layers, batch 2, seq 8192"),
@@ -45,10 +46,10 @@ def offload_cost(plt) -> None:
         ax.set_xlim(0.6, max(speed) * 1.15)
     fig.suptitle("What offload costs: one H200 (bench/results/offload-pays_2026-12-01.jsonl)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(OUT / "offload_cost.png", dpi=110)
+    fig.savefig(out / "offload_cost.png", dpi=110)
 
 
-def capacity(plt) -> None:
+def capacity(plt, out: pathlib.Path) -> None:
     """The largest batch each recipe ran (the next power of two ran out of memory), and the planner's answer."""
     recs = records.load_flat(RESULTS / "capacity-sweep_2026-11-30.jsonl")
     best, planned = {}, {}
@@ -64,10 +65,10 @@ def capacity(plt) -> None:
     ax.legend(fontsize=8, loc="lower right")
     ax.set_title("DeepSeek-V3 slice on one H200 (bench/results/capacity-sweep_2026-11-30.jsonl)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(OUT / "capacity.png", dpi=110)
+    fig.savefig(out / "capacity.png", dpi=110)
 
 
-def planner(plt) -> None:
+def planner(plt, out: pathlib.Path) -> None:
     """Planned against measured, every zoo record with both figures: the peak HBM (the planner's compiled peak
     where the record's device planned it, else its estimate) and the host bytes."""
     recs = [r for path in sorted(RESULTS.glob("*.jsonl")) for r in _load(path.name) if r["impl"] == "zoo"]
@@ -85,10 +86,10 @@ def planner(plt) -> None:
         ax.set_title(f"{label}: {len(pairs)} records (blue: peak compiled by the planner)", fontsize=9)
     fig.suptitle("How the planner predicts: every zoo record of bench/results/ with both figures", fontsize=10)
     fig.tight_layout()
-    fig.savefig(OUT / "planner.png", dpi=110)
+    fig.savefig(out / "planner.png", dpi=110)
 
 
-def scaling(plt) -> None:
+def scaling(plt, out: pathlib.Path) -> None:
     """Model TFLOP/s per GPU of the 405B-shaped slice: one GPU, and FSDP over two."""
     one = [r for r in _load("llama405b-slice_2026-11-29.jsonl") if r["B"] == 2 and r["L"] == 3]
     two = [r for r in _load("fsdp-2xh200_2026-11-29.jsonl") if r["bench"] == "llama405b-slice" and r.get("tflops")]
@@ -110,21 +111,22 @@ def scaling(plt) -> None:
     ax.legend(fontsize=8, loc="upper left", ncols=2)
     ax.set_title("Llama 405B-shaped slice, 3 layers, batch 2 per GPU (llama405b-slice, fsdp-2xh200)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(OUT / "scaling.png", dpi=110)
+    fig.savefig(out / "scaling.png", dpi=110)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.parse_args(argv)
+    ap.add_argument("--out", type=pathlib.Path, default=OUT, help="the folder the PNGs go to (default %(default)s)")
+    out = ap.parse_args(argv).out
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    OUT.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     for draw in (offload_cost, capacity, planner, scaling):
-        draw(plt)
+        draw(plt, out)
         plt.close("all")
-        print(f"wrote {OUT / draw.__name__}.png")
+        print(f"wrote {out / draw.__name__}.png")
 
 
 if __name__ == "__main__":

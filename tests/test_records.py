@@ -49,3 +49,14 @@ def test_load_names_the_line_of_a_record_outside_the_schema(tmp_path):
     path.write_text(json.dumps(good) + "\n" + json.dumps({"bench": "x", "step_s": 1.0}) + "\n")
     with pytest.raises(ValueError, match=r"r.jsonl:2: not a record of the schema"):
         records.load(path)
+
+
+def test_the_benchmark_plots_are_drawn_from_the_records(tmp_path):
+    """bench.plots draws the four PNGs of the benchmark pages from bench/results alone (here into a temporary
+    folder; the committed ones are under docs/benchmarks/img/)."""
+    pytest.importorskip("matplotlib")
+    from bench import plots
+    plots.main(["--out", str(tmp_path)])
+    names = ("offload_cost", "capacity", "planner", "scaling")
+    assert all((tmp_path / f"{n}.png").stat().st_size > 10_000 for n in names)
+    assert all((ROOT / "docs" / "benchmarks" / "img" / f"{n}.png").exists() for n in names)
