@@ -10,7 +10,7 @@ import pytest
 
 from bench import records
 from bench.anchor_record import to_record
-from tests.helpers import ROOT, cpu_env
+from tests.helpers import ROOT, cpu_env, tiered
 
 CASES = [("plain_jax_llama", "offload_qkv", None, dict(bench="llama405b-slice", S=8192, backend="none")),
          ("plain_jax_deepseek", "mla_moe_offload", None, dict(bench="deepseek-slice", S=4096)),
@@ -18,8 +18,9 @@ CASES = [("plain_jax_llama", "offload_qkv", None, dict(bench="llama405b-slice", 
                                                          mesh="fsdp=2"))]
 
 
-@pytest.mark.parametrize("module, policy, devices, fields", CASES, ids=[c[0] for c in CASES])
-def test_a_baseline_runs_and_its_line_is_a_record(module, policy, devices, fields):
+@pytest.mark.parametrize("case", tiered(CASES, fast=CASES[:1]), ids=[c[0] for c in CASES])
+def test_a_baseline_runs_and_its_line_is_a_record(case):
+    module, policy, devices, fields = case
     env = cpu_env(devices, SMALL="1", NL="2")
     out = subprocess.run([sys.executable, "-m", f"bench.baselines.{module}", policy, "2"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
