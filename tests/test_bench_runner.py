@@ -51,10 +51,12 @@ def test_every_job_names_a_known_bench_and_its_arguments_parse(name):
     assert len({j.name for j in jobs}) == len(jobs), f"{name}: job names repeat"
     for job in jobs:
         for form in (job, run.smoke(job)):
-            assert form.argv[0] == "-m", (name, job.name, form.argv)
-            assert form.program in run.BENCHES + run.ANCHORS, (name, job.name, form.program)
-            _parses(_filled(form.argv))
-            if form.program in run.ANCHORS:
+            if form.argv[0] == "-m":
+                assert form.program in run.BENCHES + run.ANCHORS, (name, job.name, form.program)
+                _parses(_filled(form.argv))
+            else:   # a script from ANCHOR_DIR
+                assert form.argv[0].startswith("{anchor}/"), (name, job.name, form.argv)
+            if form.program in run.ANCHORS or form.argv[0].startswith("{anchor}/"):
                 assert form.anchor is not None, f"{job.name}: a baseline's line needs its record fields"
         assert form.timeout_s >= form.est_s > 0
         assert job.gpus is None or len(job.gpus.split(",")) == job.devices, job.name
