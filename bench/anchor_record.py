@@ -1,5 +1,5 @@
-"""A plain-JAX anchor's JSON line (../shared/anchor/*.py print their own keys) as a record in the DESIGN section 8
-schema; `bench.run` applies it to every anchor job.
+"""A plain-JAX baseline's JSON line (`bench.baselines` print their own keys) as a record of `bench.records`;
+`bench.run` applies it to every baseline job.
 
 The anchor's `policy` becomes `recipe`; its MoE dispatch is sort + jax.lax.ragged_dot (`backend` "ragged_dot").
 Its planned figures are None: the planner plans zoo models only.

@@ -1,7 +1,7 @@
 """Shared pieces of the GPU benchmarks: an SGD training step on a zoo model, timing, memory figures.
 
 Each benchmark process measures ONE configuration (XLA reads its flags at start and `peak_bytes_in_use`
-never resets), and prints one JSON line. Figures follow DESIGN section 8: median of several steps after
+never resets), and prints one JSON line (a record of `bench.records`). Figures: median of several steps after
 warm-up; model FLOPs = 6 * matmul parameters * tokens + causal attention (counted as half).
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from bench import records
 from zoo.layers import moe
 from zoo.models.lm import MTP_LOGITS
 from zoo.train_step import mtp_loss
@@ -180,7 +181,10 @@ def emit(record: dict) -> None:
     record.setdefault("gpus", jax.device_count())
     record.setdefault("mesh", None)
     record.setdefault("date", datetime.date.today().isoformat())
-    line = json.dumps(record)
+    try:
+        line = json.dumps(records.normalize(record, impl="zoo"))   # the one schema (bench/records.py)
+    except ValueError as e:   # a measurement is never lost: written as it is, and the records' test names it
+        line = json.dumps({**record, "schema_error": str(e)})
     print(line, flush=True)
     out = os.environ.get("BENCH_OUT")
     if out:

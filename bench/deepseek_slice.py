@@ -4,9 +4,9 @@ study's hidden sizes), batch 4, seq 4096, SGD step, bf16.
     XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true \
         python -m bench.deepseek_slice mla_moe_offload --batch 4 --backend tokamax
 
-`../shared/anchor/plain_jax_deepseek.py` (E=16 NL=3) is its plain-JAX anchor: the same MoE layers and dispatch
-(sort + jax.lax.ragged_dot), without the dense layer, the embedding and the LM head. Prints one JSON line in the
-DESIGN section 8 schema: `backend` is the grouped matmul that ran (`auto` resolved on the device), `attention` the
+`bench.baselines.plain_jax_deepseek` (E=16 NL=3) is its plain-JAX baseline: the same MoE layers and dispatch
+(sort + jax.lax.ragged_dot), without the dense layer, the embedding and the LM head. Prints one JSON line (a record of
+`bench.records`): `backend` is the grouped matmul that ran (`auto` resolved on the device), `attention` the
 kernel, `dropped` the token copies capacity dispatch dropped in the last step, `planned_host_gib` and
 `planned_peak_gib` the planner's figures beside XLA's `host_temp_gib` and the measured `peak_gib`.
 

@@ -2,11 +2,11 @@
 
     XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true python -m bench.llama_slice qkv_offload --batch 2
 
-Same shapes as ../shared/anchor/plain_jax_llama.py (SHAPE=405b NL=3), plus the zoo model's embedding and
+Same shapes as bench.baselines.plain_jax_llama (SHAPE=405b NL=3), plus the zoo model's embedding and
 untied LM head (counted in its FLOPs). Prints one JSON line.
 
 With `--mesh fsdp=2` the model is created sharded (`zoo.sharding`), `--batch` is the GLOBAL batch (4 on two GPUs
-is 2 per GPU, as ../shared/anchor/plain_jax_llama_fsdp.py's `2`), and the record carries gpus, mesh, tflops per
+is 2 per GPU, as bench.baselines.plain_jax_llama_fsdp's `2`), and the record carries gpus, mesh, tflops per
 GPU, peak_gib (the largest device's) and the planner's per-device figures under the mesh (its peak compiled for the
 mesh's GPUs: `planned_peak_source` "compiled for 2 x ... (mesh fsdp=2), per device").
 """

@@ -72,7 +72,7 @@ def run_main(a) -> None:
     child_env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     if os.path.exists(metrics):
         os.remove(metrics)
-    ident = dict(bench="main-job-8b", impl="zoo-main-job", recipe=a.recipe, optimizer="adamw",
+    ident = dict(bench="main-job-8b", impl="zoo", program="main-job", recipe=a.recipe, optimizer="adamw",
                  B=m["batch"], S=m["seq"], L=m["layers"], opt_state=a.opt_state, grad_accum=a.grad_accum,
                  opt_dtype=a.opt_dtype, params=a.params, command=" ".join(cmd[1:]))
     with open(log, "w") as f:
@@ -137,7 +137,7 @@ def run_sgd(a) -> None:
                     param_dtype=cfg.param_dtype,
                     **planned(cfg, recipe, batch=m["batch"], seq=m["seq"], optimizer="sgd"))
 
-    guarded(run, bench="main-job-8b", impl="zoo-sgd-bench", recipe=a.recipe, optimizer="sgd", backend=None,
+    guarded(run, bench="main-job-8b", impl="zoo", program="sgd-bench", recipe=a.recipe, optimizer="sgd", backend=None,
             B=m["batch"], S=m["seq"], L=m["layers"], opt_state="device", grad_accum=1)
 
 

@@ -9,7 +9,7 @@ bf16, cuDNN attention on a GPU; 2 warm-up steps, median of --steps timed steps. 
 offload (the record's `mechanism` is "xla"). With --profile, two more steps run under `jax.profiler.trace` and
 `bench.trace_summary` reads where the copies ran (stream, bytes, bandwidth, overlap with compute); with --hlo, the
 compiled program's asynchronous ops (copy-start, dynamic-(update-)slice-start, calls on another stream) are counted.
-Prints one JSON record (DESIGN section 8, plus `mechanism`, `profile`, `hlo`).
+Prints one JSON record (`bench.records`; `mechanism`, `profile`, `hlo` in its extras).
 """
 from __future__ import annotations
 

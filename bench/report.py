@@ -13,15 +13,18 @@ from __future__ import annotations
 import argparse
 import json
 
+from bench import records
+
 TWIN = {"minimal_offload": "minimal", "qkv_offload": "save_qkv", "offload_minimal": "minimal",
         "offload_qkv": "save_qkv", "mla_moe_offload": "save_mla_moe", "lowrank_wa_offload": "save_mla_moe"}
 BASE_SETTING = {"zoo": "zoo", "anchor": "lhs"}   # the twin is measured under the impl's default setting
-MFU_PEAK_TFLOPS = 800   # the H200's measured bf16 matmul rate (docs/benchmarks.md)
+MFU_PEAK_TFLOPS = 800   # the H200's measured bf16 matmul rate (docs/benchmarks/index.md)
 
 
 def rows(path: str) -> list[dict]:
+    """The records of a .jsonl file, each with its extras beside its fields (`bench.records.flat`)."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [records.flat(json.loads(line)) for line in f if line.strip()]
 
 
 def _shape(r: dict) -> str:

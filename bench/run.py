@@ -4,17 +4,19 @@ per job, most important first, stopping before a deadline.
 
     python -m bench.run SCENARIO [ANCHOR_DIR] OUT_DIR [--deadline 540] [--only REGEX] [--smoke] [--list]
 
-ANCHOR_DIR (default `.anchor`) holds the plain-JAX anchors (`shared/anchor/*.py`). Each job runs in its own process
+The plain-JAX baselines are `bench.baselines` (impl "anchor" in the records); ANCHOR_DIR (default `.anchor`) is
+where a job given as `{anchor}/SCRIPT` finds its script. Each job runs in its own process
 (XLA reads its flags once) with a timeout; a setting is the process's `XLA_FLAGS` plus the compile options of the
 zoo's step (`BENCH_OPTIONS`; `zoo`: the library's own choice, `zoo.compile_options`). Jobs compared with each other
 run on the same GPU, in sequence (two GPUs of one machine may share a PCIe switch, so only one queue offloads a lot
 at a time where the ratio matters); a scenario with a job on several GPUs runs all its jobs in one queue. A job
 starts only if its estimate fits before the deadline. `NCCL_NVLS_ENABLE=0` for every job (NVLink multicast off).
 
-Writes OUT_DIR/results.jsonl (every record of every job, DESIGN section 8, plus the job's `job`, `scenario`,
-`setting`, `gpu_index`, `wall_s`), OUT_DIR/logs/JOB.log, OUT_DIR/work/JOB/ (a job's own files: the main job's
-train.log and metrics) and OUT_DIR/summary.md (`bench.report`). `--smoke`: the same jobs on tiny shapes on the CPU
-(fake devices for a mesh), which checks the scenario and the benches, not the figures. `--list`: the jobs, not run.
+Writes OUT_DIR/results.jsonl (every record of every job in the schema of `bench.records`, with the job's `job`,
+`scenario`, `setting`, `gpu_index`, `wall_s` in its extras), OUT_DIR/logs/JOB.log, OUT_DIR/work/JOB/ (a job's own
+files: the main job's train.log and metrics) and OUT_DIR/summary.md (`bench.report`). `--smoke`: the same jobs on
+tiny shapes on the CPU (fake devices for a mesh), which checks the scenario and the benches, not the figures.
+`--list`: the jobs, not run.
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from bench import records
 
 LHS = "--xla_gpu_enable_latency_hiding_scheduler=true"
 AUTOTUNE_CACHE = "--xla_gpu_per_fusion_autotune_cache_dir=/tmp/zoo-autotune"  # later compiles reuse the tuning
@@ -56,7 +60,8 @@ SELECTIVE_MEMCPY = "--xla_gpu_experimental_enable_selective_memcpy_overlap=true"
 BENCHES = ("bench.overlap_slice", "bench.llama_slice", "bench.deepseek_slice", "bench.main_job_8b",
            "bench.capacity_sweep", "bench.step_cost", "bench.stream_probe", "bench.tokamax_tiles",
            "bench.profile_step", "bench.loss_curve", "bench.stack_depth", "bench.ctx_slice", "recipes.train")
-ANCHORS = ("plain_jax_llama.py", "plain_jax_llama_fsdp.py", "plain_jax_deepseek.py", "plain_jax_llama_ctx.py")
+ANCHORS = ("bench.baselines.plain_jax_llama", "bench.baselines.plain_jax_llama_fsdp",
+           "bench.baselines.plain_jax_deepseek", "plain_jax_llama_ctx.py")
 TAKES_SMOKE = ("bench.overlap_slice", "bench.llama_slice", "bench.deepseek_slice", "bench.main_job_8b",
                "bench.ctx_slice", "bench.capacity_sweep", "bench.step_cost", "bench.loss_curve", "bench.stack_depth")
 
@@ -145,17 +150,17 @@ def deepseek(recipe, backend="capacity", batch=4, setting="zoo", extra=(), est=7
 
 
 def anchor(policy, shape="405b", layers=3, batch=2, flags="lhs", est=60, timeout=150, gpu=None) -> Job:
-    """plain_jax_llama.py: the plain-JAX Llama anchor (no embedding or head), seq 8192."""
+    """bench.baselines.plain_jax_llama: the plain-JAX Llama baseline (no embedding or head), seq 8192."""
     return Job(f"anchor-{shape}-L{layers}-B{batch}-{policy}-{flags}",
-               ("{anchor}/plain_jax_llama.py", policy, str(batch)), ANCHOR_FLAGS[flags], est, timeout,
+               ("-m", "bench.baselines.plain_jax_llama", policy, str(batch)), ANCHOR_FLAGS[flags], est, timeout,
                env={"SHAPE": shape, "NL": str(layers)},
                ident={"bench": f"llama{shape}-slice", "impl": "anchor", "recipe": policy, "setting": flags},
                anchor={"bench": f"llama{shape}-slice", "S": 8192, "backend": "none"}, gpus=gpu)
 
 
 def anchor_fsdp(policy, est=60, timeout=75) -> Job:
-    """plain_jax_llama_fsdp.py on two GPUs: the 405B layer, 3 layers, batch 2 per GPU."""
-    return Job(f"anchor-fsdp-405b-L3-{policy}", ("{anchor}/plain_jax_llama_fsdp.py", policy, "2"), LHS, est,
+    """bench.baselines.plain_jax_llama_fsdp on two GPUs: the 405B layer, 3 layers, batch 2 per GPU."""
+    return Job(f"anchor-fsdp-405b-L3-{policy}", ("-m", "bench.baselines.plain_jax_llama_fsdp", policy, "2"), LHS, est,
                timeout, env={"SHAPE": "405b", "NL": "3"},
                ident={"bench": "llama405b-slice", "impl": "anchor", "recipe": policy, "setting": "lhs"},
                anchor={"bench": "llama405b-slice", "S": 8192, "backend": "none", "mesh": "fsdp=2"}, gpus="0,1",
@@ -163,9 +168,10 @@ def anchor_fsdp(policy, est=60, timeout=75) -> Job:
 
 
 def anchor_deepseek(policy, batch=4, est=70, timeout=110, gpu=None) -> Job:
-    """plain_jax_deepseek.py: the plain-JAX DeepSeek anchor, 3 MoE layers of 16 experts, ragged_dot dispatch."""
-    return Job(f"anchor-deepseek-B{batch}-{policy}", ("{anchor}/plain_jax_deepseek.py", policy, str(batch)), LHS,
-               est, timeout, env={"E": "16", "NL": "3"},
+    """bench.baselines.plain_jax_deepseek: the plain-JAX DeepSeek baseline, 3 MoE layers of 16 experts, ragged_dot
+    dispatch."""
+    return Job(f"anchor-deepseek-B{batch}-{policy}", ("-m", "bench.baselines.plain_jax_deepseek", policy, str(batch)),
+               LHS, est, timeout, env={"E": "16", "NL": "3"},
                ident={"bench": "deepseek-slice", "impl": "anchor", "recipe": policy, "setting": "lhs"},
                anchor={"bench": "deepseek-slice", "S": 4096, "backend": "ragged_dot"}, gpus=gpu)
 
@@ -193,14 +199,15 @@ def main_job(recipe, extra=(), steps=12, est=110, timeout=200, gpu=None, name=No
     return Job(name or f"main-job-8b-{recipe}",
                ("-m", "bench.main_job_8b", "main", "--recipe", recipe, "--steps", str(steps), "--workdir", "{work}",
                 "--timeout", str(timeout - 20), *extra), LHS, est, timeout, env=env or {},
-               ident={"bench": "main-job-8b", "impl": "zoo-main-job", "recipe": recipe, "setting": "zoo",
+               ident={"bench": "main-job-8b", "impl": "zoo", "program": "main-job", "recipe": recipe, "setting": "zoo",
                       "log": "{work}/train.log"}, gpus=gpu)
 
 
 def sgd_twin(recipe, est=60, timeout=90, gpu=None) -> Job:
     """bench.main_job_8b sgd: the same model under the benches' SGD step (bf16 parameters, no clipping)."""
     return Job(f"sgd-8b-{recipe}", ("-m", "bench.main_job_8b", "sgd", "--recipe", recipe), LHS, est, timeout,
-               ident={"bench": "main-job-8b", "impl": "zoo-sgd-bench", "recipe": recipe, "setting": "zoo"}, gpus=gpu)
+               ident={"bench": "main-job-8b", "impl": "zoo", "program": "sgd-bench", "recipe": recipe,
+                      "setting": "zoo"}, gpus=gpu)
 
 
 def capacity(recipe, start, est=240, timeout=300, gpu=None) -> Job:
@@ -407,8 +414,9 @@ SCENARIOS: dict[str, Scenario] = {
         "beside the 8-layer cut with the state in HBM",
         (Job("refused-32-layers-in-hbm", ("-m", "recipes.train", "--preset", "llama3_1_8b", "--seq", "8192",
                                           "--batch", "4", "--recipe", "qkv_offload", "--steps", "1"), "", 60, 200,
-             env=_OPT_STATE_ENV, ident={"bench": "main-job-8b", "impl": "zoo-main-job", "recipe": "qkv_offload",
-                                        "L": 32, "B": 4, "opt_state": "device"}, gpus="0", expect_rc=2,
+             env=_OPT_STATE_ENV, ident={"bench": "main-job-8b", "impl": "zoo", "program": "main-job",
+                                        "recipe": "qkv_offload", "L": 32, "B": 4, "opt_state": "device"},
+             gpus="0", expect_rc=2,
              smoke_argv=("-m", "recipes.train", "--preset", "tiny", "--seq", "32", "--batch", "2", "--steps", "1",
                          "--hbm-limit", "0.0001")),
          main_job("qkv_offload", ("--layers", "32", "--batch", "4", "--grad-accum", "4", "--opt-state", "host"),
@@ -590,7 +598,14 @@ def run_job(job: Job, gpu: str | None, out: str, remaining: float, *, anchor_dir
         f.write(" ".join(argv) + "\n" + "\n".join(text.splitlines()[-150:]))
     recs = _records(job, rc, stdout, text, records_path, smoke_run, flags)
     ident = {k: _fill(v, job, anchor_dir, out) if isinstance(v, str) else v for k, v in job.ident.items()}
-    return [{**ident, **r, "job": job.name, "gpu_index": gpu, "wall_s": wall} for r in recs]
+    return [records.normalize({**ident, **records.flat(r), "job": job.name, "gpu_index": gpu, "wall_s": wall},
+                              **_record_defaults(job)) for r in recs]
+
+
+def _record_defaults(job: Job) -> dict:
+    """The schema fields a job's record may lack (an error, a skipped job): its bench, impl and today."""
+    return dict(bench=job.ident.get("bench") or job.name, impl="anchor" if job.anchor else "zoo",
+                date=time.strftime("%Y-%m-%d"))
 
 
 def _job_env(smoke_run: bool) -> dict:
@@ -681,7 +696,8 @@ def run(name: str, anchor_dir: str, out: str, *, deadline: float = 540, only: st
             with lock:
                 with open(results_path, "a") as f:
                     for rec in recs:
-                        f.write(json.dumps({**rec, "scenario": name}) + "\n")
+                        rec = {**records.flat(rec), "scenario": name}
+                        f.write(json.dumps(records.normalize(rec, **_record_defaults(job))) + "\n")
                         print(json.dumps({k: rec.get(k) for k in (
                             "job", "gpu_index", "step_s", "peak_gib", "host_temp_gib", "wall_s", "error",
                             "skipped", "as_expected") if k in rec}), flush=True)

@@ -105,7 +105,7 @@ def main():
             op = PallasMosaicRaggedDot() if c is None else PallasMosaicRaggedDot(
                 config=PallasMosaicRaggedDotConfig(**c))
             fn = jax.jit(lambda lhs, rhs, gs, op=op, kw=kw: op(lhs, rhs, group_sizes=gs, **kw))
-            rec = dict(bench="tokamax-tiles", impl="tokamax", problem=problem, shape=shape, M=m, E=e,
+            rec = dict(bench="tokamax-tiles", impl="zoo", backend="tokamax", problem=problem, shape=shape, M=m, E=e,
                        config=c or "tokamax default")
             try:
                 t0 = time.perf_counter()
@@ -122,7 +122,7 @@ def main():
         if rows_tried:
             s, c = min(rows_tried, key=lambda r: r[0])
             default = next((r[0] for r in rows_tried if r[1] is None), None)
-            summary = dict(bench="tokamax-tiles", impl="tokamax", problem=problem, shape=shape, M=m, E=e,
+            summary = dict(bench="tokamax-tiles", impl="zoo", backend="tokamax", problem=problem, shape=shape, M=m, E=e,
                            best=c or "tokamax default", best_ms=round(s * 1e3, 3),
                            best_tflops=round(flops / s / 1e12, 1),
                            default_ms=None if default is None else round(default * 1e3, 3))
@@ -136,7 +136,7 @@ def main():
         buf = jax.random.normal(ks[4], (e, c_rows, kk), jnp.bfloat16)
         w = jax.random.normal(ks[5], (e, kk, nn), jnp.bfloat16) * 0.02
         s = _time(jax.jit(lambda x, y: jnp.einsum("ecd,edf->ecf", x, y)), buf, w)
-        emit(dict(bench="tokamax-tiles", impl="einsum (capacity dispatch)", problem="fwd", shape=shape, M=m, E=e,
+        emit(dict(bench="tokamax-tiles", impl="zoo", backend="capacity", problem="fwd", shape=shape, M=m, E=e,
                   C=c_rows, ms=round(s * 1e3, 3), tflops_useful=round(2 * m * kk * nn / s / 1e12, 1),
                   tflops_padded=round(2 * e * c_rows * kk * nn / s / 1e12, 1)))
 

@@ -6,7 +6,7 @@ at the same batch, and the HBM freed runs 4x the batch of keeping those tensors 
 both stacks: the dense stack emits no moe_* tags and simply ignores them.
 
 On a slower link (the H200's PCIe: ~55 GB/s) the study's ~192 KiB/token/layer cannot hide behind the compute;
-the low-rank recipes move the small MLA latents instead and recompute the up-projections from them (ANCHORS.md).
+the low-rank recipes move the small MLA latents instead and recompute the up-projections from them (docs/benchmarks).
 """
 from zoo import Recipe
 
@@ -31,8 +31,8 @@ RECIPES: dict[str, Recipe] = {
     "lowrank_wa_offload": Recipe("lowrank_wa_offload", offload=("query_wa_proj", "kv_wa_proj") + MOE_UP,
                                  description="the MLA down-projections (before their norms; kv_wa_proj holds the "
                                              "rope key too) and the MoE up-projections to pinned host memory: the "
-                                             "low-rank recipe measured in ANCHORS.md; the backward pass recomputes "
-                                             "no down-projection"),
+                                             "low-rank recipe measured in docs/benchmarks; the backward pass "
+                                             "recomputes no down-projection"),
     "context_save": Recipe("context_save", device=CONTEXT,
                            description="MLA's attention output and softmax statistics kept in HBM: no attention "
                                        "forward in the backward pass"),

@@ -3,7 +3,6 @@ GPU form and the smoke form) without running; one smoke job runs end to end into
 from __future__ import annotations
 
 import argparse
-import json
 import runpy
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from unittest import mock
 
 import pytest
 
-from bench import run
+from bench import records, run
 from tests.helpers import ROOT, cpu_env
 
 
@@ -53,11 +52,12 @@ def test_every_job_names_a_known_bench_and_its_arguments_parse(name):
     for job in jobs:
         for form in (job, run.smoke(job)):
             if form.argv[0] == "-m":
-                assert form.program in run.BENCHES, (name, job.name, form.program)
+                assert form.program in run.BENCHES + run.ANCHORS, (name, job.name, form.program)
                 _parses(_filled(form.argv))
-            else:
-                assert form.argv[0].startswith("{anchor}/") and form.program in run.ANCHORS, (name, job.name)
-                assert form.anchor is not None, f"{job.name}: an anchor's line needs its record schema"
+            else:   # a script from ANCHOR_DIR
+                assert form.argv[0].startswith("{anchor}/"), (name, job.name, form.argv)
+            if form.program in run.ANCHORS or form.argv[0].startswith("{anchor}/"):
+                assert form.anchor is not None, f"{job.name}: a baseline's line needs its record fields"
         assert form.timeout_s >= form.est_s > 0
         assert job.gpus is None or len(job.gpus.split(",")) == job.devices, job.name
         if job.program in run.ANCHORS:
@@ -80,9 +80,9 @@ def test_a_smoke_job_runs_end_to_end(tmp_path):
     p = subprocess.run([sys.executable, "-m", "bench.run", "stream-probe", str(out), "--smoke", "--only", "device"],
                        cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
-    recs = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    recs = records.load(out / "results.jsonl")          # in the one schema
     assert len(recs) == 1
-    rec = recs[0]
+    rec = records.flat(recs[0])
     assert rec["job"] == "stream-probe-device-plain" and rec["scenario"] == "stream-probe"
     assert rec["bench"] == "stream-probe" and rec["variant"] == "device" and rec["step_s"] > 0, rec
     assert "--xla_gpu_per_fusion_autotune_cache_dir" in rec["flags"]

@@ -1,4 +1,4 @@
-"""Docs that are run: every fenced block of README.md and docs/*.md is a command or snippet this file runs (in a
+"""Docs that are run: every fenced block of README.md and docs/**/*.md is a command or snippet this file runs (in a
 smoke form where the documented one needs a GPU, two hosts or minutes), comparing the lines the docs quote as
 printed with what is printed now. A block that cannot run here is in EXCLUDED with the reason; a new block that is
 neither run nor excluded fails `test_every_block_is_run_or_excluded`.
@@ -6,7 +6,9 @@ neither run nor excluded fails `test_every_block_is_run_or_excluded`.
 Smoke form of `python -m recipes.train` (SMOKE): the tiny preset, 2 layers, seq 32, 2 steps; the README's main job
 (the tiny preset already) runs as written and its quoted lines are compared. `python -m recipes.plan` builds from
 shapes alone, so its documented commands run as written (the full-size presets, on the CPU) and are compared.
-Volatile figures (timings, tokens/s, this machine's RAM, the ETA) are masked on both sides (VOLATILE).
+Volatile figures (timings, tokens/s, this machine's RAM, the ETA) are masked on both sides (VOLATILE). The examples
+(`python docs/examples/...`) run as written, their quoted output compared. The site itself is built with
+`mkdocs build --strict` where mkdocs is installed (`pip install -e ".[docs]"`).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import pytest
 from tests.helpers import cpu_env
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 # Blocks that are not run, by a piece of their first command: why.
 EXCLUDED = {
@@ -34,6 +36,8 @@ EXCLUDED = {
                              "bench/results/ and docs/benchmarks.md)",
     "JAX_COORDINATOR_ADDRESS=127.0.0.1:12355": ("two processes: tests/recipes/test_multiprocess.py runs them "
                                                 "(its own checks)"),
+    "mkdocs build": "the site's build: test_the_site_builds runs it",
+    "--8<--": "an excerpt of an example file, included by the site's build: tests/test_examples.py runs the file",
 }
 # Commands of a run block that are not run, by their start: why.
 EXCLUDED_COMMANDS = {
@@ -93,12 +97,17 @@ def commands(block: Block) -> tuple[list[str], list[str]]:
 
 def kind(block: Block) -> str:
     if block.lang == "python":
-        return "python"
-    runnable = [c for c in commands(block)[0] if not any(c.startswith(x) for x in EXCLUDED_COMMANDS)]
+        return "excluded" if "--8<--" in block.text else "python"
+    cmds = commands(block)[0]
+    runnable = [c for c in cmds if not any(c.startswith(x) for x in EXCLUDED_COMMANDS)]
     first = runnable[0] if runnable else ""
     for piece in EXCLUDED:
         if piece in block.text:
             return "excluded"
+    if cmds and not runnable:
+        return "excluded"   # installs only (EXCLUDED_COMMANDS)
+    if first.startswith("python docs/examples/"):
+        return "example"
     if "python -m recipes.plan" in first:
         return "plan"
     if "python -m recipes.train" in first:
@@ -116,7 +125,7 @@ TRANSCRIBED = {commands(b)[0][0] for b in ALL if commands(b)[1]}
 def slow(block: Block) -> bool:
     """Marked `slow` (pytest -m "not slow" leaves them out): a process of its own on 8 fake devices, a training
     command in smoke form (a compile each), the DeepSeek-V3 tour (eager calls of the tiny model)."""
-    return (kind(block) == "mesh" or (kind(block) == "train" and not commands(block)[1])
+    return (kind(block) in ("mesh", "example") or (kind(block) == "train" and not commands(block)[1])
             or (block.lang == "python" and "deepseek_v3(" in block.text))
 
 
@@ -286,3 +295,28 @@ def test_python_snippets_run(block, tmp_path, monkeypatch):
     for c in code:
         with contextlib.redirect_stdout(io.StringIO()):
             exec(compile(c, block.id, "exec"), {"__name__": "__docs__"})
+
+
+# -- the examples and the site ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("block", params(("example",)))
+def test_example_scripts_print_what_the_docs_quote(block):
+    cmds, quoted = commands(block)
+    for cmd in cmds:
+        if cmd in TRANSCRIBED and not quoted:
+            continue
+        out = subprocess.run(shlex.split(cmd.replace("python ", f"{sys.executable} ", 1)), cwd=ROOT, env=cpu_env(),
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, f"{block.id}: {cmd}\n{out.stdout[-2000:]}{out.stderr[-2000:]}"
+        assert_quoted(quoted, out.stdout, block.id)
+
+
+def test_the_site_builds(tmp_path):
+    """`mkdocs build --strict` (warnings are errors: a broken link, a missing page, a docstring mkdocstrings cannot
+    render) with the repository's mkdocs.yml."""
+    pytest.importorskip("mkdocs", reason='the docs extra is not installed (pip install -e ".[docs]")')
+    pytest.importorskip("mkdocstrings")
+    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**cpu_env(), "NO_MKDOCS_2_WARNING": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert (tmp_path / "site" / "api" / "plan" / "index.html").stat().st_size > 10_000

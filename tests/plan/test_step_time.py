@@ -2,12 +2,12 @@
 committed GPU records it must reproduce (within 10% for every recipe of the llama405b and deepseek slices)."""
 from __future__ import annotations
 
-import json
 import pathlib
 
 import pytest
 
 import zoo
+from bench import records
 from recipes.deepseek_v3 import RECIPES as DS_RECIPES
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
 from zoo.models.registry import family
@@ -63,7 +63,7 @@ def _config(record: dict):
 
 
 def _measured():
-    rows = [json.loads(line) for path in RECORDS for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for path in RECORDS for r in records.load_flat(path)]
     return [r for r in rows if r.get("impl") == "zoo" and r.get("setting") == "zoo" and r.get("step_s")
             and r.get("mechanism", "xla") == "xla" and r["bench"] in ("llama405b-slice", "deepseek-slice")]
 

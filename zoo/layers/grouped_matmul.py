@@ -32,7 +32,7 @@ RAGGED_CONTRACTING = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
 
 # device kind -> {problem or "problem:KxN": tokamax PallasMosaicRaggedDotConfig fields}. Measured with
-# bench/tokamax_tiles.py (docs/benchmarks.md, "tokamax tiles"); a device kind missing here runs tokamax's choice.
+# bench/tokamax_tiles.py (docs/benchmarks/kernels.md); a device kind missing here runs tokamax's choice.
 # H200 (2026-11-30, a 671B MoE's expert shapes 7168 x 2048 and 2048 x 7168, 131072 rows over 16 experts):
 # 128 x 64 x 128 tiles, 4 stages, persistent, N-minor grid in bands of 8 took the forward from 281-312 to
 # 491-531 TFLOP/s and the rows' gradient from 279-310 to 473-511; the experts' gradient (a ragged contraction)

@@ -9,6 +9,10 @@ prevent_cse=False)` of a plain `(layer, x)` function. Three traps this file is b
 - `prevent_cse=False`: inside a scan, CSE cannot undo the remat, and `True` only adds optimization barriers.
 - one scan level: offload inside nested scans is known to break, so a layer may not contain a scan
   (`zoo.tags.emitted` refuses one).
+- variables of an enclosing trace: a functional loop that splits `nnx.split(model, nnx.Param, ...)` and merges
+  inside `jax.grad` hands the stack non-Param variables (DeepSeek-V3's `RoutingBias`) that belong to the trace
+  outside the gradient; `nnx.scan` refuses those ("Cannot extract graph node from different trace level"). The
+  forward pass only reads the layers, so the stack then scans over a copy of them (`scannable`).
 - no scan of one: XLA removes a while loop that runs once, and the host offloads inside it go with it (measured
   on the H200, jax 0.11.2: 0 bytes offloaded). A one-layer stack is applied without a scan; its residuals are
   then the layer's own, not stacked.
@@ -58,6 +62,16 @@ def stacked_modules(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rn
     return create(rngs)
 
 
+def scannable(modules: nnx.Module) -> nnx.Module:
+    """`modules` as `nnx.scan` may take them: themselves, or a copy (the same values, variables of this trace) when
+    a variable belongs to an enclosing trace. Such a variable cannot be written here, so nothing is lost: the
+    layers' forward pass reads its variables and never writes them (DeepSeek-V3's routing bias is moved after the
+    step, `zoo.layers.moe.update_routing_bias`)."""
+    if all(getattr(v, "_can_update", True) for _, v in nnx.iter_graph(modules) if isinstance(v, nnx.Variable)):
+        return modules
+    return nnx.merge(*nnx.split(modules), copy=True)
+
+
 def module_at(modules: nnx.Module, index: int) -> nnx.Module:
     """Module `index` of `stacked_modules`' result (its variables sliced; gradients flow back into the stack)."""
     graphdef, state = nnx.split(modules)
@@ -86,7 +100,7 @@ class Stack(nnx.Module):
             return x, jax.tree.map(lambda a: a[None], aux)
         body = remat(layer_body, policy)
         scan = nnx.scan(body, in_axes=(0, nnx.Carry), out_axes=(nnx.Carry, 0))
-        return scan(self.layers, x)
+        return scan(scannable(self.layers), x)
 
     def abstract_layer(self) -> tuple[nnx.GraphDef, Any]:
         """Graph definition and abstract state (ShapeDtypeStructs) of one layer of the stack."""

@@ -8,9 +8,9 @@
 statistics are global (summed over the dispatch groups): the bias update is the same on any mesh.
 
 The bias is a `RoutingBias`, not an `nnx.Param`: optimizers over `nnx.Param` leave it alone. A functional loop that
-splits (params, rest) and merges inside `jax.grad` must merge with `nnx.merge(graphdef, params, rest, copy=True)`:
-otherwise the bias variable belongs to the outer trace and `nnx.scan` refuses it ("Cannot extract graph node from
-different trace level").
+splits `nnx.split(model, nnx.Param, ...)` and merges inside `jax.grad` hands the stack a bias of the trace outside
+the gradient; the stack scans over a copy of its layers then (`zoo.models.stack.scannable`), so the plain
+`nnx.merge(graphdef, params, rest)` works. The bias update after the step: docs/own-loop.md.
 
 Submodule names follow transformers (`gate`, `experts`, `shared_experts`), so the checkpoints' keys map one to one.
 """
