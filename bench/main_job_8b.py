@@ -46,6 +46,8 @@ def _args():
                     help="main: the parameters' dtype (default: the preset's, float32)")
     ap.add_argument("--params", choices=("device", "host"), default="device",
                     help="main: where the float32 master copy of bf16 parameters lives (recipes.train --params)")
+    ap.add_argument("--train-arg", action="append", default=[], metavar="ARG",
+                    help="main: one more argument for recipes.train (repeat; e.g. --train-arg=--loss-chunk=0)")
     ap.add_argument("--smoke", action="store_true")
     return ap.parse_args()
 
@@ -64,7 +66,8 @@ def run_main(a) -> None:
            "--set", f"num_layers={m['layers']}", "--recipe", a.recipe, "--steps", str(a.steps),
            "--batch", str(m["batch"]), "--seq", str(m["seq"]), "--log-every", "1", "--metrics", metrics,
            "--opt-state", a.opt_state, "--grad-accum", str(a.grad_accum), "--opt-dtype", a.opt_dtype,
-           "--params", a.params, *(("--set", f"param_dtype={a.param_dtype}") if a.param_dtype else ())]
+           "--params", a.params, *(("--set", f"param_dtype={a.param_dtype}") if a.param_dtype else ()),
+           *a.train_arg]
     if a.smoke and a.recipe == "auto":   # the CPU has no memory limit, measured link or FLOP table
         cmd += ["--hbm-limit", "1", "--link", "10", "--peak-tflops", "1"]
     # The parent plans and records on the CPU: the GPU stays the child's.
