@@ -99,7 +99,8 @@ def compile_for_shapes(family: Family, model_cfg, recipe: zoo.Recipe, cfg: RunCo
     (`zoo.train_step.compile_abstract`, the planner's compile too)."""
     return compile_abstract(family, model_cfg, recipe, batch=cfg.batch, seq=cfg.seq, schedule=schedule,
                             clip=cfg.clip, weight_decay=cfg.weight_decay, opt_dtype=cfg.opt_dtype, seed=cfg.seed,
-                            mesh=mesh, grad_accum=cfg.grad_accum, opt_state=cfg.opt_state, params=cfg.params)
+                            mesh=mesh, grad_accum=cfg.grad_accum, opt_state=cfg.opt_state, params=cfg.params,
+                            loss_chunk=cfg.loss_chunk)
 
 
 def check_fits(console: Console, cfg: RunConfig, plan, recipe_name: str, device: jax.Device, compiled,
