@@ -238,3 +238,22 @@ def test_custom_loop_example_trains_with_the_recipe_policy():
     from zoo.plan import measure
     host = [r for r in measure.residuals(ex.loss_fn, ex.init(jax.random.key(0)), ex.batch(0)) if r.host]
     assert len(host) == 3 and all(r.shape[0] == ex.LAYERS for r in host)   # q, k, v, stacked over the layers
+
+
+def test_loss_chunk_flag(capsys):
+    """--loss-chunk N runs the loss N positions at a time (0 or none: unchunked); a length that is not a positive
+    divisor of --seq is refused by the config, before anything is built."""
+    import argparse
+
+    from recipes import train
+    from recipes.config import loss_chunk_arg
+    assert [loss_chunk_arg(t) for t in ("8", "0", "none", "auto")] == [8, None, None, "auto"]
+    with pytest.raises(argparse.ArgumentTypeError, match="--loss-chunk takes a number of positions"):
+        loss_chunk_arg("half")
+    with pytest.raises(ValueError, match="--loss-chunk 5 does not divide the sequence length 64"):
+        loop.RunConfig(loss_chunk=5)
+    with pytest.raises(ValueError, match="--loss-chunk must be a positive integer.*got -2"):
+        loop.RunConfig(loss_chunk=-2)
+    assert train.main(["--xla-flags", "none", "--steps", "2", "--batch", "2", "--seq", "16", "--log-every", "1",
+                       "--loss-chunk", "4"]) == 0
+    assert "step      2" in capsys.readouterr().out
