@@ -17,7 +17,7 @@ from zoo.recipe import Recipe
 B, S = 2, 16
 FAMILIES = {  # float32 parameters and activations; DeepSeek-V3 with two MTP depths
     "llama3": dict(num_layers=1, dtype="float32"),
-    "deepseek_v3": dict(num_layers=1, first_dense_layers=1, mtp_depths=2),   # MTP's MoE layers
+    "deepseek_v3": dict(num_layers=1, first_dense_layers=1, mtp_depths=2),   # two MTP depths (MoE layers)
     "qwen3_moe": dict(num_layers=2, mlp_only_layers=(0,)),
 }
 
@@ -40,8 +40,10 @@ def _losses_and_grads(model, fam, batch, *chunks, grad_accum=1):
     return f(params)
 
 
+# fast: Llama's two heads and DeepSeek-V3's MTP; the rest in the full set (-m 'slow or not slow')
+FAST = {("llama3", False), ("llama3", True), ("deepseek_v3", False)}
 CASES = [pytest.param(n, t, id=f"{n}-{'tied' if t else 'untied'}",
-                      marks=[pytest.mark.slow] if t and n != "llama3" else [])
+                      marks=[] if (n, t) in FAST else [pytest.mark.slow])
          for n in FAMILIES for t in (False, True)]
 
 
@@ -64,6 +66,7 @@ def test_chunked_loss_and_gradients_equal_the_unchunked(name, tied):
     assert float(jnp.abs(head[...]).max()) > 0
 
 
+@pytest.mark.slow   # the micro-batch scan runs the same loss function
 def test_chunked_loss_with_micro_batches():
     fam = registry.family("llama3")
     cfg = fam.config("tiny", **FAMILIES["llama3"])
@@ -128,16 +131,16 @@ def test_default_chunk_length():
 
 
 def test_compiled_temporaries_fall_with_chunking():
-    """On the CPU, a tiny Llama with a large vocabulary at seq 512: XLA's temporaries of the compiled step fall by
-    more than the [1, 512, 32768] float32 logits (64 MiB) when the loss runs 64 positions at a time."""
+    """On the CPU, a tiny Llama with a large vocabulary at seq 256: XLA's temporaries of the compiled step fall by
+    more than the [1, 256, 16384] float32 logits (16 MiB) when the loss runs 32 positions at a time."""
     fam = registry.family("llama3")
-    cfg = fam.config("tiny", vocab_size=32768, num_layers=1)
+    cfg = fam.config("tiny", vocab_size=16384, num_layers=1)
     temp = {}
-    for chunk in (None, 64):
-        compiled, _, _ = train_step.compile_abstract(fam, cfg, Recipe.none(), batch=1, seq=512, loss_chunk=chunk)
+    for chunk in (None, 32):
+        compiled, _, _ = train_step.compile_abstract(fam, cfg, Recipe.none(), batch=1, seq=256, loss_chunk=chunk)
         temp[chunk] = compiled.memory_analysis().temp_size_in_bytes
-    logits = 4 * 512 * 32768
-    assert temp[64] < temp[None] - logits, {k: v / 2 ** 20 for k, v in temp.items()}
+    logits = 4 * 256 * 16384
+    assert temp[32] < temp[None] - logits, {k: v / 2 ** 20 for k, v in temp.items()}
 
 
 def test_eval_loss_equals_the_logits_loss():
