@@ -21,8 +21,8 @@ from flax import nnx
 
 from bench import records
 from zoo.layers import moe
-from zoo.models.lm import MTP_LOGITS
-from zoo.train_step import mtp_loss
+from zoo.models.lm import extra_logits_key
+from zoo.train_step import next_token_loss
 
 
 def matmul_params(model) -> int:
@@ -51,9 +51,10 @@ def sgd_step_fn(graphdef, lr: float = 1e-4, param_shardings=None):
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         targets = jnp.roll(tokens, -1, axis=1)
         loss = -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
-        if MTP_LOGITS in aux:   # multi-token prediction: its loss as the main job weighs it
-            weights = jnp.ones(targets.shape, jnp.float32)
-            loss = loss + model.config.mtp_loss_weight() * mtp_loss(aux.pop(MTP_LOGITS), targets, weights)
+        for name, head in model.extra_heads().items():   # e.g. multi-token prediction, as the main job weighs it
+            weights = jnp.ones(targets.shape, jnp.float32)   # its loss from its logits, the head's own loss function
+            logits = aux.pop(extra_logits_key(name))
+            loss = loss + head.loss_weight * head.loss(logits, targets, weights, weights, next_token_loss)
         return loss, dropped_copies(aux)
 
     def step(params, rest, tokens):

@@ -12,9 +12,9 @@ FLOP rate. On a device each has a default, and every figure says where it came f
   bf16 peak).
 
 The planner fills the budget with saved activations and model state; XLA's temporaries (the float32 logits and
-their gradient, one layer's intermediates) come on top. `fit` therefore compiles the step of each choice and,
-while its peak is over the device's limit, plans again with the budget lowered by the excess (`ATTEMPTS` at most):
-the recipe that runs is one whose compiled peak fits.
+their gradient of one chunk of the loss, one layer's intermediates) come on top. `fit` therefore compiles the step
+of each choice and, while its peak is over the device's limit, plans again with the budget lowered by the excess
+(`ATTEMPTS` at most): the recipe that runs is one whose compiled peak fits.
 """
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ checks that need the library import it when a config is made.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -28,6 +29,18 @@ def flag(default: Any, help: str, *names: str, **argparse_kwargs) -> Any:
     if names:
         meta["flags"] = names
     return dataclasses.field(default=default, metadata=meta)
+
+
+def loss_chunk_arg(text: str) -> int | str | None:
+    """--loss-chunk: "auto", "none" or 0 (unchunked), or a positive integer (checked against --seq later)."""
+    text = text.strip().lower()
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    try:
+        return int(text) or None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--loss-chunk takes a number of positions, auto or none, "
+                                         f"got {text!r}") from None
 
 
 # -- the run ----------------------------------------------------------------------------------------------------
@@ -67,6 +80,10 @@ class RunConfig:
                            "micro-batches of batch/K sequences whose gradients are summed (in float32) before one "
                            "update; K must divide --batch. Activation memory is a micro-batch's", type=positive_int,
                            metavar="K")
+    loss_chunk: int | str | None = flag(
+        "auto", "positions of the sequence per chunk of the LM head and its cross-entropy, so the [batch, seq, vocab] "
+        "float32 logits never exist whole (a divisor of --seq); auto: the largest divisor whose chunk's logits fit "
+        "512 MiB, unchunked where the whole sequence's do; 0 or none: unchunked", type=loss_chunk_arg, metavar="N")
     hbm_limit: float | None = flag(None, "device memory budget the compiled step's peak must fit (default: the "
                                    "device's bytes_limit; on the CPU, the machine's RAM)", "--hbm-limit", "--hbm",
                                    metavar="GIB")
@@ -126,7 +143,7 @@ class RunConfig:
         # The library's own checks, imported here rather than at the top: the command line is parsed (this module
         # imported) before JAX may start.
         from zoo.opt_state import check_places
-        from zoo.train_step import check_grad_accum
+        from zoo.train_step import check_grad_accum, check_loss_chunk
         check_ranges(self)
         for field in ("steps", "batch", "seq", "log_every"):
             if getattr(self, field) <= 0:
@@ -147,6 +164,7 @@ class RunConfig:
         if self.hbm_limit is not None and not (math.isfinite(self.hbm_limit) and self.hbm_limit > 0):
             raise ValueError(f"--hbm-limit must be a positive number of GiB, got {self.hbm_limit}")
         check_grad_accum(self.batch, self.grad_accum)
+        check_loss_chunk(self.seq, self.loss_chunk)
         check_places(opt_state=self.opt_state, params=self.params)
         if self.opt_dtype not in OPT_DTYPES:
             raise ValueError(f"--opt-dtype must be float32 or bfloat16, got {self.opt_dtype!r}")

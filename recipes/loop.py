@@ -1,7 +1,7 @@
 """The training loop of `python -m recipes.train`: a plain `train_step` you can copy, and `run` around it.
 
 `train_step(model, optimizer, batch)` is an ordinary function of NNX objects: next-token loss (plus the model's
-auxiliary loss), gradients, the optimizer update, the model's non-gradient updates (e.g. DeepSeek-V3's routing
+auxiliary loss), gradients, the optimizer update, the model's non-gradient updates (e.g. a MoE router's
 bias), and the NaN guard: a step whose loss, gradient norm or updated parameters are not finite leaves every
 state as it was. The whole step runs under one `jax.jit` (`compile_step`: split into graph and state, merge
 inside, donate the state).
@@ -36,7 +36,7 @@ from recipes.interrupt import Interrupts
 from recipes.lock import DirLock
 from recipes.prepare import build_sharded, compile_for_shapes, show_memory_plan
 from zoo.optim import lr_schedule, make_optimizer
-from zoo.train_step import all_finite, moe_drops, next_token_loss, train_step
+from zoo.train_step import all_finite, eval_loss, moe_drops, next_token_loss, train_step
 from zoo.train_step import jit_step as compile_step
 
 # The step itself is zoo.train_step's (the planner compiles the same one) and the optimizer zoo.optim's; their
@@ -58,14 +58,14 @@ class Result:
     exit_code: int = 0           # what the command exits with: 1 after a non-finite step, 128 + signal if interrupted
 
 
-def make_eval(graphdef, mesh) -> Callable:
-    """(state, batch) -> the held-out batch's mean next-token loss: the model's forward pass alone, jitted (traced
-    under the mesh's rules, as the step)."""
+def make_eval(graphdef, mesh, loss_chunk="auto") -> Callable:
+    """(state, batch) -> the held-out batch's mean next-token loss: the model's forward pass alone, its loss over
+    chunks of `loss_chunk` positions as the step's (`zoo.train_step.eval_loss`), jitted (traced under the mesh's
+    rules, as the step)."""
     @jax.jit
     def loss(state, batch):
         model, _ = nnx.merge(graphdef, state)
-        logits = model(batch["tokens"][:, :-1])
-        return next_token_loss(logits, batch["tokens"][:, 1:], batch["weights"])
+        return eval_loss(model, batch, loss_chunk)
 
     def run(state, batch):
         with zoo.sharding.use(mesh):
@@ -184,7 +184,7 @@ class _Loop:
         self.peak = meter.peak_tflops(device, cfg.peak_tflops)[0]
         self.last_ckpt = start if start else None
         _, self.state = nnx.split((model, optimizer))
-        self.eval_fn = make_eval(step.graphdef, mesh) if inputs.held is not None else None
+        self.eval_fn = make_eval(step.graphdef, mesh, cfg.loss_chunk) if inputs.held is not None else None
         self.progress = watch.Progress(console, cfg.steps, start)
         self.drops = watch.DropWatch(console, cfg.max_drop_warn)
         self.t_last, self.n_since = time.perf_counter(), 0
@@ -258,17 +258,14 @@ class _Loop:
         dt, self.t_last, n = now - self.t_last, now, self.n_since
         self.n_since = 0
         tflops = self.flops_per_step * n / dt / 1e12 / self.mesh.devices.size   # per device, as its peak
-        mtp = float(m["mtp_loss"]) if "mtp_loss" in m else None
-        # total = loss + lambda * MTP loss + the auxiliary (balance) loss
-        aux_loss = float(m["total_loss"]) - loss - self.model.config.mtp_loss_weight() * (mtp or 0.0)
-        row = {"step": step, "loss": loss, "aux_loss": aux_loss, "grad_norm": float(m["grad_norm"]),
+        row = {"step": step, "loss": loss, "aux_loss": float(m["aux_loss"]), "grad_norm": float(m["grad_norm"]),
                "lr": float(self.schedule(step - 1)), "tokens_per_s": cfg.batch * cfg.seq * n / dt,
                "model_tflops": tflops, "mfu": tflops / self.peak if self.peak else None,
                "peak_hbm_bytes": meter.peak_hbm_bytes(self.device), "host_bytes": self.host,
                "dropped": int(m["dropped"]), "drop_fraction": self.drops.fraction(m),
                "planned_peak_bytes": self.plan.peak_bytes, "planned_peak_source": self.plan.peak_source}
-        if mtp is not None:
-            row["mtp_loss"] = mtp
+        for name in self.model.extra_head_names:   # each extra head's loss, before its weight
+            row[f"{name}_loss"] = float(m[f"{name}_loss"])
         if self.eval_fn is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
             row.update(evaluate(self.eval_fn, self.state, self.inputs.held, cfg.eval_batches, self.mesh))
             self.t_last = time.perf_counter()   # evaluation time is not step time

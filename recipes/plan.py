@@ -65,7 +65,8 @@ def parser() -> argparse.ArgumentParser:
     cli.add_fields(p, config.RunConfig, ("mesh",), **SHARED)
     p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adamw",
                    help="optimizer whose moments count as model state")
-    cli.add_fields(p, config.RunConfig, ("opt_dtype", "opt_state", "params", "grad_accum", "hbm_limit"), **SHARED)
+    cli.add_fields(p, config.RunConfig, ("opt_dtype", "opt_state", "params", "grad_accum", "loss_chunk", "hbm_limit"),
+                   **SHARED)
     p.add_argument("--host", type=cli.positive_float, metavar="GIB",
                    help="host memory budget per device for --recipe auto, GiB (none: unbounded)")
     cli.add_fields(p, config.RunConfig, ("link", "overlap"), **SHARED)
@@ -175,7 +176,7 @@ def _parallel(args) -> zoo.plan.Parallelism:
 
 def _training(args) -> zoo.plan.Training:
     return zoo.plan.Training(optimizer=args.optimizer, opt_dtype=args.opt_dtype, grad_accum=args.grad_accum,
-                             opt_state=args.opt_state, params=args.params)
+                             opt_state=args.opt_state, params=args.params, loss_chunk=args.loss_chunk)
 
 
 def _plot(ap: argparse.ArgumentParser, args, family, cfg, printed: zoo.plan.Plan) -> None:

@@ -84,7 +84,7 @@ def build_run(cfg: RunConfig, family: Family, model_cfg, recipe: zoo.Recipe, mes
 def show_memory_plan(console: Console, model_cfg, recipe: zoo.Recipe, *, batch: int, seq: int,
                      device: jax.Device, compiled=None, hbm_limit: float | None = None,
                      opt_dtype: str = "float32", mesh=None, grad_accum: int = 1,
-                     opt_state: str = "device", params: str = "device") -> zoo.plan.Plan:
+                     opt_state: str = "device", params: str = "device", loss_chunk="auto") -> zoo.plan.Plan:
     """Print the recipe's memory plan (`zoo.plan`, with the device's HBM as its budget and, given the compiled
     step, its peak with XLA's temporaries; per device under a mesh of several devices) and return it."""
     limit = allocator_limit(device)
@@ -93,7 +93,7 @@ def show_memory_plan(console: Console, model_cfg, recipe: zoo.Recipe, *, batch: 
     p = zoo.plan.plan(model_cfg, recipe, batch=batch, seq=seq, compiled=compiled, peak=None if compiled is None else
                       "compile", hardware=zoo.plan.Hardware(hbm_gib=hbm_gib), parallel=parallel,
                       training=zoo.plan.Training(opt_dtype=opt_dtype, grad_accum=grad_accum, opt_state=opt_state,
-                                            params=params))
+                                                 params=params, loss_chunk=loss_chunk))
     zoo.plan.render(p, console)
     return p
 
@@ -103,7 +103,8 @@ def compile_for_shapes(family: Family, model_cfg, recipe: zoo.Recipe, cfg: RunCo
     (`zoo.train_step.compile_abstract`, the planner's compile too)."""
     return compile_abstract(family, model_cfg, recipe, batch=cfg.batch, seq=cfg.seq, schedule=schedule,
                             clip=cfg.clip, weight_decay=cfg.weight_decay, opt_dtype=cfg.opt_dtype, seed=cfg.seed,
-                            mesh=mesh, grad_accum=cfg.grad_accum, opt_state=cfg.opt_state, params=cfg.params)
+                            mesh=mesh, grad_accum=cfg.grad_accum, opt_state=cfg.opt_state, params=cfg.params,
+                            loss_chunk=cfg.loss_chunk)
 
 
 def check_fits(console: Console, cfg: RunConfig, plan, recipe_name: str, device: jax.Device, compiled,
@@ -189,7 +190,8 @@ def show_and_check(cfg: RunConfig, console: Console, model_cfg, step: Step, reci
         console.print(f"{what}: {choice}", soft_wrap=True)
     plan = show_memory_plan(console, model_cfg, step.recipe, batch=cfg.batch, seq=cfg.seq, device=device,
                             compiled=step.compiled, hbm_limit=cfg.hbm_limit, opt_dtype=cfg.opt_dtype, mesh=mesh,
-                            grad_accum=cfg.grad_accum, opt_state=cfg.opt_state, params=cfg.params)
+                            grad_accum=cfg.grad_accum, opt_state=cfg.opt_state, params=cfg.params,
+                            loss_chunk=cfg.loss_chunk)
     if device.platform == "cpu" and step.recipe.offload:
         console.print("on the CPU there is no pinned host memory: offload placements compile and run but move "
                       "nothing (use a GPU to see HBM fall)")

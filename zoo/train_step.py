@@ -1,12 +1,13 @@
 """The training step the main job runs and the planner compiles: one function, so the planner's peak is the job's.
 
-`train_step(model, optimizer, batch)` is an ordinary function of NNX objects: next-token loss (plus the
-multi-token-prediction loss of a model with an MTP module, and the model's auxiliary loss), gradients, the
-optimizer update, the model's non-gradient updates (e.g. DeepSeek-V3's routing bias), and the NaN guard: a step
+`train_step(model, optimizer, batch)` is an ordinary function of NNX objects: next-token loss (plus the weighted
+losses of the model's extra heads, `zoo.models.lm`, and the model's auxiliary loss), gradients, the optimizer
+update, the model's non-gradient updates (e.g. a MoE router's bias), and the NaN guard: a step
 whose loss, gradient norm or updated parameters are not finite leaves every state as it was. Optimizer state that
 lives in pinned host memory (`--opt-state host`, `--params host`) is updated streamed through HBM a layer slice at a
 time (`zoo.streamed_update`), never whole. `jit_step` puts the whole step under one `jax.jit` (split into graph and
-state, merge inside, donate the state). `abstract_step`
+state, merge inside, donate the state). The LM head and the cross-entropy run over chunks of the sequence
+(`loss_chunk`; `zoo.loss.head_loss`), so the [B, S, vocab] float32 logits never exist whole. `abstract_step`
 builds the same jitted step on shapes alone (`nnx.eval_shape`: no memory), and
 `compile_abstract` compiles it for the device present: `compiled.memory_analysis()` is XLA's own account of
 arguments, outputs, donated (aliased) bytes and temporaries, before anything is allocated.
@@ -28,33 +29,16 @@ from flax import nnx
 
 from zoo import compile_options, sharding, streamed_update
 from zoo.layers import moe
-from zoo.models.lm import MTP_LOGITS, shift_left
+from zoo.loss import check_chunk, head_loss, next_token_loss, resolve_chunk
 from zoo.opt_state import state_shardings
 from zoo.optim import has_master, lr_schedule, make_optimizer
 
+__all__ = ["abstract_batch", "abstract_step", "all_finite", "check_grad_accum", "check_loss_chunk",
+           "compile_abstract", "eval_loss", "family_step", "jit_step", "loss_and_grads", "micro_batches", "moe_drops",
+           "next_token_loss", "train_step"]
 
-def next_token_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array,
-                    total_weight: jax.Array | None = None) -> jax.Array:
-    """Weighted mean cross-entropy, in float32. `total_weight` (default: the sum of `weights`) is the denominator:
-    a micro-batch's share of its whole batch's mean is its weighted sum over the batch's total weight."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    total = jnp.sum(weights) if total_weight is None else total_weight
-    return jnp.sum(nll * weights) / jnp.maximum(total, 1.0)
-
-
-def mtp_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array,
-             batch_weights: jax.Array | None = None) -> jax.Array:
-    """The multi-token-prediction loss: the mean over depths of each depth's weighted cross-entropy, in float32.
-
-    `logits` [D, B, S, V] (`aux[MTP_LOGITS]`); `targets` and `weights` [B, S] are the next-token loss's (target i is
-    token i + 1). Depth k (1..D) at position i predicts token i + k + 1, targets[:, i + k], with that target's
-    weight; the last k positions have none and are left out (weight 0). `batch_weights` (default `weights`): the
-    whole batch's weights, whose shifted sums are the denominators (a micro-batch's share of the batch's loss)."""
-    batch_weights = weights if batch_weights is None else batch_weights
-    losses = [next_token_loss(logits[k - 1], shift_left(targets, k), shift_left(weights, k),
-                              jnp.sum(shift_left(batch_weights, k))) for k in range(1, logits.shape[0] + 1)]
-    return jnp.mean(jnp.stack(losses))
+# The loss's chunk length by default: `zoo.loss.default_chunk` of the micro-batch's shape and the vocabulary.
+DEFAULT_LOSS_CHUNK = "auto"
 
 
 def moe_drops(aux: Any) -> tuple[jax.Array, jax.Array]:
@@ -78,6 +62,26 @@ def check_grad_accum(batch: int, grad_accum: int) -> None:
                          f"{grad_accum} micro-batches of batch / grad-accum sequences)")
 
 
+def eval_loss(model: nnx.Module, batch: dict[str, jax.Array], loss_chunk=DEFAULT_LOSS_CHUNK) -> jax.Array:
+    """The batch's weighted mean next-token loss, the model's forward pass alone (no extra heads), the head and the
+    cross-entropy over chunks as in the training step (`loss_and_grads`)."""
+    tokens, weights = batch["tokens"], batch["weights"]
+    check_loss_chunk(tokens.shape[1] - 1, loss_chunk)
+    h, _, _ = model.hidden(tokens[:, :-1], extra=False)
+    head, head_weights = model.head_function()
+    chunk = resolve_chunk(loss_chunk, h.shape[0], h.shape[1], model.config.vocab_size)
+    return head_loss(head, head_weights, h, tokens[:, 1:], weights, chunk=chunk)
+
+
+def check_loss_chunk(seq: int, loss_chunk) -> None:
+    """ValueError unless `loss_chunk` is "auto", None or 0 (unchunked) or a positive integer dividing `seq`."""
+    if isinstance(loss_chunk, str) and loss_chunk == "auto":
+        return
+    if isinstance(loss_chunk, int) and not isinstance(loss_chunk, bool) and loss_chunk == 0:
+        return
+    check_chunk(seq, loss_chunk, what="--loss-chunk")
+
+
 def micro_batches(batch: dict[str, jax.Array], k: int) -> dict[str, jax.Array]:
     """[B, ...] -> [k, B/k, ...]: micro-batch i holds rows i, i+k, i+2k, ... A device's contiguous block of the
     data-parallel batch then splits into k rows of each micro-batch, so every micro-batch stays spread over all
@@ -86,12 +90,14 @@ def micro_batches(batch: dict[str, jax.Array], k: int) -> dict[str, jax.Array]:
 
 
 def loss_and_grads(model: nnx.Module, batch: dict[str, jax.Array], *, aux_loss: Callable, grad_accum: int = 1,
-                   grad_dtype=None):
-    """(total loss, next-token loss, MTP loss or None, aux, gradients) of `batch`.
+                   grad_dtype=None, loss_chunk=DEFAULT_LOSS_CHUNK):
+    """(total loss, next-token loss, {extra head: its loss}, aux, gradients) of `batch`.
 
-    The total is the next-token loss, plus `model.config.mtp_loss_weight()` (lambda) times the
-    multi-token-prediction loss (`mtp_loss`, for a model whose aux carries MTP logits; None otherwise), plus the
-    auxiliary loss.
+    The total is the next-token loss, plus each extra head's loss (`zoo.models.lm`: `head.loss`) times its
+    `loss_weight`, plus the auxiliary loss. The LM head and the cross-entropy run `loss_chunk` positions at a time
+    (`zoo.loss.head_loss`; the extra heads' losses too): "auto" (default) chooses by the shapes
+    (`zoo.loss.default_chunk`), None or 0 is the whole sequence at once, a positive integer must divide the
+    sequence (ValueError). The numbers are the unchunked loss's up to float32 rounding.
 
     With `grad_accum` K > 1 the batch runs as K micro-batches of B/K sequences (`micro_batches`) in a
     `jax.lax.scan`, so activations are a micro-batch's: the gradients are summed in float32 over the micro-batches
@@ -101,22 +107,31 @@ def loss_and_grads(model: nnx.Module, batch: dict[str, jax.Array], *, aux_loss: 
     up to float32 rounding; with every token weighted 1, the mean over micro-batches); the auxiliary loss is the
     mean of the micro-batches'. The aux (MoE loads and drop counts) is summed over the micro-batches: the batch's.
     """
+    seq = batch["tokens"].shape[1] - 1
+    check_loss_chunk(seq, loss_chunk)
+
     def loss_fn(model, tokens, weights, batch_weights, aux_scale=1.0):
-        logits, aux = model(tokens[:, :-1], return_aux=True)
-        mtp_logits = aux.pop(MTP_LOGITS, None)   # not carried out of the step: the aux holds per-layer records
+        h, aux, extra = model.hidden(tokens[:, :-1])
         targets = tokens[:, 1:]
-        lm_loss = next_token_loss(logits, targets, weights, jnp.sum(batch_weights))
+        head, head_weights = model.head_function()
+        chunk = resolve_chunk(loss_chunk, h.shape[0], h.shape[1], model.config.vocab_size)
+
+        def cross_entropy(hidden, targets, weights, total_weight):
+            return head_loss(head, head_weights, hidden, targets, weights, total_weight, chunk=chunk)
+
+        lm_loss = cross_entropy(h, targets, weights, jnp.sum(batch_weights))
         loss = lm_loss + aux_scale * aux_loss(model.config, aux)
-        mtp = None
-        if mtp_logits is not None:
-            mtp = mtp_loss(mtp_logits, targets, weights, batch_weights)
-            loss = loss + model.config.mtp_loss_weight() * mtp
-        return loss, (lm_loss, mtp, aux)
+        extra_losses = {}
+        for name, hidden in extra.items():
+            module = getattr(model, name)
+            extra_losses[name] = module.loss(hidden, targets, weights, batch_weights, cross_entropy)
+            loss = loss + module.loss_weight * extra_losses[name]
+        return loss, (lm_loss, extra_losses, aux)
 
     if grad_accum == 1:
-        (loss, (lm_loss, mtp, aux)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(
+        (loss, (lm_loss, extra_losses, aux)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(
             model, batch["tokens"], batch["weights"], batch["weights"])
-        return loss, lm_loss, mtp, aux, grads
+        return loss, lm_loss, extra_losses, aux, grads
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     # The body closes over the state's arrays and rebuilds its Variables under the scan's trace (NNX refuses
     # Variables of an outer trace).
@@ -124,23 +139,28 @@ def loss_and_grads(model: nnx.Module, batch: dict[str, jax.Array], *, aux_loss: 
 
     def micro(acc, mb):
         m = nnx.merge(graphdef, *jax.tree.unflatten(treedef, leaves))
-        (loss, (lm_loss, mtp, aux)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(
+        (loss, (lm_loss, extra_losses, aux)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(
             m, mb["tokens"], mb["weights"], batch["weights"], 1.0 / grad_accum)
         acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
-        return acc, (loss, lm_loss, mtp, aux)
+        return acc, (loss, lm_loss, extra_losses, aux)
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    acc, (losses, lm_losses, mtps, auxes) = jax.lax.scan(micro, zeros, micro_batches(batch, grad_accum))
+    acc, (losses, lm_losses, extras, auxes) = jax.lax.scan(micro, zeros, micro_batches(batch, grad_accum))
     grads = jax.tree.map(lambda a, p: a.astype(grad_dtype or p.dtype), acc, params)
-    return (jnp.sum(losses), jnp.sum(lm_losses), None if mtps is None else jnp.sum(mtps),
+    return (jnp.sum(losses), jnp.sum(lm_losses), jax.tree.map(jnp.sum, extras),
             jax.tree.map(lambda x: jnp.sum(x, axis=0), auxes), grads)
 
 
 def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax.Array], *,
                aux_loss: Callable = lambda cfg, aux: 0.0,
                after_update: Callable = lambda model, aux: None,
-               lr: optax.Schedule | None = None, grad_accum: int = 1) -> dict[str, jax.Array]:
-    """One optimizer step on `batch` ({"tokens": [B, S+1], "weights": [B, S]}), in place. Returns metrics.
+               lr: optax.Schedule | None = None, grad_accum: int = 1,
+               loss_chunk=DEFAULT_LOSS_CHUNK) -> dict[str, jax.Array]:
+    """One optimizer step on `batch` ({"tokens": [B, S+1], "weights": [B, S]}), in place. Returns metrics: "loss"
+    (next-token), "total_loss", "aux_loss" (the family's auxiliary loss), "<name>_loss" for each extra head (before
+    its weight), "grad_norm", the guard's "ok", "params_ok" and "kept", MoE "dropped" and "routed", and "lr".
+
+    `loss_chunk`: positions of the sequence per chunk of the LM head and its cross-entropy (`loss_and_grads`).
 
     With `grad_accum` K, the batch is K micro-batches of B/K and the step makes one update from their summed
     gradients (`loss_and_grads`); the loss is the whole batch's and the gradient norm the update's.
@@ -167,8 +187,9 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax
     an optimizer made by `zoo.optim.make_optimizer`: ValueError otherwise, at trace time.
     """
     # An optimizer with a float32 master copy takes --grad-accum's float32 sums as they are.
-    loss, lm_loss, mtp, aux, grads = loss_and_grads(model, batch, aux_loss=aux_loss, grad_accum=grad_accum,
-                                                    grad_dtype=jnp.float32 if has_master(optimizer) else None)
+    loss, lm_loss, extra_losses, aux, grads = loss_and_grads(
+        model, batch, aux_loss=aux_loss, grad_accum=grad_accum, loss_chunk=loss_chunk,
+        grad_dtype=jnp.float32 if has_master(optimizer) else None)
     grad_norm = optax.global_norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     rate = None
@@ -204,20 +225,23 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax
         params_ok = all_finite(nnx.state(model))   # the same check as without `lr`, after the select
         kept = params_ok
         ok = ok & params_ok
-    metrics = {"loss": lm_loss, "total_loss": loss, "grad_norm": grad_norm, "ok": ok, "params_ok": params_ok,
-               "kept": kept, "dropped": dropped, "routed": routed}
-    if mtp is not None:
-        metrics["mtp_loss"] = mtp   # the mean over depths, before lambda
+    weighted = sum((getattr(model, n).loss_weight * v for n, v in extra_losses.items()), jnp.zeros((), jnp.float32))
+    metrics = {"loss": lm_loss, "total_loss": loss, "aux_loss": loss - lm_loss - weighted, "grad_norm": grad_norm,
+               "ok": ok, "params_ok": params_ok, "kept": kept, "dropped": dropped, "routed": routed}
+    for name, value in extra_losses.items():
+        metrics[f"{name}_loss"] = value   # before its weight
     if rate is not None:
         metrics["lr"] = rate
     return metrics
 
 
-def family_step(family, lr: optax.Schedule | None = None, grad_accum: int = 1) -> Callable:
+def family_step(family, lr: optax.Schedule | None = None, grad_accum: int = 1,
+                loss_chunk=DEFAULT_LOSS_CHUNK) -> Callable:
     """`train_step` with the model family's auxiliary loss and post-update hook (zoo.models.registry.Family), the
-    learning-rate schedule `lr` for the cheap guard, and `grad_accum` micro-batches per update."""
+    learning-rate schedule `lr` for the cheap guard, `grad_accum` micro-batches per update and the loss's
+    `loss_chunk`."""
     return lambda m, o, b: train_step(m, o, b, aux_loss=family.aux_loss, after_update=family.after_update, lr=lr,
-                                      grad_accum=grad_accum)
+                                      grad_accum=grad_accum, loss_chunk=loss_chunk)
 
 
 # -- under jit ----------------------------------------------------------------------------------------------------
@@ -251,13 +275,15 @@ def abstract_batch(batch: int, seq: int) -> dict[str, jax.ShapeDtypeStruct]:
 
 def abstract_step(family, cfg, recipe, *, schedule: optax.Schedule | None = None, optimizer: str = "adamw",
                   clip: float = 1.0, weight_decay: float = 0.1, opt_dtype: str | None = None, seed: int = 0,
-                  mesh=None, grad_accum: int = 1, opt_state: str = "device", params: str = "device"):
+                  mesh=None, grad_accum: int = 1, opt_state: str = "device", params: str = "device",
+                  loss_chunk=DEFAULT_LOSS_CHUNK):
     """(jitted step, graphdef, abstract state) for `cfg` under `recipe`: the model and optimizer built from shapes
     alone (no memory). `schedule` only changes constants of the program, never its memory. With `mesh`, every
     variable carries its sharding by the rules (`zoo.sharding.shardings`) and the step keeps them. `grad_accum`:
     micro-batches per update (`train_step`); `opt_state`: where the moments live; `params="host"`: a float32 master
     copy of the parameters (`zoo.optim.with_master`) in pinned host memory, "device": none (`zoo.opt_state`;
-    "host" without a mesh lays the state out on the first device)."""
+    "host" without a mesh lays the state out on the first device); `loss_chunk`: the loss's chunk length
+    (`loss_and_grads`)."""
     schedule = schedule if schedule is not None else lr_schedule(lr=1e-4, steps=100, warmup=10)
 
     def build():
@@ -265,7 +291,7 @@ def abstract_step(family, cfg, recipe, *, schedule: optax.Schedule | None = None
         return model, make_optimizer(model, schedule, clip=clip, weight_decay=weight_decay, optimizer=optimizer,
                                      opt_dtype=opt_dtype, master=params == "host")
 
-    step_fn = family_step(family, schedule, grad_accum)
+    step_fn = family_step(family, schedule, grad_accum, loss_chunk)
     if mesh is None and opt_state == "device" and params == "device":
         model, opt = nnx.eval_shape(build)
         return jit_step(model, opt, step_fn)
@@ -289,8 +315,10 @@ def compile_abstract(family, cfg, recipe, *, batch: int, seq: int, mesh=None, **
     what running it would take (per device under a mesh). With a (concrete) `mesh`, as the main job runs it: the
     state on the rules' shardings, the batch split over the data axes, traced inside `zoo.sharding.use(mesh)`
     (jit's cache does not key on the rules: the activation constraints are read at this trace). The main job and
-    the planner both compile through here. `grad_accum` must divide `batch` (the global batch; ValueError)."""
+    the planner both compile through here. `grad_accum` must divide `batch` (the global batch) and `loss_chunk`
+    `seq` (ValueError, before anything is traced)."""
     check_grad_accum(batch, kwargs.get("grad_accum", 1))
+    check_loss_chunk(seq, kwargs.get("loss_chunk", DEFAULT_LOSS_CHUNK))
     jitted, graphdef, state = abstract_step(family, cfg, recipe, mesh=mesh, **kwargs)
     platform = (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform
     options = compile_options.for_step(recipe, platform).options

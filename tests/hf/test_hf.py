@@ -407,7 +407,7 @@ def test_deepseek_mtp_layers_are_skipped_with_mtp_false(tmp_path):
     for key in ("model.layers.3.eh_proj.weight", "model.layers.3.mlp.experts.0.up_proj.weight"):
         add_to_index(tmp_path, key, "mtp.safetensors")
     edit_config(tmp_path, num_nextn_predict_layers=1)
-    assert_identical(zoo.from_hf(tmp_path, mtp=False), model)
+    assert_identical(zoo.from_hf(tmp_path, extra_heads=False), model)
     with pytest.raises(ValueError, match="missing tensor 'model.layers.3.enorm.weight'"):
         zoo.from_hf(tmp_path)   # by default an MTP layer the checkpoint holds is loaded: here it is incomplete
     (tmp_path / "mtp.safetensors").unlink()
@@ -416,7 +416,7 @@ def test_deepseek_mtp_layers_are_skipped_with_mtp_false(tmp_path):
     (tmp_path / hf_files.INDEX).write_text(json.dumps(index))
     assert_identical(zoo.from_hf(tmp_path), model)   # none of its tensors (as transformers saves): loaded without
     with pytest.raises(ValueError, match="missing tensor 'model.layers.3.enorm.weight'"):
-        zoo.from_hf(tmp_path, mtp=True)
+        zoo.from_hf(tmp_path, extra_heads=True)
 
 
 # the tensors of one MTP layer below model.layers.{i}., as the published checkpoints name them
@@ -454,7 +454,7 @@ def test_deepseek_mtp_round_trip_is_bit_identical(tmp_path, overrides):
     np.testing.assert_array_equal(tensors["a"]["model.layers.3.embed_tokens.weight"],
                                   tensors["a"]["model.embed_tokens.weight"])
     assert json.loads((tmp_path / "a" / "config.json").read_text())["num_nextn_predict_layers"] == 1
-    without = zoo.from_hf(tmp_path / "a", mtp=False)
+    without = zoo.from_hf(tmp_path / "a", extra_heads=False)
     assert without.mtp is None and without.config.mtp_depths == 0
     assert set(params(without)) == {p for p in params(model) if p[0] != "mtp"}
     for p, v in params(without).items():
@@ -466,7 +466,7 @@ def test_deepseek_mtp_copies_must_equal_the_shared_tensors(tmp_path):
     edit_tensor(tmp_path, "model.layers.3.shared_head.head.weight", lambda t: t + 1)
     with pytest.raises(ValueError, match="'model.layers.3.shared_head.head.weight' differs from 'lm_head.weight'"):
         zoo.from_hf(tmp_path)
-    zoo.from_hf(tmp_path, mtp=False)   # without the MTP module the copy is not read
+    zoo.from_hf(tmp_path, extra_heads=False)   # without the MTP module the copy is not read
 
 
 def test_full_size_deepseek_key_map_matches_the_published_shapes():

@@ -180,3 +180,21 @@ def test_the_plan_command_line_reports_the_peak_and_the_measured_link(capsys, mo
     assert plan_cli.main(tiny + ["--recipe", "auto", "--hbm", "1", "--flops", "800", "--device", "H200"]) == 0
     text = " ".join(capsys.readouterr().out.split())   # rich wraps lines at the terminal's width
     assert "overlap d2h 0.634 / h2d 0.475 (measured on H200" in text and "estimate (planned for H200 on cpu)" in text
+
+
+def test_the_estimate_counts_one_chunk_of_the_loss():
+    """Chunked (the default at Llama 3.1's vocabulary and 32K: 1,024 positions), the estimate holds one chunk's
+    float32 logits and gradient (and, for 16-bit parameters, the float32 sum of the head's gradient beyond the
+    gradient itself); unchunked, the whole sequence's."""
+    kw = dict(batch=1, seq=32768, shard=1, vocab=128256, dim=4096, layer_bytes=0, why="test")
+    whole = peak_lib.estimate(0, loss_chunk=None, **kw)
+    chunked = peak_lib.estimate(0, **kw)
+    assert whole.detail["loss_chunk"] is None and whole.bytes == 8 * 32768 * 128256
+    assert chunked.detail["loss_chunk"] == 1024 and chunked.bytes == 8 * 1024 * 128256
+    assert peak_lib.estimate(0, param_bytes=2, **kw).bytes == 8 * 1024 * 128256 + 2 * 4096 * 128256
+    with pytest.raises(ValueError, match="loss_chunk 1000 does not divide the sequence length 32768"):
+        peak_lib.estimate(0, loss_chunk=1000, **kw)
+    cfg = zoo.models.LlamaConfig.preset("tiny")
+    p = zoo.plan.plan(cfg, LLAMA_RECIPES["full"], batch=2, seq=16, hardware=Hardware(device_kind="H200"),
+                 training=zoo.plan.Training(loss_chunk=4))
+    assert p.peak.detail["loss_chunk"] == 4 and p.peak.detail["logits_f32_and_grad"] == 8 * 2 * 4 * cfg.vocab_size

@@ -244,3 +244,22 @@ def test_the_main_job_refuses_a_sequence_beyond_the_models_context(capsys):
     from recipes import train
     assert train.main(["--preset", "tiny", "--set", "max_seq_len=32", "--seq", "64", "--steps", "1"]) == 2
     assert "--seq 64: sequence length 64 is longer than LlamaConfig.max_seq_len=32" in capsys.readouterr().err
+
+
+def test_loss_chunk_flag(capsys):
+    """--loss-chunk N runs the loss N positions at a time (0 or none: unchunked); a length that is not a positive
+    divisor of --seq is refused by the config, before anything is built."""
+    import argparse
+
+    from recipes import train
+    from recipes.config import loss_chunk_arg
+    assert [loss_chunk_arg(t) for t in ("8", "0", "none", "auto")] == [8, None, None, "auto"]
+    with pytest.raises(argparse.ArgumentTypeError, match="--loss-chunk takes a number of positions"):
+        loss_chunk_arg("half")
+    with pytest.raises(ValueError, match="--loss-chunk 5 does not divide the sequence length 64"):
+        loop.RunConfig(loss_chunk=5)
+    with pytest.raises(ValueError, match="--loss-chunk must be a positive integer.*got -2"):
+        loop.RunConfig(loss_chunk=-2)
+    assert train.main(["--xla-flags", "none", "--steps", "2", "--batch", "2", "--seq", "16", "--log-every", "1",
+                       "--loss-chunk", "4"]) == 0
+    assert "step      2" in capsys.readouterr().out

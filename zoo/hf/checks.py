@@ -61,4 +61,5 @@ def check_copies(path: Path, found: dict[str, TensorInfo], entries: list[keymap.
         with open_safetensors(path / found[a].file) as fa, open_safetensors(path / found[b].file) as fb:
             if not np.array_equal(fa.get_tensor(a), fb.get_tensor(b)):
                 raise ValueError(f"tensor {b!r} differs from {a!r}; the zoo's model shares one tensor for both "
-                                 f"(load with mtp=False to leave the multi-token-prediction module out)")
+                                 f"(load with extra_heads=False to leave the model's extra heads, e.g. "
+                                 f"multi-token prediction, out)")

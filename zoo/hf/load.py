@@ -73,7 +73,7 @@ def _set_slice(buf, piece, index):
 
 def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *, mesh=None,
             rules: Sequence[tuple[str, Any]] | None = None, allow_nonfinite: bool = False,
-            mtp: bool | None = None) -> nnx.Module:
+            extra_heads: bool | None = None) -> nnx.Module:
     """Load a Hugging Face checkpoint directory (an architecture of a registered family, e.g. `LlamaForCausalLM`:
     config.json and one or many *.safetensors, with model.safetensors.index.json when sharded) as a scanned zoo
     model.
@@ -88,12 +88,13 @@ def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *
     holding NaN or infinity in the parameter's dtype (naming tensor and file: stored so, or float32 values that a
     cast to float16 overflows) unless `allow_nonfinite=True`.
 
-    `mtp`: the multi-token-prediction module config.json announces (DeepSeek-V3: `num_nextn_predict_layers`,
-    stored as layers num_hidden_layers..). False: build the model without it and skip its tensors (inference does
-    not use it); True: load it (a missing tensor is an error); None (default): load it if the checkpoint holds any
-    of its tensors (transformers saves none). Its copies of shared tensors are checked equal to the originals.
+    `extra_heads`: the model's extra heads (`zoo.models.lm`, trained beside the LM head: e.g. the deepseek family's
+    multi-token prediction), which config.json announces and the checkpoint stores under keys of the family's
+    (`HFArch.extra_keys`). False: build the model without them and skip their tensors (inference does not use
+    them); True: load them (a missing tensor is an error); None (default): load them if the checkpoint holds any of
+    their tensors (transformers saves none). Their copies of shared tensors are checked equal to the originals.
     """
-    check_from_hf_args(path, recipe, allow_nonfinite, mtp)
+    check_from_hf_args(path, recipe, allow_nonfinite, extra_heads)
     path = Path(path)
     hf = read_config(path)
     arch = arch_for_config(hf)
@@ -101,9 +102,9 @@ def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *
     first = next((found[k] for k in ("model.embed_tokens.weight",) if k in found), None)
     param_dtype = hf_config.param_dtype_of(hf, dtype, FLOAT_DTYPES.get(first.dtype) if first else None)
     cfg = arch.hf.from_hf(hf, param_dtype=param_dtype)
-    skip = arch.hf.extra_keys(hf)   # the MTP module's keys
-    if mtp is False or (mtp is None and not any(skip(key) for key in found)):
-        cfg = cfg.without_mtp()
+    skip = arch.hf.extra_keys(hf)   # the extra heads' keys
+    if extra_heads is False or (extra_heads is None and not any(skip(key) for key in found)):
+        cfg = cfg.without_extra_heads()
 
     if mesh is None:
         mesh = jax.sharding.get_mesh()
@@ -111,7 +112,7 @@ def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *
     # build the abstract model outside it, and map logical names to mesh axes ourselves (target_shardings).
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
         abstract = nnx.eval_shape(lambda: arch.build(cfg, recipe=recipe, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)   # parameters, and DeepSeek's routing biases: all from the checkpoint
+    graphdef, state = nnx.split(abstract)   # parameters, and stored variables (routing biases): all read
     flat = dict(nnx.to_flat_state(state))
     entries = arch.hf.keys(cfg)
     check_keymap_covers(arch, flat, entries)
@@ -126,7 +127,7 @@ def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
 
-def check_from_hf_args(path, recipe, allow_nonfinite, mtp) -> None:
+def check_from_hf_args(path, recipe, allow_nonfinite, extra_heads) -> None:
     """TypeError naming the argument of the wrong type, before anything is read."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"from_hf: path must be a str or os.PathLike, got {type(path).__name__}")
@@ -134,8 +135,8 @@ def check_from_hf_args(path, recipe, allow_nonfinite, mtp) -> None:
         raise TypeError(f"from_hf: recipe must be a zoo.Recipe or None, got {type(recipe).__name__}")
     if not isinstance(allow_nonfinite, bool):
         raise TypeError(f"from_hf: allow_nonfinite must be a bool, got {type(allow_nonfinite).__name__}")
-    if mtp is not None and not isinstance(mtp, bool):
-        raise TypeError(f"from_hf: mtp must be a bool or None, got {type(mtp).__name__}")
+    if extra_heads is not None and not isinstance(extra_heads, bool):
+        raise TypeError(f"from_hf: extra_heads must be a bool or None, got {type(extra_heads).__name__}")
 
 
 def check_finite(key: str, file: Path, stored: np.ndarray, loaded: np.ndarray) -> None:

@@ -148,12 +148,9 @@ class LMConfig:
         (`zoo.sharding.check_mesh`). A model config adds its own before these."""
         return (("tp", "vocab_size"), ("fsdp", "dim"))
 
-    def mtp_loss_weight(self) -> float:
-        """The weight (lambda) of the multi-token-prediction loss in the training loss; 0 without an MTP module."""
-        return 0.0
-
-    def without_mtp(self):
-        """This config with no multi-token-prediction module (what inference needs; `from_hf(..., mtp=False)`)."""
+    def without_extra_heads(self):
+        """This config with none of the model's extra heads (`zoo.models.lm`: trained beside the LM head, unused by
+        inference; `from_hf(..., extra_heads=False)`)."""
         return self
 
     @property

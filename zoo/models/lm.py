@@ -1,13 +1,29 @@
 """A causal language model: embedding, one or more scanned decoder stacks under one recipe, norm, LM head, and
-optionally a multi-token-prediction (MTP) module beside the head.
+optionally extra prediction heads beside the LM head.
 
 Family packages (zoo/models/<family>/) say what the layers are; this class says how they are stacked and checks
 the recipe against what the stacks really emit, when the model is built.
 
-The MTP module (a family's, e.g. `zoo.models.deepseek.mtp`) runs only for training outputs (`return_aux=True`):
-its logits [depths, B, S, vocab] are `aux[MTP_LOGITS]` (depth k predicts the token k + 1 positions after the
-next one: a loss function shifts the targets, `zoo.train_step.mtp_loss`), and its decoder layers are the stack
-`MTP_STACK`, listed by `stacks()` like the others, so recipes, the planner and the routing-bias update cover it.
+`model(tokens)` gives the logits [B, S, vocab]. A training loss reads the normed hidden states instead
+(`model.hidden(tokens)`) and applies the head itself (`model.head_function()`: the head as a pure function of its
+weights), so that it can run the head and the cross-entropy over chunks of the sequence (`zoo.loss.head_loss`)
+without the [B, S, vocab] logits ever existing whole.
+
+An extra head is a family's module beside the LM head, trained with a loss of its own (the deepseek family's
+multi-token prediction is one). The family passes `extra_heads={name: make(rngs) or None}`: the model holds each
+as the attribute `name` (None: not in this config), and each is
+
+- called as `head(h, embeddings, policy) -> (hidden [D, B, S, dim], aux)` on the main model's normed final hidden
+  states and its input embeddings: D sets of normed hidden states that this model's LM head reads;
+- `head.loss(hidden, targets, weights, batch_weights, cross_entropy) -> scalar`: its loss, given the step's
+  `cross_entropy(hidden [B, S, dim], targets, weights, total_weight)` (the LM head's weighted mean cross-entropy,
+  chunked as the step chunks the main loss); `targets` and `weights` [B, S] are the next-token loss's;
+- `head.loss_weight`: its weight in the training loss (from the config);
+- `head.layers`, if it has decoder layers: a `Stack`, listed by `stacks()` under `name` like the main stacks, so
+  recipes, the planner and the routing-bias update cover it.
+
+`model(tokens, return_aux=True)` runs them too: `aux[name]` is the head's aux and `aux[name + "_logits"]` its
+logits [D, B, S, vocab] (`extra_logits_key`); the training step reports each head's loss as `name + "_loss"`.
 """
 from __future__ import annotations
 
@@ -29,8 +45,11 @@ from zoo.recipe import Recipe
 
 # Tags are the same for any batch and length: the recipe check at build time traces this small shape.
 _CHECK_BATCH, _CHECK_SEQ = 1, 8
-# The aux keys of the multi-token-prediction module: its logits, and its stack (and the model attribute holding it).
-MTP_LOGITS, MTP_STACK = "mtp_logits", "mtp"
+
+
+def extra_logits_key(name: str) -> str:
+    """The aux key of extra head `name`'s logits in `model(tokens, return_aux=True)`."""
+    return f"{name}_logits"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,14 +61,18 @@ class StackTags:
 
 class CausalLM(nnx.Module):
     """Embedding -> stacks (in order) -> RMSNorm -> LM head. `stacks` maps a stack's attribute name to
-    (make_layer, num_layers). `mtp(rngs)`, if given, builds the multi-token-prediction module: a module with a
-    `Stack` named `layers`, called as `mtp(h, embeddings, head, policy) -> (logits [D, B, S, V], aux)` on the final
-    normed hidden states and the input embeddings, with this model's head."""
+    (make_layer, num_layers); `extra_heads` maps an extra head's attribute name to its builder (`make(rngs)`), or
+    to None where this config has none (the attribute is then None): see the module docstring."""
 
     def __init__(self, cfg: LMConfig, *, stacks: dict[str, tuple[Callable[[nnx.Rngs], nnx.Module], int]],
-                 recipe: Recipe | None, rngs: nnx.Rngs, mtp: Callable[[nnx.Rngs], nnx.Module] | None = None):
+                 recipe: Recipe | None, rngs: nnx.Rngs,
+                 extra_heads: dict[str, Callable[[nnx.Rngs], nnx.Module] | None] | None = None):
         if not isinstance(cfg, LMConfig):
             raise ValueError(f"{type(self).__name__} needs a zoo.models.LMConfig, got {type(cfg).__name__}")
+        extra_heads = dict(extra_heads or {})
+        taken = sorted(set(extra_heads) & (set(stacks) | {"config", "embed", "norm", "lm_head", "recipe"}))
+        if taken:
+            raise ValueError(f"{type(self).__name__}: extra head names {taken} are taken by stacks or the model")
         dtype, param_dtype = cfg.compute_dtype, cfg.weight_dtype
         self.config = cfg
         self.embed = Embed(vocab=cfg.vocab_size, dim=cfg.dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -59,7 +82,9 @@ class CausalLM(nnx.Module):
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.lm_head = None if cfg.tie_embeddings else LMHead(
             dim=cfg.dim, vocab=cfg.vocab_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.mtp = mtp(rngs) if mtp is not None else None
+        self.extra_head_names = tuple(n for n, make in extra_heads.items() if make is not None)
+        for name, make in extra_heads.items():
+            setattr(self, name, make(rngs) if make is not None else None)
         self.recipe = Recipe.none()
         self.set_recipe(recipe if recipe is not None else Recipe.none())
 
@@ -77,11 +102,16 @@ class CausalLM(nnx.Module):
         recipe.check_emitted(emitted, where=type(self).__name__)
 
     def stacks(self) -> dict[str, Stack]:
-        """Every stack: the main ones in order (`stack_names`), then the MTP module's (`MTP_STACK`) if any."""
+        """Every stack: the main ones in order (`stack_names`), then each extra head's `layers` under its name."""
         out = {n: getattr(self, n) for n in self.stack_names}
-        if self.mtp is not None:
-            out[MTP_STACK] = self.mtp.layers
+        for name, head in self.extra_heads().items():
+            if isinstance(getattr(head, "layers", None), Stack):
+                out[name] = head.layers
         return out
+
+    def extra_heads(self) -> dict[str, nnx.Module]:
+        """{name: module} of the extra heads this model has (see the module docstring)."""
+        return {n: getattr(self, n) for n in self.extra_head_names}
 
     def tag_shapes(self, batch: int, seq: int) -> dict[str, StackTags]:
         """Per stack: layers and the {tag: shape} of one layer for a [batch, seq] input (abstract trace)."""
@@ -91,13 +121,35 @@ class CausalLM(nnx.Module):
     # -- the forward pass ---------------------------------------------------------------------------------
     def __call__(self, tokens: jax.Array, *, return_aux: bool = False):
         """int tokens [B, S] -> logits [B, S, vocab]; with return_aux, also {stack: aux stacked over layers} (and,
-        with an MTP module, its logits under `MTP_LOGITS`).
+        with extra heads, each one's aux under its name and its logits [D, B, S, vocab] under
+        `extra_logits_key(name)`).
 
         `tokens` may be any integer array-like (a nested Python list of ints becomes an int32 array). On concrete
         values (an eager call) every id is checked against the vocabulary: ValueError naming the first bad one.
         Under `jax.jit`/`nnx.jit` (tracers) no value check is possible and none is made: an id >= vocab_size then
         embeds as NaN (JAX's out-of-bounds gather fills), and a negative id counts from the end (-1 is the last
         row), silently. Check ids where they are made (the main job's data reader does)."""
+        if not return_aux:
+            x, _, _, _ = self._trunk(tokens)
+            return self.head(x)
+        x, aux, extra = self.hidden(tokens)
+        for name, hidden in extra.items():
+            aux[extra_logits_key(name)] = jnp.stack([self.head(h) for h in hidden])
+        return self.head(x), aux
+
+    def hidden(self, tokens: jax.Array, *, extra: bool = True) -> tuple[jax.Array, dict[str, Any],
+                                                                        dict[str, jax.Array]]:
+        """(the normed final hidden states [B, S, dim] the LM head reads, {stack: aux} with each extra head's aux,
+        {extra head: its hidden states [D, B, S, dim]}): what a training loss needs, without the logits. With
+        `extra=False` the extra heads do not run (an evaluation's loss): `{}`."""
+        x, embeddings, policy, aux = self._trunk(tokens)
+        heads = {}
+        for name, head in (self.extra_heads() if extra else {}).items():
+            heads[name], aux[name] = head(x, embeddings, policy)
+        return x, aux, heads
+
+    def _trunk(self, tokens):
+        """(normed final hidden states, input embeddings, the recipe's policy, {stack: aux})."""
         tokens = check_tokens(tokens, self.config.vocab_size)
         embeddings = self.embed(tokens)
         x = embeddings
@@ -105,25 +157,36 @@ class CausalLM(nnx.Module):
         aux: dict[str, Any] = {}
         for stack_name in self.stack_names:
             x, aux[stack_name] = getattr(self, stack_name)(x, policy)
-        x = self.norm(x)
-        logits = self.head(x)
-        if not return_aux:
-            return logits
-        if self.mtp is not None:
-            aux[MTP_LOGITS], aux[MTP_STACK] = self.mtp(x, embeddings, self.head, policy)
-        return logits, aux
+        return self.norm(x), embeddings, policy, aux
 
     def head(self, x: jax.Array) -> jax.Array:
         """Normed hidden states [B, S, dim] -> logits [B, S, vocab]: the LM head, or the embedding when tied."""
         return self.embed_attend(x) if self.lm_head is None else self.lm_head(x)
 
+    def head_function(self) -> tuple[Callable[[Any, jax.Array], jax.Array], Any]:
+        """(apply, weights): the LM head as a pure function of its parameters, `apply(weights, x) == head(x)`, and
+        those parameters (the embedding's when tied): what a loss differentiates through (`zoo.loss.head_loss`)."""
+        tied = self.lm_head is None
+        graphdef, params, rest = nnx.split(self.embed if tied else self.lm_head, nnx.Param, ...)
+        leaves, treedef = jax.tree.flatten(params)
+
+        def apply(weights, x):
+            module = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights), rest)
+            return attend(module, x) if tied else module(x)
+        return apply, leaves
+
     def embed_attend(self, x: jax.Array) -> jax.Array:
-        return jnp.einsum("bsd,vd->bsv", x, self.embed.embedding[...].astype(x.dtype))
+        return attend(self.embed, x)
+
+
+def attend(embed: Embed, x: jax.Array) -> jax.Array:
+    """The tied head: hidden states [B, S, dim] against the embedding table -> logits [B, S, vocab]."""
+    return jnp.einsum("bsd,vd->bsv", x, embed.embedding[...].astype(x.dtype))
 
 
 def shift_left(x: jax.Array, k: int) -> jax.Array:
-    """x[:, i + k] at position i of a [B, S, ...] array; zeros where i + k >= S (what depth k of an MTP module
-    embeds, and the targets and weights of its loss)."""
+    """x[:, i + k] at position i of a [B, S, ...] array; zeros where i + k >= S (what a head predicting k tokens
+    further ahead embeds, and the targets and weights of its loss)."""
     pad = [(0, 0), (0, min(k, x.shape[1]))] + [(0, 0)] * (x.ndim - 2)
     return jnp.pad(x[:, k:], pad)
 
@@ -163,6 +226,6 @@ def non_embedding_params(model: CausalLM) -> int:
 
 def count_params(model: nnx.Module) -> int:
     """Number of parameters (works on `nnx.eval_shape` models: nothing is allocated): every `nnx.Param`, and every
-    `Stored` variable (e.g. DeepSeek-V3's routing biases), which the published checkpoints store though no gradient
+    `Stored` variable (e.g. a MoE router's bias), which the published checkpoints store though no gradient
     trains them."""
     return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, (nnx.Param, Stored))))

@@ -3,8 +3,8 @@ model family, and the table the families register into.
 
 A family is a package under `zoo/models/<family>/` that builds one `Family` record and calls `register` when it is
 imported; `zoo/models/__init__.py` imports each family package (one line per family). Generic code asks only what
-the record (and `LMConfig`'s hooks: `attention_head_dim`, `kernel_choices`, `mesh_divisors`) answers, never a
-family's fields by name:
+the record (and `LMConfig`'s hooks: `attention_head_dim`, `kernel_choices`, `mesh_divisors`, `without_extra_heads`)
+answers, never a family's fields by name:
 
     family(name).config("tiny", num_layers=4)   # a preset with overrides
     family_of(cfg).build(cfg, recipe=..., rngs=...)
@@ -47,7 +47,8 @@ class HFArch:
     from_hf: Callable[..., LMConfig]                        # (hf config dict, param_dtype=) -> config
     to_hf: Callable[[LMConfig], dict]                       # config -> hf config dict
     keys: Callable[[LMConfig], list]                        # config -> [zoo.hf.keymap.Entry]
-    extra_keys: Callable[[dict], Callable[[str], bool]] = no_extra_keys  # checkpoint keys the zoo skips
+    # the keys of the model's extra heads (zoo.models.lm) in a checkpoint: skipped where the model has none
+    extra_keys: Callable[[dict], Callable[[str], bool]] = no_extra_keys
 
 
 @dataclasses.dataclass(frozen=True)

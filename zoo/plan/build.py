@@ -29,15 +29,15 @@ Sharding: with ``Parallelism(shard=N)``, ``batch`` is the global batch and every
 batch is split over N devices (data parallel) and model state too (FSDP / ZeRO-3), rounded up. Tag shapes stay
 global.
 
-Not counted in the per-tag figures: the embedding, final norm, LM head and loss (their activations, the logits in
-float32 among them), XLA's temporaries, copy buffers for overlapping transfers and fragmentation: those figures
-are a floor. The peak (``Plan.peak_bytes``, ``zoo.plan.peak``) counts them: on the device present the training
-step (``zoo.train_step``, the main job's own) is compiled on abstract inputs and XLA's memory analysis read
-(``peak="compile"``; ``"auto"`` does so on an accelerator); under a mesh whose devices are present, the sharded
-step is compiled as the main job compiles it and the figure is per device. Planning for another device
-(``Hardware(device_kind=)``), for a mesh larger than the devices present, with ``shard=N`` (a uniform split, not
-a program),
-or on the CPU by default, it is an estimate, labelled so (``Plan.peak_source``).
+Not counted in the per-tag figures: the embedding, final norm, LM head and loss (their activations, the float32
+logits of one chunk of the loss among them: ``zoo.loss``), XLA's temporaries, copy buffers for overlapping
+transfers and fragmentation: those figures are a floor. The peak (``Plan.peak_bytes``, ``zoo.plan.peak``) counts
+them: on the device present the training step (``zoo.train_step``, the main job's own) is compiled on abstract
+inputs and XLA's memory analysis read (``peak="compile"``; ``"auto"`` does so on an accelerator); under a mesh
+whose devices are present, the sharded step is compiled as the main job compiles it and the figure is per device.
+Planning for another device (``Hardware(device_kind=)``), for a mesh larger than the devices present, with
+``shard=N`` (a uniform split, not a program), or on the CPU by default, it is an estimate, labelled so
+(``Plan.peak_source``).
 
 ``recipe="auto"`` chooses each tag's placement for an HBM budget, a host link and a FLOP rate (see
 ``zoo.plan.auto.choose``), and says why each tag landed where it did.

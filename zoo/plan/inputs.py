@@ -66,12 +66,15 @@ class Training:
     """What the step keeps and how it updates: `optimizer` (its moments per parameter, `OPTIMIZERS`) in
     `opt_dtype`, living on the "device" or in pinned "host" memory between steps (`opt_state`); `params="host"`: a
     float32 master copy of the (16-bit) parameters in pinned host memory (`zoo.optim.with_master`; "device": none);
-    `grad_accum` K micro-batches of batch / K per update, with float32 gradient sums."""
+    `grad_accum` K micro-batches of batch / K per update, with float32 gradient sums; `loss_chunk`: positions of
+    the sequence per chunk of the LM head and its cross-entropy (`zoo.train_step`: "auto", None, or a divisor of
+    the sequence)."""
     optimizer: str = "adamw"
     opt_dtype: str = "float32"
     grad_accum: int = 1
     opt_state: str = "device"
     params: str = "device"
+    loss_chunk: int | str | None = "auto"
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:

@@ -23,9 +23,12 @@
   offload recipe would look as heavy as saving), it fuses differently, upcasts bf16 arithmetic to float32 and
   runs XLA's attention where the GPU runs cuDNN's. So the estimate is the planner's own floor (saved activations
   + parameters, gradients and optimizer state) plus what any training step holds on top: the float32 logits and
-  their gradient ([B, S, vocab] x 8 bytes) and one layer's intermediates and their cotangents in the backward pass
-  (2 x the layer's tags). It is labelled as an estimate; the bench records show how far it is from the measured
-  peak.
+  their gradient (x 8 bytes), of one chunk of the loss ([B, chunk, vocab]: `zoo.loss`, the chunk length the step
+  uses, `--loss-chunk`) with the float32 sum of the head's gradient over the chunks where the parameters are
+  16-bit (the bytes beyond the gradient itself, which the floor holds: [dim, vocab] x 2), or of the whole
+  sequence ([B, S, vocab]) where the loss is unchunked, and one layer's intermediates and their
+  cotangents in the backward pass (2 x the layer's tags). It is labelled as an estimate; the bench records show
+  how far it is from the measured peak.
 """
 from __future__ import annotations
 
@@ -34,9 +37,10 @@ import math
 
 import jax
 
+from zoo.loss import resolve_chunk
 from zoo.models.registry import family_of
 from zoo.plan.types import ceil_div
-from zoo.train_step import compile_abstract
+from zoo.train_step import DEFAULT_LOSS_CHUNK, compile_abstract
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,14 +74,14 @@ def mesh_label(mesh) -> str:
 
 def compile_step(cfg, recipe, *, batch: int, seq: int, optimizer: str = "adamw", opt_dtype: str | None = None,
                  mesh: jax.sharding.Mesh | None = None, grad_accum: int = 1, opt_state: str = "device",
-                 params: str = "device"):
+                 params: str = "device", loss_chunk=DEFAULT_LOSS_CHUNK):
     """The main job's training step (`zoo.train_step`) for `cfg` under `recipe` at global [batch, seq], lowered on
     abstract inputs and compiled (nothing allocated). With a `mesh` (a concrete one: its devices compile it), as
     the main job compiles it: the state on the rules' shardings, the batch split over the data axes, traced inside
     `zoo.sharding.use(mesh)`."""
     return compile_abstract(family_of(cfg), cfg, recipe, batch=batch, seq=seq, optimizer=optimizer,
                             opt_dtype=opt_dtype, mesh=mesh, grad_accum=grad_accum, opt_state=opt_state,
-                            params=params)[0]
+                            params=params, loss_chunk=loss_chunk)[0]
 
 
 def from_compiled(compiled, device: jax.Device | None = None, mesh=None) -> Peak:
@@ -102,9 +106,17 @@ def from_compiled(compiled, device: jax.Device | None = None, mesh=None) -> Peak
     return Peak(bytes=peak, source=f"compiled for {where}", compiled=True, detail=detail)
 
 
-def estimate(floor: int, *, batch: int, seq: int, shard: int, vocab: int, layer_bytes: int, why: str) -> Peak:
-    """The floor plus the float32 logits and their gradient, and one layer's intermediates and cotangents."""
-    logits = 2 * 4 * ceil_div(batch, shard) * seq * vocab
+def estimate(floor: int, *, batch: int, seq: int, shard: int, vocab: int, layer_bytes: int, why: str,
+             dim: int | None = None, param_bytes: int = 4, loss_chunk=DEFAULT_LOSS_CHUNK) -> Peak:
+    """The floor plus the float32 logits and their gradient (of one chunk of the loss where the step chunks it:
+    `loss_chunk` as `zoo.train_step` takes it, with the float32 sum of the head's [dim, vocab] gradient beyond the
+    gradient's own `param_bytes` a parameter; the whole sequence's otherwise), and one layer's intermediates and
+    cotangents. `detail["loss_chunk"]`: the chunk length (None: unchunked)."""
+    rows = ceil_div(batch, shard)
+    chunk = resolve_chunk(loss_chunk, rows, seq, vocab)
+    logits = 2 * 4 * rows * (chunk or seq) * vocab
+    head_sum = max(0, 4 - param_bytes) * ceil_div((dim or 0) * vocab, shard) if chunk else 0
     working = 2 * layer_bytes
-    return Peak(bytes=floor + logits + working, source=f"estimate ({why})", compiled=False,
-                detail=dict(floor=floor, logits_f32_and_grad=logits, one_layer_backward=working))
+    return Peak(bytes=floor + logits + head_sum + working, source=f"estimate ({why})", compiled=False,
+                detail=dict(floor=floor, logits_f32_and_grad=logits, loss_chunk=chunk, head_grad_sum_f32=head_sum,
+                            one_layer_backward=working))

@@ -104,8 +104,10 @@ def find_peak(cfg, recipe, target, compiled, training: Training, *, batch, seq, 
     if mode == "compile":
         step = peak_lib.compile_step(cfg, recipe, batch=batch, seq=seq, optimizer=training.optimizer,
                                      opt_dtype=training.opt_dtype, mesh=mesh, grad_accum=training.grad_accum,
-                                     opt_state=training.opt_state, params=training.params)
+                                     opt_state=training.opt_state, params=training.params,
+                                     loss_chunk=training.loss_chunk)
         return peak_lib.from_compiled(step, mesh=mesh)
     layer = max(sum(ceil_div(sds_nbytes(t), shard) for t in st.tags.values()) for st in shapes.values())
     return peak_lib.estimate(floor, batch=batch // training.grad_accum, seq=seq, shard=shard, vocab=cfg.vocab_size,
-                             layer_bytes=layer, why=why)
+                             dim=cfg.dim, param_bytes=jax.numpy.dtype(cfg.weight_dtype).itemsize, layer_bytes=layer,
+                             why=why, loss_chunk=training.loss_chunk)

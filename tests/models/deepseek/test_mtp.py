@@ -14,6 +14,7 @@ from recipes.deepseek_v3 import RECIPES
 from tests.helpers import max_rel_err, tiered
 from zoo import train_step
 from zoo.models.deepseek import FAMILY, DeepSeekDecoderLayer
+from zoo.models.deepseek.mtp import mtp_loss
 from zoo.models.stack import module_at
 from zoo.plan import measure as audit
 
@@ -111,7 +112,7 @@ def test_mtp_loss_predicts_the_token_k_plus_one_ahead():
                 num -= weights[b, i + k] * logp[k - 1, b, i, targets[b, i + k]]
                 den += weights[b, i + k]
         per_depth.append(num / den)
-    got = train_step.mtp_loss(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights))
+    got = mtp_loss(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights))
     assert float(got) == pytest.approx(np.mean(per_depth), rel=1e-5)
 
 
@@ -121,7 +122,9 @@ def _losses_and_grads(model, batch, recipe, grad_accum=1):
 
     def f(params):
         m = nnx.merge(graphdef, params, rest, copy=True)
-        return train_step.loss_and_grads(m, batch, aux_loss=FAMILY.aux_loss, grad_accum=grad_accum)
+        loss, lm, extra, aux, grads = train_step.loss_and_grads(m, batch, aux_loss=FAMILY.aux_loss,
+                                                                grad_accum=grad_accum)
+        return loss, lm, extra["mtp"], aux, grads   # the MTP module is the model's extra head "mtp"
     return jax.jit(f)(params)
 
 
@@ -135,7 +138,7 @@ def test_total_loss_is_main_plus_lambda_mtp_plus_balance(model, batch, forward, 
     tokens = batch["tokens"]
     logits, out = forward(model, tokens[:, :-1])
     assert float(lm) == pytest.approx(float(train_step.next_token_loss(logits, tokens[:, 1:], batch["weights"])))
-    assert float(mtp) == pytest.approx(float(train_step.mtp_loss(out["mtp_logits"], tokens[:, 1:], batch["weights"])))
+    assert float(mtp) == pytest.approx(float(mtp_loss(out["mtp_logits"], tokens[:, 1:], batch["weights"])))
     balance = float(FAMILY.aux_loss(CFG, aux))
     assert balance > 0 and float(loss) == pytest.approx(float(lm) + CFG.mtp_lambda * float(mtp) + balance, rel=1e-6)
     for part in ("heads", "layers"):   # the MTP loss trains the MTP module
@@ -171,10 +174,10 @@ def test_mtp_layers_place_their_tags_as_the_recipe_says(model, batch, name):
         want.update(c + st.tags[t].shape for t in recipe.offload if t in needed for c in copies)
     graphdef, state = nnx.split(model)
 
-    def mtp_loss(state):   # the MTP loss alone still runs (and differentiates) the main layers under it
+    def only_mtp(state):   # the MTP loss alone still runs (and differentiates) the main layers under it
         _, aux = nnx.merge(graphdef, state, copy=True)(batch["tokens"][:, :-1], return_aux=True)
-        return train_step.mtp_loss(aux["mtp_logits"], batch["tokens"][:, 1:], batch["weights"])
-    res = audit.residuals(mtp_loss, state)
+        return mtp_loss(aux["mtp_logits"], batch["tokens"][:, 1:], batch["weights"])
+    res = audit.residuals(only_mtp, state)
     assert collections.Counter(r.shape for r in res if r.host) == want
 
 

@@ -73,6 +73,10 @@ class DeepSeekV3Config(MoEConfig):
     def without_mtp(self) -> DeepSeekV3Config:
         return dataclasses.replace(self, mtp_depths=0)
 
+    def without_extra_heads(self) -> DeepSeekV3Config:
+        """Without the multi-token-prediction module (its one extra head)."""
+        return self.without_mtp()
+
     @property
     def num_moe_layers(self) -> int:
         return self.num_layers - self.first_dense_layers

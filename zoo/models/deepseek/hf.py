@@ -157,7 +157,7 @@ def mtp_entries(cfg: DeepSeekV3Config) -> list[Entry]:
 
 def mtp_keys(hf: dict) -> Callable[[str], bool]:
     """The published checkpoints carry the multi-token-prediction module as layers num_layers..: the keys a model
-    built without it (`from_hf(..., mtp=False)`, or a checkpoint holding none of them) skips."""
+    built without it (`from_hf(..., extra_heads=False)`, or a checkpoint holding none of them) skips."""
     num_layers, mtp_layers = hf.get("num_hidden_layers", 0), hf.get("num_nextn_predict_layers") or 0
     pattern = re.compile(r"model\.layers\.(\d+)\.")
 

@@ -11,8 +11,9 @@ step adds `total_balance_loss(aux)` to its loss and calls `update_routing_bias(m
 
 Multi-token prediction (`mtp_depths` > 0; zoo.models.deepseek.mtp) adds `model.mtp`: per depth an MoE decoder
 layer (the stack "mtp", tagged like `moe_layers`), two input norms, a 2*dim -> dim projection and a final norm,
-sharing the embedding and the LM head. `model(tokens, return_aux=True)` then also gives its logits
-(`aux["mtp_logits"]`, [D, B, S, vocab]) and its layers' `MoEAux` (`aux["mtp"]`). The 671B preset counts
+sharing the embedding and the LM head: an extra head of the model (`zoo.models.lm`). `model(tokens,
+return_aux=True)` then also gives its logits (`aux["mtp_logits"]`, [D, B, S, vocab]) and its layers' `MoEAux`
+(`aux["mtp"]`); the training step adds `mtp_lambda` times its loss and reports it as "mtp_loss". The 671B preset counts
 671,026,419,200 parameters (the routing biases included) without MTP, as published; its one depth adds
 11,610,068,224 (the MoE decoder layer's 11,507,286,272 with its routing bias, the projection's 102,760,448 and three
 norms' 21,504): 682,636,487,424 in all. The checkpoint also stores layer 61's copies of the embedding and the head
@@ -80,7 +81,8 @@ class DeepSeekV3(CausalLM):
         if cfg.mtp_depths:
             def mtp(r):
                 return MultiTokenPrediction(cfg, lambda r: DeepSeekDecoderLayer(cfg, moe=True, rngs=r), rngs=r)
-        super().__init__(cfg, stacks=stacks, recipe=recipe, rngs=rngs, mtp=mtp)
+        # multi-token prediction is the model's one extra head, `model.mtp` (None without it)
+        super().__init__(cfg, stacks=stacks, recipe=recipe, rngs=rngs, extra_heads={"mtp": mtp})
 
 
 def deepseek_v3(cfg: DeepSeekV3Config, *, recipe: Recipe | None = None, rngs: nnx.Rngs) -> DeepSeekV3:

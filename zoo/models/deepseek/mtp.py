@@ -13,7 +13,12 @@ The representation handed on is the normed one the head reads: the main model's 
 published MTP layer is used for speculative decoding), then each depth's after its own `norm` (`shared_head.norm`).
 
 Positions whose embedded token t_(i+k) lies past the input are fed zeros; their targets lie past the sequence too,
-so the loss excludes them (`zoo.train_step.mtp_loss`), and causal attention keeps them from every kept position.
+so the loss excludes them (`mtp_loss`), and causal attention keeps them from every kept position.
+
+The module is one of the model's extra heads (`zoo.models.lm`): the model holds it as `model.mtp`, its calls give
+each depth's normed hidden states [D, B, S, dim] (the model's LM head makes them logits: `aux["mtp_logits"]` of
+`model(tokens, return_aux=True)`), and its `loss` is the mean over depths of each depth's cross-entropy, weighted
+`cfg.mtp_lambda` in the training loss and reported as "mtp_loss".
 
 The decoder layers are a `Stack` of the main MoE stack's layer class (the same tags: a recipe places them here too;
 the planner plans them as the stack "mtp"); each depth's layer runs alone, rematerialized under the recipe, because
@@ -31,6 +36,7 @@ from flax import nnx
 
 from zoo.layers import RMSNorm
 from zoo.layers.linear import projection
+from zoo.loss import next_token_loss
 from zoo.models.deepseek.config import DeepSeekV3Config
 from zoo.models.lm import shift_left
 from zoo.models.stack import Stack, module_at, stacked_modules
@@ -59,18 +65,47 @@ class MultiTokenPrediction(nnx.Module):
         if cfg.mtp_depths <= 0:
             raise ValueError(f"MultiTokenPrediction needs DeepSeekV3Config.mtp_depths > 0, got {cfg.mtp_depths}")
         self.depths = cfg.mtp_depths
+        self.loss_weight = cfg.mtp_lambda
         self.heads = stacked_modules(lambda r: MTPDepth(cfg, rngs=r), cfg.mtp_depths, rngs)
         self.layers = Stack(make_layer, num_layers=cfg.mtp_depths, rngs=rngs)
 
-    def __call__(self, h: jax.Array, embeddings: jax.Array, head: Callable[[jax.Array], jax.Array],
-                 policy) -> tuple[jax.Array, Any]:
-        """h: the main model's normed final hidden states [B, S, dim]; embeddings: its input embeddings [B, S, dim];
-        head: normed hidden states -> logits. Returns (logits [D, B, S, vocab], the layers' aux stacked over D)."""
-        logits, auxes = [], []
+    def __call__(self, h: jax.Array, embeddings: jax.Array, policy) -> tuple[jax.Array, Any]:
+        """h: the main model's normed final hidden states [B, S, dim]; embeddings: its input embeddings [B, S, dim].
+        Returns (each depth's normed hidden states [D, B, S, dim], the layers' aux stacked over D)."""
+        hidden, auxes = [], []
         for k in range(1, self.depths + 1):
             depth = module_at(self.heads, k - 1)
             x, aux = self.layers.apply_layer(k - 1, depth.combine(h, shift_left(embeddings, k)), policy)
             h = depth.norm(x)
-            logits.append(head(h))
+            hidden.append(h)
             auxes.append(aux)
-        return jnp.stack(logits), jax.tree.map(lambda *a: jnp.stack(a), *auxes)
+        return jnp.stack(hidden), jax.tree.map(lambda *a: jnp.stack(a), *auxes)
+
+    def loss(self, hidden: jax.Array, targets: jax.Array, weights: jax.Array, batch_weights: jax.Array,
+             cross_entropy: Callable[..., jax.Array]) -> jax.Array:
+        """The mean over depths of each depth's cross-entropy (`mtp_loss`), `cross_entropy(h, targets, weights,
+        total_weight)` running the LM head on depth k's hidden states `hidden[k - 1]`."""
+        return depth_mean(lambda k, t, w, total: cross_entropy(hidden[k - 1], t, w, total), hidden.shape[0],
+                          targets, weights, batch_weights)
+
+
+def mtp_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array,
+             batch_weights: jax.Array | None = None) -> jax.Array:
+    """The multi-token-prediction loss: the mean over depths of each depth's weighted cross-entropy, in float32.
+
+    `logits` [D, B, S, V] (`aux["mtp_logits"]`); `targets` and `weights` [B, S] are the next-token loss's (target i
+    is token i + 1). Depth k (1..D) at position i predicts token i + k + 1, targets[:, i + k], with that target's
+    weight; the last k positions have none and are left out (weight 0). `batch_weights` (default `weights`): the
+    whole batch's weights, whose shifted sums are the denominators (a micro-batch's share of the batch's loss)."""
+    return depth_mean(lambda k, t, w, total: next_token_loss(logits[k - 1], t, w, total), logits.shape[0],
+                      targets, weights, batch_weights)
+
+
+def depth_mean(depth_loss: Callable[..., jax.Array], depths: int, targets: jax.Array, weights: jax.Array,
+               batch_weights: jax.Array | None = None) -> jax.Array:
+    """The mean over k = 1..depths of `depth_loss(k, targets, weights, total_weight)` on the targets and weights
+    shifted k further (`shift_left`), over the shifted sum of `batch_weights` (default `weights`)."""
+    batch_weights = weights if batch_weights is None else batch_weights
+    losses = [depth_loss(k, shift_left(targets, k), shift_left(weights, k), jnp.sum(shift_left(batch_weights, k)))
+              for k in range(1, depths + 1)]
+    return jnp.mean(jnp.stack(losses))
