@@ -464,6 +464,25 @@ SCENARIOS: dict[str, Scenario] = {
          ctx("auto", 32768, 8), anchor_ctx("offload_qkv_ctx", 32768, 8),
          ctx("full", 32768, 4, family="deepseek_v3", est=60), ctx("context_offload", 32768, 4, family="deepseek_v3",
                                                                     est=60))),
+    "long-context-main": Scenario(
+        "long context in the main job (AdamW, the LM head and its loss in chunks): the 8B preset cut to 8 layers at "
+        "32K under full (chunked and unchunked) and context_offload, the DeepSeek slice's stack at 32K, the 8B cut "
+        "to 4 layers at 64K and 2 at 128K, and all 32 layers at 64K with the optimizer state on the host",
+        (main_job("full", ("--layers", "8", "--batch", "1", "--seq", "32768"), steps=6, est=70, timeout=200,
+                  gpu="0", name="main-job-8b-L8-S32K-full"),
+         main_job("full", ("--layers", "8", "--batch", "1", "--seq", "32768", "--train-arg=--loss-chunk=none"),
+                  steps=6, est=70, timeout=200, gpu="0", name="main-job-8b-L8-S32K-full-unchunked"),
+         main_job("context_offload", ("--layers", "8", "--batch", "1", "--seq", "32768"), steps=6, est=70,
+                  timeout=200, gpu="0", name="main-job-8b-L8-S32K-context_offload"),
+         ctx("full", 32768, 4, family="deepseek_v3", est=60),
+         ctx("context_offload", 32768, 4, family="deepseek_v3", est=60),
+         main_job("context_offload", ("--layers", "4", "--batch", "1", "--seq", "65536"), steps=6, est=70,
+                  timeout=200, gpu="0", name="main-job-8b-L4-S64K-context_offload"),
+         main_job("context_offload", ("--layers", "32", "--batch", "1", "--seq", "65536", "--opt-state", "host",
+                                      "--opt-dtype", "bfloat16"), steps=4, est=150, timeout=300, gpu="0",
+                  name="main-job-8b-L32-S64K-context_offload-host-state", env=_OPT_STATE_ENV),
+         main_job("context_offload", ("--layers", "2", "--batch", "1", "--seq", "131072"), steps=5, est=70,
+                  timeout=200, gpu="0", name="main-job-8b-L2-S128K-context_offload"))),
     "offload-profile": Scenario(
         "where the offload time goes: the plain-JAX anchor under XLA's overlap options and profiles of the zoo's "
         "step (405B slice, 3 layers, batch 2), two single-GPU queues side by side",
@@ -491,7 +510,7 @@ SCENARIOS: dict[str, Scenario] = {
 
 # ------------------------------------------------------------------------------------------------ the runner
 
-_SMOKE_VALUES = {"--layers": "2", "--steps": "2", "--experts": "16", "--start": "1", "--timeout": "240"}
+_SMOKE_VALUES = {"--layers": "2", "--steps": "2", "--experts": "16", "--start": "1", "--timeout": "240", "--seq": "64"}
 
 
 def smoke(job: Job) -> Job:
