@@ -88,7 +88,7 @@ def load(torch_module: torch.nn.Module, module: nnx.Module, rows) -> None:
     with torch.no_grad():
         for key, t in tensors.items():
             assert tuple(named[key].shape) == t.shape, (key, tuple(named[key].shape), t.shape)
-            named[key].copy_(torch.from_numpy(np.ascontiguousarray(t)))
+            named[key].copy_(torch.from_numpy(np.array(t, np.float32)))
 
 
 def grads(torch_module: torch.nn.Module, module: nnx.Module, rows) -> dict[str, np.ndarray]:
