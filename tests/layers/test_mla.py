@@ -123,10 +123,11 @@ def test_matches_deepseek_v3_attention_under_torch_autograd(hf, variant):
         qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=V, rms_norm_eps=EPS, rope_theta=10000.0,
         rope_scaling=scaling, rope_interleave=VARIANTS[variant]["rope_interleave"], attention_bias=False,
         max_position_embeddings=64, attn_implementation="eager")
-    mla, theirs, rotary = make_mla(variant), DeepseekV3Attention(cfg, layer_idx=0).eval(), DeepseekV3RotaryEmbedding(cfg)
+    mla, theirs = make_mla(variant), DeepseekV3Attention(cfg, layer_idx=0).eval()
+    rotary = DeepseekV3RotaryEmbedding(cfg)
     rows = hf.unit_rows(MLA_KEYS, "attn.", "self_attn.")
     hf.load(theirs, mla, rows)
-    for m in theirs.modules():   # transformers' RMSNorm eps defaults to 1e-6 inside MLA whatever the config says
+    for m in theirs.modules():   # transformers' MLA norms take their eps default (1e-6), not the config's
         if hasattr(m, "variance_epsilon"):
             assert m.variance_epsilon == EPS
     x, ct = inputs(), inputs(seed=2)
