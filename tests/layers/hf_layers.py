@@ -135,7 +135,7 @@ def jax_vjp(module: nnx.Module, x: np.ndarray, ct: np.ndarray, forward=lambda m,
         out = forward(nnx.merge(graphdef, p, rest, copy=True), x)
         return jnp.sum(out * ct), out
 
-    (_, out), (g_params, g_x) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, jnp.asarray(x))
+    (_, out), (g_params, g_x) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, jnp.asarray(x))
     flat = {}
 
     def walk(tree, prefix):

@@ -55,6 +55,6 @@ def test_capacity_dispatch_against_numpy(factor):
     np.testing.assert_allclose(out, want, rtol=1e-6)
     assert int(dropped) == want_dropped and (want_dropped > 0) == (factor < 1)
     # the gradient w.r.t. the copies: 2 where kept, 0 where dropped
-    grad = jax.grad(lambda r: jnp.sum(capacity_dispatch(s.__class__(r, s.expert, s.group_sizes, s.inverse),
-                                                        lambda buf: 2 * buf, factor)[0]))(s.rows)
+    grad = jax.jit(jax.grad(lambda r: jnp.sum(capacity_dispatch(s.__class__(r, s.expert, s.group_sizes, s.inverse),
+                                                        lambda buf: 2 * buf, factor)[0])))(s.rows)
     assert ref.rel_err(grad, 2.0 * (np.abs(want).sum(-1, keepdims=True) > 0) * np.ones_like(want)) < 1e-6

@@ -91,9 +91,9 @@ def test_choice_weights_and_gradients_float64(name):
             return scores, dense(weights, idx)
         check_grads(jax.jit(route), (params, x), order=1, modes=("rev",))
         ct = np.random.default_rng(2).normal(size=(T, E))
-        got = jax.grad(lambda p, x: jnp.sum(route(p, x)[1] * ct), argnums=(0, 1))(params, x)
-        want = jax.grad(lambda w, x: jnp.sum(dense(reference_route(router, x, w, want_idx)[2], want_idx) * ct),
-                        argnums=(0, 1))(router.kernel[...], x)
+        got = jax.jit(jax.grad(lambda p, x: jnp.sum(route(p, x)[1] * ct), argnums=(0, 1)))(params, x)
+        want = jax.jit(jax.grad(lambda w, x: jnp.sum(dense(reference_route(router, x, w, want_idx)[2], want_idx) * ct),
+                                argnums=(0, 1)))(router.kernel[...], x)
         assert ref.rel_err((got[0]["kernel"][...], got[1]), want) < 1e-13
 
 
@@ -114,14 +114,15 @@ def test_balance_losses_and_gradients_float64():
     with ref.float64():
         rng = np.random.default_rng(3)
         logits = jnp.asarray(rng.normal(size=(T, E)))
-        idx = jnp.asarray(ref.softmax_choice(np.asarray(logits), k=K))
-        seq = lambda s: sequence_balance_loss(s, idx, batch=batch, weight=0.3)       # noqa: E731
-        seq_ref = lambda s: ref.sequence_balance_loss(s, idx, batch=batch, weight=0.3)   # noqa: E731
-        sw = lambda p: switch_balance_loss(p, idx, weight=0.3)                       # noqa: E731
-        sw_ref = lambda p: ref.switch_balance_loss(p, idx, weight=0.3)              # noqa: E731
+        idx = ref.softmax_choice(np.asarray(logits), k=K)                           # NumPy: the references count
+        seq = lambda s: sequence_balance_loss(s, jnp.asarray(idx), batch=batch, weight=0.3)   # noqa: E731
+        seq_ref = lambda s: ref.sequence_balance_loss(s, idx, batch=batch, weight=0.3)       # noqa: E731
+        sw = lambda p: switch_balance_loss(p, jnp.asarray(idx), weight=0.3)                  # noqa: E731
+        sw_ref = lambda p: ref.switch_balance_loss(p, idx, weight=0.3)                      # noqa: E731
         for loss, want, scores in ((seq, seq_ref, jax.nn.sigmoid(logits)), (sw, sw_ref, jax.nn.softmax(logits))):
+            loss, want = jax.jit(loss), jax.jit(want)
             assert ref.rel_err(loss(scores), want(scores)) < 1e-13
-            assert ref.rel_err(jax.grad(loss)(scores), jax.grad(want)(scores)) < 1e-13
+            assert ref.rel_err(jax.jit(jax.grad(loss))(scores), jax.jit(jax.grad(want))(scores)) < 1e-13
             check_grads(loss, (scores,), order=1, modes=("rev",))
 
 
@@ -169,6 +170,6 @@ def test_switch_loss_matches_transformers(hf):
     def ours(lg):
         probs = jax.nn.softmax(lg, axis=-1)
         return switch_balance_loss(probs, jax.lax.top_k(probs, K)[1], weight=1.0)
-    value, grad = jax.value_and_grad(ours)(jnp.asarray(logits))
+    value, grad = jax.jit(jax.value_and_grad(ours))(jnp.asarray(logits))
     assert float(value) == pytest.approx(float(theirs), rel=1e-6)
     assert ref.rel_err(grad, lt.grad.numpy()) < 1e-5
