@@ -90,8 +90,8 @@ def dispatch_equals_one_device(spec: str):
 
 
 def model_step_equals_one_device(spec: str):
-    from recipes.deepseek_v3 import RECIPES
-    recipe = RECIPES["mla_moe_offload"]
+    recipe = zoo.Recipe("mla_moe_offload", offload=("query_proj", "key_proj", "value_proj", "moe_mlpwi_0",
+                                                    "moe_mlpwi_1"))
     # One dense layer and a scan of two MoE layers (the tiny preset has two of each).
     cfg = zoo.models.DeepSeekV3Config.preset("tiny", num_layers=3, first_dense_layers=1, moe_backend="ragged_dot",
                                            ep_dispatch="ragged_a2a")

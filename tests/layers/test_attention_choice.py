@@ -1,6 +1,6 @@
 """The attention kernel per device and config: auto takes cuDNN on a GPU for GQA and MLA, falls back with a warning
-where cuDNN cannot serve, an explicit choice wins or is a ValueError, a built model says what each layer runs, and
-the main job refuses cuDNN on the CPU before building."""
+where cuDNN cannot serve, an explicit choice wins or is a ValueError, and a built model says what each layer runs.
+(The main job's refusal of cuDNN on the CPU is the application's: tests/recipes/test_attention_choice_cli.py.)"""
 import jax
 import pytest
 from flax import nnx
@@ -46,8 +46,3 @@ def test_a_built_model_says_which_attention_each_layer_runs():
     assert sorted(got) == ["dense_layers/layers/attn", "moe_layers/layers/attn"]
     assert {c.impl for c in got.values()} == {"xla"}
 
-
-def test_the_main_job_refuses_cudnn_on_the_cpu_before_building(capsys):
-    from recipes import train
-    assert train.main(["--set", "attention_impl=cudnn", "--steps", "1", "--xla-flags", "none"]) == 2
-    assert "attention_impl='cudnn' cannot run here" in capsys.readouterr().err

@@ -13,7 +13,6 @@ import pytest
 from flax import nnx
 
 import zoo
-from recipes.deepseek_v3 import RECIPES
 from tests.helpers import ROOT, cpu_env, fake_gpu, tiered
 from zoo import sharding
 from zoo.layers.moe import backend, expert_parallel
@@ -63,7 +62,8 @@ def test_planner_counts_the_receive_buffer_per_device(spec):
     assert one["moe_mlpwi_0"].shape == (8 * 16 * cfg.num_experts_per_tok, cfg.moe_mlp_dim)
     assert per_device["query_proj"][0] * 8 == one["query_proj"].shape[0]
     # The plan of the study's recipe offloads the two receive-buffer tags at these per-device bytes.
-    recipe = RECIPES["mla_moe_offload"]
+    recipe = zoo.Recipe("mla_moe_offload", offload=("query_proj", "key_proj", "value_proj", "moe_mlpwi_0",
+                                                    "moe_mlpwi_1"))
     plan = zoo.plan.plan(cfg, recipe, batch=8, seq=16, peak=None, parallel=Parallelism(mesh=spec),
                     training=Training(optimizer="sgd"))
     host = {t.tag: t.host_bytes for t in next(s for s in plan.stacks if s.name == "moe_layers").tags}

@@ -11,7 +11,6 @@ import pytest
 from flax import nnx
 
 import zoo
-from recipes.llama3 import RECIPES
 from tests.helpers import cuda_lowering, grads_under, hlo_type, max_rel_err, pinned_host_shapes
 from zoo.layers import MLP
 from zoo.plan import measure
@@ -19,6 +18,11 @@ from zoo.plan import measure
 B, S, CHUNKS = 2, 16, 4
 CFG = zoo.models.LlamaConfig.preset("tiny", dtype="float32")
 CHUNKED = dataclasses.replace(CFG, mlp_seq_chunks=CHUNKS)
+# The recipes these tests place tensors by (the library's tests build their own values, not the application's sets).
+QKV = ("query_proj", "key_proj", "value_proj")
+MATMULS = QKV + ("attention_out", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo")
+RECIPES = {"none": zoo.Recipe.none(), "full": zoo.Recipe.full(), "qkv_offload": zoo.Recipe("qkv_offload", offload=QKV),
+           "minimal_offload": zoo.Recipe("minimal_offload", offload=MATMULS)}
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,16 @@ import pytest
 from flax import nnx
 
 import zoo
-from recipes.deepseek_v3 import RECIPES
 from tests.helpers import cuda_lowering, fake_gpu, hlo_type, pinned_host_shapes, tiered
 from zoo.layers.moe import backend as moe
 from zoo.plan import measure as audit
 
 CPU = jax.devices()[0]
+# The recipes these tests place tensors by (the library's tests build their own values, not the application's sets):
+# DeepSeek-V3's study recipe and its low-rank variant.
+MOE_UP = ("moe_mlpwi_0", "moe_mlpwi_1")
+RECIPES = {"mla_moe_offload": zoo.Recipe("mla_moe_offload", offload=("query_proj", "key_proj", "value_proj") + MOE_UP),
+           "lowrank_wa_offload": zoo.Recipe("lowrank_wa_offload", offload=("query_wa_proj", "kv_wa_proj") + MOE_UP)}
 
 
 def scan_grouped_matmul(rows, weights, group_sizes):

@@ -1,4 +1,4 @@
-"""RMSNorm (Zhang & Sennrich, 2019), statistics in float32.
+"""RMSNorm (Zhang & Sennrich, 2019), statistics in float32 (or wider: float64 inputs stay float64).
 
 Written out rather than `nnx.RMSNorm` so that the order of operations is the published one (normalise in float32,
 cast to the activation dtype, then scale), which is what the published checkpoints were trained with.
@@ -21,6 +21,6 @@ class RMSNorm(nnx.Module):
         self.scale = nnx.Param(jnp.ones((dim,), param_dtype), **logical((axis_name,)))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
+        x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
         y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
         return self.scale[...].astype(self.dtype) * y.astype(self.dtype)

@@ -94,20 +94,22 @@ class Rope:
         inv = 1.0 / (self.theta ** (np.arange(0, self.dim, 2, dtype=np.float64) / self.dim))
         return inv if self.scaling is None else self.scaling(inv, self.theta)
 
-    def cos_sin(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """cos and sin of shape positions.shape + (dim,), float32."""
-        angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(self.inv_freq(), jnp.float32)
+    def cos_sin(self, positions: jax.Array, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+        """cos and sin of shape positions.shape + (dim,), in `dtype` (float32 unless asked for wider)."""
+        angles = positions.astype(dtype)[..., None] * jnp.asarray(self.inv_freq(), dtype)
         angles = jnp.concatenate([angles, angles], axis=-1)
         factor = self.scaling.attention_factor() if isinstance(self.scaling, YarnScaling) else 1.0
         return jnp.cos(angles) * factor, jnp.sin(angles) * factor
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """Rotate x [B, S, H, dim] at `positions` [S] or [B, S]; computed in float32, returned in x.dtype."""
-        cos, sin = self.cos_sin(positions)
+        """Rotate x [B, S, H, dim] at `positions` [S] or [B, S]; computed in float32 (float64 for a float64 x),
+        returned in x.dtype."""
+        wide = jnp.promote_types(x.dtype, jnp.float32)
+        cos, sin = self.cos_sin(positions, wide)
         if cos.ndim == 2:  # [S, dim] -> broadcast over batch
             cos, sin = cos[None], sin[None]
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-        x32 = x.astype(jnp.float32)
+        x32 = x.astype(wide)
         x1, x2 = jnp.split(x32, 2, axis=-1)
         rotated = jnp.concatenate([-x2, x1], axis=-1)
         return (x32 * cos + rotated * sin).astype(x.dtype)

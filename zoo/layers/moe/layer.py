@@ -103,8 +103,9 @@ class MoE(TaggedLayer):
                 out = sharding.constrain(out, (None, None, "embed"))
             out = rearrange(out, "g (t k) d -> (g t) k d", k=self.gate.k)
             load = jnp.sum(copies.group_sizes, axis=0)
-        # Weighted sum over each token's k experts (accumulated in float32).
-        y = jnp.einsum("tkd,tk->td", out, weights.astype(out.dtype), preferred_element_type=jnp.float32)
+        # Weighted sum over each token's k experts (accumulated in float32, or wider for float64 activations).
+        y = jnp.einsum("tkd,tk->td", out, weights.astype(out.dtype),
+                       preferred_element_type=jnp.promote_types(out.dtype, jnp.float32))
         y = rearrange(y.astype(self.dtype), "(g b s) d -> (g b) s d", g=g, s=s)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)

@@ -47,7 +47,9 @@ def _router_kernel(dim: int, num_experts: int, param_dtype, rngs: nnx.Rngs) -> n
 
 
 def _logits(x: jax.Array, kernel: nnx.Param) -> jax.Array:
-    return x.astype(jnp.float32) @ kernel[...].astype(jnp.float32)
+    """x @ kernel in float32, or wider where x or the kernel is (float64)."""
+    dtype = jnp.promote_types(jnp.promote_types(x.dtype, kernel.dtype), jnp.float32)
+    return x.astype(dtype) @ kernel[...].astype(dtype)
 
 
 # -- group-limited --------------------------------------------------------------------------------------------
