@@ -23,14 +23,17 @@ line adds around them:
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
+import socket
 import threading
 import time
 
 import jax
 import numpy as np
 
+from recipes import coordinator
 from zoo import sharding
 
 COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"
@@ -60,15 +63,61 @@ def maybe_initialize(flag: bool, timeout: float = 300.0, heartbeat: float = 60.0
                          f"{kwargs['num_processes']} (processes count from 0)")
     where = os.environ.get(COORDINATOR_ENV) or "the cluster's coordinator (detected: SLURM, Open MPI, ...)"
     who = (f"process {kwargs['process_id']} of {kwargs['num_processes']}" if len(kwargs) == 2 else "this process")
+    if kwargs.get("process_id") == 0 and os.environ.get(COORDINATOR_ENV):
+        check_port(os.environ[COORDINATOR_ENV])
     print(f"distributed: {who} waiting up to {timeout:g} s for {where} and every process (--coordinator-timeout)",
           flush=True)
-    with coordinator_watchdog(timeout, where):
+    # Process 0's coordination service in a process of its own (`recipes.coordinator`): it outlives process 0, so
+    # that the others end with a message when process 0 dies, not in a C++ abort.
+    with coordinator_watchdog(timeout, where), coordinator.use_hosted(grace=heartbeat + 10, timeout=timeout):
         try:   # JAX's own deadline a little later than ours, so that our message is the one a user reads
             jax.distributed.initialize(initialization_timeout=int(math.ceil(timeout)) + 30,
                                        heartbeat_timeout_seconds=int(math.ceil(heartbeat)) + 30, **kwargs)
         except (ValueError, RuntimeError) as e:
             raise ValueError(f"--distributed: JAX could not start the processes: {first_line(e)}") from None
     return True
+
+
+def check_port(address: str) -> None:
+    """Process 0 serves the coordination service on the port of `address` (on every interface, as JAX binds it,
+    or on JAX_COORDINATOR_BIND_ADDRESS): ValueError in one line if another program holds it (gRPC would log
+    "Failed to add port" and the process crash). A port left in TIME_WAIT by an earlier run counts as free."""
+    bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or f"[::]:{address.rsplit(':', 1)[-1]}"
+    host, _, port_text = bind.rpartition(":")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ValueError(f"{COORDINATOR_ENV}={address!r}: the port {port_text!r} is not a number") from None
+    host = host.strip("[]") or "::"
+    error = _bind(host, port)
+    left = coordinator.lingering(port) if error is not None else None
+    if left is not None:   # an earlier run's coordination service, serving its last processes a little longer
+        print(f"distributed: port {port} is still served by the coordination service of an earlier run (pid "
+              f"{left[0]}) for at most {left[1]:.0f} s: waiting for it to end", flush=True)
+        end = time.monotonic() + left[1] + 10
+        while (error := _bind(host, port)) is not None and time.monotonic() < end:
+            time.sleep(0.5)
+    if error is not None and error.errno == errno.EAFNOSUPPORT and host == "::":   # no IPv6: JAX falls back too
+        error = _bind("0.0.0.0", port)
+    if error is not None:
+        raise ValueError(f"process 0 cannot serve the coordinator on port {port} ({COORDINATOR_ENV}={address}): "
+                         f"{error.strerror or error}; another program holds it (`ss -ltnp 'sport = :{port}'` names "
+                         f"it): stop it, or give every process another port in {COORDINATOR_ENV}")
+
+
+def _bind(host: str, port: int) -> OSError | None:
+    """Bind (and release) `host:port` as a server would: the error, or None if it is free."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                with contextlib.suppress(OSError):
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)   # [::] takes IPv4 too, as gRPC's
+            s.bind((host, port))
+    except OSError as e:
+        return e
+    return None
 
 
 def _env_int(var: str, lowest: int) -> int:
@@ -106,12 +155,14 @@ def coordinator_watchdog(timeout: float, where: str):
 
 class PeerWatch:
     """Several processes: each publishes a counter in JAX's coordination service (its key-value store) every
-    `timeout / 10` seconds (at most 5) and reads everyone's. A process whose counter has not moved for `timeout`
-    seconds (killed, crashed, or gone with an error while the others wait in a collective for it), or a
-    coordinator that has not answered for as long, ends this process: one line on stderr, exit 1. Without it the
-    others wait in the step's collective (gloo on the CPU has no deadline) until JAX's heartbeat aborts them with a
-    C++ stack trace. `close(done=True)`, at the end of a run, tells the others this process finished (they stop
-    watching it); after an error it only stops publishing, so that the others stop too.
+    `timeout / 10` seconds (at most 5) and reads everyone's. This process ends (one line on stderr, exit 1) when
+    - a process says it failed (`close(done=False)`: an error on that process): at once;
+    - a process's counter has not moved for `timeout` seconds (killed, crashed, stuck in the host), or the
+      coordinator has not answered for as long;
+    - a process finished the run (`close(done=True)`) and this one is still running `timeout` seconds later (the
+      processes disagree on where the run ends: without this, this one would wait in a collective forever).
+    Without it the others wait in the step's collective (gloo on the CPU has no deadline) until JAX's heartbeat
+    aborts them with a C++ stack trace.
 
     Reading each process's liveness, not the step's progress: a long step, evaluation or checkpoint never trips
     it. The publishing thread needs the GIL every few seconds; JAX releases it while it compiles and runs."""
@@ -151,8 +202,9 @@ class PeerWatch:
                     peer = int(key.rsplit("/", 1)[-1])
                     if peer not in self.seen:
                         continue
-                    if value == "done":
-                        del self.seen[peer]
+                    if value in ("done", "failed"):
+                        if self.seen[peer][0] != value:
+                            self.seen[peer] = (value, now)
                     elif value != self.seen[peer][0]:
                         self.seen[peer] = (value, now)
             self.stop.wait(self.interval)
@@ -163,22 +215,37 @@ class PeerWatch:
             if now - self.contact > self.timeout:
                 self._fire(f"the coordinator at {self.where} (process 0) has not answered for {self.timeout:g} s: "
                            f"it exited or was killed (see its log), or the network failed")
-            late = sorted(p for p, (_, moved) in list(self.seen.items()) if now - moved > self.timeout)
-            if late:
+            seen = list(self.seen.items())
+            # (a failed process is named after one more round: a process stopping on the same error, an agreement
+            # of all, prints its own message first)
+            failed = sorted(p for p, (value, moved) in seen if value == "failed" and now - moved >= self.interval)
+            late = sorted(p for p, (value, moved) in seen if value != "failed" and now - moved > self.timeout)
+            if failed:
+                self._fire(f"process {', '.join(map(str, failed))} of {self.n} stopped with an error (see its log)")
+            elif any(self.seen[p][0] == "done" for p in late):
+                who = ", ".join(str(p) for p in late if self.seen[p][0] == "done")
+                self._fire(f"process {who} of {self.n} finished the run {self.timeout:g} s ago "
+                           f"(--heartbeat-timeout) and this one has not: were they given the same command?")
+            elif late:
                 who = ", ".join(map(str, late))
                 self._fire(f"process {who} of {self.n} sent no heartbeat for {self.timeout:g} s "
                            f"(--heartbeat-timeout): it exited or was killed (see its log)")
 
     def _fire(self, why: str) -> None:
+        if self.stop.is_set():   # this process is ending of its own accord: its message is the one to read
+            return
         os.write(2, f"error: {peer_lost(why, self.me)}\n".encode())
         os._exit(1)
 
     def close(self, done: bool) -> None:
-        """Stop watching; with `done`, tell the others this process finished (best effort)."""
+        """Stop watching and tell the others (best effort) that this process finished (`done`) or failed."""
         self.stop.set()
-        if done and self.client is not None and self.n > 1:
+        if self.client is not None and self.n > 1:
+            if self.threads[0].is_alive() and self.threads[0] is not threading.current_thread():
+                self.threads[0].join(timeout=10)   # its last counter must not land after what is said here
             with contextlib.suppress(Exception):
-                self.client.key_value_set(f"{self.PREFIX}{self.me}", "done", allow_overwrite=True)
+                self.client.key_value_set(f"{self.PREFIX}{self.me}", "done" if done else "failed",
+                                          allow_overwrite=True)
 
 
 def peer_lost(why: str, process: int | None = None) -> str:

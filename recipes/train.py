@@ -40,7 +40,7 @@ def _main(argv: list[str] | None) -> int:
 
     import jax  # only now: the flags are set
 
-    from recipes import loop, mesh
+    from recipes import agree, loop, mesh
     from recipes.checkpoint import CheckpointError
     from recipes.interrupt import Interrupted
 
@@ -52,6 +52,7 @@ def _main(argv: list[str] | None) -> int:
             # (before JAX touches a device)
             print(f"distributed: process {jax.process_index()} of {jax.process_count()}, "
                   f"{jax.local_device_count()} local of {jax.device_count()} devices", flush=True)
+            agree.same_command(vars(args), args.coordinator_timeout)   # ValueError on every process
             watch = mesh.PeerWatch(args.heartbeat_timeout)
         mesh.check_backend()
         if jax.default_backend() != "cpu":   # the flags are GPU flags: on the CPU they parse and do nothing
