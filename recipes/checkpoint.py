@@ -21,8 +21,10 @@ Safety:
 """
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import glob
+import hashlib
 import json
 import logging
 import os
@@ -42,6 +44,82 @@ from recipes import guard
 
 RECORD_FILE = os.path.join("record", "metadata")    # where orbax's JsonSave puts the record, inside a step folder
 ITEMS = ("record", "state")                          # the items of a step folder this zoo writes
+MANIFEST = "zoo-manifest.json"   # in a step folder, written last: the step and each file's size and sha256
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _files(folder: str) -> list[str]:
+    """Every file under `folder` (relative paths, sorted) but the manifest."""
+    out = []
+    for root, _, names in os.walk(folder):
+        out += [os.path.relpath(os.path.join(root, n), folder) for n in names]
+    return sorted(f for f in out if f != MANIFEST and not f.startswith(MANIFEST + "."))
+
+
+def _digests(folder: str, files: list[str]) -> list[str]:
+    """The files' sha256, read in parallel (hashlib releases the GIL while it hashes)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        return list(pool.map(lambda f: _sha256(os.path.join(folder, f)), files))
+
+
+def write_manifest(folder: str, step: int) -> None:
+    """The manifest of a complete step folder: its step and each file's size and sha256; written atomically (a
+    temporary file renamed), after everything else, so that a step with a manifest was complete when it was
+    written."""
+    files = _files(folder)
+    body = {"step": step, "files": {f: [os.path.getsize(os.path.join(folder, f)), d]
+                                    for f, d in zip(files, _digests(folder, files))}}
+    tmp = os.path.join(folder, f"{MANIFEST}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(body, f, indent=0)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(folder, MANIFEST))
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_manifest(folder: str, step: int) -> str | None:
+    """Why the step folder is not what its manifest says it wrote (a file missing, added, of another size or with
+    other bytes; the manifest of another step), or None."""
+    path = os.path.join(folder, MANIFEST)
+    try:
+        with open(path) as f:
+            body = json.load(f)
+        files = {str(k): (int(v[0]), str(v[1])) for k, v in body["files"].items()}
+        written = body["step"]
+    except FileNotFoundError:
+        return f"its manifest {path} is missing (written last: the step was not completed, or it was deleted)"
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        return f"its manifest {path} is unreadable: {e}"
+    if written != step:
+        return f"its manifest {path} is of step {written}: its files were copied from another step"
+    have = _files(folder)
+    missing, extra = sorted(set(files) - set(have)), sorted(set(have) - set(files))
+    if missing and extra:
+        return (f"its files are not the ones written with the step ({len(missing)} missing, {len(extra)} not in its "
+                f"manifest, e.g. {os.path.join(folder, extra[0])}): replaced by another step's?")
+    if missing:
+        return f"{os.path.join(folder, missing[0])} is missing" + (f" (and {len(missing) - 1} more files)"
+                                                                     if len(missing) > 1 else "")
+    if extra:
+        return f"{os.path.join(folder, extra[0])} was not written with the step (not in its manifest)"
+    for f in files:
+        size = os.path.getsize(os.path.join(folder, f))
+        if size != files[f][0]:
+            return f"{os.path.join(folder, f)} has {size:,} bytes, its manifest says {files[f][0]:,}"
+    names = sorted(files)
+    for f, d in zip(names, _digests(folder, names)):
+        if d != files[f][1]:
+            return f"{os.path.join(folder, f)} does not hold the bytes written (its sha256 differs from the manifest's)"
+    return None
 
 
 def _reason(e: BaseException) -> str:
@@ -107,6 +185,7 @@ class Checkpoints:
         self.directory = os.path.abspath(os.fspath(directory))
         self.max_to_keep = max_to_keep
         self.written: set[int] = set()
+        self.verified: dict[int, str | None] = {}   # step: why its files are not its manifest's (None: they are)
         self.manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
                                                                  enable_async_checkpointing=False))
@@ -148,7 +227,10 @@ class Checkpoints:
         with quiet_stderr() as noise:   # orbax's threads log and print tracebacks of a failed write
             try:
                 saved = self.manager.save(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state), record=ocp.args.JsonSave({**record, "step": step})))
+                    state=ocp.args.StandardSave(state),
+                    record=ocp.args.JsonSave({**record, "step": step, "manifest": MANIFEST})))
+                if saved and jax.process_index() == 0:   # the step is complete (every process's files): sum it up
+                    write_manifest(folder, step)
                 noise.keep()
             except Exception as e:
                 failure = e
@@ -164,6 +246,7 @@ class Checkpoints:
             raise CheckpointError(f"orbax did not write checkpoint step {step} to {self.directory} "
                                   f"(its latest step is {self.latest_step()})")
         self.written.add(step)
+        self.verified.pop(step, None)
         self._rotate(record.get("run"))
 
     def _remove_partial(self, step: int, folder: str | None) -> None:
@@ -188,8 +271,9 @@ class Checkpoints:
         return record
 
     def damage(self, step: int) -> str | None:
-        """Why the checkpoint of `step` cannot be resumed, from its files alone (cheap; a truncated array file
-        shows only when restored), or None."""
+        """Why the checkpoint of `step` cannot be resumed, from its files alone, or None: its record, its state,
+        and each file against the step's manifest (sizes and sha256: read once per step; a checkpoint written
+        before manifests is checked when restored)."""
         folder = os.path.join(self.directory, str(step))
         try:
             self.record(step)
@@ -198,6 +282,10 @@ class Checkpoints:
         state = os.path.join(folder, "state")
         if not os.path.isdir(state) or not os.listdir(state):
             return f"{state} is missing" if not os.path.exists(state) else f"{state} is empty"
+        if self.record(step).get("manifest"):   # (checkpoints written before manifests have none to check)
+            if step not in self.verified:
+                self.verified[step] = check_manifest(folder, step)
+            return self.verified[step]
         return None
 
     def set_aside(self, step: int) -> str:
@@ -207,8 +295,9 @@ class Checkpoints:
         while os.path.exists(dst):
             k += 1
             dst = f"{src}.damaged-{k}"
-        os.rename(src, dst)
-        self.manager.reload()
+        if jax.process_index() == 0:   # several processes: each finds the same damage; process 0 renames
+            os.rename(src, dst)
+        self.verified.pop(step, None)
         return dst
 
     def newest_intact(self, check: Callable[[dict], None] = lambda record: None,
@@ -243,6 +332,11 @@ class Checkpoints:
                 moved = self.set_aside(bad)
                 say(f"checkpoint step {bad} in {self.directory} is damaged ({why}); moved to {moved} (kept, not "
                     f"deleted); step {step} is intact")
+            if damaged:
+                if jax.process_count() > 1:   # every process sees the folders process 0 renamed
+                    from jax.experimental import multihost_utils
+                    multihost_utils.sync_global_devices(f"offload_zoo/set_aside/{step}")
+                self.manager.reload()
             return step, record
         if damaged:
             raise ValueError(f"no checkpoint in {self.directory} can be resumed (nothing was changed): " +

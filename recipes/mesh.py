@@ -170,66 +170,71 @@ class PeerWatch:
     PREFIX = "offload_zoo/alive/"
 
     def __init__(self, timeout: float, *, client=None, process: int | None = None, count: int | None = None,
-                 where: str | None = None):
+                 where: str | None = None, clock=time.monotonic, start: bool = True):
         self.timeout, self.interval = timeout, min(5.0, timeout / 10)
         self.client = client if client is not None else _coordination_client()
         self.me = jax.process_index() if process is None else process
         self.n = jax.process_count() if count is None else count
         self.where = where or os.environ.get(COORDINATOR_ENV) or "the coordinator"
-        now = time.monotonic()
-        self.seen = {p: (None, now) for p in range(self.n) if p != self.me}   # peer: (its counter, when it moved)
+        self.clock, self.beats = clock, 0
+        now = clock()
+        self.seen = {p: (None, now) for p in range(self.n) if p != self.me}   # peer: (what it said, since when)
         self.contact = now                       # the last round trip to the coordinator that answered
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._publish, daemon=True, name="peer-watch-publish"),
                         threading.Thread(target=self._check, daemon=True, name="peer-watch-check")]
-        if self.client is not None and self.n > 1:
+        if start and self.client is not None and self.n > 1:
             for t in self.threads:
                 t.start()
 
+    def beat(self) -> None:
+        """One round: say this process is alive (its counter moves), read what every process said."""
+        self.beats += 1
+        try:
+            self.client.key_value_set(f"{self.PREFIX}{self.me}", str(self.beats), allow_overwrite=True)
+            values = dict(self.client.key_value_dir_get(self.PREFIX))
+        except Exception:   # the coordinator did not answer: `contact` says for how long
+            return
+        now = self.clock()
+        self.contact = now
+        for key, value in values.items():
+            peer = int(key.rsplit("/", 1)[-1])
+            if peer in self.seen and value != self.seen[peer][0]:
+                self.seen[peer] = (value, now)   # a counter that moved, or "done" / "failed" said
+
+    def verdict(self) -> str | None:
+        """Why this process must stop now (the others' state, as last read), or None."""
+        now = self.clock()
+        if now - self.contact > self.timeout:
+            return (f"the coordinator at {self.where} (process 0) has not answered for {self.timeout:g} s: it exited "
+                    f"or was killed (see its log), or the network failed")
+        seen = list(self.seen.items())
+        # (a failed process is named after one more round: a process stopping on the same error, an agreement of
+        # all, prints its own message first)
+        failed = [p for p, (said, since) in seen if said == "failed" and now - since >= self.interval]
+        silent = [p for p, (said, since) in seen if said not in ("done", "failed") and now - since > self.timeout]
+        finished = [p for p, (said, since) in seen if said == "done" and now - since > self.timeout]
+        if failed:
+            return f"process {', '.join(map(str, failed))} of {self.n} stopped with an error (see its log)"
+        if silent:
+            return (f"process {', '.join(map(str, silent))} of {self.n} sent no heartbeat for {self.timeout:g} s "
+                    f"(--heartbeat-timeout): it exited or was killed (see its log)")
+        if finished:
+            return (f"process {', '.join(map(str, finished))} of {self.n} finished the run more than "
+                    f"{self.timeout:g} s ago (--heartbeat-timeout) and this one has not: were all processes given "
+                    f"the same command?")
+        return None
+
     def _publish(self) -> None:
-        beat = 0
         while not self.stop.is_set():
-            beat += 1
-            try:
-                self.client.key_value_set(f"{self.PREFIX}{self.me}", str(beat), allow_overwrite=True)
-                values = dict(self.client.key_value_dir_get(self.PREFIX))
-            except Exception:   # the coordinator did not answer: `contact` says for how long
-                values = None
-            if values is not None:
-                now = time.monotonic()
-                self.contact = now
-                for key, value in values.items():
-                    peer = int(key.rsplit("/", 1)[-1])
-                    if peer not in self.seen:
-                        continue
-                    if value in ("done", "failed"):
-                        if self.seen[peer][0] != value:
-                            self.seen[peer] = (value, now)
-                    elif value != self.seen[peer][0]:
-                        self.seen[peer] = (value, now)
+            self.beat()
             self.stop.wait(self.interval)
 
     def _check(self) -> None:
         while not self.stop.wait(self.interval):
-            now = time.monotonic()
-            if now - self.contact > self.timeout:
-                self._fire(f"the coordinator at {self.where} (process 0) has not answered for {self.timeout:g} s: "
-                           f"it exited or was killed (see its log), or the network failed")
-            seen = list(self.seen.items())
-            # (a failed process is named after one more round: a process stopping on the same error, an agreement
-            # of all, prints its own message first)
-            failed = sorted(p for p, (value, moved) in seen if value == "failed" and now - moved >= self.interval)
-            late = sorted(p for p, (value, moved) in seen if value != "failed" and now - moved > self.timeout)
-            if failed:
-                self._fire(f"process {', '.join(map(str, failed))} of {self.n} stopped with an error (see its log)")
-            elif any(self.seen[p][0] == "done" for p in late):
-                who = ", ".join(str(p) for p in late if self.seen[p][0] == "done")
-                self._fire(f"process {who} of {self.n} finished the run {self.timeout:g} s ago "
-                           f"(--heartbeat-timeout) and this one has not: were they given the same command?")
-            elif late:
-                who = ", ".join(map(str, late))
-                self._fire(f"process {who} of {self.n} sent no heartbeat for {self.timeout:g} s "
-                           f"(--heartbeat-timeout): it exited or was killed (see its log)")
+            why = self.verdict()
+            if why is not None:
+                self._fire(why)
 
     def _fire(self, why: str) -> None:
         if self.stop.is_set():   # this process is ending of its own accord: its message is the one to read

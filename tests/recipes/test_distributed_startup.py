@@ -1,5 +1,5 @@
 """Several processes: start-up errors are one-line messages
-(exit 2), a process whose coordinator is not there says it is waiting and gives up after --coordinator-timeout
+(exit 2; a coordinator port another program holds among them), a process whose coordinator is not there says it is waiting and gives up after --coordinator-timeout
 instead of waiting forever (or aborting with a C++ stack trace), and a SIGTERM that reaches one process of two
 stops both after the same step, with one checkpoint of it."""
 from __future__ import annotations
@@ -43,6 +43,23 @@ def test_bad_process_variables_are_one_line_errors(monkeypatch, capsys, pid, mes
     assert capsys.readouterr().err == f"error: {message}" + ("\n" if pid != "2" else " (processes count from 0)\n")
     with pytest.raises(ValueError, match="--coordinator-timeout must be a finite number of seconds > 0"):
         mesh.maybe_initialize(True, timeout=0)
+
+
+def test_a_held_coordinator_port_is_a_one_line_error(monkeypatch, capsys):
+    """Process 0 finds the coordinator's port held by another program before JAX starts anything (gRPC would fail
+    to add the port and the process crash): exit 2, one line naming the port and what to do."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", f"127.0.0.1:{port}")
+        monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+        monkeypatch.setenv("JAX_PROCESS_ID", "0")
+        assert train.main(["--xla-flags", "none"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: process 0 cannot serve the coordinator on port {port} (JAX_COORDINATOR_ADDRESS=127.0.0.1:{port}): "
+        f"Address already in use; another program holds it (`ss -ltnp 'sport = :{port}'` names it): stop it, or "
+        f"give every process another port in JAX_COORDINATOR_ADDRESS\n")
 
 
 def test_a_missing_coordinator_times_out_with_a_message():
