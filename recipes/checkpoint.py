@@ -11,27 +11,25 @@ Safety:
   and renames it when complete, so a `kill -9` during a write leaves the previous checkpoints as they were.
 - A checkpoint is never written from non-finite values (`save` raises).
 - A failed write (a full disk) is one CheckpointError naming the directory and the cause; the partial checkpoint
-  is removed and the earlier ones are intact. The library's own logs and thread tracebacks of that failure are
-  held back (`quiet_stderr`).
+  is removed and the earlier ones are intact. The library's own logs and thread tracebacks of that failure go to
+  `zoo-library.log` in the checkpoint directory (`recipes.quiet`), as those of a failed read do.
+- Each step ends with its manifest (`recipes.manifest`: the step, every file's size and sha256, written last and
+  atomically); `damage(step)` checks the step's files against it before orbax reads them.
 - Rotation touches only this run's checkpoints (`Checkpoints` docstring).
-- `newest_intact` walks back from the newest step past damaged ones (unreadable record, missing or truncated
-  state); once an older step proves intact, each damaged step folder is renamed `<step>.damaged` (kept, never
-  deleted; out of orbax's sight, so its keep-N rotation neither counts it nor deletes it, and the resumed run can
-  write that step again).
+- `newest_intact` walks back from the newest step past damaged ones (unreadable record, missing state, files
+  that are not the manifest's: bytes changed, a file or folder deleted, a state copied from another step; for a
+  checkpoint written before manifests, a restore that fails); once an older step proves intact, each damaged
+  step folder is renamed `<step>.damaged` (kept, never deleted; out of orbax's sight, so its keep-N rotation
+  neither counts it nor deletes it, and the resumed run can write that step again).
 """
 from __future__ import annotations
 
-import concurrent.futures
-import gc
 import glob
-import hashlib
 import json
 import logging
 import os
 import re
 import shutil
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,87 +39,11 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from recipes import guard
+from recipes.manifest import MANIFEST, check_manifest, write_manifest
+from recipes.quiet import collect_quietly, library_log, quiet_stderr
 
 RECORD_FILE = os.path.join("record", "metadata")    # where orbax's JsonSave puts the record, inside a step folder
 ITEMS = ("record", "state")                          # the items of a step folder this zoo writes
-MANIFEST = "zoo-manifest.json"   # in a step folder, written last: the step and each file's size and sha256
-
-
-def _sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _files(folder: str) -> list[str]:
-    """Every file under `folder` (relative paths, sorted) but the manifest."""
-    out = []
-    for root, _, names in os.walk(folder):
-        out += [os.path.relpath(os.path.join(root, n), folder) for n in names]
-    return sorted(f for f in out if f != MANIFEST and not f.startswith(MANIFEST + "."))
-
-
-def _digests(folder: str, files: list[str]) -> list[str]:
-    """The files' sha256, read in parallel (hashlib releases the GIL while it hashes)."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        return list(pool.map(lambda f: _sha256(os.path.join(folder, f)), files))
-
-
-def write_manifest(folder: str, step: int) -> None:
-    """The manifest of a complete step folder: its step and each file's size and sha256; written atomically (a
-    temporary file renamed), after everything else, so that a step with a manifest was complete when it was
-    written."""
-    files = _files(folder)
-    body = {"step": step, "files": {f: [os.path.getsize(os.path.join(folder, f)), d]
-                                    for f, d in zip(files, _digests(folder, files))}}
-    tmp = os.path.join(folder, f"{MANIFEST}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(body, f, indent=0)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(folder, MANIFEST))
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def check_manifest(folder: str, step: int) -> str | None:
-    """Why the step folder is not what its manifest says it wrote (a file missing, added, of another size or with
-    other bytes; the manifest of another step), or None."""
-    path = os.path.join(folder, MANIFEST)
-    try:
-        with open(path) as f:
-            body = json.load(f)
-        files = {str(k): (int(v[0]), str(v[1])) for k, v in body["files"].items()}
-        written = body["step"]
-    except FileNotFoundError:
-        return f"its manifest {path} is missing (written last: the step was not completed, or it was deleted)"
-    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
-        return f"its manifest {path} is unreadable: {e}"
-    if written != step:
-        return f"its manifest {path} is of step {written}: its files were copied from another step"
-    have = _files(folder)
-    missing, extra = sorted(set(files) - set(have)), sorted(set(have) - set(files))
-    if missing and extra:
-        return (f"its files are not the ones written with the step ({len(missing)} missing, {len(extra)} not in its "
-                f"manifest, e.g. {os.path.join(folder, extra[0])}): replaced by another step's?")
-    if missing:
-        return f"{os.path.join(folder, missing[0])} is missing" + (f" (and {len(missing) - 1} more files)"
-                                                                     if len(missing) > 1 else "")
-    if extra:
-        return f"{os.path.join(folder, extra[0])} was not written with the step (not in its manifest)"
-    for f in files:
-        size = os.path.getsize(os.path.join(folder, f))
-        if size != files[f][0]:
-            return f"{os.path.join(folder, f)} has {size:,} bytes, its manifest says {files[f][0]:,}"
-    names = sorted(files)
-    for f, d in zip(names, _digests(folder, names)):
-        if d != files[f][1]:
-            return f"{os.path.join(folder, f)} does not hold the bytes written (its sha256 differs from the manifest's)"
-    return None
-
-
 def _reason(e: BaseException) -> str:
     """The cause of a failed write in a few words: the OS error (tensorstore reports os_error_code='28' deep in a
     long message), else the message's first line, shortened."""
@@ -131,42 +53,6 @@ def _reason(e: BaseException) -> str:
     if isinstance(e, OSError) and e.strerror:
         return e.strerror
     return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-
-
-class quiet_stderr:
-    """Hold what is written to the process's stderr (file descriptor 2: C++ and thread output too) during a block;
-    it is printed at the end if `keep()` was called, else dropped (a failure is then reported in one line)."""
-
-    def __enter__(self) -> quiet_stderr:
-        sys.stderr.flush()
-        self.kept, self.saved, self.buffer = False, os.dup(2), tempfile.TemporaryFile()
-        os.dup2(self.buffer.fileno(), 2)
-        return self
-
-    def keep(self) -> None:
-        self.kept = True
-
-    def __exit__(self, *exc) -> None:
-        sys.stderr.flush()
-        os.dup2(self.saved, 2)
-        os.close(self.saved)
-        if self.kept:
-            self.buffer.seek(0)
-            sys.stderr.write(self.buffer.read().decode(errors="replace"))
-        self.buffer.close()
-
-
-def collect_quietly() -> None:
-    """Collect what a failed orbax read or write left behind (its coroutines and tasks, and their event loop) now,
-    with `sys.unraisablehook` silenced: collected later, each prints an "Exception ignored in ..." traceback for an
-    error the caller has already reported in one line."""
-    hook = sys.unraisablehook
-    sys.unraisablehook = lambda unraisable: None
-    try:
-        for _ in range(3):   # a coroutine's frame holds the task that holds the loop: a few rounds free them all
-            gc.collect()
-    finally:
-        sys.unraisablehook = hook
 
 
 class CheckpointError(RuntimeError):
@@ -189,6 +75,8 @@ class Checkpoints:
         self.manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
                                                                  enable_async_checkpointing=False))
+        # orbax's, tensorstore's and asyncio's logs, warnings and stray tracebacks: into a file here, not the terminal
+        self.log = library_log(self.directory, jax.process_index())
 
     def foreign(self) -> list[str]:
         """The step-numbered folders here that hold neither a record nor a state (not a checkpoint of this zoo:
@@ -224,7 +112,7 @@ class Checkpoints:
         folder = os.path.join(self.directory, str(step))
         existed = os.path.exists(folder)
         failure = None
-        with quiet_stderr() as noise:   # orbax's threads log and print tracebacks of a failed write
+        with quiet_stderr(self.log) as noise:   # orbax's threads log and print tracebacks of a failed write
             try:
                 saved = self.manager.save(step, args=ocp.args.Composite(
                     state=ocp.args.StandardSave(state),
@@ -318,13 +206,15 @@ class Checkpoints:
                 record = self.record(step)
                 check(record)
                 if model is not None:
-                    try:
-                        record = self.restore(model, optimizer, step)
-                    except Exception as e:   # orbax/tensorstore errors have no common base class
-                        detail = str(e).split("\n")[0].split(" See full TensorStore details")[0]
-                        reason = f"restoring it failed: {detail[:200]}"
-                        del e
-                        collect_quietly()
+                    with quiet_stderr(self.log) as noise:   # a failed read's C++ and thread output: into the log
+                        try:
+                            record = self.restore(model, optimizer, step)
+                            noise.keep()
+                        except Exception as e:   # orbax/tensorstore errors have no common base class
+                            detail = str(e).split("\n")[0].split(" See full TensorStore details")[0]
+                            reason = f"restoring it failed: {detail[:200]} (the library's log: {self.log})"
+                            del e
+                            collect_quietly()
             if reason is not None:
                 damaged.append((step, reason))
                 continue
