@@ -11,10 +11,14 @@ line adds around them:
 - Multi-host: `maybe_initialize(flag)` calls `jax.distributed.initialize()` when `--distributed` is given, or
   automatically when `JAX_COORDINATOR_ADDRESS` is set (then `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID` say how
   many processes and which one this is; on SLURM / Open MPI clusters JAX detects them itself with
-  `--distributed`). It must run before JAX touches a device: the main job calls it right after parsing.
+  `--distributed`). It must run before JAX touches a device: the main job calls it right after parsing. Process 0
+  first checks that it can serve the coordinator's port (`check_port`: a one-line error naming the port if another
+  program holds it), and its coordination service runs in a process of its own (`recipes.coordinator`), so that
+  the others end with a message, not a C++ abort, when process 0 dies. `recipes.agree` then checks that every
+  process was given the same command.
 - `PeerWatch(timeout)`: while the processes run, each says it is alive every few seconds; one that stops (killed,
-  crashed, or gone with an error) ends the others with one line after `timeout` seconds (`--heartbeat-timeout`)
-  instead of leaving them waiting in a collective.
+  crashed), fails with an error or finishes alone ends the others with one line (at once for an error, after
+  `timeout` seconds, `--heartbeat-timeout`, otherwise) instead of leaving them waiting in a collective.
 - `put_batch(batch, mesh)`: the data source gives every process the same global batch of step k (a pure function
   of (seed, step), `recipes.data`); each process keeps only the rows its devices hold
   (`local_rows`, read from the batch sharding, so it is deterministic and needs no communication) and

@@ -1,5 +1,5 @@
-"""Several processes: start-up errors are one-line messages
-(exit 2; a coordinator port another program holds among them), a process whose coordinator is not there says it is waiting and gives up after --coordinator-timeout
+"""Several processes: start-up errors are one-line messages (exit 2; a coordinator port another program holds
+among them), a process whose coordinator is not there says it is waiting and gives up after --coordinator-timeout
 instead of waiting forever (or aborting with a C++ stack trace), and a SIGTERM that reaches one process of two
 stops both after the same step, with one checkpoint of it."""
 from __future__ import annotations

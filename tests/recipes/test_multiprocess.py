@@ -4,14 +4,18 @@ among them, CPU collectives over gloo, under `--mesh fsdp=4`; compared with one 
 
 - 2 and 4 processes log the losses of the one-process run; process 0
   alone writes --metrics (each step once) and its checkpoints are the run's.
-- SIGKILL to process 1 mid-run (the checkpoint lock then is process 0's): process 0 exits 1 within
-  --heartbeat-timeout with one line, the PeerWatch's naming the silent process or, when gloo notices the reset
-  first, the failed collective's, instead of waiting in the collective. The same command in one process on another
-  mesh (fsdp=2,tp=2) with --resume takes over the lock if it was left, continues from the checkpoint the two
-  processes wrote, and logs the uninterrupted run's losses into the same --metrics file, each step once.
-- The PeerWatch itself, on a stand-in for the coordination service's key-value store: a process that stops
-  publishing is named once --heartbeat-timeout has passed, one that finished is not, a coordinator that stops
-  answering is said to be gone.
+- Processes given different numbers (--seed, --steps, --ckpt-dir) all stop at start with the same line naming
+  each differing flag; a second run in a --ckpt-dir another run holds is refused by every process.
+- SIGKILL to process 0 (the coordinator: its service lives on in a host process of its own) or to process 1
+  mid-run: the other exits 1 within --heartbeat-timeout with one line, the PeerWatch's naming the silent process
+  or, when gloo notices the reset first, the failed collective's, instead of waiting in the collective or
+  aborting in C++. The same command in one process on another mesh (fsdp=2,tp=2) with --resume takes over the
+  lock if it was left, continues from the checkpoint the two processes wrote, and logs the uninterrupted run's
+  losses into the same --metrics file, each step once.
+- The PeerWatch itself, on a stand-in for the coordination service's key-value store and a clock the test moves
+  (no sleeps): a process that stops publishing is named once --heartbeat-timeout has passed and not before, one
+  that failed after one more round, one that finished alone after the timeout; a coordinator that stops answering
+  is said to be gone.
 
 Losses are compared with a relative error < 1e-5: the sums over devices reduce in another order across processes
 (gloo) and meshes. Every subprocess has a deadline, so a hang fails the test instead of hanging CI.
