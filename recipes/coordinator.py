@@ -15,8 +15,8 @@ process group reaches it too): process 0 decides when it ends. Its own log (the 
 file in the temporary directory.
 
 The service is JAX's own (`jaxlib`'s `get_distributed_runtime_service`, as `jax.distributed.initialize` makes it);
-`use_hosted` lets `initialize` run as usual with that one call replaced. Where this JAX has no such call, the
-service stays in process 0 (JAX's default).
+`use_hosted` lets `initialize` run as usual with that one call replaced. Where this JAX has no such call, or the
+service is asked for mTLS credentials or recoverability, it stays in process 0 (JAX's default).
 """
 from __future__ import annotations
 
@@ -104,6 +104,9 @@ def use_hosted(**options):
 
         @staticmethod
         def get_distributed_runtime_service(address, num_nodes, **kwargs):
+            if any(v for k, v in kwargs.items() if k not in ("heartbeat_timeout", "shutdown_timeout")):
+                # mTLS credentials, recoverability: JAX's own service in this process, as configured
+                return lib.get_distributed_runtime_service(address, num_nodes, **kwargs)
             return start(address, num_nodes, heartbeat=kwargs.get("heartbeat_timeout") or 100,
                          shutdown=kwargs.get("shutdown_timeout") or 300, **options)
 
