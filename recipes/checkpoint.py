@@ -129,7 +129,7 @@ class Checkpoints:
         if failure is not None:
             raise CheckpointError(f"writing checkpoint step {step} to {self.directory} failed: {_reason(failure)} "
                                   f"(the partial checkpoint is removed; the earlier ones are intact: steps "
-                                  f"{self.steps() or 'none'})") from None
+                                  f"{self.steps() or 'none'}; the library's log: {self.log})") from None
         if not saved:   # orbax skips a step at or before its latest one, silently
             raise CheckpointError(f"orbax did not write checkpoint step {step} to {self.directory} "
                                   f"(its latest step is {self.latest_step()})")
