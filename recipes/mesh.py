@@ -243,8 +243,7 @@ class PeerWatch:
     def _fire(self, why: str) -> None:
         if self.stop.is_set():   # this process is ending of its own accord: its message is the one to read
             return
-        os.write(2, f"error: {peer_lost(why, self.me)}\n".encode())
-        os._exit(1)
+        end(f"error: {peer_lost(why, self.me)}", 1)
 
     def close(self, done: bool) -> None:
         """Stop watching and tell the others (best effort) that this process finished (`done`) or failed."""
@@ -255,6 +254,12 @@ class PeerWatch:
             with contextlib.suppress(Exception):
                 self.client.key_value_set(f"{self.PREFIX}{self.me}", "done" if done else "failed",
                                           allow_overwrite=True)
+
+
+def end(line: str, code: int) -> None:
+    """End this process now with one line on stderr, from any thread (no cleanup: the others wait for nothing)."""
+    os.write(2, f"{line}\n".encode())
+    os._exit(code)
 
 
 def peer_lost(why: str, process: int | None = None) -> str:

@@ -190,14 +190,16 @@ def test_the_peer_watch_ends_the_process_with_one_line(monkeypatch):
     """Its threads: a verdict ends the process (exit 1) with the line `peer_lost` makes; a process that is ending
     of its own accord (closed) says nothing more."""
     ended = []
-    monkeypatch.setattr(mesh.os, "_exit", lambda code: ended.append(code))
-    monkeypatch.setattr(mesh.os, "write", lambda fd, data: ended.append(data.decode()))
+    monkeypatch.setattr(mesh, "end", lambda line, code: ended.append((line, code)))
     store = Store()
     w = mesh.PeerWatch(0.5, client=store, process=0, count=2, where="127.0.0.1:1")
     assert wait_for(lambda: ended, 30.0)   # process 1 never beats
     w.close(done=True)
-    assert ended[:2] == [f"error: process 1 of 2 sent no heartbeat for 0.5 s (--heartbeat-timeout): it exited or "
-                         f"was killed (see its log){STOPS}\n", 1]
+    assert ended[0] == (f"error: process 1 of 2 sent no heartbeat for 0.5 s (--heartbeat-timeout): it exited or "
+                        f"was killed (see its log){STOPS}", 1)
+    count = len(ended)
+    w._fire("anything")   # closed: ending of its own accord
+    assert len(ended) == count
 
 
 @pytest.fixture(scope="module")
