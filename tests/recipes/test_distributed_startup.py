@@ -9,10 +9,11 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
-from recipes import mesh, train
+from recipes import coordinator, mesh, train
 from recipes.checkpoint import Checkpoints
 from tests.helpers import cpu_env
 
@@ -96,3 +97,28 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step(tmp_path):
     assert said[0] == said[1], said
     step = int(said[0].split()[4].rstrip(";"))
     assert Checkpoints(tmp_path / "ckpt").steps() == [step]
+
+
+def test_the_coordination_service_host_serves_until_told_and_lingers_after_process_0_is_gone():
+    """The host of process 0's coordination service (`recipes.coordinator`): it holds the port while it serves and
+    ends when process 0 says `shutdown` (JAX's shutdown at exit). When process 0 is gone without saying it (its
+    stdin closes), it says until when it serves on (`lingering`: a new run on that port waits for it)."""
+    port = free_port()
+    host = coordinator.start(f"[::]:{port}", 1, heartbeat=5, shutdown=5, grace=600, timeout=60)
+    try:
+        with pytest.raises(ValueError, match=f"process 0 cannot serve the coordinator on port {port} "):
+            mesh.check_port(f"127.0.0.1:{port}")   # held by a live run: it is another program's to this one
+        host.shutdown()
+        assert host.proc.returncode == 0
+        mesh.check_port(f"127.0.0.1:{port}")       # free again
+        host = coordinator.start(f"[::]:{port}", 1, heartbeat=5, shutdown=5, grace=600, timeout=60)
+        assert coordinator.lingering(port) is None
+        host.proc.stdin.close()                     # process 0 gone without a word
+        deadline = time.monotonic() + 60
+        while coordinator.lingering(port) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pid, left = coordinator.lingering(port)
+        assert pid == host.proc.pid and 0 < left <= 600
+    finally:
+        host.proc.kill()
+        host.proc.wait()
