@@ -81,12 +81,16 @@ def check_manifest(folder: str, step: int) -> str | None:
                                                                      if len(missing) > 1 else "")
     if extra:
         return f"{os.path.join(folder, extra[0])} was not written with the step (not in its manifest)"
-    for f in files:
-        size = os.path.getsize(os.path.join(folder, f))
-        if size != files[f][0]:
-            return f"{os.path.join(folder, f)} has {size:,} bytes, its manifest says {files[f][0]:,}"
-    names = sorted(files)
-    for f, d in zip(names, _digests(folder, names)):
+    try:   # (several processes: process 0 may be setting the step aside while another reads it)
+        for f in files:
+            size = os.path.getsize(os.path.join(folder, f))
+            if size != files[f][0]:
+                return f"{os.path.join(folder, f)} has {size:,} bytes, its manifest says {files[f][0]:,}"
+        names = sorted(files)
+        digests = _digests(folder, names)
+    except OSError as e:
+        return f"{e.filename or folder} cannot be read: {e.strerror or e}"
+    for f, d in zip(names, digests):
         if d != files[f][1]:
             return f"{os.path.join(folder, f)} does not hold the bytes written (its sha256 differs from the manifest's)"
     return None
