@@ -165,6 +165,7 @@ class PeerWatch:
       coordinator has not answered for as long;
     - a process finished the run (`close(done=True)`) and this one is still running `timeout` seconds later (the
       processes disagree on where the run ends: without this, this one would wait in a collective forever).
+    A finished process watches on while JAX's shutdown at exit waits for the others (a silent one ends it).
     Without it the others wait in the step's collective (gloo on the CPU has no deadline) until JAX's heartbeat
     aborts them with a C++ stack trace.
 
@@ -184,6 +185,8 @@ class PeerWatch:
         now = clock()
         self.seen = {p: (None, now) for p in range(self.n) if p != self.me}   # peer: (what it said, since when)
         self.contact = now                       # the last round trip to the coordinator that answered
+        self.said: str | None = None              # "done" or "failed", once this process said it
+        self.saying = threading.Lock()            # held while this process says something
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._publish, daemon=True, name="peer-watch-publish"),
                         threading.Thread(target=self._check, daemon=True, name="peer-watch-check")]
@@ -192,10 +195,13 @@ class PeerWatch:
                 t.start()
 
     def beat(self) -> None:
-        """One round: say this process is alive (its counter moves), read what every process said."""
+        """One round: say this process is alive (its counter moves; once it said it finished, nothing), read what
+        every process said."""
         self.beats += 1
         try:
-            self.client.key_value_set(f"{self.PREFIX}{self.me}", str(self.beats), allow_overwrite=True)
+            with self.saying:
+                if self.said is None:
+                    self.client.key_value_set(f"{self.PREFIX}{self.me}", str(self.beats), allow_overwrite=True)
             values = dict(self.client.key_value_dir_get(self.PREFIX))
         except Exception:   # the coordinator did not answer: `contact` says for how long
             return
@@ -209,6 +215,8 @@ class PeerWatch:
     def verdict(self) -> str | None:
         """Why this process must stop now (the others' state, as last read), or None."""
         now = self.clock()
+        if self.said == "done" and now - self.contact > self.timeout:
+            return None   # finished, in JAX's shutdown at exit: the coordinator may be gone already, as it ends
         if now - self.contact > self.timeout:
             return (f"the coordinator at {self.where} (process 0) has not answered for {self.timeout:g} s: it exited "
                     f"or was killed (see its log), or the network failed")
@@ -223,7 +231,7 @@ class PeerWatch:
         if silent:
             return (f"process {', '.join(map(str, silent))} of {self.n} sent no heartbeat for {self.timeout:g} s "
                     f"(--heartbeat-timeout): it exited or was killed (see its log)")
-        if finished:
+        if finished and self.said != "done":
             return (f"process {', '.join(map(str, finished))} of {self.n} finished the run more than "
                     f"{self.timeout:g} s ago (--heartbeat-timeout) and this one has not: were all processes given "
                     f"the same command?")
@@ -246,14 +254,20 @@ class PeerWatch:
         end(f"error: {peer_lost(why, self.me)}", 1)
 
     def close(self, done: bool) -> None:
-        """Stop watching and tell the others (best effort) that this process finished (`done`) or failed."""
-        self.stop.set()
+        """Tell the others (best effort) that this process finished (`done`) or failed. A failed process stops
+        watching; a finished one watches on through JAX's shutdown at exit, which waits for every process: a
+        process that goes silent meanwhile still ends it with a message."""
+        if not done:
+            self.stop.set()
         if self.client is not None and self.n > 1:
-            if self.threads[0].is_alive() and self.threads[0] is not threading.current_thread():
-                self.threads[0].join(timeout=10)   # its last counter must not land after what is said here
-            with contextlib.suppress(Exception):
-                self.client.key_value_set(f"{self.PREFIX}{self.me}", "done" if done else "failed",
-                                          allow_overwrite=True)
+            got = self.saying.acquire(timeout=10)   # no counter of the publishing thread lands after this
+            try:
+                self.said = "done" if done else "failed"
+                with contextlib.suppress(Exception):
+                    self.client.key_value_set(f"{self.PREFIX}{self.me}", self.said, allow_overwrite=True)
+            finally:
+                if got:
+                    self.saying.release()
 
 
 def end(line: str, code: int) -> None:

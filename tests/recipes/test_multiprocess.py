@@ -165,6 +165,28 @@ def test_the_peer_watch_names_a_silent_process_a_failed_one_and_one_that_finishe
                               "has not: were all processes given the same command?")
 
 
+def test_a_finished_process_watches_the_others_until_it_exits():
+    """A process that finished waits in JAX's shutdown at exit for the others: one that goes silent meanwhile is
+    named (no wait until JAX's shutdown deadline); the coordinator going away then is not (it ends too), nor are
+    the others finishing."""
+    store, clock = Store(), Clock()
+    w = watches(store, clock, 3)
+    rounds(w, clock, 0.5)
+    w[0].close(done=True)
+    w[2].close(done=True)
+    rounds(w, clock, 0.5)
+    assert w[0].beats and store.data[f"{mesh.PeerWatch.PREFIX}0"] == "done"   # its counter no longer moves
+    rounds([w[0]], clock, 1.2)                                               # process 1 silent
+    assert w[0].verdict() == ("process 1 of 3 sent no heartbeat for 1 s (--heartbeat-timeout): it exited or was "
+                              "killed (see its log)")
+    w[1].close(done=True)
+    rounds([w[0]], clock, 0.2)
+    assert w[0].verdict() is None                                            # all finished
+    store.up = False
+    rounds([w[0]], clock, 2.0)
+    assert w[0].verdict() is None                                            # the service ends with JAX's shutdown
+
+
 def test_the_peer_watch_says_when_the_coordinator_is_gone():
     store, clock = Store(), Clock()
     w = watches(store, clock, 2)
@@ -188,17 +210,17 @@ def wait_for(cond, seconds: float) -> bool:
 
 def test_the_peer_watch_ends_the_process_with_one_line(monkeypatch):
     """Its threads: a verdict ends the process (exit 1) with the line `peer_lost` makes; a process that is ending
-    of its own accord (closed) says nothing more."""
+    of its own accord (closed after an error) says nothing more."""
     ended = []
     monkeypatch.setattr(mesh, "end", lambda line, code: ended.append((line, code)))
     store = Store()
     w = mesh.PeerWatch(0.5, client=store, process=0, count=2, where="127.0.0.1:1")
     assert wait_for(lambda: ended, 30.0)   # process 1 never beats
-    w.close(done=True)
+    w.close(done=False)
     assert ended[0] == (f"error: process 1 of 2 sent no heartbeat for 0.5 s (--heartbeat-timeout): it exited or "
                         f"was killed (see its log){STOPS}", 1)
     count = len(ended)
-    w._fire("anything")   # closed: ending of its own accord
+    w._fire("anything")   # failed here: ending of its own accord, with its own message
     assert len(ended) == count
 
 
