@@ -74,9 +74,9 @@ def start(bind: str, count: int, *, heartbeat: int, shutdown: int, grace: float,
         proc = subprocess.Popen([sys.executable, "-m", "recipes.coordinator", bind, str(count), str(heartbeat),
                                  str(shutdown), str(grace)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=err, start_new_session=True,
-                                env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                                    [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                     os.environ.get("PYTHONPATH", "")])})
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+                                    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    os.environ.get("PYTHONPATH")]))})
     ready, _, _ = select.select([proc.stdout], [], [], timeout)
     line = proc.stdout.readline().decode(errors="replace").strip() if ready else ""
     if line != "ready":
