@@ -3,9 +3,9 @@
 - `same_command(flags)`: every process publishes its flags (JAX's coordination service, its key-value store) and
   reads everyone's. The flags that change the numbers or what runs (seed, steps, batch, seq, model, preset, recipe,
   --set, lr, the checkpoint directory, the data, the mesh, ...) must be equal on every process: otherwise each
-  process stops with the same one-line ValueError naming each differing flag and its value on each process. Before
-  this check, processes started with different seeds trained silently on a mix of the two, and different --steps
-  or --ckpt-dir hung in a collective. `LOCAL` lists the flags a process may set for itself.
+  process stops with the same one-line ValueError (`Shared`) naming each differing flag and its value on each
+  process. Before this check, processes started with different seeds trained silently on a mix of the two, and
+  different --steps or --ckpt-dir hung in a collective. `LOCAL` lists the flags a process may set for itself.
 - `decided_by_0(name, decide)`: process 0 runs `decide()` (taking the checkpoint directory's lock); a ValueError
   there is raised on every process, with the same message, and nothing else starts on any of them.
 
@@ -23,6 +23,14 @@ import jax
 from recipes import mesh
 
 PREFIX = "offload_zoo/agree/"
+
+
+class Shared(ValueError):
+    """An error every process raises alike (a disagreement, process 0's refusal): they may all end as a finished
+    run does, through JAX's shutdown at exit, which meets them all (and so ends process 0's coordination service
+    at once)."""
+
+
 # What a process may set for itself: where it writes (process 0 alone writes --metrics and --tensorboard), what it
 # prints, how long it waits, and warnings. Everything else must match.
 LOCAL = frozenset({"metrics", "tensorboard", "log_every", "coordinator_timeout", "heartbeat_timeout", "distributed",
@@ -76,7 +84,7 @@ def same_command(flags: dict[str, Any], timeout: float, *, client=None, process:
     client.wait_at_barrier(f"{PREFIX}flags", _timeout_ms(timeout))   # every process has read them all
     diff = differences(prints)
     if diff:
-        raise ValueError(f"the {n} processes were not started with the same command ({diff}): every process must "
+        raise Shared(f"the {n} processes were not started with the same command ({diff}): every process must "
                          f"run the same command (only {', '.join('--' + k.replace('_', '-') for k in sorted(LOCAL))} "
                          f"may differ)")
 
@@ -96,7 +104,7 @@ def decided_by_0(name: str, decide: Callable[[], Any], timeout: float = 300.0, *
             result = decide()
         except ValueError as e:
             client.key_value_set(key, "error:" + str(e), allow_overwrite=True)
-            raise
+            raise Shared(str(e)) from None
         client.key_value_set(key, "ok", allow_overwrite=True)
         return result
     try:
@@ -105,5 +113,5 @@ def decided_by_0(name: str, decide: Callable[[], Any], timeout: float = 300.0, *
         raise ValueError(f"process 0 did not share its decision on {name} within {timeout:g} s "
                          f"({mesh.first_line(e)}): see its log") from None
     if said.startswith("error:"):
-        raise ValueError(said[len("error:"):])
+        raise Shared(said[len("error:"):])
     return None

@@ -63,6 +63,9 @@ def _main(argv: list[str] | None) -> int:
     except ValueError as e:       # a bad flag, file or directory: found before training
         print(f"error: {e}", file=sys.stderr)
         code = 2
+        if watch is not None and isinstance(e, agree.Shared):   # every process stops alike: end as a finished run
+            watch.close(done=True)
+            return code
     except (CheckpointError, OSError) as e:   # failed while training: the last checkpoint written is intact
         print(f"error: {e}", file=sys.stderr)
         code = 1
