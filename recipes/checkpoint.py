@@ -179,13 +179,14 @@ class Checkpoints:
     def set_aside(self, step: int) -> str:
         """Rename the step's folder to `<step>.damaged` (or `.damaged-2`, ...); orbax then no longer sees it."""
         src = os.path.join(self.directory, str(step))
+        self.verified.pop(step, None)
+        if jax.process_index() != 0:   # several processes: each finds the same damage; process 0 renames
+            return f"{src}.damaged (by process 0)"
         dst, k = src + ".damaged", 1
         while os.path.exists(dst):
             k += 1
             dst = f"{src}.damaged-{k}"
-        if jax.process_index() == 0:   # several processes: each finds the same damage; process 0 renames
-            os.rename(src, dst)
-        self.verified.pop(step, None)
+        os.rename(src, dst)
         return dst
 
     def newest_intact(self, check: Callable[[dict], None] = lambda record: None,
