@@ -11,25 +11,25 @@ Safety:
   and renames it when complete, so a `kill -9` during a write leaves the previous checkpoints as they were.
 - A checkpoint is never written from non-finite values (`save` raises).
 - A failed write (a full disk) is one CheckpointError naming the directory and the cause; the partial checkpoint
-  is removed and the earlier ones are intact. The library's own logs and thread tracebacks of that failure are
-  held back (`quiet_stderr`).
+  is removed and the earlier ones are intact. The library's own logs and thread tracebacks of that failure go to
+  `zoo-library.log` in the checkpoint directory (`recipes.quiet`), as those of a failed read do.
+- Each step ends with its manifest (`recipes.manifest`: the step, every file's size and sha256, written last and
+  atomically); `damage(step)` checks the step's files against it before orbax reads them.
 - Rotation touches only this run's checkpoints (`Checkpoints` docstring).
-- `newest_intact` walks back from the newest step past damaged ones (unreadable record, missing or truncated
-  state); once an older step proves intact, each damaged step folder is renamed `<step>.damaged` (kept, never
-  deleted; out of orbax's sight, so its keep-N rotation neither counts it nor deletes it, and the resumed run can
-  write that step again).
+- `newest_intact` walks back from the newest step past damaged ones (unreadable record, missing state, files
+  that are not the manifest's: bytes changed, a file or folder deleted, a state copied from another step; for a
+  checkpoint written before manifests, a restore that fails); once an older step proves intact, each damaged
+  step folder is renamed `<step>.damaged` (kept, never deleted; out of orbax's sight, so its keep-N rotation
+  neither counts it nor deletes it, and the resumed run can write that step again).
 """
 from __future__ import annotations
 
-import gc
 import glob
 import json
 import logging
 import os
 import re
 import shutil
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,11 +39,11 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from recipes import guard
+from recipes.manifest import MANIFEST, check_manifest, write_manifest
+from recipes.quiet import collect_quietly, library_log, quiet_stderr
 
 RECORD_FILE = os.path.join("record", "metadata")    # where orbax's JsonSave puts the record, inside a step folder
 ITEMS = ("record", "state")                          # the items of a step folder this zoo writes
-
-
 def _reason(e: BaseException) -> str:
     """The cause of a failed write in a few words: the OS error (tensorstore reports os_error_code='28' deep in a
     long message), else the message's first line, shortened."""
@@ -53,42 +53,6 @@ def _reason(e: BaseException) -> str:
     if isinstance(e, OSError) and e.strerror:
         return e.strerror
     return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-
-
-class quiet_stderr:
-    """Hold what is written to the process's stderr (file descriptor 2: C++ and thread output too) during a block;
-    it is printed at the end if `keep()` was called, else dropped (a failure is then reported in one line)."""
-
-    def __enter__(self) -> quiet_stderr:
-        sys.stderr.flush()
-        self.kept, self.saved, self.buffer = False, os.dup(2), tempfile.TemporaryFile()
-        os.dup2(self.buffer.fileno(), 2)
-        return self
-
-    def keep(self) -> None:
-        self.kept = True
-
-    def __exit__(self, *exc) -> None:
-        sys.stderr.flush()
-        os.dup2(self.saved, 2)
-        os.close(self.saved)
-        if self.kept:
-            self.buffer.seek(0)
-            sys.stderr.write(self.buffer.read().decode(errors="replace"))
-        self.buffer.close()
-
-
-def collect_quietly() -> None:
-    """Collect what a failed orbax read or write left behind (its coroutines and tasks, and their event loop) now,
-    with `sys.unraisablehook` silenced: collected later, each prints an "Exception ignored in ..." traceback for an
-    error the caller has already reported in one line."""
-    hook = sys.unraisablehook
-    sys.unraisablehook = lambda unraisable: None
-    try:
-        for _ in range(3):   # a coroutine's frame holds the task that holds the loop: a few rounds free them all
-            gc.collect()
-    finally:
-        sys.unraisablehook = hook
 
 
 class CheckpointError(RuntimeError):
@@ -107,9 +71,12 @@ class Checkpoints:
         self.directory = os.path.abspath(os.fspath(directory))
         self.max_to_keep = max_to_keep
         self.written: set[int] = set()
+        self.verified: dict[int, str | None] = {}   # step: why its files are not its manifest's (None: they are)
         self.manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
                                                                  enable_async_checkpointing=False))
+        # orbax's, tensorstore's and asyncio's logs, warnings and stray tracebacks: into a file here, not the terminal
+        self.log = library_log(self.directory, jax.process_index())
 
     def foreign(self) -> list[str]:
         """The step-numbered folders here that hold neither a record nor a state (not a checkpoint of this zoo:
@@ -145,10 +112,13 @@ class Checkpoints:
         folder = os.path.join(self.directory, str(step))
         existed = os.path.exists(folder)
         failure = None
-        with quiet_stderr() as noise:   # orbax's threads log and print tracebacks of a failed write
+        with quiet_stderr(self.log) as noise:   # orbax's threads log and print tracebacks of a failed write
             try:
                 saved = self.manager.save(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state), record=ocp.args.JsonSave({**record, "step": step})))
+                    state=ocp.args.StandardSave(state),
+                    record=ocp.args.JsonSave({**record, "step": step, "manifest": MANIFEST})))
+                if saved and jax.process_index() == 0:   # the step is complete (every process's files): sum it up
+                    write_manifest(folder, step)
                 noise.keep()
             except Exception as e:
                 failure = e
@@ -159,11 +129,12 @@ class Checkpoints:
         if failure is not None:
             raise CheckpointError(f"writing checkpoint step {step} to {self.directory} failed: {_reason(failure)} "
                                   f"(the partial checkpoint is removed; the earlier ones are intact: steps "
-                                  f"{self.steps() or 'none'})") from None
+                                  f"{self.steps() or 'none'}; the library's log: {self.log})") from None
         if not saved:   # orbax skips a step at or before its latest one, silently
             raise CheckpointError(f"orbax did not write checkpoint step {step} to {self.directory} "
                                   f"(its latest step is {self.latest_step()})")
         self.written.add(step)
+        self.verified.pop(step, None)
         self._rotate(record.get("run"))
 
     def _remove_partial(self, step: int, folder: str | None) -> None:
@@ -188,8 +159,9 @@ class Checkpoints:
         return record
 
     def damage(self, step: int) -> str | None:
-        """Why the checkpoint of `step` cannot be resumed, from its files alone (cheap; a truncated array file
-        shows only when restored), or None."""
+        """Why the checkpoint of `step` cannot be resumed, from its files alone, or None: its record, its state,
+        and each file against the step's manifest (sizes and sha256: read once per step; a checkpoint written
+        before manifests is checked when restored)."""
         folder = os.path.join(self.directory, str(step))
         try:
             self.record(step)
@@ -198,17 +170,23 @@ class Checkpoints:
         state = os.path.join(folder, "state")
         if not os.path.isdir(state) or not os.listdir(state):
             return f"{state} is missing" if not os.path.exists(state) else f"{state} is empty"
+        if self.record(step).get("manifest"):   # (checkpoints written before manifests have none to check)
+            if step not in self.verified:
+                self.verified[step] = check_manifest(folder, step)
+            return self.verified[step]
         return None
 
     def set_aside(self, step: int) -> str:
         """Rename the step's folder to `<step>.damaged` (or `.damaged-2`, ...); orbax then no longer sees it."""
         src = os.path.join(self.directory, str(step))
+        self.verified.pop(step, None)
+        if jax.process_index() != 0:   # several processes: each finds the same damage; process 0 renames
+            return f"{src}.damaged (by process 0)"
         dst, k = src + ".damaged", 1
         while os.path.exists(dst):
             k += 1
             dst = f"{src}.damaged-{k}"
         os.rename(src, dst)
-        self.manager.reload()
         return dst
 
     def newest_intact(self, check: Callable[[dict], None] = lambda record: None,
@@ -229,13 +207,15 @@ class Checkpoints:
                 record = self.record(step)
                 check(record)
                 if model is not None:
-                    try:
-                        record = self.restore(model, optimizer, step)
-                    except Exception as e:   # orbax/tensorstore errors have no common base class
-                        detail = str(e).split("\n")[0].split(" See full TensorStore details")[0]
-                        reason = f"restoring it failed: {detail[:200]}"
-                        del e
-                        collect_quietly()
+                    with quiet_stderr(self.log) as noise:   # a failed read's C++ and thread output: into the log
+                        try:
+                            record = self.restore(model, optimizer, step)
+                            noise.keep()
+                        except Exception as e:   # orbax/tensorstore errors have no common base class
+                            detail = str(e).split("\n")[0].split(" See full TensorStore details")[0]
+                            reason = f"restoring it failed: {detail[:200]} (the library's log: {self.log})"
+                            del e
+                            collect_quietly()
             if reason is not None:
                 damaged.append((step, reason))
                 continue
@@ -243,6 +223,11 @@ class Checkpoints:
                 moved = self.set_aside(bad)
                 say(f"checkpoint step {bad} in {self.directory} is damaged ({why}); moved to {moved} (kept, not "
                     f"deleted); step {step} is intact")
+            if damaged:
+                if jax.process_count() > 1:   # every process sees the folders process 0 renamed
+                    from jax.experimental import multihost_utils
+                    multihost_utils.sync_global_devices(f"offload_zoo/set_aside/{step}")
+                self.manager.reload()
             return step, record
         if damaged:
             raise ValueError(f"no checkpoint in {self.directory} can be resumed (nothing was changed): " +

@@ -6,6 +6,8 @@ drops it when the process ends, even on `kill -9`) and, inside, who holds it (pi
 message a second run prints. A lock file whose flock is free is stale: its run ended without giving it back (killed);
 it is taken over, and `taken_over` says whose it was. A lock written by another host is never taken over (its run
 may be alive: flock is not reliable across machines on network file systems): delete the file by hand.
+Several processes: process 0 takes the lock and tells the others what it decided (`recipes.agree.decided_by_0`),
+so that a refusal stops every process with the same line.
 """
 from __future__ import annotations
 

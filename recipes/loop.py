@@ -29,7 +29,7 @@ from rich.console import Console
 
 import zoo
 import zoo.sharding
-from recipes import guard, meter, prepare, resume, watch
+from recipes import agree, guard, meter, prepare, resume, watch
 from recipes import mesh as mesh_lib
 from recipes.config import RunConfig
 from recipes.interrupt import Interrupts
@@ -92,12 +92,13 @@ def run(cfg: RunConfig, console: Console | None = None) -> Result:
         session = _Session(stack, stack.enter_context(Interrupts()))
         if cfg.ckpt_dir:
             directory = guard.check_ckpt_dir(cfg.ckpt_dir)
-        if cfg.ckpt_dir and jax.process_index() == 0:   # multi-host: one lock for the run, held by process 0
+        if cfg.ckpt_dir:   # multi-host: one lock for the run, held by process 0; its refusal stops every process
             # The lock file also names the run and its metrics file: a run killed before its first checkpoint is
             # recognised by the same command with --resume (its metrics file is its own).
-            lock = stack.enter_context(DirLock(directory, info={
-                "run": cfg.identity(), "metrics": os.path.abspath(cfg.metrics) if cfg.metrics else None}))
-            if lock.taken_over:
+            lock = agree.decided_by_0("the lock of --ckpt-dir", lambda: stack.enter_context(DirLock(directory, info={
+                "run": cfg.identity(), "metrics": os.path.abspath(cfg.metrics) if cfg.metrics else None})),
+                cfg.coordinator_timeout)
+            if lock is not None and lock.taken_over:
                 console.print(f"took over the stale lock of a run that ended without releasing it "
                               f"(pid {lock.taken_over.get('pid')}, started {lock.taken_over.get('started')})",
                               soft_wrap=True)

@@ -11,10 +11,14 @@ line adds around them:
 - Multi-host: `maybe_initialize(flag)` calls `jax.distributed.initialize()` when `--distributed` is given, or
   automatically when `JAX_COORDINATOR_ADDRESS` is set (then `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID` say how
   many processes and which one this is; on SLURM / Open MPI clusters JAX detects them itself with
-  `--distributed`). It must run before JAX touches a device: the main job calls it right after parsing.
+  `--distributed`). It must run before JAX touches a device: the main job calls it right after parsing. Process 0
+  first checks that it can serve the coordinator's port (`check_port`: a one-line error naming the port if another
+  program holds it), and its coordination service runs in a process of its own (`recipes.coordinator`), so that
+  the others end with a message, not a C++ abort, when process 0 dies. `recipes.agree` then checks that every
+  process was given the same command.
 - `PeerWatch(timeout)`: while the processes run, each says it is alive every few seconds; one that stops (killed,
-  crashed, or gone with an error) ends the others with one line after `timeout` seconds (`--heartbeat-timeout`)
-  instead of leaving them waiting in a collective.
+  crashed), fails with an error or finishes alone ends the others with one line (at once for an error, after
+  `timeout` seconds, `--heartbeat-timeout`, otherwise) instead of leaving them waiting in a collective.
 - `put_batch(batch, mesh)`: the data source gives every process the same global batch of step k (a pure function
   of (seed, step), `recipes.data`); each process keeps only the rows its devices hold
   (`local_rows`, read from the batch sharding, so it is deterministic and needs no communication) and
@@ -23,14 +27,17 @@ line adds around them:
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
+import socket
 import threading
 import time
 
 import jax
 import numpy as np
 
+from recipes import coordinator
 from zoo import sharding
 
 COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"
@@ -60,15 +67,61 @@ def maybe_initialize(flag: bool, timeout: float = 300.0, heartbeat: float = 60.0
                          f"{kwargs['num_processes']} (processes count from 0)")
     where = os.environ.get(COORDINATOR_ENV) or "the cluster's coordinator (detected: SLURM, Open MPI, ...)"
     who = (f"process {kwargs['process_id']} of {kwargs['num_processes']}" if len(kwargs) == 2 else "this process")
+    if kwargs.get("process_id") == 0 and os.environ.get(COORDINATOR_ENV):
+        check_port(os.environ[COORDINATOR_ENV])
     print(f"distributed: {who} waiting up to {timeout:g} s for {where} and every process (--coordinator-timeout)",
           flush=True)
-    with coordinator_watchdog(timeout, where):
+    # Process 0's coordination service in a process of its own (`recipes.coordinator`): it outlives process 0, so
+    # that the others end with a message when process 0 dies, not in a C++ abort.
+    with coordinator_watchdog(timeout, where), coordinator.use_hosted(grace=heartbeat + 10, timeout=timeout):
         try:   # JAX's own deadline a little later than ours, so that our message is the one a user reads
             jax.distributed.initialize(initialization_timeout=int(math.ceil(timeout)) + 30,
                                        heartbeat_timeout_seconds=int(math.ceil(heartbeat)) + 30, **kwargs)
         except (ValueError, RuntimeError) as e:
             raise ValueError(f"--distributed: JAX could not start the processes: {first_line(e)}") from None
     return True
+
+
+def check_port(address: str) -> None:
+    """Process 0 serves the coordination service on the port of `address` (on every interface, as JAX binds it,
+    or on JAX_COORDINATOR_BIND_ADDRESS): ValueError in one line if another program holds it (gRPC would log
+    "Failed to add port" and the process crash). A port left in TIME_WAIT by an earlier run counts as free."""
+    bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or f"[::]:{address.rsplit(':', 1)[-1]}"
+    host, _, port_text = bind.rpartition(":")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ValueError(f"{COORDINATOR_ENV}={address!r}: the port {port_text!r} is not a number") from None
+    host = host.strip("[]") or "::"
+    error = _bind(host, port)
+    left = coordinator.lingering(port) if error is not None else None
+    if left is not None:   # an earlier run's coordination service, serving its last processes a little longer
+        print(f"distributed: port {port} is still served by the coordination service of an earlier run (pid "
+              f"{left[0]}) for at most {left[1]:.0f} s: waiting for it to end", flush=True)
+        end = time.monotonic() + left[1] + 10
+        while (error := _bind(host, port)) is not None and time.monotonic() < end:
+            time.sleep(0.5)
+    if error is not None and error.errno == errno.EAFNOSUPPORT and host == "::":   # no IPv6: JAX falls back too
+        error = _bind("0.0.0.0", port)
+    if error is not None:
+        raise ValueError(f"process 0 cannot serve the coordinator on port {port} ({COORDINATOR_ENV}={address}): "
+                         f"{error.strerror or error}; another program holds it (`ss -ltnp 'sport = :{port}'` names "
+                         f"it): stop it, or give every process another port in {COORDINATOR_ENV}")
+
+
+def _bind(host: str, port: int) -> OSError | None:
+    """Bind (and release) `host:port` as a server would: the error, or None if it is free."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                with contextlib.suppress(OSError):
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)   # [::] takes IPv4 too, as gRPC's
+            s.bind((host, port))
+    except OSError as e:
+        return e
+    return None
 
 
 def _env_int(var: str, lowest: int) -> int:
@@ -106,12 +159,15 @@ def coordinator_watchdog(timeout: float, where: str):
 
 class PeerWatch:
     """Several processes: each publishes a counter in JAX's coordination service (its key-value store) every
-    `timeout / 10` seconds (at most 5) and reads everyone's. A process whose counter has not moved for `timeout`
-    seconds (killed, crashed, or gone with an error while the others wait in a collective for it), or a
-    coordinator that has not answered for as long, ends this process: one line on stderr, exit 1. Without it the
-    others wait in the step's collective (gloo on the CPU has no deadline) until JAX's heartbeat aborts them with a
-    C++ stack trace. `close(done=True)`, at the end of a run, tells the others this process finished (they stop
-    watching it); after an error it only stops publishing, so that the others stop too.
+    `timeout / 10` seconds (at most 5) and reads everyone's. This process ends (one line on stderr, exit 1) when
+    - a process says it failed (`close(done=False)`: an error on that process): at once;
+    - a process's counter has not moved for `timeout` seconds (killed, crashed, stuck in the host), or the
+      coordinator has not answered for as long;
+    - a process finished the run (`close(done=True)`) and this one is still running `timeout` seconds later (the
+      processes disagree on where the run ends: without this, this one would wait in a collective forever).
+    A finished process watches on while JAX's shutdown at exit waits for the others (a silent one ends it).
+    Without it the others wait in the step's collective (gloo on the CPU has no deadline) until JAX's heartbeat
+    aborts them with a C++ stack trace.
 
     Reading each process's liveness, not the step's progress: a long step, evaluation or checkpoint never trips
     it. The publishing thread needs the GIL every few seconds; JAX releases it while it compiles and runs."""
@@ -119,66 +175,105 @@ class PeerWatch:
     PREFIX = "offload_zoo/alive/"
 
     def __init__(self, timeout: float, *, client=None, process: int | None = None, count: int | None = None,
-                 where: str | None = None):
+                 where: str | None = None, clock=time.monotonic, start: bool = True):
         self.timeout, self.interval = timeout, min(5.0, timeout / 10)
         self.client = client if client is not None else _coordination_client()
         self.me = jax.process_index() if process is None else process
         self.n = jax.process_count() if count is None else count
         self.where = where or os.environ.get(COORDINATOR_ENV) or "the coordinator"
-        now = time.monotonic()
-        self.seen = {p: (None, now) for p in range(self.n) if p != self.me}   # peer: (its counter, when it moved)
+        self.clock, self.beats = clock, 0
+        now = clock()
+        self.seen = {p: (None, now) for p in range(self.n) if p != self.me}   # peer: (what it said, since when)
         self.contact = now                       # the last round trip to the coordinator that answered
+        self.said: str | None = None              # "done" or "failed", once this process said it
+        self.saying = threading.Lock()            # held while this process says something
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._publish, daemon=True, name="peer-watch-publish"),
                         threading.Thread(target=self._check, daemon=True, name="peer-watch-check")]
-        if self.client is not None and self.n > 1:
+        if start and self.client is not None and self.n > 1:
             for t in self.threads:
                 t.start()
 
+    def beat(self) -> None:
+        """One round: say this process is alive (its counter moves; once it said it finished, nothing), read what
+        every process said."""
+        self.beats += 1
+        try:
+            with self.saying:
+                if self.said is None:
+                    self.client.key_value_set(f"{self.PREFIX}{self.me}", str(self.beats), allow_overwrite=True)
+            values = dict(self.client.key_value_dir_get(self.PREFIX))
+        except Exception:   # the coordinator did not answer: `contact` says for how long
+            return
+        now = self.clock()
+        self.contact = now
+        for key, value in values.items():
+            peer = int(key.rsplit("/", 1)[-1])
+            if peer in self.seen and value != self.seen[peer][0]:
+                self.seen[peer] = (value, now)   # a counter that moved, or "done" / "failed" said
+
+    def verdict(self) -> str | None:
+        """Why this process must stop now (the others' state, as last read), or None."""
+        now = self.clock()
+        if self.said == "done" and now - self.contact > self.timeout:
+            return None   # finished, in JAX's shutdown at exit: the coordinator may be gone already, as it ends
+        if now - self.contact > self.timeout:
+            return (f"the coordinator at {self.where} (process 0) has not answered for {self.timeout:g} s: it exited "
+                    f"or was killed (see its log), or the network failed")
+        seen = list(self.seen.items())
+        # (a failed process is named after one more round: a process stopping on the same error, an agreement of
+        # all, prints its own message first)
+        failed = [p for p, (said, since) in seen if said == "failed" and now - since >= self.interval]
+        silent = [p for p, (said, since) in seen if said not in ("done", "failed") and now - since > self.timeout]
+        finished = [p for p, (said, since) in seen if said == "done" and now - since > self.timeout]
+        if failed:
+            return f"process {', '.join(map(str, failed))} of {self.n} stopped with an error (see its log)"
+        if silent:
+            return (f"process {', '.join(map(str, silent))} of {self.n} sent no heartbeat for {self.timeout:g} s "
+                    f"(--heartbeat-timeout): it exited or was killed (see its log)")
+        if finished and self.said != "done":
+            return (f"process {', '.join(map(str, finished))} of {self.n} finished the run more than "
+                    f"{self.timeout:g} s ago (--heartbeat-timeout) and this one has not: were all processes given "
+                    f"the same command?")
+        return None
+
     def _publish(self) -> None:
-        beat = 0
         while not self.stop.is_set():
-            beat += 1
-            try:
-                self.client.key_value_set(f"{self.PREFIX}{self.me}", str(beat), allow_overwrite=True)
-                values = dict(self.client.key_value_dir_get(self.PREFIX))
-            except Exception:   # the coordinator did not answer: `contact` says for how long
-                values = None
-            if values is not None:
-                now = time.monotonic()
-                self.contact = now
-                for key, value in values.items():
-                    peer = int(key.rsplit("/", 1)[-1])
-                    if peer not in self.seen:
-                        continue
-                    if value == "done":
-                        del self.seen[peer]
-                    elif value != self.seen[peer][0]:
-                        self.seen[peer] = (value, now)
+            self.beat()
             self.stop.wait(self.interval)
 
     def _check(self) -> None:
         while not self.stop.wait(self.interval):
-            now = time.monotonic()
-            if now - self.contact > self.timeout:
-                self._fire(f"the coordinator at {self.where} (process 0) has not answered for {self.timeout:g} s: "
-                           f"it exited or was killed (see its log), or the network failed")
-            late = sorted(p for p, (_, moved) in list(self.seen.items()) if now - moved > self.timeout)
-            if late:
-                who = ", ".join(map(str, late))
-                self._fire(f"process {who} of {self.n} sent no heartbeat for {self.timeout:g} s "
-                           f"(--heartbeat-timeout): it exited or was killed (see its log)")
+            why = self.verdict()
+            if why is not None:
+                self._fire(why)
 
     def _fire(self, why: str) -> None:
-        os.write(2, f"error: {peer_lost(why, self.me)}\n".encode())
-        os._exit(1)
+        if self.stop.is_set():   # this process is ending of its own accord: its message is the one to read
+            return
+        end(f"error: {peer_lost(why, self.me)}", 1)
 
     def close(self, done: bool) -> None:
-        """Stop watching; with `done`, tell the others this process finished (best effort)."""
-        self.stop.set()
-        if done and self.client is not None and self.n > 1:
-            with contextlib.suppress(Exception):
-                self.client.key_value_set(f"{self.PREFIX}{self.me}", "done", allow_overwrite=True)
+        """Tell the others (best effort) that this process finished (`done`) or failed. A failed process stops
+        watching; a finished one watches on through JAX's shutdown at exit, which waits for every process: a
+        process that goes silent meanwhile still ends it with a message."""
+        if not done:
+            self.stop.set()
+        if self.client is not None and self.n > 1:
+            got = self.saying.acquire(timeout=10)   # no counter of the publishing thread lands after this
+            try:
+                self.said = "done" if done else "failed"
+                with contextlib.suppress(Exception):
+                    self.client.key_value_set(f"{self.PREFIX}{self.me}", self.said, allow_overwrite=True)
+            finally:
+                if got:
+                    self.saying.release()
+
+
+def end(line: str, code: int) -> None:
+    """End this process now with one line on stderr, from any thread (no cleanup: the others wait for nothing)."""
+    os.write(2, f"{line}\n".encode())
+    os._exit(code)
 
 
 def peer_lost(why: str, process: int | None = None) -> str:

@@ -40,7 +40,7 @@ def _main(argv: list[str] | None) -> int:
 
     import jax  # only now: the flags are set
 
-    from recipes import loop, mesh
+    from recipes import agree, loop, mesh
     from recipes.checkpoint import CheckpointError
     from recipes.interrupt import Interrupted
 
@@ -52,6 +52,7 @@ def _main(argv: list[str] | None) -> int:
             # (before JAX touches a device)
             print(f"distributed: process {jax.process_index()} of {jax.process_count()}, "
                   f"{jax.local_device_count()} local of {jax.device_count()} devices", flush=True)
+            agree.same_command(vars(args), args.coordinator_timeout)   # ValueError on every process
             watch = mesh.PeerWatch(args.heartbeat_timeout)
         mesh.check_backend()
         if jax.default_backend() != "cpu":   # the flags are GPU flags: on the CPU they parse and do nothing
@@ -62,6 +63,9 @@ def _main(argv: list[str] | None) -> int:
     except ValueError as e:       # a bad flag, file or directory: found before training
         print(f"error: {e}", file=sys.stderr)
         code = 2
+        if watch is not None and isinstance(e, agree.Shared):   # every process stops alike: end as a finished run
+            watch.close(done=True)
+            return code
     except (CheckpointError, OSError) as e:   # failed while training: the last checkpoint written is intact
         print(f"error: {e}", file=sys.stderr)
         code = 1

@@ -78,6 +78,8 @@ ckpts.close()
                          env=cpu_env())
     assert out.returncode == 0, out.stderr
     assert f"CheckpointError: writing checkpoint step 2 to {tmp_path / 'ckpt'} failed: File too large (the " \
-           f"partial checkpoint is removed; the earlier ones are intact: steps [1])" in out.stdout, out.stdout
+           f"partial checkpoint is removed; the earlier ones are intact: steps [1]; the library's log: " \
+           f"{tmp_path / 'ckpt' / 'zoo-library.log'})" in out.stdout, out.stdout
     assert "restored [1]" in out.stdout and "Traceback" not in out.stderr, out.stderr
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["1"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["1", "zoo-library.log"]   # the library's noise: kept there
+    assert out.stderr == "", out.stderr
