@@ -106,8 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(str(e))
     size = tok.get_vocab_size()
     data = " ".join(args.train)
+    fewer = f"; the text had merges for {size:,} of the {args.vocab_size:,} asked" if size < args.vocab_size else ""
     print(f"wrote {os.path.join(args.out, 'tokenizer.json')}: a byte-level BPE of {size:,} tokens ({EOS} = id "
-          f"{tok.token_to_id(EOS)})")
+          f"{tok.token_to_id(EOS)}{fewer})")
     print(f"train with: python -m recipes.train --data {data} --tokenizer {args.out} --set vocab_size={size}")
     return 0
 
