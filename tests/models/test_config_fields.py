@@ -21,6 +21,8 @@ def test_an_unknown_field_of_a_preset_names_it_and_the_close_fields(name):
     with pytest.raises(ValueError, match=r"'num_layer' \(did you mean num_layers[ ?].*, 'zzz' are not fields"):
         cls.preset("tiny", num_layer=3, zzz=1)
     assert cls.preset("tiny", num_layers=3).num_layers == 3
+    with pytest.raises(ValueError, match=r"'num_layer' is not a field .* \(did you mean num_layers"):
+        registry.FAMILIES[name].config("tiny", num_layer=3)
 
 
 def test_set_with_an_unknown_field_names_the_flag_and_the_close_field():
