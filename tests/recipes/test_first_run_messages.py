@@ -12,10 +12,13 @@ from zoo.models.registry import FAMILIES
 
 
 def test_a_missing_data_file_names_the_flag(tmp_path, capsys):
-    for missing in (tmp_path / "missing.bin", tmp_path / "corpus"):
-        rc, out, err = main(RUN + ["--data", missing], capsys)
-        assert rc == 2 and f"--data '{missing}': no such file or directory" in err, err
-        assert "TokenFile" not in err and "token file" in err and "Traceback" not in err
+    """`--data missing.bin`, and the text example's `--data corpus/ --tokenizer DIR` without its corpus: the flag
+    and the path, not an internal class or "read as a token file"."""
+    for args in (["--data", tmp_path / "missing.bin"], ["--data", tmp_path / "corpus"],
+                 ["--data", tmp_path / "corpus", "--tokenizer", tmp_path]):
+        rc, out, err = main(RUN + args, capsys)
+        assert rc == 2 and f"--data '{args[1]}': no such file or directory" in err, err
+        assert "TokenFile" not in err and "read as" not in err and "Traceback" not in err
 
 
 def test_a_recipe_of_another_family_names_its_family_and_this_familys_recipes():
