@@ -50,28 +50,34 @@ class Inputs:
 
 def inputs(device: jax.Device, *, hbm_gib: float | None = None, link_gbps: float | None = None,
            overlap: float | None = None, tflops: float | None = None) -> Inputs:
-    """The automatic recipe's inputs for `device`, each given or taken from the device; ValueError naming the flag
-    where neither is possible."""
+    """The automatic recipe's inputs for `device`, each given or taken from the device. Where neither is possible
+    (the CPU: all three), one ValueError names every missing input and its flag at once."""
     kind = device.device_kind
+    missing = []
     if hbm_gib is not None:
         hbm, hbm_src = hbm_gib, "--hbm-limit"
     else:
         limit = allocator_limit(device)
+        hbm, hbm_src = (limit or 0) / GiB, f"{kind}'s bytes_limit"
         if not limit:
-            raise ValueError(f"--recipe auto needs an HBM budget: {kind} reports no memory limit; pass --hbm-limit GIB")
-        hbm, hbm_src = limit / GiB, f"{kind}'s bytes_limit"
+            missing.append(f"an HBM budget: {kind} reports no memory limit; pass --hbm-limit GIB")
     if link_gbps is not None:
         rate, ovl, link_src = link_gbps, links.Overlap.of(0.0 if overlap is None else overlap), "--link"
     else:
         measured = links.measured(kind)
         if measured is None:
-            raise ValueError(f"--recipe auto needs a host link: none is measured for {kind!r} (zoo.plan.links: "
-                             f"{', '.join(m.device_kind for m in links.MEASURED)}); pass --link GBPS")
-        rate, ovl = measured.rate_gbps, measured.overlap if overlap is None else links.Overlap.of(overlap)
-        link_src = f"measured on the {measured.device_kind}, zoo.plan.links"
+            rate, ovl, link_src = 0.0, links.Overlap.of(0.0), ""
+            missing.append(f"a host link: none is measured for {kind!r} (zoo.plan.links: "
+                           f"{', '.join(m.device_kind for m in links.MEASURED)}); pass --link GBPS")
+        else:
+            rate, ovl = measured.rate_gbps, measured.overlap if overlap is None else links.Overlap.of(overlap)
+            link_src = f"measured on the {measured.device_kind}, zoo.plan.links"
     rate_tflops, tflops_src = meter.peak_tflops(device, tflops)
     if rate_tflops is None:
-        raise ValueError(f"--recipe auto needs a FLOP rate: {tflops_src}")
+        missing.append(f"a FLOP rate: no datasheet peak is known for {kind!r} (recipes.meter); pass --peak-tflops "
+                       f"TFLOPS")
+    if missing:
+        raise ValueError("--recipe auto needs " + "; and ".join(missing))
     return Inputs(hbm, hbm_src, rate, ovl, link_src, rate_tflops, tflops_src)
 
 

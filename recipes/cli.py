@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
+import sys
 import types
 import typing
 
@@ -29,6 +31,15 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 INT32_MAX = 2**31 - 1
+PIPED_WIDTH = 160   # columns of rich's output when stdout is not a terminal (rich's own default there is 80)
+
+
+def console(**kwargs):
+    """A rich Console for a command's tables: the terminal's width on a terminal; piped or redirected (a log, `| less`),
+    `PIPED_WIDTH` columns so tables do not wrap at 80, unless COLUMNS says otherwise."""
+    from rich.console import Console
+    width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else PIPED_WIDTH
+    return Console(highlight=False, width=width, **kwargs)
 
 
 def _positive(cast: type, noun: str):
@@ -99,10 +110,10 @@ def parse_field(cls: type, name: str, text: str):
     annotation: `zoo.models.config.field_types`): "false" -> False for a bool, "3" -> 3 for an int, "none" -> None
     where None is allowed. ValueError naming the field and its type otherwise. The config checks the value itself
     when it is made."""
-    from zoo.models.config import field_types, type_name, type_options
+    from zoo.models.config import check_field_names, field_types, type_name, type_options
     types_ = field_types(cls)
     if name not in types_:
-        raise ValueError(f"{name!r} is not a field of {cls.__name__}; its fields: {', '.join(sorted(types_))}")
+        check_field_names(cls, [name])   # names the field, a close match and every field
     allowed, optional = type_options(types_[name])
     low = text.strip().lower()
     if optional and low in ("none", "null"):

@@ -195,6 +195,9 @@ def open_data(path: str | os.PathLike, *, tokenizer: str | None, vocab: int, bat
     `heldout`: the fraction of ids kept out of training, at the end of the file."""
     if not 0 <= heldout < 1:
         raise ValueError(f"--heldout must be a fraction in [0, 1), got {heldout}")
+    if not os.path.exists(path):
+        raise ValueError(f"--data {os.fspath(path)!r}: no such file or directory (a token file, a .txt or .jsonl "
+                         f"file, or a directory of them)")
     if text.is_text(path):
         if tokenizer is None:
             raise ValueError(f"--data {os.fspath(path)!r} is text: it needs --tokenizer DIR (a Hugging Face "

@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(zoo.plan.to_json(p), sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
-        zoo.plan.render(p)
+        zoo.plan.render(p, console=cli.console())
         if getattr(args, "hbm_from_allocator", False) or (args.hbm_limit is None
                                                            and allocator_limit(jax.devices()[0])):
             print(f"HBM budget: the allocator's limit of the GPU present: {fit.allocator_share()}")

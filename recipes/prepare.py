@@ -150,10 +150,11 @@ def compile_run(cfg: RunConfig, console: Console, family: Family, model_cfg, rec
     t0 = time.perf_counter()
     what = (f"compiling the training step ({cfg.model} {cfg.preset}, batch {cfg.batch} x seq {cfg.seq}, recipe "
             f"{recipe_name}) for {device.platform}")
+    # --recipe auto: its inputs (ValueError naming every missing flag) before the compile's status line
+    ins = None if recipe is not None else auto.inputs(device, hbm_gib=cfg.hbm_limit, link_gbps=cfg.link,
+                                                      overlap=cfg.overlap, tflops=cfg.peak_tflops)
     with watch.busy(console, what):
         if recipe is None:
-            ins = auto.inputs(device, hbm_gib=cfg.hbm_limit, link_gbps=cfg.link, overlap=cfg.overlap,
-                              tflops=cfg.peak_tflops)
             recipe, (compiled, graphdef, abstract), notes = auto.fit(
                 model_cfg, ins, lambda r: compile_for_shapes(family, model_cfg, r, cfg, schedule, mesh),
                 batch=cfg.batch, seq=cfg.seq, opt_dtype=cfg.opt_dtype, grad_accum=cfg.grad_accum,

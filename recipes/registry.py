@@ -6,11 +6,12 @@ The model families are `zoo.models.registry`'s (`family(name)`, `family_of(cfg)`
 """
 from __future__ import annotations
 
+import difflib
 import importlib
 from types import ModuleType
 
 from zoo import Recipe
-from zoo.models.registry import Family
+from zoo.models.registry import FAMILIES, Family
 
 
 def recipe_set(family: Family) -> ModuleType:
@@ -39,5 +40,21 @@ def recipe(family: Family, name: str | None) -> Recipe:
     name = default_recipe(family) if name is None else name
     named = recipes_of(family)
     if name not in named:
-        raise ValueError(f"--recipe {name!r} is not a {family.name} recipe; choose one of: {', '.join(named)}")
+        others = [other for other in owners(name) if other != family.name]
+        close = difflib.get_close_matches(name, named, n=1)
+        hint = (f" (it is {' and '.join(others)}'s: --model {others[0]})" if others else
+                f" (did you mean {close[0]}?)" if close else "")
+        raise ValueError(f"--recipe {name!r} is not a {family.name} recipe{hint}; choose one of: {', '.join(named)}")
     return named[name]
+
+
+def owners(name: str) -> list[str]:
+    """The names of the model families (those with a recipes module) that have a recipe called `name`."""
+    out = []
+    for fam in FAMILIES.values():
+        try:
+            if name in recipes_of(fam):
+                out.append(fam.name)
+        except ValueError:   # a family without recipes
+            continue
+    return out

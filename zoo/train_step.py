@@ -183,8 +183,9 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax
     streamed (`zoo.streamed_update.update`): the clip's norm once, then each parameter with its moments and master a
     chunk at a time (one layer of a stacked parameter) in a loop that brings the chunk into HBM, updates it, selects
     the old chunk where the step is not finite and sends it back, so HBM never holds the host state whole. The numbers
-    are those of the state in HBM (bit for bit on the CPU). It needs `lr` (the guard decided before the update) and
-    an optimizer made by `zoo.optim.make_optimizer`: ValueError otherwise, at trace time.
+    are those of the state in HBM up to XLA's rounding (an ulp: `zoo.streamed_update`). It needs `lr` (the guard
+    decided before the update) and an optimizer made by `zoo.optim.make_optimizer`: ValueError otherwise, at trace
+    time.
     """
     # An optimizer with a float32 master copy takes --grad-accum's float32 sums as they are.
     loss, lm_loss, extra_losses, aux, grads = loss_and_grads(

@@ -87,3 +87,15 @@ def test_recipe_auto_without_a_budget_on_the_cpu_is_refused_before_compiling(cap
     assert rc == 2 and "--recipe auto needs an HBM budget" in err and "--hbm-limit" in err
     with pytest.raises(ValueError, match="--overlap must be in"):
         loop.RunConfig(overlap=1.5)
+
+
+def test_recipe_auto_on_the_cpu_names_every_missing_input_at_once(capsys):
+    """Given none of its three inputs on the CPU, the main job's refusal names all three flags in one message,
+    before it says it is compiling."""
+    rc = train.main(["--recipe", "auto", "--steps", "2", "--batch", "2", "--seq", "16", "--xla-flags", "none"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "--recipe auto needs an HBM budget" in err and "compiling" not in out + err
+    assert all(flag in err for flag in ("--hbm-limit", "--link", "--peak-tflops")), err
+    with pytest.raises(ValueError, match="--hbm-limit GIB; and a host link: .*--link GBPS; and a FLOP rate: .*"
+                                         "--peak-tflops TFLOPS"):
+        auto.inputs(jax.devices()[0])

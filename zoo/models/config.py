@@ -9,6 +9,7 @@ into values (`recipes.cli.parse_field`, with `field_types`, `type_options` and `
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import math
 import types
@@ -64,6 +65,23 @@ def check_types(cfg) -> None:
             continue
         if not _type_ok(value, allowed):
             raise ValueError(f"{type(cfg).__name__}.{name} must be {type_name(allowed, optional)}, got {value!r}")
+
+
+def check_field_names(cls: type, names) -> None:
+    """ValueError naming each of `names` that is not a field of the dataclass `cls`, with the closest field names
+    (difflib) and every field; nothing for known names."""
+    fields = sorted(f.name for f in dataclasses.fields(cls) if f.init)
+    unknown = [n for n in names if n not in fields]
+    if not unknown:
+        return
+    def guess(n):
+        close = difflib.get_close_matches(n, fields, n=3, cutoff=0.6)
+        return f" (did you mean {' or '.join(close)}?)" if close else ""
+    if len(unknown) == 1:
+        what = f"{unknown[0]!r} is not a field of {cls.__name__}{guess(unknown[0])}"
+    else:
+        what = f"{', '.join(f'{n!r}{guess(n)}' for n in unknown)} are not fields of {cls.__name__}"
+    raise ValueError(f"{what}; its fields: {', '.join(fields)}")
 
 
 def check_positive(cfg, *fields: str) -> None:
@@ -173,6 +191,7 @@ class LMConfig:
         """The config of the size `name` (a key of the class's `PRESETS` table) with `overrides` replacing fields."""
         if name not in cls.PRESETS:
             raise ValueError(f"{name!r} is not a {cls.__name__} preset; choose one of: {', '.join(cls.PRESETS)}")
+        check_field_names(cls, overrides)
         return cls(**{**cls.PRESETS[name], **overrides})
 
 
