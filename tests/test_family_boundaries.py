@@ -33,14 +33,7 @@ TECHNIQUES = {
 
 # Modules that name a family today and are being made generic by work in flight elsewhere (remove an entry when its
 # module is clean: the test fails on an entry that is no longer needed).
-PENDING = {
-    "zoo/models/lm.py": "DeepSeek-V3's MTP made a generic hook (auxiliary heads)",
-    "zoo/train_step.py": "DeepSeek-V3's MTP loss made a generic hook",
-    "zoo/hf/load.py": "DeepSeek-V3's MTP layers made a generic hook",
-    "recipes/loop.py": "DeepSeek-V3's MTP made a generic hook",
-    "zoo/layers/attention.py": "the attention kernel choice split from GQA",
-    "zoo/layers/mla.py": "the layer's docstrings",
-}
+PENDING: dict[str, str] = {}   # modules of work in flight that still name a family: none
 
 
 def family_package(f: registry.Family) -> str:

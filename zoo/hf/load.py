@@ -74,7 +74,7 @@ def _set_slice(buf, piece, index):
 def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *, mesh=None,
             rules: Sequence[tuple[str, Any]] | None = None, allow_nonfinite: bool = False,
             extra_heads: bool | None = None) -> nnx.Module:
-    """Load a Hugging Face checkpoint directory (an architecture of a registered family, e.g. `LlamaForCausalLM`:
+    """Load a Hugging Face checkpoint directory (an architecture of a registered family:
     config.json and one or many *.safetensors, with model.safetensors.index.json when sharded) as a scanned zoo
     model.
 
@@ -88,8 +88,8 @@ def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *
     holding NaN or infinity in the parameter's dtype (naming tensor and file: stored so, or float32 values that a
     cast to float16 overflows) unless `allow_nonfinite=True`.
 
-    `extra_heads`: the model's extra heads (`zoo.models.lm`, trained beside the LM head: e.g. the deepseek family's
-    multi-token prediction), which config.json announces and the checkpoint stores under keys of the family's
+    `extra_heads`: the model's extra heads (`zoo.models.lm`, trained beside the LM head: e.g. multi-token
+    prediction), which config.json announces and the checkpoint stores under keys of the family's
     (`HFArch.extra_keys`). False: build the model without them and skip their tensors (inference does not use
     them); True: load them (a missing tensor is an error); None (default): load them if the checkpoint holds any of
     their tensors (transformers saves none). Their copies of shared tensors are checked equal to the originals.

@@ -1,6 +1,6 @@
-"""Grouped-query attention (Ainslie et al., 2023) as in Llama 3.1.
+"""Grouped-query attention (Ainslie et al., 2023, arXiv:2305.13245).
 
-x -> q [B,S,H,d], k and v [B,S,Hkv,d]; optionally (`qk_norm_eps`, Qwen3) an RMSNorm over each head of q and of k;
+x -> q [B,S,H,d], k and v [B,S,Hkv,d]; optionally (`qk_norm_eps`, arXiv:2505.09388) an RMSNorm over each head of q and of k;
 RoPE on q and k; causal attention (`zoo.layers.attention_kernel`); output projection.
 Tags: query_proj, key_proj (after the norm and RoPE), value_proj, attention_out and context (the kernel's output and
 softmax statistics, named by the kernel), out_proj.
@@ -65,7 +65,7 @@ class Attention(TaggedLayer):
         self.v_proj = projection("bsd,dhk->bshk", (dim, num_kv_heads, head_dim), kv_axes, n_in=1, **common)
         self.o_proj = projection("bshk,hkd->bsd", (num_heads, head_dim, dim), ("heads", "head_dim", "embed"), n_in=2,
                                  **common)
-        # Qwen3's per-head q/k RMSNorm (one scale of head_dim each, shared by the heads), before RoPE
+        # the per-head q/k RMSNorm (one scale of head_dim each, shared by the heads), before RoPE
         norm = dict(eps=qk_norm_eps, dtype=dtype, param_dtype=param_dtype, axis_name="head_dim")
         self.q_norm = None if qk_norm_eps is None else RMSNorm(head_dim, **norm)
         self.k_norm = None if qk_norm_eps is None else RMSNorm(head_dim, **norm)

@@ -1,4 +1,4 @@
-"""Multi-head latent attention (DeepSeek-AI, 2024, "DeepSeek-V2"; as used by DeepSeek-V3).
+"""Multi-head latent attention (arXiv:2405.04434; the layer of arXiv:2412.19437 as published).
 
 Queries and keys/values pass through low-rank latents, each with an RMSNorm:
 
@@ -8,12 +8,12 @@ Queries and keys/values pass through low-rank latents, each with an RMSNorm:
 
 The rope part of the key is one vector per token, shared by every head. RoPE (with YaRN) is applied to the
 rope parts of q and k; q = [q_nope, q_rope] and k = [k_nope, k_rope] are concatenated per head, and attention uses
-the softmax scale 1/sqrt(qk_nope + qk_rope) times YaRN's mscale^2, as DeepSeek does.
+the softmax scale 1/sqrt(qk_nope + qk_rope) times YaRN's mscale^2, as the published model does.
 
 Tags: query_wa_proj, mla_q, kv_wa_proj, mla_kv, query_proj and key_proj (after RoPE and concatenation),
 value_proj [B,S,H,v_head], attention_out [B,S,H,v_head] and context [B,H,S] (named by the kernel), out_proj.
 
-Parameter names follow transformers' `DeepseekV3Attention` (q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa,
+Parameter names follow the published checkpoints' attention (q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa,
 kv_a_layernorm, kv_b_proj, o_proj); kernels are stored [in, out] with heads split out, as everywhere in the zoo.
 
 Rope layout. The published checkpoints store the rope columns of q_b_proj and kv_a_proj_with_mqa *interleaved*:
@@ -24,7 +24,7 @@ RoPE of `zoo.layers.rope`, which is exactly what transformers computes: a loader
 The tagged query_proj / key_proj hold the rope part in the de-interleaved (rotate-half) order, as transformers'
 query and key states do. With `rope_interleave=False` the weights are taken to be in rotate-half order already.
 
-Value head dim. DeepSeek-V3 has qk 192 and v 128; cuDNN's kernel (through `jax.nn.dot_product_attention`) takes one
+Value head dim. The published model has qk 192 and v 128; cuDNN's kernel (through `jax.nn.dot_product_attention`) takes one
 head dim, so `zoo.layers.attention_kernel` pads the values with zeros for it and slices the output back: exact, and
 the tags value_proj and attention_out are the un-padded [B,S,H,v_head] tensors (the XLA kernel takes v_head as it
 is). Head dim 192 is within cuDNN flash attention's limit on Hopper (256). The kernel also names `context`, its

@@ -9,8 +9,8 @@ the recipe against what the stacks really emit, when the model is built.
 weights), so that it can run the head and the cross-entropy over chunks of the sequence (`zoo.loss.head_loss`)
 without the [B, S, vocab] logits ever existing whole.
 
-An extra head is a family's module beside the LM head, trained with a loss of its own (the deepseek family's
-multi-token prediction is one). The family passes `extra_heads={name: make(rngs) or None}`: the model holds each
+An extra head is a family's module beside the LM head, trained with a loss of its own (multi-token prediction,
+arXiv:2412.19437, is one). The family passes `extra_heads={name: make(rngs) or None}`: the model holds each
 as the attribute `name` (None: not in this config), and each is
 
 - called as `head(h, embeddings, policy) -> (hidden [D, B, S, dim], aux)` on the main model's normed final hidden

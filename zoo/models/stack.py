@@ -10,7 +10,7 @@ prevent_cse=False)` of a plain `(layer, x)` function. Three traps this file is b
 - one scan level: offload inside nested scans is known to break, so a layer may not contain a scan
   (`zoo.tags.emitted` refuses one).
 - variables of an enclosing trace: a functional loop that splits `nnx.split(model, nnx.Param, ...)` and merges
-  inside `jax.grad` hands the stack non-Param variables (DeepSeek-V3's `RoutingBias`) that belong to the trace
+  inside `jax.grad` hands the stack non-Param variables (a router's `RoutingBias`) that belong to the trace
   outside the gradient; `nnx.scan` refuses those ("Cannot extract graph node from different trace level"). The
   forward pass only reads the layers, so the stack then scans over a copy of them (`scannable`).
 - no scan of one: XLA removes a while loop that runs once, and the host offloads inside it go with it (measured
@@ -65,7 +65,7 @@ def stacked_modules(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rn
 def scannable(modules: nnx.Module) -> nnx.Module:
     """`modules` as `nnx.scan` may take them: themselves, or a copy (the same values, variables of this trace) when
     a variable belongs to an enclosing trace. Such a variable cannot be written here, so nothing is lost: the
-    layers' forward pass reads its variables and never writes them (DeepSeek-V3's routing bias is moved after the
+    layers' forward pass reads its variables and never writes them (a router's bias is moved after the
     step, `zoo.layers.moe.update_routing_bias`)."""
     if all(getattr(v, "_can_update", True) for _, v in nnx.iter_graph(modules) if isinstance(v, nnx.Variable)):
         return modules

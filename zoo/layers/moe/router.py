@@ -131,7 +131,7 @@ def switch_balance_loss(probs: jax.Array, idx: jax.Array, *, weight: float) -> j
     compute per forward pass), which differs from the whole batch's. Exact equality would need every micro-batch's
     f_i before the first backward pass (a forward pass over the whole batch first): f_i enters the gradient as the
     weight of each token's d p_ti, and keeping per-expert gradients to reweight later costs E copies of them.
-    (DeepSeek-V3's `sequence_balance_loss` is a mean over sequences: it adds up exactly.)"""
+    (`sequence_balance_loss`, a mean over sequences, adds up exactly.)"""
     t, e = probs.shape
     f = jax.lax.stop_gradient(jnp.sum(jax.nn.one_hot(idx, e, dtype=jnp.float32), axis=(0, 1)) / t)
     return weight * e * jnp.sum(f * jnp.mean(probs, axis=0))
