@@ -1,7 +1,7 @@
 """Grouped-query attention (Ainslie et al., 2023, arXiv:2305.13245).
 
-x -> q [B,S,H,d], k and v [B,S,Hkv,d]; optionally (`qk_norm_eps`, arXiv:2505.09388) an RMSNorm over each head of q and of k;
-RoPE on q and k; causal attention (`zoo.layers.attention_kernel`); output projection.
+x -> q [B,S,H,d], k and v [B,S,Hkv,d]; optionally (`qk_norm_eps`, arXiv:2505.09388) an RMSNorm over each head of
+q and of k; RoPE on q and k; causal attention (`zoo.layers.attention_kernel`); output projection.
 Tags: query_proj, key_proj (after the norm and RoPE), value_proj, attention_out and context (the kernel's output and
 softmax statistics, named by the kernel), out_proj.
 
