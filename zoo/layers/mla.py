@@ -24,11 +24,11 @@ RoPE of `zoo.layers.rope`, which is exactly what transformers computes: a loader
 The tagged query_proj / key_proj hold the rope part in the de-interleaved (rotate-half) order, as transformers'
 query and key states do. With `rope_interleave=False` the weights are taken to be in rotate-half order already.
 
-Value head dim. The published model has qk 192 and v 128; cuDNN's kernel (through
-`jax.nn.dot_product_attention`) takes one head dim, so `zoo.layers.attention_kernel` pads the values with zeros for it and slices the output back: exact, and
-the tags value_proj and attention_out are the un-padded [B,S,H,v_head] tensors (the XLA kernel takes v_head as it
-is). Head dim 192 is within cuDNN flash attention's limit on Hopper (256). The kernel also names `context`, its
-softmax statistics [B,H,S].
+Value head dim. The published model has qk 192 and v 128; cuDNN's kernel (through `jax.nn.dot_product_attention`)
+takes one head dim, so `zoo.layers.attention_kernel` pads the values with zeros for it and slices the output back:
+exact, and the tags value_proj and attention_out are the un-padded [B,S,H,v_head] tensors (the XLA kernel takes
+v_head as it is). Head dim 192 is within cuDNN flash attention's limit on Hopper (256). The kernel also names
+`context`, its softmax statistics [B,H,S].
 """
 from __future__ import annotations
 
