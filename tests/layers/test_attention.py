@@ -26,6 +26,7 @@ TAGS = {
     "key_proj": ((B, S, KV, HD), None),        # after the k norm (Qwen3) and RoPE
     "value_proj": ((B, S, KV, HD), None),
     "attention_out": ((B, S, H, HD), None),    # the attention kernel's output
+    "context": ((B, H, S), jnp.float32),       # the kernel's softmax statistics (log-sum-exp), float32
     "out_proj": ((B, S, D), None),
 }
 # How check_grads checks the layer in float64: reverse mode (what training runs; a custom_vjp kernel has no forward

@@ -32,6 +32,7 @@ TAGS = {
     "key_proj": ((B, S, H, NOPE + ROPE), None),
     "value_proj": ((B, S, H, V), None),               # not padded to the q/k head dim
     "attention_out": ((B, S, H, V), None),            # the attention kernel's output, sliced back to V
+    "context": ((B, H, S), jnp.float32),              # the kernel's softmax statistics (log-sum-exp), float32
     "out_proj": ((B, S, D), None),
 }
 # How check_grads checks the layer in float64: reverse mode (what training runs; a custom_vjp kernel has no forward

@@ -20,7 +20,7 @@ CFG = zoo.models.LlamaConfig.preset("tiny", dtype="float32")
 CHUNKED = dataclasses.replace(CFG, mlp_seq_chunks=CHUNKS)
 # The recipes these tests place tensors by (the library's tests build their own values, not the application's sets).
 QKV = ("query_proj", "key_proj", "value_proj")
-MATMULS = QKV + ("attention_out", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo")
+MATMULS = QKV + ("attention_out", "context", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo")
 RECIPES = {"none": zoo.Recipe.none(), "full": zoo.Recipe.full(), "qkv_offload": zoo.Recipe("qkv_offload", offload=QKV),
            "minimal_offload": zoo.Recipe("minimal_offload", offload=MATMULS)}
 

@@ -17,7 +17,8 @@ INT_FIELDS = ("moe_intermediate_size", "first_k_dense_replace", "q_lora_rank", "
               "n_group", "topk_group", "num_nextn_predict_layers")
 FLOAT_FIELDS = ("routed_scaling_factor",)
 BOOL_FIELDS = ("norm_topk_prob", "rope_interleave")
-SUPPORTED = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+SUPPORTED = ("max_position_embeddings",
+             "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
                       "first_k_dense_replace", "num_attention_heads", "num_key_value_heads", "q_lora_rank",
                       "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
                       "num_experts_per_tok", "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor",
@@ -25,7 +26,7 @@ SUPPORTED = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate
                       "rms_norm_eps", "tie_word_embeddings", "hidden_act", "attention_bias", "topk_method",
                       "scoring_func", "moe_layer_freq", "num_nextn_predict_layers", "architectures", "model_type",
                       "dtype", "torch_dtype")
-IGNORED = ("max_position_embeddings", "attention_dropout", "initializer_range", "bos_token_id",
+IGNORED = ("attention_dropout", "initializer_range", "bos_token_id",
                     "eos_token_id", "pad_token_id", "use_cache", "pretraining_tp", "transformers_version", "ep_size",
                     "aux_loss_alpha", "seq_aux", "head_dim", "qk_head_dim", "output_router_logits", "auto_map")
 UNSUPPORTED: dict[str, Any] = {"hidden_act": "silu", "attention_bias": False, "topk_method": "noaux_tc",
@@ -81,7 +82,7 @@ def from_hf(hf: dict, *, param_dtype: str) -> DeepSeekV3Config:
         rope_scaling=None if scaling is None else yarn_from_hf(scaling),
         rope_interleave=bool(hf.get("rope_interleave", True)), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         mtp_depths=hf.get("num_nextn_predict_layers") or 0, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        dtype=activation_dtype(param_dtype), param_dtype=param_dtype)
+        max_seq_len=hf.get("max_position_embeddings"), dtype=activation_dtype(param_dtype), param_dtype=param_dtype)
 
 
 def to_hf(cfg: DeepSeekV3Config) -> dict:
@@ -102,7 +103,8 @@ def to_hf(cfg: DeepSeekV3Config) -> dict:
         scoring_func="sigmoid", moe_layer_freq=1, num_nextn_predict_layers=cfg.mtp_depths, hidden_act="silu",
         attention_bias=False, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, rope_scaling=rope_scaling,
         rope_interleave=cfg.rope_interleave, tie_word_embeddings=cfg.tie_embeddings,
-        max_position_embeddings=4096 if s is None else int(s.original_max_position_embeddings * s.factor),
+        max_position_embeddings=cfg.max_seq_len or (
+            4096 if s is None else int(s.original_max_position_embeddings * s.factor)),
         torch_dtype=cfg.param_dtype)
 
 

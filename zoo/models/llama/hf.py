@@ -9,11 +9,12 @@ from zoo.layers import Llama3Scaling
 from zoo.models.llama.config import LlamaConfig
 
 ARCHITECTURE, MODEL_TYPE = "LlamaForCausalLM", "llama"
-SUPPORTED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+SUPPORTED = ("max_position_embeddings",
+             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
              "tie_word_embeddings", "hidden_act", "attention_bias", "mlp_bias", "architectures", "model_type", "dtype",
              "torch_dtype")
-IGNORED = ("max_position_embeddings", "attention_dropout", "initializer_range", "bos_token_id", "eos_token_id",
+IGNORED = ("attention_dropout", "initializer_range", "bos_token_id", "eos_token_id",
            "pad_token_id", "use_cache", "pretraining_tp", "transformers_version")
 UNSUPPORTED: dict[str, Any] = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
                                "quantization_config": None, "sliding_window": None}
@@ -41,7 +42,7 @@ def from_hf(hf: dict, *, param_dtype: str) -> LlamaConfig:
         head_dim=hf.get("head_dim") or dim // heads,
         mlp_dim=require(hf, "intermediate_size"), rope_theta=theta, rope_scaling=rope_scaling,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        dtype=activation_dtype(param_dtype), param_dtype=param_dtype)
+        max_seq_len=hf.get("max_position_embeddings"), dtype=activation_dtype(param_dtype), param_dtype=param_dtype)
 
 
 def to_hf(cfg: LlamaConfig) -> dict:
@@ -55,7 +56,7 @@ def to_hf(cfg: LlamaConfig) -> dict:
         num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_act="silu", rms_norm_eps=cfg.norm_eps,
         rope_theta=cfg.rope_theta, rope_scaling=rope_scaling, tie_word_embeddings=cfg.tie_embeddings,
         attention_bias=False, mlp_bias=False,
-        max_position_embeddings=131072,  # Llama 3.1's context; metadata only (RoPE needs no maximum)
+        max_position_embeddings=cfg.max_seq_len or 131072,  # the context (max_seq_len); 131072 for a slice
         torch_dtype=cfg.param_dtype)
 
 

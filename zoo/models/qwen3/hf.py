@@ -8,11 +8,12 @@ from zoo.hf.keymap import GQA, NORMS, SWIGLU, Entry, embed_and_head, stacked
 from zoo.models.qwen3.config import Qwen3Config
 
 ARCHITECTURE, MODEL_TYPE = "Qwen3ForCausalLM", "qwen3"
-SUPPORTED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+SUPPORTED = ("max_position_embeddings",
+             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
              "tie_word_embeddings", "hidden_act", "attention_bias", "use_sliding_window", "architectures",
              "model_type", "dtype", "torch_dtype")
-IGNORED = ("max_position_embeddings", "attention_dropout", "initializer_range", "bos_token_id", "eos_token_id",
+IGNORED = ("attention_dropout", "initializer_range", "bos_token_id", "eos_token_id",
            "pad_token_id", "use_cache", "transformers_version", "sliding_window", "max_window_layers", "layer_types")
 UNSUPPORTED: dict[str, Any] = {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False,
                                "quantization_config": None}
@@ -33,7 +34,7 @@ def from_hf(hf: dict, *, param_dtype: str) -> Qwen3Config:
         num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or dim // heads, mlp_dim=require(hf, "intermediate_size"), rope_theta=theta,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        dtype=activation_dtype(param_dtype), param_dtype=param_dtype)
+        max_seq_len=hf.get("max_position_embeddings"), dtype=activation_dtype(param_dtype), param_dtype=param_dtype)
 
 
 def to_hf(cfg: Qwen3Config) -> dict:
@@ -43,7 +44,7 @@ def to_hf(cfg: Qwen3Config) -> dict:
         num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_act="silu", attention_bias=False,
         use_sliding_window=False, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, rope_scaling=None,
         tie_word_embeddings=cfg.tie_embeddings,
-        max_position_embeddings=40960,  # Qwen3's context; metadata only (RoPE needs no maximum)
+        max_position_embeddings=cfg.max_seq_len or 40960,  # the context (max_seq_len); 40960 for a slice
         torch_dtype=cfg.param_dtype)
 
 

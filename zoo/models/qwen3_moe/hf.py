@@ -13,12 +13,13 @@ INT_FIELDS = ("moe_intermediate_size", "num_experts", "num_local_experts", "num_
               "decoder_sparse_step")
 FLOAT_FIELDS = ("router_aux_loss_coef",)
 BOOL_FIELDS = ("norm_topk_prob", "use_sliding_window")
-SUPPORTED = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+SUPPORTED = ("max_position_embeddings",
+             "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
              "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts", "num_local_experts",
              "num_experts_per_tok", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef",
              "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings", "hidden_act",
              "attention_bias", "use_sliding_window", "architectures", "model_type", "dtype", "torch_dtype")
-IGNORED = ("max_position_embeddings", "attention_dropout", "initializer_range", "bos_token_id", "eos_token_id",
+IGNORED = ("attention_dropout", "initializer_range", "bos_token_id", "eos_token_id",
            "pad_token_id", "use_cache", "transformers_version", "output_router_logits", "sliding_window",
            "max_window_layers")
 UNSUPPORTED: dict[str, Any] = {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False,
@@ -49,7 +50,7 @@ def from_hf(hf: dict, *, param_dtype: str) -> Qwen3MoeConfig:
         decoder_sparse_step=hf.get("decoder_sparse_step") or 1, mlp_only_layers=tuple(sorted(set(only))),
         balance_loss_weight=float(hf.get("router_aux_loss_coef", 1e-3)), rope_theta=theta,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        dtype=activation_dtype(param_dtype), param_dtype=param_dtype)
+        max_seq_len=hf.get("max_position_embeddings"), dtype=activation_dtype(param_dtype), param_dtype=param_dtype)
 
 
 def to_hf(cfg: Qwen3MoeConfig) -> dict:
@@ -62,7 +63,7 @@ def to_hf(cfg: Qwen3MoeConfig) -> dict:
         router_aux_loss_coef=cfg.balance_loss_weight, hidden_act="silu", attention_bias=False,
         use_sliding_window=False, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, rope_scaling=None,
         tie_word_embeddings=cfg.tie_embeddings,
-        max_position_embeddings=40960,  # Qwen3's context; metadata only (RoPE needs no maximum)
+        max_position_embeddings=cfg.max_seq_len or 40960,  # the context (max_seq_len); 40960 for a slice
         torch_dtype=cfg.param_dtype)
 
 
