@@ -8,13 +8,12 @@ both stacks: the dense stack emits no moe_* tags and simply ignores them.
 On a slower link (the H200's PCIe: ~55 GB/s) the study's ~192 KiB/token/layer cannot hide behind the compute;
 the low-rank recipes move the small MLA latents instead and recompute the up-projections from them (docs/benchmarks).
 """
+from recipes.context import CONTEXT, context_recipes
 from zoo import Recipe
 
 MLA_QKV = ("query_proj", "key_proj", "value_proj")
 MOE_UP = ("moe_mlpwi_0", "moe_mlpwi_1")
 STUDY = MLA_QKV + MOE_UP
-# The attention kernel's output and softmax statistics: keeping both leaves no attention forward in the backward pass.
-CONTEXT = ("attention_out", "context")
 
 DEFAULT = "mla_moe_offload"  # the study's recipe: what `--recipe` runs when not given
 RECIPES: dict[str, Recipe] = {
@@ -33,13 +32,8 @@ RECIPES: dict[str, Recipe] = {
                                              "rope key too) and the MoE up-projections to pinned host memory: the "
                                              "low-rank recipe measured in docs/benchmarks; the backward pass "
                                              "recomputes no down-projection"),
-    "context_save": Recipe("context_save", device=CONTEXT,
-                           description="MLA's attention output and softmax statistics kept in HBM: no attention "
-                                       "forward in the backward pass"),
-    "context_offload": Recipe("context_offload", offload=CONTEXT,
-                              description="MLA's attention output and softmax statistics to pinned host memory: long "
-                                          "context's recipe (attention recompute grows as S^2)"),
     "lowrank_context_offload": Recipe("lowrank_context_offload",
                                       offload=("query_wa_proj", "kv_wa_proj") + MOE_UP + CONTEXT,
                                       description="lowrank_wa_offload plus the attention output and statistics"),
+    **context_recipes("MLA's"),
 }

@@ -4,12 +4,10 @@ The reference study offloads the query, key and value projections of Llama 3.1 4
 batch 2, seq 8192, bf16) to host memory and recomputes the rest: +2.9% over full remat on GB200 with the
 latency-hiding scheduler, and the HBM freed goes to the batch.
 """
+from recipes.context import CONTEXT, context_recipes
 from zoo import Recipe
 
 QKV = ("query_proj", "key_proj", "value_proj")
-# The attention kernel's output and softmax statistics: keeping both leaves no attention forward in the backward
-# pass, whose cost grows as the square of the sequence while their bytes grow as the sequence.
-CONTEXT = ("attention_out", "context")
 # Every matmul output, and the kernel's statistics with its output: `minimal` recomputes only elementwise work.
 MATMULS = QKV + CONTEXT + ("out_proj", "mlpwi_0", "mlpwi_1", "mlpwo")
 
@@ -20,12 +18,6 @@ RECIPES: dict[str, Recipe] = {
     "save_qkv": Recipe("save_qkv", device=QKV, description="the study's tensors kept in HBM (its on-device twin)"),
     "qkv_offload": Recipe("qkv_offload", offload=QKV,
                           description="the study's recipe: q, k, v after RoPE to pinned host memory"),
-    "context_save": Recipe("context_save", device=CONTEXT,
-                           description="the attention kernel's output and softmax statistics kept in HBM: no "
-                                       "attention forward in the backward pass"),
-    "context_offload": Recipe("context_offload", offload=CONTEXT,
-                              description="the attention kernel's output and softmax statistics to pinned host "
-                                          "memory: long context's recipe (attention recompute grows as S^2)"),
     "qkv_context_offload": Recipe("qkv_context_offload", offload=QKV + CONTEXT,
                                   description="q, k, v and the attention kernel's output and statistics to pinned "
                                               "host memory"),
@@ -37,4 +29,5 @@ RECIPES: dict[str, Recipe] = {
     "minimal_offload": Recipe("minimal_offload", offload=MATMULS,
                               description="every matmul output and the attention statistics offloaded to pinned "
                                           "host memory"),
+    **context_recipes(),
 }

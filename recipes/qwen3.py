@@ -4,11 +4,10 @@ The reference study's recipe on Qwen3's GQA: the query, key and value projection
 norm and RoPE) offloaded to pinned host memory while the rest is recomputed, beside its on-device twin and the
 baselines.
 """
+from recipes.context import CONTEXT, context_recipes
 from zoo import Recipe
 
 QKV = ("query_proj", "key_proj", "value_proj")
-# The attention kernel's output and softmax statistics: keeping both leaves no attention forward in the backward pass.
-CONTEXT = ("attention_out", "context")
 MATMULS = QKV + CONTEXT + ("out_proj", "mlpwi_0", "mlpwi_1", "mlpwo")
 
 DEFAULT = "qkv_offload"  # the study's recipe: what `--recipe` runs when not given
@@ -18,11 +17,6 @@ RECIPES: dict[str, Recipe] = {
     "save_qkv": Recipe("save_qkv", device=QKV, description="the study's tensors kept in HBM (its on-device twin)"),
     "qkv_offload": Recipe("qkv_offload", offload=QKV,
                           description="the study's recipe: q, k (after norm and RoPE) and v to pinned host memory"),
-    "context_save": Recipe("context_save", device=CONTEXT,
-                           description="the attention kernel's output and softmax statistics kept in HBM"),
-    "context_offload": Recipe("context_offload", offload=CONTEXT,
-                              description="the attention kernel's output and softmax statistics to pinned host "
-                                          "memory: long context's recipe (attention recompute grows as S^2)"),
     "qkv_context_offload": Recipe("qkv_context_offload", offload=QKV + CONTEXT,
                                   description="q, k, v and the attention kernel's output and statistics to pinned "
                                               "host memory"),
@@ -31,4 +25,5 @@ RECIPES: dict[str, Recipe] = {
     "minimal_offload": Recipe("minimal_offload", offload=MATMULS,
                               description="every matmul output and the attention statistics offloaded to pinned "
                                           "host memory"),
+    **context_recipes(),
 }

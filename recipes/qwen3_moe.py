@@ -5,12 +5,11 @@ RoPE, v) and the routed experts' up-projections (gate and up, over the dispatche
 memory while the rest is recomputed. One recipe covers every stack: a dense stack emits no moe_* tags and ignores
 them.
 """
+from recipes.context import CONTEXT, context_recipes
 from zoo import Recipe
 
 QKV = ("query_proj", "key_proj", "value_proj")
 MOE_UP = ("moe_mlpwi_0", "moe_mlpwi_1")
-# The attention kernel's output and softmax statistics: keeping both leaves no attention forward in the backward pass.
-CONTEXT = ("attention_out", "context")
 
 DEFAULT = "qkv_moe_offload"  # what `--recipe` runs when not given
 RECIPES: dict[str, Recipe] = {
@@ -23,11 +22,7 @@ RECIPES: dict[str, Recipe] = {
     "qkv_moe_offload": Recipe("qkv_moe_offload", offload=QKV + MOE_UP,
                               description="both: the attention projections and the MoE up-projections to pinned "
                                           "host memory"),
-    "context_save": Recipe("context_save", device=CONTEXT,
-                           description="the attention kernel's output and softmax statistics kept in HBM"),
-    "context_offload": Recipe("context_offload", offload=CONTEXT,
-                              description="the attention kernel's output and softmax statistics to pinned host "
-                                          "memory: long context's recipe"),
     "qkv_context_moe_offload": Recipe("qkv_context_moe_offload", offload=QKV + CONTEXT + MOE_UP,
                                       description="qkv_moe_offload plus the attention output and statistics"),
+    **context_recipes(),
 }
