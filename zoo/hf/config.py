@@ -104,3 +104,9 @@ def param_dtype_of(hf: dict, dtype, tensor_dtype: str | None) -> str:
 def activation_dtype(param_dtype: str) -> str:
     """float32 parameters compute in float32 (exact parity); bf16/fp16 parameters compute in bfloat16."""
     return "float32" if param_dtype == "float32" else "bfloat16"
+
+
+def context_field(cfg) -> dict:
+    """config.json's `max_position_embeddings` from the config's `max_seq_len` (the context its positions were made
+    for), left out where the config sets none (a slice or a tiny model: transformers then takes its default)."""
+    return {} if cfg.max_seq_len is None else {"max_position_embeddings": cfg.max_seq_len}

@@ -6,7 +6,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from zoo.hf.config import activation_dtype, check_types, check_unsupported, require, rope_settings
+from zoo.hf.config import activation_dtype, check_types, check_unsupported, context_field, require, rope_settings
 from zoo.hf.keymap import NORMS, ROUTED_EXPERTS, SWIGLU, Entry, embed_and_head, stacked
 from zoo.layers import YarnScaling
 from zoo.models.deepseek.config import DeepSeekV3Config
@@ -103,9 +103,7 @@ def to_hf(cfg: DeepSeekV3Config) -> dict:
         scoring_func="sigmoid", moe_layer_freq=1, num_nextn_predict_layers=cfg.mtp_depths, hidden_act="silu",
         attention_bias=False, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, rope_scaling=rope_scaling,
         rope_interleave=cfg.rope_interleave, tie_word_embeddings=cfg.tie_embeddings,
-        max_position_embeddings=cfg.max_seq_len or (
-            4096 if s is None else int(s.original_max_position_embeddings * s.factor)),
-        torch_dtype=cfg.param_dtype)
+        torch_dtype=cfg.param_dtype, **context_field(cfg))
 
 
 # -- tensor keys ------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zoo.hf.config import activation_dtype, check_types, check_unsupported, require, rope_settings
+from zoo.hf.config import activation_dtype, check_types, check_unsupported, context_field, require, rope_settings
 from zoo.hf.keymap import GQA, NORMS, SWIGLU, Entry, embed_and_head, stacked
 from zoo.layers import Llama3Scaling
 from zoo.models.llama.config import LlamaConfig
@@ -56,8 +56,7 @@ def to_hf(cfg: LlamaConfig) -> dict:
         num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_act="silu", rms_norm_eps=cfg.norm_eps,
         rope_theta=cfg.rope_theta, rope_scaling=rope_scaling, tie_word_embeddings=cfg.tie_embeddings,
         attention_bias=False, mlp_bias=False,
-        max_position_embeddings=cfg.max_seq_len or 131072,  # the context (max_seq_len); 131072 for a slice
-        torch_dtype=cfg.param_dtype)
+        torch_dtype=cfg.param_dtype, **context_field(cfg))
 
 
 def keys(cfg: LlamaConfig) -> list[Entry]:

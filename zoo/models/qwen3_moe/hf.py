@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zoo.hf.config import activation_dtype, check_types, check_unsupported, require, rope_settings
+from zoo.hf.config import activation_dtype, check_types, check_unsupported, context_field, require, rope_settings
 from zoo.hf.keymap import GQA, NORMS, ROUTED_EXPERTS, SWIGLU, Entry, embed_and_head, stacked
 from zoo.models.qwen3_moe.config import Qwen3MoeConfig
 from zoo.models.qwen3_moe.model import stack_names
@@ -63,8 +63,7 @@ def to_hf(cfg: Qwen3MoeConfig) -> dict:
         router_aux_loss_coef=cfg.balance_loss_weight, hidden_act="silu", attention_bias=False,
         use_sliding_window=False, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, rope_scaling=None,
         tie_word_embeddings=cfg.tie_embeddings,
-        max_position_embeddings=cfg.max_seq_len or 40960,  # the context (max_seq_len); 40960 for a slice
-        torch_dtype=cfg.param_dtype)
+        torch_dtype=cfg.param_dtype, **context_field(cfg))
 
 
 def keys(cfg: Qwen3MoeConfig) -> list[Entry]:
