@@ -79,13 +79,10 @@ def dispatch_equals_one_device(spec: str):
         with sharding.use(mesh):
             got = vjp(jax.jit(lambda x, idx, w: expert_parallel.expert_parallel(x, idx, w, grouped)), x, idx, w)
         (out, dx, dw), (out0, dx0, dw0) = got, want
-        np.testing.assert_array_equal(out, out0, err_msg=f"{spec} {name}: output")
-        np.testing.assert_array_equal(dx, dx0, err_msg=f"{spec} {name}: tokens' gradient")
-        if ep == jax.device_count():   # each expert's rows on one device, in token order: the same sums
-            for a, b in zip(dw, dw0):
-                np.testing.assert_array_equal(a, b, err_msg=f"{spec} {name}: experts' gradient")
-        else:
-            assert max_rel_err(dw, dw0) < 1e-6, (spec, name, max_rel_err(dw, dw0))
+        # The same sums over other row blocks: XLA's CPU kernels block a dot by its row count, so a device's share
+        # of the rows rounds apart from the whole batch's in the last bits (2e-7 seen); 1e-6 is far below an error.
+        for what, got_, want_ in (("output", out, out0), ("tokens' gradient", dx, dx0), ("experts' gradient", dw, dw0)):
+            assert max_rel_err(got_, want_) < 1e-6, (spec, name, what, max_rel_err(got_, want_))
         print(f"{spec} {name}: dispatch equals one device's (outputs and gradients)")
 
 
