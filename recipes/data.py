@@ -22,7 +22,6 @@ consecutive ids at an offset drawn from (seed, step). `write_tokens` writes such
 """
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable
 from typing import Protocol
@@ -30,8 +29,7 @@ from typing import Protocol
 import numpy as np
 
 from recipes import text
-
-DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+from recipes.token_file import DTYPES, fingerprint  # noqa: F401  (the token file's own facts)
 
 
 class Source(Protocol):
@@ -172,21 +170,6 @@ class TokenFile:
 
 
 SAMPLE_CHUNKS, SAMPLE_IDS = 16, 4096      # the start-up sample: 16 chunks of 4096 ids spread over the file
-FINGERPRINT_CHUNKS, FINGERPRINT_BYTES = 64, 1 << 16
-
-
-def fingerprint(fd: int, size: int) -> str:
-    """SHA-256 of a file's size and 64 chunks of 64 KiB spread evenly over it (the whole file up to 4 MiB): a
-    token file rewritten, re-tokenized, appended to or cut changes it, and reading it costs milliseconds even
-    for terabytes. An edit confined to the bytes between the chunks is not seen."""
-    h = hashlib.sha256(str(size).encode())
-    n = min(FINGERPRINT_CHUNKS, -(-size // FINGERPRINT_BYTES))
-    for k in range(n):
-        offset = 0 if n == 1 else k * (size - FINGERPRINT_BYTES) // (n - 1)
-        h.update(os.pread(fd, FINGERPRINT_BYTES, max(offset, 0)))
-    return h.hexdigest()[:32]
-
-
 def open_data(path: str | os.PathLike, *, tokenizer: str | None, vocab: int, batch: int, seq: int, seed: int,
               dtype: str | None, heldout: float = 0.0, say: Callable[[str], None] = print,
               progress: Callable | None = None, encoding: str | None = None) -> tuple[TokenFile, TokenFile | None]:

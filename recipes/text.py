@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from recipes.token_file import DTYPES, fingerprint
+
 SUFFIXES = (".txt", ".jsonl")
 EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]", "<|im_end|>")
 PIECE = 1 << 20            # characters per piece handed to the tokenizer
@@ -209,7 +211,6 @@ def cached(out: Path, say: Callable[[str], None]) -> dict | None:
     try:
         record = json.loads(meta.read_text())
         tokens, dtype, want = int(record["tokens"]), record["dtype"], record["fingerprint"]
-        from recipes.data import DTYPES, fingerprint
         size = tokens * DTYPES[dtype].itemsize
         with open(out, "rb") as f:
             have = os.fstat(f.fileno()).st_size
@@ -281,7 +282,6 @@ def prepare(data: str | os.PathLike, tokenizer: str | os.PathLike, *, vocab: int
 def _make(tok, tok_file: Path, files: list[Path], eos: int, dtype: str, out: Path, encoding: str | None,
           say: Callable[[str], None], progress: Callable | None) -> dict:
     """Tokenize `files` into the cache entry `out` (token file, then its record; each renamed into place)."""
-    from recipes.data import fingerprint
     total = sum(f.stat().st_size for f in files)
     say(f"tokenizing {len(files)} file(s), {total / 2 ** 20:.1f} MiB, with {tok_file} (eos id {eos}) "
         f"into {out} ...")
