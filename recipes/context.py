@@ -3,8 +3,7 @@
 recomputed. Keeping both leaves no attention forward in the backward pass, whose cost grows as the square of the
 sequence while their bytes grow as the sequence (docs/long-context.md)."""
 from zoo import Recipe
-
-CONTEXT = ("attention_out", "context")
+from zoo.recipe import ATTENTION_RESIDUALS as CONTEXT
 
 
 def context_recipes(kernel: str = "the attention kernel's") -> dict[str, Recipe]:

@@ -26,10 +26,12 @@ Placement = Literal["device", "offload", "remat"]
 # The only destination JAX moves to host memory. Any other string (e.g. "host") silently keeps the value on the
 # device, which is why it is fixed here and not a parameter.
 OFFLOAD_DST = "pinned_host"
-# Tags that only pay together: the attention kernel's backward reads its output (attention_out) and its softmax
-# statistics (context); keeping one without the other leaves the forward kernel in the backward pass to make the
-# missing one, so the kept one saves nothing (zoo.layers.attention_kernel).
-TOGETHER = (("attention_out", "context"),)
+# The attention kernel's residuals: its output (attention_out) and its softmax statistics (context). Its backward
+# reads both; keeping one without the other leaves the forward kernel in the backward pass to make the missing one,
+# so the kept one saves nothing (zoo.layers.attention_kernel).
+ATTENTION_RESIDUALS = ("attention_out", "context")
+# Tags that only pay together.
+TOGETHER = (ATTENTION_RESIDUALS,)
 
 
 def _expand(patterns: tuple[str, ...], names: Iterable[str]) -> tuple[str, ...]:

@@ -34,6 +34,7 @@ import jax.extend.core
 import jax.numpy as jnp
 from flax import nnx
 
+from zoo import recipe as recipe_lib
 from zoo import tags as tags_lib
 from zoo.layers.attention_kernel import SCOPE as ATTENTION_SCOPE
 from zoo.layers.attention_kernel import attention_flops
@@ -189,7 +190,7 @@ def model_residuals(model, tokens: jax.Array) -> list[Residual]:
 
 # -- what the backward pass re-runs ---------------------------------------------------------------------------------
 # The tags whose keeping leaves no attention forward in the backward pass (the kernel's residuals).
-ATTENTION_RESIDUALS = frozenset({"attention_out", "context"})
+ATTENTION_RESIDUALS = frozenset(recipe_lib.ATTENTION_RESIDUALS)
 
 
 def _in_attention_kernel(eqn) -> bool:
@@ -265,25 +266,28 @@ class LayerCost:
     def remat_flops(self, saved: frozenset[str]) -> int:
         """Forward FLOPs the backward pass re-runs when the tags `saved` are kept (in HBM or on the host)."""
         if saved not in self._cache:
-            # the kernel's forward re-runs unless both of its residuals are kept (zoo.recipe.TOGETHER)
-            whole = ATTENTION_RESIDUALS <= saved
-            attention = 0 if whole else self.attention_flops
-            kept = saved if whole else saved - ATTENTION_RESIDUALS
+            attention = self._attention_again(saved)
+            kept = saved - ATTENTION_RESIDUALS if attention else saved
             policy = Recipe("saved", device=tuple(sorted(kept))).policy()
             self._cache[saved] = self._grad_flops(policy) - self._grad_none + attention
         return self._cache[saved]
 
+    def _attention_again(self, saved) -> int:
+        """Attention's forward FLOPs run again when the tags `saved` are kept: all of them unless both of the
+        kernel's residuals are kept (zoo.recipe.TOGETHER)."""
+        return 0 if ATTENTION_RESIDUALS <= saved else self.attention_flops
+
+    @staticmethod
+    def _kept(recipe: Recipe, emitted) -> frozenset[str]:
+        return frozenset(t for t in emitted if recipe.placement(t) != "remat")
+
     def recipe_attention_flops(self, recipe: Recipe, emitted) -> int:
         """Of `recipe_flops`, attention's forward run again (0 where the recipe keeps the kernel's residuals)."""
-        if recipe.special == "none" or ATTENTION_RESIDUALS <= {t for t in emitted if recipe.placement(t) != "remat"}:
-            return 0
-        return self.attention_flops
+        return 0 if recipe.special == "none" else self._attention_again(self._kept(recipe, emitted))
 
     def recipe_flops(self, recipe: Recipe, emitted) -> int:
         """Forward FLOPs the backward pass re-runs under `recipe`."""
-        if recipe.special == "none":
-            return 0
-        return self.remat_flops(frozenset(t for t in emitted if recipe.placement(t) != "remat"))
+        return 0 if recipe.special == "none" else self.remat_flops(self._kept(recipe, emitted))
 
 
 @functools.lru_cache(maxsize=32)
