@@ -28,8 +28,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 import zoo
-from bench.common import guarded, step_options
+from bench.common import guarded, matmul_params, step_options
 from recipes.registry import recipes_of
+from zoo.layers.attention_kernel import attention_flops
 from zoo.models.registry import family
 from zoo.plan import peak as peak_lib
 
@@ -53,11 +54,9 @@ def stack_flops(model, batch: int, seq: int) -> float:
     """Model FLOPs of one step of the stacks: 3 x (2 x matmul parameters x tokens + causal attention)."""
     total = 0.0
     for stack in model.stacks().values():
-        matmul = sum(p.size for path, p in nnx.to_flat_state(nnx.state(stack, nnx.Param)) if path[-1] == "kernel")
         tags = stack.tag_shapes(stack.abstract_input(batch, seq))
-        q, v = tags["query_proj"], tags["value_proj"]
-        attention = batch * q.shape[2] * seq * seq * (q.shape[3] + v.shape[3])   # causal: half of 2 x 2 B H S^2 d
-        total += 3 * (2 * batch * seq * matmul + stack.num_layers * attention)
+        attention = attention_flops(tags["query_proj"], tags["value_proj"])
+        total += 3 * (2 * batch * seq * matmul_params(stack) + stack.num_layers * attention)
     return total
 
 
@@ -78,15 +77,13 @@ def main():
     recipe = recipes_of(family(a.family))[a.recipe] if a.recipe != "auto" else "auto"
 
     def run():
-        chosen = recipe
-        if recipe == "auto":
-            chosen = zoo.plan.plan(cfg, "auto", batch=a.batch, seq=seq, peak=None,
-                              training=zoo.plan.Training(optimizer="sgd")).recipe
+        # one plan: for "auto" it is the plan of the recipe it chose
+        p = zoo.plan.plan(cfg, recipe, batch=a.batch, seq=seq, peak=None, training=zoo.plan.Training(optimizer="sgd"))
+        chosen = p.recipe
         model = family(a.family).build(cfg, recipe=chosen, rngs=nnx.Rngs(0))
         flops = stack_flops(model, a.batch, seq)
-        p = zoo.plan.plan(cfg, chosen, batch=a.batch, seq=seq, peak=None, training=zoo.plan.Training(optimizer="sgd"))
         est = p.step_time(stacks_only=True)
-        stacks = {n: s for n, s in model.stacks().items()}
+        stacks = dict(model.stacks())
         graphdef, params, rest = nnx.split(nnx.Dict(stacks), nnx.Param, ...)
         del model
         policy = chosen.policy()
