@@ -11,7 +11,7 @@ state lives; every record carries `L`, `B`, `opt_state` and `grad_accum`.
 `main` runs the real command line in a child process (its own XLA flag set, `--metrics` file, one line per step)
 and turns the metrics into one record: median step time and model TFLOP/s of the steps after the first two,
 peak HBM and host bytes as the job reports them, dropped copies. The parent plans on the CPU only (it never
-touches the GPU the child uses). Both modes count the same model FLOPs (`zoo.models.llama.flops_per_token`),
+touches the GPU the child uses). Both modes count the same model FLOPs (the `llama3` family's `flops_per_token`),
 so their TFLOP/s compare. `--smoke`: the tiny preset on any device (checks the script only).
 """
 from __future__ import annotations
@@ -124,7 +124,7 @@ def run_sgd(a) -> None:
     from bench.common import guarded, measure, planned
     from recipes.llama3 import RECIPES
     from zoo.layers.attention import resolve_impl
-    from zoo.models.llama import flops_per_token as llama_flops_per_token
+    from zoo.models.llama3 import flops_per_token as llama_flops_per_token
 
     m = _shape(a)
     cfg = zoo.models.LlamaConfig.preset("tiny" if a.smoke else "llama3_1_8b", num_layers=m["layers"],

@@ -28,7 +28,7 @@ from flax import nnx
 
 from bench.common import emit, peak_bytes
 from recipes.registry import recipes_of
-from zoo.models.llama import flops_per_token as llama_flops_per_token
+from zoo.models.llama3 import flops_per_token as llama_flops_per_token
 from zoo.models.registry import family
 from zoo.optim import lr_schedule, make_optimizer
 from zoo.plan.peak import from_compiled

@@ -320,3 +320,23 @@ def test_the_site_builds(tmp_path):
                          env={**cpu_env(), "NO_MKDOCS_2_WARNING": "1"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (tmp_path / "site" / "api" / "plan" / "index.html").stat().st_size > 10_000
+
+
+def test_the_models_table_is_the_registry():
+    """docs/models.md's table lists every registered family, with its builder, config class, presets and recipes as
+    the registry and `recipes.<family>` have them now (a family added or a recipe renamed shows up here)."""
+    import recipes
+    from zoo.models import registry
+    rows = [line for line in (ROOT / "docs" / "models.md").read_text().splitlines()
+            if line.startswith("| `") and line.count("|") == 6]
+    table = {}
+    for line in rows:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        table[cells[0].strip("`")] = cells[1:]
+    assert set(table) == set(registry.FAMILIES)
+    for name, (builder, config, presets, recipe_cells) in table.items():
+        f, rs = registry.family(name), getattr(recipes, name)
+        assert builder == f"`zoo.models.{name}`" and config == f"`zoo.models.{f.config_cls.__name__}`", name
+        assert set(re.findall(r"`(\w+)`", presets)) == set(f.presets()), name
+        assert re.findall(r"`(\w+)`", recipe_cells) == list(rs.RECIPES), name
+        assert f"`{rs.DEFAULT}` (default)" in recipe_cells, name

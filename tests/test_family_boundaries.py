@@ -154,3 +154,15 @@ def test_a_family_declares_defaults_only_for_its_own_presets():
     with pytest.raises(ValueError, match=r"llama_copy: training defaults for \['qwen3_8b'\], which are not its "):
         registry.register(bad)
     assert "llama_copy" not in registry.FAMILIES
+
+
+def test_a_family_package_is_named_as_the_family_and_its_builder_too():
+    """`zoo/models/<family>/` is the family's package (its record comes from there), and `zoo.models.<family>` is
+    its builder: the function the record builds with."""
+    import importlib
+
+    import zoo
+    for f in registry.FAMILIES.values():
+        assert family_package(f) == f.name
+        assert importlib.import_module(f"zoo.models.{f.name}").FAMILY is f
+        assert getattr(zoo.models, f.name) is f.build

@@ -27,7 +27,7 @@ from flax import nnx
 
 import recipes.deepseek_v3
 import zoo
-from zoo.models.deepseek import ROUTING_BIAS_RATE, total_balance_loss, update_routing_bias
+from zoo.models.deepseek_v3 import ROUTING_BIAS_RATE, total_balance_loss, update_routing_bias
 
 cfg = zoo.models.DeepSeekV3Config.preset("tiny")          # 4 layers (2 dense, 2 MoE of 8 experts), float32
 recipe = recipes.deepseek_v3.RECIPES["mla_moe_offload"]

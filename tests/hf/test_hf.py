@@ -17,8 +17,8 @@ import zoo
 from zoo.hf import files as hf_files
 from zoo.hf import load as hf_load
 from zoo.layers import Llama3Scaling
-from zoo.models.deepseek import hf as deepseek_hf
-from zoo.models.llama import hf as llama_hf
+from zoo.models.deepseek_v3 import hf as deepseek_hf
+from zoo.models.llama3 import hf as llama_hf
 
 TINY = dict(vocab_size=48, dim=24, num_layers=2, num_heads=3, num_kv_heads=1, head_dim=8, mlp_dim=40,
             rope_scaling=Llama3Scaling(original_max_position_embeddings=16), dtype="float32", param_dtype="float32")
@@ -41,7 +41,7 @@ def llama(seed=0, **overrides):
 def deepseek(seed=0, **overrides):
     """A tiny DeepSeek-V3: one dense layer, two MoE layers, YaRN, 2 groups of 2 experts (1 kept), random biases."""
     from zoo.layers import YarnScaling
-    from zoo.models import deepseek as ds
+    from zoo.models.deepseek_v3 import model as ds
     cfg = ds.DeepSeekV3Config.preset("tiny", **{**dict(
         vocab_size=48, dim=24, num_layers=3, first_dense_layers=1, num_heads=3, q_lora_rank=12, kv_lora_rank=8,
         qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, mlp_dim=40, num_experts=4, num_experts_per_tok=2,
@@ -331,7 +331,7 @@ DEEPSEEK_V3 = {
 
 
 def test_published_deepseek_config_maps_to_the_preset():
-    from zoo.models import deepseek as ds
+    from zoo.models.deepseek_v3 import model as ds
     cfg = deepseek_hf.from_hf(DEEPSEEK_V3, param_dtype="bfloat16")
     # the published layout: the preset with its one MTP depth (num_nextn_predict_layers)
     assert cfg == ds.DeepSeekV3Config.preset("deepseek_v3_671b", param_dtype="bfloat16", dtype="bfloat16",
@@ -471,7 +471,7 @@ def test_deepseek_mtp_copies_must_equal_the_shared_tensors(tmp_path):
 
 def test_full_size_deepseek_key_map_matches_the_published_shapes():
     """DeepSeek-V3 671B: HF tensor shapes read off the zoo's abstract model (nothing allocated)."""
-    from zoo.models import deepseek as ds
+    from zoo.models.deepseek_v3 import model as ds
     cfg = ds.DeepSeekV3Config.preset("deepseek_v3_671b")
     model = nnx.eval_shape(lambda: ds.deepseek_v3(cfg, rngs=nnx.Rngs(0)))
     flat = dict(nnx.to_flat_state(nnx.state(model)))
@@ -493,7 +493,7 @@ def test_full_size_deepseek_key_map_matches_the_published_shapes():
 def test_full_size_deepseek_mtp_layer_matches_the_published_tensor_list():
     """Layer 61 of the published checkpoint, by name and shape, against the zoo's key map of the abstract model
     with its one MTP depth; the parameters it adds (its copies of the embedding and head excluded)."""
-    from zoo.models import deepseek as ds
+    from zoo.models.deepseek_v3 import model as ds
     cfg = ds.DeepSeekV3Config.preset("deepseek_v3_671b", mtp_depths=1)
     model = nnx.eval_shape(lambda: ds.deepseek_v3(cfg, rngs=nnx.Rngs(0)))
     flat = dict(nnx.to_flat_state(nnx.state(model)))

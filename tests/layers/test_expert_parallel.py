@@ -73,7 +73,7 @@ def test_planner_counts_the_receive_buffer_per_device(spec):
 
 def test_one_device_ragged_a2a_is_the_gather_path():
     """On a one-device mesh ragged_a2a runs as the dropless gather path (no shard_map): the same outputs."""
-    from zoo.models.deepseek import deepseek_moe
+    from zoo.models.deepseek_v3 import deepseek_moe
     x = jax.random.normal(jax.random.key(1), (2, 8, 64), jnp.float32)
     out = []
     for d in ("gather", "ragged_a2a"):

@@ -14,7 +14,7 @@ from tests.helpers import tiered
 from tests.layers import reference as ref
 from tests.layers.random_layers import jitted, random_layer
 from zoo.layers import MLA, Rope, YarnScaling
-from zoo.models.deepseek.hf import MLA as MLA_KEYS
+from zoo.models.deepseek_v3.hf import MLA as MLA_KEYS
 from zoo.tags import emitted_by
 
 B, S, D, H = 2, 8, 32, 3

@@ -15,7 +15,7 @@ from tests.layers import reference as ref
 from tests.layers.random_layers import jitted, random_layer
 from zoo.hf.keymap import ROUTED_EXPERTS
 from zoo.layers.moe import GroupLimitedRouter, SoftmaxRouter, sequence_balance_loss, switch_balance_loss
-from zoo.models.deepseek.hf import MOE as DEEPSEEK_MOE
+from zoo.models.deepseek_v3.hf import MOE as DEEPSEEK_MOE
 from zoo.tags import emitted
 
 T, D, E, K = 16, 16, 8, 2

@@ -1,15 +1,21 @@
-"""Models: the causal LM and its scanned stacks (shared), and one package per model family, each registering its
-`Family` record into `registry` when imported.
+"""Models: the causal LM and its scanned stacks (shared), and one package per model family, named as the family
+(`zoo/models/<family>/`), each registering its `Family` record into `registry` when imported.
 
 A family's registration is its line here: importing its package registers it and exports its model and config
-classes (its builder and the rest are the package's, `zoo.models.<package>`, or its record's,
-`registry.family(name)`).
+classes and its builder, under the family's name:
+
+    model = zoo.models.<family>(cfg, recipe=..., rngs=nnx.Rngs(0))   # the builder, under the family's name
+    from zoo.models.<family> import hf                                 # the package's parts: import them by name
+
+`zoo.models.<family>` is the builder, so reach the package's modules with `from zoo.models.<family> import ...`
+(or `importlib.import_module`, or `registry.family(name)` for its record), not by attribute
+(`zoo.models.<family>.hf` would look for `hf` on the function).
 """
 from zoo.models import registry  # noqa: F401
 from zoo.models.config import LMConfig, MoEConfig  # noqa: F401
-from zoo.models.deepseek import DeepSeekV3, DeepSeekV3Config, deepseek_v3  # noqa: F401
-from zoo.models.llama import Llama, LlamaConfig, llama3  # noqa: F401
+from zoo.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Config, deepseek_v3  # noqa: F401
+from zoo.models.llama3 import Llama, LlamaConfig, llama3  # noqa: F401
 from zoo.models.lm import CausalLM, StackTags, count_params  # noqa: F401
-from zoo.models.qwen3 import Qwen3, Qwen3Config  # noqa: F401
-from zoo.models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig  # noqa: F401
+from zoo.models.qwen3 import Qwen3, Qwen3Config, qwen3  # noqa: F401
+from zoo.models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig, qwen3_moe  # noqa: F401
 from zoo.models.stack import Stack  # noqa: F401

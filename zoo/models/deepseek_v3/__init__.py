@@ -6,9 +6,9 @@ from flax import nnx
 
 from zoo.layers.moe import total_balance_loss, update_routing_bias
 from zoo.models import registry
-from zoo.models.deepseek import hf, training
-from zoo.models.deepseek.config import DeepSeekV3Config
-from zoo.models.deepseek.model import DeepSeekDecoderLayer, DeepSeekV3, deepseek_moe, deepseek_v3
+from zoo.models.deepseek_v3 import hf, training
+from zoo.models.deepseek_v3.config import DeepSeekV3Config
+from zoo.models.deepseek_v3.model import DeepSeekDecoderLayer, DeepSeekV3, deepseek_moe, deepseek_v3
 from zoo.models.lm import non_embedding_params
 
 __all__ = ["FAMILY", "ROUTING_BIAS_RATE", "DeepSeekDecoderLayer", "DeepSeekV3", "DeepSeekV3Config", "deepseek_moe",

@@ -13,7 +13,7 @@ import zoo
 from recipes.llama3 import RECIPES
 from tests.helpers import cuda_lowering, grads_under, hlo_type, max_rel_err, pinned_host_shapes
 from zoo.layers import MLP, Attention, Embed, Llama3Scaling, LMHead, RMSNorm, Rope
-from zoo.models.llama import LlamaDecoderLayer
+from zoo.models.llama3 import LlamaDecoderLayer
 from zoo.plan import measure as audit
 
 CFG = zoo.models.LlamaConfig.preset("tiny")

@@ -37,7 +37,7 @@ from flax import nnx
 from zoo.layers import RMSNorm
 from zoo.layers.linear import projection
 from zoo.loss import next_token_loss
-from zoo.models.deepseek.config import DeepSeekV3Config
+from zoo.models.deepseek_v3.config import DeepSeekV3Config
 from zoo.models.lm import shift_left
 from zoo.models.stack import Stack, module_at, stacked_modules
 

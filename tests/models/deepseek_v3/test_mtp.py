@@ -13,8 +13,8 @@ import zoo
 from recipes.deepseek_v3 import RECIPES
 from tests.helpers import max_rel_err, tiered
 from zoo import train_step
-from zoo.models.deepseek import FAMILY, DeepSeekDecoderLayer
-from zoo.models.deepseek.mtp import mtp_loss
+from zoo.models.deepseek_v3 import FAMILY, DeepSeekDecoderLayer
+from zoo.models.deepseek_v3.mtp import mtp_loss
 from zoo.models.stack import module_at
 from zoo.plan import measure as audit
 

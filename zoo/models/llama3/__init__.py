@@ -3,9 +3,9 @@ its `Family` record (with training.py's step rates and training defaults), regis
 from flax import nnx
 
 from zoo.models import registry
-from zoo.models.llama import hf, training
-from zoo.models.llama.config import LlamaConfig
-from zoo.models.llama.model import Llama, LlamaDecoderLayer, llama3
+from zoo.models.llama3 import hf, training
+from zoo.models.llama3.config import LlamaConfig
+from zoo.models.llama3.model import Llama, LlamaDecoderLayer, llama3
 from zoo.models.lm import non_embedding_params
 
 __all__ = ["FAMILY", "Llama", "LlamaConfig", "LlamaDecoderLayer", "flops_per_token", "llama3"]

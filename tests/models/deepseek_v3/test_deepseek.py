@@ -13,7 +13,7 @@ from recipes.deepseek_v3 import RECIPES
 from tests.helpers import cuda_lowering, grads_under, hlo_type, max_rel_err, pinned_host_shapes, tiered
 from zoo.layers import MLA, Rope, RoutingBias, YarnScaling
 from zoo.layers.moe import update_routing_bias
-from zoo.models.deepseek import total_balance_loss
+from zoo.models.deepseek_v3 import total_balance_loss
 from zoo.plan import measure as audit
 
 CFG = zoo.models.DeepSeekV3Config.preset("tiny")
@@ -323,7 +323,7 @@ def test_logits_match_transformers(tokens):
 
 
 def test_every_layer_reports_its_tags_for_a_config():
-    from zoo.models.deepseek import DeepSeekDecoderLayer
+    from zoo.models.deepseek_v3 import DeepSeekDecoderLayer
     cfg = zoo.models.DeepSeekV3Config.preset("deepseek_v3_671b")
     layer = nnx.eval_shape(lambda: DeepSeekDecoderLayer(cfg, moe=True, rngs=nnx.Rngs(0)))
     tags = layer.tag_shapes(1, 4096)

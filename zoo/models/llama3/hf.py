@@ -6,7 +6,7 @@ from typing import Any
 from zoo.hf.config import activation_dtype, check_types, check_unsupported, context_field, require, rope_settings
 from zoo.hf.keymap import GQA, NORMS, SWIGLU, Entry, embed_and_head, stacked
 from zoo.layers import Llama3Scaling
-from zoo.models.llama.config import LlamaConfig
+from zoo.models.llama3.config import LlamaConfig
 
 ARCHITECTURE, MODEL_TYPE = "LlamaForCausalLM", "llama"
 SUPPORTED = ("max_position_embeddings",

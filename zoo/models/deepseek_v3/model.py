@@ -9,7 +9,7 @@ The MoE stack returns per-layer aux (see `zoo.layers.moe`): `model(tokens, retur
 `(logits, {"dense_layers": {}, "moe_layers": MoEAux(load=[L, E], balance_loss=[L], dropped=[L])})`. A training
 step adds `total_balance_loss(aux)` to its loss and calls `update_routing_bias(model, aux, rate)` after the step.
 
-Multi-token prediction (`mtp_depths` > 0; zoo.models.deepseek.mtp) adds `model.mtp`: per depth an MoE decoder
+Multi-token prediction (`mtp_depths` > 0; zoo.models.deepseek_v3.mtp) adds `model.mtp`: per depth an MoE decoder
 layer (the stack "mtp", tagged like `moe_layers`), two input norms, a 2*dim -> dim projection and a final norm,
 sharing the embedding and the LM head: an extra head of the model (`zoo.models.lm`). `model(tokens,
 return_aux=True)` then also gives its logits (`aux["mtp_logits"]`, [D, B, S, vocab]) and its layers' `MoEAux`
@@ -27,8 +27,8 @@ from zoo.layers import MLP, RMSNorm
 from zoo.layers.block import PreNormBlock
 from zoo.layers.mla import MLA
 from zoo.layers.moe import Experts, GroupLimitedRouter, MoE
-from zoo.models.deepseek.config import DeepSeekV3Config
-from zoo.models.deepseek.mtp import MultiTokenPrediction
+from zoo.models.deepseek_v3.config import DeepSeekV3Config
+from zoo.models.deepseek_v3.mtp import MultiTokenPrediction
 from zoo.models.lm import CausalLM
 from zoo.recipe import Recipe
 

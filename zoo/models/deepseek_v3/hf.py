@@ -9,7 +9,7 @@ from typing import Any
 from zoo.hf.config import activation_dtype, check_types, check_unsupported, context_field, require, rope_settings
 from zoo.hf.keymap import NORMS, ROUTED_EXPERTS, SWIGLU, Entry, embed_and_head, stacked
 from zoo.layers import YarnScaling
-from zoo.models.deepseek.config import DeepSeekV3Config
+from zoo.models.deepseek_v3.config import DeepSeekV3Config
 
 ARCHITECTURE, MODEL_TYPE = "DeepseekV3ForCausalLM", "deepseek_v3"
 INT_FIELDS = ("moe_intermediate_size", "first_k_dense_replace", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
@@ -122,7 +122,7 @@ MOE = ROUTED_EXPERTS + [
        ("mlp.shared_experts.down_proj.kernel", "mlp.shared_experts.down_proj.weight", 1)]
 
 
-# A multi-token-prediction depth's own parts (zoo.models.deepseek.mtp), below `model.layers.{i}.`
+# A multi-token-prediction depth's own parts (zoo.models.deepseek_v3.mtp), below `model.layers.{i}.`
 MTP = [("enorm.scale", "enorm.weight", None),
        ("hnorm.scale", "hnorm.weight", None),
        ("eh_proj.kernel", "eh_proj.weight", 1),

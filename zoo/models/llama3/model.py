@@ -9,7 +9,7 @@ from flax import nnx
 
 from zoo.layers import MLP, Attention, RMSNorm
 from zoo.layers.block import PreNormBlock
-from zoo.models.llama.config import LlamaConfig
+from zoo.models.llama3.config import LlamaConfig
 from zoo.models.lm import CausalLM
 from zoo.recipe import Recipe
 
