@@ -19,7 +19,7 @@ The record carries gpus, mesh, ep_dispatch, tflops per GPU and the largest devic
 `auto` (the recipe `zoo.plan.plan(cfg, "auto", ...)` chooses for this slice, batch and seq, for the SGD step's model
 state): the HBM budget is the allocator's `bytes_limit` on the device (`--auto-hbm` on the CPU, default 1 GiB with
 `--smoke`), the link and its overlap are those measured for the device (`zoo.plan.links`), the FLOP rate is the
-main job's per-device table (`recipes.meter.peak_tflops`: the datasheet bf16 peak, 989 on an H200; `--auto-tflops`
+main job's per-device table (`recipes.train.meter.peak_tflops`: the datasheet bf16 peak, 989 on an H200; `--auto-tflops`
 overrides). The record keeps `recipe: "auto"` and says what it chose: `auto_device` (tags kept in HBM),
 `auto_offload` (tags sent to the host; every other tag is recomputed) and the inputs (`auto_hbm_gib`,
 `auto_link_gbps`, `auto_overlap`, `auto_tflops`).
@@ -45,10 +45,10 @@ GiB = 1 << 30
 def resolve_auto(cfg, *, batch: int, seq: int, mesh: str | None, hbm_gib: float | None, tflops: float | None,
                  smoke: bool):
     """(the Recipe `zoo.plan.plan(cfg, "auto", ...)` chooses for the SGD step's model state, the record's auto_*
-    fields), its inputs from the device as the main job's `--recipe auto` takes them (recipes.auto)."""
+    fields), its inputs from the device as the main job's `--recipe auto` takes them (recipes.train.auto)."""
     import dataclasses
 
-    from recipes import auto
+    from recipes.train import auto
 
     device = jax.devices()[0]
     link = None
@@ -78,7 +78,7 @@ def main():
     ap.add_argument("--auto-hbm", type=float, default=None,
                     help="recipe auto: HBM budget, GiB (default: the device's bytes_limit; 1 with --smoke on the CPU)")
     ap.add_argument("--auto-tflops", type=float, default=None,
-                    help="recipe auto: FLOP rate, TFLOP/s (default: recipes.meter's table for the device)")
+                    help="recipe auto: FLOP rate, TFLOP/s (default: recipes.train.meter's table for the device)")
     a = ap.parse_args()
     a.seq = a.seq or (64 if a.smoke else 4096)
     common = dict(param_dtype="bfloat16", dtype="bfloat16", moe_backend=a.backend, capacity_factor=1.25,

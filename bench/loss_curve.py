@@ -1,4 +1,4 @@
-"""Does offloading change the numbers? 50 steps of the main job (`recipes.loop.run`: AdamW, synthetic data, same
+"""Does offloading change the numbers? 50 steps of the main job (`recipes.train.loop.run`: AdamW, synthetic data, same
 seed) under an offload recipe, compiled as the main job compiles it (`zoo.compile_options`: command buffers off
 when the recipe offloads on a GPU), against the same run under `full` (JAX's remat).
 
@@ -18,7 +18,7 @@ import io
 import jax
 
 from bench.common import emit
-from recipes import loop
+from recipes.train import loop
 
 
 def curve(a, recipe: str) -> list[float]:

@@ -1,13 +1,12 @@
-"""The training application: the command lines, the training loop, and the recipe sets (data), one per model
-family: `recipes/<family name>.py` exporting `RECIPES` and `DEFAULT` (`recipes.registry`).
+"""The recipe sets (data), one per model family: `recipes/<family name>.py` exporting `RECIPES` ({name: Recipe})
+and `DEFAULT` (the study's recipe), looked up by name through `recipes.registry`; `recipes.context` holds the
+long-context recipes every family shares. The training application that runs them is the package `recipes.train`.
 
-Submodules load on first use (`recipes.<family name>`, `recipes.loop`), so `python -m recipes.train` can set
+Submodules load on first use (`recipes.<family name>`, `recipes.train`), so `python -m recipes.train` can set
 `XLA_FLAGS` before anything imports JAX.
 """
 import importlib
 import importlib.util
-
-DEFAULT_MODEL = "llama3"  # --model's default: the family of the README's main job
 
 
 def __getattr__(name):

@@ -4,7 +4,7 @@ printed with what is printed now. A block that cannot run here is in EXCLUDED wi
 neither run nor excluded fails `test_every_block_is_run_or_excluded`.
 
 Smoke form of `python -m recipes.train` (SMOKE): the tiny preset, 2 layers, seq 32, 2 steps; the README's main job
-(the tiny preset already) runs as written and its quoted lines are compared. `python -m recipes.plan` builds from
+(the tiny preset already) runs as written and its quoted lines are compared. `python -m recipes.train.plan` builds from
 shapes alone, so its documented commands run as written (the full-size presets, on the CPU) and are compared.
 Volatile figures (timings, tokens/s, this machine's RAM, the ETA) are masked on both sides (VOLATILE). The examples
 (`python docs/examples/...`) run as written, their quoted output compared. The site itself is built with
@@ -34,7 +34,7 @@ EXCLUDED = {
     "JAX_COORDINATOR_ADDRESS=10.0.0.1:1234": "two hosts with 8 GPUs each (the multi-host path is not tested here)",
     "python -m bench.run ": "GPU benchmarks, one device call each (their records are in "
                              "bench/results/ and docs/benchmarks.md)",
-    "JAX_COORDINATOR_ADDRESS=127.0.0.1:12355": ("two processes: tests/recipes/test_multiprocess.py runs them "
+    "JAX_COORDINATOR_ADDRESS=127.0.0.1:12355": ("two processes: tests/train/test_multiprocess.py runs them "
                                                 "(its own checks)"),
     "mkdocs build": "the site's build: test_the_site_builds runs it",
     "--8<--": "an excerpt of an example file, included by the site's build: tests/test_examples.py runs the file",
@@ -108,7 +108,7 @@ def kind(block: Block) -> str:
         return "excluded"   # installs only (EXCLUDED_COMMANDS)
     if first.startswith("python docs/examples/"):
         return "example"
-    if "python -m recipes.plan" in first:
+    if "python -m recipes.train.plan" in first:
         return "plan"
     if "python -m recipes.train" in first:
         return "mesh" if "--mesh" in first else "train"
@@ -184,10 +184,10 @@ def run_main(module, argv: list[str]) -> tuple[int, str]:
     return rc, out.getvalue()
 
 
-# -- recipes.plan: as written -------------------------------------------------------------------------------------
+# -- recipes.train.plan: as written ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("block", params(("plan",)))
 def test_plan_commands_print_what_the_docs_quote(block, monkeypatch, tmp_path):
-    from recipes import plan
+    from recipes.train import plan
     monkeypatch.setenv("COLUMNS", "200")   # rich's tables unwrapped, as quoted
     monkeypatch.chdir(tmp_path)            # --plot writes here
     (cmd,), quoted = commands(block)
@@ -244,7 +244,7 @@ def test_train_commands_run(block, monkeypatch, tmp_path):
 
 def text_fixture(tmp_path: Path, argv: list[str]) -> None:
     """Writes --data's corpus and --tokenizer's tokenizer.json, and sets vocab_size to the tokenizer's."""
-    from tests.recipes.test_text import DOCS, make_tokenizer
+    from tests.train.test_text import DOCS, make_tokenizer
     make_tokenizer(tmp_path / argv[argv.index("--tokenizer") + 1])
     corpus = tmp_path / argv[argv.index("--data") + 1]
     corpus.mkdir(parents=True, exist_ok=True)

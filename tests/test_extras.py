@@ -15,7 +15,7 @@ NEEDS = {
     "--tensorboard DIR": ("watch", "tensorboardX"),       # the event writer
     "--plot FILE.png": ("watch", "matplotlib"),
     "--tokenizer DIR": ("text", "tokenizers"),
-    "python -m recipes.tokenizer": ("text", "tokenizers"),
+    "python -m recipes.train.tokenizer": ("text", "tokenizers"),
 }
 
 
@@ -27,7 +27,7 @@ def test_every_documented_program_is_in_its_extra():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     text = "\n".join(p.read_text() for p in DOCS) + (ROOT / "recipes" / "tokenizer.py").read_text()
     said = [phrase for phrase in NEEDS if phrase in text]
-    assert "tensorboard --logdir" in said and "python -m recipes.tokenizer" in said
+    assert "tensorboard --logdir" in said and "python -m recipes.train.tokenizer" in said
     for phrase in said:
         extra, dist = NEEDS[phrase]
         assert dist.lower() in _names(extras[extra]), f"the docs say {phrase!r}: [{extra}] must install {dist}"

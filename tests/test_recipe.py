@@ -111,7 +111,7 @@ def test_a_recipe_is_the_value_it_was_made_as():
 
 
 def test_a_sequence_longer_than_the_models_context_is_refused_before_anything_compiles():
-    """`max_seq_len` (a preset's published context) bounds the planner (and the main job: tests/recipes); a user
+    """`max_seq_len` (a preset's published context) bounds the planner (and the main job: tests/train); a user
     raises it."""
     cfg = zoo.models.LlamaConfig.preset("llama3_1_8b", num_layers=1)
     assert cfg.max_seq_len == 131072

@@ -162,7 +162,7 @@ def run_8(case: str) -> str:
     return out.stdout
 
 
-@pytest.mark.slow   # the main job's mesh runs in tests/recipes/test_mesh_train.py compare the same
+@pytest.mark.slow   # the main job's mesh runs in tests/train/test_mesh_train.py compare the same
 @pytest.mark.multidevice
 def test_llama_sharded_training_step_equals_one_device():
     """fsdp=8, fsdp=4 x tp=2, dp=4 x tp=2 under qkv_offload: loss and gradients as on one device, parameters on the

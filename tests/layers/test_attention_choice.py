@@ -1,6 +1,6 @@
 """The attention kernel per device and config: auto takes cuDNN on a GPU for GQA and MLA, falls back with a warning
 where cuDNN cannot serve, an explicit choice wins or is a ValueError, and a built model says what each layer runs.
-(The main job's refusal of cuDNN on the CPU is the application's: tests/recipes/test_attention_choice_cli.py.)"""
+(The main job's refusal of cuDNN on the CPU is the application's: tests/train/test_attention_choice_cli.py.)"""
 import jax
 import pytest
 from flax import nnx

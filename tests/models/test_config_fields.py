@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from recipes import cli
+from recipes.train import cli
 from zoo.models import registry
 
 

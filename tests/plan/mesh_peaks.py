@@ -7,7 +7,7 @@ mesh=, peak="compile")`), and XLA's memory analysis of an SPMD-partitioned step 
   model state (parameters + optimizer state + other variables, from the sharding rules) plus the per-device batch,
   to a few bytes of replicated scalars (step counters), as the one-device arguments are the one-device state plus
   the batch: a per-device figure, not a global one.
-- the main job (`recipes.loop.run`) under fsdp=4 x tp=2 (8 devices) plans its peak from its own compiled sharded
+- the main job (`recipes.train.loop.run`) under fsdp=4 x tp=2 (8 devices) plans its peak from its own compiled sharded
   step, labelled with the mesh, and `zoo.plan.plan(..., mesh="fsdp=4,tp=2", peak="compile")` compiles the same program:
   XLA's memory analysis is equal field by field.
 Prints OK at the end.
@@ -17,9 +17,9 @@ from __future__ import annotations
 import jax
 
 import zoo
-from recipes import loop, prepare
 from recipes.deepseek_v3 import RECIPES as DS_RECIPES
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
+from recipes.train import loop, prepare
 from zoo.plan import Parallelism
 from zoo.plan import peak as peak_lib
 

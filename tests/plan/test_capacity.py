@@ -1,11 +1,11 @@
 """Capacity: `zoo.plan.largest_batch`, the largest power-of-two batch whose planned peak HBM fits a
-budget, and `python -m recipes.plan --max-batch`. Estimate mode (the CPU's default) except one compiled walk."""
+budget, and `python -m recipes.train.plan --max-batch`. Estimate mode (the CPU's default) except one compiled walk."""
 import pytest
 
 import zoo
-from recipes import plan as plan_cli
 from recipes.deepseek_v3 import RECIPES as DS_RECIPES
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
+from recipes.train import plan as plan_cli
 from zoo.models import registry
 from zoo.plan import Training
 

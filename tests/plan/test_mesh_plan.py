@@ -1,5 +1,5 @@
-"""The planner under a mesh (`zoo.plan.plan(..., mesh=)`, `python -m recipes.plan --mesh`): per-device figures from the
-sharding rules on an abstract mesh (no devices: this runs on one CPU).
+"""The planner under a mesh (`zoo.plan.plan(..., mesh=)`, `python -m recipes.train.plan --mesh`): per-device figures
+from the sharding rules on an abstract mesh (no devices: this runs on one CPU).
 
 - fsdp=8: every parameter of the tiny Llama has an `embed` axis, so parameters, gradients and optimizer state are
   one device's / 8; the batch is split 8 ways, so saved activations and host bytes are one device's / 8.
@@ -69,8 +69,8 @@ def test_bad_meshes_raise_naming_both_numbers(mesh, match):
 
 def test_cli_mesh_prints_per_device_json_and_refuses_shard_with_mesh():
     env = cpu_env()
-    base = [sys.executable, "-m", "recipes.plan", "--model", "llama3", "--preset", "tiny", "--recipe", "qkv_offload",
-            "--batch", "8", "--seq", "16"]
+    base = [sys.executable, "-m", "recipes.train.plan", "--model", "llama3", "--preset", "tiny",
+            "--recipe", "qkv_offload", "--batch", "8", "--seq", "16"]
     out = subprocess.run(base + ["--mesh", "fsdp=8", "--json"], env=env, cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr

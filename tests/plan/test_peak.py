@@ -7,8 +7,9 @@ import optax
 import pytest
 
 import zoo
-from recipes import cli, defaults, loop, prepare, train
+from recipes import train
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
+from recipes.train import cli, defaults, loop, prepare
 from tests.helpers import tiered
 from zoo.optim import make_tx
 from zoo.plan import Hardware, Parallelism, links
@@ -170,7 +171,7 @@ def test_the_plan_command_line_reports_the_peak_and_the_measured_link(capsys, mo
 
     monkeypatch.setenv("COLUMNS", "300")   # one table row per line
 
-    from recipes import plan as plan_cli
+    from recipes.train import plan as plan_cli
     tiny = ["--model", "llama3", "--preset", "tiny", "--batch", "2", "--seq", "16"]
     assert plan_cli.main(tiny + ["--recipe", "qkv_offload", "--peak", "compile", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -1,5 +1,5 @@
 """The memory planner: the study's figures, exactness against JAX's own residuals, recompute FLOPs, model state,
-warnings, the automatic recipe, the command line (`python -m recipes.plan`) and the direction of imports."""
+warnings, the automatic recipe, the command line (`python -m recipes.train.plan`) and the direction of imports."""
 import dataclasses
 import io
 import json
@@ -290,7 +290,7 @@ def test_auto_recipe_builds_and_trains_the_tiny_model():
 
 
 # -- the command line -------------------------------------------------------------------------------------------
-PLAN = ("-m", "recipes.plan", "--model", "llama3", "--preset", "llama3_1_405b", "--recipe", "qkv_offload",
+PLAN = ("-m", "recipes.train.plan", "--model", "llama3", "--preset", "llama3_1_405b", "--recipe", "qkv_offload",
         "--batch", "2", "--seq", "8192")
 
 
@@ -313,7 +313,7 @@ def test_cli_table_renders():
 
 
 def test_cli_auto_and_bad_input():
-    tiny = ("-m", "recipes.plan", "--model", "llama3", "--preset", "tiny", "--batch", "2", "--seq", "8")
+    tiny = ("-m", "recipes.train.plan", "--model", "llama3", "--preset", "tiny", "--batch", "2", "--seq", "8")
     r = _run(*tiny, "--recipe", "auto", "--hbm", "1", "--link", "55", "--flops", "800", env={"COLUMNS": "200"})
     assert r.returncode == 0, r.stderr
     assert "chosen:" in r.stdout and "kept in HBM" in r.stdout
@@ -339,7 +339,7 @@ def test_cli_auto_and_bad_input():
 ])
 def test_cli_errors_name_the_flags(args, needles, capsys):
     """Bad input is a usage error (exit 2) that names the flags, not Python keywords."""
-    from recipes import plan as plan_cli
+    from recipes.train import plan as plan_cli
     with pytest.raises(SystemExit) as e:
         plan_cli.main(["--model", "llama3", "--preset", "tiny", "--batch", "2", "--seq", "8", *args])
     err = capsys.readouterr().err
@@ -349,7 +349,7 @@ def test_cli_errors_name_the_flags(args, needles, capsys):
 
 
 def test_cli_set_values_take_the_field_type():
-    r = _run("-m", "recipes.plan", "--model", "llama3", "--preset", "tiny", "--batch", "2", "--seq", "8",
+    r = _run("-m", "recipes.train.plan", "--model", "llama3", "--preset", "tiny", "--batch", "2", "--seq", "8",
              "--recipe", "full", "--set", "tie_embeddings=false", "--set", "num_layers=3", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)

@@ -1,7 +1,7 @@
-"""`python -m recipes.plan --plot`: the chart is written where the command says (a folder: a file in it; no suffix:
-PNG under that name), a place it cannot write is a one-line error before anything is planned, --max-batch is
-refused, the chart's plans are made exactly as the printed one (optimizer placement, accumulation, budget), and a
-bar far above the others is cut at a readable axis."""
+"""`python -m recipes.train.plan --plot`: the chart is written where the command says (a folder: a file in it; no
+suffix: PNG under that name), a place it cannot write is a one-line error before anything is planned, --max-batch is
+refused, the chart's plans are made exactly as the printed one (optimizer placement, accumulation, budget), and a bar
+far above the others is cut at a readable axis."""
 import json
 
 import pytest
@@ -9,8 +9,8 @@ import pytest
 pytest.importorskip("matplotlib")
 
 import zoo  # noqa: E402
-from recipes import plan as plan_cli  # noqa: E402
-from recipes import plot  # noqa: E402
+from recipes.train import plan as plan_cli  # noqa: E402
+from recipes.train import plot  # noqa: E402
 
 BASE = ["--model", "llama3", "--preset", "tiny", "--batch", "2", "--seq", "64", "--peak", "none"]
 

@@ -4,7 +4,7 @@ Each family's config (zoo/models/<family>/config.py) extends it. Construction ch
 annotation (a bool field takes only a bool, an int field rejects bools and floats, a float must be finite, an
 `X | None` field also takes None), then the ranges the base knows, then the subclass's own `check()`. Every bad
 value is a ValueError naming its field. Text (a command line's `--set FIELD=VALUE`) is the application's to turn
-into values (`recipes.cli.parse_field`, with `field_types`, `type_options` and `type_name` from here).
+into values (`recipes.train.cli.parse_field`, with `field_types`, `type_options` and `type_name` from here).
 """
 from __future__ import annotations
 

@@ -205,7 +205,7 @@ def test_bad_mtp_configs_raise_naming_the_field(change, field):
 
 
 def test_set_accepts_the_mtp_fields():
-    from recipes.cli import parse_field
+    from recipes.train.cli import parse_field
     cls = zoo.models.DeepSeekV3Config
     assert parse_field(cls, "mtp_depths", "1") == 1 and parse_field(cls, "mtp_lambda", "0.1") == 0.1
     assert cls.preset("tiny").mtp_loss_weight() == 0.0 and CFG.mtp_loss_weight() == 0.3

@@ -230,7 +230,7 @@ def test_a_one_layer_stack_offloads_too():
 
 def test_set_values_parse_to_the_field_type():
     """`--set FIELD=VALUE` text becomes the field's type; junk is a ValueError naming the field and the type."""
-    from recipes.cli import parse_field
+    from recipes.train.cli import parse_field
     cls = zoo.models.LlamaConfig
     assert parse_field(cls, "tie_embeddings", "false") is False and parse_field(cls, "tie_embeddings", "True") is True
     assert parse_field(cls, "num_layers", "3") == 3 and parse_field(cls, "rope_theta", "1e4") == 10000.0

@@ -145,7 +145,7 @@ def _run(*args):
 
 
 def test_the_planner_plans_the_8b():
-    r = _run("recipes.plan", "--model", "qwen3", "--preset", "qwen3_8b", "--recipe", "qkv_offload",
+    r = _run("recipes.train.plan", "--model", "qwen3", "--preset", "qwen3_8b", "--recipe", "qkv_offload",
              "--batch", "1", "--seq", "8192")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "parameters (8,190,735,360)" in r.stdout

@@ -152,7 +152,7 @@ def _run(*args):
 
 
 def test_the_planner_plans_it():
-    r = _run("recipes.plan", "--model", "qwen3_moe", "--preset", "tiny", "--recipe", "qkv_moe_offload",
+    r = _run("recipes.train.plan", "--model", "qwen3_moe", "--preset", "tiny", "--recipe", "qkv_moe_offload",
              "--batch", "2", "--seq", "64")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "moe_mlpwi_0" in r.stdout and "query_proj" in r.stdout

@@ -1,0 +1,123 @@
+"""`--recipe auto` on a device: what `zoo.plan.plan(cfg, "auto", ...)` needs, taken from the device, and its choice.
+
+The planner's automatic recipe (`zoo.plan.auto.choose`) needs an HBM budget, a host link (rate and overlap) and a
+FLOP rate. On a device each has a default, and every figure says where it came from:
+
+- HBM: `--hbm-limit`, else the device's allocator limit (`memory_stats()["bytes_limit"]`); a device without one
+  (the CPU) needs `--hbm-limit`.
+- link: `--link` (GB/s per direction, with `--overlap`, default 0), else the link measured for the device kind
+  inside a training step (`zoo.plan.links`: on the H200 with jax 0.11.2, 55.3 GB/s, 63% of the stores and 48% of
+  the reloads hidden under compute once the step's copies leave the compute stream).
+- FLOP rate: `--peak-tflops`, else the main job's per-device table (`recipes.train.meter.peak_tflops`: the datasheet
+  bf16 peak).
+
+The planner fills the budget with saved activations and model state; XLA's temporaries (the float32 logits and
+their gradient of one chunk of the loss, one layer's intermediates) come on top. `fit` therefore compiles the step
+of each choice and, while its peak is over the device's limit, plans again with the budget lowered by the excess
+(`ATTEMPTS` at most): the recipe that runs is one whose compiled peak fits.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+
+import zoo
+from recipes.train import meter
+from zoo.plan import links
+from zoo.plan.peak import allocator_limit, from_compiled
+
+GiB = 1 << 30
+ATTEMPTS = 3
+MARGIN_GIB = 0.5   # taken off the budget beyond the excess, for the allocator's slack
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    hbm_gib: float
+    hbm_source: str
+    link_gbps: float
+    overlap: links.Overlap
+    link_source: str
+    tflops: float
+    tflops_source: str
+
+    def describe(self) -> str:
+        return (f"HBM {self.hbm_gib:.1f} GiB ({self.hbm_source}), link {self.link_gbps:g} GB/s with overlap "
+                f"{self.overlap} ({self.link_source}), {self.tflops:g} TFLOP/s ({self.tflops_source})")
+
+
+def inputs(device: jax.Device, *, hbm_gib: float | None = None, link_gbps: float | None = None,
+           overlap: float | None = None, tflops: float | None = None) -> Inputs:
+    """The automatic recipe's inputs for `device`, each given or taken from the device. Where neither is possible
+    (the CPU: all three), one ValueError names every missing input and its flag at once."""
+    kind = device.device_kind
+    missing = []
+    if hbm_gib is not None:
+        hbm, hbm_src = hbm_gib, "--hbm-limit"
+    else:
+        limit = allocator_limit(device)
+        hbm, hbm_src = (limit or 0) / GiB, f"{kind}'s bytes_limit"
+        if not limit:
+            missing.append(f"an HBM budget: {kind} reports no memory limit; pass --hbm-limit GIB")
+    if link_gbps is not None:
+        rate, ovl, link_src = link_gbps, links.Overlap.of(0.0 if overlap is None else overlap), "--link"
+    else:
+        measured = links.measured(kind)
+        if measured is None:
+            rate, ovl, link_src = 0.0, links.Overlap.of(0.0), ""
+            missing.append(f"a host link: none is measured for {kind!r} (zoo.plan.links: "
+                           f"{', '.join(m.device_kind for m in links.MEASURED)}); pass --link GBPS")
+        else:
+            rate, ovl = measured.rate_gbps, measured.overlap if overlap is None else links.Overlap.of(overlap)
+            link_src = f"measured on the {measured.device_kind}, zoo.plan.links"
+    rate_tflops, tflops_src = meter.peak_tflops(device, tflops)
+    if rate_tflops is None:
+        missing.append(f"a FLOP rate: no datasheet peak is known for {kind!r} (recipes.train.meter); "
+                       f"pass --peak-tflops TFLOPS")
+    if missing:
+        raise ValueError("--recipe auto needs " + "; and ".join(missing))
+    return Inputs(hbm, hbm_src, rate, ovl, link_src, rate_tflops, tflops_src)
+
+
+def choose(cfg, ins: Inputs, *, batch: int, seq: int, optimizer: str = "adamw", opt_dtype: str = "float32",
+           mesh=None, budget_gib: float | None = None, grad_accum: int = 1, opt_state: str = "device",
+           params: str = "device") -> zoo.Recipe:
+    """The recipe `zoo.plan` chooses for `cfg` at [batch, seq] with `ins` (HBM budget `budget_gib` if given)."""
+    hardware = zoo.plan.Hardware(hbm_gib=budget_gib if budget_gib is not None else ins.hbm_gib,
+                                 link_gbps=ins.link_gbps, overlap=ins.overlap, tflops=ins.tflops)
+    training = zoo.plan.Training(optimizer=optimizer, opt_dtype=opt_dtype, grad_accum=grad_accum, opt_state=opt_state,
+                                 params=params)
+    p = zoo.plan.plan(cfg, "auto", batch=batch, seq=seq, hardware=hardware, parallel=zoo.plan.Parallelism(mesh=mesh),
+                      training=training, peak=None)
+    return p.recipe
+
+
+def fit(cfg, ins: Inputs, compile_step: Callable, *, batch: int, seq: int, optimizer: str = "adamw",
+        opt_dtype: str = "float32", mesh=None, grad_accum: int = 1, opt_state: str = "device", params: str = "device"):
+    """(recipe, what `compile_step(recipe)` returned, notes): the automatic recipe, re-planned with a lower budget
+    while the compiled step's peak (`zoo.plan.peak.from_compiled` of its first element) is over `ins.hbm_gib`."""
+    budget, notes = ins.hbm_gib, []
+    for attempt in range(ATTEMPTS):
+        recipe = choose(cfg, ins, batch=batch, seq=seq, optimizer=optimizer, opt_dtype=opt_dtype, mesh=mesh,
+                        budget_gib=budget, grad_accum=grad_accum, opt_state=opt_state, params=params)
+        out = compile_step(recipe)
+        peak = from_compiled(out[0]).bytes / GiB
+        if peak <= ins.hbm_gib or attempt == ATTEMPTS - 1:
+            return recipe, out, notes
+        lowered = budget - (peak - ins.hbm_gib) - MARGIN_GIB
+        notes.append(f"auto: the step chosen for {budget:.1f} GiB compiles to a peak of {peak:.1f} GiB, over "
+                     f"{ins.hbm_gib:.1f} GiB (XLA's temporaries): planning again for {lowered:.1f} GiB")
+        if lowered <= 0:
+            return recipe, out, notes
+        budget = lowered
+    raise AssertionError("unreachable")
+
+
+def summary(recipe: zoo.Recipe) -> str:
+    names = recipe.resolve()
+    kept = ", ".join(names.device) or "none"
+    sent = ", ".join(names.offload) or "none"
+    return f"keeps [{kept}] in HBM, offloads [{sent}], recomputes every other tag"
+

@@ -1,0 +1,260 @@
+"""Checkpoints of a training run with orbax: the model's and the optimizer's NNX state, and a small JSON record.
+
+The record holds the step and what the run was (model, preset, recipe, batch, seq, seed, data) so that
+`--resume` refuses a checkpoint of a different run instead of silently continuing it. The data is a pure
+function of (seed, step) (`recipes.train.data`), the optimizer state holds its step count and the learning-rate
+schedule reads it: restoring these two states and the step reproduces the uninterrupted run exactly.
+
+Safety:
+- Saving is synchronous (the loop waits for every save anyway): a failing write raises in the caller, instead of
+  in orbax's background threads, which left the process hanging. Orbax writes each step into a temporary folder
+  and renames it when complete, so a `kill -9` during a write leaves the previous checkpoints as they were.
+- A checkpoint is never written from non-finite values (`save` raises).
+- A failed write (a full disk) is one CheckpointError naming the directory and the cause; the partial checkpoint
+  is removed and the earlier ones are intact. The library's own logs and thread tracebacks of that failure go to
+  `zoo-library.log` in the checkpoint directory (`recipes.train.quiet`), as those of a failed read do.
+- Each step ends with its manifest (`recipes.train.manifest`: the step, every file's size and sha256, written last and
+  atomically); `damage(step)` checks the step's files against it before orbax reads them.
+- Rotation touches only this run's checkpoints (`Checkpoints` docstring).
+- `newest_intact` walks back from the newest step past damaged ones (unreadable record, missing state, files
+  that are not the manifest's: bytes changed, a file or folder deleted, a state copied from another step; for a
+  checkpoint written before manifests, a restore that fails); once an older step proves intact, each damaged
+  step folder is renamed `<step>.damaged` (kept, never deleted; out of orbax's sight, so its keep-N rotation
+  neither counts it nor deletes it, and the resumed run can write that step again).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from recipes.train import guard
+from recipes.train.manifest import MANIFEST, check_manifest, write_manifest
+from recipes.train.quiet import collect_quietly, library_log, quiet_stderr
+
+RECORD_FILE = os.path.join("record", "metadata")    # where orbax's JsonSave puts the record, inside a step folder
+ITEMS = ("record", "state")                          # the items of a step folder this zoo writes
+def _reason(e: BaseException) -> str:
+    """The cause of a failed write in a few words: the OS error (tensorstore reports os_error_code='28' deep in a
+    long message), else the message's first line, shortened."""
+    code = re.search(r"os_error_code='?(\d+)", str(e))
+    if code:
+        return os.strerror(int(code.group(1)))
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written."""
+
+
+class Checkpoints:
+    """Save and restore `(model, optimizer)` under `directory` (one sub-folder per step).
+
+    Rotation keeps the newest `max_to_keep` checkpoints of the run being saved and deletes only older checkpoints
+    of that same run (written by this object, or whose record names the same run): orbax's own rotation would
+    delete any step-numbered folder it finds. `foreign()` lists step-numbered folders that are not checkpoints of
+    this zoo, which the main job refuses before training."""
+
+    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3):
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.max_to_keep = max_to_keep
+        self.written: set[int] = set()
+        self.verified: dict[int, str | None] = {}   # step: why its files are not its manifest's (None: they are)
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
+                                                                 enable_async_checkpointing=False))
+        # orbax's, tensorstore's and asyncio's logs, warnings and stray tracebacks: into a file here, not the terminal
+        self.log = library_log(self.directory, jax.process_index())
+
+    def foreign(self) -> list[str]:
+        """The step-numbered folders here that hold neither a record nor a state (not a checkpoint of this zoo:
+        a user's own folder, or another tool's checkpoint)."""
+        return [str(step) for step in self.steps()
+                if not any(os.path.exists(os.path.join(self.directory, str(step), item)) for item in ITEMS)]
+
+    def _rotate(self, run: Any) -> None:
+        if self.max_to_keep is None:
+            return
+        ours = [s for s in self.steps() if s in self.written or self._run_of(s) == run]
+        for step in ours[:-self.max_to_keep]:
+            self.manager.delete(step)
+
+    def _run_of(self, step: int) -> Any:
+        try:
+            return self.record(step).get("run")
+        except ValueError:
+            return None
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer, record: dict[str, Any]) -> None:
+        state = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
+        bad = guard.nonfinite_leaves(state)
+        if bad:
+            raise ValueError(f"refusing to write checkpoint step {step} to {self.directory}: {len(bad)} "
+                             f"non-finite value(s), e.g. {bad[0]}")
+        folder = os.path.join(self.directory, str(step))
+        existed = os.path.exists(folder)
+        failure = None
+        with quiet_stderr(self.log) as noise:   # orbax's threads log and print tracebacks of a failed write
+            try:
+                saved = self.manager.save(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    record=ocp.args.JsonSave({**record, "step": step, "manifest": MANIFEST})))
+                if saved and jax.process_index() == 0:   # the step is complete (every process's files): sum it up
+                    write_manifest(folder, step)
+                noise.keep()
+            except Exception as e:
+                failure = e
+                time.sleep(0.5)   # writes still in flight fail in the library's threads: their output is held too
+                collect_quietly()   # and the failed tasks' "exception was never retrieved" logs
+                logging.getLogger("asyncio").setLevel(logging.CRITICAL)   # any still to come: the run is ending
+                self._remove_partial(step, None if existed else folder)
+        if failure is not None:
+            raise CheckpointError(f"writing checkpoint step {step} to {self.directory} failed: {_reason(failure)} "
+                                  f"(the partial checkpoint is removed; the earlier ones are intact: steps "
+                                  f"{self.steps() or 'none'}; the library's log: {self.log})") from None
+        if not saved:   # orbax skips a step at or before its latest one, silently
+            raise CheckpointError(f"orbax did not write checkpoint step {step} to {self.directory} "
+                                  f"(its latest step is {self.latest_step()})")
+        self.written.add(step)
+        self.verified.pop(step, None)
+        self._rotate(record.get("run"))
+
+    def _remove_partial(self, step: int, folder: str | None) -> None:
+        """Remove what a failed save of `step` left: orbax's temporary folder, and the step's folder if the save
+        made it (`folder`)."""
+        for path in glob.glob(os.path.join(glob.escape(self.directory), f"{step}.orbax-checkpoint-tmp*")) + \
+                ([folder] if folder else []):
+            shutil.rmtree(path, ignore_errors=True)
+        self.manager.reload()
+
+    def record(self, step: int | None = None) -> dict[str, Any]:
+        """The JSON record of `step` (default: the latest). ValueError naming the file if it is unreadable."""
+        step = self.latest_step() if step is None else step
+        file = os.path.join(self.directory, str(step), RECORD_FILE)
+        try:
+            with open(file) as f:
+                record = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"checkpoint record {file} is unreadable: {e}") from None
+        if not isinstance(record, dict) or record.get("step") != step:
+            raise ValueError(f"checkpoint record {file} is not a record of step {step}")
+        return record
+
+    def damage(self, step: int) -> str | None:
+        """Why the checkpoint of `step` cannot be resumed, from its files alone, or None: its record, its state,
+        and each file against the step's manifest (sizes and sha256: read once per step; a checkpoint written
+        before manifests is checked when restored)."""
+        folder = os.path.join(self.directory, str(step))
+        try:
+            self.record(step)
+        except ValueError as e:
+            return str(e)
+        state = os.path.join(folder, "state")
+        if not os.path.isdir(state) or not os.listdir(state):
+            return f"{state} is missing" if not os.path.exists(state) else f"{state} is empty"
+        if self.record(step).get("manifest"):   # (checkpoints written before manifests have none to check)
+            if step not in self.verified:
+                self.verified[step] = check_manifest(folder, step)
+            return self.verified[step]
+        return None
+
+    def set_aside(self, step: int) -> str:
+        """Rename the step's folder to `<step>.damaged` (or `.damaged-2`, ...); orbax then no longer sees it."""
+        src = os.path.join(self.directory, str(step))
+        self.verified.pop(step, None)
+        if jax.process_index() != 0:   # several processes: each finds the same damage; process 0 renames
+            return f"{src}.damaged (by process 0)"
+        dst, k = src + ".damaged", 1
+        while os.path.exists(dst):
+            k += 1
+            dst = f"{src}.damaged-{k}"
+        os.rename(src, dst)
+        return dst
+
+    def newest_intact(self, check: Callable[[dict], None] = lambda record: None,
+                      model: nnx.Module | None = None, optimizer: nnx.Optimizer | None = None,
+                      say: Callable[[str], None] = print) -> tuple[int | None, dict | None]:
+        """(step, record) of the newest intact checkpoint; (None, None) if there is none at all. `check(record)` may
+        raise to refuse it (a different run: not damage, so the walk stops there). With `model` and `optimizer`,
+        each candidate is restored into them, and a failure (e.g. a truncated array file) counts as damage.
+
+        The newer, damaged steps are set aside (`set_aside`, reported through `say`) only once an older one has
+        proved intact: if none is, nothing is renamed (a failure common to all, such as code that no longer
+        matches the checkpoints, must not look like damage) and ValueError lists each step's reason."""
+        damaged: list[tuple[int, str]] = []
+        for step in reversed(self.steps()):
+            reason = self.damage(step)
+            record = None
+            if reason is None:
+                record = self.record(step)
+                check(record)
+                if model is not None:
+                    with quiet_stderr(self.log) as noise:   # a failed read's C++ and thread output: into the log
+                        try:
+                            record = self.restore(model, optimizer, step)
+                            noise.keep()
+                        except Exception as e:   # orbax/tensorstore errors have no common base class
+                            detail = str(e).split("\n")[0].split(" See full TensorStore details")[0]
+                            reason = f"restoring it failed: {detail[:200]} (the library's log: {self.log})"
+                            del e
+                            collect_quietly()
+            if reason is not None:
+                damaged.append((step, reason))
+                continue
+            for bad, why in damaged:
+                moved = self.set_aside(bad)
+                say(f"checkpoint step {bad} in {self.directory} is damaged ({why}); moved to {moved} (kept, not "
+                    f"deleted); step {step} is intact")
+            if damaged:
+                if jax.process_count() > 1:   # every process sees the folders process 0 renamed
+                    from jax.experimental import multihost_utils
+                    multihost_utils.sync_global_devices(f"offload_zoo/set_aside/{step}")
+                self.manager.reload()
+            return step, record
+        if damaged:
+            raise ValueError(f"no checkpoint in {self.directory} can be resumed (nothing was changed): " +
+                             "; ".join(f"step {s}: {why}" for s, why in damaged) +
+                             ". To start afresh, move them away or choose another --ckpt-dir")
+        return None, None
+
+    def restore(self, model: nnx.Module, optimizer: nnx.Optimizer, step: int | None = None) -> dict[str, Any]:
+        """Load the checkpoint of `step` (default: the latest) into `model` and `optimizer`; return its record.
+        Nothing is changed unless the whole checkpoint reads."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise ValueError(f"no checkpoint in {self.directory}")
+        state = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
+        # The target is abstract and carries the live state's shardings: a checkpoint written on one mesh is read
+        # straight onto this run's mesh (each device reads only its shards).
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+                                state)
+        out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                                 record=ocp.args.JsonRestore()))
+        nnx.update(model, out["state"]["model"])
+        nnx.update(optimizer, out["state"]["optimizer"])
+        return out["record"]
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()
+        collect_quietly()   # a failed restore's coroutines, held by orbax until now

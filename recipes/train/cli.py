@@ -1,0 +1,165 @@
+"""Command-line pieces shared by `python -m recipes.train` and `python -m recipes.train.plan`: flags generated from a
+dataclass's fields (`add_fields`: `recipes.train.config.RunConfig` holds each default and help text once), the argparse
+types that check them, and the look-ups of the model (`--model FAMILY --preset NAME --set FIELD=VALUE`) and the
+recipe.
+
+Importing this module imports no JAX (the training command applies its XLA flags first); the functions that
+read the model table (`family`, `model_config`, `recipe`) import it when called.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import types
+import typing
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to a flag's help once, where there is a default worth showing and the help does not
+    already say it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        shown = not (action.default is None or action.default is False or action.default == []
+                     or action.default == argparse.SUPPRESS)
+        if "default" not in text and shown and action.option_strings and not action.required:
+            text += " (default: %(default)s)"
+        return text
+
+
+INT32_MAX = 2**31 - 1
+PIPED_WIDTH = 160   # columns of rich's output when stdout is not a terminal (rich's own default there is 80)
+
+
+def console(**kwargs):
+    """A rich Console for a command's tables: the terminal's width on a terminal; piped or redirected (a log, `| less`),
+    `PIPED_WIDTH` columns so tables do not wrap at 80, unless COLUMNS says otherwise."""
+    from rich.console import Console
+    width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else PIPED_WIDTH
+    return Console(highlight=False, width=width, **kwargs)
+
+
+def _positive(cast: type, noun: str):
+    """An argparse type: text -> a finite `cast` value > 0, or an error naming what was expected."""
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive {noun}, got {text!r}") from None
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"expected a positive finite {noun}, got {text!r}")
+        if cast is int and value > INT32_MAX:   # shapes and counts reach JAX as 32-bit integers
+            raise argparse.ArgumentTypeError(f"expected a positive integer up to {INT32_MAX:,}, got {text!r}")
+        return value
+    parse.__name__ = f"positive_{cast.__name__}"
+    return parse
+
+
+positive_int = _positive(int, "integer")
+positive_float = _positive(float, "number")
+
+
+def field_override(text: str) -> tuple[str, str]:
+    """FIELD=VALUE -> (FIELD, VALUE as text); the value is converted to the field's type once the model is known."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--set takes FIELD=VALUE, got {text!r}")
+    return key.strip(), value
+
+
+def add_fields(p: argparse.ArgumentParser, cls, names: tuple[str, ...] | None = None, **changes: dict) -> None:
+    """Add a flag to `p` for each field of the dataclass `cls` (those in `names`, in that order; default: every
+    field, in its order) from the field itself: its default, its type (int and float are parsed as such, a bool
+    field is a switch) and its metadata (`recipes.train.config.flag`: the flag names, help, metavar, choices, a checking
+    type). `changes[field]` replaces argparse keywords for one command (e.g. the planner's own help text)."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name in names or tuple(fields):
+        f = fields[name]
+        kwargs = {"default": f.default, **f.metadata, **changes.get(name, {})}
+        opts = kwargs.pop("flags", None) or ("--" + name.replace("_", "-"),)
+        kind = _scalar(hints[name])
+        if kwargs.get("action") == "append":
+            kwargs["default"] = list(kwargs["default"])
+        elif kind is bool:
+            kwargs["action"] = "store_true"
+        elif kind in (int, float) and "choices" not in kwargs:
+            kwargs.setdefault("type", kind)
+        p.add_argument(*opts, dest=name, **kwargs)
+
+
+def _scalar(hint):
+    """`int | None` -> int; a type that is not a union, as it is."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if isinstance(hint, types.UnionType) and len(args) == 1 else hint
+
+
+def family(name: str):
+    """The model table's family `name`; ValueError naming --model."""
+    from zoo.models import registry
+    if name not in registry.FAMILIES:
+        raise ValueError(f"--model {name!r} is not in the zoo; choose one of: {', '.join(registry.FAMILIES)}")
+    return registry.FAMILIES[name]
+
+
+def parse_field(cls: type, name: str, text: str):
+    """Command-line text for the field `name` of the config class `cls`, as that field's type (read from its
+    annotation: `zoo.models.config.field_types`): "false" -> False for a bool, "3" -> 3 for an int, "none" -> None
+    where None is allowed. ValueError naming the field and its type otherwise. The config checks the value itself
+    when it is made."""
+    from zoo.models.config import check_field_names, field_types, type_name, type_options
+    types_ = field_types(cls)
+    if name not in types_:
+        check_field_names(cls, [name])   # names the field, a close match and every field
+    allowed, optional = type_options(types_[name])
+    low = text.strip().lower()
+    if optional and low in ("none", "null"):
+        return None
+    for t in allowed:
+        if t is bool and low in ("true", "false", "1", "0", "yes", "no"):
+            return low in ("true", "1", "yes")
+        if t is int:
+            try:
+                return int(text)
+            except ValueError:
+                pass
+        if t is float:
+            try:
+                value = float(text)
+            except ValueError:
+                continue
+            if math.isfinite(value):
+                return value
+        if t is str:
+            return text
+    raise ValueError(f"{cls.__name__}.{name} must be {type_name(allowed, optional)}, got {text!r}")
+
+
+def model_config(fam, preset: str, overrides=()):
+    """The family's preset with `overrides` ((FIELD, VALUE) pairs): text values are converted to the field's type
+    (`parse_field`: "false" -> False for a bool field), others are used as given."""
+    if preset not in fam.presets():
+        raise ValueError(f"--preset {preset!r} is not a {fam.name} preset; choose one of: {', '.join(fam.presets())}")
+    values = {}
+    for key, value in overrides:
+        if isinstance(value, str):
+            try:
+                value = parse_field(fam.config_cls, key, value)
+            except ValueError as e:
+                raise ValueError(f"--set {key}={value}: {e}") from None
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT32_MAX:
+            raise ValueError(f"--set {key}={value}: an integer field must be within +-{INT32_MAX:,} (JAX's int32)")
+        values[key] = value
+    try:
+        return fam.config(preset, **values)
+    except ValueError as e:
+        raise ValueError(f"--set: {e}" if values else str(e)) from None
+
+
+def recipe(fam, name: str | None):
+    """The family's recipe `name` (None: its default); ValueError naming --recipe."""
+    from recipes import registry
+    return registry.recipe(fam, name)

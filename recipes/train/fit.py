@@ -1,0 +1,119 @@
+"""Does the compiled step fit? The main job's check before it allocates anything.
+
+The step is compiled on abstract inputs first (`zoo.train_step`: nothing allocated); its peak (arguments +
+outputs - donated + temporaries, `zoo.plan.peak`) is compared with the device's budget: `--hbm-limit GiB` if
+given, else the device's `memory_stats()["bytes_limit"]`, else, on the CPU (whose "device memory" is the
+machine's RAM), the machine's RAM. Host bytes (offloaded residuals) are compared with XLA's pinned host pool.
+A step that cannot fit is refused with the plan and what to change, instead of an out-of-memory traceback;
+`--force` launches it anyway.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+
+from zoo.plan.peak import Peak, allocator_limit
+from zoo.plan.types import GiB, fmt_bytes
+
+
+def ram_bytes() -> tuple[int | None, int | None]:
+    """(the machine's RAM, what is available now) in bytes, from /proc/meminfo or sysconf (None if unknown)."""
+    total = avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:2]}
+        total, avail = info.get("MemTotal"), info.get("MemAvailable")
+    except (OSError, ValueError, IndexError):
+        pass
+    if total is None:
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            total = None
+    return total, avail
+
+
+FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
+def allocator_share() -> str:
+    """Which share of the GPU XLA's allocator takes, and how to raise it (the budget's bytes_limit follows it)."""
+    frac = os.environ.get(FRACTION_ENV)
+    now = f"{FRACTION_ENV}={frac}" if frac else f"{FRACTION_ENV} unset: JAX's default, 75% of the GPU"
+    return f"the allocator's share ({now}; {FRACTION_ENV}=.95 raises it)"
+
+
+def budget(device: jax.Device, hbm_limit_gib: float | None) -> tuple[int | None, str]:
+    """(device bytes the step may use, where the figure comes from)."""
+    if hbm_limit_gib is not None:
+        return int(hbm_limit_gib * GiB), "--hbm-limit"
+    limit = allocator_limit(device)
+    if limit:
+        return int(limit), f"{device.device_kind}'s bytes_limit, {allocator_share()}"
+    if device.platform == "cpu":
+        total, _ = ram_bytes()
+        n = jax.local_device_count()
+        if n > 1 and total:   # fake CPU devices (--xla_force_host_platform_device_count) share the RAM
+            return total // n, f"this machine's RAM shared by {n} CPU devices: the CPU's device memory"
+        return total, "this machine's RAM: the CPU's device memory"
+    return None, f"no memory limit known for {device.device_kind}"
+
+
+def check(peak: Peak, *, host: int, pool: int, device: jax.Device, hbm_limit_gib: float | None
+          ) -> tuple[list[str], list[str]]:
+    """(problems that refuse the launch, notes to print)."""
+    problems, notes = [], []
+    limit, where = budget(device, hbm_limit_gib)
+    d = peak.detail
+    parts = (f"arguments {fmt_bytes(d['argument'])} + outputs {fmt_bytes(d['output'])} - donated "
+             f"{fmt_bytes(d['alias'])} + temporaries {fmt_bytes(d['temp'])}") if peak.compiled else peak.source
+    if limit is None:
+        notes.append(f"peak {fmt_bytes(peak.bytes)} ({peak.source}): not checked, {where}")
+    elif peak.bytes > limit:
+        problems.append(f"the step needs {fmt_bytes(peak.bytes)} of device memory at its peak ({peak.source}: "
+                        f"{parts}), over the {fmt_bytes(limit)} of {where}")
+    else:
+        notes.append(f"peak device memory {fmt_bytes(peak.bytes)} ({peak.source}) of {fmt_bytes(limit)} ({where})")
+        if peak.bytes > 0.95 * limit:
+            notes.append("warning: within 5% of the limit: the allocator's fragmentation and buffers outside the "
+                         "step (the next batch, metrics) may still run out of memory")
+        if device.platform == "cpu" and hbm_limit_gib is None:
+            _, avail = ram_bytes()
+            if avail is not None and peak.bytes > avail:
+                notes.append(f"warning: that is more than the {fmt_bytes(avail)} of RAM available now: the run may "
+                             f"swap or be killed")
+    if device.platform == "cpu":
+        if host:
+            notes.append("host memory: on the CPU offloaded values stay in (host) device memory: not checked "
+                         "against the pinned pool")
+    elif host > pool:
+        problems.append(f"the offloaded values need {fmt_bytes(host)} of pinned host memory, over XLA's pool of "
+                        f"{fmt_bytes(pool)} (raise XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, an integer GiB, or offload "
+                        f"less)")
+    return problems, notes
+
+
+def advice(*, batch: int, seq: int, recipe: str, opt_dtype: str, optimizer_bytes: int, gpu: bool = False,
+           opt_state: str = "device", grad_accum: int = 1, params: str = "device", param_dtype: str = "float32",
+           param_bytes: int = 0) -> str:
+    """What to change to fit (`param_bytes`: the parameters' HBM bytes per device, in `param_dtype`)."""
+    tips = [f"a larger share of the GPU for XLA's allocator ({FRACTION_ENV}=.95; default .75)"] if gpu else []
+    if opt_state == "device" and optimizer_bytes and gpu:   # on the CPU host memory is the device's memory
+        tips.append(f"--opt-state host (the {fmt_bytes(optimizer_bytes)} of optimizer state in pinned host memory "
+                    f"between steps)")
+    if params == "device" and param_dtype == "float32" and param_bytes and gpu:
+        tips.append(f"--set param_dtype=bfloat16 --params host (bf16 parameters and gradients in HBM, saving "
+                    f"{fmt_bytes(param_bytes)}; the float32 master copy the update runs on in pinned host memory)")
+    micro = batch // grad_accum
+    if micro > 1:
+        tips.append(f"--grad-accum {grad_accum * 2 if micro % 2 == 0 else grad_accum * micro} (the same batch in "
+                    f"smaller micro-batches, now {micro} sequences: activations are a micro-batch's)")
+    tips += [f"a smaller --batch (now {batch}) or --seq (now {seq})",
+            f"a recipe that offloads or recomputes more than {recipe!r} (e.g. --recipe full; "
+            f"`python -m recipes.train.plan ... --recipe auto --hbm GIB` chooses one for a budget)",
+            "more devices (the batch and the model state split over them)"]
+    if opt_dtype == "float32" and optimizer_bytes:
+        tips.append(f"--opt-dtype bfloat16 (saves {fmt_bytes(optimizer_bytes // 2)} of optimizer state)")
+    tips.append("--set num_layers=N for a slice")
+    return "to fit: " + "; ".join(tips) + ". --force launches anyway"

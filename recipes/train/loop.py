@@ -1,0 +1,332 @@
+"""The training loop of `python -m recipes.train`: a plain `train_step` you can copy, and `run` around it.
+
+`train_step(model, optimizer, batch)` is an ordinary function of NNX objects: next-token loss (plus the model's
+auxiliary loss), gradients, the optimizer update, the model's non-gradient updates (e.g. a MoE router's
+bias), and the NaN guard: a step whose loss, gradient norm or updated parameters are not finite leaves every
+state as it was. The whole step runs under one `jax.jit` (`compile_step`: split into graph and state, merge
+inside, donate the state).
+
+`run(config)` builds the model with its recipe, prints the recipe and its memory plan, restores a checkpoint
+(`--resume`), trains, logs, checkpoints every K steps and at the end, and stops on a non-finite step keeping the
+last good checkpoint. Everything is a pure function of (seed, step), so a resumed run equals an uninterrupted one.
+Before it builds anything, `run` checks what could make a run fail late or destroy something
+(`recipes.train.guard`), takes the checkpoint directory and the metrics file for itself (`recipes.train.lock`,
+`recipes.train.guard.MetricsFile`), and catches SIGINT/SIGTERM: a signal while training ends the run after its step,
+with a checkpoint (`recipes.train.interrupt`).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+from rich.console import Console
+
+import zoo
+import zoo.sharding
+from recipes.train import agree, guard, meter, prepare, resume, watch
+from recipes.train import mesh as mesh_lib
+from recipes.train.config import RunConfig
+from recipes.train.interrupt import Interrupts
+from recipes.train.lock import DirLock
+from recipes.train.prepare import build_sharded, compile_for_shapes, show_memory_plan
+from zoo.optim import lr_schedule, make_optimizer
+from zoo.train_step import all_finite, eval_loss, moe_drops, next_token_loss, train_step
+from zoo.train_step import jit_step as compile_step
+
+# The step itself is zoo.train_step's (the planner compiles the same one) and the optimizer zoo.optim's; their
+# names are re-exported here.
+# The phases before the first step are `recipes.train.prepare`'s and `recipes.train.resume`'s; the helpers the benches
+# and tests use are re-exported too.
+__all__ = ["all_finite", "build_sharded", "compile_for_shapes", "compile_step", "lr_schedule", "make_optimizer",
+           "moe_drops", "next_token_loss", "run", "show_memory_plan", "train_step", "RunConfig"]
+
+
+@dataclasses.dataclass
+class Result:
+    steps: list[int]
+    losses: list[float]
+    stopped: str | None          # None: ran to the end; "nonfinite"; "stop_after"; "nothing_to_do" (resumed a
+                                 # run already at --steps: nothing was built); "interrupted" (SIGINT/SIGTERM)
+    last_checkpoint: int | None
+    model: nnx.Module | None = None  # the trained model (its last good state)
+    exit_code: int = 0           # what the command exits with: 1 after a non-finite step, 128 + signal if interrupted
+
+
+def make_eval(graphdef, mesh, loss_chunk="auto") -> Callable:
+    """(state, batch) -> the held-out batch's mean next-token loss: the model's forward pass alone, its loss over
+    chunks of `loss_chunk` positions as the step's (`zoo.train_step.eval_loss`), jitted (traced under the mesh's
+    rules, as the step)."""
+    @jax.jit
+    def loss(state, batch):
+        model, _ = nnx.merge(graphdef, state)
+        return eval_loss(model, batch, loss_chunk)
+
+    def run(state, batch):
+        with zoo.sharding.use(mesh):
+            return loss(state, batch)
+    return run
+
+
+def evaluate(eval_fn: Callable, state, held, n: int, mesh) -> dict[str, float]:
+    """Held-out loss (the mean over `n` batches, at most the split once over) and its perplexity."""
+    n = min(n, held.eval_batches()) if hasattr(held, "eval_batches") else n
+    losses = [eval_fn(state, mesh_lib.put_batch(held.eval_batch(i), mesh)) for i in range(n)]
+    value = float(np.mean([float(x) for x in losses]))
+    return {"eval_loss": value, "eval_perplexity": math.exp(min(value, 700.0))}
+
+
+def run(cfg: RunConfig, console: Console | None = None) -> Result:
+    """Train as `cfg` says (see the module docstring). With --ckpt-dir, the directory is checked and taken for
+    this run (`recipes.train.lock.DirLock`) before anything else, and given back at the end."""
+    # Off a terminal (a log file, CI), print wide lines rather than wrapping at 80 columns.
+    console = console or Console(highlight=False, width=None if os.isatty(1) else 160)
+    model_cfg = prepare.resolve(cfg)[3]
+    mesh_lib.resolve(cfg.mesh, model_cfg, cfg.micro_batch)   # a mesh that does not fit: ValueError before the disk
+    with contextlib.ExitStack() as stack:
+        session = _Session(stack, stack.enter_context(Interrupts()))
+        if cfg.ckpt_dir:
+            directory = guard.check_ckpt_dir(cfg.ckpt_dir)
+        if cfg.ckpt_dir:   # multi-host: one lock for the run, held by process 0; its refusal stops every process
+            # The lock file also names the run and its metrics file: a run killed before its first checkpoint is
+            # recognised by the same command with --resume (its metrics file is its own).
+            lock = agree.decided_by_0("the lock of --ckpt-dir", lambda: stack.enter_context(DirLock(directory, info={
+                "run": cfg.identity(), "metrics": os.path.abspath(cfg.metrics) if cfg.metrics else None})),
+                cfg.coordinator_timeout)
+            if lock is not None and lock.taken_over:
+                console.print(f"took over the stale lock of a run that ended without releasing it "
+                              f"(pid {lock.taken_over.get('pid')}, started {lock.taken_over.get('started')})",
+                              soft_wrap=True)
+                session.previous = lock.taken_over
+        return _run(cfg, console, session)
+
+
+@dataclasses.dataclass
+class _Session:
+    """What `run` holds for `_run`: resources closed when it returns (the lock, the metrics file), the signal
+    handlers, and the record of a previous run in the same --ckpt-dir that was killed (its stale lock)."""
+    stack: contextlib.ExitStack
+    interrupts: Interrupts
+    previous: dict | None = None
+
+    def metrics_owner(self, cfg: RunConfig, resume_record: dict | None) -> str | None:
+        """The metrics path the run being continued wrote: its checkpoint's, or, for a run killed before its first
+        checkpoint, its stale lock's (same run identity, --resume given)."""
+        if resume_record is not None:
+            return resume_record.get("metrics")
+        if cfg.resume and self.previous and self.previous.get("run") == cfg.identity():
+            return self.previous.get("metrics")
+        return None
+
+
+def _run(cfg: RunConfig, console: Console, session: _Session) -> Result:
+    """The run in phases: resolve the names, open what it reads (checkpoints, data, the point to resume from),
+    compile the step on shapes, show and check its plan, build the model, restore it, train, finish."""
+    family, recipe_name, recipe, model_cfg, device, kernels = prepare.resolve(cfg)
+    inputs = resume.open_inputs(cfg, console, model_cfg)
+    if inputs.resume_step is not None and inputs.resume_step >= cfg.steps:
+        return _nothing_to_do(cfg, console, inputs)
+    metrics_file = (session.stack.enter_context(guard.check_metrics(
+        cfg.metrics, owner=session.metrics_owner(cfg, inputs.resume_record)))
+        if cfg.metrics and jax.process_index() == 0 else None)   # multi-host: process 0 writes
+    mesh = mesh_lib.resolve(cfg.mesh, model_cfg, cfg.micro_batch)   # each micro-batch splits over the data axes
+    schedule = lr_schedule(lr=cfg.peak_lr, steps=cfg.total_schedule, warmup=cfg.total_warmup)
+    board = (session.stack.enter_context(contextlib.closing(watch.Board(
+        cfg.tensorboard, run=cfg.identity(), resume=cfg.resume))) if cfg.tensorboard and jax.process_index() == 0
+        else None)
+    # Compile the step on shapes alone (nothing allocated), check that it fits, and only then build the model:
+    # the executable compiled here is the one that runs.
+    step = prepare.compile_run(cfg, console, family, model_cfg, recipe_name, recipe, device, schedule, mesh)
+    plan = prepare.show_and_check(cfg, console, model_cfg, step, recipe_name, device, kernels, mesh)
+    model, optimizer = prepare.build_run(cfg, family, model_cfg, step.recipe, mesh, schedule)
+    # the mesh is recorded, not checked: a run may resume on another mesh
+    record = {"run": cfg.identity(), "recipe": recipe_name, "metrics": metrics_file.path if metrics_file else None,
+              "data": inputs.data_id, "mesh": mesh_lib.describe(mesh)}
+    start = resume.restore(cfg, console, inputs, model, optimizer)
+    host = meter.host_bytes(step.compiled, state_on_host=plan.state.host > 0) if device.platform != "cpu" else None
+    console.print(f"compiled the step in {step.seconds:.1f} s" + meter.host_note(host, plan, device.platform))
+    loop = _Loop(cfg, console, session, step, mesh, schedule, inputs, record, model, optimizer, start=start,
+                 metrics_file=metrics_file, board=board, device=device, host=host, plan=plan,
+                 flops_per_step=family.flops_per_token(model_cfg, model, cfg.seq) * cfg.batch * cfg.seq)
+    return loop.run()
+
+
+def _nothing_to_do(cfg: RunConfig, console: Console, inputs: resume.Inputs) -> Result:
+    """--resume of a run already at --steps: say how to train on, build nothing."""
+    step = inputs.resume_step
+    console.print(f"nothing left to do: the checkpoint in {inputs.ckpts.directory} is at step {step} and "
+                  f"--steps is {cfg.steps}. To train on, raise --steps" +
+                  (f" and add --schedule-steps {cfg.total_schedule} (the schedule stays as it was; the steps "
+                   f"past it run at its final learning rate, lr/10)" if step >= cfg.total_schedule
+                   else ""), soft_wrap=True)
+    inputs.ckpts.close()
+    return Result([], [], "nothing_to_do", step)
+
+
+class _Loop:
+    """The training loop over the compiled step: the state it carries, the checkpoints it saves, what it logs and
+    how it stops (at --steps, on a non-finite step, on a signal, at --stop-after)."""
+
+    def __init__(self, cfg: RunConfig, console: Console, session: _Session, step: prepare.Step, mesh, schedule,
+                 inputs: resume.Inputs, record: dict, model, optimizer, *, start: int, metrics_file, board, device,
+                 host, plan, flops_per_step: float):
+        self.cfg, self.console, self.session, self.step, self.mesh, self.schedule = (
+            cfg, console, session, step, mesh, schedule)
+        self.inputs, self.ckpts, self.record, self.model, self.optimizer = (
+            inputs, inputs.ckpts, record, model, optimizer)
+        self.start, self.metrics_file, self.board, self.device, self.host, self.plan = (
+            start, metrics_file, board, device, host, plan)
+        self.flops_per_step = flops_per_step
+        self.peak = meter.peak_tflops(device, cfg.peak_tflops)[0]
+        self.last_ckpt = start if start else None
+        _, self.state = nnx.split((model, optimizer))
+        self.eval_fn = make_eval(step.graphdef, mesh, cfg.loss_chunk) if inputs.held is not None else None
+        self.progress = watch.Progress(console, cfg.steps, start)
+        self.drops = watch.DropWatch(console, cfg.max_drop_warn)
+        self.t_last, self.n_since = time.perf_counter(), 0
+
+    def save(self, step: int) -> None:
+        nnx.update((self.model, self.optimizer), self.state)
+        self.ckpts.save(step, self.model, self.optimizer, self.record)
+        self.ckpts.wait()
+        self.last_ckpt = step
+
+    def run(self) -> Result:
+        cfg, session, mesh, source = self.cfg, self.session, self.mesh, self.inputs.source
+        if self.metrics_file:
+            self.metrics_file.start_at(self.start)
+        if self.board:
+            self.board.start_at(self.start)
+        result = Result([], [], None, self.last_ckpt)
+        session.interrupts.training = True   # from here a signal ends the run after its step, with a checkpoint
+        try:
+            batch = mesh_lib.put_batch(source.batch(self.start + 1), mesh) if self.start < cfg.steps else None
+            for step in range(self.start + 1, cfg.steps + 1):
+                self.state, m = self.step.compiled(self.state, batch)   # dispatched: the device runs the step
+                if step < cfg.steps:   # while the host makes and sends the next batch, not while the device idles
+                    batch = mesh_lib.put_batch(source.batch(step + 1), mesh)
+                m = jax.device_get(m)
+                if not m["ok"]:
+                    self._stop_nonfinite(step, m)
+                    result.stopped = "nonfinite"
+                    break
+                self._record(step, m, result)
+                if step < cfg.steps and session.interrupts.requested():   # at the last step: finish as usual
+                    _interrupted(self.console, session.interrupts, step,
+                                 self.save if self.ckpts is not None else None, self.last_ckpt)
+                    result.stopped, result.exit_code = "interrupted", session.interrupts.exit_code
+                    break
+                if cfg.stop_after is not None and step == cfg.stop_after and step < cfg.steps:
+                    result.stopped = "stop_after"
+                    self.console.print(f"--stop-after {step}: stopping as if preempted (last checkpoint: "
+                                       f"{self.last_ckpt})")
+                    break
+            else:
+                if self.ckpts is not None and self.last_ckpt != cfg.steps:
+                    self.save(cfg.steps)
+        finally:
+            self._close()
+        return self._finish(result)
+
+    def _record(self, step: int, m: dict, result: Result) -> None:
+        """A good step: count it, log it (every --log-every, the first, the last, at evaluations), checkpoint it
+        (every --ckpt-every)."""
+        cfg = self.cfg
+        loss = float(m["loss"])
+        self.drops.check(step, m)
+        result.steps.append(step)
+        result.losses.append(loss)
+        self.n_since += 1
+        evaluating = cfg.eval_every and step % cfg.eval_every == 0
+        if step % cfg.log_every == 0 or step == cfg.steps or step == self.start + 1 or evaluating:
+            self._log(step, m, loss)
+        self.progress.advance(step, loss)
+        if self.ckpts is not None and cfg.ckpt_every and step % cfg.ckpt_every == 0:
+            self.save(step)
+            self.t_last, self.n_since = time.perf_counter(), 0   # checkpoint time is not step time
+
+    def _log(self, step: int, m: dict, loss: float) -> None:
+        """One row of figures since the last: printed, written to --metrics and TensorBoard; held-out loss on
+        evaluation steps."""
+        cfg = self.cfg
+        jax.block_until_ready(self.state)
+        now = time.perf_counter()
+        dt, self.t_last, n = now - self.t_last, now, self.n_since
+        self.n_since = 0
+        tflops = self.flops_per_step * n / dt / 1e12 / self.mesh.devices.size   # per device, as its peak
+        row = {"step": step, "loss": loss, "aux_loss": float(m["aux_loss"]), "grad_norm": float(m["grad_norm"]),
+               "lr": float(self.schedule(step - 1)), "tokens_per_s": cfg.batch * cfg.seq * n / dt,
+               "model_tflops": tflops, "mfu": tflops / self.peak if self.peak else None,
+               "peak_hbm_bytes": meter.peak_hbm_bytes(self.device), "host_bytes": self.host,
+               "dropped": int(m["dropped"]), "drop_fraction": self.drops.fraction(m),
+               "planned_peak_bytes": self.plan.peak_bytes, "planned_peak_source": self.plan.peak_source}
+        for name in self.model.extra_head_names:   # each extra head's loss, before its weight
+            row[f"{name}_loss"] = float(m[f"{name}_loss"])
+        if self.eval_fn is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
+            row.update(evaluate(self.eval_fn, self.state, self.inputs.held, cfg.eval_batches, self.mesh))
+            self.t_last = time.perf_counter()   # evaluation time is not step time
+        self.progress.log(row)
+        if self.metrics_file:
+            self.metrics_file.write(row)
+        if self.board:
+            self.board.write(row)
+
+    def _stop_nonfinite(self, step: int, m: dict) -> None:
+        """The step left the state as it was (unless `kept` says an update that passed the guard still made a
+        parameter non-finite): then it is the last good state, after step - 1; save it and say why the run stops."""
+        kept = bool(m.get("kept", True))
+        if kept and self.ckpts is not None and step - 1 > 0 and self.last_ckpt != step - 1:
+            self.save(step - 1)
+        where = (f"The last good checkpoint is step {self.last_ckpt} in {self.ckpts.directory}" if self.last_ckpt
+                 else "No checkpoint was written (no --ckpt-dir, or no good step yet)")
+        self.progress.stop()
+        if not (math.isfinite(m["total_loss"]) and math.isfinite(m["grad_norm"])):
+            cause = f"the loss ({m['total_loss']}) or the gradient norm ({m['grad_norm']}) is not finite"
+        elif "lr" in m and not math.isfinite(m["lr"]):
+            cause = (f"the learning rate ({m['lr']}) is not finite (the loss {m['total_loss']:.4f} and the "
+                     f"gradient norm {m['grad_norm']:.4f} are: check --lr and the schedule)")
+        else:
+            cause = (f"the update made parameters non-finite (the loss {m['total_loss']:.4f} and the "
+                     f"gradient norm {m['grad_norm']:.4f} are finite: check --lr)")
+        what = ("the update was not applied" if kept else
+                "the update was applied (an overflow the guard cannot foresee) and is not saved")
+        self.console.print(f"[bold red]step {step}: {cause}; {what} and the run stops. {where}.[/]", soft_wrap=True)
+
+    def _close(self) -> None:
+        """Whatever happened: the progress bar, the drop summary, the metrics file, TensorBoard, the checkpoints."""
+        self.progress.stop()
+        self.drops.summary()
+        if self.metrics_file:
+            self.metrics_file.close()
+        if self.ckpts is not None:
+            try:
+                self.ckpts.close()
+            except Exception as e:  # never hide the error that got us here, never hang on the way out
+                self.console.print(f"closing the checkpoint manager failed: {e}")
+
+    def _finish(self, result: Result) -> Result:
+        """The trained model (its last good state) into the result, and the loss from first to last step."""
+        nnx.update((self.model, self.optimizer), self.state)
+        result.last_checkpoint, result.model = self.last_ckpt, self.model
+        if result.losses:
+            self.console.print(f"loss {result.losses[0]:.4f} (step {result.steps[0]}) -> {result.losses[-1]:.4f} "
+                               f"(step {result.steps[-1]})"
+                               + (f"; checkpoint: step {self.last_ckpt}" if self.last_ckpt else ""))
+        return result
+
+
+def _interrupted(console: Console, interrupts: Interrupts, step: int, save: Callable | None,
+                 last_ckpt: int | None) -> None:
+    """SIGINT/SIGTERM while training: the step has finished; save it (with --ckpt-dir) and say so in one line."""
+    if save is not None and last_ckpt != step:
+        save(step)
+    what = ("checkpoint step {step} is saved: the same command with --resume continues" if save is not None else
+            "no --ckpt-dir, nothing saved").format(step=step)
+    console.print(f"{interrupts.name}: stopped after step {step}; {what} (exit {interrupts.exit_code})",
+                  soft_wrap=True, markup=False)

@@ -1,0 +1,355 @@
+"""Text to training data: `--data` as text files and `--tokenizer DIR`, tokenized once into a token file.
+
+    python -m recipes.train --data corpus/ --tokenizer my-tokenizer/ --set vocab_size=32000 --eval-every 50
+
+- Input: a `.txt` file (one document), a `.jsonl` file (one document per line: a JSON object with a `"text"`
+  field, or a JSON string), or a directory of them (every `.txt`/`.jsonl` below it, in sorted order). Text is
+  UTF-8: a file that is not is a ValueError naming it and the byte offset of the first byte that does not decode,
+  unless `--text-encoding ENC` names its encoding (e.g. latin-1; then every file is decoded with it).
+- The tokenizer: a Hugging Face `tokenizer.json` (the file, or a directory holding it), read by the `tokenizers`
+  package (`pip install -e ".[text]"`). Documents are encoded without the tokenizer's own special tokens and
+  separated by its end-of-text id: `eos_token` of `tokenizer_config.json` beside it (the token's text, or an
+  AddedToken object with its `content`; a token the vocabulary lacks is an error), else the first of the usual
+  names the vocabulary holds: `<|end_of_text|>`, `<|endoftext|>`, `</s>`, `<eos>`, ...
+- Output: the token-file format of `recipes/train/data.py` (uint16 ids when the vocabulary fits, else uint32) in a
+  cache keyed by a hash of everything that makes the tokens: the tokenizer's files (`tokenizer.json`,
+  `tokenizer_config.json`, `special_tokens_map.json`), the end-of-text id, the encoding, and every input file's
+  name and bytes. A second run with the same inputs reads the cache and tokenizes nothing. The cache is
+  `$ZOO_TOKEN_CACHE`, else `$XDG_CACHE_HOME/offload-zoo/tokens` (default `~/.cache/offload-zoo/tokens`): a token
+  file and a JSON record of what it holds (`<hash>.bin`, `<hash>.json`: its number of tokens and a fingerprint of
+  its bytes), each written under a temporary name and renamed (`os.replace`) when complete, the record last. A
+  cache file that does not match its record (cut short, changed) is tokenized again, with a one-line note.
+- Two runs tokenizing the same inputs at once: the second waits for the first (an `fcntl.flock` on
+  `<hash>.lock`, released by the kernel if the first dies) and then reads its cache.
+- Long documents are encoded in pieces of about 1 MB cut after a newline (the tokenizer runs the pieces of a
+  batch on all cores); a token never spans such a cut.
+"""
+from __future__ import annotations
+
+import codecs
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from recipes.train.token_file import DTYPES, fingerprint
+
+SUFFIXES = (".txt", ".jsonl")
+EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]", "<|im_end|>")
+PIECE = 1 << 20            # characters per piece handed to the tokenizer
+BATCH = 64                 # pieces per call of encode_batch (and per progress update)
+FORMAT = "zoo-text-v2"     # part of the cache key: bump when the way tokens are made changes
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")  # hashed into the key
+
+
+def is_text(path: str | os.PathLike) -> bool:
+    """Is `--data` text (a .txt/.jsonl file, or a directory) rather than a token file?"""
+    p = Path(path)
+    return p.is_dir() or p.suffix in SUFFIXES
+
+
+def text_files(path: str | os.PathLike) -> list[Path]:
+    """The text files `--data` names, sorted; ValueError if there are none."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"--data {os.fspath(path)!r}: no such file or directory")
+    files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in SUFFIXES) if p.is_dir() else [p]
+    if not files:
+        raise ValueError(f"--data {os.fspath(path)!r}: a directory without .txt or .jsonl files")
+    return files
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """(tokenizers.Tokenizer, the tokenizer.json path) from a file or a directory holding tokenizer.json."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ValueError("--tokenizer needs the `tokenizers` package: pip install -e \".[text]\"") from None
+    p = Path(path)
+    file = p / "tokenizer.json" if p.is_dir() else p
+    if not file.is_file():
+        raise ValueError(f"--tokenizer {os.fspath(path)!r}: no tokenizer.json there (a Hugging Face tokenizer "
+                         f"directory or its tokenizer.json)")
+    try:
+        return Tokenizer.from_file(str(file)), file
+    except Exception as e:  # the Rust library raises its own exception type
+        raise ValueError(f"--tokenizer {os.fspath(file)!r} is not a readable tokenizer.json: {e}") from None
+
+
+def check_encoding(encoding: str | None) -> str | None:
+    """`--text-encoding`: None (UTF-8, strict) or a codec Python knows; ValueError otherwise."""
+    if encoding is None:
+        return None
+    try:
+        return codecs.lookup(encoding).name
+    except LookupError:
+        raise ValueError(f"--text-encoding {encoding!r} is not an encoding Python knows (e.g. utf-8, latin-1, "
+                         f"cp1252)") from None
+
+
+def eos_token(config: Path) -> str | None:
+    """`eos_token` of tokenizer_config.json: its text, or None when the file or the field is absent (null).
+    ValueError naming the field for anything else (a number, an object without a "content" string)."""
+    if not config.is_file():
+        return None
+    try:
+        record = json.loads(config.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--tokenizer: {os.fspath(config)} is not valid JSON: {e}") from None
+    eos = record.get("eos_token") if isinstance(record, dict) else None
+    if isinstance(eos, dict):   # an AddedToken: {"content": "</s>", "lstrip": false, ...}
+        eos = eos.get("content")
+        if not isinstance(eos, str):
+            raise ValueError(f"--tokenizer: eos_token of {os.fspath(config)} is an object without a \"content\" "
+                             f"string; write the token's text, e.g. \"eos_token\": \"</s>\"")
+    if eos is not None and not isinstance(eos, str):
+        raise ValueError(f"--tokenizer: eos_token of {os.fspath(config)} is {json.dumps(eos)} (a "
+                         f"{type(eos).__name__}); it must be the token's text, e.g. \"eos_token\": \"</s>\" (its id "
+                         f"is looked up in tokenizer.json)")
+    return eos or None
+
+
+def eos_id(tok, file: Path) -> int:
+    """The end-of-text id that separates documents (see the module docstring); ValueError if none is found."""
+    config = file.parent / "tokenizer_config.json"
+    named = eos_token(config)
+    if named is not None:
+        if tok.token_to_id(named) is None:
+            raise ValueError(f"--tokenizer: eos_token {named!r} of {os.fspath(config)} is not in the vocabulary of "
+                             f"{os.fspath(file)}; correct eos_token (documents are separated by its id)")
+        return tok.token_to_id(named)
+    for name in EOS_NAMES:
+        if tok.token_to_id(name) is not None:
+            return tok.token_to_id(name)
+    raise ValueError(f"--tokenizer {os.fspath(file)!r}: no end-of-text token found (tried eos_token of "
+                     f"tokenizer_config.json and {', '.join(EOS_NAMES)}): documents could not be separated")
+
+
+def decode(raw: bytes, file: Path, encoding: str | None, offset: int = 0, line: int | None = None) -> str:
+    """`raw` (bytes of `file` from byte `offset`) as text: strict UTF-8, or `encoding`. ValueError naming the file
+    and the byte offset of the first byte that does not decode."""
+    try:
+        return raw.decode(encoding or "utf-8")
+    except UnicodeDecodeError as e:
+        at = offset + e.start
+        where = f"byte {at:,}" + (f" (line {line})" if line is not None else "")
+        hint = ("pass --text-encoding ENC with the file's encoding (e.g. latin-1, cp1252) or convert it to UTF-8"
+                if encoding is None else "check --text-encoding")
+        raise ValueError(f"--data {os.fspath(file)!r} is not {encoding or 'UTF-8'} text: {where} "
+                         f"(0x{raw[e.start]:02x}) does not decode; {hint}") from None
+
+
+def documents(file: Path, encoding: str | None = None) -> Iterator[str]:
+    """The documents of one text file: a .txt file is one; a .jsonl file has one per line."""
+    if file.suffix == ".txt":
+        yield decode(file.read_bytes(), file, encoding)
+        return
+    offset = 0
+    with open(file, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            line = decode(raw, file, encoding, offset, n)
+            offset += len(raw)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--data {os.fspath(file)!r} line {n} is not JSON: {e}") from None
+            text = record.get("text") if isinstance(record, dict) else record
+            if not isinstance(text, str):
+                raise ValueError(f"--data {os.fspath(file)!r} line {n}: expected a JSON string or an object with "
+                                 f"a \"text\" string")
+            yield text
+
+
+def pieces(text: str) -> Iterator[str]:
+    """`text` in pieces of about PIECE characters, each cut after a newline where there is one."""
+    start = 0
+    while start < len(text):
+        end = min(start + PIECE, len(text))
+        if end < len(text):
+            cut = text.rfind("\n", start, end)
+            end = cut + 1 if cut > start else end
+        yield text[start:end]
+        start = end
+
+
+def content_hash(files: list[Path], tokenizer_file: Path, root: Path, *, eos: int, encoding: str | None) -> str:
+    """A hash of what makes the tokens: the format, the tokenizer's files (`TOKENIZER_FILES` beside
+    `tokenizer_file`, those present), the end-of-text id, the encoding, and every input file's name (relative to
+    `root`) and bytes."""
+    h = hashlib.sha256(json.dumps({"format": FORMAT, "eos": eos, "encoding": encoding}).encode())
+    beside = [tokenizer_file] + [tokenizer_file.parent / n for n in TOKENIZER_FILES[1:]
+                                 if (tokenizer_file.parent / n).is_file()]
+    for f in [*beside, *files]:
+        name = os.fspath(f.relative_to(root)) if f not in beside and root.is_dir() else f.name
+        h.update(f"\0{'tok' if f in beside else 'data'}:{name}\0{f.stat().st_size}\0".encode())
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()[:24]
+
+
+def cache_dir() -> Path:
+    if os.environ.get("ZOO_TOKEN_CACHE"):
+        return Path(os.environ["ZOO_TOKEN_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "offload-zoo" / "tokens"
+
+
+def cached(out: Path, say: Callable[[str], None]) -> dict | None:
+    """The record of the cache entry `out` if the token file is the one it describes (its size and
+    fingerprint), else None: absent, or damaged (then said in one line; it is tokenized again)."""
+    meta = out.with_suffix(".json")
+    if not meta.is_file():
+        return None
+    try:
+        record = json.loads(meta.read_text())
+        tokens, dtype, want = int(record["tokens"]), record["dtype"], record["fingerprint"]
+        size = tokens * DTYPES[dtype].itemsize
+        with open(out, "rb") as f:
+            have = os.fstat(f.fileno()).st_size
+            ok = have == size and fingerprint(f.fileno(), have) == want
+    except FileNotFoundError:
+        say(f"the token cache {out} is missing beside its record: tokenizing again")
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        say(f"the token cache record {meta} does not read ({e}): tokenizing again")
+        return None
+    if not ok:
+        say(f"the token cache {out} is damaged ({have:,} bytes where its record says {tokens:,} {dtype} ids, "
+            f"{size:,} bytes, or its bytes changed): tokenizing again")
+        return None
+    return record
+
+
+@contextlib.contextmanager
+def _locked(path: Path, say: Callable[[str], None]) -> Iterator[None]:
+    """Hold `path` (an flock) for tokenizing one cache entry; a second run waits, saying for whom."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            say(f"waiting for {holder}, which is tokenizing the same files into this cache entry ...")
+            fcntl.flock(fd, fcntl.LOCK_EX)   # released by the kernel when that process ends, however it ends
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def prepare(data: str | os.PathLike, tokenizer: str | os.PathLike, *, vocab: int,
+            say: Callable[[str], None] = print, progress: Callable | None = None,
+            encoding: str | None = None) -> tuple[Path, str]:
+    """(token file, its dtype) for the text `data` under `tokenizer`: from the cache, else tokenized now.
+    ValueError (before anything is tokenized) when the tokenizer's vocabulary exceeds the model's `vocab`.
+    `progress(total_bytes)` returns a callable taking the bytes done (a progress bar); default: a line now and
+    then. `encoding`: the text's (`--text-encoding`; default strict UTF-8)."""
+    encoding = check_encoding(encoding)
+    tok, tok_file = load_tokenizer(tokenizer)
+    if tok.get_vocab_size() > vocab:
+        raise ValueError(f"--tokenizer {os.fspath(tok_file)!r} has {tok.get_vocab_size():,} tokens, more than the "
+                         f"model's vocabulary of {vocab:,}: add --set vocab_size={tok.get_vocab_size()}")
+    files = text_files(data)
+    eos = eos_id(tok, tok_file)
+    dtype = "uint16" if tok.get_vocab_size() <= 2 ** 16 else "uint32"
+    key = content_hash(files, tok_file, Path(data), eos=eos, encoding=encoding)
+    out = cache_dir() / f"{key}.bin"
+    record = cached(out, say)
+    if record is None:
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"the token cache {out.parent} cannot be made ({e.strerror or e}): set "
+                             f"ZOO_TOKEN_CACHE to a writable directory") from None
+        with _locked(out.with_suffix(".lock"), say):
+            record = cached(out, lambda _: None)   # made by the run this one waited for?
+            if record is None:
+                record = _make(tok, tok_file, files, eos, dtype, out, encoding, say, progress)
+                return out, record["dtype"]
+    say(f"tokens of {os.fspath(data)}: {record['tokens']:,} from the cache {out}")
+    return out, record["dtype"]
+
+
+def _make(tok, tok_file: Path, files: list[Path], eos: int, dtype: str, out: Path, encoding: str | None,
+          say: Callable[[str], None], progress: Callable | None) -> dict:
+    """Tokenize `files` into the cache entry `out` (token file, then its record; each renamed into place)."""
+    total = sum(f.stat().st_size for f in files)
+    say(f"tokenizing {len(files)} file(s), {total / 2 ** 20:.1f} MiB, with {tok_file} (eos id {eos}) "
+        f"into {out} ...")
+    t0 = time.perf_counter()
+    advance = (progress or _lines(say))(total)
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    try:
+        n = _tokenize(tok, files, eos, dtype, tmp, advance, encoding)
+        advance(total)   # a .jsonl file's text is shorter than its bytes: close the bar at 100%
+        seconds = time.perf_counter() - t0
+        with open(tmp, "rb") as f:
+            fp = fingerprint(f.fileno(), os.fstat(f.fileno()).st_size)
+        record = {"format": FORMAT, "tokens": n, "dtype": dtype, "fingerprint": fp, "eos_id": eos,
+                  "vocab_size": tok.get_vocab_size(), "encoding": encoding or "utf-8",
+                  "tokenizer": os.fspath(tok_file), "files": [os.fspath(f) for f in files], "bytes": total,
+                  "seconds": round(seconds, 3)}
+        os.replace(tmp, out)
+        meta = out.with_name(f"{out.stem}.json.{os.getpid()}.tmp")
+        meta.write_text(json.dumps(record, indent=1))
+        os.replace(meta, out.with_suffix(".json"))
+    finally:
+        for leftover in (tmp, out.with_name(f"{out.stem}.json.{os.getpid()}.tmp")):
+            leftover.unlink(missing_ok=True)
+    say(f"tokenized {total / 2 ** 20:.1f} MiB into {n:,} tokens in {seconds:.1f} s "
+        f"({n / max(seconds, 1e-9):,.0f} tokens/s); cached as {out}")
+    return record
+
+
+def _tokenize(tok, files: list[Path], eos: int, dtype: str, path: Path, advance: Callable[[int], None],
+              encoding: str | None = None) -> int:
+    """Encode every document of `files` (EOS after each) into the token file `path`; the number of tokens."""
+    np_dtype = np.dtype("<u2" if dtype == "uint16" else "<u4")   # the token-file format (recipes/train/data.py)
+    n, done = 0, 0
+    with open(path, "wb") as out:
+        def flush(batch: list[str], ends: list[bool]) -> None:
+            nonlocal n, done
+            for enc, end, text in zip(tok.encode_batch(batch, add_special_tokens=False), ends, batch):
+                ids = np.asarray(enc.ids + ([eos] if end else []), np_dtype)
+                ids.tofile(out)
+                n += len(ids)
+                done += len(text.encode("utf-8", errors="replace"))
+            advance(done)
+
+        batch, ends = [], []
+        for file in files:
+            for doc in documents(file, encoding):
+                parts = list(pieces(doc)) or [""]
+                for i, part in enumerate(parts):
+                    batch.append(part)
+                    ends.append(i == len(parts) - 1)
+                    if len(batch) == BATCH:
+                        flush(batch, ends)
+                        batch, ends = [], []
+        if batch:
+            flush(batch, ends)
+    return n
+
+
+def _lines(say: Callable[[str], None]) -> Callable[[int], Callable[[int], None]]:
+    """Progress as a line every 10% (for a log file; the main job shows a bar on a terminal)."""
+    def start(total: int) -> Callable[[int], None]:
+        marks = iter(range(10, 101, 10))
+        mark = next(marks)
+
+        def advance(done: int) -> None:
+            nonlocal mark
+            while mark is not None and total and 100 * done >= mark * total:
+                say(f"  tokenized {mark}%")
+                mark = next(marks, None)
+        return advance
+    return start
