@@ -101,6 +101,27 @@ def test_per_device_shapes_on_an_abstract_mesh():
         assert sharding.size_of("batch") == 8 and sharding.size_of("experts") == 2 and sharding.size_of("seq") == 1
 
 
+def test_rules_apply_in_order_and_use_a_mesh_axis_once_per_array():
+    """Priority semantics (fsdp=4 x tp=2 x ep=2 of 16): an activation [batch, seq, embed] gives fsdp to `batch`, whose
+    rule comes first, and keeps `embed` whole; a parameter's `embed` takes fsdp; the constraint a tag site applies
+    says the same. With `embed`'s rule first, `embed` takes fsdp and `batch`, whose rule needs fsdp too, stays whole.
+    (A plain name lookup would give the activation P(('fsdp', 'ep'), None, 'fsdp'), which JAX rejects.)"""
+    P = jax.sharding.PartitionSpec
+    mesh = sharding.abstract_mesh("fsdp=4,tp=2,ep=2", 16)
+    rules = sharding.rules_for(mesh)
+    assert sharding.mesh_spec(sharding.BSD, rules) == P(("fsdp", "ep"), None, None)
+    assert sharding.mesh_spec(("embed", "mlp"), rules) == P("fsdp", "tp")
+    assert sharding.shard_shape((8, 16, 64), sharding.BSD, mesh) == (1, 16, 64)
+    assert sharding.shard_shape((64, 32), ("embed", "mlp"), mesh) == (16, 16)
+    with sharding.use(mesh):
+        jaxpr = jax.make_jaxpr(lambda x: sharding.constrain(x, sharding.BSD))(jax.ShapeDtypeStruct((8, 16, 64),
+                                                                                                  jnp.float32))
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "sharding_constraint"]
+    assert eqn.params["sharding"].spec == P(("fsdp", "ep"), None, None)
+    embed_first = (("embed", "fsdp"), ("batch", ("fsdp", "ep")))
+    assert sharding.mesh_spec(sharding.BSD, embed_first) == P(None, None, "fsdp")
+
+
 @pytest.mark.parametrize("model,spec", [("llama", "fsdp=4,tp=2"), ("llama", "dp=2,fsdp=4"),
                                         ("deepseek", "fsdp=2,ep=4"), ("deepseek", "ep=8")])
 def test_offloaded_bytes_per_device_are_the_plan_over_the_shards(model, spec):

@@ -1,7 +1,14 @@
 """Sharding constraints by logical axis names: the one piece of sharding a tag site needs (`zoo.tags.name`).
 
-A no-op unless a mesh and Flax's logical-axis rules are both active (`zoo.sharding.use` activates them); the rule
-sets and the mesh live in `zoo.sharding`, which builds on this module.
+A no-op unless a mesh and Flax's logical-axis rules are both active (`zoo.sharding.use` activates them with
+`nnx.logical_axis_rules`); the rule sets and the mesh live in `zoo.sharding`, which builds on this module.
+
+Logical names become mesh axes with priority semantics (`mesh_spec`): rules are tried in order, and a mesh axis is
+used at most once per array, so under fsdp an activation [batch, seq, embed] is split on `batch` and keeps `embed`
+whole, while a parameter's `embed` is split over fsdp. Flax NNX's own mapping (`nnx.get_partition_spec` and
+`nnx.get_named_sharding` under `nnx.logical_axis_rules`, `flax.core.spmd.apply_rules`) renames each name by a plain
+lookup, which gives that activation P('fsdp', None, 'fsdp'), a spec JAX rejects; the resolution is therefore
+`flax.linen.logical_to_mesh_axes`, the one Flax Linen function the zoo uses.
 """
 from __future__ import annotations
 
@@ -9,7 +16,9 @@ import math
 from collections.abc import Sequence
 
 import jax
-from flax import linen as nn
+from flax.core import spmd
+from flax.linen import logical_to_mesh_axes
+from flax.typing import LogicalRules
 from jax.sharding import PartitionSpec
 
 
@@ -17,24 +26,30 @@ def active() -> bool:
     """True while a mesh and logical-axis rules are both active, outside `shard_map` (inside it every value is one
     device's shard: there is nothing to constrain)."""
     mesh = jax.sharding.get_abstract_mesh()
-    return bool(nn.get_logical_axis_rules()) and not mesh.empty and not mesh.manual_axes
+    return bool(spmd.get_logical_axis_rules()) and not mesh.empty and not mesh.manual_axes
+
+
+def mesh_spec(axes: Sequence[str | None], rules: LogicalRules | None = None) -> PartitionSpec:
+    """The PartitionSpec of an array with logical `axes` under `rules` (default: the active ones): rules in order,
+    each mesh axis at most once per array, a name no rule maps (or `None`) whole. ValueError for a name given twice."""
+    return logical_to_mesh_axes(tuple(axes), rules)
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
-    """A sharding constraint by logical axis names (flax's `with_logical_constraint`); a no-op unless a mesh and
-    rules are active (see `use`)."""
+    """A sharding constraint by logical axis names (`mesh_spec` under the active rules); a no-op unless a mesh and
+    rules are active (see `zoo.sharding.use`)."""
     if len(axes) != x.ndim:
         raise ValueError(f"constrain: {len(axes)} logical axes {tuple(axes)} for an array of rank {x.ndim}")
     if not active():
         return x
-    return nn.with_logical_constraint(x, tuple(axes))
+    return jax.lax.with_sharding_constraint(x, mesh_spec(axes))
 
 
 def mesh_axes(logical: str) -> tuple[str, ...]:
     """The mesh axes the active rules map the logical axis `logical` to (() when none are active)."""
     if not active():
         return ()
-    spec = nn.logical_to_mesh_axes((logical,))[0]
+    spec = mesh_spec((logical,))[0]
     return () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
 
 

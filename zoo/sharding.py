@@ -3,11 +3,11 @@ activation constraint every tag site applies.
 
 Logical axes. Every parameter carries logical axis names (`out_sharding` metadata, see `zoo.layers.linear`) and
 every tagged activation is constrained with logical names right before it is named (`zoo.tags.name(x, tag, axes)`).
-Rules map logical names to mesh axes through Flax's logical-partitioning API: `flax.linen.logical_to_mesh_sharding`
-for parameters (from `nnx.get_partition_spec`) and `flax.linen.with_logical_constraint` for activations, both with
-the priority semantics of `nn.logical_to_mesh_axes`: rules are tried in order, and a mesh axis is used at most once
-per array (so the activation `embed` of a [batch, seq, embed] tensor stays whole while `batch` takes fsdp, and the
-parameter `embed` is sharded over fsdp).
+Rules map logical names to mesh axes: `use(mesh)` activates them with `nnx.logical_axis_rules`, parameters' names
+are read with `nnx.get_partition_spec`, and both parameters and activations are mapped by `zoo.logical.mesh_spec`,
+with priority semantics: rules are tried in order, and a mesh axis is used at most once per array (so the
+activation `embed` of a [batch, seq, embed] tensor stays whole while `batch` takes fsdp, and the parameter `embed`
+is sharded over fsdp; `zoo.logical` says why this is not NNX's plain lookup).
 
 Mesh axes (`jax.make_mesh`, Auto axis types; device order dp, fsdp, ep, tp, so tp is innermost):
 - ``dp``: replicas; the batch is split.
@@ -26,7 +26,7 @@ Use:
     zoo.sharding.check_mesh(cfg, mesh, batch=8)           # ValueError before compiling
     build = zoo.models.registry.family_of(cfg).build
     model = zoo.sharding.create(build, cfg, recipe=r, mesh=mesh, seed=0)   # never a full copy
-    with zoo.sharding.use(mesh):                           # jax.set_mesh + nn.logical_axis_rules
+    with zoo.sharding.use(mesh):                           # jax.set_mesh + nnx.logical_axis_rules
         step = jax.jit(...)                                # trace inside: the activation constraints see the rules
 """
 from __future__ import annotations
@@ -38,12 +38,11 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import linen as nn
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zoo import tags
-from zoo.logical import active, constrain, mesh_axes, size_of  # noqa: F401  the constraint the tag sites apply
+from zoo.logical import active, constrain, mesh_axes, mesh_spec, size_of  # noqa: F401  what the tag sites apply
 
 AXES: tuple[str, ...] = ("dp", "fsdp", "tp", "ep")
 MESH_ORDER: tuple[str, ...] = ("dp", "fsdp", "ep", "tp")   # device order: tp innermost (fastest links)
@@ -144,27 +143,28 @@ def rules_for(mesh) -> tuple[tuple[str, Any], ...]:
 @contextlib.contextmanager
 def use(mesh, rules: Iterable[tuple[str, Any]] | None = None):
     """Activate `mesh` (`jax.set_mesh`; an AbstractMesh for tracing without devices) and its logical-axis rules
-    (`nn.logical_axis_rules`; default `rules_for(mesh)`). Trace (first call) jitted steps inside it: the activation
+    (`nnx.logical_axis_rules`; default `rules_for(mesh)`). Trace (first call) jitted steps inside it: the activation
     constraints read both then."""
     rules = tuple(rules) if rules is not None else rules_for(mesh)
     mesh_context = (jax.sharding.use_abstract_mesh(mesh) if isinstance(mesh, jax.sharding.AbstractMesh)
                     else jax.set_mesh(mesh))
-    with mesh_context, nn.logical_axis_rules(rules):
+    with mesh_context, nnx.logical_axis_rules(rules):
         yield
 
 
 # -- parameters ----------------------------------------------------------------------------------------------------
 def logical_specs(tree):
     """Logical PartitionSpecs (the `out_sharding` names) of a state, read with no rules active."""
-    with nn.logical_axis_rules(()):
+    with nnx.logical_axis_rules(()):
         return nnx.get_partition_spec(tree)
 
 
 def shardings(tree, mesh, rules: Iterable[tuple[str, Any]] | None = None):
     """NamedShardings for every variable of an nnx state (parameters, routing biases, optimizer state): each
-    logical axis mapped by `rules` (default `rules_for(mesh)`) with `nn.logical_to_mesh_sharding`."""
+    logical axis mapped by `rules` (default `rules_for(mesh)`) with `mesh_spec`."""
     rules = tuple(rules) if rules is not None else rules_for(mesh)
-    return nn.logical_to_mesh_sharding(logical_specs(tree), mesh, rules)
+    return jax.tree.map(lambda spec: NamedSharding(mesh, mesh_spec(spec, rules)), logical_specs(tree),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def check_divisible(state, mesh, rules: Iterable[tuple[str, Any]] | None = None) -> None:
@@ -174,7 +174,7 @@ def check_divisible(state, mesh, rules: Iterable[tuple[str, Any]] | None = None)
     specs = dict(nnx.to_flat_state(logical_specs(state)))
     for path, var in nnx.to_flat_state(state):
         logical = specs[path].get_value() if isinstance(specs[path], nnx.Variable) else specs[path]
-        spec = nn.logical_to_mesh_axes(tuple(logical), rules) if logical else PartitionSpec()
+        spec = mesh_spec(logical, rules) if logical else PartitionSpec()
         for dim, (size, axes) in enumerate(zip(var.shape, spec)):
             axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
             shards = math.prod(sizes[a] for a in axes)
@@ -225,7 +225,7 @@ def shard_shape(shape: Sequence[int], axes: Sequence[str | None], mesh,
     """Per-device shape of a [shape] array with logical `axes` under `mesh` (a Mesh or an AbstractMesh) and
     `rules`: what the planner divides by (`--mesh`)."""
     rules = tuple(rules) if rules is not None else rules_for(mesh)
-    spec = nn.logical_to_mesh_axes(tuple(axes), rules)
+    spec = mesh_spec(axes, rules)
     sizes = dict(mesh.shape)
     out = []
     for size, a in zip(shape, spec):
@@ -255,7 +255,7 @@ def check_mesh(cfg, mesh, batch: int | None = None) -> None:
 def batch_sharding(mesh, rules: Iterable[tuple[str, Any]] | None = None, ndim: int = 2) -> NamedSharding:
     """The sharding of a [batch, seq, ...] input: batch over the data axes, the rest whole."""
     rules = tuple(rules) if rules is not None else rules_for(mesh)
-    return NamedSharding(mesh, nn.logical_to_mesh_axes(("batch",) + (None,) * (ndim - 1), rules))
+    return NamedSharding(mesh, mesh_spec(("batch",) + (None,) * (ndim - 1), rules))
 
 
 # -- per-device tag shapes (for the planner) -------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Every parameter carries its logical axes (`layers`, `embed`, `heads`, `kv_heads`, `head_dim`, `mlp`, `vocab`, ...)
 as `out_sharding` metadata, with eager sharding off: the names are logical, and sharding rules map them to mesh
-axes later (`nnx.get_partition_spec` + `nn.logical_to_mesh_sharding`) without touching the layers.
+axes later (`zoo.sharding.shardings`) without touching the layers.
 """
 from __future__ import annotations
 
