@@ -85,14 +85,21 @@ class CausalLM(nnx.Module):
         self.extra_head_names = tuple(n for n, make in extra_heads.items() if make is not None)
         for name, make in extra_heads.items():
             setattr(self, name, make(rngs) if make is not None else None)
-        self.recipe = Recipe.none()
+        self._recipe = Recipe.none()
         self.set_recipe(recipe if recipe is not None else Recipe.none())
 
     # -- the recipe ---------------------------------------------------------------------------------------
+    @property
+    def recipe(self) -> Recipe:
+        """The recipe the stacks apply: the model's one copy of it (each call hands its policy to every stack).
+        A value: change it with `set_recipe`, which checks it first."""
+        return self._recipe
+
     def set_recipe(self, recipe: Recipe) -> None:
-        """Use `recipe` from now on. ValueError if it names a tag (or pattern) that no stack emits."""
+        """Use `recipe` from now on (a static field of the model's graph: a jitted step traces again). ValueError if
+        it names a tag (or pattern) that no stack emits; the model keeps its recipe then."""
         self.check_recipe(recipe)
-        self.recipe = recipe
+        self._recipe = recipe
 
     def check_recipe(self, recipe: Recipe) -> None:
         """ValueError unless `recipe` is a Recipe naming only tags (or patterns) that some stack emits."""
