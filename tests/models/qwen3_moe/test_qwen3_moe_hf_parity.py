@@ -61,7 +61,7 @@ def test_qwen3_moe_from_transformers(tmp_path, name):
                          ids=["tiny", "tied-dense-middle"])
 def test_qwen3_moe_to_transformers(tmp_path, overrides):
     cfg = zoo.models.registry.config("qwen3_moe", "tiny", **overrides)
-    model = random_params(cfg, zoo.models.qwen3_moe.qwen3_moe, seed=4)
+    model = random_params(cfg, zoo.models.qwen3_moe, seed=4)
     zoo.to_hf(model, tmp_path, max_shard_bytes=50000)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert type(hf).__name__ == "Qwen3MoeForCausalLM"
