@@ -107,10 +107,10 @@ def family(name: str):
 
 def parse_field(cls: type, name: str, text: str):
     """Command-line text for the field `name` of the config class `cls`, as that field's type (read from its
-    annotation: `zoo.models.config.field_types`): "false" -> False for a bool, "3" -> 3 for an int, "none" -> None
+    annotation: `zoo.models.fields.field_types`): "false" -> False for a bool, "3" -> 3 for an int, "none" -> None
     where None is allowed. ValueError naming the field and its type otherwise. The config checks the value itself
     when it is made."""
-    from zoo.models.config import check_field_names, field_types, type_name, type_options
+    from zoo.models.fields import check_field_names, field_types, type_name, type_options
     types_ = field_types(cls)
     if name not in types_:
         check_field_names(cls, [name])   # names the field, a close match and every field

@@ -11,10 +11,10 @@ from jax.test_util import check_grads
 
 from tests.layers import reference as ref
 from tests.layers.random_layers import jitted, random_layer
+from zoo.emitted import emitted_by
 from zoo.hf.keymap import GQA
 from zoo.layers import Attention, Llama3Scaling, Rope
 from zoo.models.qwen3_moe.hf import QK_NORMS
-from zoo.tags import emitted_by
 
 B, S, D, H, KV, HD = 2, 8, 32, 4, 2, 8
 EPS = 1e-6

@@ -101,7 +101,7 @@ def test_the_wrapper_of_a_kernel_with_its_own_vjp_names_its_residuals_and_hands_
 
 def test_the_kernel_emits_attention_out_and_context():
     q, k, v, _ = inputs()
-    got = zoo.tags.emitted(lambda q, k, v: ak.causal_attention(q, k, v, impl="xla"), q, k, v)
+    got = zoo.emitted.emitted(lambda q, k, v: ak.causal_attention(q, k, v, impl="xla"), q, k, v)
     assert {t: (s.shape, s.dtype) for t, s in got.items()} == {
         "attention_out": ((B, S, H, DV), jnp.float32), "context": ((B, H, S), jnp.float32)}
 

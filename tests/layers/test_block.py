@@ -10,10 +10,10 @@ from jax.test_util import check_grads
 
 from tests.layers import reference as ref
 from tests.layers.random_layers import jitted, random_layer
+from zoo.emitted import emitted_by
 from zoo.layers import MLP, Attention, RMSNorm, Rope
 from zoo.layers.block import PreNormBlock
 from zoo.layers.moe import Experts, MoE, MoEAux, SoftmaxRouter
-from zoo.tags import emitted_by
 
 B, S, D, H, KV, HD, F, E = 2, 8, 16, 2, 1, 8, 24, 4
 EPS = 1e-5

@@ -8,8 +8,8 @@ from flax import nnx
 from jax.test_util import check_grads
 
 from tests.layers import reference as ref
+from zoo.emitted import emitted, emitted_by
 from zoo.layers import Embed, LMHead
-from zoo.tags import emitted, emitted_by
 
 B, S, D, V = 2, 8, 16, 11
 

@@ -9,8 +9,8 @@ from jax.test_util import check_grads
 
 from tests.layers import reference as ref
 from tests.layers.random_layers import random_layer
+from zoo.emitted import emitted
 from zoo.layers.moe import Experts
-from zoo.tags import emitted
 
 E, D, F, C = 4, 8, 12, 3
 SIZES = np.array([3, 0, 4, 2], np.int32)     # rows per expert, one expert empty

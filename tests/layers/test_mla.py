@@ -13,9 +13,9 @@ from jax.test_util import check_grads
 from tests.helpers import tiered
 from tests.layers import reference as ref
 from tests.layers.random_layers import jitted, random_layer
+from zoo.emitted import emitted_by
 from zoo.layers import MLA, Rope, YarnScaling
 from zoo.models.deepseek_v3.hf import MLA as MLA_KEYS
-from zoo.tags import emitted_by
 
 B, S, D, H = 2, 8, 32, 3
 Q_RANK, KV_RANK, NOPE, ROPE, V = 16, 12, 8, 4, 6

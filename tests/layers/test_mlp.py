@@ -10,9 +10,9 @@ from jax.test_util import check_grads
 
 from tests.layers import reference as ref
 from tests.layers.random_layers import jitted, random_layer
+from zoo.emitted import emitted_by
 from zoo.hf.keymap import SWIGLU
 from zoo.layers import MLP
-from zoo.tags import emitted_by
 
 B, S, D, F = 2, 8, 16, 24
 

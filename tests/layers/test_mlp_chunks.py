@@ -43,8 +43,8 @@ def test_the_chunked_mlp_is_the_same_function():
     assert jnp.allclose(whole(x), chunked(x), rtol=1e-6, atol=1e-6)
     # the tags of a chunked layer are one tensor each, of the unchunked shape
     sds = jax.ShapeDtypeStruct((B, S, 64), jnp.float32)
-    assert ({t: s.shape for t, s in zoo.tags.emitted_by(chunked, sds).items()}
-            == {t: s.shape for t, s in zoo.tags.emitted_by(whole, sds).items()})
+    assert ({t: s.shape for t, s in zoo.emitted.emitted_by(chunked, sds).items()}
+            == {t: s.shape for t, s in zoo.emitted.emitted_by(whole, sds).items()})
 
 
 @pytest.mark.parametrize("name", ["full", "minimal_offload", "qkv_offload"])
@@ -84,8 +84,8 @@ def test_a_tag_emitted_twice_with_other_shapes_is_refused():
         a = zoo.tags.name(x, "mlpwi_0", ("batch", "seq", "mlp"))
         return zoo.tags.name(a[:, :, :3], "mlpwi_0", ("batch", "seq", "mlp"))
     with pytest.raises(ValueError, match="'mlpwi_0' is emitted twice in one layer with shapes"):
-        zoo.tags.emitted(two_tensors, jax.ShapeDtypeStruct((B, S, 8), jnp.float32))
-    got = zoo.tags.emitted(
+        zoo.emitted.emitted(two_tensors, jax.ShapeDtypeStruct((B, S, 8), jnp.float32))
+    got = zoo.emitted.emitted(
         lambda x: [zoo.tags.name(p, "mlpwi_0", ("batch", "seq", "mlp")) for p in jnp.split(x, 2, axis=1)],
         jax.ShapeDtypeStruct((B, S, 8), jnp.float32))
     assert {t: s.shape for t, s in got.items()} == {"mlpwi_0": (B, S, 8)}

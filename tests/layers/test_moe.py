@@ -176,11 +176,11 @@ def test_capacity_dispatch_drops_and_reports_the_dropped_copies():
 
 def test_tags_per_backend():
     x = jax.ShapeDtypeStruct((B, S, D), jnp.float32)
-    got = {t: s.shape for t, s in zoo.tags.emitted_by(make_moe("ragged_dot"), x).items()}
+    got = {t: s.shape for t, s in zoo.emitted.emitted_by(make_moe("ragged_dot"), x).items()}
     assert got == {"moe_mlpwi_0": (B * S * K, F), "moe_mlpwi_1": (B * S * K, F), "moe_mlpwo": (B * S * K, D),
                    "shared_mlpwi_0": (B, S, F), "shared_mlpwi_1": (B, S, F), "shared_mlpwo": (B, S, D)}
     c = capacity(B * S * K, E, 1.25)
-    got = {t: s.shape for t, s in zoo.tags.emitted_by(make_moe("capacity"), x).items()}
+    got = {t: s.shape for t, s in zoo.emitted.emitted_by(make_moe("capacity"), x).items()}
     assert got["moe_mlpwi_0"] == got["moe_mlpwi_1"] == (E, c, F) and got["moe_mlpwo"] == (E, c, D)
 
 
@@ -296,4 +296,4 @@ def test_a_moe_without_shared_expert_under_the_softmax_router_matches_a_per_toke
             g = v @ w_gate[e]
             out[t] += w * ((g / (1 + np.exp(-g)) * (v @ w_up[e])) @ w_down[e])
     np.testing.assert_allclose(np.asarray(y, np.float64), out.reshape(x.shape), rtol=1e-4, atol=1e-5)
-    assert float(aux.load.sum()) == B * S * K and "shared_mlpwo" not in zoo.tags.emitted_by(moe, x)
+    assert float(aux.load.sum()) == B * S * K and "shared_mlpwo" not in zoo.emitted.emitted_by(moe, x)

@@ -14,11 +14,11 @@ from jax.test_util import check_grads
 from tests.helpers import tiered
 from tests.layers import reference as ref
 from tests.layers.random_layers import jitted, random_layer
+from zoo.emitted import emitted_by
 from zoo.hf.keymap import ROUTED_EXPERTS
 from zoo.layers import MLP
 from zoo.layers.moe import Experts, GroupLimitedRouter, MoE, SoftmaxRouter, capacity
 from zoo.models.deepseek_v3.hf import MOE as DEEPSEEK_MOE
-from zoo.tags import emitted_by
 
 B, S, D, E, K, F = 2, 8, 16, 8, 2, 12
 ROWS = B * S * K                                 # token copies

@@ -7,9 +7,9 @@ from flax import nnx
 from jax.test_util import check_grads
 
 from tests.layers import reference as ref
+from zoo.emitted import emitted_by
 from zoo.hf.keymap import NORMS
 from zoo.layers import RMSNorm
-from zoo.tags import emitted_by
 
 B, S, D, EPS = 2, 8, 16, 1e-5
 

@@ -13,8 +13,8 @@ from jax.test_util import check_grads
 
 from tests.helpers import tiered
 from tests.layers import reference as ref
+from zoo.emitted import emitted
 from zoo.layers import Llama3Scaling, Rope, YarnScaling
-from zoo.tags import emitted
 
 B, S, H, DIM = 2, 8, 3, 16
 # Small original contexts, so that the tiny head dim has frequencies in every band of each scaling (Llama 3.1's:

@@ -13,10 +13,10 @@ from jax.test_util import check_grads
 from tests.helpers import tiered
 from tests.layers import reference as ref
 from tests.layers.random_layers import jitted, random_layer
+from zoo.emitted import emitted
 from zoo.hf.keymap import ROUTED_EXPERTS
 from zoo.layers.moe import GroupLimitedRouter, SoftmaxRouter, sequence_balance_loss, switch_balance_loss
 from zoo.models.deepseek_v3.hf import MOE as DEEPSEEK_MOE
-from zoo.tags import emitted
 
 T, D, E, K = 16, 16, 8, 2
 GROUPED = dict(num_experts=E, k=K, n_group=4, topk_group=2, routed_scaling_factor=2.5)

@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zoo.emitted import emitted_by
 from zoo.layers import MLP
-from zoo.tags import emitted_by
 
 
 def test_tag_shapes_of_an_abstract_layer():

@@ -447,8 +447,8 @@ def test_tags_are_traced_once_per_stack_and_shape(monkeypatch):
     a recipe never changes the model's own."""
     from zoo.models import stack
     calls = []
-    real = stack.tags_lib.emitted
-    monkeypatch.setattr(stack.tags_lib, "emitted", lambda *a: calls.append(a[-1].shape) or real(*a))
+    real = stack.emitted_lib.emitted
+    monkeypatch.setattr(stack.emitted_lib, "emitted", lambda *a: calls.append(a[-1].shape) or real(*a))
     cfg = dataclasses.replace(LLAMA_TINY, dim=48)  # a layer no other test has traced
     model = nnx.eval_shape(lambda: zoo.models.llama3(cfg, recipe=LLAMA_RECIPES["full"], rngs=nnx.Rngs(0)))
     zoo.plan.plan(cfg, LLAMA_RECIPES["qkv_offload"], batch=B, seq=S)

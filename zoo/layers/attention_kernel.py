@@ -219,7 +219,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str | No
 
     @jax.custom_vjp
     def attend(q, k, v):
-        # The primal also runs the forward rule, so an abstract trace (zoo.tags.emitted) sees both names.
+        # The primal also runs the forward rule, so an abstract trace (zoo.emitted) sees both names.
         return kernel(q, k, v, scale)[0]
 
     attend.defvjp(forward, lambda res, g: backward_of["rule"](res, g))

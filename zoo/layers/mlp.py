@@ -4,7 +4,7 @@ Tags: {prefix}mlpwi_0 (gate, before the activation), {prefix}mlpwi_1 (up), {pref
 lets the same layer serve as a mixture of experts' shared expert ("shared_").
 
 `seq_chunks=n` runs the MLP on n equal slices of the sequence, one after the other, each slice's tensors tagged
-with the layer's tags (the tag's tensor is their concatenation: `zoo.tags.emitted`). The arithmetic is the same
+with the layer's tags (the tag's tensor is their concatenation: `zoo.emitted`). The arithmetic is the same
 (every token's MLP is independent); what changes is when each tagged tensor exists. An offloaded tensor's copy to
 the host can start only once the whole tensor is made: in one piece, the gate and up projections' copies start
 after the last matmul that makes them and finish after the layer's compute, so the scan waits for them at the end

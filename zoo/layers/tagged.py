@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from zoo.tags import emitted_by
+from zoo.emitted import emitted_by
 
 
 class TaggedLayer(nnx.Module):

@@ -1,114 +1,21 @@
-"""`LMConfig`: the fields `CausalLM` reads, and validation done once for every model config.
+"""`LMConfig`: the fields `CausalLM` reads, and validation done once for every model config; `MoEConfig`: what a
+family with routed experts adds.
 
-Each family's config (zoo/models/<family>/config.py) extends it. Construction checks every field against its type
-annotation (a bool field takes only a bool, an int field rejects bools and floats, a float must be finite, an
-`X | None` field also takes None), then the ranges the base knows, then the subclass's own `check()`. Every bad
-value is a ValueError naming its field. Text (a command line's `--set FIELD=VALUE`) is the application's to turn
-into values (`recipes.train.cli.parse_field`, with `field_types`, `type_options` and `type_name` from here).
+Each family's config (zoo/models/<family>/config.py) extends one of them. Construction checks every field against
+its type annotation (`zoo.models.fields.check_types`), then the ranges the base knows, then the subclass's own
+`check()`. Every bad value is a ValueError naming its field.
 """
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import functools
-import math
-import types
-import typing
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from zoo.dtypes import DTYPES, dtype_of
 from zoo.layers.moe import BACKENDS, EP_DISPATCHES, backend_choice, resolve_backend
+from zoo.models.fields import check_field_names, check_non_negative, check_positive, check_positive_float, check_types
 
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
-
-
-def type_options(hint) -> tuple[tuple[type, ...], bool]:
-    """(the non-None types a hint allows, whether None is allowed)."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        args = typing.get_args(hint)
-        return tuple(a for a in args if a is not type(None)), type(None) in args
-    return (hint,), False
-
-
-def _type_ok(value, allowed: tuple[type, ...]) -> bool:
-    for t in allowed:
-        if t is bool and isinstance(value, bool):
-            return True
-        if t is int and isinstance(value, int) and not isinstance(value, bool):
-            return True
-        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            return True
-        if t not in (bool, int, float) and isinstance(t, type) and isinstance(value, t):
-            return True
-    return False
-
-
-def type_name(allowed: tuple[type, ...], optional: bool) -> str:
-    names = {bool: "a bool", int: "an int", float: "a finite number", str: "a string"}
-    out = " or ".join(names.get(t, f"a {t.__name__}") for t in allowed)
-    return out + " or None" if optional else out
-
-
-@functools.cache
-def field_types(cls: type) -> dict[str, Any]:
-    """{field: resolved type annotation} of a config dataclass."""
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def check_types(cfg) -> None:
-    for name, hint in field_types(type(cfg)).items():
-        allowed, optional = type_options(hint)
-        value = getattr(cfg, name)
-        if value is None and optional:
-            continue
-        if not _type_ok(value, allowed):
-            raise ValueError(f"{type(cfg).__name__}.{name} must be {type_name(allowed, optional)}, got {value!r}")
-
-
-def check_field_names(cls: type, names) -> None:
-    """ValueError naming each of `names` that is not a field of the dataclass `cls`, with the closest field names
-    (difflib) and every field; nothing for known names."""
-    fields = sorted(f.name for f in dataclasses.fields(cls) if f.init)
-    unknown = [n for n in names if n not in fields]
-    if not unknown:
-        return
-    def guess(n):
-        close = difflib.get_close_matches(n, fields, n=3, cutoff=0.6)
-        return f" (did you mean {' or '.join(close)}?)" if close else ""
-    if len(unknown) == 1:
-        what = f"{unknown[0]!r} is not a field of {cls.__name__}{guess(unknown[0])}"
-    else:
-        what = f"{', '.join(f'{n!r}{guess(n)}' for n in unknown)} are not fields of {cls.__name__}"
-    raise ValueError(f"{what}; its fields: {', '.join(fields)}")
-
-
-def check_positive(cfg, *fields: str) -> None:
-    for f in fields:
-        v = getattr(cfg, f)
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{type(cfg).__name__}.{f} must be a positive int, got {v!r}")
-
-
-def check_non_negative(cfg, *fields: str) -> None:
-    for f in fields:
-        v = getattr(cfg, f)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-            raise ValueError(f"{type(cfg).__name__}.{f} must be non-negative, got {v!r}")
-
-
-def check_positive_float(cfg, *fields: str) -> None:
-    for f in fields:
-        v = getattr(cfg, f)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            raise ValueError(f"{type(cfg).__name__}.{f} must be a positive number, got {v!r}")
-
-
-def check_divides(cfg, small: str, big: str) -> None:
-    a, b = getattr(cfg, small), getattr(cfg, big)
-    if b % a:
-        raise ValueError(f"{type(cfg).__name__}.{small}={a} must divide {big}={b}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

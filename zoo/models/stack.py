@@ -7,8 +7,8 @@ prevent_cse=False)` of a plain `(layer, x)` function. Three traps this file is b
 - `decoder_layer_input` is named on the first line of the rematerialized body. Naming the layer's output or
   the scan carry outside the body silently offloads nothing (jax#23869).
 - `prevent_cse=False`: inside a scan, CSE cannot undo the remat, and `True` only adds optimization barriers.
-- one scan level: offload inside nested scans is known to break, so a layer may not contain a scan
-  (`zoo.tags.emitted` refuses one).
+- one scan level: offload inside nested scans is known to break, so a layer may not contain a scan that holds a
+  tag or an offload (`zoo.loop_guard` refuses one).
 - variables of an enclosing trace: a functional loop that splits `nnx.split(model, nnx.Param, ...)` and merges
   inside `jax.grad` hands the stack non-Param variables (a router's `RoutingBias`) that belong to the trace
   outside the gradient; `nnx.scan` refuses those ("Cannot extract graph node from different trace level"). The
@@ -30,6 +30,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from zoo import emitted as emitted_lib
 from zoo import tags as tags_lib
 
 
@@ -49,7 +50,7 @@ def remat(fn: Callable, policy, *, scanned: bool = True) -> Callable:
 @functools.lru_cache(maxsize=64)
 def _emitted(graphdef, treedef, leaves: tuple, x: jax.ShapeDtypeStruct) -> tuple:
     state = jax.tree.unflatten(treedef, leaves)
-    return tuple(tags_lib.emitted(lambda s, x: layer_body(nnx.merge(graphdef, s), x), state, x).items())
+    return tuple(emitted_lib.emitted(lambda s, x: layer_body(nnx.merge(graphdef, s), x), state, x).items())
 
 
 def stacked_modules(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs) -> nnx.Module:

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo import recipe as recipe_lib
-from zoo import tags as tags_lib
+from zoo.jaxprs import sub_jaxprs
 from zoo.layers.attention_kernel import SCOPE as ATTENTION_SCOPE
 from zoo.layers.attention_kernel import attention_flops
 from zoo.models.registry import family_of
@@ -141,7 +141,7 @@ def placements_seen(model, stack_name: str, batch: int = 1, seq: int = 8, recipe
             seen[r.tag] = "offload" if r.host else "device"
         elif r.host:
             host.append((r.shape, jnp.dtype(r.dtype)))
-    # A tag made in sequence chunks (zoo.tags.emitted) is saved as one residual per chunk: each host residual fills
+    # A tag made in sequence chunks (zoo.emitted) is saved as one residual per chunk: each host residual fills
     # its tag's sequence axis until the whole tag is on the host. Prefer a tag already partly filled, then the tags
     # the recipe offloads when shapes tie, so that a faithful recipe reads back as itself.
     left = {t: sds.shape[1] if len(sds.shape) > 1 else 1 for t, sds in emitted.items()}
@@ -214,7 +214,7 @@ def flops(jaxpr) -> int:
             lc = dn.dot_dimension_numbers[0][0] if dn is not None else (eqn.invars[0].aval.ndim - 1,)
             k = math.prod(eqn.invars[0].aval.shape[i] for i in lc)
             total += 2 * math.prod(eqn.outvars[0].aval.shape) * k
-        for sub in tags_lib.sub_jaxprs(eqn.params):
+        for sub in sub_jaxprs(eqn.params):
             total += flops(sub)
     return total
 

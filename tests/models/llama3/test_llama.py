@@ -47,13 +47,13 @@ def test_layers_report_the_tags_they_emit():
     rngs = nnx.Rngs(0)
     x = jax.ShapeDtypeStruct((B, S, 64), jnp.float32)
     attn = Attention(dim=64, num_heads=4, num_kv_heads=2, head_dim=16, rope=CFG.rope(), rngs=rngs)
-    got = {t: s.shape for t, s in zoo.tags.emitted_by(attn, x).items()}
+    got = {t: s.shape for t, s in zoo.emitted.emitted_by(attn, x).items()}
     assert got == {"query_proj": (B, S, 4, 16), "key_proj": (B, S, 2, 16), "value_proj": (B, S, 2, 16),
                    "attention_out": (B, S, 4, 16), "context": (B, 4, S), "out_proj": (B, S, 64)}
-    got = {t: s.shape for t, s in zoo.tags.emitted_by(MLP(dim=64, hidden=128, rngs=rngs), x).items()}
+    got = {t: s.shape for t, s in zoo.emitted.emitted_by(MLP(dim=64, hidden=128, rngs=rngs), x).items()}
     assert got == {"mlpwi_0": (B, S, 128), "mlpwi_1": (B, S, 128), "mlpwo": (B, S, 64)}
     shared = MLP(dim=64, hidden=32, tag_prefix="shared_", rngs=rngs)
-    assert list(zoo.tags.emitted_by(shared, x)) == ["shared_mlpwi_0", "shared_mlpwi_1", "shared_mlpwo"]
+    assert list(zoo.emitted.emitted_by(shared, x)) == ["shared_mlpwi_0", "shared_mlpwi_1", "shared_mlpwo"]
 
 
 def test_model_shapes_and_finite_gradients(model, tokens):

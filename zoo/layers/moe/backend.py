@@ -9,7 +9,7 @@ when nothing is dropped:
   results; imported only when chosen (it needs jax >= 0.11.1 and is not a dependency of the zoo). On an NVIDIA
   GPU the zoo asks for its Mosaic kernel by name, so an unsupported case fails loudly instead of falling back to
   XLA's dense ragged_dot; elsewhere tokamax picks (XLA on a CPU). Its kernel has a scan of its own, with no tag
-  and no offload inside: `zoo.tags` allows that (it refuses only a loop that holds a tag or an offload).
+  and no offload inside: `zoo.loop_guard` allows that (it refuses only a loop that holds a tag or an offload).
 - ``"capacity"``: each expert takes at most C = ceil(capacity_factor * B*S*k / experts) copies (the first ones
   in token order); the experts run as a batched einsum over an [experts, C, hidden] buffer. Copies over an
   expert's capacity are dropped (they add nothing) and counted. Its tags moe_mlpwi_0, moe_mlpwi_1, moe_mlpwo are

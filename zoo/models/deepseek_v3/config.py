@@ -6,7 +6,8 @@ import dataclasses
 
 from zoo.layers import Rope, YarnScaling
 from zoo.layers.moe import check_routing
-from zoo.models.config import MoEConfig, check_non_negative, check_positive, check_positive_float
+from zoo.models.config import MoEConfig
+from zoo.models.fields import check_non_negative, check_positive, check_positive_float
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import dataclasses
 
 from zoo.layers import Llama3Scaling, Rope
-from zoo.models.config import LMConfig, check_divides, check_positive, check_positive_float
+from zoo.models.config import LMConfig
+from zoo.models.fields import check_divides, check_positive, check_positive_float
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

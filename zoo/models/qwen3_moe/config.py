@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from zoo.layers import Rope
-from zoo.models.config import MoEConfig, check_divides, check_positive, check_positive_float
+from zoo.models.config import MoEConfig
+from zoo.models.fields import check_divides, check_positive, check_positive_float
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,64 @@
+"""Reading tags off a trace: which tags a function or a layer emits, with their shapes and dtypes.
+
+Shapes are never written down twice: `emitted` traces a function abstractly (`jax.make_jaxpr`: no FLOPs, no
+memory) and reads each tag (a `checkpoint_name`, `zoo.tags.name`) and its shape and dtype off the jaxpr, looking
+inside jits, conds and custom VJPs. The planner, the recipe check at model build, the stack and the tests all read
+tag shapes here (`TaggedLayer.tag_shapes` for a layer).
+
+A tag emitted more than once names one tensor made in sequence chunks (`join_chunks`). A loop is not entered: the
+loop guard (`zoo.loop_guard`) refuses one that holds a tag or an offload, and any other loop has no tag to read.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+
+from zoo import loop_guard
+from zoo.jaxprs import sub_jaxprs
+
+
+def join_chunks(tag: str, a: jax.ShapeDtypeStruct, b: jax.ShapeDtypeStruct, axis: int) -> jax.ShapeDtypeStruct:
+    """A tag emitted more than once in one layer names one tensor made in sequence chunks (e.g. `MLP(seq_chunks=n)`):
+    the chunks must agree on everything but the sequence axis (axis 1 of [B, S, ...]), and the tag's shape is their
+    concatenation. Anything else is two tensors under one name: a ValueError."""
+    same = (a.dtype == b.dtype and len(a.shape) == len(b.shape) > axis
+            and a.shape[:axis] + a.shape[axis + 1:] == b.shape[:axis] + b.shape[axis + 1:])
+    if not same:
+        raise ValueError(f"tag {tag!r} is emitted twice in one layer with shapes {a.shape} {a.dtype} and {b.shape} "
+                         f"{b.dtype}; a tag names one tensor (sequence chunks of it differ only in the sequence axis)")
+    return jax.ShapeDtypeStruct(a.shape[:axis] + (a.shape[axis] + b.shape[axis],) + a.shape[axis + 1:], a.dtype)
+
+
+def _collect(jaxpr, found: dict[str, jax.ShapeDtypeStruct]) -> None:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "name":
+            aval = eqn.outvars[0].aval
+            sds = jax.ShapeDtypeStruct(tuple(aval.shape), aval.dtype)
+            tag = eqn.params["name"]
+            found[tag] = join_chunks(tag, found[tag], sds, 1) if tag in found else sds
+        elif loop_guard.is_loop(eqn):
+            loop_guard.check_loop(eqn)   # a loop holding no tag or offload has no tag to collect: not entered
+        else:
+            for sub in sub_jaxprs(eqn.params):
+                _collect(sub, found)
+
+
+def emitted(fn: Callable[..., Any], *args: Any) -> dict[str, jax.ShapeDtypeStruct]:
+    """Trace `fn(*args)` abstractly and return {tag: shape and dtype} for every tag it emits, in order.
+
+    `args` may be arrays or `jax.ShapeDtypeStruct`s; nothing is computed. ValueError for a tag emitted twice as two
+    tensors (`join_chunks`) and for a loop holding a tag or an offload (`zoo.loop_guard`).
+    """
+    found: dict[str, jax.ShapeDtypeStruct] = {}
+    _collect(jax.make_jaxpr(fn)(*args).jaxpr, found)
+    return found
+
+
+def emitted_by(module: nnx.Module, x: jax.ShapeDtypeStruct) -> dict[str, jax.ShapeDtypeStruct]:
+    """Tags emitted by an NNX module applied to an input of shape `x`, read from an abstract trace."""
+    graphdef, state = nnx.split(module)
+    state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+    return emitted(lambda s, x: nnx.merge(graphdef, s)(x), state, x)
