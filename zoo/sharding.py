@@ -41,7 +41,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from zoo import tags
+from zoo.emitted import join_chunks
+from zoo.jaxprs import sub_jaxprs
 from zoo.logical import active, constrain, mesh_axes, mesh_spec, size_of  # noqa: F401  what the tag sites apply
 
 AXES: tuple[str, ...] = ("dp", "fsdp", "tp", "ep")
@@ -269,10 +270,10 @@ def _walk(jaxpr, constrained: dict, found: dict) -> None:
             part = jax.ShapeDtypeStruct(tuple(aval.shape) if s is None else tuple(s.shard_shape(aval.shape)),
                                         aval.dtype)
             tag = eqn.params["name"]
-            # made in sequence chunks: the chunks' concatenation, checked as zoo.tags.emitted checks it
-            found[tag] = tags.join_chunks(tag, found[tag], part, 1) if tag in found else part
+            # made in sequence chunks: the chunks' concatenation, checked as zoo.emitted checks it
+            found[tag] = join_chunks(tag, found[tag], part, 1) if tag in found else part
         else:
-            for sub in tags.sub_jaxprs(eqn.params):
+            for sub in sub_jaxprs(eqn.params):
                 _walk(sub, constrained, found)
 
 

@@ -15,8 +15,6 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from zoo import logical
-from zoo.emitted import join_chunks  # noqa: F401  zoo.sharding's, until it imports zoo.emitted and zoo.jaxprs
-from zoo.jaxprs import sub_jaxprs  # noqa: F401  zoo.sharding's, as above
 
 
 @dataclasses.dataclass(frozen=True)
