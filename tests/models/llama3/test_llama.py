@@ -226,18 +226,3 @@ def test_a_one_layer_stack_offloads_too():
     assert host == collections.Counter(shapes[t].shape for t in RECIPES["qkv_offload"].offload)
     plan = zoo.plan.plan(cfg, RECIPES["qkv_offload"], batch=B, seq=S)
     assert plan.host_bytes == sum(math.prod(shapes[t].shape) * 4 for t in RECIPES["qkv_offload"].offload)
-
-
-def test_set_values_parse_to_the_field_type():
-    """`--set FIELD=VALUE` text becomes the field's type; junk is a ValueError naming the field and the type."""
-    from recipes.train.cli import parse_field
-    cls = zoo.models.LlamaConfig
-    assert parse_field(cls, "tie_embeddings", "false") is False and parse_field(cls, "tie_embeddings", "True") is True
-    assert parse_field(cls, "num_layers", "3") == 3 and parse_field(cls, "rope_theta", "1e4") == 10000.0
-    assert parse_field(cls, "attention_impl", "none") is None and parse_field(cls, "dtype", "float32") == "float32"
-    for field, text, match in [("tie_embeddings", "maybe", "tie_embeddings must be a bool, got 'maybe'"),
-                               ("num_layers", "2.5", "num_layers must be an int"),
-                               ("norm_eps", "nan", "norm_eps must be a finite number"),
-                               ("num_layer", "3", "'num_layer' is not a field of LlamaConfig")]:
-        with pytest.raises(ValueError, match=match):
-            parse_field(cls, field, text)
