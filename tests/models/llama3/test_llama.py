@@ -12,7 +12,7 @@ from flax import nnx
 import zoo
 from recipes.llama3 import RECIPES
 from tests.helpers import cuda_lowering, grads_under, hlo_type, max_rel_err, pinned_host_shapes
-from zoo.layers import MLP, Attention, Embed, Llama3Scaling, LMHead, RMSNorm, Rope
+from zoo.layers import MLP, Attention, Embed, LMHead, RMSNorm, Rope, WavelengthScaling
 from zoo.models.llama3 import LlamaDecoderLayer
 from zoo.plan import measure as audit
 
@@ -160,7 +160,7 @@ def test_parameters_carry_logical_axes(model):
 
 
 def test_rope_llama3_scaling_matches_published_formula():
-    inv = Rope(dim=128, theta=500000.0, scaling=Llama3Scaling()).inv_freq()
+    inv = Rope(dim=128, theta=500000.0, scaling=WavelengthScaling()).inv_freq()
     base = 1.0 / 500000.0 ** (np.arange(0, 128, 2) / 128)
     wavelen = 2 * np.pi / base
     assert np.allclose(inv[wavelen < 8192 / 4], base[wavelen < 8192 / 4])       # high frequencies kept
