@@ -25,12 +25,6 @@ from zoo.models import registry
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PUBLISHED = ("llama", "deepseek", "qwen")
 
-# Names that are a technique's published name rather than a family's (reason given); the lead may rename them.
-TECHNIQUES = {
-    "Llama3Scaling": "zoo.layers.rope: the wavelength-band RoPE scaling, named as transformers names it "
-                     "(rope_type 'llama3'); any family may use it",
-}
-
 # Modules that name a family today and are being made generic by work in flight elsewhere (remove an entry when its
 # module is clean: the test fails on an entry that is no longer needed).
 PENDING: dict[str, str] = {}   # modules of work in flight that still name a family: none
@@ -76,15 +70,12 @@ def registration_lines(path: pathlib.Path, root: pathlib.Path) -> set[int]:
 
 
 def mentions(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:
-    """`line: text` of each line of `path` naming a family outside its registration lines and TECHNIQUES."""
+    """`line: text` of each line of `path` naming a family outside its registration lines."""
     pattern = re.compile("|".join(map(re.escape, words())), re.IGNORECASE)
     allowed = registration_lines(path, root)
     out = []
     for i, line in enumerate(path.read_text().splitlines(), 1):
-        text = line
-        for name in TECHNIQUES:
-            text = text.replace(name, "")
-        if i not in allowed and pattern.search(text):
+        if i not in allowed and pattern.search(line):
             out.append(f"{i}: {line.strip()}")
     return out
 
@@ -124,13 +115,12 @@ def test_a_family_package_imports_no_other_family():
 
 
 def test_the_check_sees_a_family_named_in_generic_code(tmp_path):
-    """The check itself: a generic module that keys on a family's config class is caught; a registration line and
-    a technique's name are not."""
+    """The check itself: a generic module that keys on a family's config class is caught; a registration line is
+    not."""
     (tmp_path / "zoo" / "models").mkdir(parents=True)
     probe = tmp_path / "zoo" / "models" / "__init__.py"
-    probe.write_text("from zoo.models.qwen3 import Qwen3Config  # noqa: F401\nfrom zoo.layers import Llama3Scaling\n"
-                     "RATE = {'LlamaConfig': 760.0}\n")
-    assert mentions(probe, root=tmp_path) == ["3: RATE = {'LlamaConfig': 760.0}"]
+    probe.write_text("from zoo.models.qwen3 import Qwen3Config  # noqa: F401\nRATE = {'LlamaConfig': 760.0}\n")
+    assert mentions(probe, root=tmp_path) == ["2: RATE = {'LlamaConfig': 760.0}"]
 
 
 def test_every_family_is_reachable_by_its_name():

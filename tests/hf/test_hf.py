@@ -16,12 +16,12 @@ from jax.sharding import PartitionSpec as P
 import zoo
 from zoo.hf import files as hf_files
 from zoo.hf import load as hf_load
-from zoo.layers import Llama3Scaling
+from zoo.layers import WavelengthScaling
 from zoo.models.deepseek_v3 import hf as deepseek_hf
 from zoo.models.llama3 import hf as llama_hf
 
 TINY = dict(vocab_size=48, dim=24, num_layers=2, num_heads=3, num_kv_heads=1, head_dim=8, mlp_dim=40,
-            rope_scaling=Llama3Scaling(original_max_position_embeddings=16), dtype="float32", param_dtype="float32")
+            rope_scaling=WavelengthScaling(original_max_position_embeddings=16), dtype="float32", param_dtype="float32")
 
 
 def random_params(cfg, build, seed=0):

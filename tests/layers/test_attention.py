@@ -13,7 +13,7 @@ from tests.layers import reference as ref
 from tests.layers.random_layers import jitted, random_layer
 from zoo.emitted import emitted_by
 from zoo.hf.keymap import GQA
-from zoo.layers import Attention, Llama3Scaling, Rope
+from zoo.layers import Attention, Rope, WavelengthScaling
 from zoo.models.qwen3_moe.hf import QK_NORMS
 
 B, S, D, H, KV, HD = 2, 8, 32, 4, 2, 8
@@ -40,7 +40,7 @@ VARIANTS = {"llama": dict(qk_norm_eps=None), "qwen3": dict(qk_norm_eps=EPS)}
 
 
 def make_attention(variant, dtype=jnp.float32, seed=0) -> Attention:
-    rope = Rope(dim=HD, theta=10000.0, scaling=Llama3Scaling(**LLAMA3) if variant == "llama" else None)
+    rope = Rope(dim=HD, theta=10000.0, scaling=WavelengthScaling(**LLAMA3) if variant == "llama" else None)
     return random_layer(lambda: Attention(dim=D, num_heads=H, num_kv_heads=KV, head_dim=HD, rope=rope, dtype=dtype,
                                           param_dtype=dtype, implementation="xla", rngs=nnx.Rngs(seed),
                                           **VARIANTS[variant]), seed)

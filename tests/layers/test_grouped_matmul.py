@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.test_util import check_grads
 
 from zoo.layers import grouped_matmul as gm
 
@@ -50,6 +51,17 @@ def test_forward_and_gradients_equal_jax_ragged_dot():
     # The empty group's expert gets a zero gradient; each problem was asked for with the forward's K x N.
     assert np.all(np.asarray(got[1][1]) == 0)
     assert {c for c in calls} == {("fwd", 8, 12), ("dlhs", 8, 12), ("drhs", 8, 12)}
+
+
+def test_gradients_match_finite_differences_in_float64():
+    """The custom VJP's backward (the dlhs and drhs problems) against `jax.test_util.check_grads`, an independent
+    reference: finite differences of the forward, in float64."""
+    with jax.enable_x64(True):
+        lhs, rhs, sizes = _inputs(m=12, k=3, n=4)
+        sizes = jnp.array([2, 0, 7, 3], jnp.int32)
+        lhs, rhs = lhs.astype(jnp.float64), rhs.astype(jnp.float64)
+        grouped = gm.make(_reference_op_for([]))
+        check_grads(lambda a, b: grouped(a, b, sizes), (lhs, rhs), order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
 
 
 def test_gradients_under_jit_and_remat():

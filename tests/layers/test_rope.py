@@ -14,7 +14,7 @@ from jax.test_util import check_grads
 from tests.helpers import tiered
 from tests.layers import reference as ref
 from zoo.emitted import emitted
-from zoo.layers import Llama3Scaling, Rope, YarnScaling
+from zoo.layers import Rope, WavelengthScaling, YarnScaling
 
 B, S, H, DIM = 2, 8, 3, 16
 # Small original contexts, so that the tiny head dim has frequencies in every band of each scaling (Llama 3.1's:
@@ -24,7 +24,7 @@ LLAMA3 = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_ma
 YARN = dict(factor=4.0, original_max_position_embeddings=256, beta_fast=32.0, beta_slow=1.0)
 ROPES = {
     "plain": (Rope(dim=DIM, theta=10000.0), ref.rope_inv_freq(DIM, 10000.0), 1.0),
-    "llama3": (Rope(dim=DIM, theta=10000.0, scaling=Llama3Scaling(**LLAMA3)),
+    "llama3": (Rope(dim=DIM, theta=10000.0, scaling=WavelengthScaling(**LLAMA3)),
                ref.llama3_inv_freq(DIM, 10000.0, **LLAMA3), 1.0),
     # DeepSeek-V3's mscale == mscale_all_dim: cos/sin unscaled
     "yarn": (Rope(dim=DIM, scaling=YarnScaling(**YARN, mscale=1.0, mscale_all_dim=1.0)),

@@ -1,12 +1,11 @@
-"""A misspelt field given to any family's preset (`XConfig.preset("tiny", num_layer=3)`) or to `--set` is a
-ValueError naming it, with the closest field names and every field, before anything is built."""
+"""A misspelt field given to any family's preset (`XConfig.preset("tiny", num_layer=3)`) is a ValueError naming it,
+with the closest field names and every field, before anything is built (`--set`'s: tests/train/test_cli.py)."""
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 
-from recipes.train import cli
 from zoo.models import registry
 
 
@@ -23,10 +22,3 @@ def test_an_unknown_field_of_a_preset_names_it_and_the_close_fields(name):
     assert cls.preset("tiny", num_layers=3).num_layers == 3
     with pytest.raises(ValueError, match=r"'num_layer' is not a field .* \(did you mean num_layers"):
         registry.FAMILIES[name].config("tiny", num_layer=3)
-
-
-def test_set_with_an_unknown_field_names_the_flag_and_the_close_field():
-    fam = cli.family("llama3")
-    with pytest.raises(ValueError, match=r"--set num_layer=3: 'num_layer' is not a field of LlamaConfig \(did you "
-                                         r"mean num_layers\?\)"):
-        cli.model_config(fam, "tiny", [("num_layer", "3")])

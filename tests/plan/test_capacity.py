@@ -1,11 +1,11 @@
-"""Capacity: `zoo.plan.largest_batch`, the largest power-of-two batch whose planned peak HBM fits a
-budget, and `python -m recipes.train.plan --max-batch`. Estimate mode (the CPU's default) except one compiled walk."""
+"""Capacity: `zoo.plan.largest_batch`, the largest power-of-two batch whose planned peak HBM fits a budget.
+Estimate mode (the CPU's default) except one compiled walk. (`python -m recipes.train.plan --max-batch`:
+tests/train/test_plan_cli.py.)"""
 import pytest
 
 import zoo
 from recipes.deepseek_v3 import RECIPES as DS_RECIPES
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
-from recipes.train import plan as plan_cli
 from zoo.models import registry
 from zoo.plan import Training
 
@@ -100,23 +100,6 @@ def test_a_recipe_the_model_cannot_take_is_a_value_error():
         zoo.plan.largest_batch(LLAMA, DS_RECIPES["lowrank_offload"], seq=SEQ, hbm_gib=1.0)
     with pytest.raises(ValueError, match="not_a_tag"):
         zoo.plan.largest_batch(LLAMA, zoo.Recipe("typo", offload=("not_a_tag",)), seq=SEQ, hbm_gib=1.0)
-
-
-def test_the_command_line_prints_the_largest_batch(capsys):
-    recipe = LLAMA_RECIPES["full"]
-    budget = peak(LLAMA, recipe, 2) * 1.001 / GiB
-    assert plan_cli.main(["--model", "llama3", "--preset", "tiny", "--recipe", "full", "--seq", str(SEQ),
-                          "--optimizer", "sgd", "--max-batch", "--hbm", repr(budget)]) == 0
-    out = capsys.readouterr().out
-    assert "largest batch that fits: 2" in out
-    rows = [line.split() for line in out.splitlines()[2:]]
-    assert {int(r[0]): r[3] for r in rows} == {1: "yes", 2: "yes", 4: "no"}
-    assert [f"{r[1]} {r[2]}" for r in rows] == [zoo.plan.fmt_bytes(peak(LLAMA, recipe, b)) for b in (1, 2, 4)]
-    assert plan_cli.main(["--model", "llama3", "--preset", "tiny", "--seq", "16"]) == 0   # --batch: train's 8
-    assert "batch 8, seq 16" in capsys.readouterr().out
-    with pytest.raises(SystemExit):   # --max-batch needs a budget on the CPU
-        plan_cli.main(["--model", "llama3", "--preset", "tiny", "--seq", "16", "--max-batch"])
-    assert "hbm_gib is needed" in capsys.readouterr().err
 
 
 def test_the_compiled_walk_runs_on_the_cpu():

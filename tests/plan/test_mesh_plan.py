@@ -1,5 +1,6 @@
-"""The planner under a mesh (`zoo.plan.plan(..., mesh=)`, `python -m recipes.train.plan --mesh`): per-device figures
-from the sharding rules on an abstract mesh (no devices: this runs on one CPU).
+"""The planner under a mesh (`zoo.plan.plan(..., parallel=Parallelism(mesh=...))`): per-device figures from the
+sharding rules on an abstract mesh (no devices: this runs on one CPU). (`python -m recipes.train.plan --mesh`:
+tests/train/test_plan_cli.py.)
 
 - fsdp=8: every parameter of the tiny Llama has an `embed` axis, so parameters, gradients and optimizer state are
   one device's / 8; the batch is split 8 ways, so saved activations and host bytes are one device's / 8.
@@ -8,13 +9,12 @@ from the sharding rules on an abstract mesh (no devices: this runs on one CPU).
 - DeepSeek-V3 under fsdp=2 x ep=4: the offloaded MoE buffers are split over experts and groups: host / 8; expert
   weights / 8, the other parameters / 2.
 - The peak under a mesh: compiled (the sharded step, per device) when the mesh's devices are present
-  (`tests/plan/mesh_peaks.py`, in a subprocess with 8 fake CPU devices; it also checks the main job's plan under
-  fsdp=4 x tp=2); on one CPU device, `peak="compile"` under a larger mesh is a ValueError naming the mesh's device
-  count and the devices present, and "auto" estimates (on the CPU, as for one device).
+  (`tests/plan/mesh_peaks.py`, in a subprocess with 8 fake CPU devices; the main job's plan under fsdp=4 x tp=2:
+  tests/train/test_mesh_train.py); on one CPU device, `peak="compile"` under a larger mesh is a ValueError naming
+  the mesh's device count and the devices present, and "auto" estimates (on the CPU, as for one device).
 """
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -67,23 +67,6 @@ def test_bad_meshes_raise_naming_both_numbers(mesh, match):
         zoo.plan.plan(LLAMA, LLAMA_RECIPES["full"], batch=8, seq=16, parallel=Parallelism(mesh=mesh))
 
 
-def test_cli_mesh_prints_per_device_json_and_refuses_shard_with_mesh():
-    env = cpu_env()
-    base = [sys.executable, "-m", "recipes.train.plan", "--model", "llama3", "--preset", "tiny",
-            "--recipe", "qkv_offload", "--batch", "8", "--seq", "16"]
-    out = subprocess.run(base + ["--mesh", "fsdp=8", "--json"], env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr
-    got = json.loads(out.stdout)
-    want = zoo.plan.plan(LLAMA, LLAMA_RECIPES["qkv_offload"], batch=8, seq=16).to_dict()
-    assert got["mesh"] == "dp=1,fsdp=8,tp=1,ep=1"
-    assert got["model_state"]["params"] * 8 == want["model_state"]["params"]
-    assert got["totals"]["host_bytes"] * 8 == want["totals"]["host_bytes"]
-    out = subprocess.run(base + ["--mesh", "fsdp=8", "--shard", "8"], env=env, cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 2 and "not both" in out.stderr
-
-
 def test_compile_under_a_mesh_larger_than_the_devices_present_raises_naming_both_numbers():
     n = 2 * jax.device_count()
     if LLAMA.dim % n:
@@ -107,7 +90,7 @@ def test_auto_estimates_a_mesh_peak_on_the_cpu_even_with_the_devices_present():
 
 @pytest.mark.slow   # a mesh's case of the compiled peak (test_peak.py has one device's)
 @pytest.mark.multidevice
-def test_the_sharded_step_is_compiled_per_device_and_the_main_job_plans_with_it():
+def test_the_sharded_step_is_compiled_per_device():
     out = subprocess.run([sys.executable, "-m", "tests.plan.mesh_peaks"], env=cpu_env(8), cwd=ROOT, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout[-3000:] + out.stderr[-3000:]

@@ -1,46 +1,35 @@
-"""Peak HBM with XLA's temporaries: the planner compiles the main job's own step; the main job refuses a
-step that cannot fit (exit 2, before a step runs) unless --force; the per-preset training defaults; the optimizer
-state's dtype; `auto`'s link model with and without overlap."""
+"""Peak HBM with XLA's temporaries: the planner compiles the library's training step (the main job's: its refusal of
+a step that cannot fit is tests/train/test_fit.py), or estimates it for another device; the optimizer state's
+dtype; `auto`'s link model with and without overlap; the abstract step; the estimate's loss chunk."""
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
 
 import zoo
-from recipes import train
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
-from recipes.train import cli, defaults, loop, prepare
-from tests.helpers import tiered
 from zoo.optim import make_tx
-from zoo.plan import Hardware, Parallelism, links
+from zoo.plan import Hardware, Parallelism, Training, links
 from zoo.plan import peak as peak_lib
+from zoo.train_step import compile_abstract
 
 GiB = 1 << 30
-RUN = ["--xla-flags", "none", "--steps", "2", "--batch", "2", "--seq", "16", "--log-every", "1"]
 
 
-@pytest.mark.parametrize("family", tiered(["llama3", "deepseek_v3"], fast=("llama3",)))
-def test_the_planners_compiled_peak_is_the_main_jobs_own_step(family, monkeypatch):
-    """zoo.plan.plan(peak="compile") compiles the same step the main job runs: XLA's memory analysis of both is equal,
-    field by field, and the peak is arguments + outputs - donated + temporaries."""
-    seen = {}
-    real = prepare.compile_for_shapes
-
-    def spy(*args, **kwargs):
-        seen["compiled"], graphdef, abstract = real(*args, **kwargs)
-        return seen["compiled"], graphdef, abstract
-
-    monkeypatch.setattr(prepare, "compile_for_shapes", spy)   # where the main job calls it
-    cfg = loop.RunConfig(model=family, preset="tiny", steps=1, batch=2, seq=16)
-    loop.run(cfg)
-    job = peak_lib.from_compiled(seen["compiled"])
-    fam = zoo.models.registry.family(family)
-    recipe = cli.recipe(fam, None)
-    planned = zoo.plan.plan(fam.config("tiny"), recipe, batch=2, seq=16, peak="compile")
+def test_the_planners_compiled_peak_is_the_library_steps_memory_analysis():
+    """zoo.plan.plan(peak="compile") compiles the library's training step (`zoo.train_step.compile_abstract`, what
+    the main job compiles too: tests/train/test_fit.py): XLA's memory analysis of it, field by field, and the peak is
+    arguments + outputs - donated + temporaries."""
+    fam = zoo.models.registry.family("llama3")
+    # test_capacity.py's compiled walk compiles this step too (the run's compilation cache serves the second)
+    recipe, sgd = LLAMA_RECIPES["full"], Training(optimizer="sgd")
+    compiled, _, _ = compile_abstract(fam, fam.config("tiny"), recipe, batch=2, seq=16, optimizer="sgd")
+    step = peak_lib.from_compiled(compiled)
+    planned = zoo.plan.plan(fam.config("tiny"), recipe, batch=2, seq=16, peak="compile", training=sgd)
     assert planned.peak_source == "compiled for cpu" and planned.peak.compiled
-    assert planned.peak.detail == job.detail
-    d = job.detail
-    assert planned.peak_bytes == job.bytes == d["argument"] + d["output"] - d["alias"] + d["temp"]
+    assert planned.peak.detail == step.detail
+    d = step.detail
+    assert planned.peak_bytes == step.bytes == d["argument"] + d["output"] - d["alias"] + d["temp"]
     # the state is donated: its updated copy aliases the input, and the peak is above the planner's floor
     assert d["alias"] >= planned.state.params and planned.peak_bytes > planned.hbm_bytes
 
@@ -54,49 +43,6 @@ def test_another_device_is_an_estimate_and_cannot_be_compiled_here():
     with pytest.raises(ValueError, match="compiles for the device present"):
         zoo.plan.plan(cfg, recipe, batch=2, seq=16, peak="compile", hardware=Hardware(device_kind="H200"))
     assert zoo.plan.plan(cfg, recipe, batch=2, seq=16, peak=None).peak_bytes is None
-
-
-def test_the_main_job_refuses_a_step_over_the_budget_before_running_it(capsys):
-    rc = train.main(RUN + ["--hbm-limit", "0.001"])
-    out = capsys.readouterr()
-    assert rc == 2
-    assert "error: the step needs" in out.err and "over the 1.0 MiB of --hbm-limit" in out.err
-    assert "temporaries" in out.err and "--batch (now 2)" in out.err and "--force" in out.err
-    assert "step      1" not in out.out and "compiled the step" not in out.out   # nothing ran
-    assert "peak HBM of the step, compiled for cpu" in out.out                  # the plan is printed
-
-
-def test_force_launches_anyway(capsys):
-    rc = train.main(RUN + ["--hbm-limit", "0.001", "--force"])
-    out = capsys.readouterr()
-    assert rc == 0, out.err
-    assert "launching anyway (--force)" in out.out and "step      2" in out.out
-
-
-def test_a_step_that_fits_is_not_refused(capsys):
-    assert train.main(RUN + ["--hbm-limit", "1"]) == 0
-    assert "peak device memory" in capsys.readouterr().out
-
-
-def test_training_defaults_per_preset():
-    tiny = loop.RunConfig()
-    assert (tiny.peak_lr, tiny.total_warmup) == (3e-3, 6)   # the README's CPU run, unchanged
-    assert loop.RunConfig(model="llama3", preset="llama3_1_8b").peak_lr == 3e-4
-    assert loop.RunConfig(model="llama3", preset="llama3_1_70b").peak_lr == 1.5e-4
-    big = loop.RunConfig(model="llama3", preset="llama3_1_405b", steps=1_200_000)
-    assert (big.peak_lr, big.total_warmup) == (8e-5, 8000)   # the Llama 3 paper's 405B run
-    assert loop.RunConfig(model="deepseek_v3", preset="deepseek_v3_671b", steps=100).total_warmup == 10
-    assert loop.RunConfig(model="deepseek_v3", preset="deepseek_v3_671b", steps=10**6).total_warmup == 2000
-    assert loop.RunConfig(model="deepseek_v3", preset="deepseek_v3_671b").peak_lr == 2.2e-4
-    assert loop.RunConfig(preset="llama3_1_8b", lr=1e-3, warmup=3).peak_lr == 1e-3   # explicit wins
-    assert loop.RunConfig(preset="llama3_1_8b", lr=1e-3, warmup=3).total_warmup == 3
-    assert loop.RunConfig(preset="llama3_1_8b").identity()["lr"] == 3e-4
-    assert defaults.for_preset("llama3", "some_new_preset").lr == defaults.FULL_SIZE[0]
-    # a family's published schedules are its own: a preset of one family is not another's
-    assert loop.RunConfig(model="qwen3", preset="qwen3_8b").peak_lr == defaults.FULL_SIZE[0]
-    assert defaults.for_preset("deepseek_v3", "tiny").lr == 3e-3
-    with pytest.raises(ValueError, match="--opt-dtype"):
-        loop.RunConfig(opt_dtype="int8")
 
 
 @pytest.mark.parametrize("param, moments", [(jnp.bfloat16, "float32"), (jnp.float32, "bfloat16")])
@@ -164,23 +110,6 @@ def test_the_abstract_step_allocates_nothing():
     leaves = jax.tree.leaves(state)
     assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
     assert sum(x.size for x in leaves) > 2 * 16384 * 53248 * 3   # the MLP weights of two 405B layers, unallocated
-
-
-def test_the_plan_command_line_reports_the_peak_and_the_measured_link(capsys, monkeypatch):
-    import json
-
-    monkeypatch.setenv("COLUMNS", "300")   # one table row per line
-
-    from recipes.train import plan as plan_cli
-    tiny = ["--model", "llama3", "--preset", "tiny", "--batch", "2", "--seq", "16"]
-    assert plan_cli.main(tiny + ["--recipe", "qkv_offload", "--peak", "compile", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    d = out["peak"]["detail"]
-    assert out["peak_source"] == "compiled for cpu"
-    assert out["peak_bytes"] == d["argument"] + d["output"] - d["alias"] + d["temp"]
-    assert plan_cli.main(tiny + ["--recipe", "auto", "--hbm", "1", "--flops", "800", "--device", "H200"]) == 0
-    text = " ".join(capsys.readouterr().out.split())   # rich wraps lines at the terminal's width
-    assert "overlap d2h 0.634 / h2d 0.475 (measured on H200" in text and "estimate (planned for H200 on cpu)" in text
 
 
 def test_the_estimate_counts_one_chunk_of_the_loss():

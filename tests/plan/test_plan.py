@@ -1,8 +1,8 @@
 """The memory planner: the study's figures, exactness against JAX's own residuals, recompute FLOPs, model state,
-warnings, the automatic recipe, the command line (`python -m recipes.train.plan`) and the direction of imports."""
+warnings, the automatic recipe and the direction of imports (the command line, `python -m recipes.train.plan`:
+tests/train/test_plan_cli.py)."""
 import dataclasses
 import io
-import json
 import math
 import os
 import subprocess
@@ -287,77 +287,6 @@ def test_auto_recipe_builds_and_trains_the_tiny_model():
         loss, params = sgd_step(params)
         losses.append(float(loss))
     assert np.all(np.isfinite(losses)) and losses[-1] < 0.5 * losses[0], losses
-
-
-# -- the command line -------------------------------------------------------------------------------------------
-PLAN = ("-m", "recipes.train.plan", "--model", "llama3", "--preset", "llama3_1_405b", "--recipe", "qkv_offload",
-        "--batch", "2", "--seq", "8192")
-
-
-def test_cli_json_has_the_study_integers():
-    r = _run(*PLAN, "--json", env={zoo.plan.POOL_ENV: "64"})
-    assert r.returncode == 0, r.stderr
-    assert "RuntimeWarning" not in r.stderr
-    out = json.loads(r.stdout)
-    assert out["stacks"][0]["host_bytes_per_layer"] == 603_979_776
-    assert out["totals"]["host_bytes"] == 76_101_451_776
-    assert out["offload"] == ["query_proj", "key_proj", "value_proj"]
-    assert any("pinned host pool" in w for w in out["warnings"])
-
-
-def test_cli_table_renders():
-    r = _run(*PLAN, env={"COLUMNS": "160"})
-    assert r.returncode == 0, r.stderr
-    for text in ("query_proj", "512.0 MiB", "32.0 MiB", "576.0 MiB", "70.9 GiB", "not a residual", "warning:"):
-        assert text in r.stdout, text
-
-
-def test_cli_auto_and_bad_input():
-    tiny = ("-m", "recipes.train.plan", "--model", "llama3", "--preset", "tiny", "--batch", "2", "--seq", "8")
-    r = _run(*tiny, "--recipe", "auto", "--hbm", "1", "--link", "55", "--flops", "800", env={"COLUMNS": "200"})
-    assert r.returncode == 0, r.stderr
-    assert "chosen:" in r.stdout and "kept in HBM" in r.stdout
-    # Planning for a device kind with a measured link and a datasheet rate needs only the budget, as the main job's
-    # --recipe auto (the flags' other spellings are the main job's: --hbm-limit, --peak-tflops).
-    r = _run(*tiny, "--recipe", "auto", "--device", "H200", "--hbm-limit", "1", env={"COLUMNS": "200"})
-    assert r.returncode == 0, r.stderr
-    # recompute priced at the Llama step's measured rate on the H200 (the family's step_rates), not the datasheet's
-    rate = zoo.plan.links.step_rate("H200", LLAMA_TINY).tflops
-    assert "chosen:" in r.stdout and "55.3 GB/s" in r.stdout and f"{rate:g} TFLOP/s executed" in r.stdout
-
-
-
-@pytest.mark.parametrize("args, needles", [
-    (("--recipe", "auto", "--hbm", "1"), ("--recipe auto needs --link, --flops",)),
-    (("--shard", "3"), ("--shard 3", "--batch 2")),
-    (("--model", "gpt2"), ("--model 'gpt2'", "llama3", "deepseek_v3")),
-    (("--preset", "huge"), ("--preset 'huge'", "llama3_1_405b")),
-    (("--recipe", "qkv"), ("--recipe 'qkv'", "qkv_offload")),
-    (("--set", "tie_embeddings=maybe"), ("--set tie_embeddings=maybe", "must be a bool")),
-    (("--set", "num_layer=3"), ("--set num_layer=3", "not a field of LlamaConfig")),
-    (("--hbm", "-1"), ("--hbm", "positive")),
-])
-def test_cli_errors_name_the_flags(args, needles, capsys):
-    """Bad input is a usage error (exit 2) that names the flags, not Python keywords."""
-    from recipes.train import plan as plan_cli
-    with pytest.raises(SystemExit) as e:
-        plan_cli.main(["--model", "llama3", "--preset", "tiny", "--batch", "2", "--seq", "8", *args])
-    err = capsys.readouterr().err
-    assert e.value.code == 2, err
-    for needle in needles:
-        assert needle in err, (needle, err)
-
-
-def test_cli_set_values_take_the_field_type():
-    r = _run("-m", "recipes.train.plan", "--model", "llama3", "--preset", "tiny", "--batch", "2", "--seq", "8",
-             "--recipe", "full", "--set", "tie_embeddings=false", "--set", "num_layers=3", "--json")
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
-    assert out["stacks"][0]["num_layers"] == 3
-    three = dataclasses.replace(LLAMA_TINY, num_layers=3)
-    untied, tied = (zoo.plan.plan(dataclasses.replace(three, tie_embeddings=t), LLAMA_RECIPES["full"], batch=2,
-                                  seq=8).state.num_params for t in (False, True))
-    assert tied < untied == out["model_state"]["num_params"]  # "false" is False: the LM head is its own
 
 
 def test_zoo_plan_is_a_package_with_the_planner_whatever_is_imported_first():

@@ -115,9 +115,10 @@ def test_the_coordination_service_host_serves_until_told_and_lingers_after_proce
         host = coordinator.start(f"[::]:{port}", 1, heartbeat=5, shutdown=5, grace=600, timeout=60)
         assert coordinator.lingering(port) is None
         host.proc.stdin.close()                     # process 0 gone without a word
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 60   # polls for the state; the deadline is against a hang, not a measure
         while coordinator.lingering(port) is None and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert coordinator.lingering(port) is not None, "process 0's host never said it lingers"
         pid, left = coordinator.lingering(port)
         assert pid == host.proc.pid and 0 < left <= 600
     finally:

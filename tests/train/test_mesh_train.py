@@ -8,6 +8,7 @@ device count is fixed when JAX starts).
   loss of the uninterrupted one-device run (same tolerance); the record names the mesh it was written on.
 - Llama tiny under fsdp=2 with --grad-accum 2 and --opt-state host logs the one-device losses (same tolerance).
 - Bad meshes exit 2 before compiling, naming both numbers.
+- Under fsdp=4 x tp=2 the main job plans its peak from its own compiled sharded step (tests/train/mesh_peaks.py).
 """
 from __future__ import annotations
 
@@ -116,3 +117,12 @@ def test_micro_batches_and_host_state_under_fsdp_match_one_device(llama_one_devi
                          tmp_path / "m.jsonl"], 2)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert_close(losses(tmp_path / "m.jsonl"), llama_one_device)
+
+
+@pytest.mark.slow   # a mesh's case of the main job's compiled peak (tests/train/test_fit.py has one device's)
+def test_the_main_job_plans_its_peak_from_its_compiled_sharded_step():
+    """fsdp=4 x tp=2 on 8 fake devices (tests/train/mesh_peaks.py): the job's plan is its own compiled step's, per
+    device, and the planner compiles the same program."""
+    out = subprocess.run([sys.executable, "-m", "tests.train.mesh_peaks"], env=cpu_env(8), cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout[-3000:] + out.stderr[-3000:]

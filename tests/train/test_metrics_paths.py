@@ -75,8 +75,8 @@ def test_fifo_and_device_are_streams(tmp_path):
     got = []
     reader = threading.Thread(target=lambda: got.append(open(fifo).read()))
     reader.start()
-    deadline = time.monotonic() + 10
-    while True:   # the reader's open may come a moment later
+    deadline = time.monotonic() + 10   # a deadline against a hang, not a measured time
+    while True:   # polls for the state: the reader's open may come a moment later
         try:
             m = guard.check_metrics(str(fifo), owner=None)
             break
@@ -85,7 +85,7 @@ def test_fifo_and_device_are_streams(tmp_path):
             time.sleep(0.01)
     m.write({"step": 1, "loss": 3.0})
     m.close()
-    reader.join(10)
+    reader.join(10)   # a deadline against a hang
     assert json.loads(got[0]) == {"step": 1, "loss": 3.0} and stat.S_ISFIFO(os.stat(fifo).st_mode)
     if os.path.exists("/dev/null"):
         a, b = guard.check_metrics("/dev/null", owner=None), guard.check_metrics("/dev/null", owner=None)

@@ -1,5 +1,6 @@
-"""The main job: `python -m recipes.train` trains, resumes exactly, stops on NaN keeping a good checkpoint, and the
-README's command runs as printed. Small batch and sequence so the file runs in well under a minute per worker."""
+"""The main job: `python -m recipes.train` trains (every family), resumes exactly, stops on NaN keeping a good
+checkpoint, and the README's command runs as printed. Small batch and sequence so the file runs in well under a
+minute per worker."""
 from __future__ import annotations
 
 import importlib.util
@@ -20,6 +21,7 @@ from recipes.train import flags, loop
 from recipes.train.checkpoint import Checkpoints
 from recipes.train.cli import family as model_family
 from recipes.train.cli import recipe as model_recipe
+from tests.helpers import cpu_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -41,6 +43,22 @@ def test_tiny_deepseek_v3_learns_in_60_steps_under_the_study_recipe():
     from zoo.layers.moe import RoutingBias
     biases = [np.asarray(v[...]) for _, v in nnx.iter_graph(result.model) if isinstance(v, RoutingBias)]
     assert biases and all(np.abs(b).max() > 0 for b in biases)
+
+
+@pytest.mark.slow   # the README's main job on the families added as packages (a minute or two each: compiles)
+@pytest.mark.parametrize("args, last", [
+    (("--model", "qwen3", "--preset", "tiny", "--recipe", "qkv_offload", "--steps", "5"), 5),
+    (("--model", "qwen3_moe", "--preset", "tiny", "--steps", "6"), 6),
+])
+def test_the_main_job_trains_the_qwen3_families(args, last):
+    """`python -m recipes.train --model qwen3` (qkv_offload) and `--model qwen3_moe` (its default recipe): the last
+    step's loss is below the first's."""
+    r = subprocess.run([sys.executable, "-m", "recipes.train", *args], cwd=ROOT, env=cpu_env(), capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    first, final = (float(line.split("loss")[1].split()[0]) for line in r.stdout.splitlines()
+                    if line.startswith("step") and line.split()[1] in ("1", str(last)))
+    assert final < first, r.stdout
 
 
 def test_bad_names_are_clear_errors():

@@ -5,8 +5,8 @@ from zoo.layers.mla import MLA
 from zoo.layers.mlp import MLP
 from zoo.layers.moe import GroupLimitedRouter, MoE, MoEAux, RoutingBias, SoftmaxRouter
 from zoo.layers.norm import RMSNorm
-from zoo.layers.rope import Llama3Scaling, Rope, YarnScaling
+from zoo.layers.rope import Rope, WavelengthScaling, YarnScaling
 
-__all__ = ["Attention", "causal_attention", "Embed", "LMHead", "MLP", "RMSNorm", "Rope", "Llama3Scaling",
+__all__ = ["Attention", "causal_attention", "Embed", "LMHead", "MLP", "RMSNorm", "Rope", "WavelengthScaling",
            "YarnScaling"]
 __all__ += ["MLA", "MoE", "MoEAux", "GroupLimitedRouter", "SoftmaxRouter", "RoutingBias"]

@@ -1,5 +1,6 @@
-"""Rotary position embeddings (Su et al., 2021) with two frequency scalings: the wavelength bands of
-arXiv:2407.21783 (`Llama3Scaling`, after transformers' name for it) and YaRN.
+"""Rotary position embeddings (Su et al., 2021) with two frequency scalings: `WavelengthScaling`, the frequency
+bands by wavelength of arXiv:2407.21783 (long wavelengths interpolated, short ones kept, a smooth band between), and
+`YarnScaling`, YaRN (Peng et al., 2023).
 
 Layout: the "rotate half" layout of the Hugging Face checkpoints: a head vector is split into two halves
 [x1, x2] and rotated as (x1 cos - x2 sin, x2 cos + x1 sin). Frequencies are constants of the config, computed
@@ -16,9 +17,11 @@ import numpy as np
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Llama3Scaling:
-    """The wavelength bands of arXiv:2407.21783: long wavelengths divided by `factor`, short ones kept, a smooth
-    band between."""
+class WavelengthScaling:
+    """RoPE scaling by wavelength bands (arXiv:2407.21783): frequencies whose wavelength is longer than
+    `original_max_position_embeddings / low_freq_factor` are divided by `factor`, those shorter than
+    `original_max_position_embeddings / high_freq_factor` kept, and those between blended linearly in
+    `original_max_position_embeddings / wavelength`. The defaults are those published with the paper's models."""
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -88,7 +91,7 @@ class Rope:
     """Rotary embedding of `dim` dimensions with base `theta` and an optional frequency scaling."""
     dim: int
     theta: float = 10000.0
-    scaling: Llama3Scaling | YarnScaling | None = None
+    scaling: WavelengthScaling | YarnScaling | None = None
 
     def inv_freq(self) -> np.ndarray:
         inv = 1.0 / (self.theta ** (np.arange(0, self.dim, 2, dtype=np.float64) / self.dim))

@@ -235,7 +235,7 @@ def test_yarn_matches_transformers():
     (dict(moe_backend="megablox"), "moe_backend must be one of"),
     (dict(capacity_factor=0.0), "capacity_factor"),
     (dict(balance_loss_weight=-1.0), "balance_loss_weight"),
-    (dict(rope_scaling=zoo.layers.Llama3Scaling()), "rope_scaling must be a YarnScaling"),
+    (dict(rope_scaling=zoo.layers.WavelengthScaling()), "rope_scaling must be a YarnScaling"),
     (dict(dtype="float8"), "dtype='float8'"),
     # every field against its type
     (dict(tie_embeddings="no"), "tie_embeddings must be a bool, got 'no'"),

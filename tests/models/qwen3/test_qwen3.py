@@ -1,11 +1,9 @@
 """Qwen3 (dense), the fourth family, added as its package and one registration line: the published parameter
 counts (abstract models, nothing allocated), the published config.json, the q/k norm's effect, its recipes landing
-as planned on the CUDA lowering with the gradients unchanged, and the planner and the main job running it."""
+as planned on the CUDA lowering with the gradients unchanged, and the planner planning it (the application's
+command lines on it: tests/train/)."""
 import collections
 import dataclasses
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,14 +11,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import zoo
 from recipes.qwen3 import RECIPES
 from recipes.registry import default_recipe, recipes_of
-from tests.helpers import cpu_env, cuda_lowering, grads_under, hlo_type, max_rel_err, pinned_host_shapes, tiered
+from tests.helpers import cuda_lowering, grads_under, hlo_type, max_rel_err, pinned_host_shapes, tiered
 from zoo.models import count_params, registry
 from zoo.models.qwen3 import Qwen3Config, hf, qwen3
 from zoo.plan import measure as audit
 
-ROOT = Path(__file__).resolve().parents[3]
 FAMILY = registry.family("qwen3")
 TINY = Qwen3Config.preset("tiny")
 B, S = 2, 8
@@ -139,24 +137,12 @@ def test_gradients_equal_under_every_recipe(float32_grads, name):
     assert max_rel_err(got, ref) < 1e-5
 
 
-def _run(*args):
-    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=cpu_env(), capture_output=True, text=True,
-                          timeout=600)
-
-
 def test_the_planner_plans_the_8b():
-    r = _run("recipes.train.plan", "--model", "qwen3", "--preset", "qwen3_8b", "--recipe", "qkv_offload",
-             "--batch", "1", "--seq", "8192")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "parameters (8,190,735,360)" in r.stdout
-    assert "1x8192x32x128" in r.stdout and "36 layers" in r.stdout
-
-
-@pytest.mark.slow
-def test_the_main_job_trains_it():
-    """The README's main job with --model qwen3 (about a minute on a loaded 2-core CPU: compiles the step)."""
-    r = _run("recipes.train", "--model", "qwen3", "--preset", "tiny", "--recipe", "qkv_offload", "--steps", "5")
-    assert r.returncode == 0, r.stdout + r.stderr
-    first, last = (float(line.split("loss")[1].split()[0]) for line in r.stdout.splitlines()
-                   if line.startswith("step") and line.split()[1] in ("1", "5"))
-    assert last < first, r.stdout
+    """zoo.plan.plan on the published 8B: its parameters, one layer's queries [1, 8192, 32, 128] offloaded, 36 layers
+    (the planner's command line on it: tests/train/test_plan_cli.py)."""
+    p = zoo.plan.plan(FAMILY.config("qwen3_8b"), RECIPES["qkv_offload"], batch=1, seq=8192)
+    (stack,) = p.stacks
+    assert p.state.num_params == 8_190_735_360
+    tags = {t.tag: t for t in stack.tags}
+    assert tags["query_proj"].shape == (1, 8192, 32, 128) and tags["query_proj"].host_bytes > 0
+    assert stack.num_layers == 36

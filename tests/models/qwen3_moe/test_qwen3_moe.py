@@ -1,11 +1,8 @@
 """Qwen3-MoE, the third family: published parameter counts (abstract models, nothing allocated), the dense/MoE
 layer pattern transformers uses, the q/k norm's effect, its recipes landing as planned on the CUDA lowering, and
-the planner and the main job running it."""
+the planner planning it (the application's command lines on it: tests/train/)."""
 import collections
 import dataclasses
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,14 +10,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import zoo
 from recipes.qwen3_moe import RECIPES
 from recipes.registry import default_recipe, recipes_of
-from tests.helpers import cpu_env, cuda_lowering, grads_under, hlo_type, max_rel_err, pinned_host_shapes, tiered
+from tests.helpers import cuda_lowering, grads_under, hlo_type, max_rel_err, pinned_host_shapes, tiered
 from zoo.models import count_params, registry
 from zoo.models.qwen3_moe import Qwen3MoeConfig, hf, qwen3_moe
 from zoo.plan import measure as audit
 
-ROOT = Path(__file__).resolve().parents[3]
 FAMILY = registry.family("qwen3_moe")
 TINY = Qwen3MoeConfig.preset("tiny")
 B, S = 2, 8
@@ -146,26 +143,12 @@ def test_gradients_equal_under_every_recipe(float32_grads, name):
     assert max_rel_err(got, ref) < 1e-5
 
 
-def _run(*args):
-    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=cpu_env(), capture_output=True, text=True,
-                          timeout=600)
-
-
 def test_the_planner_plans_it():
-    r = _run("recipes.train.plan", "--model", "qwen3_moe", "--preset", "tiny", "--recipe", "qkv_moe_offload",
-             "--batch", "2", "--seq", "64")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "moe_mlpwi_0" in r.stdout and "query_proj" in r.stdout
-
-
-@pytest.mark.slow
-def test_the_main_job_trains_it():
-    """The README's main job with --model qwen3_moe (a minute or two on a loaded 2-core CPU: compiles the step)."""
-    r = _run("recipes.train", "--model", "qwen3_moe", "--preset", "tiny", "--steps", "6")
-    assert r.returncode == 0, r.stdout + r.stderr
-    first, last = (float(line.split("loss")[1].split()[0]) for line in r.stdout.splitlines()
-                   if line.startswith("step") and line.split()[1] in ("1", "6"))
-    assert last < first, r.stdout
+    """zoo.plan.plan on the tiny model: the MoE experts' up-projections and the queries are planned tags (the
+    planner's command line on it: tests/train/test_plan_cli.py)."""
+    p = zoo.plan.plan(TINY, RECIPES["qkv_moe_offload"], batch=2, seq=64)
+    tags = {t.tag for s in p.stacks for t in s.tags}
+    assert {"moe_mlpwi_0", "query_proj"} <= tags and p.host_bytes > 0
 
 
 def test_the_moe_backend_is_chosen_when_the_model_is_built(monkeypatch):

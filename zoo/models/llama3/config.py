@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from zoo.layers import Llama3Scaling, Rope
+from zoo.layers import Rope, WavelengthScaling
 from zoo.models.config import LMConfig
 from zoo.models.fields import check_divides, check_positive, check_positive_float
 
@@ -15,7 +15,7 @@ class LlamaConfig(LMConfig):
     head_dim: int
     mlp_dim: int
     rope_theta: float = 500000.0
-    rope_scaling: Llama3Scaling | None = Llama3Scaling()
+    rope_scaling: WavelengthScaling | None = WavelengthScaling()
     # from LMConfig: vocab_size, dim, num_layers, norm_eps (1e-5), tie_embeddings, dtype, param_dtype, attention_impl
 
     PRESETS = {

@@ -5,7 +5,7 @@ from typing import Any
 
 from zoo.hf.config import activation_dtype, check_types, check_unsupported, context_field, require, rope_settings
 from zoo.hf.keymap import GQA, NORMS, SWIGLU, Entry, embed_and_head, stacked
-from zoo.layers import Llama3Scaling
+from zoo.layers import WavelengthScaling
 from zoo.models.llama3.config import LlamaConfig
 
 ARCHITECTURE, MODEL_TYPE = "LlamaForCausalLM", "llama"
@@ -33,7 +33,7 @@ def from_hf(hf: dict, *, param_dtype: str) -> LlamaConfig:
         extra = sorted(set(scaling) - set(LLAMA3_SCALING) - {"rope_type"})
         if extra:
             raise ValueError(f"config.json: rope_scaling fields {extra} are not supported for rope_type 'llama3'")
-        rope_scaling = Llama3Scaling(**{f: require(scaling, f) for f in LLAMA3_SCALING})
+        rope_scaling = WavelengthScaling(**{f: require(scaling, f) for f in LLAMA3_SCALING})
     heads = require(hf, "num_attention_heads")
     dim = require(hf, "hidden_size")
     return LlamaConfig(

@@ -1,0 +1,60 @@
+"""Does the step fit (recipes.train.fit, recipes.train.prepare): the main job's compiled step is the one the planner
+compiles (`zoo.plan.plan(peak="compile")`: XLA's memory analysis of both is equal, field by field); a step over the
+budget is refused (exit 2, before a step runs, the plan printed) unless --force; a step that fits runs."""
+import pytest
+
+import zoo
+from recipes import train
+from recipes.train import cli, loop, prepare
+from tests.helpers import tiered
+from zoo.plan import peak as peak_lib
+
+RUN = ["--xla-flags", "none", "--steps", "2", "--batch", "2", "--seq", "16", "--log-every", "1"]
+
+
+@pytest.mark.parametrize("family", tiered(["llama3", "deepseek_v3"], fast=("llama3",)))
+def test_the_planners_compiled_peak_is_the_main_jobs_own_step(family, monkeypatch):
+    """zoo.plan.plan(peak="compile") compiles the same step the main job runs: XLA's memory analysis of both is equal,
+    field by field, and the peak is arguments + outputs - donated + temporaries."""
+    seen = {}
+    real = prepare.compile_for_shapes
+
+    def spy(*args, **kwargs):
+        seen["compiled"], graphdef, abstract = real(*args, **kwargs)
+        return seen["compiled"], graphdef, abstract
+
+    monkeypatch.setattr(prepare, "compile_for_shapes", spy)   # where the main job calls it
+    cfg = loop.RunConfig(model=family, preset="tiny", steps=1, batch=2, seq=16)
+    loop.run(cfg)
+    job = peak_lib.from_compiled(seen["compiled"])
+    fam = zoo.models.registry.family(family)
+    recipe = cli.recipe(fam, None)
+    planned = zoo.plan.plan(fam.config("tiny"), recipe, batch=2, seq=16, peak="compile")
+    assert planned.peak_source == "compiled for cpu" and planned.peak.compiled
+    assert planned.peak.detail == job.detail
+    d = job.detail
+    assert planned.peak_bytes == job.bytes == d["argument"] + d["output"] - d["alias"] + d["temp"]
+    # the state is donated: its updated copy aliases the input, and the peak is above the planner's floor
+    assert d["alias"] >= planned.state.params and planned.peak_bytes > planned.hbm_bytes
+
+
+def test_the_main_job_refuses_a_step_over_the_budget_before_running_it(capsys):
+    rc = train.main(RUN + ["--hbm-limit", "0.001"])
+    out = capsys.readouterr()
+    assert rc == 2
+    assert "error: the step needs" in out.err and "over the 1.0 MiB of --hbm-limit" in out.err
+    assert "temporaries" in out.err and "--batch (now 2)" in out.err and "--force" in out.err
+    assert "step      1" not in out.out and "compiled the step" not in out.out   # nothing ran
+    assert "peak HBM of the step, compiled for cpu" in out.out                  # the plan is printed
+
+
+def test_force_launches_anyway(capsys):
+    rc = train.main(RUN + ["--hbm-limit", "0.001", "--force"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "launching anyway (--force)" in out.out and "step      2" in out.out
+
+
+def test_a_step_that_fits_is_not_refused(capsys):
+    assert train.main(RUN + ["--hbm-limit", "1"]) == 0
+    assert "peak device memory" in capsys.readouterr().out
