@@ -12,12 +12,19 @@ looks for). Importing the recipe sets (`recipes.llama3`,
   `runpy.run_module` and `importlib.import_module` take), a command that runs one (`"python -m recipes.train ..."`
   given to a call), or Python source for `python -c` that imports one.
 Docstrings are prose and are not read.
+
+Also here, the layout's other rules: tests/layers/ mirrors zoo/layers/ (a test file per module), and the recipe sets
+(`recipes/*.py`) import nothing of the application.
 """
 from __future__ import annotations
 
 import ast
 import pathlib
 import re
+import subprocess
+import sys
+
+from tests.helpers import cpu_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 APP = "recipes.train"
@@ -125,3 +132,43 @@ said = "python -m recipes.train.tokenizer" in "the docs"
         "6: from tests.train.cli_runs import ...", "10: recipes.train", "11: the module name 'recipes.train.plan'",
         "12: runs 'python -m recipes.train --steps 1'",
         "13: code importing the application 'import os; from recipes.train import plan'"]
+
+
+def test_every_layer_module_has_its_unit_test_file():
+    """tests/layers/ mirrors zoo/layers/: each module `zoo/layers/<path>/<m>.py` has `tests/layers/<path>/test_<m>.py`
+    (the package faces `__init__.py` excepted)."""
+    layers = ROOT / "zoo" / "layers"
+    missing = [p.relative_to(ROOT).as_posix() for p in sorted(layers.rglob("*.py")) if p.name != "__init__.py"
+               and not (ROOT / "tests" / "layers" / p.parent.relative_to(layers) / f"test_{p.name}").exists()]
+    assert not missing, f"modules of zoo/layers without tests/layers/.../test_<module>.py: {missing}"
+
+
+# -- the recipe sets (recipes/*.py) are data beside the application, not part of it: no set imports it, so a user's
+# own loop takes a recipe without loading the main job.
+def imports_of(path: pathlib.Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def test_no_recipe_set_imports_the_application():
+    sets = sorted((ROOT / "recipes").glob("*.py"))
+    assert {p.stem for p in sets} >= {"registry", "context", "llama3"}
+    found = {p.name: sorted(m for m in imports_of(p) if m == "recipes.train" or m.startswith("recipes.train."))
+             for p in sets}
+    assert not {k: v for k, v in found.items() if v}, found
+
+
+def test_taking_a_recipe_loads_no_part_of_the_application():
+    code = ("import sys, recipes; from recipes.registry import recipes_of\n"
+            "from zoo.models import registry\n"
+            "for f in registry.FAMILIES.values(): recipes_of(f)\n"
+            "print(sorted(m for m in sys.modules if m.startswith('recipes.train')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=cpu_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -1,5 +1,5 @@
-"""Run by tests/layers/test_expert_parallel.py in a subprocess with N fake CPU devices (N = 2 or 4):
-`python -m tests.layers.ep_steps N`.
+"""Run by tests/layers/moe/test_expert_parallel.py in a subprocess with N fake CPU devices (N = 2 or 4):
+`python -m tests.layers.moe.ep_steps N`.
 
 Dropless expert parallelism (`ep_dispatch="ragged_a2a"`) on the CPU, where the collective is the all-to-all
 stand-in (`padded_ragged_all_to_all`, chosen when the step is lowered for the CPU):

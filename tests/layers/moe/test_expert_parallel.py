@@ -1,6 +1,6 @@
 """Dropless expert parallelism (`ep_dispatch="ragged_a2a"`): configuration errors, the auto backend it takes, the
 planner's per-device tag shapes (the receive buffer), and, in subprocesses with 2 and 4 fake CPU devices
-(tests/layers/ep_steps.py), the dispatch against the one-device dropless result and a sharded training step."""
+(tests/layers/moe/ep_steps.py), the dispatch against the one-device dropless result and a sharded training step."""
 from __future__ import annotations
 
 import math
@@ -93,7 +93,7 @@ def test_ragged_a2a_on_fake_devices_equals_one_device(n):
     mla_moe_offload and ep=2 as one device's, its experts' tags offloaded inside the shard_map as the per-device
     receive buffer, ragged-all-to-alls in the step lowered for CUDA. N=4: the dispatch under ep=4 and fsdp=2 x ep=2
     (to 1e-6)."""
-    out = subprocess.run([sys.executable, "-m", "tests.layers.ep_steps", str(n)], env=cpu_env(n), cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "tests.layers.moe.ep_steps", str(n)], env=cpu_env(n), cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout[-3000:] + out.stderr[-3000:]
     print(out.stdout)
