@@ -206,6 +206,23 @@ def test_updates_too_small_for_bf16_add_up_in_the_master_and_the_parameters_are_
     assert (_f32(model.w[...]) < 1).all()
 
 
+def test_the_parameters_are_the_master_rounded_after_every_update():
+    """Clipped AdamW on a float32 master (`make_optimizer(master=True)`), five updates with random bf16 gradients
+    under `nnx.jit`: the master stays float32 and the bf16 parameter equals the master cast to bf16 bit for bit
+    after each (not bf16 p + u, rounded twice)."""
+    model = _Matrix(jnp.bfloat16)
+    opt = make_optimizer(model, optax.constant_schedule(3e-2), clip=1.0, weight_decay=0.1, master=True)
+    update = nnx.jit(lambda m, o, g: o.update(m, g))
+    for i in range(5):
+        key = jax.random.key(i)
+        update(model, opt, jax.tree.map(lambda p, k=key: jax.random.normal(k, p.shape, jnp.bfloat16),
+                                        nnx.state(model, nnx.Param)))
+        master = opt.opt_state.master["w"][...]
+        assert master.dtype == jnp.float32 and model.w[...].dtype == jnp.bfloat16
+        assert np.array_equal(_f32(model.w[...]), _f32(master.astype(jnp.bfloat16)))
+    assert not np.array_equal(_f32(model.w[...]), np.ones((4, 3)))   # the updates moved it
+
+
 def test_with_master_updates_against_the_master_and_returns_the_float32_step_to_it():
     """`with_master(adamw)` in a plain optax loop over a bf16 parameter: the master is float32 and equals, after each
     of three updates, the same AdamW run on float32 parameters started at the bf16 values (weight decay reads the

@@ -190,6 +190,17 @@ def test_grad_accum_must_be_a_positive_divisor_of_the_batch():
             check_grad_accum(4, bad)
 
 
+@pytest.mark.xfail(strict=True, raises=(RuntimeError, ZeroDivisionError, TypeError),
+                   reason="train_step does not check grad_accum (only compile_abstract and the application do): 3 of 4 "
+                          "raises einops' EinopsError, 0 a ZeroDivisionError, -1 a TypeError")
+@pytest.mark.parametrize("bad", [3, 0, -1])
+def test_train_step_refuses_a_grad_accum_that_does_not_divide_the_batch(model, bad):
+    """As `check_grad_accum` says, before any computation: ValueError naming the numbers."""
+    m = _fresh(model)
+    with pytest.raises(ValueError, match="--grad-accum"):
+        train_step(m, _sgd(m), tiny_lm.batch(), lr=SCHEDULE, grad_accum=bad)
+
+
 def test_the_loss_chunk_must_divide_the_sequence(model):
     """"auto", None, 0 (unchunked) and divisors pass; 3 of 8 and non-integers are refused with the numbers, by the
     check and by `train_step` before any computation."""
