@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from tests import tiny_lm
-from zoo.optim import make_optimizer
+from zoo.optim import MasterOptimizer, make_optimizer, make_tx
 from zoo.train_step import (
     abstract_batch,
     all_finite,
@@ -127,6 +127,27 @@ def test_the_functional_step_is_the_in_place_step_and_donates_its_state(model):
     for x, y in zip(jax.tree.leaves(want), jax.tree.leaves(state)):
         np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-6, atol=1e-7)
     assert int(opt_a.step[...]) == 2
+
+
+def test_accumulated_gradients_reach_a_master_in_float32():
+    """bf16 parameters, an optimizer on a float32 master: with grad_accum 2 the transform receives the float32 sums
+    of the micro-batches' gradients (unrounded), without accumulation the bf16 parameters' own gradients (a spy on
+    the transform's update; traced on shapes alone)."""
+    seen = []
+
+    def spy(tx):
+        def update(updates, state, params=None):
+            seen.append({x.dtype for x in jax.tree.leaves(updates)})
+            return tx.update(updates, state, params)
+        return optax.GradientTransformation(tx.init, update)
+
+    for k in (2, 1):
+        def build_and_step():
+            model = tiny_lm.build(tiny_lm.config("bfloat16"))
+            opt = MasterOptimizer(model, spy(make_tx(SCHEDULE, master=True)), wrt=nnx.Param)
+            return train_step(model, opt, tiny_lm.batch(), lr=SCHEDULE, grad_accum=k)   # noqa: B023 (called here)
+        jax.eval_shape(build_and_step)
+    assert seen == [{jnp.dtype(jnp.float32)}, {jnp.dtype(jnp.bfloat16)}]
 
 
 # -- the NaN guard -------------------------------------------------------------------------------------------------
