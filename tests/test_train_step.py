@@ -155,8 +155,9 @@ _GUARDED = nnx.jit(lambda m, o, b: train_step(m, o, b, lr=SCHEDULE))
 _UNSCHEDULED = nnx.jit(lambda m, o, b: train_step(m, o, b))   # the guard decided after the update
 
 
-@pytest.mark.parametrize("cause", ["nan_weights", "nan_parameter"])
-@pytest.mark.parametrize("schedule", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["lr", "no_lr"])
+@pytest.mark.parametrize("schedule,cause", [(True, "nan_weights"), (True, "nan_parameter"), (False, "nan_weights"),
+                                            pytest.param(False, "nan_parameter", marks=pytest.mark.slow)],
+                         ids=["lr-nan_weights", "lr-nan_parameter", "no_lr-nan_weights", "no_lr-nan_parameter"])
 def test_a_non_finite_step_leaves_every_state_bit_for_bit(model, cause, schedule):
     """After one good AdamW step (the moments non-zero), a step whose loss is NaN (every token weight NaN, or one
     element of the final norm's scale NaN) reports ok False and leaves the parameters, moments and step counts
