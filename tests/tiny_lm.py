@@ -32,11 +32,11 @@ def build(cfg=CONFIG, *, seed: int = 0) -> nnx.Module:
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))
 
 
-def batch(seed: int = 1, batch: int = BATCH, seq: int = SEQ) -> dict[str, jnp.ndarray]:
-    """{"tokens": [batch, seq + 1] int32, "weights": [batch, seq] float32}: random tokens; rows 0 and 2 weigh only
-    their last three quarters and the rest weigh between 0.5 and 1.5 (a weighted mean differs from a plain one)."""
+def batch(seed: int = 1, rows: int = BATCH, seq: int = SEQ) -> dict[str, jnp.ndarray]:
+    """{"tokens": [rows, seq + 1] int32, "weights": [rows, seq] float32}: random tokens; the even rows weigh only
+    their last three quarters, and every weight is between 0.5 and 1.5 (a weighted mean differs from a plain one)."""
     rng = np.random.default_rng(seed)
-    weights = rng.uniform(0.5, 1.5, (batch, seq)).astype(np.float32)
+    weights = rng.uniform(0.5, 1.5, (rows, seq)).astype(np.float32)
     weights[::2, : seq // 4] = 0.0
-    return {"tokens": jnp.asarray(rng.integers(0, VOCAB, (batch, seq + 1)), jnp.int32),
+    return {"tokens": jnp.asarray(rng.integers(0, VOCAB, (rows, seq + 1)), jnp.int32),
             "weights": jnp.asarray(weights)}
