@@ -33,8 +33,8 @@ def build(cfg=CONFIG, *, seed: int = 0) -> nnx.Module:
 
 
 def batch(seed: int = 1, rows: int = BATCH, seq: int = SEQ) -> dict[str, jnp.ndarray]:
-    """{"tokens": [rows, seq + 1] int32, "weights": [rows, seq] float32}: random tokens; the even rows weigh only
-    their last three quarters, and every weight is between 0.5 and 1.5 (a weighted mean differs from a plain one)."""
+    """{"tokens": [rows, seq + 1] int32, "weights": [rows, seq] float32}: random tokens; the even rows' first
+    quarter weighs 0 and every other weight is between 0.5 and 1.5 (a weighted mean differs from a plain one)."""
     rng = np.random.default_rng(seed)
     weights = rng.uniform(0.5, 1.5, (rows, seq)).astype(np.float32)
     weights[::2, : seq // 4] = 0.0
