@@ -1,8 +1,8 @@
-"""The float32 master copy of 16-bit parameters (`zoo.optim.with_master`) and `--params host`, which keeps it in
-pinned host memory between steps: the parameters are the master rounded, updates too small for bf16 add up in
-the master, the placement changes no number beyond XLA's rounding (tests/train/rounding.py), the planner counts it
-where it lives, checkpoints resume it exactly. Tiny Llama with bf16 parameters (or a one-matrix module), a few
-steps on the CPU."""
+"""`--params host`, which keeps the float32 master copy of 16-bit parameters (`zoo.optim.with_master`) in pinned
+host memory between steps: the placement changes no number beyond XLA's rounding (tests/train/rounding.py), the
+planner counts it where it lives, checkpoints resume it exactly. The master's arithmetic, its placement and the
+float32 sums it receives are the library's tests (tests/test_optim.py, tests/test_opt_state.py,
+tests/test_train_step.py). Tiny Llama with bf16 parameters, a few steps on the CPU."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +11,6 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
@@ -25,112 +24,19 @@ from recipes.train.cli import recipe as model_recipe
 from tests.helpers import hlo_type
 from tests.train.cli_runs import RUN, main
 from tests.train.rounding import assert_same_metrics, assert_same_state
-from zoo.opt_state import HOST, is_master, state_shardings
-from zoo.optim import MasterOptimizer, MasterState, make_optimizer, with_master
+from zoo.opt_state import HOST, is_master
+from zoo.optim import make_optimizer
 from zoo.plan import Training
 from zoo.plan.peak import from_compiled
-from zoo.train_step import abstract_batch, abstract_step, compile_abstract, family_step, jit_step, train_step
+from zoo.train_step import abstract_batch, abstract_step, compile_abstract, family_step, jit_step
 
 SEQ = 8
 BF16 = (("param_dtype", "bfloat16"),)
 SCHEDULE = loop.lr_schedule(lr=3e-3, steps=12, warmup=0)
 
 
-class _Matrix(nnx.Module):
-    """One bf16 [4, 3] parameter, all ones."""
-
-    def __init__(self):
-        self.w = nnx.Param(jnp.ones((4, 3), jnp.bfloat16))
-
-
 def _f32(x):
     return np.asarray(x).astype(np.float32)
-
-
-def test_the_parameters_are_the_master_rounded_after_every_update():
-    """Clipped AdamW on a float32 master: after each of five updates with random gradients, the master is float32
-    and the bf16 parameter equals the master cast to bf16 bit for bit (not bf16 p + u, rounded twice)."""
-    model = _Matrix()
-    opt = make_optimizer(model, optax.constant_schedule(3e-2), clip=1.0, weight_decay=0.1, master=True)
-    assert isinstance(opt, MasterOptimizer) and isinstance(opt.opt_state, MasterState)
-    update = nnx.jit(lambda m, o, g: o.update(m, g))
-    for i in range(5):
-        key = jax.random.key(i)
-        grads = jax.tree.map(lambda p, k=key: jax.random.normal(k, p.shape, jnp.bfloat16), nnx.state(model, nnx.Param))
-        update(model, opt, grads)
-        master = opt.opt_state.master["w"][...]
-        assert master.dtype == jnp.float32 and model.w[...].dtype == jnp.bfloat16
-        assert np.array_equal(_f32(model.w[...]), _f32(master.astype(jnp.bfloat16)))
-    assert not np.array_equal(_f32(model.w[...]), np.ones((4, 3)))   # the updates moved it
-
-
-def test_updates_too_small_for_bf16_add_up_in_the_master():
-    """SGD at lr 1e-4 on gradients of 1, 100 steps: each step's -1e-4 is under half a bf16 ulp at 1.0 (2**-9), so bf16
-    parameters without a master never move, while the master moves by 0.01 and the parameters, its rounding,
-    with it."""
-    out = {}
-    for master in (False, True):
-        model = _Matrix()
-        opt = make_optimizer(model, optax.constant_schedule(1e-4), clip=1e9, weight_decay=0.0, optimizer="sgd",
-                             master=master)
-        update = nnx.jit(lambda m, o: o.update(m, jax.tree.map(jnp.ones_like, nnx.state(m, nnx.Param))))
-        for _ in range(100):
-            update(model, opt)
-        out[master] = (_f32(model.w[...]), opt)
-    assert np.array_equal(out[False][0], np.ones((4, 3)))
-    moved, opt = out[True]
-    master = np.asarray(opt.opt_state.master["w"][...])
-    np.testing.assert_allclose(master, 0.99, rtol=1e-5)
-    assert np.array_equal(moved, _f32(jnp.asarray(master).astype(jnp.bfloat16))) and (moved < 1).all()
-
-
-def test_with_master_alone_gives_the_float32_update_against_the_parameters():
-    """`with_master` in a plain optax loop: its update is new master - params in float32, so `optax.apply_updates`
-    lands on the master's rounding (here exactly: the two are within a factor of two)."""
-    params = {"w": jnp.ones((4, 3), jnp.bfloat16)}
-    tx = with_master(optax.sgd(0.25))
-    state = tx.init(params)
-    updates, state = tx.update({"w": jnp.ones((4, 3), jnp.bfloat16)}, state, params)
-    assert updates["w"].dtype == jnp.float32 and state.master["w"].dtype == jnp.float32
-    np.testing.assert_array_equal(np.asarray(state.master["w"]), 0.75)
-    np.testing.assert_array_equal(_f32(optax.apply_updates(params, updates)["w"]), 0.75)
-
-
-# -- placement --------------------------------------------------------------------------------------------------------
-def _abstract(fam, master=True):
-    cfg = dataclasses.replace(fam.config("tiny"), param_dtype="bfloat16")
-
-    def build():
-        model = fam.build(cfg, recipe=model_recipe(fam, "full"), rngs=nnx.Rngs(0))
-        return model, make_optimizer(model, SCHEDULE, clip=1.0, weight_decay=0.1, master=master)
-    return nnx.split(nnx.eval_shape(build))[1]
-
-
-def test_the_master_is_placed_independently_of_the_moments():
-    """On shapes alone: `--params host` moves exactly the master's arrays to pinned host memory, `--opt-state host`
-    exactly the moments; the bf16 parameters and the step counters stay in HBM whatever both say. `--params host`
-    for an optimizer without a master is a ValueError."""
-    fam = model_family("llama3")
-    state = _abstract(fam)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    flat = jax.tree_util.tree_flatten_with_path(state)[0]
-    kinds = {"master": set(), "param": set(), "moment": set(), "counter": set()}
-    for path, x in flat:
-        kinds["master" if is_master(path) else "param" if path[0].key == 0 else
-              "moment" if x.ndim and jnp.issubdtype(x.dtype, jnp.floating) else "counter"].add(path)
-    assert len(kinds["master"]) == len(kinds["param"]) > 0 and len(kinds["moment"]) == 2 * len(kinds["param"])
-    assert all(x.dtype == jnp.float32 for p, x in flat if is_master(p))
-    for params in ("device", "host"):
-        for opt_state in ("device", "host"):
-            placed = state_shardings(state, jax.tree.map(lambda _: device, state), opt_state=opt_state,
-                                     params=params)
-            where = {path: s.memory_kind for (path, _), s in zip(flat, jax.tree.leaves(placed))}
-            want = {"master": params, "moment": opt_state, "param": "device", "counter": "device"}
-            for kind, paths in kinds.items():
-                assert {where[p] for p in paths} == {HOST if want[kind] == "host" else "device"}, (kind, params)
-    plain = _abstract(fam, master=False)
-    with pytest.raises(ValueError, match="--params host .* keeps none"):
-        state_shardings(plain, jax.tree.map(lambda _: device, plain), params="host")
 
 
 @pytest.mark.slow   # test_streamed_update.py compares the same runs
@@ -168,29 +74,6 @@ def test_the_master_on_the_host_trains_as_in_hbm():
     assert m_dev["ok"] and m_host["ok"]
     assert_same_metrics(m_dev, m_host)
     assert_same_state(s_dev, s_host)
-
-
-def test_accumulated_gradients_reach_the_master_in_float32():
-    """With --grad-accum 2 the float32 sums of the micro-batches' gradients reach a master optimizer unrounded;
-    without accumulation the gradients are the bf16 parameters' own (traced on shapes alone)."""
-    fam = model_family("llama3")
-    cfg = dataclasses.replace(fam.config("tiny"), param_dtype="bfloat16")
-    seen = []
-
-    def spy(tx):
-        def update(updates, state, params=None):
-            seen.append({x.dtype for x in jax.tree.leaves(updates)})
-            return tx.update(updates, state, params)
-        return optax.GradientTransformation(tx.init, update)
-
-    for k in (2, 1):
-        def build_and_step():
-            model = fam.build(cfg, recipe=model_recipe(fam, "full"), rngs=nnx.Rngs(0))
-            opt = MasterOptimizer(model, spy(zoo.optim.make_tx(SCHEDULE, master=True)), wrt=nnx.Param)
-            batch = {"tokens": jnp.zeros((4, SEQ + 1), jnp.int32), "weights": jnp.ones((4, SEQ), jnp.float32)}
-            return train_step(model, opt, batch, lr=SCHEDULE, grad_accum=k)   # noqa: B023 (called in this pass)
-        jax.eval_shape(build_and_step)
-    assert seen == [{jnp.dtype(jnp.float32)}, {jnp.dtype(jnp.bfloat16)}]
 
 
 # -- the plan and the compiled step -----------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 with the state in HBM (to an ulp or two at each array's scale: the same arithmetic in another program, which XLA
 may fuse differently; tests/train/rounding.py) through normal and non-finite steps; a streamed loop per group of
 parameters in the program, with HBM receiving chunks of the host state, never a whole stacked leaf; the chunking
-rule; the refusals. Tiny Llama and DeepSeek-V3, a few steps on the CPU."""
+rule at the 8B sizes (the refusals and the rule's unit cases: tests/test_streamed_update.py). Tiny Llama and
+DeepSeek-V3, a few steps on the CPU."""
 from __future__ import annotations
 
 import collections
@@ -161,19 +162,3 @@ def test_chunks_are_a_layer_or_at_most_256_mib_along_an_unsplit_axis():
     with sharding.use(sharding.abstract_mesh("tp=2", 2)):
         axis, n = su.chunking(param((128256, 4096), ("vocab", "embed")), 4)
     assert axis == 1 and 4096 % n == 0 and 128256 * 4096 * 4 / n <= su.CHUNK_BYTES
-
-
-def test_host_state_without_the_schedule_or_a_zoo_optimizer_is_refused():
-    """Tracing the step with its moments in host memory refuses (ValueError, nothing compiled) a step without the
-    learning-rate schedule (the guard must be decided before the update) and an optimizer zoo.optim.make_optimizer
-    did not make (the streamed update needs its transform's parts)."""
-    fam = model_family("llama3")
-    _, graphdef, state = abstract_step(fam, fam.config("tiny"), model_recipe(fam, "full"), opt_state="host")
-    model, opt = nnx.merge(graphdef, state)
-    no_lr, _, _ = jit_step(model, opt, family_step(fam, None), keep_shardings=True)
-    with pytest.raises(ValueError, match="needs the learning-rate schedule"):
-        no_lr.trace(state, abstract_batch(2, SEQ))
-    del opt.tx_parts
-    plain, _, bare = jit_step(model, opt, family_step(fam, SCHEDULE), keep_shardings=True)
-    with pytest.raises(ValueError, match="made by zoo.optim.make_optimizer"):
-        plain.trace(bare, abstract_batch(2, SEQ))
