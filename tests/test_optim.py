@@ -285,3 +285,9 @@ def test_parts_of_reads_what_make_optimizer_made():
     np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(want["w"]))
     plain = nnx.Optimizer(model, make_tx(_schedule), wrt=nnx.Param)
     assert parts_of(plain) is None and not has_master(plain)
+
+
+def test_a_warm_up_as_long_as_the_schedule_runs_its_course_then_drops_to_a_tenth():
+    """`warmup >= steps`: 0, lr/4, lr/2, 3lr/4, lr over the warm-up of 4, then lr/10 (as the docstring says)."""
+    sched = lr_schedule(lr=1.0, steps=2, warmup=4)
+    np.testing.assert_allclose([float(sched(i)) for i in range(7)], [0, .25, .5, .75, 1.0, .1, .1], rtol=1e-6)

@@ -18,7 +18,8 @@ OPTIMIZER_NAMES = ("adamw", "adam", "lion", "momentum", "sgd")
 
 
 def lr_schedule(*, lr: float, steps: int, warmup: int) -> optax.Schedule:
-    """Linear warm-up from 0 to `lr` over `warmup` steps, then cosine decay to lr/10 at `steps`; lr/10 after it."""
+    """Linear warm-up from 0 to `lr` over `warmup` steps, then cosine decay to lr/10 at `steps`; lr/10 after it.
+    With `warmup >= steps` the warm-up runs its whole course and the rate is lr/10 from the step after it."""
     return optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps=warmup, decay_steps=max(steps, warmup + 1),
                                               end_value=lr / 10)
 

@@ -108,6 +108,7 @@ def loss_and_grads(model: nnx.Module, batch: dict[str, jax.Array], *, aux_loss: 
     mean of the micro-batches'. The aux (MoE loads and drop counts) is summed over the micro-batches: the batch's.
     """
     seq = batch["tokens"].shape[1] - 1
+    check_grad_accum(batch["tokens"].shape[0], grad_accum)
     check_loss_chunk(seq, loss_chunk)
 
     def loss_fn(model, tokens, weights, batch_weights, aux_scale=1.0):
@@ -166,7 +167,10 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax
     gradients (`loss_and_grads`); the loss is the whole batch's and the gradient norm the update's.
 
     If the loss, the gradient norm or any updated parameter is not finite, nothing changes (`metrics["ok"]` is
-    False; `metrics["params_ok"]` says whether the parameters were the cause).
+    False). `metrics["params_ok"]` and `metrics["kept"]` say whether the parameters the step leaves are all finite:
+    False when a parameter was non-finite already (the cause of a NaN loss), or when an update that passed the guard
+    made one so; the caller must not save that state. A NaN batch weight is no fault of the parameters (both True).
+    `grad_accum` must divide the batch and `loss_chunk` the sequence (ValueError, before any computation).
 
     `lr`, the optimizer's learning-rate schedule, makes the guard cheap. Without it, whether the updated
     parameters are finite is known only once all of them are computed, so XLA keeps the old state beside the new
@@ -215,17 +219,15 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax
         optimizer.update(model, grads)
     after_update(model, aux)
     if lr is None:
-        params_ok = all_finite(nnx.state(model))   # e.g. a non-finite learning rate with finite gradients
-        ok = ok & params_ok
+        ok = ok & all_finite(nnx.state(model))   # the updated parameters: e.g. a non-finite rate, finite gradients
     # The NaN guard: keep the old state where the step is not finite (a select, no host round trip).
     nnx.update((model, optimizer), jax.tree.map(lambda new, old: jnp.where(ok, new, old),
                                                 nnx.state((model, optimizer), *kept_here), before))
-    kept = jnp.bool_(True)
-    if lr is not None:
-        # The tripwire: an update that passed the guard and still made a parameter non-finite was applied.
-        params_ok = all_finite(nnx.state(model))   # the same check as without `lr`, after the select
-        kept = params_ok
-        ok = ok & params_ok
+    # The state kept, checked: with `lr`, the tripwire of an update that passed the guard and still made a parameter
+    # non-finite; with or without it, a parameter that was non-finite before the step (the select kept it).
+    params_ok = all_finite(nnx.state(model))
+    kept = params_ok
+    ok = ok & params_ok
     weighted = sum((getattr(model, n).loss_weight * v for n, v in extra_losses.items()), jnp.zeros((), jnp.float32))
     metrics = {"loss": lm_loss, "total_loss": loss, "aux_loss": loss - lm_loss - weighted, "grad_norm": grad_norm,
                "ok": ok, "params_ok": params_ok, "kept": kept, "dropped": dropped, "routed": routed}
