@@ -1,5 +1,5 @@
 """`zoo.streamed_update`: the chunking rule; `update` with the optimizer state in pinned host memory gives the numbers
-of `optimizer.update` with it in HBM (to a few ulp at each array's scale: tests/train/rounding.py says why not bit
+of `optimizer.update` with it in HBM (to a few ulp at each array's scale: tests/rounding.py says why not bit
 for bit), keeps the host state on the host, and keeps the parameters and their state exactly where `ok` is False;
 `hosted` and `unguarded`; the refusals. A two-layer Llama (tests/tiny_lm.py) on a one-CPU-device mesh: the CPU has
 the pinned_host memory kind."""
@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from tests import tiny_lm
-from tests.train.rounding import assert_same_state
+from tests.rounding import assert_same_state
 from zoo import sharding
 from zoo import streamed_update as su
 from zoo.opt_state import HOST, is_master, state_shardings
@@ -140,7 +140,7 @@ def _numpy(state) -> list[np.ndarray]:
 def test_the_streamed_update_is_the_update_in_hbm(case, monkeypatch):
     """Two updates with random gradients: with the moments and/or the master in pinned host memory, `su.update`
     gives the parameters, moments, master and step counts of `optimizer.update` with the same state in HBM (step
-    counts exactly, float arrays to a few ulp at their scale: `tests.train.rounding`), and the host leaves are
+    counts exactly, float arrays to a few ulp at their scale: `tests.rounding`), and the host leaves are
     pinned-host arrays afterwards (the rest device arrays). A third update with `ok` False leaves the parameters,
     moments and master bit for bit and advances the step counts (unguarded: the caller's guard selects them)."""
     if case.chunk_bytes:

@@ -27,7 +27,7 @@ may round differently in its last bit (its rewrites of a division by a scalar de
 transform update per parameter inside the loop had AdamW's bias correction become a multiplication by its reciprocal,
 an ulp off, so the transform runs once over a group's chunks, as over the whole tree). On the CPU jax 0.11.2 gives
 identical arrays and jax 0.12 parameters an ulp apart; the tests compare whole runs to a few ulp at each array's
-scale (tests/train/rounding.py). A step that is not finite leaves the state exactly as it was.
+scale (tests/rounding.py). A step that is not finite leaves the state exactly as it was.
 """
 from __future__ import annotations
 

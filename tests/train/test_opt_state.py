@@ -16,7 +16,7 @@ from recipes.train import loop
 from recipes.train.cli import family as model_family
 from recipes.train.cli import recipe as model_recipe
 from tests.helpers import hlo_type, pinned_host_shapes
-from tests.train.rounding import assert_same_metrics, assert_same_state
+from tests.rounding import assert_same_metrics, assert_same_state
 from zoo.opt_state import OPT_STATE_PLACES
 from zoo.plan import Training
 from zoo.train_step import abstract_batch, abstract_step, check_grad_accum, family_step, jit_step
@@ -80,7 +80,7 @@ def _kinds(tree) -> set[tuple[str | None, str]]:
 def test_host_state_lives_in_pinned_host_memory_and_trains_as_in_hbm():
     """Built with opt_state="host", the optimizer's moments are pinned-host arrays (its step counters stay in
     device memory), stay there through steps, and the steps give the state and metrics of the in-HBM run (the
-    streamed update: to a few ulp at each array's scale, `tests.train.rounding`)."""
+    streamed update: to a few ulp at each array's scale, `tests.rounding`)."""
     fam = model_family("llama3")
     cfg = fam.config("tiny")
     mesh = loop.mesh_lib.resolve(None, cfg, 2)

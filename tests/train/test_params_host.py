@@ -1,5 +1,5 @@
 """`--params host`, which keeps the float32 master copy of 16-bit parameters (`zoo.optim.with_master`) in pinned
-host memory between steps: the placement changes no number beyond XLA's rounding (tests/train/rounding.py), the
+host memory between steps: the placement changes no number beyond XLA's rounding (tests/rounding.py), the
 planner counts it where it lives, checkpoints resume it exactly. The master's arithmetic, its placement and the
 float32 sums it receives are the library's tests (tests/test_optim.py, tests/test_opt_state.py,
 tests/test_train_step.py). Tiny Llama with bf16 parameters, a few steps on the CPU."""
@@ -22,8 +22,8 @@ from recipes.train import plan as plan_cli
 from recipes.train.cli import family as model_family
 from recipes.train.cli import recipe as model_recipe
 from tests.helpers import hlo_type
+from tests.rounding import assert_same_metrics, assert_same_state
 from tests.train.cli_runs import RUN, main
-from tests.train.rounding import assert_same_metrics, assert_same_state
 from zoo.opt_state import HOST, is_master
 from zoo.optim import make_optimizer
 from zoo.plan import Training
@@ -43,7 +43,7 @@ def _f32(x):
 def test_the_master_on_the_host_trains_as_in_hbm():
     """Tiny Llama, bf16 parameters, the master optimizer built with its master in HBM and in pinned host memory
     (--params host): the master's arrays are pinned-host arrays through the steps, the parameters device arrays;
-    two steps give the same state and metrics (to a few ulp at each array's scale: `tests.train.rounding`),
+    two steps give the same state and metrics (to a few ulp at each array's scale: `tests.rounding`),
     with the parameters the master rounded bit for bit; a third step on a NaN batch keeps every state exactly as it
     was, the master included."""
     fam = model_family("llama3")

@@ -1,6 +1,6 @@
 """The streamed update of optimizer state in pinned host memory (`zoo.streamed_update`): the numbers of the update
 with the state in HBM (to an ulp or two at each array's scale: the same arithmetic in another program, which XLA
-may fuse differently; tests/train/rounding.py) through normal and non-finite steps; a streamed loop per group of
+may fuse differently; tests/rounding.py) through normal and non-finite steps; a streamed loop per group of
 parameters in the program, with HBM receiving chunks of the host state, never a whole stacked leaf; the chunking
 rule at the 8B sizes (the refusals and the rule's unit cases: tests/test_streamed_update.py). Tiny Llama and
 DeepSeek-V3, a few steps on the CPU."""
@@ -22,7 +22,7 @@ from recipes.train import loop
 from recipes.train.cli import family as model_family
 from recipes.train.cli import recipe as model_recipe
 from tests.helpers import hlo_type, tiered
-from tests.train.rounding import assert_same_metrics, assert_same_state
+from tests.rounding import assert_same_metrics, assert_same_state
 from zoo import sharding
 from zoo import streamed_update as su
 from zoo.opt_state import HOST, is_master
@@ -89,7 +89,7 @@ def test_the_streamed_update_is_the_update_in_hbm(case, monkeypatch):
     """With the moments (and the float32 master, under params="host") in pinned host memory, two steps give the
     parameters, moments, master, step counts and metrics (loss, gradient norm, learning rate, ...) of the same
     optimizer with its state in HBM: step counts and flags exactly, every float array within a few ulp at its
-    scale, metrics within float32 rounding (`tests.train.rounding`). A third step on a NaN-weighted batch is not
+    scale, metrics within float32 rounding (`tests.rounding`). A third step on a NaN-weighted batch is not
     ok and leaves every state as it was, bit for bit, the host state included, which stays in pinned host memory.
     With a small chunk size the unstacked embedding and head are streamed in 4 chunks each (a second loop); SGD on
     a master streams the master alone (no moments; the step counts come from the empty update)."""

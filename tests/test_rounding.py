@@ -1,10 +1,10 @@
-"""The comparison of two programs of the same arithmetic (tests/train/rounding.py) accepts what rounding
+"""The comparison of two programs of the same arithmetic (tests/rounding.py) accepts what rounding
 explains and nothing more: an ulp at an array's scale passes; a difference a wrong update would make (a weight
 decay step left out, 3e-4 of the value) fails, as do changed step counts, flags and NaNs."""
 import numpy as np
 import pytest
 
-from tests.train.rounding import ULPS, assert_same_metrics, assert_same_state
+from tests.rounding import ULPS, assert_same_metrics, assert_same_state
 
 
 def test_an_ulp_passes_and_an_update_error_does_not():
