@@ -3,8 +3,9 @@ baseline `bench/baselines/plain_jax_llama_ctx.py` runs its own, one process per 
 
     python -m bench.ctx_slice context_offload --family llama3 --seq 32768 --layers 8 [--batch 1]
 
-Shapes: Llama 3.1 8B's layers (`--family llama3`) or DeepSeek-V3's (`--family deepseek_v3`: the 671B preset's
-hidden sizes with `--experts` routed experts, capacity dispatch, one dense layer first), cut to `--layers`; bf16
+Shapes: Llama 3.1 8B's layers (`--family llama3`), Qwen3-32B's (`--family qwen3`) or DeepSeek-V3's (`--family
+deepseek_v3`: the 671B preset's hidden sizes with `--experts` routed experts, capacity dispatch, one dense layer
+first), cut to `--layers`; bf16
 parameters and activations, cuDNN attention on a GPU. The step: the stack on a random bf16 input [B, S, D], loss
 mean(y^2) in float32, SGD: the baseline's step, so the two are compared like with like (the same FLOPs: the
 stack's matmuls, 6 x parameters x tokens, and causal attention, half of 2 x 2 x B x S^2 x H x d, forward and
@@ -34,7 +35,7 @@ from zoo.layers.attention_kernel import attention_flops
 from zoo.models.registry import family
 from zoo.plan import peak as peak_lib
 
-PRESETS = {"llama3": "llama3_1_8b", "deepseek_v3": "deepseek_v3_671b"}
+PRESETS = {"llama3": "llama3_1_8b", "deepseek_v3": "deepseek_v3_671b", "qwen3": "qwen3_32b"}
 FWD_CALL = 'custom_call_target="__cudnn$fmhaSoftmax"'
 
 

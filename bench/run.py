@@ -176,10 +176,12 @@ def anchor_deepseek(policy, batch=4, est=70, timeout=110, gpu=None) -> Job:
                anchor={"bench": "deepseek-slice", "S": 4096, "backend": "ragged_dot"}, gpus=gpu)
 
 
-def ctx(recipe, seq, layers, family="llama3", est=45, timeout=150, gpu="0") -> Job:
-    """bench.ctx_slice: the zoo's decoder stack alone (8B-shaped Llama layers, or the DeepSeek slice's), batch 1."""
-    return Job(f"ctx-{family}-S{seq // 1024}K-L{layers}-{recipe}",
-               ("-m", "bench.ctx_slice", recipe, "--family", family, "--seq", str(seq), "--layers", str(layers)),
+def ctx(recipe, seq, layers, family="llama3", est=45, timeout=150, gpu="0", batch=1) -> Job:
+    """bench.ctx_slice: the zoo's decoder stack alone (8B-shaped Llama layers, 32B-shaped Qwen3 layers, or the
+    DeepSeek slice's), batch 1 unless `batch`."""
+    return Job(f"ctx-{family}-S{seq // 1024}K-L{layers}" + (f"-B{batch}" if batch > 1 else "") + f"-{recipe}",
+               ("-m", "bench.ctx_slice", recipe, "--family", family, "--seq", str(seq), "--layers", str(layers),
+                "--batch", str(batch)),
                LHS, est, timeout, ident={"bench": f"{family}-ctx-slice", "impl": "zoo", "recipe": recipe,
                                          "setting": "zoo"}, gpus=gpu)
 
@@ -464,6 +466,12 @@ SCENARIOS: dict[str, Scenario] = {
          ctx("auto", 32768, 8), anchor_ctx("offload_qkv_ctx", 32768, 8),
          ctx("full", 32768, 4, family="deepseek_v3", est=60), ctx("context_offload", 32768, 4, family="deepseek_v3",
                                                                     est=60))),
+    "qwen3-rate": Scenario(
+        "Qwen3's step rate on one GPU: the 32B-shaped stack (4 layers, batch 2, seq 8192, SGD) under minimal and full "
+        "(the two the rate and overhead are fitted from: zoo.models.qwen3.training), then qkv_offload, save_qkv and "
+        "context_offload, whose times the fitted rate predicts",
+        tuple(ctx(r, 8192, 4, family="qwen3", batch=2, est=40) for r in
+              ("minimal", "full", "qkv_offload", "save_qkv", "context_offload"))),
     "long-context-main": Scenario(
         "long context in the main job (AdamW, the LM head and its loss in chunks): the 8B preset cut to 8 layers at "
         "32K under full (chunked and unchunked) and context_offload, the DeepSeek slice's stack at 32K, the 8B cut "

@@ -42,6 +42,7 @@ def _one_step(fam, grad_accum, weights=None):
     return state, jax.device_get(m)
 
 
+@pytest.mark.slow   # the library's tests/test_train_step.py checks grad_accum=2 against the whole batch
 def test_two_micro_batches_make_the_update_of_the_whole_batch():
     """K=2 on batch 4 (two micro-batches of 2) gives the parameters, optimizer state, loss and gradient norm of
     K=1 on batch 4, within float32 rounding, with uneven token weights (each micro-batch's loss is its share of
