@@ -10,6 +10,7 @@ import zoo
 from bench import records
 from recipes.deepseek_v3 import RECIPES as DS_RECIPES
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
+from recipes.qwen3 import RECIPES as QWEN3_RECIPES
 from zoo.models.registry import family
 from zoo.plan import Hardware, Training, links
 
@@ -111,3 +112,22 @@ def test_auto_offloads_on_the_405b_slice_where_the_h200s_copies_hide_and_not_on_
         if offloads:   # the MLP's gate and up: the most recompute saved per byte, and a floor within the budget
             assert {"mlpwi_0", "mlpwi_1"} <= set(auto.recipe.offload) and auto.host_bytes > 0
             assert auto.hbm_bytes <= full.hbm_bytes + 0.5 * 2**30
+
+
+def test_qwen3s_measured_rate_predicts_every_recipe_of_its_stack():
+    """Qwen3's step rate (its package's training.py) was fitted to two recipes of the 32B-shaped stack, minimal and
+    full (bench/results/qwen3-rate_2026-12-01.jsonl, one call on the H200); the same stack under qkv_offload,
+    save_qkv and context_offload is predicted within 3% (stacks only, as the bench runs them: SGD, no head)."""
+    fam = family("qwen3")
+    assert links.step_rate(H200, fam.config("tiny")) is fam.step_rates[0]
+    recipes = {r["recipe"]: r for r in records.load_flat(RESULTS / "qwen3-rate_2026-12-01.jsonl")}
+    assert set(recipes) == {"minimal", "full", "qkv_offload", "save_qkv", "context_offload"}
+    off = []
+    for name, r in recipes.items():
+        cfg = fam.config("qwen3_32b", num_layers=r["L"], param_dtype="bfloat16", dtype="bfloat16")
+        p = zoo.plan.plan(cfg, QWEN3_RECIPES[name], batch=r["B"], seq=r["S"], peak=None,
+                          hardware=Hardware(device_kind=H200), training=Training(optimizer="sgd"))
+        predicted = p.step_time(stacks_only=True)["total_s"]
+        if abs(predicted / r["step_s"] - 1) > 0.03:
+            off.append(f"{name}: predicted {predicted:.4f} s, measured {r['step_s']:.4f} s")
+    assert not off, off

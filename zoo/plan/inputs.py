@@ -32,7 +32,7 @@ class Hardware:
     `overlap` (the fraction of transfer time hidden under compute: one for both directions or a (device-to-host,
     host-to-device) pair) default to the link measured on `device_kind` (`zoo.plan.links`; default: the device
     present); `tflops`: the matmul rate for "auto" and the step time; `step_tflops`: the executed rate of the
-    family's step (default: measured, `zoo.plan.links.RATES`, else `tflops`)."""
+    family's step (default: measured, `zoo.plan.links.step_rate`: the family's own, else `tflops`)."""
     hbm_gib: float | None = None
     host_gib: float | None = None
     link_gbps: float | None = None

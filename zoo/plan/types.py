@@ -150,7 +150,7 @@ class Plan:
     link_source: str | None = None  # where link_gbps and overlap come from
     peak: object | None = None      # zoo.plan.peak.Peak: the step's peak HBM, compiled or estimated
     model_flops: float | None = None  # per device per step: the family's model FLOPs, forward and backward
-    step_tflops: float | None = None  # the rate recompute adds time at on the device (zoo.plan.links.RATES)
+    step_tflops: float | None = None  # the rate recompute adds time at on the device (zoo.plan.links.step_rate: the family's own)
     step_overhead: float = 0.0      # the step's non-FLOP work, as a fraction of its model FLOPs' time
     attention_tflops: float | None = None          # attention's forward + backward rate (zoo.plan.links)
     attention_forward_tflops: float | None = None  # its forward re-run's rate
@@ -199,7 +199,7 @@ class Plan:
     def step_time(self, stacks_only: bool = False) -> dict | None:
         """The predicted time of a training step: its model FLOPs (forward and backward, `model_flops`, or three
         times the stacks' forward where unknown) with the step's measured non-FLOP work (`step_overhead`), plus
-        the recipe's recompute, at the step's measured rate (`step_tflops`, else `tflops`: zoo.plan.links.RATES),
+        the recipe's recompute, at the step's measured rate (`step_tflops`, else `tflops`: zoo.plan.links.step_rate),
         plus the transfers that do not hide. Per layer and
         direction, `1 - overlap` of a copy's time is exposed, and of the overlapped part whatever does not fit
         under the layer's compute (device-to-host stores under its forward pass, host-to-device reloads under its

@@ -1,12 +1,11 @@
 """The Qwen3 family (the dense models): `Qwen3Config` (config.py), the model (model.py), the Hugging Face mapping
-(hf.py), and its `Family` record (FLOPs), registered when this package is imported. No step rate has been measured
-for it (the planner predicts its step time only from a rate it is given) and its report publishes no learning-rate
-schedule (the main job takes the generic defaults)."""
+(hf.py), and its `Family` record (FLOPs, with training.py's step rates), registered when this package is imported.
+Its report publishes no learning-rate schedule (the main job takes the generic defaults)."""
 from flax import nnx
 
 from zoo.models import registry
 from zoo.models.lm import non_embedding_params
-from zoo.models.qwen3 import hf
+from zoo.models.qwen3 import hf, training
 from zoo.models.qwen3.config import Qwen3Config
 from zoo.models.qwen3.model import Qwen3, Qwen3DecoderLayer, qwen3
 
@@ -22,4 +21,4 @@ def flops_per_token(cfg: Qwen3Config, model: nnx.Module, seq: int) -> float:
 FAMILY = registry.register(registry.Family(
     "qwen3", Qwen3Config, qwen3,
     registry.HFArch(hf.ARCHITECTURE, hf.MODEL_TYPE, hf.from_hf, hf.to_hf, hf.keys),
-    flops_per_token))
+    flops_per_token, step_rates=training.STEP_RATES))
