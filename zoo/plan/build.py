@@ -74,7 +74,7 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
     application's recipe sets). "auto" needs an HBM budget, a link (given or measured) and a FLOP rate.
 
     The predicted step time (`Plan.step_time()`) runs the step's work at `hardware.step_tflops`, the executed FLOP
-    rate measured for the model family on the device (`zoo.plan.links.step_rate`: the family's own; else `hardware.tflops`).
+    rate measured for the model family on the device (`zoo.plan.links.step_rate`; else `hardware.tflops`).
 
     Peak HBM (`Plan.peak_bytes`, `Plan.peak_source`): `peak="compile"` compiles the main job's training step
     (`zoo.train_step`, with the optimizer and its dtype) on abstract inputs for the device present; "estimate"

@@ -41,7 +41,7 @@ def link_of(device_kind: str, link_gbps: float | None, overlap) -> tuple[float |
 
 def step_rate_of(device_kind: str, cfg, step_tflops: float | None) -> tuple[float | None, float, str | None]:
     """(the rate recompute adds time at, the step's non-FLOP work as a fraction, where they come from) for the
-    family's training step on the device: given (no overhead), else measured (zoo.plan.links.step_rate: the family's own)."""
+    family's training step on the device: given (no overhead), else measured (zoo.plan.links.step_rate)."""
     if step_tflops is not None:
         return step_tflops, 0.0, "given"
     r = links.step_rate(device_kind, cfg)

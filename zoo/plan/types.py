@@ -150,7 +150,7 @@ class Plan:
     link_source: str | None = None  # where link_gbps and overlap come from
     peak: object | None = None      # zoo.plan.peak.Peak: the step's peak HBM, compiled or estimated
     model_flops: float | None = None  # per device per step: the family's model FLOPs, forward and backward
-    step_tflops: float | None = None  # the rate recompute adds time at on the device (zoo.plan.links.step_rate: the family's own)
+    step_tflops: float | None = None  # the rate recompute adds time at on the device (zoo.plan.links.step_rate)
     step_overhead: float = 0.0      # the step's non-FLOP work, as a fraction of its model FLOPs' time
     attention_tflops: float | None = None          # attention's forward + backward rate (zoo.plan.links)
     attention_forward_tflops: float | None = None  # its forward re-run's rate
