@@ -1,5 +1,5 @@
 """The training application: `python -m recipes.train` (the main job), `python -m recipes.train.plan` (what a
-recipe costs, before launching), `python -m recipes.train.tokenizer` and `python -m recipes.train.coordinator`.
+recipe costs, before launching) and `python -m recipes.train.tokenizer` (a tokenizer trained on your text).
 
 One idea a module: the command line (`command`, its flags from `config` through `cli`), the checks before anything
 compiles (`guard`), building and compiling the step (`prepare`, `fit`, `auto`), the loop (`loop`: `meter`, `watch`,
