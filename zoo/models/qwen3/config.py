@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from zoo.layers import Rope
+from zoo.models import gqa
 from zoo.models.config import LMConfig
-from zoo.models.fields import check_divides, check_positive, check_positive_float
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,17 +33,13 @@ class Qwen3Config(LMConfig):
     }
 
     def check(self):
-        check_positive(self, "num_heads", "num_kv_heads", "head_dim", "mlp_dim")
-        check_positive_float(self, "rope_theta")
-        check_divides(self, "num_kv_heads", "num_heads")
-        if self.head_dim % 2:
-            raise ValueError(f"{type(self).__name__}.head_dim must be even for RoPE, got {self.head_dim}")
+        gqa.check_gqa(self)
 
     def attention_head_dim(self) -> int:
         return self.head_dim
 
     def mesh_divisors(self) -> tuple[tuple[str, str], ...]:
-        return (("tp", "num_heads"), ("tp", "num_kv_heads"), ("tp", "mlp_dim")) + super().mesh_divisors()
+        return gqa.MESH_DIVISORS + super().mesh_divisors()
 
     def rope(self) -> Rope:
         return Rope(dim=self.head_dim, theta=self.rope_theta)
