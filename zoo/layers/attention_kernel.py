@@ -113,11 +113,16 @@ def resolve_impl(cfg, device: jax.Device | None = None) -> AttentionChoice:
                        device=device)
 
 
+def causal_attention_flops(batch: int, seq: int, heads: int, dq: int, dv: int) -> int:
+    """Forward FLOPs of causal attention: the logits (2 B H S^2 dq) and the weighted values (2 B H S^2 dv), half of
+    each under the causal mask. The planner's count (`attention_flops`) and the families' FLOPs per token are this."""
+    return batch * heads * seq * seq * (dq + dv)
+
+
 def attention_flops(q: jax.ShapeDtypeStruct, v: jax.ShapeDtypeStruct) -> int:
-    """Forward FLOPs of causal attention for queries q [B, S, H, dq] and values v [B, S, Hkv, dv]: the logits
-    (2 B H S^2 dq) and the weighted values (2 B H S^2 dv), half of each under the causal mask."""
+    """`causal_attention_flops` of queries q [B, S, H, dq] and values v [B, S, Hkv, dv]."""
     b, s, h, dq = q.shape
-    return b * h * s * s * (dq + v.shape[-1])
+    return causal_attention_flops(b, s, h, dq, v.shape[-1])
 
 
 def _pad_last(x: jax.Array, size: int) -> jax.Array:

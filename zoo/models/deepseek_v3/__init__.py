@@ -4,6 +4,7 @@ defaults), registered when this package is imported."""
 import jax
 from flax import nnx
 
+from zoo.layers.attention_kernel import causal_attention_flops
 from zoo.layers.moe import total_balance_loss, update_routing_bias
 from zoo.models import registry
 from zoo.models.deepseek_v3 import hf, training
@@ -26,7 +27,8 @@ def flops_per_token(cfg: DeepSeekV3Config, model: nnx.Module, seq: int) -> float
     n = non_embedding_params(model) - moe_layers * idle_experts * 3 * cfg.dim * cfg.moe_mlp_dim
     n += cfg.mtp_depths * cfg.vocab_size * cfg.dim
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    attention = 3 * 2 * seq * cfg.num_heads * (qk + cfg.v_head_dim) / 2 * (cfg.num_layers + cfg.mtp_depths)
+    per_layer = 3 * causal_attention_flops(1, seq, cfg.num_heads, qk, cfg.v_head_dim) / seq   # fwd + bwd, per token
+    attention = per_layer * (cfg.num_layers + cfg.mtp_depths)
     return 6 * n + attention
 
 

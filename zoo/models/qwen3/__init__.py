@@ -3,6 +3,7 @@
 Its report publishes no learning-rate schedule (the main job takes the generic defaults)."""
 from flax import nnx
 
+from zoo.layers.attention_kernel import causal_attention_flops
 from zoo.models import registry
 from zoo.models.lm import non_embedding_params
 from zoo.models.qwen3 import hf, training
@@ -14,7 +15,8 @@ __all__ = ["FAMILY", "Qwen3", "Qwen3Config", "Qwen3DecoderLayer", "flops_per_tok
 
 def flops_per_token(cfg: Qwen3Config, model: nnx.Module, seq: int) -> float:
     """6 N (forward 2N, backward 4N) plus causal attention: QK^T and PV over half the keys, times 3."""
-    attention = 3 * 2 * 2 * seq * cfg.num_heads * cfg.head_dim / 2 * cfg.num_layers
+    # forward and backward (3x) of one sequence of `seq` tokens, per token
+    attention = 3 * causal_attention_flops(1, seq, cfg.num_heads, cfg.head_dim, cfg.head_dim) / seq * cfg.num_layers
     return 6 * non_embedding_params(model) + attention
 
 

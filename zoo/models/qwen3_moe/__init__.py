@@ -3,6 +3,7 @@ its `Family` record (FLOPs, the balance loss), registered when this package is i
 import jax
 from flax import nnx
 
+from zoo.layers.attention_kernel import causal_attention_flops
 from zoo.layers.moe import total_balance_loss
 from zoo.models import registry
 from zoo.models.lm import non_embedding_params
@@ -18,7 +19,8 @@ def flops_per_token(cfg: Qwen3MoeConfig, model: nnx.Module, seq: int) -> float:
     half the keys, times 3."""
     moe_layers = sum(len(layers) for moe, layers in cfg.layer_runs() if moe)
     idle = moe_layers * (cfg.num_experts - cfg.num_experts_per_tok) * 3 * cfg.dim * cfg.moe_mlp_dim
-    attention = 3 * 2 * 2 * seq * cfg.num_heads * cfg.head_dim / 2 * cfg.num_layers
+    # forward and backward (3x) of one sequence of `seq` tokens, per token
+    attention = 3 * causal_attention_flops(1, seq, cfg.num_heads, cfg.head_dim, cfg.head_dim) / seq * cfg.num_layers
     return 6 * (non_embedding_params(model) - idle) + attention
 
 
