@@ -6,9 +6,9 @@ memory while the rest is recomputed. One recipe covers every stack: a dense stac
 them.
 """
 from recipes.context import CONTEXT, context_recipes
+from recipes.gqa import QKV
 from zoo import Recipe
 
-QKV = ("query_proj", "key_proj", "value_proj")
 MOE_UP = ("moe_mlpwi_0", "moe_mlpwi_1")
 
 DEFAULT = "qkv_moe_offload"  # what `--recipe` runs when not given
