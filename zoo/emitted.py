@@ -5,8 +5,10 @@ memory) and reads each tag (a `checkpoint_name`, `zoo.tags.name`) and its shape 
 inside jits, conds and custom VJPs. The planner, the recipe check at model build, the stack and the tests all read
 tag shapes here (`TaggedLayer.tag_shapes` for a layer).
 
-A tag emitted more than once names one tensor made in sequence chunks (`join_chunks`). A loop is not entered: the
-loop guard (`zoo.loop_guard`) refuses one that holds a tag or an offload, and any other loop has no tag to read.
+A tag emitted more than once names one tensor made in sequence chunks (`join_chunks`). The loop of sequence tiles
+(`zoo.layers.tiles`) is read as one tensor per tag, the tile's shape times the tiles along the sequence axis
+(`tiled_tags` says which tags it makes). Any other loop is not entered: the loop guard (`zoo.loop_guard`) refuses one
+that holds a tag or an offload, and any other loop has no tag to read.
 """
 from __future__ import annotations
 
@@ -32,18 +34,25 @@ def join_chunks(tag: str, a: jax.ShapeDtypeStruct, b: jax.ShapeDtypeStruct, axis
     return jax.ShapeDtypeStruct(a.shape[:axis] + (a.shape[axis] + b.shape[axis],) + a.shape[axis + 1:], a.dtype)
 
 
-def _collect(jaxpr, found: dict[str, jax.ShapeDtypeStruct]) -> None:
+def _collect(jaxpr, found: dict[str, jax.ShapeDtypeStruct], tiled: set[str], tiles: int = 1) -> None:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "name":
             aval = eqn.outvars[0].aval
-            sds = jax.ShapeDtypeStruct(tuple(aval.shape), aval.dtype)
+            shape = tuple(aval.shape)
+            if tiles > 1:   # one tile of a tensor made in sequence tiles: the tensor is `tiles` of them
+                shape = shape[:1] + (shape[1] * tiles,) + shape[2:]
+                tiled.add(eqn.params["name"])
+            sds = jax.ShapeDtypeStruct(shape, aval.dtype)
             tag = eqn.params["name"]
             found[tag] = join_chunks(tag, found[tag], sds, 1) if tag in found else sds
+        elif loop_guard.is_tile_loop(eqn):
+            for sub in sub_jaxprs(eqn.params):
+                _collect(sub, found, tiled, tiles * eqn.params["length"])
         elif loop_guard.is_loop(eqn):
             loop_guard.check_loop(eqn)   # a loop holding no tag or offload has no tag to collect: not entered
         else:
             for sub in sub_jaxprs(eqn.params):
-                _collect(sub, found)
+                _collect(sub, found, tiled, tiles)
 
 
 def emitted(fn: Callable[..., Any], *args: Any) -> dict[str, jax.ShapeDtypeStruct]:
@@ -52,9 +61,20 @@ def emitted(fn: Callable[..., Any], *args: Any) -> dict[str, jax.ShapeDtypeStruc
     `args` may be arrays or `jax.ShapeDtypeStruct`s; nothing is computed. ValueError for a tag emitted twice as two
     tensors (`join_chunks`) and for a loop holding a tag or an offload (`zoo.loop_guard`).
     """
+    return read_tags(fn, *args)[0]
+
+
+def tiled_tags(fn: Callable[..., Any], *args: Any) -> frozenset[str]:
+    """The tags `fn(*args)` makes inside a loop of sequence tiles (`zoo.layers.tiles`), read from an abstract trace."""
+    return read_tags(fn, *args)[1]
+
+
+def read_tags(fn: Callable[..., Any], *args: Any) -> tuple[dict[str, jax.ShapeDtypeStruct], frozenset[str]]:
+    """(`emitted(fn, *args)`, `tiled_tags(fn, *args)`) from one trace."""
     found: dict[str, jax.ShapeDtypeStruct] = {}
-    _collect(jax.make_jaxpr(fn)(*args).jaxpr, found)
-    return found
+    tiled: set[str] = set()
+    _collect(jax.make_jaxpr(fn)(*args).jaxpr, found, tiled)
+    return found, frozenset(tiled)
 
 
 def emitted_by(module: nnx.Module, x: jax.ShapeDtypeStruct) -> dict[str, jax.ShapeDtypeStruct]:

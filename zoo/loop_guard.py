@@ -5,6 +5,10 @@ break (the policy's saves and host copies inside an inner loop). A loop inside a
 body holds a tag (a `checkpoint_name`) or an offload (a `device_put` to host memory): any other loop, such as the
 scan inside tokamax's Mosaic GPU grouped-matmul kernel, is only computation and runs under any recipe.
 
+The zoo's own sequence tiles (`zoo.layers.tiles`) are the one loop allowed to hold tags: its body is rematerialized
+on its own, a tag kept in HBM is saved tile by tile like any residual, and the recipe check refuses offloading one of
+its tags. The loop is recognised by its name scope (`TILE_SCOPE`).
+
 A module of its own, not part of the tag reader (`zoo.emitted`) that calls it: the reader says what a layer emits,
 this says which layers the stack can apply a recipe to, and it changes for another reason (what JAX's nested
 scans support), not with how tags are read.
@@ -16,11 +20,17 @@ from typing import Any
 from zoo.jaxprs import sub_jaxprs
 
 LOOPS = ("scan", "while")   # the loop primitives (fori_loop lowers to one of them)
+TILE_SCOPE = "zoo_seq_tiles"   # the name scope of the sequence-tile loop (zoo.layers.tiles)
 
 
 def is_loop(eqn) -> bool:
     """Whether the jaxpr equation `eqn` is a loop."""
     return eqn.primitive.name in LOOPS
+
+
+def is_tile_loop(eqn) -> bool:
+    """Whether the jaxpr equation `eqn` is the loop of the zoo's sequence tiles (`zoo.layers.tiles`)."""
+    return eqn.primitive.name == "scan" and TILE_SCOPE in str(getattr(eqn.source_info, "name_stack", ""))
 
 
 def _is_host_target(target) -> bool:
@@ -46,8 +56,11 @@ def unsafe_content(params: dict[str, Any]) -> str | None:
 
 
 def check_loop(eqn) -> None:
-    """ValueError when the loop equation `eqn` holds a tag or an offload anywhere in its body; nothing otherwise."""
+    """ValueError when the loop equation `eqn` holds a tag or an offload anywhere in its body (the tile loop may hold
+    tags); nothing otherwise."""
     held = unsafe_content(eqn.params)
+    if held and held.startswith("the tag") and is_tile_loop(eqn):
+        return
     if held:
         raise ValueError(f"a tagged layer contains a {eqn.primitive.name} whose body holds {held}: offload inside "
                          f"nested scans is known to break; the zoo keeps tags and offloads at one scan level (the "

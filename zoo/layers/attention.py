@@ -81,12 +81,22 @@ class Attention(TaggedLayer):
         return choose_impl(self.implementation, dtype=self.dtype, head_dim=self.head_dim, device=device)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        pos = positions_for(x)
+        return self.attend(*self.project(x))
+
+    def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The per-position part: x [B,S,D] -> q, k, v before RoPE (q and k after their norms). A block may run it
+        over sequence tiles (`zoo.layers.tiles`); the tensors are named whole, by `attend`."""
         q, k = self.q_proj(x), self.k_proj(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, self.v_proj(x)
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        """RoPE on q and k, the three named, causal attention (which names its output and statistics), the output
+        projection."""
+        pos = positions_for(q)
         q = name(self.rope(q, pos), "query_proj", BSH)
         k = name(self.rope(k, pos), "key_proj", BSK)
-        v = name(self.v_proj(x), "value_proj", BSK)
+        v = name(v, "value_proj", BSK)
         out = causal_attention(q, k, v, impl=self.kernel.impl)   # names attention_out and context
         return name(self.o_proj(out), "out_proj", BSD)

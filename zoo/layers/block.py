@@ -2,20 +2,44 @@
 
 A family's decoder layer builds `attn_norm`, `attn`, `mlp_norm` and `mlp`, and sets `moe` when `mlp` is a mixture
 of experts (which returns `(y, aux)`: the block then returns `(x, aux)` too); the block applies them.
+
+`tiles` (a recipe's `seq_tiles`, passed by the stack) runs the parts with no dependency across positions over
+sequence tiles, each rematerialized on its own (`zoo.layers.tiles`): the attention's norm with its q, k, v
+projections where the attention splits them off (`project`, then `attend` on the whole tensors; else the norm
+alone), and the dense FFN (norm and MLP in one tile); a mixture of experts takes the tile count for its own
+per-token parts (its shared expert).
 """
 from __future__ import annotations
 
 import jax
 
 from zoo.layers.tagged import TaggedLayer
+from zoo.layers.tiles import tiled
+
+
+def _apply(module, x):
+    return module(x)
+
+
+def _ffn(parts, x):
+    norm, mlp = parts
+    return mlp(norm(x))
+
+
+def _project(parts, x):
+    norm, attn = parts
+    return attn.project(norm(x))
 
 
 class PreNormBlock(TaggedLayer):
     moe: bool = False   # does `mlp` return (y, aux)?
 
-    def __call__(self, x: jax.Array):
-        x = x + self.attn(self.attn_norm(x))
+    def __call__(self, x: jax.Array, *, tiles: int = 1):
+        if hasattr(self.attn, "project"):
+            x = x + self.attn.attend(*tiled(_project, (self.attn_norm, self.attn), x, tiles))
+        else:
+            x = x + self.attn(tiled(_apply, self.attn_norm, x, tiles))
         if not self.moe:
-            return x + self.mlp(self.mlp_norm(x))
-        y, aux = self.mlp(self.mlp_norm(x))
+            return x + tiled(_ffn, (self.mlp_norm, self.mlp), x, tiles)
+        y, aux = self.mlp(tiled(_apply, self.mlp_norm, x, tiles), tiles=tiles)
         return x + y, aux

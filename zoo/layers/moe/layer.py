@@ -32,6 +32,7 @@ from zoo.layers.moe import dispatch, expert_parallel
 from zoo.layers.moe.experts import Experts
 from zoo.layers.moe.router import Router, RoutingBias
 from zoo.layers.tagged import TaggedLayer
+from zoo.layers.tiles import tiled
 from zoo.logical import split_embed
 
 
@@ -63,8 +64,10 @@ class MoE(TaggedLayer):
         self.backend, self.capacity_factor, self.ep_dispatch = backend, capacity_factor, ep_dispatch
         self.runs, self.choice = runs, why
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEAux]:
-        """x [B, S, D] -> (y [B, S, D], aux)."""
+    def __call__(self, x: jax.Array, *, tiles: int = 1) -> tuple[jax.Array, MoEAux]:
+        """x [B, S, D] -> (y [B, S, D], aux). `tiles`: the shared expert (per token) runs over that many sequence
+        tiles (`zoo.layers.tiles`); the routed experts' dispatch always takes the whole batch (capacity and the
+        balance loss count over it)."""
         b, s, _ = x.shape
         backend = self.runs
         # Dispatch groups: one per shard of the batch under a mesh (GShard), one on a single device (a batch the
@@ -108,7 +111,7 @@ class MoE(TaggedLayer):
                        preferred_element_type=jnp.promote_types(out.dtype, jnp.float32))
         y = rearrange(y.astype(self.dtype), "(g b s) d -> (g b) s d", g=g, s=s)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
+            y = y + tiled(lambda shared, t: shared(t), self.shared_experts, x, tiles)
         return y, MoEAux(load=load.astype(jnp.float32), balance_loss=self.gate.balance_loss(scores, idx, batch=b),
                          dropped=dropped)
 

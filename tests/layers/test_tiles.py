@@ -1,0 +1,107 @@
+"""Sequence tiles (zoo.layers.tiles) as a unit: a tiled per-position part computes the untiled function and its
+gradients (float32, relative 1e-5; float64 against finite differences), its tags keep their full shapes and are
+reported as tiled, 16-bit parameters enter the loop in float32 (their gradient summed in float32), a tile's
+intermediates exist one at a time (the compiled backward holds less), and a tile count that does not divide the
+sequence is a ValueError."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.test_util import check_grads
+
+from tests.helpers import max_rel_err
+from tests.layers.random_layers import random_layer
+from zoo.emitted import read_tags
+from zoo.layers import MLP, RMSNorm
+from zoo.layers.tiles import check_tiles, tiled
+
+B, S, D, F, TILES = 2, 16, 16, 24, 4
+
+
+def ffn(parts, x):
+    norm, mlp = parts
+    return mlp(norm(x))
+
+
+def parts(dtype=jnp.float32):
+    return random_layer(lambda: (RMSNorm(D, dtype=dtype, param_dtype=dtype),
+                                 MLP(dim=D, hidden=F, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))))
+
+
+def inputs(dtype=np.float32, seed=1):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=(B, S, D)).astype(dtype))
+
+
+def loss(tiles):
+    def f(params, rest, graphdef, x):
+        return jnp.sum(tiled(ffn, nnx.merge(graphdef, params, rest), x, tiles) ** 2)
+    return f
+
+
+def grads(module, x, tiles):
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    return jax.grad(loss(tiles), argnums=(0, 3))(params, rest, graphdef, x)
+
+
+def test_a_tiled_part_is_the_same_function_with_the_same_gradients():
+    module, x = parts(), inputs()
+    assert max_rel_err(tiled(ffn, module, x, TILES), ffn(module, x)) < 1e-6
+    assert max_rel_err(grads(module, x, TILES), grads(module, x, 1)) < 1e-5
+
+
+def test_gradients_against_finite_differences_in_float64():
+    with jax.enable_x64(True):
+        module, x = parts(jnp.float64), inputs(np.float64)
+        graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+        check_grads(lambda p, x: loss(TILES)(p, rest, graphdef, x), (params, x), order=1, modes=("rev",),
+                    atol=1e-6, rtol=1e-6)
+
+
+def test_tags_keep_their_full_shapes_and_are_reported_tiled():
+    module, x = parts(), jax.ShapeDtypeStruct((B, S, D), jnp.float32)
+    graphdef, state = nnx.split(module)
+
+    def f(s, x, tiles):
+        return tiled(ffn, nnx.merge(graphdef, s), x, tiles)
+    whole, none_tiled = read_tags(lambda s, x: f(s, x, 1), state, x)
+    shapes, tiled_tags = read_tags(lambda s, x: f(s, x, TILES), state, x)
+    assert {t: v.shape for t, v in shapes.items()} == {t: v.shape for t, v in whole.items()} == {
+        "mlpwi_0": (B, S, F), "mlpwi_1": (B, S, F), "mlpwo": (B, S, D)}
+    assert none_tiled == frozenset() and tiled_tags == {"mlpwi_0", "mlpwi_1", "mlpwo"}
+
+
+def test_16_bit_parameters_enter_the_loop_in_float32():
+    """The loop's constants are the float32 copies: the transposed loop sums their cotangents in float32."""
+    module, x = parts(jnp.bfloat16), inputs().astype(jnp.bfloat16)
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    jaxpr = jax.make_jaxpr(lambda p, x: tiled(ffn, nnx.merge(graphdef, p, rest), x, TILES))(params, x).jaxpr
+    (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    weights = [v.aval for v in scan.invars if v.aval.ndim in (1, 2)]   # the kernels and the norm's scale
+    assert len(weights) == 4 and all(a.dtype == jnp.float32 for a in weights)
+    g = grads(module, x, TILES)[0]
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(g))   # handed back in the parameters' dtype
+
+
+def test_a_tile_holds_less_than_the_whole_in_the_compiled_backward():
+    """Compiled on the CPU, the gradient of a rematerialized tiled part holds fewer temporary bytes: one tile's
+    gate, up and their cotangents at a time."""
+    d, f, s = 64, 512, 2048
+    module = random_layer(lambda: (RMSNorm(d), MLP(dim=d, hidden=f, rngs=nnx.Rngs(0))))
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    x = jax.ShapeDtypeStruct((1, s, d), jnp.float32)
+
+    def temp(tiles):
+        fn = jax.checkpoint(lambda p, x: jnp.sum(tiled(ffn, nnx.merge(graphdef, p, rest), x, tiles) ** 2),
+                            policy=jax.checkpoint_policies.nothing_saveable)
+        compiled = jax.jit(jax.grad(fn, argnums=(0, 1))).lower(params, x).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+    assert temp(8) < 0.6 * temp(1)
+
+
+def test_a_tile_count_that_does_not_divide_the_sequence_is_refused():
+    with pytest.raises(ValueError, match="seq_tiles=3 does not divide the sequence length 16"):
+        tiled(ffn, parts(), inputs(), 3)
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="seq_tiles must be a positive int"):
+            check_tiles(bad)

@@ -1,0 +1,58 @@
+"""Sequence tiles: a part of a layer with no dependency across positions run over tiles of the sequence, one tile at a
+time, each rematerialized on its own (ALST's tiled compute, arXiv:2506.13996).
+
+`tiled(fn, module, x, tiles)` is `fn(module, x)` for x [B, S, ...] computed as `tiles` slices of S in a loop whose
+body is a `jax.checkpoint` that saves nothing of its own: in the forward pass and in the backward pass's recompute,
+only one tile's intermediates exist at a time. A tag named inside keeps its full shape (`zoo.emitted` reads the loop
+as one tensor) and its placement: kept in HBM, it is saved tile by tile; recomputed, each tile recomputes it in its
+own backward step. Offloading a tag from inside the loop is refused by the recipe check (offload inside nested loops
+is known to break). 16-bit parameters enter the loop in float32, so the gradient the loop sums over the tiles is
+summed in float32 and rounded once, as an untiled matmul's.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import einops
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zoo.loop_guard import TILE_SCOPE
+
+
+def check_tiles(tiles: Any, seq: int | None = None, *, what: str = "seq_tiles") -> None:
+    """ValueError unless `tiles` is a positive int that divides `seq` (when given)."""
+    if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
+        raise ValueError(f"{what} must be a positive int (sequence tiles of the per-position parts), got {tiles!r}")
+    if seq is not None and seq % tiles:
+        raise ValueError(f"{what}={tiles} does not divide the sequence length {seq}: the sequence is cut into "
+                         f"{what} tiles of equal length")
+
+
+def _widen(x):
+    return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4 else x
+
+
+def tiled(fn: Callable[[Any, jax.Array], Any], module: Any, x: jax.Array, tiles: int) -> Any:
+    """`fn(module, x)` over `tiles` sequence tiles of x [B, S, ...] (axis 1), one at a time, each rematerialized on
+    its own. `fn` must treat positions independently and return [B, S, ...] arrays (a pytree of them), which are
+    concatenated over the tiles. `module`: the NNX module(s) `fn` reads, whose parameters the loop takes as
+    arguments (their gradient summed over the tiles in float32)."""
+    if tiles == 1:
+        return fn(module, x)
+    check_tiles(tiles, x.shape[1])
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    dtypes = jax.tree.map(lambda p: p.dtype, params)
+    wide = jax.tree.map(_widen, params)
+
+    def one(wide, rest, xt):
+        m = nnx.merge(graphdef, jax.tree.map(lambda p, d: p.astype(d), wide, dtypes), rest)
+        return fn(m, xt)
+
+    body = jax.checkpoint(one, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+    xs = einops.rearrange(x, "b (n t) ... -> n b t ...", n=tiles)
+    with jax.named_scope(TILE_SCOPE):   # how the tag reader and the loop guard know the loop
+        _, ys = jax.lax.scan(lambda carry, xt: (carry, body(wide, rest, xt)), None, xs)
+    return jax.tree.map(lambda y: einops.rearrange(y, "n b t ... -> b (n t) ..."), ys)
