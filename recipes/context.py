@@ -1,18 +1,38 @@
 """The long-context recipes every family's set holds: the attention kernel's two residuals (its output
 `attention_out` and its softmax statistics `context`) kept in HBM or sent to pinned host memory, everything else
 recomputed. Keeping both leaves no attention forward in the backward pass, whose cost grows as the square of the
-sequence while their bytes grow as the sequence (docs/long-context.md)."""
+sequence while their bytes grow as the sequence (docs/long-context.md).
+
+Past 64K the limit is where every byte lives: the `_tiles` recipes run each layer's per-position parts in
+`TILES` sequence tiles (`zoo.layers.tiles`), and `long_context` also keeps the layer input once per two layers,
+in pinned host memory (a family whose stacks two does not divide leaves it out).
+"""
 from zoo import Recipe
 from zoo.recipe import ATTENTION_RESIDUALS as CONTEXT
 
+CARRY = ("decoder_layer_input",)
+TILES = 16
 
-def context_recipes(kernel: str = "the attention kernel's") -> dict[str, Recipe]:
-    """{"context_save": ..., "context_offload": ...} for a family whose attention is described as `kernel`."""
-    return {
+
+def context_recipes(kernel: str = "the attention kernel's", *, grouped: bool = True) -> dict[str, Recipe]:
+    """{"context_save", "context_offload", "context_tiles", "context_offload_tiles" and, with `grouped`,
+    "long_context"} for a family whose attention is described as `kernel`."""
+    out = {
         "context_save": Recipe("context_save", device=CONTEXT,
                                description=f"{kernel} output and softmax statistics kept in HBM: no attention "
                                            f"forward in the backward pass"),
         "context_offload": Recipe("context_offload", offload=CONTEXT,
                                   description=f"{kernel} output and softmax statistics to pinned host memory: long "
                                               f"context's recipe (attention recompute grows as S^2)"),
+        "context_tiles": Recipe("context_tiles", device=CONTEXT, seq_tiles=TILES,
+                                description=f"context_save with each layer's per-position parts in {TILES} sequence "
+                                            f"tiles: a tile's intermediates at a time (128K on one H200)"),
+        "context_offload_tiles": Recipe("context_offload_tiles", offload=CONTEXT, seq_tiles=TILES,
+                                        description=f"context_offload in {TILES} sequence tiles"),
     }
+    if grouped:
+        out["long_context"] = Recipe("long_context", device=CONTEXT, offload=CARRY, seq_tiles=TILES, group=2,
+                                     description=f"{kernel} output and statistics in HBM, the layer input of every "
+                                                 f"second layer in pinned host memory, {TILES} sequence tiles: "
+                                                 f"256K on one H200")
+    return out

@@ -35,5 +35,5 @@ RECIPES: dict[str, Recipe] = {
     "lowrank_context_offload": Recipe("lowrank_context_offload",
                                       offload=("query_wa_proj", "kv_wa_proj") + MOE_UP + CONTEXT,
                                       description="lowrank_wa_offload plus the attention output and statistics"),
-    **context_recipes("MLA's"),
+    **context_recipes("MLA's", grouped=False),   # its stacks (3 dense, 58 MoE layers) share no group size
 }

@@ -8,8 +8,13 @@ A recipe is a value: a name and two tuples of tags (or `fnmatch` patterns over t
 - every other tag is rematerialized (recomputed in the backward pass).
 
 Two special recipes exist: ``Recipe.none()`` (nothing recomputed) and ``Recipe.full()`` (everything recomputed
-but the scan carry). ``Recipe.policy()`` compiles a recipe to a JAX checkpoint policy that any
+but the scan carry). ``Recipe.policy()`` compiles a recipe's tags to a JAX checkpoint policy that any
 ``jax.checkpoint`` / ``nnx.remat`` accepts.
+
+Two fields say how the zoo's stacks recompute, beyond the tags (`zoo.models.stack` applies them; a policy alone
+does not carry them): ``seq_tiles`` (the per-position parts of a layer run over sequence tiles, each rematerialized on
+its own: `zoo.layers.tiles`) and ``group`` (layers per rematerialized group: the layer input, `decoder_layer_input`,
+is then kept once per group: sublinear checkpointing, Chen et al. 2016).
 """
 from __future__ import annotations
 
@@ -67,6 +72,8 @@ class Recipe:
     # "none": everything saved on device; "full": everything recomputed. Use the constructors below.
     special: Literal["none", "full"] | None = None
     description: str = ""
+    seq_tiles: int = 1              # the per-position parts of each layer in this many sequence tiles
+    group: int = 1                  # layers per rematerialized group: the layer input kept every `group` layers
 
     def __post_init__(self):
         """Checks only (the fields are never rewritten): tuples of strings, each matching a tag of the vocabulary,
@@ -85,6 +92,13 @@ class Recipe:
             raise ValueError(f"Recipe {self.name!r}: special must be None, 'none' or 'full', got {self.special!r}")
         if self.special is not None and (self.offload or self.device):
             raise ValueError(f"Recipe {self.name!r}: the special recipe {self.special!r} takes no tags")
+        for field in ("seq_tiles", "group"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Recipe {self.name!r}: {field} must be a positive int, got {value!r}")
+        if self.special == "none" and (self.seq_tiles > 1 or self.group > 1):
+            raise ValueError(f"Recipe {self.name!r} recomputes nothing: seq_tiles and group only change what is "
+                             f"recomputed, and must be 1")
         r = self.resolve()
         both = sorted(set(r.offload) & set(r.device))
         if both:
@@ -122,9 +136,17 @@ class Recipe:
         return cls(name, special="none", description="nothing recomputed: every residual saved on device")
 
     @classmethod
-    def full(cls, name: str = "full") -> Recipe:
-        """Everything recomputed but the scan carry."""
-        return cls(name, special="full", description="everything recomputed but the scan carry")
+    def full(cls, name: str = "full", *, seq_tiles: int = 1, group: int = 1) -> Recipe:
+        """Everything recomputed but the scan carry (kept every `group` layers), in `seq_tiles` sequence tiles."""
+        return cls(name, special="full", description="everything recomputed but the scan carry", seq_tiles=seq_tiles,
+                   group=group)
+
+    @property
+    def structure(self) -> str:
+        """How the stack recomputes beyond the tags, in words ("" for one tile and one layer per group)."""
+        parts = [f"in {self.seq_tiles} sequence tiles" if self.seq_tiles > 1 else "",
+                 f"the layer input kept every {self.group} layers" if self.group > 1 else ""]
+        return ", ".join(p for p in parts if p)
 
     def placement(self, tag: str) -> Placement:
         if tag not in tags_lib.TAGS:
@@ -136,9 +158,6 @@ class Recipe:
         if _expand(self.device, (tag,)):
             return "device"
         return "remat"
-
-    def placements(self, emitted: Iterable[str]) -> dict[str, Placement]:
-        return {t: self.placement(t) for t in emitted}
 
     def check_emitted(self, emitted: Iterable[str], where: str = "the model") -> None:
         """Raise ValueError if a name or pattern of this recipe matches no tag that `where` emits
@@ -161,9 +180,10 @@ class Recipe:
         )
 
     def __str__(self) -> str:
+        extra = f"; {self.structure}" if self.structure else ""
         if self.special:
-            return f"{self.name}: {self.description}"
+            return f"{self.name}: {self.description}{extra}"
         r = self.resolve()
         parts = [f"offload={list(r.offload)}" if r.offload else "",
                  f"device={list(r.device)}" if r.device else ""]
-        return f"{self.name}: " + ", ".join(p for p in parts if p) + "; every other tag recomputed"
+        return f"{self.name}: " + ", ".join(p for p in parts if p) + "; every other tag recomputed" + extra

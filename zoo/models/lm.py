@@ -13,8 +13,9 @@ An extra head is a family's module beside the LM head, trained with a loss of it
 arXiv:2412.19437, is one). The family passes `extra_heads={name: make(rngs) or None}`: the model holds each
 as the attribute `name` (None: not in this config), and each is
 
-- called as `head(h, embeddings, policy) -> (hidden [D, B, S, dim], aux)` on the main model's normed final hidden
-  states and its input embeddings: D sets of normed hidden states that this model's LM head reads;
+- called as `head(h, embeddings, policy, tiles=n) -> (hidden [D, B, S, dim], aux)` on the main model's normed final
+  hidden states and its input embeddings (`tiles`: the recipe's `seq_tiles`): D sets of normed hidden states that
+  this model's LM head reads;
 - `head.loss(hidden, targets, weights, batch_weights, cross_entropy) -> scalar`: its loss, given the step's
   `cross_entropy(hidden [B, S, dim], targets, weights, total_weight)` (the LM head's weighted mean cross-entropy,
   chunked as the step chunks the main loss); `targets` and `weights` [B, S] are the next-token loss's;
@@ -43,7 +44,8 @@ from zoo.models.config import LMConfig
 from zoo.models.stack import Stack
 from zoo.recipe import Recipe
 
-# Tags are the same for any batch and length: the recipe check at build time traces this small shape.
+# Tags are the same for any batch and length: the recipe check at build time traces this small shape (times the
+# recipe's sequence tiles).
 _CHECK_BATCH, _CHECK_SEQ = 1, 8
 
 
@@ -54,9 +56,11 @@ def extra_logits_key(name: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class StackTags:
-    """What one stack emits: its number of layers and, per layer, {tag: shape and dtype}."""
+    """What one stack emits: its number of layers, per layer {tag: shape and dtype}, and the tags made inside
+    sequence tiles (`zoo.layers.tiles`: kept in HBM tile by tile, or recomputed; never offloaded)."""
     num_layers: int
     tags: dict[str, jax.ShapeDtypeStruct]
+    tiled: frozenset[str] = frozenset()
 
 
 class CausalLM(nnx.Module):
@@ -102,11 +106,27 @@ class CausalLM(nnx.Module):
         self._recipe = recipe
 
     def check_recipe(self, recipe: Recipe) -> None:
-        """ValueError unless `recipe` is a Recipe naming only tags (or patterns) that some stack emits."""
+        """ValueError unless `recipe` is a Recipe naming only tags (or patterns) that some stack emits, whose `group`
+        divides every scanned stack's layers, and that offloads no tag made inside sequence tiles."""
         if not isinstance(recipe, Recipe):
             raise ValueError(f"recipe must be a zoo.Recipe, got {type(recipe).__name__}")
-        emitted = {t for st in self.tag_shapes(_CHECK_BATCH, _CHECK_SEQ).values() for t in st.tags}
-        recipe.check_emitted(emitted, where=type(self).__name__)
+        where = type(self).__name__
+        shapes = self.tag_shapes(_CHECK_BATCH, _CHECK_SEQ * recipe.seq_tiles, tiles=recipe.seq_tiles)
+        recipe.check_emitted({t for st in shapes.values() for t in st.tags}, where=where)
+        for name in self.stack_names:
+            getattr(self, name).check_group(recipe.group, f"{where}.{name}")
+        offloaded = set(recipe.resolve().offload)
+        tiled = sorted({t for st in shapes.values() for t in st.tiled} & offloaded)
+        if tiled:
+            raise ValueError(f"Recipe {recipe.name!r} offloads {tiled}, which seq_tiles={recipe.seq_tiles} makes "
+                             f"inside sequence tiles: a tiled tag is kept in HBM (tile by tile) or recomputed, not "
+                             f"offloaded (offload inside nested loops is known to break); keep it on the device, "
+                             f"recompute it, or set seq_tiles=1")
+
+    def stack_group(self, name: str, group: int) -> int:
+        """Layers per rematerialized group of the stack `name` under a recipe's `group`: `group` for a main stack,
+        1 for an extra head's (its layers run one at a time)."""
+        return group if name in self.stack_names else 1
 
     def stacks(self) -> dict[str, Stack]:
         """Every stack: the main ones in order (`stack_names`), then each extra head's `layers` under its name."""
@@ -120,10 +140,14 @@ class CausalLM(nnx.Module):
         """{name: module} of the extra heads this model has (see the module docstring)."""
         return {n: getattr(self, n) for n in self.extra_head_names}
 
-    def tag_shapes(self, batch: int, seq: int) -> dict[str, StackTags]:
-        """Per stack: layers and the {tag: shape} of one layer for a [batch, seq] input (abstract trace)."""
-        return {n: StackTags(s.num_layers, s.tag_shapes(s.abstract_input(batch, seq)))
-                for n, s in self.stacks().items()}
+    def tag_shapes(self, batch: int, seq: int, tiles: int = 1) -> dict[str, StackTags]:
+        """Per stack: layers and the {tag: shape} of one layer for a [batch, seq] input, its per-position parts in
+        `tiles` sequence tiles (abstract trace)."""
+        out = {}
+        for n, s in self.stacks().items():
+            x = s.abstract_input(batch, seq)
+            out[n] = StackTags(s.num_layers, s.tag_shapes(x, tiles), s.tiled_tags(x, tiles))
+        return out
 
     # -- the forward pass ---------------------------------------------------------------------------------
     def __call__(self, tokens: jax.Array, *, return_aux: bool = False):
@@ -152,7 +176,7 @@ class CausalLM(nnx.Module):
         x, embeddings, policy, aux = self._trunk(tokens)
         heads = {}
         for name, head in (self.extra_heads() if extra else {}).items():
-            heads[name], aux[name] = head(x, embeddings, policy)
+            heads[name], aux[name] = head(x, embeddings, policy, tiles=self.recipe.seq_tiles)
         return x, aux, heads
 
     def _trunk(self, tokens):
@@ -160,10 +184,11 @@ class CausalLM(nnx.Module):
         tokens = check_tokens(tokens, self.config.vocab_size)
         embeddings = self.embed(tokens)
         x = embeddings
-        policy = self.recipe.policy()
+        r = self.recipe
+        policy = r.policy()
         aux: dict[str, Any] = {}
         for stack_name in self.stack_names:
-            x, aux[stack_name] = getattr(self, stack_name)(x, policy)
+            x, aux[stack_name] = getattr(self, stack_name)(x, policy, group=r.group, tiles=r.seq_tiles)
         return self.norm(x), embeddings, policy, aux
 
     def head(self, x: jax.Array) -> jax.Array:

@@ -2,7 +2,11 @@
 
 Parameters of `num_layers` identical layers are created with `nnx.split_rngs` + `nnx.vmap` (layer axis first,
 logical axis name `layers`) and applied by one `nnx.scan` over `nnx.remat(policy=recipe.policy(),
-prevent_cse=False)` of a plain `(layer, x)` function. Three traps this file is built around:
+prevent_cse=False)` of a plain `(layer, x)` function. A recipe's `group` k scans over groups of k layers instead (the
+variables seen as [L / k, k, ...]), each group one rematerialized body whose input alone is named
+`decoder_layer_input`: the backward pass keeps the input of every k-th layer and recomputes the others from it
+(sublinear checkpointing). Its `seq_tiles` is handed to each layer (`zoo.layers.block`). The traps this file is built
+around:
 
 - `decoder_layer_input` is named on the first line of the rematerialized body. Naming the layer's output or
   the scan carry outside the body silently offloads nothing (jax#23869).
@@ -28,17 +32,53 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from zoo import emitted as emitted_lib
 from zoo import tags as tags_lib
 
 
-def layer_body(layer: nnx.Module, x: jax.Array) -> tuple[jax.Array, Any]:
-    """One layer as the scan sees it: name the input first, then run the layer. Returns (x, aux)."""
-    x = tags_lib.name(x, "decoder_layer_input", ("batch", "seq", "embed"))
-    out = layer(x)
+def _run(layer: nnx.Module, x: jax.Array, tiles: int) -> tuple[jax.Array, Any]:
+    out = layer(x) if tiles == 1 else layer(x, tiles=tiles)
     return out if isinstance(out, tuple) else (out, {})
+
+
+def layer_body(layer: nnx.Module, x: jax.Array, tiles: int = 1) -> tuple[jax.Array, Any]:
+    """One layer as the scan sees it: name the input first, then run the layer (its per-position parts in `tiles`
+    sequence tiles). Returns (x, aux)."""
+    x = tags_lib.name(x, "decoder_layer_input", ("batch", "seq", "embed"))
+    return _run(layer, x, tiles)
+
+
+def group_body(group: nnx.Module, x: jax.Array, tiles: int = 1) -> tuple[jax.Array, Any]:
+    """A group of layers (`group`'s variables [k, ...]) as the scan sees it: the group's input named, then each layer
+    in order. Returns (x, aux stacked over the k layers). Its backward pass recomputes the group's forward and holds
+    every layer's residuals at once: the price of keeping one input per group. (A checkpoint around each layer
+    inside would not lower it: JAX saves an inner checkpoint's inputs as residuals of the outer one.)"""
+    x = tags_lib.name(x, "decoder_layer_input", ("batch", "seq", "embed"))
+    auxes = []
+    for i in range(_leading(group)):
+        x, aux = _run(module_at(group, i), x, tiles)
+        auxes.append(aux)
+    return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
+
+
+def body_of(group: int, tiles: int) -> Callable[[nnx.Module, jax.Array], tuple[jax.Array, Any]]:
+    """The plain `(modules, x)` function the scan applies: `layer_body` (`group` 1) or `group_body`, with `tiles`."""
+    def body(modules: nnx.Module, x: jax.Array) -> tuple[jax.Array, Any]:
+        return layer_body(modules, x, tiles) if group == 1 else group_body(modules, x, tiles)
+    return body
+
+
+def _leading(modules: nnx.Module) -> int:
+    return jax.tree.leaves(nnx.state(modules))[0].shape[0]
+
+
+def grouped(modules: nnx.Module, k: int) -> nnx.Module:
+    """`modules` (variables [L, ...]) seen as L / k groups of k (variables [L / k, k, ...]; a reshape, no copy)."""
+    graphdef, state = nnx.split(modules)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a.reshape((a.shape[0] // k, k) + a.shape[1:]), state))
 
 
 def remat(fn: Callable, policy, *, scanned: bool = True) -> Callable:
@@ -48,9 +88,10 @@ def remat(fn: Callable, policy, *, scanned: bool = True) -> Callable:
 
 
 @functools.lru_cache(maxsize=64)
-def _emitted(graphdef, treedef, leaves: tuple, x: jax.ShapeDtypeStruct) -> tuple:
+def _emitted(graphdef, treedef, leaves: tuple, x: jax.ShapeDtypeStruct, tiles: int = 1) -> tuple:
     state = jax.tree.unflatten(treedef, leaves)
-    return tuple(emitted_lib.emitted(lambda s, x: layer_body(nnx.merge(graphdef, s), x), state, x).items())
+    found, tiled = emitted_lib.read_tags(lambda s, x: layer_body(nnx.merge(graphdef, s), x, tiles), state, x)
+    return tuple(found.items()), tiled
 
 
 def stacked_modules(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs) -> nnx.Module:
@@ -88,20 +129,33 @@ class Stack(nnx.Module):
         self.layers = stacked_modules(make_layer, num_layers, rngs)
         self.num_layers = num_layers
 
-    def apply_layer(self, index: int, x: jax.Array, policy) -> tuple[jax.Array, Any]:
+    def apply_layer(self, index: int, x: jax.Array, policy, *, tiles: int = 1) -> tuple[jax.Array, Any]:
         """Layer `index` alone (no scan) under the checkpoint `policy`. Returns (x, its own aux)."""
-        return remat(layer_body, policy, scanned=False)(module_at(self.layers, index), x)
+        return remat(body_of(1, tiles), policy, scanned=False)(module_at(self.layers, index), x)
 
-    def __call__(self, x: jax.Array, policy) -> tuple[jax.Array, Any]:
-        """Apply every layer in order under the checkpoint `policy`. Returns (x, aux stacked over layers)."""
-        if self.num_layers == 1:
+    def check_group(self, group: int, name: str = "the stack") -> None:
+        """ValueError unless `group` divides the number of layers."""
+        if self.num_layers % group:
+            raise ValueError(f"group={group} does not divide the {self.num_layers} layers of {name}: a recipe's "
+                             f"group must divide every stack's layer count")
+
+    def __call__(self, x: jax.Array, policy, *, group: int = 1, tiles: int = 1) -> tuple[jax.Array, Any]:
+        """Apply every layer in order under the checkpoint `policy`, `group` layers per rematerialized body, the
+        per-position parts in `tiles` sequence tiles. Returns (x, aux stacked over layers)."""
+        self.check_group(group)
+        modules = self.layers if group == 1 else grouped(self.layers, group)
+        body, n = body_of(group, tiles), self.num_layers // group
+        if n == 1:
             # XLA removes a while loop that runs once, and the host offloads inside it with it: measured on the
-            # H200 (jax 0.11.2), a one-layer scan offloaded nothing. One layer is applied without a scan.
-            x, aux = self.apply_layer(0, x, policy)
-            return x, jax.tree.map(lambda a: a[None], aux)
-        body = remat(layer_body, policy)
-        scan = nnx.scan(body, in_axes=(0, nnx.Carry), out_axes=(nnx.Carry, 0))
-        return scan(scannable(self.layers), x)
+            # H200 (jax 0.11.2), a one-layer scan offloaded nothing. One layer (or group) is applied without a scan.
+            x, aux = remat(body, policy, scanned=False)(module_at(modules, 0), x)
+            aux = jax.tree.map(lambda a: a[None], aux)
+        else:
+            scan = nnx.scan(remat(body, policy), in_axes=(0, nnx.Carry), out_axes=(nnx.Carry, 0))
+            x, aux = scan(scannable(modules), x)
+        if group > 1:   # [L / k, k, ...] -> [L, ...]
+            aux = jax.tree.map(lambda a: a.reshape((self.num_layers,) + a.shape[2:]), aux)
+        return x, aux
 
     def abstract_layer(self) -> tuple[nnx.GraphDef, Any]:
         """Graph definition and abstract state (ShapeDtypeStructs) of one layer of the stack."""
@@ -112,16 +166,28 @@ class Stack(nnx.Module):
         """The [batch, seq, dim] input of a layer, as a ShapeDtypeStruct of the layers' activation dtype."""
         return jax.ShapeDtypeStruct((batch, seq, self.layers.dim), self.layers.dtype)
 
-    def layer_fn(self, policy=None) -> tuple[Callable, Any]:
-        """(f, abstract state): one layer as a pure function f(state, x) -> (x, aux), rematerialized under the
-        checkpoint `policy` as the scan runs it (None: not rematerialized)."""
+    def layer_fn(self, policy=None, *, group: int = 1, tiles: int = 1) -> tuple[Callable, Any]:
+        """(f, abstract state): one layer (`group` > 1: one group of that many layers, its state [group, ...]) as a
+        pure function f(state, x) -> (x, aux), rematerialized under the checkpoint `policy` as the scan runs it
+        (None: not rematerialized), its per-position parts in `tiles` sequence tiles."""
         graphdef, state = self.abstract_layer()
-        body = layer_body if policy is None else remat(layer_body, policy)
+        if group > 1:
+            state = jax.tree.map(lambda a: jax.ShapeDtypeStruct((group,) + a.shape, a.dtype), state)
+        fn = body_of(group, tiles)
+        body = fn if policy is None else remat(fn, policy)
         return (lambda s, x: body(nnx.merge(graphdef, s), x)), state
 
-    def tag_shapes(self, x: jax.ShapeDtypeStruct) -> dict[str, jax.ShapeDtypeStruct]:
-        """{tag: shape} that one layer of this stack emits for an input shaped like `x`, read from a trace (cached
-        per layer structure and input shape: building, planning and auditing a model trace it once)."""
+    def tag_shapes(self, x: jax.ShapeDtypeStruct, tiles: int = 1) -> dict[str, jax.ShapeDtypeStruct]:
+        """{tag: shape} that one layer of this stack emits for an input shaped like `x` (its per-position parts in
+        `tiles` sequence tiles), read from a trace (cached per layer structure and input shape: building, planning
+        and auditing a model trace it once)."""
+        return dict(self._read(x, tiles)[0])
+
+    def tiled_tags(self, x: jax.ShapeDtypeStruct, tiles: int) -> frozenset[str]:
+        """The tags one layer makes inside its sequence tiles (`zoo.layers.tiles`) for an input shaped like `x`."""
+        return self._read(x, tiles)[1]
+
+    def _read(self, x: jax.ShapeDtypeStruct, tiles: int):
         graphdef, state = self.abstract_layer()
         leaves, treedef = jax.tree.flatten(state)
-        return dict(_emitted(graphdef, treedef, tuple(leaves), jax.ShapeDtypeStruct(x.shape, x.dtype)))
+        return _emitted(graphdef, treedef, tuple(leaves), jax.ShapeDtypeStruct(x.shape, x.dtype), tiles)

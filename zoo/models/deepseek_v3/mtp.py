@@ -69,13 +69,13 @@ class MultiTokenPrediction(nnx.Module):
         self.heads = stacked_modules(lambda r: MTPDepth(cfg, rngs=r), cfg.mtp_depths, rngs)
         self.layers = Stack(make_layer, num_layers=cfg.mtp_depths, rngs=rngs)
 
-    def __call__(self, h: jax.Array, embeddings: jax.Array, policy) -> tuple[jax.Array, Any]:
+    def __call__(self, h: jax.Array, embeddings: jax.Array, policy, *, tiles: int = 1) -> tuple[jax.Array, Any]:
         """h: the main model's normed final hidden states [B, S, dim]; embeddings: its input embeddings [B, S, dim].
         Returns (each depth's normed hidden states [D, B, S, dim], the layers' aux stacked over D)."""
         hidden, auxes = [], []
         for k in range(1, self.depths + 1):
             depth = module_at(self.heads, k - 1)
-            x, aux = self.layers.apply_layer(k - 1, depth.combine(h, shift_left(embeddings, k)), policy)
+            x, aux = self.layers.apply_layer(k - 1, depth.combine(h, shift_left(embeddings, k)), policy, tiles=tiles)
             h = depth.norm(x)
             hidden.append(h)
             auxes.append(aux)

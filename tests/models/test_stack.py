@@ -1,0 +1,91 @@
+"""The stack's structure beyond the tags (zoo.models.stack): a recipe's `group` (layers per rematerialized group, the
+layer input kept once per group) and `seq_tiles` (each layer's per-position parts in sequence tiles). For every
+family, the long-context recipes of its set leave the gradients those of recipe `none` (float32, relative 1e-5);
+JAX saves the layer input once per group, offloaded where the recipe says, and the planner counts the same bytes;
+a group that does not divide a stack and an offloaded tiled tag are refused when the recipe is set."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import zoo
+from recipes.registry import recipes_of
+from tests.helpers import grads_under, max_rel_err, tiered
+from zoo.models.registry import FAMILIES, family
+from zoo.plan import measure
+
+B, S = 2, 16
+LONG = ("context_tiles", "context_offload_tiles", "long_context")
+CARRY = ("decoder_layer_input",)
+CONTEXT = ("attention_out", "context")
+
+
+def tiny(name: str):
+    cfg = family(name).config("tiny", dtype="float32")
+    return dataclasses.replace(cfg, num_layers=4) if name in ("llama3", "qwen3") else cfg
+
+
+@pytest.fixture(scope="module", params=tiered(sorted(FAMILIES), ("llama3", "deepseek_v3")))
+def case(request):
+    """(family name, a tiny model, tokens, the loss and gradients under `none`)."""
+    cfg = tiny(request.param)
+    model = family(request.param).build(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (B, S), 0, cfg.vocab_size, dtype=jnp.int32)
+    return request.param, model, tokens, grads_under(model, zoo.Recipe.none(), tokens)
+
+
+def test_long_context_recipes_leave_the_gradients_unchanged(case):
+    name, model, tokens, (loss0, grads0) = case
+    named = recipes_of(family(name))
+    for r in [named[n] for n in LONG if n in named]:
+        loss, grads = grads_under(model, r, tokens)
+        assert abs(float(loss) - float(loss0)) < 1e-5 and max_rel_err(grads, grads0) < 1e-5, r.name
+
+
+@pytest.mark.parametrize("group", [2, 4])
+def test_the_layer_input_is_saved_once_per_group_where_the_recipe_puts_it(group):
+    """4 layers in groups of `group`: JAX saves [4 / group, B, S, D] of layer inputs (on the host when offloaded),
+    the context tensors of every layer, and the planner's per-tag bytes account for exactly that."""
+    cfg = tiny("llama3")
+    model = zoo.models.llama3(cfg, rngs=nnx.Rngs(0))
+    carry = B * S * cfg.dim * 4
+    for where in ("offload", "device"):
+        recipe = zoo.Recipe("g", device=CONTEXT + (CARRY if where == "device" else ()),
+                            offload=CARRY if where == "offload" else (), group=group, seq_tiles=4)
+        model.set_recipe(recipe)
+        device, host, _ = measure.stack_residuals(model, "layers", B, S, recipe.policy(), group=group, tiles=4)
+        context = 4 * sum(measure.nbytes(s) for t, s in model.tag_shapes(B, S)["layers"].tags.items() if t in CONTEXT)
+        assert (host, device) == ((4 // group * carry, context) if where == "offload" else
+                                  (0, context + 4 // group * carry))
+        p = zoo.plan.plan(cfg, recipe, batch=B, seq=S, peak=None)
+        assert (p.host_bytes, p.activation_bytes) == (host, device) and not p.warnings, p.warnings
+        (carry_plan,) = [t for t in p.stacks[0].tags if t.tag == "decoder_layer_input"]
+        assert carry_plan.nbytes == carry // group and f"every {group} layers" in carry_plan.note
+
+
+def test_tiled_tags_are_kept_tile_by_tile_and_read_back_as_placed():
+    cfg = tiny("llama3")
+    recipe = zoo.Recipe("m", device=("mlpwi_0", "mlpwi_1") + CONTEXT, seq_tiles=4)
+    model = zoo.models.llama3(cfg, recipe=recipe, rngs=nnx.Rngs(0))
+    assert model.tag_shapes(B, S, tiles=4)["layers"].tiled == {"mlpwi_0", "mlpwi_1", "mlpwo"}
+    seen = measure.placements_seen(model, "layers", B, S)
+    assert seen["mlpwi_0"] == seen["mlpwi_1"] == "device" and seen["query_proj"] == "remat"
+
+
+def test_bad_structures_are_refused_when_the_recipe_is_set():
+    model = nnx.eval_shape(lambda: zoo.models.llama3(tiny("llama3"), rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"group=3 does not divide the 4 layers of Llama.layers"):
+        model.set_recipe(zoo.Recipe("g", group=3))
+    with pytest.raises(ValueError, match=r"offloads \['mlpwi_0'\], which seq_tiles=2 makes inside sequence tiles"):
+        model.set_recipe(zoo.Recipe("t", offload=("mlpwi_0",), seq_tiles=2))
+    with pytest.raises(ValueError, match="seq_tiles must be a positive int"):
+        zoo.Recipe("t", seq_tiles=0)
+    with pytest.raises(ValueError, match="recomputes nothing"):
+        dataclasses.replace(zoo.Recipe.none(), group=2)
+    with pytest.raises(ValueError, match="seq_tiles=3 does not divide the sequence length 16"):
+        zoo.plan.plan(tiny("llama3"), zoo.Recipe.full(seq_tiles=3), batch=B, seq=S, peak=None)
+    assert model.recipe == zoo.Recipe.none()
