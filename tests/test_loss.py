@@ -122,7 +122,9 @@ def test_default_chunk_length():
     # Llama 3.1's vocabulary at 32K: 1,024 positions (512 MiB of float32 logits) a chunk
     assert loss_lib.default_chunk(1, 32768, 128256) == 1024
     assert loss_lib.default_chunk(4, 8192, 128256) == 256
-    assert loss_lib.default_chunk(1, 6000, 128256) == 1000            # the largest divisor under the limit
+    assert loss_lib.default_chunk(2, 8192, 128256) is None           # 7.8 GiB of logits: whole (WHOLE_BYTES)
+    assert loss_lib.default_chunk(1, 6000, 128256) is None
+    assert loss_lib.chunk_under(loss_lib.CHUNK_BYTES, 1, 6000, 128256) == 1000   # the largest divisor under the limit
     assert loss_lib.default_chunk(8, 64, 256) is None                # small logits: unchunked
     assert loss_lib.default_chunk(1, 8191, 128256) is None           # a prime length: unchunked (no good divisor)
     assert loss_lib.resolve_chunk("auto", 1, 32768, 128256) == 1024

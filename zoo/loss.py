@@ -12,9 +12,11 @@ backward pass keeps is the hidden states' gradient [B, S, dim], the head weights
 chunks) and the per-token loss [B, S].
 
 The chunk length is a setting (`check_chunk`: a positive divisor of the sequence, or None for the whole sequence
-at once); `default_chunk` chooses it from the shapes: the largest divisor of the sequence whose chunk's float32
-logits fit `CHUNK_BYTES` (512 MiB: 1,024 positions of a 128,256-token vocabulary at batch 1), unchunked where the
-whole sequence's fit.
+at once); `default_chunk` chooses it from the shapes alone: unchunked where the whole sequence's float32 logits fit
+`WHOLE_BYTES` (8 GiB: batch 2 at 8,192 positions of a 128,256-token vocabulary), else the largest divisor of the
+sequence whose chunk's fit `CHUNK_BYTES` (512 MiB: 1,024 positions at batch 1). The planner and the main job decide
+from the compiled step instead where they know the device's budget (`zoo.plan.fitting`: whole where the step fits, else
+the fewest chunks that fit).
 """
 from __future__ import annotations
 
@@ -26,7 +28,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-# A chunk's float32 logits at most this large by default (`default_chunk`).
+# The whole sequence's float32 logits at most this large by default (`default_chunk`), else chunks of at most
+# CHUNK_BYTES.
+WHOLE_BYTES = 8 * 2 ** 30
 CHUNK_BYTES = 512 * 2 ** 20
 # A default chunk shorter than this (a sequence length with no divisor near the limit, e.g. a prime) would run
 # the head as many small matmuls: the default is then the whole sequence, and `--loss-chunk` the way to choose.
@@ -62,11 +66,18 @@ def check_chunk(seq: int, chunk: Any, *, what: str = "loss_chunk") -> None:
 
 def default_chunk(batch: int, seq: int, vocab: int) -> int | None:
     """The loss's chunk length for a [batch, seq] micro-batch: None (the whole sequence) where its float32 logits fit
-    `CHUNK_BYTES`, else the largest divisor of `seq` whose chunk's do (None when that is shorter than
-    `MIN_DEFAULT_CHUNK`)."""
-    if 4 * batch * seq * vocab <= CHUNK_BYTES:
+    `WHOLE_BYTES`, else `chunk_under(CHUNK_BYTES, ...)`."""
+    if 4 * batch * seq * vocab <= WHOLE_BYTES:
         return None
-    limit = max(1, CHUNK_BYTES // (4 * batch * vocab))
+    return chunk_under(CHUNK_BYTES, batch, seq, vocab)
+
+
+def chunk_under(limit_bytes: int, batch: int, seq: int, vocab: int) -> int | None:
+    """The largest divisor of `seq` whose chunk's float32 logits fit `limit_bytes` (None, the whole sequence, where
+    that is shorter than `MIN_DEFAULT_CHUNK`, or where the whole sequence's fit)."""
+    if 4 * batch * seq * vocab <= limit_bytes:
+        return None
+    limit = max(1, limit_bytes // (4 * batch * vocab))
     best = max(d for d in divisors(seq) if d <= limit)
     return best if best >= min(MIN_DEFAULT_CHUNK, seq) else None
 

@@ -5,24 +5,28 @@
                       parallel=zoo.plan.Parallelism(mesh="fsdp=8"), training=zoo.plan.Training(opt_dtype="bfloat16"))
     zoo.plan.render(p)                                # tables; p.to_dict() or zoo.plan.to_json(p) for JSON
     zoo.plan.largest_batch(cfg, recipe, seq=8192, hbm_gib=141)   # the largest power-of-two batch that fits
+    zoo.plan.longest_seq(cfg, "auto", hardware=zoo.plan.Hardware(hbm_gib=133, tflops=760))   # the longest sequence
 
 Modules, each importing only those before it: `types` (what a plan is, units), `inputs` (what a plan is asked
 for: `Hardware`, `Parallelism`, `Training`), `measure` (what JAX saves and re-runs: residuals, recompute FLOPs;
 the audit of a recipe), `auto` (the automatic recipe), `state` (model state, host memory), `target` (the device
 planned for, its link and rate, how the peak is found), `build` (`plan`), `report` (tables and JSON),
-`capacity` (the largest batch that fits a budget). The command line is the application's.
+`capacity` (the largest batch that fits a budget), `longest` (the longest sequence), `fitting` (`fit`: the recipe
+and loss chunks a run compiles, checked against compiled peaks). The command line is the application's.
 
 `zoo.plan` is this package, a plain module; the planner is its function `zoo.plan.plan`.
 """
 from zoo.plan import measure
 from zoo.plan.build import auto_recipe, plan
 from zoo.plan.capacity import Capacity, largest_batch
+from zoo.plan.fitting import Fitted, fit
 from zoo.plan.inputs import Hardware, Parallelism, Training
+from zoo.plan.longest import Longest, longest_seq
 from zoo.plan.report import render, to_json
 from zoo.plan.state import host_pool_bytes
 from zoo.plan.types import POOL_ENV, ModelState, Plan, StackPlan, TagPlan, fmt_bytes
 
-__all__ = ["POOL_ENV", "Capacity", "Hardware", "ModelState", "Parallelism", "Plan", "StackPlan", "TagPlan",
-           "Training", "auto_recipe", "fmt_bytes", "host_pool_bytes", "largest_batch", "measure", "plan", "render",
-           "to_json"]
+__all__ = ["POOL_ENV", "Capacity", "Fitted", "Hardware", "Longest", "ModelState", "Parallelism", "Plan", "StackPlan",
+           "TagPlan", "Training", "auto_recipe", "fit", "fmt_bytes", "host_pool_bytes", "largest_batch",
+           "longest_seq", "measure", "plan", "render", "to_json"]
 

@@ -1,6 +1,10 @@
-"""The automatic recipe: each tag's placement chosen for an HBM budget, a host link and a FLOP rate.
+"""The automatic recipe: each tag's placement, the sequence tiles and the layers per group chosen for an HBM budget,
+a host budget, a host link and a FLOP rate.
 
-`choose` is what `zoo.plan.plan(cfg, "auto", ...)` runs; it says why each tag landed where it did.
+`choose_structure` is what `zoo.plan.plan(cfg, "auto", ...)` runs: for each candidate structure (`structures`: sequence
+tiles and layers per rematerialized group) it places the tags (`choose`) within what the budget leaves beside the
+structure's working set, and takes the structure whose recompute and exposed copies cost least among those that fit
+(the fewest tiles and the smallest group on a tie); it says why each tag landed where it did.
 """
 from __future__ import annotations
 
@@ -12,7 +16,58 @@ from zoo.plan.links import Overlap
 from zoo.plan.measure import LayerCost
 from zoo.plan.measure import nbytes as sds_nbytes
 from zoo.plan.types import CARRY, ModelState, ceil_div, fmt_bytes, fmt_flops
-from zoo.recipe import Recipe
+from zoo.recipe import TOGETHER, Recipe
+
+# Sequence tiles: the most of these that leaves each tile this many positions or more (smaller tiles run small
+# matmuls, and more of them save no more: a tile's tensors are already small beside a layer's).
+MIN_TILE = 8192
+TILES = (4, 8, 16, 32)
+GROUPS = (1, 2, 4)
+TIE = 0.005   # candidates are tried simplest first; a later one wins only if this much cheaper
+
+
+def structures(model, seq: int) -> list[tuple[int, int]]:
+    """The (sequence tiles, layers per group) `choose_structure` tries for `model` at `seq`: one tile, and the most of
+    `TILES` that divides the sequence into tiles of at least `MIN_TILE` positions; each of `GROUPS` that divides every
+    main stack's layers."""
+    tiles = [1] + [t for t in TILES if seq % t == 0 and seq // t >= MIN_TILE][-1:]
+    layers = [model.stacks()[n].num_layers for n in model.stack_names]
+    groups = [g for g in GROUPS if all(n % g == 0 and n // g >= 1 for n in layers)]
+    return [(t, g) for g in groups for t in tiles]
+
+
+def choose_structure(layout_of, *, candidates, state: ModelState, shard: int, hbm_budget: int,
+                     host_budget: int | None, link: float, rate: float, overlap, reserve
+                     ) -> tuple[Recipe, dict[str, str]]:
+    """The recipe `choose` makes for the structure (tiles, group) of `candidates` that costs least (recompute and
+    exposed copies, seconds per step) among those whose choice fits the budgets; the first candidate's (one tile, no
+    groups) where none fits. `layout_of(tiles, group)`: the planner's `Layout`; `reserve(layout, recipe)`: HBM the
+    step needs beside the plan's saved bytes (the loss's logits, one group's backward)."""
+    best, layouts = None, {}
+    for (tiles, group), carry_out in itertools.product(candidates, (False, True)):
+        if (tiles, group) not in layouts:
+            layouts[(tiles, group)] = layout_of(tiles, group)
+        lay = layouts[(tiles, group)]
+        # the reserve depends on what is kept (a kept tensor is not remade): start from keeping the tags that pay
+        # together, then from the choice itself
+        probe = Recipe("probe", device=tuple(t for g in TOGETHER for t in g), seq_tiles=tiles, group=group)
+        for _ in range(2):
+            chooser = _Chooser(lay.shapes, lay.needed, lay.costs, shard, host_budget, link, rate, Overlap.of(overlap),
+                               hbm_left=hbm_budget - state.total - reserve(lay, probe), groups=lay.groups)
+            chooser.place_carry(offload_first=carry_out)
+            chooser.place_pairs(chooser.place_singles())
+            recipe = chooser.recipe(tiles, group)
+            if recipe == probe:
+                break
+            probe = recipe
+        if carry_out and CARRY not in chooser.offload:
+            continue   # the carry cannot go to the host: the first pass covered this structure
+        cost = chooser.seconds()
+        fits = chooser.over == 0
+        # a larger structure must pay for itself: cheaper by more than TIE of the step's cost so far
+        if best is None or (fits and (not best[0] or cost < best[1] * (1 - TIE) - 1e-3)):
+            best = (fits, cost, recipe, chooser.notes)
+    return best[2], best[3]
 
 
 def choose(shapes, needed, costs: dict[str, LayerCost], state: ModelState, shard: int, hbm_budget: int,
@@ -49,8 +104,7 @@ def choose(shapes, needed, costs: dict[str, LayerCost], state: ModelState, shard
     chooser.place_carry()
     alone_useless = chooser.place_singles()
     chooser.place_pairs(alone_useless)
-    return Recipe("auto", offload=tuple(chooser.offload), device=tuple(chooser.device),
-                  description="chosen by zoo.plan for an HBM budget, a link and a FLOP rate"), chooser.notes
+    return chooser.recipe(), chooser.notes
 
 
 @dataclasses.dataclass
@@ -67,7 +121,9 @@ class _Chooser:
     rate: float
     overlap: Overlap
     hbm_left: int
+    groups: dict = None            # {stack: layers per group}: the scan carry is saved once per group
     host_used: int = 0
+    over: int = 0                  # bytes kept in HBM over the budget (the carry, which cannot be recomputed)
     kept: frozenset = frozenset()
     device: list[str] = dataclasses.field(default_factory=list)
     offload: list[str] = dataclasses.field(default_factory=list)
@@ -78,6 +134,8 @@ class _Chooser:
     order: dict[str, int] = dataclasses.field(init=False)
 
     def __post_init__(self):
+        self.groups = self.groups or {s: 1 for s in self.shapes}
+        self.over = max(0, -self.hbm_left)   # the model state and the reserve alone over the budget
         self.window = {s: self.costs[s].forward_flops / self.shard / self.rate for s in self.shapes}
         self.moved = {s: 0.0 for s in self.shapes}
         self.candidates = [t for t in dict.fromkeys(t for s in self.shapes for t in self.shapes[s].tags)
@@ -85,8 +143,20 @@ class _Chooser:
         self.order = {t: i for i, t in enumerate(self.candidates)}
 
     def nbytes(self, group, s: str) -> int:
-        return sum(ceil_div(sds_nbytes(self.shapes[s].tags[t]), self.shard) for t in group
-                   if t in self.shapes[s].tags and t in self.needed[s])
+        return sum(ceil_div(sds_nbytes(self.shapes[s].tags[t]), self.shard * (self.groups[s] if t == CARRY else 1))
+                   for t in group if t in self.shapes[s].tags and t in self.needed[s])
+
+    def recipe(self, tiles: int = 1, group: int = 1) -> Recipe:
+        """The choice so far as a recipe (with the structure it was made for)."""
+        return Recipe("auto", offload=tuple(self.offload), device=tuple(self.device), seq_tiles=tiles, group=group,
+                      description="chosen by zoo.plan for an HBM budget, a link and a FLOP rate")
+
+    def seconds(self) -> float:
+        """Seconds per step the choice costs: the recompute it leaves and its exposed copies."""
+        kept = self.kept
+        remat = sum(self.shapes[s].num_layers * ceil_div(self.costs[s].remat_flops(kept), self.shard)
+                    for s in self.shapes) / self.rate
+        return remat + sum(self.shapes[s].num_layers * self.exposed(s, self.moved[s]) for s in self.shapes)
 
     def total(self, group) -> int:
         return sum(self.shapes[s].num_layers * self.nbytes(group, s) for s in self.shapes)
@@ -144,6 +214,18 @@ class _Chooser:
     def place(self, group, value: int) -> None:
         """Keep `group` in HBM if it fits, else offload it if that pays and fits the host budget, else recompute it."""
         size = self.total(group)
+        if self.tiled(group):   # made inside sequence tiles: kept in HBM or recomputed, never offloaded
+            if size <= self.hbm_left:
+                self.device.extend(group)
+                self.hbm_left -= size
+                self.kept |= set(group)
+                note = f"kept in HBM (tile by tile): {fmt_bytes(size)} fits"
+            else:
+                note = (f"recomputed tile by tile: {fmt_bytes(size)} does not fit in HBM and a tiled tag is not "
+                        f"offloaded")
+            for t in group:
+                self.notes[t] = note
+            return
         gain = f"saves {fmt_flops(value)} of recompute per step ({value / size:.0f} FLOP/byte)"
         if size <= self.hbm_left:
             self.device.extend(group)
@@ -165,13 +247,23 @@ class _Chooser:
         for t in group:
             self.notes[t] = note
 
-    def place_carry(self) -> None:
-        """The scan carry: saved whatever the recipe says, so the only question is where."""
+    def tiled(self, group) -> bool:
+        return any(t in getattr(self.shapes[s], "tiled", ()) for s in self.shapes for t in group)
+
+    def place_carry(self, offload_first: bool = False) -> None:
+        """The scan carry: saved whatever the recipe says, so the only question is where: in HBM if it fits (or
+        `offload_first`: on the host if it fits there and its transfer hides), else the other."""
         carry = self.total([CARRY])
         if not carry:
             return
         ok, why = self.hides([CARRY], float("inf"))   # it cannot be recomputed: offloading is the only alternative
-        if carry <= self.hbm_left:
+        to_host = ok and (self.host_budget is None or carry <= self.host_budget)
+        if offload_first and to_host:
+            self.offload.append(CARRY)
+            self.notes[CARRY] = (f"scan carry offloaded: leaves HBM to tags that save recompute; its transfers add "
+                                 f"{1e3 * self.cost([CARRY]):.1f} ms per step")
+            self._move([CARRY], carry)
+        elif carry <= self.hbm_left:
             self.device.append(CARRY)
             self.notes[CARRY] = f"scan carry kept in HBM: fits ({fmt_bytes(self.hbm_left)} left of the budget)"
             self.hbm_left -= carry
@@ -182,26 +274,40 @@ class _Chooser:
             self._move([CARRY], carry)
         else:
             self.device.append(CARRY)
+            self.over += carry - max(self.hbm_left, 0)
             self.hbm_left -= carry
             self.notes[CARRY] = "scan carry kept in HBM although over budget: it cannot be recomputed and " + (
                 why if not ok else "the host budget is full")
 
+    def units(self) -> list[tuple[str, ...]]:
+        """The candidates as units of placement: each tag alone, but the tags that only pay together
+        (`zoo.recipe.TOGETHER`: the attention kernel's output and statistics) as one unit."""
+        together = [g for g in TOGETHER if all(t in self.order for t in g)]
+        grouped = {t for g in together for t in g}
+        return [tuple(g) for g in together] + [(t,) for t in self.candidates if t not in grouped]
+
     def place_singles(self) -> list[str]:
-        """Every other needed tag alone, by value (recompute FLOPs saved per byte, a lazy greedy: values only fall
-        as more is kept). Returns the tags whose saving alone is zero, in the order they came up."""
-        heap = [(-self.saving([t]) / self.total([t]), self.order[t], t) for t in self.candidates]
+        """Every other needed tag alone (or with the tags it only pays together with), by value (recompute FLOPs
+        saved per byte, a lazy greedy: values only fall as more is kept). Returns the tags whose saving alone is
+        zero, in the order they came up."""
+        heap = [(-self.saving(u) / self.total(u), min(self.order[t] for t in u), u) for u in self.units()]
         heapq.heapify(heap)
         alone_useless: list[str] = []
         while heap:
-            _, i, tag = heapq.heappop(heap)
-            value = self.saving([tag])
-            if heap and -value / self.total([tag]) > heap[0][0] + 1e-12:  # stale: its value fell below the next one's
-                heapq.heappush(heap, (-value / self.total([tag]), i, tag))
+            _, i, unit = heapq.heappop(heap)
+            value = self.saving(unit)
+            if heap and -value / self.total(unit) > heap[0][0] + 1e-12:  # stale: its value fell below the next one's
+                heapq.heappush(heap, (-value / self.total(unit), i, unit))
             elif value <= 0:
-                alone_useless.append(tag)
-                self.notes[tag] = "recomputed: keeping it alone saves no recompute, given the tags already kept"
+                alone_useless.extend(unit)
+                for tag in unit:
+                    self.notes[tag] = "recomputed: keeping it alone saves no recompute, given the tags already kept"
             else:
-                self.place([tag], value)
+                self.place(list(unit), value)
+                if len(unit) > 1:
+                    for t in unit:
+                        self.notes[t] = f"with {', '.join(o for o in unit if o != t)} (they pay together): " \
+                                        f"{self.notes[t]}"
         return alone_useless
 
     def place_pairs(self, alone_useless: list[str]) -> None:

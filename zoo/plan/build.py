@@ -45,19 +45,23 @@ Planning for another device (``Hardware(device_kind=)``), for a mesh larger than
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 from flax import nnx
 
 from zoo import sharding
+from zoo.layers.tiles import check_tiles
+from zoo.loss import resolve_chunk
 from zoo.models.registry import family_of
 from zoo.opt_state import check_params
 from zoo.plan import auto, links
 from zoo.plan import mesh as mesh_plan
 from zoo.plan import state as state_lib
 from zoo.plan.inputs import Hardware, Parallelism, Training, check_positive
-from zoo.plan.measure import abstract_model, layer_cost, stack_residuals
+from zoo.plan.measure import abstract_model, layer_cost, stack_residuals, working_bytes
 from zoo.plan.measure import nbytes as sds_nbytes
+from zoo.plan.peak import chunk_to_fit, loss_bytes
 from zoo.plan.target import device_target, find_peak, link_of, peak_target, step_rate_of
 from zoo.plan.types import CARRY, GiB, Plan, StackPlan, TagPlan, ceil_div, fmt_bytes
 from zoo.recipe import Recipe
@@ -111,7 +115,9 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
     check_params(training.params, getattr(cfg, "param_dtype", None))   # a bad cfg is refused below, by name
     micro = batch // training.grad_accum
     target = peak_target(peak, compiled, device=hardware.device_kind, mesh=parallel.mesh, amesh=amesh, shard=shard)
-    kind, _, _ = device_target(hardware.device_kind)
+    kind, here, present = device_target(hardware.device_kind)
+    # this machine's RAM bounds the pinned host memory of its own accelerator (not another machine's; the CPU has none)
+    ram = state_lib.machine_ram_bytes() if here and present.platform != "cpu" else None
     link_gbps, overlap, link_source = link_of(kind, hardware.link_gbps, hardware.overlap)
     is_auto = _check_recipe(recipe, hardware, link_gbps, kind)
     model = abstract_model(cfg)
@@ -125,23 +131,22 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
     state = state_lib.placed(state, model, training.grad_accum, training.opt_state, training.params)
     hbm_budget = None if hardware.hbm_gib is None else int(hardware.hbm_gib * GiB)
     pool, pool_warning = state_lib.host_pool_bytes()
-    shapes = model.tag_shapes(micro, seq)
-    # attention's FLOPs are counted from its shapes whatever kernel runs (zoo.plan.measure.LayerCost)
-    costs = {s: layer_cost(cfg, s, micro, seq) for s in shapes}
-    needed = {s: costs[s].residual_tags(shapes[s].tags) for s in shapes}
-    device_shapes, per_device = _per_device(model, shapes, micro, seq, amesh, shard)
 
     notes: dict[str, str] = {}
     if is_auto:
         # recompute is priced at the step's measured rate where one is known, else at the given FLOP rate
-        recipe, notes = auto.choose(shapes, needed, costs, state, shard, hbm_budget,
-                                    None if hardware.host_gib is None else int(hardware.host_gib * GiB),
-                                    link_gbps * 1e9, (step_tflops or hardware.tflops) * 1e12, overlap)
+        host_budget = state_lib.host_budget(hardware.host_gib, pool, ram) - state.host
+        recipe, notes = auto.choose_structure(
+            lambda tiles, group: layout(cfg, micro, seq, amesh, shard, tiles, group),
+            candidates=auto.structures(model, seq), state=state, shard=shard, hbm_budget=hbm_budget,
+            host_budget=host_budget, link=link_gbps * 1e9, rate=(step_tflops or hardware.tflops) * 1e12,
+            overlap=overlap, reserve=lambda lay, r: loss_reserve(cfg, training, micro, seq, shard) + lay.working(r))
+    lay = layout(cfg, micro, seq, amesh, shard, recipe.seq_tiles, recipe.group)
+    shapes = lay.shapes
     stacks, extra = [], []
     for s, st in shapes.items():
-        stack, check = _stack_plan(model, s, st, recipe, needed[s], costs[s], notes, per_device[s],
-                                   None if device_shapes is None else device_shapes[s], micro=micro, seq=seq,
-                                   shard=shard, grad_accum=training.grad_accum)
+        stack, check = _stack_plan(model, s, st, recipe, lay, notes, micro=micro, seq=seq, shard=shard,
+                                   grad_accum=training.grad_accum)
         stacks.append(stack)
         extra += check
     activation = sum(sp.device_bytes for sp in stacks)
@@ -150,19 +155,76 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
     if recipe.special == "none":
         extra.append("recipe 'none' keeps every intermediate JAX saves, untagged ones included (attention "
                      "probabilities on the XLA path): counted from JAX's own list of residuals")
+    if (isinstance(training.loss_chunk, str) and training.loss_chunk == "auto" and hbm_budget is not None
+            and compiled is None):
+        # the whole sequence where the step is expected to fit that way, else the fewest chunks expected to fit
+        rows = ceil_div(micro, shard)
+        whole = activation + state.total + lay.working(recipe) + loss_bytes(cfg, None, rows, seq, shard)
+        chunk = None if whole <= hbm_budget else chunk_to_fit(cfg, peak=whole, limit=hbm_budget, chunk=None,
+                                                              rows=rows, seq=seq, shard=shard)
+        training = dataclasses.replace(training, loss_chunk=chunk)
     pk = find_peak(cfg, recipe, target, compiled, training, batch=batch, seq=seq, shard=shard,
-                   floor=activation + state.total, shapes=shapes)
+                   floor=activation + state.total, working=lay.working(recipe))
     if pk is not None and hbm_budget is not None and pk.bytes > hbm_budget:
         extra.append(f"peak HBM {fmt_bytes(pk.bytes)} ({pk.source}) is over the budget of {fmt_bytes(hbm_budget)}")
     return Plan(model=model_name or type(cfg).__name__, recipe=recipe, batch=batch, seq=seq, shard=shard,
                 mesh=None if amesh is None else sharding.format_mesh(sharding.mesh_sizes(amesh)),
                 stacks=tuple(stacks), state=state, hbm_budget=hbm_budget, host_pool=pool,
-                warnings=state_lib.warnings(host + state.host, activation, state, hbm_budget, pool, extra),
+                warnings=state_lib.warnings(host + state.host, activation, state, hbm_budget, pool, extra, ram),
                 link_gbps=link_gbps, tflops=hardware.tflops, overlap=overlap, link_source=link_source, peak=pk,
                 model_flops=model_flops, step_tflops=step_tflops, step_overhead=overhead,
                 attention_tflops=None if att is None else att.tflops,
                 attention_forward_tflops=None if att is None else att.forward_tflops,
-                step_rate_source=rate_source, grad_accum=training.grad_accum)
+                step_rate_source=rate_source, grad_accum=training.grad_accum,
+                loss_chunk=resolve_chunk(training.loss_chunk, ceil_div(micro, shard), seq, cfg.vocab_size))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What the planner reads off the layers for one structure (sequence tiles, layers per group): each stack's tags
+    and their shapes, the recompute costs (per layer), the tags the backward pass needs, each tag's per-device shape
+    and bytes, and each stack's group."""
+    model: object
+    micro: int
+    seq: int
+    shard: int
+    tiles: int
+    shapes: dict
+    costs: dict
+    needed: dict
+    device_shapes: dict | None
+    per_device: dict
+    groups: dict
+    memo: dict = dataclasses.field(default_factory=dict, compare=False)
+
+    def working(self, recipe: Recipe) -> int:
+        """Per device: the most one group's backward pass holds beyond the plan's saved bytes (`measure.working_bytes`,
+        the largest over the stacks)."""
+        key = (recipe.offload, recipe.device, recipe.special)
+        if key not in self.memo:
+            self.memo[key] = max(ceil_div(working_bytes(self.model, s, self.micro, self.seq, recipe, self.groups[s]),
+                                          self.shard) for s in self.shapes)
+        return self.memo[key]
+
+
+@functools.lru_cache(maxsize=16)
+def layout(cfg, micro: int, seq: int, amesh, shard: int, tiles: int, group: int) -> Layout:
+    """The `Layout` of the model of `cfg` at [micro, seq] for `tiles` sequence tiles and `group` layers per group (a
+    main stack's; an extra head's layers run one at a time). Cached: auto and a run's fitting ask it again."""
+    check_tiles(tiles, seq)
+    model = abstract_model(cfg)
+    shapes = model.tag_shapes(micro, seq, tiles=tiles)
+    groups = {s: model.stack_group(s, group) for s in shapes}
+    # attention's FLOPs are counted from its shapes whatever kernel runs (zoo.plan.measure.LayerCost)
+    costs = {s: layer_cost(cfg, s, micro, seq, groups[s], tiles) for s in shapes}
+    needed = {s: costs[s].residual_tags(shapes[s].tags) for s in shapes}
+    device_shapes, per_device = _per_device(model, shapes, micro, seq, amesh, shard)
+    return Layout(model, micro, seq, shard, tiles, shapes, costs, needed, device_shapes, per_device, groups)
+
+
+def loss_reserve(cfg, training: Training, micro: int, seq: int, shard: int) -> int:
+    """Per device: the loss's float32 logits and gradient at the step's chunk (`zoo.plan.peak.loss_bytes`)."""
+    return loss_bytes(cfg, training.loss_chunk, ceil_div(micro, shard), seq, shard)
 
 
 def _per_device(model, shapes, micro: int, seq: int, amesh, shard: int):
@@ -213,33 +275,43 @@ def _check_recipe(recipe, hardware: Hardware, link_gbps: float | None, kind: str
     return False
 
 
-def _stack_plan(model, s: str, st, recipe: Recipe, needed, cost, notes: dict, per_device: dict,
-                device_shapes: dict | None, *, micro: int, seq: int, shard: int, grad_accum: int):
+def _stack_plan(model, s: str, st, recipe: Recipe, lay: Layout, notes: dict, *, micro: int, seq: int, shard: int,
+                grad_accum: int):
     """(one stack's plan, warnings): each tag's bytes where the recipe puts them, and JAX's own account of what
     the stack saves checked against the tags (anything beyond them is "untagged", values hoisted out of the scan
-    "invariant")."""
+    "invariant"). With `group` k the scan carry is saved once per group: 1/k of its bytes per layer."""
+    needed, cost, per_device, group = lay.needed[s], lay.costs[s], lay.per_device[s], lay.groups[s]
+    device_shapes = None if lay.device_shapes is None else lay.device_shapes[s]
     tag_plans = []
     for tag, sds in st.tags.items():
         place = recipe.placement(tag)
         residual = tag in needed
         nbytes = per_device[tag] if residual else 0
         if tag == CARRY:
+            nbytes = ceil_div(nbytes, group)
             host = nbytes if place == "offload" else 0
             device = nbytes - host
-            note = notes.get(tag) or ("offloaded scan carry" if host else
-                                      "scan carry: saved per layer on the device by any recipe")
+            every = f" every {group} layers" if group > 1 else " per layer"
+            note = notes.get(tag) or (f"offloaded scan carry (saved{every})" if host else
+                                      f"scan carry: saved{every} on the device by any recipe")
             place = "offload" if host else "device"
         else:
             device = nbytes if residual and place == "device" else 0
             host = nbytes if residual and place == "offload" else 0
-            note = notes.get(tag) or ("" if residual else "not a residual: the backward pass never needs it")
+            note = notes.get(tag) or ("" if residual else
+                                      "recomputed tile by tile" if tag in st.tiled and place == "remat" else
+                                      "not a residual: the backward pass never needs it")
         split = None if device_shapes is None else tuple(device_shapes.get(tag, sds.shape))
         tag_plans.append(TagPlan(tag, tuple(sds.shape), jnp.dtype(sds.dtype).name, place, residual, nbytes,
                                  device, host, note, split))
-    jax_device, jax_host, hoisted = stack_residuals(model, s, micro, seq, recipe.policy())
-    tag_device = sum(sds_nbytes(st.tags[t]) for t in st.tags if t in needed and (
+    jax_device, jax_host, hoisted = stack_residuals(model, s, micro, seq, recipe.policy(), group=group,
+                                                    tiles=lay.tiles)
+
+    def share(t):   # the bytes per layer of tag t as JAX saves it: the carry once per group
+        return sds_nbytes(st.tags[t]) // (group if t == CARRY else 1)
+    tag_device = sum(share(t) for t in st.tags if t in needed and (
         recipe.placement(t) == "device" or (t == CARRY and recipe.placement(t) != "offload")))
-    tag_host = sum(sds_nbytes(st.tags[t]) for t in st.tags if t in needed and recipe.placement(t) == "offload")
+    tag_host = sum(share(t) for t in st.tags if t in needed and recipe.placement(t) == "offload")
     untagged = jax_device - st.num_layers * tag_device
     warnings = []
     if untagged < 0 or jax_host != st.num_layers * tag_host:

@@ -5,7 +5,7 @@ What JAX saves between the forward and the backward pass, under a checkpoint pol
 - `residuals(fn, *args)`: JAX's own list (`saved_residuals`) for a scalar function, with tag names and host marks.
 - `layer_residuals`: one layer of a stack, rematerialized as the stack runs it (`Stack.layer_fn`); residuals carry
   their tag names, so each tag's placement can be read off: on the host (`offload`), in HBM (`device`), or absent
-  (`remat`). `placements_seen` turns that into {tag: placement}, which tests compare with `recipe.placements(...)`.
+  (`remat`). `placements_seen` turns that into {tag: placement}, which tests compare with `recipe.placement(tag)`.
 - `residual_tags`: the tags the backward pass needs at all (those JAX saves when every tag may be saved).
 - `stack_residuals`: the whole scanned stack, stacked over its layers, and what JAX hoists out of the scan.
 - `model_residuals`: the whole model's loss; host residuals are marked as such.
@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo import recipe as recipe_lib
+from zoo import tags as tags_lib
 from zoo.jaxprs import sub_jaxprs
 from zoo.layers.attention_kernel import SCOPE as ATTENTION_SCOPE
 from zoo.layers.attention_kernel import attention_flops
@@ -105,10 +106,13 @@ def _all_saved(emitted) -> Recipe:
 
 
 # -- one layer, one stack, the model --------------------------------------------------------------------------------
-def layer_residuals(model, stack_name: str, batch: int, seq: int, policy=None) -> list[Residual]:
-    """Residuals of one layer of `stack_name` under `policy` (default: the model's recipe's), for [batch, seq]."""
+def layer_residuals(model, stack_name: str, batch: int, seq: int, policy=None, tiles: int | None = None
+                    ) -> list[Residual]:
+    """Residuals of one layer of `stack_name` under `policy` (default: the model's recipe's), for [batch, seq], its
+    per-position parts in `tiles` sequence tiles (default: the model's recipe's)."""
     stack = model.stacks()[stack_name]
-    fn, state = stack.layer_fn(model.recipe.policy() if policy is None else policy)
+    tiles = model.recipe.seq_tiles if tiles is None else tiles
+    fn, state = stack.layer_fn(model.recipe.policy() if policy is None else policy, tiles=tiles)
     return residuals(lambda s, x: sum_outputs(fn(s, x)), state, stack.abstract_input(batch, seq))
 
 
@@ -130,17 +134,30 @@ def placements_seen(model, stack_name: str, batch: int = 1, seq: int = 8, recipe
 
     Device residuals carry their tag's name. A host residual is reported as the output of the copy to the host,
     without the name, so host residuals are matched to the emitted tags by shape and dtype; tags with equal
-    shapes (key and value in GQA) are interchangeable there, and so are their bytes."""
+    shapes (key and value in GQA) are interchangeable there, and so are their bytes. So is a tag kept inside
+    sequence tiles, saved as the tile loop's output [tiles, B, S / tiles, ...]."""
     recipe = model.recipe if recipe is None else recipe
     stack = model.stacks()[stack_name]
-    emitted = stack.tag_shapes(stack.abstract_input(batch, seq))
+    x = stack.abstract_input(batch, seq)
+    emitted, tiled = stack.tag_shapes(x, recipe.seq_tiles), stack.tiled_tags(x, recipe.seq_tiles)
     seen = {t: "remat" for t in emitted}
     host = []
-    for r in layer_residuals(model, stack_name, batch, seq, recipe.policy()):
+    n = recipe.seq_tiles
+
+    def tile_of(t):   # the shape a tiled tag is saved in
+        e = emitted[t].shape
+        return (n, e[0], e[1] // n) + tuple(e[2:])
+    for r in layer_residuals(model, stack_name, batch, seq, recipe.policy(), recipe.seq_tiles):
         if r.tag is not None:
             seen[r.tag] = "offload" if r.host else "device"
         elif r.host:
             host.append((r.shape, jnp.dtype(r.dtype)))
+        elif n > 1 and r.source.startswith("output of") and "tiles.py" in r.source:
+            match = sorted((t for t in tiled if seen[t] == "remat" and tile_of(t) == r.shape
+                            and jnp.dtype(emitted[t].dtype) == jnp.dtype(r.dtype)),
+                           key=lambda t: recipe.placement(t) != "device")
+            if match:
+                seen[match[0]] = "device"
     # A tag made in sequence chunks (zoo.emitted) is saved as one residual per chunk: each host residual fills
     # its tag's sequence axis until the whole tag is on the host. Prefer a tag already partly filled, then the tags
     # the recipe offloads when shapes tie, so that a faithful recipe reads back as itself.
@@ -164,20 +181,29 @@ def placements_seen(model, stack_name: str, batch: int = 1, seq: int = 8, recipe
     return seen
 
 
-def stack_residuals(model, stack_name: str, batch: int, seq: int, policy) -> tuple[int, int, int]:
-    """What JAX saves for the scanned stack `stack_name` under `policy`, for a [batch, seq] input: (device bytes
-    stacked over the layers, host bytes stacked over the layers, device bytes hoisted out of the scan). Constants
-    are left out."""
+def _view_of_parameters(r: Residual) -> bool:
+    """A residual that is the stack's parameters seen another way (a layer's slice, a group's reshape): the same
+    bytes as the parameters, which the model state counts."""
+    return "(module_at." in r.source or "(grouped." in r.source
+
+
+def stack_residuals(model, stack_name: str, batch: int, seq: int, policy, *, group: int = 1,
+                    tiles: int = 1) -> tuple[int, int, int]:
+    """What JAX saves for the scanned stack `stack_name` under `policy` (`group` layers per rematerialized body,
+    `tiles` sequence tiles), for a [batch, seq] input: (device bytes stacked over the layers, host bytes stacked
+    over the layers, device bytes hoisted out of the scan). Constants and views of the parameters are left out."""
     stack = model.stacks()[stack_name]
     graphdef, state = nnx.split(stack)
     state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
-    res = residuals(lambda s, x: sum_outputs(nnx.merge(graphdef, s)(x, policy)), state,
+    res = residuals(lambda s, x: sum_outputs(nnx.merge(graphdef, s)(x, policy, group=group, tiles=tiles)), state,
                     stack.abstract_input(batch, seq))
-    if stack.num_layers == 1:  # applied without a scan (see Stack.__call__): every residual is the layer's own
-        stacked, hoisted = [r for r in res if not r.source.startswith("from a constant")], []
+    res = [r for r in res if not r.source.startswith("from a constant") and not _view_of_parameters(r)]
+    scans = stack.num_layers // group
+    if scans == 1:  # applied without a scan (see Stack.__call__): every residual is the layer's (group's) own
+        stacked, hoisted = res, []
     else:
-        stacked = [r for r in res if r.source.startswith("output of scan") and r.shape[:1] == (stack.num_layers,)]
-        hoisted = [r for r in res if r not in stacked and not r.source.startswith("from a constant")]
+        stacked = [r for r in res if r.source.startswith("output of scan") and r.shape[:1] == (scans,)]
+        hoisted = [r for r in res if r not in stacked]
     return (sum(r.nbytes for r in stacked if not r.host), sum(r.nbytes for r in stacked if r.host),
             sum(r.nbytes for r in hoisted if not r.host))
 
@@ -198,8 +224,8 @@ def _in_attention_kernel(eqn) -> bool:
 
 
 def flops(jaxpr) -> int:
-    """Matmul FLOPs (2*M*N*K) of `jaxpr` and every jaxpr inside it, but the attention kernel's own (counted from
-    shapes: `LayerCost.attention_flops`)."""
+    """Matmul FLOPs (2*M*N*K) of `jaxpr` and every jaxpr inside it (a scan's body times its length), but the
+    attention kernel's own (counted from shapes: `LayerCost.attention_flops`)."""
     total = 0
     for eqn in jaxpr.eqns:
         if _in_attention_kernel(eqn):
@@ -214,8 +240,9 @@ def flops(jaxpr) -> int:
             lc = dn.dot_dimension_numbers[0][0] if dn is not None else (eqn.invars[0].aval.ndim - 1,)
             k = math.prod(eqn.invars[0].aval.shape[i] for i in lc)
             total += 2 * math.prod(eqn.outvars[0].aval.shape) * k
+        trips = eqn.params.get("length", 1) if prim == "scan" else 1   # a scan's body runs `length` times
         for sub in sub_jaxprs(eqn.params):
-            total += flops(sub)
+            total += trips * flops(sub)
     return total
 
 
@@ -229,20 +256,23 @@ def abstract_model(cfg):
 
 class LayerCost:
     """One layer of a stack, abstract, at [batch, seq], traced once to a jaxpr: its forward FLOPs, the tags its
-    backward pass needs, and, for any set of saved tags, the FLOPs its backward pass re-runs (cached).
+    backward pass needs, and, for any set of saved tags, the FLOPs its backward pass re-runs (cached). With `group`
+    k, one rematerialized group of k layers is traced and every figure is per layer (the group's over k): the
+    recompute then includes remaking the inputs of the group's inner layers. `tiles`: the recipe's sequence tiles.
     Differentiating the traced jaxpr rather than the module keeps each question to a fraction of a second for a
     671B layer."""
 
-    def __init__(self, model, stack_name: str, batch: int, seq: int):
+    def __init__(self, model, stack_name: str, batch: int, seq: int, group: int = 1, tiles: int = 1):
         stack = model.stacks()[stack_name]
-        fn, state = stack.layer_fn()
+        fn, state = stack.layer_fn(group=group, tiles=tiles)
+        self.group = group
         self.args, treedef = jax.tree.flatten((state, stack.abstract_input(batch, seq)))
         closed = jax.make_jaxpr(lambda *a: fn(*jax.tree.unflatten(treedef, a))[0])(*self.args)
-        tags = stack.tag_shapes(stack.abstract_input(batch, seq))
+        tags = stack.tag_shapes(stack.abstract_input(batch, seq), tiles)
         # causal attention, whatever kernel runs (0 for a layer without attention)
         self.attention_flops = (attention_flops(tags["query_proj"], tags["value_proj"])
                                 if {"query_proj", "value_proj", "context"} <= set(tags) else 0)
-        self.forward_flops = flops(closed.jaxpr) + self.attention_flops
+        self.forward_flops = flops(closed.jaxpr) // group + self.attention_flops
         as_fun = jax.extend.core.jaxpr_as_fun(closed)
         self._fn = lambda *a: as_fun(*a)[0]
         self._wrt = tuple(i for i, a in enumerate(self.args) if jnp.issubdtype(a.dtype, jnp.inexact))
@@ -269,7 +299,7 @@ class LayerCost:
             attention = self._attention_again(saved)
             kept = saved - ATTENTION_RESIDUALS if attention else saved
             policy = Recipe("saved", device=tuple(sorted(kept))).policy()
-            self._cache[saved] = self._grad_flops(policy) - self._grad_none + attention
+            self._cache[saved] = (self._grad_flops(policy) - self._grad_none) // self.group + attention
         return self._cache[saved]
 
     def _attention_again(self, saved) -> int:
@@ -291,5 +321,26 @@ class LayerCost:
 
 
 @functools.lru_cache(maxsize=32)
-def layer_cost(cfg, stack_name: str, batch: int, seq: int) -> LayerCost:
-    return LayerCost(abstract_model(cfg), stack_name, batch, seq)
+def layer_cost(cfg, stack_name: str, batch: int, seq: int, group: int = 1, tiles: int = 1) -> LayerCost:
+    return LayerCost(abstract_model(cfg), stack_name, batch, seq, group, tiles)
+
+
+def working_bytes(model, stack_name: str, batch: int, seq: int, recipe: Recipe, group: int = 1) -> int:
+    """What the backward pass of one rematerialized group (one layer where `group` is 1) of `stack_name` holds at
+    once beyond what the recipe keeps: the residuals its recompute remakes (those the group's own backward reads,
+    read off JAX's list for the group differentiated as it is recomputed: the recipe's sequence tiles
+    rematerialized on their own) less the tags the recipe keeps and the group's input (the plan counts those),
+    plus the cotangents of its largest tensors: twice the largest residual and, for attention, its q, k, v,
+    output and their gradients, and one sequence tile's tagged tensors and their cotangents."""
+    stack = model.stacks()[stack_name]
+    fn, state = stack.layer_fn(group=group, tiles=recipe.seq_tiles)
+    x = stack.abstract_input(batch, seq)
+    res = [r for r in residuals(lambda s, x: sum_outputs(fn(s, x)), state, x) if not _view_of_parameters(r)]
+    kept = {t for t in tags_lib.NAMES if recipe.placement(t) != "remat"}
+    remade = sum(r.nbytes for r in res if r.tag not in kept and r.tag != "decoder_layer_input")
+    tags = stack.tag_shapes(x, recipe.seq_tiles)
+    attention = sum(nbytes(tags[t]) for t in ("query_proj", "key_proj", "value_proj", "attention_out") if t in tags)
+    largest = max((r.nbytes for r in res), default=0)
+    # one tile's own tensors and their cotangents, while its backward step runs
+    tile = 2 * sum(nbytes(tags[t]) for t in stack.tiled_tags(x, recipe.seq_tiles)) // recipe.seq_tiles
+    return remade + 2 * largest + 2 * attention + tile

@@ -22,13 +22,10 @@
   program: the CPU has no pinned host memory space (an offloaded residual stays in device memory there, so an
   offload recipe would look as heavy as saving), it fuses differently, upcasts bf16 arithmetic to float32 and
   runs XLA's attention where the GPU runs cuDNN's. So the estimate is the planner's own floor (saved activations
-  + parameters, gradients and optimizer state) plus what any training step holds on top: the float32 logits and
-  their gradient (x 8 bytes), of one chunk of the loss ([B, chunk, vocab]: `zoo.loss`, the chunk length the step
-  uses, `--loss-chunk`) with the float32 sum of the head's gradient over the chunks where the parameters are
-  16-bit (the bytes beyond the gradient itself, which the floor holds: [dim, vocab] x 2), or of the whole
-  sequence ([B, S, vocab]) where the loss is unchunked, and one layer's intermediates and their
-  cotangents in the backward pass (2 x the layer's tags). It is labelled as an estimate; the bench records show
-  how far it is from the measured peak.
+  + parameters, gradients and optimizer state) plus what any training step holds on top: the loss's float32 logits
+  and gradient (`loss_bytes`: one chunk's, or the whole sequence's unchunked) and what the backward pass of one
+  rematerialized group holds beyond the floor (`zoo.plan.measure.working_bytes`). It is labelled as an estimate;
+  the bench records show how far it is from the measured peak.
 """
 from __future__ import annotations
 
@@ -37,7 +34,7 @@ import math
 
 import jax
 
-from zoo.loss import resolve_chunk
+from zoo.loss import MIN_DEFAULT_CHUNK, divisors, resolve_chunk
 from zoo.models.registry import family_of
 from zoo.plan.types import ceil_div
 from zoo.train_step import DEFAULT_LOSS_CHUNK, compile_abstract
@@ -106,17 +103,38 @@ def from_compiled(compiled, device: jax.Device | None = None, mesh=None) -> Peak
     return Peak(bytes=peak, source=f"compiled for {where}", compiled=True, detail=detail)
 
 
-def estimate(floor: int, *, batch: int, seq: int, shard: int, vocab: int, layer_bytes: int, why: str,
-             dim: int | None = None, param_bytes: int = 4, loss_chunk=DEFAULT_LOSS_CHUNK) -> Peak:
-    """The floor plus the float32 logits and their gradient (of one chunk of the loss where the step chunks it:
-    `loss_chunk` as `zoo.train_step` takes it, with the float32 sum of the head's [dim, vocab] gradient beyond the
-    gradient's own `param_bytes` a parameter; the whole sequence's otherwise), and one layer's intermediates and
-    cotangents. `detail["loss_chunk"]`: the chunk length (None: unchunked)."""
+def loss_bytes(cfg, loss_chunk, rows: int, seq: int, shard: int) -> int:
+    """The loss's share of the peak for `rows` sequences per device: the float32 logits and their gradient of one
+    chunk (`loss_chunk` as `zoo.train_step` takes it; the whole sequence unchunked), and, chunked with 16-bit
+    parameters, the float32 sum of the head's [dim, vocab] gradient beyond the gradient's own bytes."""
+    chunk = resolve_chunk(loss_chunk, rows, seq, cfg.vocab_size)
+    param_bytes = jax.numpy.dtype(cfg.weight_dtype).itemsize
+    head_sum = max(0, 4 - param_bytes) * ceil_div(cfg.dim * cfg.vocab_size, shard) if chunk else 0
+    return 2 * 4 * rows * (chunk or seq) * cfg.vocab_size + head_sum
+
+
+def chunk_to_fit(cfg, *, peak: int, limit: int, chunk: int | None, rows: int, seq: int, shard: int = 1
+                 ) -> int | None:
+    """The longest chunk of the loss (a divisor of `seq`, shorter than `chunk`; None: the whole sequence) whose
+    estimated peak fits `limit`: `peak` (the step's at `chunk`) less the logits a shorter chunk no longer holds.
+    The shortest candidate when none fits; `chunk` itself when nothing shorter exists."""
+    held = loss_bytes(cfg, chunk, rows, seq, shard)
+    shorter = [d for d in sorted(divisors(seq), reverse=True)
+               if d < (chunk or seq) and d >= min(MIN_DEFAULT_CHUNK, seq)]
+    for c in shorter:
+        if peak - held + loss_bytes(cfg, c, rows, seq, shard) <= limit:
+            return c
+    return shorter[-1] if shorter else chunk
+
+
+def estimate(floor: int, *, cfg, batch: int, seq: int, shard: int, working: int, why: str,
+             loss_chunk=DEFAULT_LOSS_CHUNK) -> Peak:
+    """The floor (saved activations and model state) plus the loss's logits and gradient (`loss_bytes`) and what one
+    group's backward pass holds beyond the floor (`working`: `zoo.plan.measure.working_bytes`).
+    `detail["loss_chunk"]`: the chunk length (None: unchunked)."""
     rows = ceil_div(batch, shard)
-    chunk = resolve_chunk(loss_chunk, rows, seq, vocab)
-    logits = 2 * 4 * rows * (chunk or seq) * vocab
-    head_sum = max(0, 4 - param_bytes) * ceil_div((dim or 0) * vocab, shard) if chunk else 0
-    working = 2 * layer_bytes
-    return Peak(bytes=floor + logits + head_sum + working, source=f"estimate ({why})", compiled=False,
-                detail=dict(floor=floor, logits_f32_and_grad=logits, loss_chunk=chunk, head_grad_sum_f32=head_sum,
-                            one_layer_backward=working))
+    chunk = resolve_chunk(loss_chunk, rows, seq, cfg.vocab_size)
+    loss = loss_bytes(cfg, loss_chunk, rows, seq, shard)
+    return Peak(bytes=floor + loss + working, source=f"estimate ({why})", compiled=False,
+                detail=dict(floor=floor, loss_f32_logits_and_grads=loss, loss_chunk=chunk,
+                            one_group_backward=working))

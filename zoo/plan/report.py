@@ -104,12 +104,14 @@ def _peak_rows(p: Plan) -> list[tuple[str, str]]:
     if p.peak is not None:
         rows.append((f"peak HBM of the step, {p.peak.source}", fmt_bytes(p.peak.bytes)
                      + (f" of {fmt_bytes(p.hbm_budget)}" if p.hbm_budget is not None else "")))
-        if not p.peak.compiled and "logits_f32_and_grad" in p.peak.detail:
+        if not p.peak.compiled and "loss_f32_logits_and_grads" in p.peak.detail:
             chunk = p.peak.detail.get("loss_chunk")
-            loss = p.peak.detail["logits_f32_and_grad"] + p.peak.detail.get("head_grad_sum_f32", 0)
+            loss = p.peak.detail["loss_f32_logits_and_grads"]
             rows.append(("of which the loss's float32 logits and gradient ("
                          + (f"chunks of {chunk} positions)" if chunk else
                             "the whole sequence at once: unchunked)"), fmt_bytes(loss)))
+            rows.append(("of which one group's backward pass beyond the saved tensors",
+                         fmt_bytes(p.peak.detail["one_group_backward"])))
         if p.peak.compiled and p.peak.detail.get("host_temp"):
             rows.append(("host memory, compiled (XLA's host temporaries)", fmt_bytes(p.peak.detail["host_temp"])))
         if p.peak.compiled and p.peak.detail.get("host_argument"):

@@ -62,14 +62,20 @@ def machine_ram_bytes() -> int | None:
         return None
 
 
+def host_budget(host_gib: float | None, pool: int, ram: int | None) -> int:
+    """Pinned host bytes a plan may use: XLA's pool, the machine's RAM (None: unknown, e.g. planning for another
+    machine) and `host_gib` (given), whichever is least."""
+    return min(b for b in (pool, ram, None if host_gib is None else int(host_gib * GiB)) if b is not None)
+
+
 def warnings(p_host: int, activation: int, state: ModelState, hbm_budget: int | None, pool: int,
-              extra: list[str]) -> tuple[str, ...]:
-    """`extra`, then host bytes over the pinned pool or the RAM, and a floor over the HBM budget."""
+              extra: list[str], ram: int | None = None) -> tuple[str, ...]:
+    """`extra`, then host bytes over the pinned pool or the RAM (`ram`: None where the machine planned for is not
+    this one), and a floor over the HBM budget."""
     out = list(extra)
     if p_host > pool:
         out.append(f"host memory {fmt_bytes(p_host)} is over XLA's pinned host pool of {fmt_bytes(pool)}: "
                    f"raise {POOL_ENV} (an integer, GiB) before launch, or offload less")
-    ram = machine_ram_bytes()
     if ram is not None and p_host > ram:
         out.append(f"host memory {fmt_bytes(p_host)} is over this machine's RAM ({fmt_bytes(ram)})")
     if hbm_budget is not None and activation + state.total > hbm_budget:

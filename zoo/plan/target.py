@@ -10,8 +10,6 @@ from zoo.plan import links
 from zoo.plan import mesh as mesh_plan
 from zoo.plan import peak as peak_lib
 from zoo.plan.inputs import Training
-from zoo.plan.measure import nbytes as sds_nbytes
-from zoo.plan.types import ceil_div
 
 
 def device_target(device: str | None) -> tuple[str, bool, jax.Device]:
@@ -93,9 +91,9 @@ def peak_target(mode, compiled, *, device, mesh, amesh, shard) -> tuple[str | No
     return mode, concrete, why
 
 
-def find_peak(cfg, recipe, target, compiled, training: Training, *, batch, seq, shard, floor, shapes):
+def find_peak(cfg, recipe, target, compiled, training: Training, *, batch, seq, shard, floor, working):
     """The peak as `target` (`peak_target`) says: None, the given step's, one compiled here, or the estimate from
-    the `floor` (saved activations + model state) and the largest layer's tags (`shapes`)."""
+    the `floor` (saved activations + model state) and one group's backward beyond it (`working`)."""
     mode, mesh, why = target
     if mode is None:
         return None
@@ -107,7 +105,5 @@ def find_peak(cfg, recipe, target, compiled, training: Training, *, batch, seq, 
                                      opt_state=training.opt_state, params=training.params,
                                      loss_chunk=training.loss_chunk)
         return peak_lib.from_compiled(step, mesh=mesh)
-    layer = max(sum(ceil_div(sds_nbytes(t), shard) for t in st.tags.values()) for st in shapes.values())
-    return peak_lib.estimate(floor, batch=batch // training.grad_accum, seq=seq, shard=shard, vocab=cfg.vocab_size,
-                             dim=cfg.dim, param_bytes=jax.numpy.dtype(cfg.weight_dtype).itemsize, layer_bytes=layer,
-                             why=why, loss_chunk=training.loss_chunk)
+    return peak_lib.estimate(floor, cfg=cfg, batch=batch // training.grad_accum, seq=seq, shard=shard,
+                             working=working, why=why, loss_chunk=training.loss_chunk)

@@ -156,6 +156,7 @@ class Plan:
     attention_forward_tflops: float | None = None  # its forward re-run's rate
     step_rate_source: str | None = None
     grad_accum: int = 1             # micro-batches per update: activations are a micro-batch's (batch / grad_accum)
+    loss_chunk: int | None = None   # positions per chunk of the loss the plan counts (None: the whole sequence)
 
     @property
     def peak_bytes(self) -> int | None:
@@ -236,7 +237,8 @@ class Plan:
         names = self.recipe.resolve()
         return dict(model=self.model, recipe=self.recipe.name, offload=list(names.offload),
                     device=list(names.device), special=self.recipe.special, batch=self.batch, seq=self.seq,
-                    shard=self.shard, mesh=self.mesh, grad_accum=self.grad_accum,
+                    shard=self.shard, mesh=self.mesh, grad_accum=self.grad_accum, loss_chunk=self.loss_chunk,
+                    seq_tiles=self.recipe.seq_tiles, group=self.recipe.group,
                     stacks=[s.to_dict() for s in self.stacks],
                     model_state=self.state.to_dict(),
                     totals=dict(activation_bytes=self.activation_bytes, host_bytes=self.host_bytes,

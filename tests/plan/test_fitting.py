@@ -1,0 +1,93 @@
+"""`zoo.plan.fit`: the recipe and the loss's chunks a run compiles, decided from compiled peaks. Compiles are stood
+in for by fakes whose memory analysis says a chosen peak, so each decision is checked without compiling."""
+from __future__ import annotations
+
+import types
+
+import pytest
+
+import zoo
+from zoo.plan import fitting
+from zoo.plan.peak import chunk_to_fit, loss_bytes
+
+GiB = 1 << 30
+LLAMA_8B = zoo.models.LlamaConfig.preset("llama3_1_8b", num_layers=2)
+
+
+def compiled_at(peak_bytes: int):
+    """A stand-in for a compiled step whose memory analysis gives `peak_bytes` at its peak."""
+    analysis = types.SimpleNamespace(argument_size_in_bytes=int(peak_bytes), output_size_in_bytes=0,
+                                     alias_size_in_bytes=0, temp_size_in_bytes=0)
+    return types.SimpleNamespace(memory_analysis=lambda: analysis)
+
+
+class Compiles:
+    """`compile(recipe, chunk)` for `fit`: each call takes the next peak, and the calls are kept."""
+
+    def __init__(self, *peaks):
+        self.peaks, self.calls = iter(peaks), []
+
+    def __call__(self, recipe, chunk):
+        self.calls.append((recipe, chunk))
+        return compiled_at(next(self.peaks)), "graphdef", "state"
+
+
+def test_a_step_that_fits_is_compiled_once_as_asked():
+    compiles = Compiles(1 * GiB)
+    fitted = zoo.plan.fit(LLAMA_8B, zoo.Recipe.full(), batch=1, seq=8192, compile=compiles, limit=2 * GiB,
+                          training=zoo.plan.Training(loss_chunk=512))
+    assert compiles.calls == [(zoo.Recipe.full(), 512)] and fitted.loss_chunk == 512 and fitted.notes == ()
+    assert fitted.compiled[1:] == ("graphdef", "state") and fitted.peak_bytes == GiB
+
+
+def test_the_loss_stays_whole_where_the_step_fits_that_way():
+    """--loss-chunk auto: one compile of the unchunked step, which fits, and it runs."""
+    compiles = Compiles(10 * GiB)
+    fitted = zoo.plan.fit(LLAMA_8B, zoo.Recipe.full(), batch=2, seq=8192, compile=compiles, limit=100 * GiB,
+                          training=zoo.plan.Training(loss_chunk="auto"))
+    assert compiles.calls == [(zoo.Recipe.full(), None)] and fitted.loss_chunk is None
+
+
+def test_a_loss_that_does_not_fit_whole_takes_the_fewest_chunks_that_fit():
+    """The unchunked step compiles 4 GiB over the limit: the chunk is the longest whose estimated peak (the compiled
+    one less the logits it no longer holds) fits, and that step, compiled, runs."""
+    whole = loss_bytes(LLAMA_8B, None, 2, 8192, 1)
+    limit = 100 * GiB
+    compiles = Compiles(limit + 4 * GiB, limit - GiB)
+    fitted = zoo.plan.fit(LLAMA_8B, zoo.Recipe.full(), batch=2, seq=8192, compile=compiles, limit=limit,
+                          training=zoo.plan.Training(loss_chunk="auto"))
+    chunk = fitted.loss_chunk
+    assert [c for _, c in compiles.calls] == [None, chunk] and chunk is not None and 8192 % chunk == 0
+    assert limit + 4 * GiB - whole + loss_bytes(LLAMA_8B, chunk, 2, 8192, 1) <= limit   # it fits, estimated
+    assert limit + 4 * GiB - whole + loss_bytes(LLAMA_8B, 2 * chunk, 2, 8192, 1) > limit  # twice as long does not
+    assert "chunks of" in fitted.notes[0] and "over" in fitted.notes[0]
+
+
+def test_chunk_to_fit_is_the_longest_divisor_that_fits():
+    whole = loss_bytes(LLAMA_8B, None, 1, 32768, 1)
+    # a peak nothing shorter than the whole saves enough for: the shortest candidate
+    assert chunk_to_fit(LLAMA_8B, peak=2 * whole, limit=0, chunk=None, rows=1, seq=32768) == 64
+    # a peak just over: half the sequence
+    assert chunk_to_fit(LLAMA_8B, peak=whole + 1, limit=whole, chunk=None, rows=1, seq=32768) == 16384
+
+
+def test_an_automatic_recipe_over_the_limit_is_planned_again_with_a_lower_budget(monkeypatch):
+    """The first choice compiles over the limit (XLA's temporaries): `fit` plans again for the budget minus the
+    excess (and a margin), and the second choice, which fits, is the one that runs."""
+    budgets, recipes = [], iter([zoo.Recipe("a", device=("query_proj",)), zoo.Recipe.full()])
+    real_plan = fitting.plan
+
+    def plan(cfg, recipe, **kw):
+        if kw.get("peak") is None and recipe == "auto":
+            budgets.append(kw["hardware"].hbm_gib)
+            return types.SimpleNamespace(recipe=next(recipes))
+        return real_plan(cfg, recipe, **kw)
+
+    monkeypatch.setattr(fitting, "plan", plan)
+    compiles = Compiles(12 * GiB, 9.5 * GiB)
+    fitted = zoo.plan.fit(LLAMA_8B, "auto", batch=1, seq=1024, compile=compiles, limit=10 * GiB,
+                          hardware=zoo.plan.Hardware(hbm_gib=10.0, link_gbps=55, tflops=800),
+                          training=zoo.plan.Training(loss_chunk=None))
+    assert budgets == [10.0, pytest.approx(10.0 - 2.0 - fitting.MARGIN / GiB)]
+    assert fitted.recipe == zoo.Recipe.full() and len(compiles.calls) == 2
+    assert len(fitted.notes) == 1 and "compiles to a peak of 12.0 GiB, over 10.0 GiB" in fitted.notes[0]

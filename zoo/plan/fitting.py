@@ -1,0 +1,90 @@
+"""Fitting a step to its device: the recipe and the loss's chunks a run compiles, decided from compiled peaks.
+
+    fitted = zoo.plan.fit(cfg, "auto", batch=1, seq=131072, hardware=..., training=Training(loss_chunk="auto"),
+                          compile=lambda recipe, chunk: ..., limit=device_bytes)
+
+`compile(recipe, loss_chunk)` compiles the step (the main job's, `zoo.train_step.compile_abstract`) and returns a tuple
+whose first element is the compiled executable. What is decided:
+
+- recipe "auto": planned for `hardware.hbm_gib` (`zoo.plan.plan(cfg, "auto", ...)`); while the compiled peak is over
+  `limit`, planned again with the budget lowered by the excess (`ATTEMPTS` at most).
+- loss chunk "auto": the whole sequence where the step fits that way, else the fewest chunks that fit: the chunk length
+  is the longest divisor of the sequence whose estimated peak (the compiled one less the logits it no longer holds,
+  `zoo.plan.peak.loss_bytes`) fits, compiled to confirm. A recipe "auto" first lowers its own budget; the loss is
+  chunked when that is spent.
+A step that still does not fit is returned as it is (the caller refuses it, naming the budget).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from zoo.plan.build import ADAMW, NO_HARDWARE, ONE_DEVICE, plan
+from zoo.plan.inputs import Hardware, Parallelism, Training
+from zoo.plan.peak import chunk_to_fit, from_compiled
+from zoo.plan.types import GiB, ceil_div, fmt_bytes
+from zoo.recipe import Recipe
+
+ATTEMPTS = 3
+MARGIN = GiB // 2   # taken off a lowered budget beyond the excess, for the allocator's slack
+
+
+@dataclasses.dataclass(frozen=True)
+class Fitted:
+    """What `fit` compiled: the recipe, the loss's chunk length (None: unchunked), what `compile` returned, and one
+    line per decision taken on the way."""
+    recipe: Recipe
+    loss_chunk: int | None
+    compiled: Any
+    notes: tuple[str, ...]
+
+    @property
+    def peak_bytes(self) -> int:
+        return from_compiled(self.compiled[0]).bytes
+
+
+def fit(cfg, recipe: Recipe | str, *, batch: int, seq: int, compile: Callable[[Recipe, int | None], tuple],
+        limit: int | None, hardware: Hardware = NO_HARDWARE, training: Training = ADAMW,
+        parallel: Parallelism = ONE_DEVICE) -> Fitted:
+    """Compile the step of `recipe` (a Recipe, or "auto") under `training` and fit it to `limit` bytes of device
+    memory (None: no limit known): see the module docstring."""
+    auto_recipe = isinstance(recipe, str) and recipe == "auto"
+    auto_loss = isinstance(training.loss_chunk, str) and training.loss_chunk == "auto"
+    shard = max(1, parallel.shard)
+    rows = ceil_div(batch // training.grad_accum, shard)
+    budget, notes = hardware.hbm_gib, []
+    chunk = None if auto_loss else training.loss_chunk
+    if auto_loss and limit is not None:
+        # the whole sequence where the planner expects the step to fit that way, else the fewest chunks it expects
+        first = plan(cfg, recipe, batch=batch, seq=seq, hardware=hardware, parallel=parallel,
+                     training=dataclasses.replace(training, loss_chunk=None), peak="estimate")
+        if first.peak_bytes > limit:
+            chunk = chunk_to_fit(cfg, peak=first.peak_bytes, limit=limit, chunk=None, rows=rows, seq=seq, shard=shard)
+    for attempt in range(2 * ATTEMPTS):
+        r = recipe
+        if auto_recipe:
+            r = plan(cfg, "auto", batch=batch, seq=seq, hardware=dataclasses.replace(hardware, hbm_gib=budget),
+                     parallel=parallel, training=dataclasses.replace(training, loss_chunk=chunk), peak=None).recipe
+        out = compile(r, chunk)
+        peak = from_compiled(out[0]).bytes
+        if limit is None or peak <= limit:
+            return Fitted(r, chunk, out, tuple(notes))
+        over = f"compiles to a peak of {fmt_bytes(peak)}, over {fmt_bytes(limit)}"
+        if auto_recipe and attempt < ATTEMPTS - 1 and budget is not None:
+            lowered = budget - (peak - limit + MARGIN) / GiB
+            if lowered > 0:
+                notes.append(f"auto: the step chosen for {budget:.1f} GiB {over}: planning again for "
+                             f"{lowered:.1f} GiB")
+                budget = lowered
+                continue
+        if auto_loss:
+            shorter = chunk_to_fit(cfg, peak=peak, limit=limit, chunk=chunk, rows=rows, seq=seq, shard=shard)
+            if shorter != chunk:
+                notes.append(f"loss chunks auto: the step with "
+                             f"{'the whole sequence' if chunk is None else f'chunks of {chunk}'} {over}: chunks of "
+                             f"{shorter} positions")
+                chunk = shorter
+                continue
+        return Fitted(r, chunk, out, tuple(notes))
+    return Fitted(r, chunk, out, tuple(notes))

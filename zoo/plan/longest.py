@@ -1,0 +1,145 @@
+"""The longest sequence (a power of two) whose training step fits an HBM budget and a host budget.
+
+    l = zoo.plan.longest_seq(cfg, "auto", batch=1, hardware=Hardware(hbm_gib=133, tflops=760),
+                             training=Training(opt_state="host", params="host", opt_dtype="bfloat16"))
+    l.seq            # the longest that fits (0: none does)
+    l.tried          # each sequence planned: its peak, host bytes, recipe, where the peak comes from, whether it fits
+
+Each length tried is one `zoo.plan.plan` (for a recipe, or "auto": chosen for each length); it fits when its peak
+(compiled for the device present, or estimated: `zoo.plan.peak`) is within the HBM budget and its pinned host
+bytes (offloaded activations and the state kept on the host) within the host budget (XLA's pool, the machine's RAM
+and `Hardware.host_gib`, whichever is least: `zoo.plan.state.host_budget`). Compiling a long step takes a minute on
+an H200, so a compiled walk first walks the estimates and starts its compiles at the estimate's answer. The walk
+stops at the config's `max_seq_len` (raise it with `max_seq_len=N` to plan longer).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from zoo.plan.build import ADAMW, NO_HARDWARE, plan
+from zoo.plan.capacity import budget
+from zoo.plan.inputs import Hardware, Training, check_positive
+from zoo.plan.state import host_budget, host_pool_bytes, machine_ram_bytes
+from zoo.plan.target import device_target
+from zoo.plan.types import POOL_ENV, fmt_bytes
+from zoo.recipe import Recipe
+
+DEFAULT_SEQ_CAP = 1 << 20
+FIRST = 1024   # the shortest sequence a walk tries
+
+
+@dataclasses.dataclass(frozen=True)
+class TriedSeq:
+    """One length planned: its peak, its pinned host bytes, the recipe planned, where the peak comes from, and
+    whether both fit."""
+    seq: int
+    peak_bytes: int
+    host_bytes: int
+    recipe: str
+    peak_source: str
+    fits: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Longest:
+    """The longest sequence that fits, and how it was found."""
+    seq: int                     # the longest tried that fits (0: none of those tried)
+    batch: int
+    hbm_budget: int
+    hbm_source: str
+    host_budget: int
+    tried: tuple[TriedSeq, ...]  # in the order planned
+    capped: str | None           # why longer was not tried: "cap" or "max_seq_len" (None: a longer one did not fit)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def render(self) -> str:
+        """A few lines of text: the answer, then each length planned."""
+        more = {"cap": " (the longest tried: may fit longer)",
+                "max_seq_len": " (the config's max_seq_len: raise it to plan longer)"}.get(self.capped, "")
+        head = (f"longest sequence that fits: {self.seq}{more}  (batch {self.batch}, HBM budget "
+                f"{fmt_bytes(self.hbm_budget)}: {self.hbm_source}; host budget {fmt_bytes(self.host_budget)})")
+        rows = [f"  {'seq':>8}  {'peak':>10}  {'host':>10}  fits  recipe; source"]
+        best = {}
+        for t in self.tried:   # a compiled figure replaces the estimate of the same length
+            if t.seq not in best or "estimate" in best[t.seq].peak_source:
+                best[t.seq] = t
+        rows += [f"  {t.seq:>8}  {fmt_bytes(t.peak_bytes):>10}  {fmt_bytes(t.host_bytes):>10}  "
+                 f"{'yes' if t.fits else 'no ':3}   {t.recipe}; {t.peak_source}" for _, t in sorted(best.items())]
+        return "\n".join([head, *rows])
+
+
+def longest_seq(cfg, recipe: Recipe | str, *, batch: int = 1, hardware: Hardware = NO_HARDWARE,
+                training: Training = ADAMW, peak: str = "auto", start: int | None = None,
+                cap: int = DEFAULT_SEQ_CAP) -> Longest:
+    """The longest power-of-two sequence (from `FIRST` up to `cap` and the config's `max_seq_len`) whose step fits
+    the budgets, for `recipe` (a Recipe, or "auto": chosen per length) at `batch`. `peak`: as `zoo.plan.plan`'s
+    ("auto": compiled on an accelerator, estimated on the CPU). `start`: the first length planned (default: where
+    the estimates' walk ends). ValueError before anything compiles when the model state alone exceeds a budget."""
+    check_positive("batch", batch)
+    check_positive("cap", cap)
+    if peak not in ("auto", "compile", "estimate"):
+        raise ValueError(f"peak={peak!r}: choose 'auto', 'compile' or 'estimate' (the longest needs a peak)")
+    hbm, hbm_source = budget(hardware.hbm_gib, hardware.device_kind)
+    _, here, present = device_target(hardware.device_kind)
+    pool, _ = host_pool_bytes()
+    host = host_budget(hardware.host_gib, pool, machine_ram_bytes() if here and present.platform != "cpu" else None)
+    limit = min(cap, getattr(cfg, "max_seq_len", None) or cap)
+    lengths = [s for s in (FIRST << i for i in range(32)) if s <= limit]
+    if not lengths:
+        raise ValueError(f"no sequence of at least {FIRST} positions is within cap={cap} and max_seq_len="
+                         f"{getattr(cfg, 'max_seq_len', None)}")
+    _check_state(cfg, recipe, batch, lengths[0], hardware, training, hbm, host)
+    hardware = dataclasses.replace(hardware, hbm_gib=hbm / (1 << 30))
+    tried: list[TriedSeq] = []
+
+    def fits(seq: int, mode: str) -> bool:
+        p = plan(cfg, recipe, batch=batch, seq=seq, hardware=hardware, training=training, peak=mode)
+        ok = p.peak_bytes <= hbm and p.host_total <= host
+        tried.append(TriedSeq(seq, int(p.peak_bytes), int(p.host_total), str(p.recipe), p.peak_source, ok))
+        return ok
+
+    def walk(i: int, mode: str) -> int:
+        """The longest that fits, walking up from lengths[i] while they fit, or down while they do not (-1: none)."""
+        if fits(lengths[i], mode):
+            while i + 1 < len(lengths) and fits(lengths[i + 1], mode):
+                i += 1
+            return i
+        while i > 0:
+            i -= 1
+            if fits(lengths[i], mode):
+                return i
+        return -1
+
+    if start is not None:
+        check_positive("start", start)
+        if start not in lengths:
+            raise ValueError(f"start={start} is not a length to try ({', '.join(map(str, lengths))})")
+        first = lengths.index(start)
+    else:
+        first = 0
+    if peak != "estimate" and start is None:   # compiles are slow: start them where the estimates end
+        first = max(walk(0, "estimate"), 0)
+    best = walk(first, peak)
+    found = lengths[best] if best >= 0 else 0
+    capped = None
+    if best == len(lengths) - 1:
+        capped = "max_seq_len" if limit < cap and limit == getattr(cfg, "max_seq_len", None) else "cap"
+    return Longest(seq=found, batch=batch, hbm_budget=hbm, hbm_source=hbm_source, host_budget=host,
+                   tried=tuple(tried), capped=capped)
+
+
+def _check_state(cfg, recipe, batch, seq, hardware, training, hbm, host) -> None:
+    """ValueError when the model state alone (no activations) is over the HBM or the host budget."""
+    probe = recipe if isinstance(recipe, Recipe) else Recipe.full()
+    state = plan(cfg, probe, batch=batch, seq=seq, hardware=hardware, training=training, peak=None).state
+    if state.total > hbm:
+        raise ValueError(f"the model state alone takes {fmt_bytes(state.total)} of HBM (parameters, gradients and "
+                         f"what lives on the device), over the budget of {fmt_bytes(hbm)}: no sequence fits. Put "
+                         f"the optimizer state or a float32 master on the host (--opt-state host, --params host), "
+                         f"or plan for more devices")
+    if state.host > host:
+        raise ValueError(f"the state kept in pinned host memory takes {fmt_bytes(state.host)}, over the host budget "
+                         f"of {fmt_bytes(host)}: no sequence fits. Raise {POOL_ENV} (an integer, GiB) or keep "
+                         f"less on the host")
