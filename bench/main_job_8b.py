@@ -84,10 +84,10 @@ def run_main(a) -> None:
         except subprocess.TimeoutExpired:
             rc = "timeout"
     import zoo
-    from bench.common import emit, planned
+    from bench.common import emit
 
     rows = [json.loads(line) for line in open(metrics)] if os.path.exists(metrics) else []
-    timed = [r for r in rows if r["step"] > 2] or rows
+    timed = [r for r in rows if r["step"] > 2] or [r for r in rows if r["step"] > 1] or rows   # past the warm-up
     if rc != 0 or not timed:
         tail = open(log).read()[-400:]
         emit({**ident, "error": f"rc={rc}, {len(rows)} steps logged; log tail: {tail}"})
@@ -95,24 +95,23 @@ def run_main(a) -> None:
     step_s = statistics.median(m["batch"] * m["seq"] / r["tokens_per_s"] for r in timed)
     cfg = zoo.models.LlamaConfig.preset("tiny" if a.smoke else "llama3_1_8b", num_layers=m["layers"],
                                         **({"param_dtype": a.param_dtype} if a.param_dtype else {}))
-    from recipes.llama3 import RECIPES
     peak = [r["peak_hbm_bytes"] for r in rows if r.get("peak_hbm_bytes")]
     kernels = [line.strip() for line in open(log) if line.startswith(("attention:", "moe backend:"))]
     chosen = [line.strip() for line in open(log) if line.startswith(("recipe auto for", "auto: "))]
-    # The planner's host bytes for the recipe that ran (for `auto`, the job printed its choice: no second plan).
-    plan_fields = ({"planned_host_gib": None} if a.recipe == "auto" else
-                   planned(cfg, RECIPES[a.recipe], batch=m["batch"], seq=m["seq"], optimizer="adamw", peak="estimate",
-                           grad_accum=a.grad_accum, opt_state=a.opt_state, opt_dtype=a.opt_dtype,
-                           params=a.params))
     emit({**ident, "backend": None, "param_dtype": cfg.param_dtype, "dtype": cfg.dtype,
           "step_s": round(step_s, 4), "tflops": round(statistics.median(r["model_tflops"] for r in timed), 1),
           "mfu_datasheet": timed[-1]["mfu"], "peak_gib": round(max(peak) / 2**30, 2) if peak else None,
           "host_temp_gib": None if timed[-1]["host_bytes"] is None else round(timed[-1]["host_bytes"] / 2**30, 2),
           "dropped": timed[-1].get("dropped"), "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"],
-          "steps": len(rows), "kernels": kernels, **({"auto_choice": chosen} if chosen else {}), **plan_fields,
+          "steps": len(rows), "kernels": kernels, **({"auto_choice": chosen} if chosen else {}),
           # the job's own prediction: its step compiled for the GPU before it launched (recipes.train.fit)
           **({"planned_peak_gib": round(rows[0]["planned_peak_bytes"] / 2**30, 2),
-              "planned_peak_source": rows[0].get("planned_peak_source")} if rows[0].get("planned_peak_bytes") else {})})
+              "planned_peak_source": rows[0].get("planned_peak_source")} if rows[0].get("planned_peak_bytes") else {}),
+          # what ran and what the job predicted for it before it launched
+          "recipe_run": rows[0].get("recipe"), "loss_chunk": rows[0].get("loss_chunk"),
+          "planned_step_s": rows[0].get("planned_step_s"),
+          **({"planned_host_gib": round(rows[0]["planned_host_bytes"] / 2**30, 2)}
+             if rows[0].get("planned_host_bytes") is not None else {})})
 
 
 def run_sgd(a) -> None:

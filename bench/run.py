@@ -59,11 +59,13 @@ SELECTIVE_MEMCPY = "--xla_gpu_experimental_enable_selective_memcpy_overlap=true"
 # The benches a job may run (`python -m bench.X`, or `recipes.train` itself), and the anchor scripts.
 BENCHES = ("bench.overlap_slice", "bench.llama_slice", "bench.deepseek_slice", "bench.main_job_8b",
            "bench.capacity_sweep", "bench.step_cost", "bench.stream_probe", "bench.tokamax_tiles",
-           "bench.profile_step", "bench.loss_curve", "bench.stack_depth", "bench.ctx_slice", "recipes.train")
+           "bench.profile_step", "bench.loss_curve", "bench.stack_depth", "bench.ctx_slice", "bench.plan_probe",
+           "recipes.train")
 ANCHORS = ("bench.baselines.plain_jax_llama", "bench.baselines.plain_jax_llama_fsdp",
            "bench.baselines.plain_jax_deepseek", "plain_jax_llama_ctx.py")
 TAKES_SMOKE = ("bench.overlap_slice", "bench.llama_slice", "bench.deepseek_slice", "bench.main_job_8b",
-               "bench.ctx_slice", "bench.capacity_sweep", "bench.step_cost", "bench.loss_curve", "bench.stack_depth")
+               "bench.plan_probe", "bench.ctx_slice", "bench.capacity_sweep", "bench.step_cost", "bench.loss_curve",
+               "bench.stack_depth")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +240,16 @@ def stream_probe(variant, flags="", label="plain") -> Job:
                            "{work}/trace"))
 
 
+def probe(recipes, seq=None, longest=None, est=120, timeout=300) -> Job:
+    """bench.plan_probe: the 8B's step (32 layers, batch 1, state on the host) compiled for the GPU at `seq` under
+    each recipe of `recipes`, or zoo.plan.longest_seq's answer up to `longest`; nothing runs."""
+    what = ("--longest", str(longest)) if longest else ("--seq", str(seq))
+    return Job(f"plan-probe-{'longest-' if longest else ''}{(longest or seq) // 1024}K-{'-'.join(recipes)}",
+               ("-m", "bench.plan_probe", *what, *(a for r in recipes for a in ("--recipe", r))), LHS, est, timeout,
+               env=_LONG_ENV, ident={"bench": "plan-probe", "impl": "zoo", "recipe": recipes[0], "setting": "zoo"},
+               gpus="0", smoke_argv=("-m", "bench.plan_probe", "--seq", "256", "--recipe", recipes[0]))
+
+
 def _mesh_size(mesh: str) -> int:
     n = 1
     for axis in mesh.split(","):
@@ -253,6 +265,19 @@ _PGLE = ("--pgle",)
 _CAPACITY_START = {"full": 16, "save_mla_moe": 8, "mla_moe_offload": 8, "lowrank_wa_offload": 8}
 _EP2 = ("--mesh", "ep=2", "--experts", "32")
 _OPT_STATE_ENV = {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".95", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "80"}
+# The longest contexts: the allocator's share of the GPU raised, and a pinned pool for the state (60 GiB) and the
+# offloaded layer inputs, within the machine's 128 GiB of RAM.
+_LONG_ENV = {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".95", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "110"}
+_HOST_STATE = ("--opt-state", "host", "--opt-dtype", "bfloat16", "--param-dtype", "bfloat16", "--params", "host")
+
+
+def long_job(recipe, seq, layers=32, steps=3, est=300, timeout=420, extra=()) -> Job:
+    """The main job on the 8B preset at `seq` (batch 1), bf16 parameters with their float32 master and AdamW's bf16
+    moments in pinned host memory."""
+    sets = ("--train-arg=--set=max_seq_len=" + str(seq),) if seq > 131072 else ()
+    return main_job(recipe, ("--layers", str(layers), "--batch", "1", "--seq", str(seq), *_HOST_STATE, *sets, *extra),
+                    steps=steps, est=est, timeout=timeout, gpu="0",
+                    name=f"main-job-8b-L{layers}-S{seq // 1024}K-{recipe}", env=_LONG_ENV)
 _TILES = "{out}/tiles.json"
 _NO_TILES = "{out}/no-tiles.json"
 _NO_TILES_FILE = {_NO_TILES: "{}"}   # an empty tile table: tokamax's own configuration (zoo.layers.grouped_matmul)
@@ -491,6 +516,25 @@ SCENARIOS: dict[str, Scenario] = {
                   name="main-job-8b-L32-S64K-context_offload-host-state", env=_OPT_STATE_ENV),
          main_job("context_offload", ("--layers", "2", "--batch", "1", "--seq", "131072"), steps=5, est=70,
                   timeout=200, gpu="0", name="main-job-8b-L2-S128K-context_offload"))),
+    "longest-context-check": Scenario(
+        "before the longest runs: the 8B cut to 4 layers at 128K under long_context (tiles, groups of two, the layer "
+        "input offloaded) trains; the 32-layer step at 256K compiled for the GPU under long_context and auto; the "
+        "default 8K main job (auto, and the README's qkv_offload, the loss whole where it fits) beside its plain-JAX "
+        "anchor",
+        (long_job("long_context", 131072, layers=4, steps=3, est=90, timeout=240),
+         probe(("long_context", "auto"), seq=262144, est=200, timeout=330),
+         main_job("auto", est=90, timeout=200, gpu="0"), main_job("qkv_offload", est=70, timeout=170, gpu="0"),
+         anchor("minimal", shape="8b", layers=8, est=50, gpu="0"))),
+    "longest-context": Scenario(
+        "all 32 layers of the 8B at 128K: auto beside full remat (the state on the host), and the plain-JAX "
+        "long-context anchor's 128K slice",
+        (long_job("auto", 131072, steps=3, est=260), long_job("full", 131072, steps=3, est=260),
+         anchor_ctx("ctx_offload", 131072, 2), anchor_ctx("full", 131072, 2))),
+    "longest-context-256k": Scenario(
+        "all 32 layers of the 8B at 256K under auto (two steps: one takes minutes), then the planner's compiled answer "
+        "for the longest length up to 512K",
+        (long_job("auto", 262144, steps=2, est=420, timeout=560),
+         probe(("auto",), longest=524288, est=240, timeout=400))),
     "offload-profile": Scenario(
         "where the offload time goes: the plain-JAX anchor under XLA's overlap options and profiles of the zoo's "
         "step (405B slice, 3 layers, batch 2), two single-GPU queues side by side",

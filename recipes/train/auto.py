@@ -11,26 +11,22 @@ FLOP rate. On a device each has a default, and every figure says where it came f
 - FLOP rate: `--peak-tflops`, else the main job's per-device table (`recipes.train.meter.peak_tflops`: the datasheet
   bf16 peak).
 
-The planner fills the budget with saved activations and model state; XLA's temporaries (the float32 logits and
-their gradient of one chunk of the loss, one layer's intermediates) come on top. `fit` therefore compiles the step
-of each choice and, while its peak is over the device's limit, plans again with the budget lowered by the excess
-(`ATTEMPTS` at most): the recipe that runs is one whose compiled peak fits.
+The planner fills the budget with saved activations and model state beside what it expects XLA's temporaries to
+take; the main job compiles the choice and, while its peak is over the device's limit, plans again with the budget
+lowered by the excess (`zoo.plan.fit`): the recipe that runs is one whose compiled peak fits.
 """
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import jax
 
 import zoo
 from recipes.train import meter
 from zoo.plan import links
-from zoo.plan.peak import allocator_limit, from_compiled
+from zoo.plan.peak import allocator_limit
 
 GiB = 1 << 30
-ATTEMPTS = 3
-MARGIN_GIB = 0.5   # taken off the budget beyond the excess, for the allocator's slack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +38,11 @@ class Inputs:
     link_source: str
     tflops: float
     tflops_source: str
+
+    def hardware(self, hbm_gib: float | None = None) -> zoo.plan.Hardware:
+        """These inputs as the planner's `Hardware` (the HBM budget `hbm_gib` if given)."""
+        return zoo.plan.Hardware(hbm_gib=self.hbm_gib if hbm_gib is None else hbm_gib, link_gbps=self.link_gbps,
+                                 overlap=self.overlap, tflops=self.tflops)
 
     def describe(self) -> str:
         return (f"HBM {self.hbm_gib:.1f} GiB ({self.hbm_source}), link {self.link_gbps:g} GB/s with overlap "
@@ -85,34 +86,12 @@ def choose(cfg, ins: Inputs, *, batch: int, seq: int, optimizer: str = "adamw", 
            mesh=None, budget_gib: float | None = None, grad_accum: int = 1, opt_state: str = "device",
            params: str = "device") -> zoo.Recipe:
     """The recipe `zoo.plan` chooses for `cfg` at [batch, seq] with `ins` (HBM budget `budget_gib` if given)."""
-    hardware = zoo.plan.Hardware(hbm_gib=budget_gib if budget_gib is not None else ins.hbm_gib,
-                                 link_gbps=ins.link_gbps, overlap=ins.overlap, tflops=ins.tflops)
+    hardware = ins.hardware(budget_gib)
     training = zoo.plan.Training(optimizer=optimizer, opt_dtype=opt_dtype, grad_accum=grad_accum, opt_state=opt_state,
                                  params=params)
     p = zoo.plan.plan(cfg, "auto", batch=batch, seq=seq, hardware=hardware, parallel=zoo.plan.Parallelism(mesh=mesh),
                       training=training, peak=None)
     return p.recipe
-
-
-def fit(cfg, ins: Inputs, compile_step: Callable, *, batch: int, seq: int, optimizer: str = "adamw",
-        opt_dtype: str = "float32", mesh=None, grad_accum: int = 1, opt_state: str = "device", params: str = "device"):
-    """(recipe, what `compile_step(recipe)` returned, notes): the automatic recipe, re-planned with a lower budget
-    while the compiled step's peak (`zoo.plan.peak.from_compiled` of its first element) is over `ins.hbm_gib`."""
-    budget, notes = ins.hbm_gib, []
-    for attempt in range(ATTEMPTS):
-        recipe = choose(cfg, ins, batch=batch, seq=seq, optimizer=optimizer, opt_dtype=opt_dtype, mesh=mesh,
-                        budget_gib=budget, grad_accum=grad_accum, opt_state=opt_state, params=params)
-        out = compile_step(recipe)
-        peak = from_compiled(out[0]).bytes / GiB
-        if peak <= ins.hbm_gib or attempt == ATTEMPTS - 1:
-            return recipe, out, notes
-        lowered = budget - (peak - ins.hbm_gib) - MARGIN_GIB
-        notes.append(f"auto: the step chosen for {budget:.1f} GiB compiles to a peak of {peak:.1f} GiB, over "
-                     f"{ins.hbm_gib:.1f} GiB (XLA's temporaries): planning again for {lowered:.1f} GiB")
-        if lowered <= 0:
-            return recipe, out, notes
-        budget = lowered
-    raise AssertionError("unreachable")
 
 
 def summary(recipe: zoo.Recipe) -> str:

@@ -184,9 +184,11 @@ class _Loop:
             start, metrics_file, board, device, host, plan)
         self.flops_per_step = flops_per_step
         self.peak = meter.peak_tflops(device, cfg.peak_tflops)[0]
+        predicted = plan.step_time()
+        self.planned_step_s = None if predicted is None else predicted["total_s"]
         self.last_ckpt = start if start else None
         _, self.state = nnx.split((model, optimizer))
-        self.eval_fn = make_eval(step.graphdef, mesh, cfg.loss_chunk) if inputs.held is not None else None
+        self.eval_fn = make_eval(step.graphdef, mesh, step.loss_chunk) if inputs.held is not None else None
         self.progress = watch.Progress(console, cfg.steps, start)
         self.drops = watch.DropWatch(console, cfg.max_drop_warn)
         self.t_last, self.n_since = time.perf_counter(), 0
@@ -265,7 +267,9 @@ class _Loop:
                "model_tflops": tflops, "mfu": tflops / self.peak if self.peak else None,
                "peak_hbm_bytes": meter.peak_hbm_bytes(self.device), "host_bytes": self.host,
                "dropped": int(m["dropped"]), "drop_fraction": self.drops.fraction(m),
-               "planned_peak_bytes": self.plan.peak_bytes, "planned_peak_source": self.plan.peak_source}
+               "planned_peak_bytes": self.plan.peak_bytes, "planned_peak_source": self.plan.peak_source,
+               "planned_step_s": self.planned_step_s, "planned_host_bytes": self.plan.host_total,
+               "recipe": str(self.step.recipe), "loss_chunk": self.step.loss_chunk}
         for name in self.model.extra_head_names:   # each extra head's loss, before its weight
             row[f"{name}_loss"] = float(m[f"{name}_loss"])
         if self.eval_fn is not None and (step % cfg.eval_every == 0 or step == cfg.steps):

@@ -6,6 +6,8 @@
         --hbm 141 --link 55 --flops 600
     python -m recipes.train.plan --model FAMILY --preset PRESET --set num_layers=4 --recipe NAME --seq 4096 \
         --max-batch --hbm 104.9 --optimizer sgd   # the largest batch that fits
+    python -m recipes.train.plan --model FAMILY --preset PRESET --recipe auto --max-seq --opt-state host \
+        --params host --set param_dtype=bfloat16 --hbm 133 --host 110   # the longest sequence that fits
 
 The model flags are those of `python -m recipes.train` (recipes/train/cli.py); the plan is `zoo.plan` (zoo/plan/).
 Nothing is allocated: the model is built from shapes alone, so any size plans on a laptop.
@@ -13,6 +15,7 @@ Nothing is allocated: the model is built from shapes alone, so any size plans on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -84,6 +87,13 @@ def parser() -> argparse.ArgumentParser:
                         "instead of a plan; --batch is then the first batch planned (zoo.plan.largest_batch). With "
                         "--peak auto each batch is compiled on a GPU (about 30 s for a large model), estimated on "
                         "the CPU")
+    p.add_argument("--max-seq", nargs="?", type=cli.positive_int, const=1 << 20, default=None, metavar="CAP",
+                   help="print the longest sequence (a power of two from 1024, up to CAP, default 1048576, and the "
+                        "config's max_seq_len) whose step fits --hbm (default: the allocator limit of the GPU present) "
+                        "and the host budget (XLA's pinned pool, this machine's RAM and --host, whichever is least), "
+                        "for --recipe (auto: chosen per length), and each length planned, instead of a plan; --batch "
+                        "defaults to 1 (zoo.plan.longest_seq). With --peak auto the lengths are compiled on a GPU, "
+                        "starting where the estimates end, and estimated on the CPU")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="also draw every recipe of the family as this plan is made (the same optimizer, --opt-state, "
@@ -112,8 +122,12 @@ def main(argv: list[str] | None = None) -> int:
             args.plot = plot.check_output(args.plot, f"{args.model}-{args.preset}")   # before anything is planned
         except ValueError as e:
             ap.error(str(e))
+    if args.max_batch is not None and args.max_seq is not None:
+        ap.error("--max-batch and --max-seq search one dimension each: give one of them")
     if args.max_batch is not None:
         return _max_batch(ap, args)
+    if args.max_seq is not None:
+        return _max_seq(ap, args)
     if args.batch is None:
         args.batch = config.default("batch")
     if args.recipe == "auto":
@@ -233,6 +247,42 @@ def _max_batch(ap: argparse.ArgumentParser, args) -> int:
     else:
         print(f"{args.model} {args.preset}: " + c.render())
     return 0
+
+
+def _max_seq(ap: argparse.ArgumentParser, args) -> int:
+    """--max-seq: zoo.plan.longest_seq over the powers of two up to the cap, for --recipe (auto: per length)."""
+    for flag, bad in (("--shard", args.shard != 1), ("--mesh", args.mesh is not None),
+                      ("--peak none", args.peak == "none"), ("--plot", args.plot is not None)):
+        if bad:
+            ap.error(f"--max-seq plans on one device: {flag} does not apply")
+    try:
+        family = cli.family(args.model)
+        cfg = cli.model_config(family, args.preset, args.overrides)
+        recipe = "auto" if args.recipe == "auto" else cli.recipe(family, args.recipe)
+        hardware = _hardware(args)
+        if recipe == "auto":
+            hardware = _auto_inputs(ap, args, hardware)
+        found = zoo.plan.longest_seq(cfg, recipe, batch=args.batch or 1, hardware=hardware,
+                                     training=_training(args), peak=args.peak, cap=args.max_seq)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.json:
+        json.dump(found.to_dict(), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        print(f"{args.model} {args.preset}: " + found.render())
+    return 0
+
+
+def _auto_inputs(ap: argparse.ArgumentParser, args, hardware: zoo.plan.Hardware) -> zoo.plan.Hardware:
+    """--recipe auto's link and FLOP rate where the flags leave them out: the device's measured link and table."""
+    from recipes.train import meter
+    kind = args.device or _present_kind()
+    tflops = args.peak_tflops or meter.peak_tflops_of(kind)[0]
+    if tflops is None:
+        ap.error("--recipe auto needs --flops (the matmul rate in TFLOP/s): no datasheet peak is known for "
+                 f"{kind!r}")
+    return dataclasses.replace(hardware, tflops=tflops)
 
 
 if __name__ == "__main__":

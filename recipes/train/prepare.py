@@ -98,13 +98,14 @@ def show_memory_plan(console: Console, model_cfg, recipe: zoo.Recipe, *, batch: 
     return p
 
 
-def compile_for_shapes(family: Family, model_cfg, recipe: zoo.Recipe, cfg: RunConfig, schedule, mesh):
+def compile_for_shapes(family: Family, model_cfg, recipe: zoo.Recipe, cfg: RunConfig, schedule, mesh,
+                       loss_chunk="auto"):
     """(compiled step, graphdef, abstract state): the run's step compiled on shapes alone, laid out on `mesh`
-    (`zoo.train_step.compile_abstract`, the planner's compile too)."""
+    (`zoo.train_step.compile_abstract`, the planner's compile too), its loss in chunks of `loss_chunk`."""
     return compile_abstract(family, model_cfg, recipe, batch=cfg.batch, seq=cfg.seq, schedule=schedule,
                             clip=cfg.clip, weight_decay=cfg.weight_decay, opt_dtype=cfg.opt_dtype, seed=cfg.seed,
                             mesh=mesh, grad_accum=cfg.grad_accum, opt_state=cfg.opt_state, params=cfg.params,
-                            loss_chunk=cfg.loss_chunk)
+                            loss_chunk=loss_chunk)
 
 
 def check_fits(console: Console, cfg: RunConfig, plan, recipe_name: str, device: jax.Device, compiled,
@@ -135,37 +136,49 @@ def check_fits(console: Console, cfg: RunConfig, plan, recipe_name: str, device:
 
 @dataclasses.dataclass
 class Step:
-    """The run's step compiled on shapes (`compile_for_shapes`), under the recipe it was compiled for."""
+    """The run's step compiled on shapes (`compile_for_shapes`), under the recipe and with the loss's chunk length
+    (None: unchunked) it was compiled for."""
     recipe: zoo.Recipe
     compiled: Any
     graphdef: Any
     abstract: Any
     seconds: float
+    loss_chunk: int | None = None
 
 
 def compile_run(cfg: RunConfig, console: Console, family: Family, model_cfg, recipe_name: str, recipe, device, schedule,
-             mesh) -> Step:
-    """Compile the step (with a live status line); --recipe auto: the planner's choice for this device, compiled
-    and checked to fit (`recipes.train.auto.fit`), and the choice said."""
+                mesh) -> Step:
+    """Compile the step (with a live status line), fitted to the device (`zoo.plan.fit`): --recipe auto the planner's
+    choice for this device, --loss-chunk auto the whole sequence where the step fits that way (else the fewest chunks
+    that fit); each choice said."""
     t0 = time.perf_counter()
     what = (f"compiling the training step ({cfg.model} {cfg.preset}, batch {cfg.batch} x seq {cfg.seq}, recipe "
             f"{recipe_name}) for {device.platform}")
     # --recipe auto: its inputs (ValueError naming every missing flag) before the compile's status line
     ins = None if recipe is not None else auto.inputs(device, hbm_gib=cfg.hbm_limit, link_gbps=cfg.link,
                                                       overlap=cfg.overlap, tflops=cfg.peak_tflops)
+    limit, _ = fit.budget(device, cfg.hbm_limit)
+    training = zoo.plan.Training(opt_dtype=cfg.opt_dtype, grad_accum=cfg.grad_accum, opt_state=cfg.opt_state,
+                                 params=cfg.params, loss_chunk=cfg.loss_chunk)
+    parallel = zoo.plan.Parallelism(mesh=mesh if mesh.devices.size > 1 else None)
     with watch.busy(console, what):
-        if recipe is None:
-            recipe, (compiled, graphdef, abstract), notes = auto.fit(
-                model_cfg, ins, lambda r: compile_for_shapes(family, model_cfg, r, cfg, schedule, mesh),
-                batch=cfg.batch, seq=cfg.seq, opt_dtype=cfg.opt_dtype, grad_accum=cfg.grad_accum,
-                opt_state=cfg.opt_state, params=cfg.params, mesh=mesh if mesh.devices.size > 1 else None)
-        else:
-            compiled, graphdef, abstract = compile_for_shapes(family, model_cfg, recipe, cfg, schedule, mesh)
+        fitted = zoo.plan.fit(model_cfg, recipe if recipe is not None else "auto", batch=cfg.batch, seq=cfg.seq,
+                              limit=limit, hardware=ins.hardware() if ins else zoo.plan.Hardware(),
+                              training=training, parallel=parallel,
+                              compile=lambda r, chunk: compile_for_shapes(family, model_cfg, r, cfg, schedule, mesh,
+                                                                          chunk))
+    for note in fitted.notes:
+        console.print(note, soft_wrap=True, markup=False)
     if recipe_name == "auto":
-        for note in notes:
-            console.print(note, soft_wrap=True, markup=False)
-        console.print(f"recipe auto for {ins.describe()}: {auto.summary(recipe)}", soft_wrap=True, markup=False)
-    return Step(recipe, compiled, graphdef, abstract, time.perf_counter() - t0)
+        console.print(f"recipe auto for {ins.describe()}: {auto.summary(fitted.recipe)}", soft_wrap=True,
+                      markup=False)
+    if cfg.loss_chunk == "auto":
+        console.print("loss: " + (f"chunks of {fitted.loss_chunk} positions (--loss-chunk auto: the whole sequence "
+                                  f"does not fit)" if fitted.loss_chunk else
+                                  "the whole sequence at once (--loss-chunk auto: the step fits that way)"),
+                      soft_wrap=True, markup=False)
+    compiled, graphdef, abstract = fitted.compiled
+    return Step(fitted.recipe, compiled, graphdef, abstract, time.perf_counter() - t0, fitted.loss_chunk)
 
 
 def show_and_check(cfg: RunConfig, console: Console, model_cfg, step: Step, recipe_name: str, device, kernels,
@@ -192,7 +205,7 @@ def show_and_check(cfg: RunConfig, console: Console, model_cfg, step: Step, reci
     plan = show_memory_plan(console, model_cfg, step.recipe, batch=cfg.batch, seq=cfg.seq, device=device,
                             compiled=step.compiled, hbm_limit=cfg.hbm_limit, opt_dtype=cfg.opt_dtype, mesh=mesh,
                             grad_accum=cfg.grad_accum, opt_state=cfg.opt_state, params=cfg.params,
-                            loss_chunk=cfg.loss_chunk)
+                            loss_chunk=step.loss_chunk)
     if device.platform == "cpu" and step.recipe.offload:
         console.print("on the CPU there is no pinned host memory: offload placements compile and run but move "
                       "nothing (use a GPU to see HBM fall)")

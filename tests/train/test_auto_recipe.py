@@ -1,28 +1,19 @@
 """`--recipe auto` in the main job (recipes.train.auto): the planner's choice for the device, from inputs that say where
-they came from, re-planned while the compiled step does not fit, and refused with a message naming the flag when
-an input is missing."""
+they came from (re-planned while the compiled step does not fit: zoo.plan.fitting, tests/plan/test_fitting.py), and
+refused with a message naming the flag when an input is missing."""
 from __future__ import annotations
-
-import types
 
 import jax
 import pytest
 
 import zoo
 from recipes import train
-from recipes.registry import recipes_of
 from recipes.train import auto, loop
 from zoo.models.registry import family
 from zoo.plan import links
 
 GiB = 1 << 30
 LLAMA = family("llama3")
-
-
-def _fake_compiled(peak_gib: float):
-    analysis = types.SimpleNamespace(argument_size_in_bytes=int(peak_gib * GiB), output_size_in_bytes=0,
-                                     alias_size_in_bytes=0, temp_size_in_bytes=0)
-    return types.SimpleNamespace(memory_analysis=lambda: analysis)
 
 
 def test_inputs_say_where_they_come_from_and_name_the_missing_flag():
@@ -36,30 +27,6 @@ def test_inputs_say_where_they_come_from_and_name_the_missing_flag():
         auto.inputs(cpu, hbm_gib=2.0, tflops=3.0)
     with pytest.raises(ValueError, match="needs a FLOP rate"):
         auto.inputs(cpu, hbm_gib=2.0, link_gbps=20.0)
-
-
-def test_a_compiled_peak_over_the_limit_plans_again_with_a_lower_budget(monkeypatch):
-    """The first choice compiles over the limit (XLA's temporaries): `fit` plans again for the budget minus the
-    excess, and the second choice, which fits, is the one that runs."""
-    cfg = LLAMA.config("tiny", num_layers=2)
-    ins = auto.Inputs(10.0, "test", 10.0, 0.0, "test", 1.0, "test")
-    budgets, peaks = [], iter([12.0, 9.5])
-
-    def choose(cfg, ins, *, budget_gib, **kw):
-        budgets.append(budget_gib)
-        return recipes_of(LLAMA)["full"]
-
-    compiled = []
-
-    def compile_step(recipe):
-        compiled.append(recipe)
-        return (_fake_compiled(next(peaks)), "graphdef", "state")
-
-    monkeypatch.setattr(auto, "choose", choose)
-    recipe, out, notes = auto.fit(cfg, ins, compile_step, batch=2, seq=32)
-    assert budgets == [10.0, pytest.approx(10.0 - 2.0 - auto.MARGIN_GIB)]
-    assert len(compiled) == 2 and out[1:] == ("graphdef", "state")
-    assert len(notes) == 1 and "compiles to a peak of 12.0 GiB, over 10.0 GiB" in notes[0]
 
 
 def test_a_smaller_budget_keeps_less_in_hbm():
