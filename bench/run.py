@@ -247,7 +247,7 @@ def probe(recipes, seq=None, longest=None, est=120, timeout=300) -> Job:
     return Job(f"plan-probe-{'longest-' if longest else ''}{(longest or seq) // 1024}K-{'-'.join(recipes)}",
                ("-m", "bench.plan_probe", *what, *(a for r in recipes for a in ("--recipe", r))), LHS, est, timeout,
                env=_LONG_ENV, ident={"bench": "plan-probe", "impl": "zoo", "recipe": recipes[0], "setting": "zoo"},
-               gpus="0", smoke_argv=("-m", "bench.plan_probe", "--seq", "256", "--recipe", recipes[0]))
+               gpus="0", smoke_argv=("-m", "bench.plan_probe", "--seq", "256", "--recipe", recipes[0], "--smoke"))
 
 
 def _mesh_size(mesh: str) -> int:
