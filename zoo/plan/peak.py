@@ -119,12 +119,29 @@ def chunk_to_fit(cfg, *, peak: int, limit: int, chunk: int | None, rows: int, se
     estimated peak fits `limit`: `peak` (the step's at `chunk`) less the logits a shorter chunk no longer holds.
     The shortest candidate when none fits; `chunk` itself when nothing shorter exists."""
     held = loss_bytes(cfg, chunk, rows, seq, shard)
-    shorter = [d for d in sorted(divisors(seq), reverse=True)
-               if d < (chunk or seq) and d >= min(MIN_DEFAULT_CHUNK, seq)]
+    shorter = [d for d in _chunks(seq) if d < (chunk or seq)]
     for c in shorter:
         if peak - held + loss_bytes(cfg, c, rows, seq, shard) <= limit:
             return c
     return shorter[-1] if shorter else chunk
+
+
+def longest_chunk(cfg, *, peak: int, limit: int, chunk: int | None, rows: int, seq: int, shard: int = 1
+                  ) -> int | None:
+    """The longest chunk of the loss (None: the whole sequence) with which a step whose peak is `peak` at `chunk`
+    is estimated to fit `limit` (the logits of the other chunk length for those of `chunk`); the shortest when
+    none does."""
+    rest = peak - loss_bytes(cfg, chunk, rows, seq, shard)
+    for c in [None] + _chunks(seq):
+        if rest + loss_bytes(cfg, c, rows, seq, shard) <= limit:
+            return c
+    return _chunks(seq)[-1] if _chunks(seq) else chunk
+
+
+def _chunks(seq: int) -> list[int]:
+    """The chunk lengths the loss may take, longest first: divisors of `seq` shorter than it, down to
+    `MIN_DEFAULT_CHUNK`."""
+    return [d for d in sorted(divisors(seq), reverse=True) if d < seq and d >= min(MIN_DEFAULT_CHUNK, seq)]
 
 
 def estimate(floor: int, *, cfg, batch: int, seq: int, shard: int, working: int, why: str,
