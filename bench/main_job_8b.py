@@ -86,6 +86,8 @@ def run_main(a) -> None:
     import zoo
     from bench.common import emit
 
+    # the job's own lines beside the record (its work folder does not always travel back; the bench's log does)
+    print("".join(line for line in open(log) if not line.startswith("step ")), end="", flush=True)
     rows = [json.loads(line) for line in open(metrics)] if os.path.exists(metrics) else []
     timed = [r for r in rows if r["step"] > 2] or [r for r in rows if r["step"] > 1] or rows   # past the warm-up
     if rc != 0 or not timed:
