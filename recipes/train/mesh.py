@@ -37,7 +37,7 @@ import time
 import jax
 import numpy as np
 
-from recipes.train import coordinator
+from recipes.train import coordinator, relay
 from zoo import sharding
 
 COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"
@@ -72,14 +72,29 @@ def maybe_initialize(flag: bool, timeout: float = 300.0, heartbeat: float = 60.0
     print(f"distributed: {who} waiting up to {timeout:g} s for {where} and every process (--coordinator-timeout)",
           flush=True)
     # Process 0's coordination service in a process of its own (`recipes.train.coordinator`): it outlives process 0, so
-    # that the others end with a message when process 0 dies, not in a C++ abort.
-    with coordinator_watchdog(timeout, where), coordinator.use_hosted(grace=heartbeat + 10, timeout=timeout):
+    # that the others end with a message when process 0 dies, not in a C++ abort; and every client reaches it through
+    # a relay (`recipes.train.relay`) that ends this process with a message when the service itself dies.
+    def lost(why: str) -> None:
+        end(f"error: {peer_lost(why, _process_id(kwargs))}", 1)
+
+    with coordinator_watchdog(timeout, where), coordinator.use_hosted(grace=heartbeat + 10, timeout=timeout), \
+            relay.use_relay(lost):
         try:   # JAX's own deadline a little later than ours, so that our message is the one a user reads
             jax.distributed.initialize(initialization_timeout=int(math.ceil(timeout)) + 30,
                                        heartbeat_timeout_seconds=int(math.ceil(heartbeat)) + 30, **kwargs)
+        except coordinator.Taken:
+            raise
         except (ValueError, RuntimeError) as e:
             raise ValueError(f"--distributed: JAX could not start the processes: {first_line(e)}") from None
     return True
+
+
+def _process_id(kwargs: dict) -> int:
+    """This process's index, without asking JAX's backend (which a thread must not start)."""
+    if "process_id" in kwargs:
+        return kwargs["process_id"]
+    from jax._src import distributed
+    return distributed.global_state.process_id
 
 
 def check_port(address: str) -> None:
@@ -94,6 +109,9 @@ def check_port(address: str) -> None:
         raise ValueError(f"{COORDINATOR_ENV}={address!r}: the port {port_text!r} is not a number") from None
     host = host.strip("[]") or "::"
     error = _bind(host, port)
+    held = coordinator.serving(port) if error is not None else None
+    if held is not None:   # another process 0, of this run or another, serves it
+        raise ValueError(coordinator.taken(port, *held))
     left = coordinator.lingering(port) if error is not None else None
     if left is not None:   # an earlier run's coordination service, serving its last processes a little longer
         print(f"distributed: port {port} is still served by the coordination service of an earlier run (pid "
