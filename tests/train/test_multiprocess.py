@@ -9,9 +9,11 @@ among them, CPU collectives over gloo, under `--mesh fsdp=4`; compared with one 
 - SIGKILL to process 0 (the coordinator: its service lives on in a host process of its own) or to process 1
   mid-run: the other exits 1 within --heartbeat-timeout with one line, the PeerWatch's naming the silent process
   or, when gloo notices the reset first, the failed collective's, instead of waiting in the collective or
-  aborting in C++. SIGKILL to the service's host itself: both processes exit 1 with the relay's line. The same command in one process on another mesh (fsdp=2,tp=2) with --resume takes over the
+  aborting in C++. The same command in one process on another mesh (fsdp=2,tp=2) with --resume takes over the
   lock if it was left, continues from the checkpoint the two processes wrote, and logs the uninterrupted run's
   losses into the same --metrics file, each step once.
+- SIGKILL to the coordination service's own process (process 0's child): both processes exit 1 with one line
+  (the relay's), no C++ abort.
 - The PeerWatch itself, on a stand-in for the coordination service's key-value store and a clock the test moves
   (no sleeps): a process that stops publishing is named once --heartbeat-timeout has passed and not before, one
   that failed after one more round, one that finished alone after the timeout; a coordinator that stops answering
