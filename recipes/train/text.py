@@ -244,6 +244,7 @@ def documents(file: Path, encoding: str | None = None, note: _Utf8Note | None = 
         note.see(raw)
         doc = decode(raw, file, encoding)
         note.end(file)
+        _no_surrogate(doc, file)
         if doc.strip():
             yield doc
         return
@@ -262,13 +263,19 @@ def documents(file: Path, encoding: str | None = None, note: _Utf8Note | None = 
         if not isinstance(text, str):
             raise ValueError(f"--data {os.fspath(file)!r} line {n}: expected a JSON string or an object with "
                              f"a \"text\" string")
-        if (bad := SURROGATE.search(text)) is not None:
-            raise ValueError(f"--data {os.fspath(file)!r} line {n}: the text holds a lone surrogate "
-                             f"{json.dumps(bad.group())} at character {bad.start():,} (half of a UTF-16 pair, as a "
-                             f"string cut in the middle of an emoji leaves it), which no tokenizer can encode: "
-                             f"mend or drop that line")
+        _no_surrogate(text, file, n)
         yield text
     note.end(file)
+
+
+def _no_surrogate(text: str, file: Path, line: int | None = None) -> None:
+    """ValueError naming the file (and line) if `text` holds a lone surrogate, which no tokenizer encodes."""
+    if (bad := SURROGATE.search(text)) is not None:
+        where = f" line {line}" if line is not None else ""
+        raise ValueError(f"--data {os.fspath(file)!r}{where}: the text holds a lone surrogate "
+                         f"{json.dumps(bad.group())} at character {bad.start():,} (half of a UTF-16 pair, as a string "
+                         f"cut in the middle of an emoji leaves it), which no tokenizer can encode: mend or drop "
+                         f"{'that line' if line is not None else 'it'}")
 
 
 def _raw_lines(file: Path, encoding: str | None, note: _Utf8Note) -> Iterator[tuple[int, str]]:

@@ -158,3 +158,12 @@ def test_text_too_short_for_one_window_is_named_as_given(tok, tmp_path):
     with pytest.raises(ValueError, match=f"--data '{f}', tokenized: TokenFile: .* holds 4 ids, fewer than seq \\+ 1 "
                                          f"= 65"):
         data.open_data(f, tokenizer=str(tok[1]), vocab=300, batch=2, seq=64, seed=0, dtype=None)
+
+
+def test_a_lone_surrogate_a_codec_makes_in_a_txt_file_is_refused(tok, tmp_path):
+    f = tmp_path / "escaped.txt"
+    f.write_text("half an emoji: \\ud83d")   # decoded by unicode_escape into a lone surrogate
+    with pytest.raises(ValueError) as e:
+        text.prepare(f, tok[1], vocab=300, encoding="unicode_escape")
+    assert str(e.value).startswith(f"--data {os.fspath(f)!r}: the text holds a lone surrogate \"\\ud83d\" at "
+                                   f"character 15 ") and str(e.value).endswith("mend or drop it")
