@@ -13,9 +13,11 @@ line adds around them:
   many processes and which one this is; on SLURM / Open MPI clusters JAX detects them itself with
   `--distributed`). It must run before JAX touches a device: the main job calls it right after parsing. Process 0
   first checks that it can serve the coordinator's port (`check_port`: a one-line error naming the port if another
-  program holds it), and its coordination service runs in a process of its own (`recipes.train.coordinator`), so that
-  the others end with a message, not a C++ abort, when process 0 dies. `recipes.train.agree` then checks that every
-  process was given the same command.
+  program holds it, or the other process 0 serving it), and its coordination service runs in a process of its own
+  (`recipes.train.coordinator`), so that the others end with a message, not a C++ abort, when process 0 dies; each
+  process's client reaches the service through a relay of its own (`recipes.train.relay`), which ends the process
+  with a message when the service's process itself dies. `recipes.train.agree` then checks that every process was
+  given the same command.
 - `PeerWatch(timeout)`: while the processes run, each says it is alive every few seconds; one that stops (killed,
   crashed), fails with an error or finishes alone ends the others with one line (at once for an error, after
   `timeout` seconds, `--heartbeat-timeout`, otherwise) instead of leaving them waiting in a collective.
