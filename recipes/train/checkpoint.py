@@ -14,10 +14,8 @@ Safety:
   is removed and the earlier ones are intact. The library's own logs and thread tracebacks of that failure go to
   `zoo-library.log` in the checkpoint directory (`recipes.train.quiet`), as those of a failed read do.
 - Each step ends with its manifest (`recipes.train.manifest`: the step, every file's size and sha256, written last and
-  atomically); `damage(step)` checks the step's files against it before orbax reads them. A file the manifest does
-  not list is noted and ignored. A step without its manifest (deleted, or the run killed between orbax's commit
-  and the manifest) is checked by what orbax records of it (its commit time, its state's metadata) and by a full
-  restore, and resumed with a note that its bytes are unverified.
+  atomically); `damage(step)` checks the step's files against it before orbax reads them. A file it does not list
+  is ignored, and a step without it is checked by orbax's commit record and a full restore: both said (`notes`).
 - Rotation touches only this run's checkpoints (`Checkpoints` docstring).
 - `newest_intact` walks back from the newest step past damaged ones (unreadable record, missing state, files
   that are not the manifest's: bytes changed, a file or folder deleted, a state copied from another step; for a

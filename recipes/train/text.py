@@ -2,33 +2,24 @@
 
     python -m recipes.train --data corpus/ --tokenizer my-tokenizer/ --set vocab_size=32000 --eval-every 50
 
-- Input: a `.txt` file (one document), a `.jsonl` file (one document per line: a JSON object with a `"text"`
-  field, or a JSON string), or a directory of them (every `.txt`/`.jsonl` below it, the suffix in any case, in
-  sorted order; the other files are named in the log as skipped). Text is UTF-8: a file that is not is a ValueError
-  naming it and the byte offset of the first byte that does not decode, unless `--text-encoding ENC` names its
-  text encoding (e.g. latin-1, utf-16; then every file is decoded with it, and a file that is valid UTF-8 all the
-  same is noted once). Refused too, naming the file: NUL bytes in UTF-8 text (UTF-16 without a byte-order mark:
-  the encoding to pass is named), a `.jsonl` line whose text holds a lone surrogate (`"\ud83d"`, half a UTF-16
-  pair, which no tokenizer encodes), and text with no document at all (an empty file: a directory's empty files
-  are skipped with a note).
-- The tokenizer: a Hugging Face `tokenizer.json` (the file, or a directory holding it), read by the `tokenizers`
-  package (`pip install -e ".[text]"`). Documents are encoded without the tokenizer's own special tokens and
-  separated by its end-of-text id: `eos_token` of `tokenizer_config.json` beside it (the token's text, or an
-  AddedToken object with its `content`; a token the vocabulary lacks is an error), else the first of the usual
-  names the vocabulary holds: `<|end_of_text|>`, `<|endoftext|>`, `</s>`, `<eos>`, ...
+- Input: a `.txt` file (one document), a `.jsonl` file (a document per line: an object with a `"text"` string, or
+  a string), or a directory of them (the suffix in any case, sorted; the other files are named as skipped). Text
+  is strict UTF-8 unless `--text-encoding` names its text encoding (then valid UTF-8 is noted once). Refused,
+  naming the file (and line or byte): a byte that does not decode, NUL bytes in UTF-8 (UTF-16 without a byte-order
+  mark: the encoding is named), a lone surrogate, no text at all (a directory's empty files are noted).
+- The tokenizer: a Hugging Face `tokenizer.json` (or a directory holding it), read by `tokenizers`. Documents are
+  encoded without its special tokens and separated by its end-of-text id: `eos_token` of `tokenizer_config.json`
+  (text, or an AddedToken's `content`), else the first of `<|end_of_text|>`, `<|endoftext|>`, `</s>`, ... it holds.
 - Output: the token-file format of `recipes/train/data.py` (uint16 ids when the vocabulary fits, else uint32) in a
-  cache keyed by a hash of everything that makes the tokens: the tokenizer's files (`tokenizer.json`,
-  `tokenizer_config.json`, `special_tokens_map.json`), the end-of-text id, the encoding, and every input file's
-  name and bytes. A second run with the same inputs reads the cache and tokenizes nothing. The cache is
-  `$ZOO_TOKEN_CACHE`, else `$XDG_CACHE_HOME/offload-zoo/tokens` (default `~/.cache/offload-zoo/tokens`): a token
-  file and a JSON record of what it holds (`<hash>.bin`, `<hash>.json`: its number of tokens and a fingerprint of
-  its bytes), each written under a temporary name and renamed (`os.replace`) when complete, the record last; the
-  temporary files of a run that was killed are removed by the next one. A cache file that does not match its
-  record (cut short, changed) is tokenized again, with a one-line note.
-- Two runs tokenizing the same inputs at once: the second waits for the first (an `fcntl.flock` on
-  `<hash>.lock`, released by the kernel if the first dies) and then reads its cache.
-- Long documents are encoded in pieces of about 1 MB cut after a newline (the tokenizer runs the pieces of a
-  batch on all cores); a token never spans such a cut.
+  cache keyed by a hash of the tokenizer's files, the end-of-text id, the encoding, and every input file's name and
+  bytes (`$ZOO_TOKEN_CACHE`, else `$XDG_CACHE_HOME/offload-zoo/tokens`, default `~/.cache/offload-zoo/tokens`): a
+  token file and its record (`<hash>.bin`, `<hash>.json`: its token count and fingerprint), each written under a
+  temporary name and renamed when complete, the record last; a killed run's temporary files are removed by the
+  next run, and a cache file that does not match its record is tokenized again, with a note.
+- Two runs tokenizing the same inputs at once: the second waits for the first (an `fcntl.flock` on `<hash>.lock`,
+  released by the kernel if the first dies), then reads its cache.
+- Long documents are encoded in pieces of about 1 MB cut after a newline (the tokenizer runs a batch of pieces on
+  all cores); a token never spans such a cut.
 """
 from __future__ import annotations
 
