@@ -9,6 +9,7 @@ On a slower link (the H200's PCIe: ~55 GB/s) the study's ~192 KiB/token/layer ca
 the low-rank recipes move the small MLA latents instead and recompute the up-projections from them (docs/benchmarks).
 """
 from recipes.context import CONTEXT, context_recipes
+from recipes.table import RecipeTable
 from zoo import Recipe
 
 MLA_QKV = ("query_proj", "key_proj", "value_proj")
@@ -16,7 +17,7 @@ MOE_UP = ("moe_mlpwi_0", "moe_mlpwi_1")
 STUDY = MLA_QKV + MOE_UP
 
 DEFAULT = "mla_moe_offload"  # the study's recipe: what `--recipe` runs when not given
-RECIPES: dict[str, Recipe] = {
+RECIPES: dict[str, Recipe] = RecipeTable("deepseek_v3", {
     "none": Recipe.none(),
     "full": Recipe.full(),
     "save_mla_moe": Recipe("save_mla_moe", device=STUDY,
@@ -36,4 +37,4 @@ RECIPES: dict[str, Recipe] = {
                                       offload=("query_wa_proj", "kv_wa_proj") + MOE_UP + CONTEXT,
                                       description="lowrank_wa_offload plus the attention output and statistics"),
     **context_recipes("MLA's", grouped=False),   # its stacks (3 dense, 58 MoE layers) share no group size
-}
+})

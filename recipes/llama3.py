@@ -6,12 +6,13 @@ latency-hiding scheduler, and the HBM freed goes to the batch.
 """
 from recipes.context import CONTEXT
 from recipes.gqa import MATMULS, gqa_recipes
+from recipes.table import RecipeTable
 from zoo import Recipe
 
 DEFAULT = "qkv_offload"  # the study's recipe: what `--recipe` runs when not given
-RECIPES: dict[str, Recipe] = {
+RECIPES: dict[str, Recipe] = RecipeTable("llama3", {
     **gqa_recipes("q, k, v after RoPE"),
     "minimal_no_context": Recipe("minimal_no_context", device=tuple(t for t in MATMULS if t not in CONTEXT),
                                  description="every matmul output but the attention kernel's kept in HBM: the "
                                              "backward pass runs attention's forward again (less HBM than minimal)"),
-}
+})

@@ -5,7 +5,8 @@ norm and RoPE) offloaded to pinned host memory while the rest is recomputed, bes
 baselines.
 """
 from recipes.gqa import gqa_recipes
+from recipes.table import RecipeTable
 from zoo import Recipe
 
 DEFAULT = "qkv_offload"  # the study's recipe: what `--recipe` runs when not given
-RECIPES: dict[str, Recipe] = gqa_recipes("q, k (after norm and RoPE) and v")
+RECIPES: dict[str, Recipe] = RecipeTable("qwen3", gqa_recipes("q, k (after norm and RoPE) and v"))

@@ -7,12 +7,13 @@ them.
 """
 from recipes.context import CONTEXT, context_recipes
 from recipes.gqa import QKV
+from recipes.table import RecipeTable
 from zoo import Recipe
 
 MOE_UP = ("moe_mlpwi_0", "moe_mlpwi_1")
 
 DEFAULT = "qkv_moe_offload"  # what `--recipe` runs when not given
-RECIPES: dict[str, Recipe] = {
+RECIPES: dict[str, Recipe] = RecipeTable("qwen3_moe", {
     "none": Recipe.none(),
     "full": Recipe.full(),
     "qkv_offload": Recipe("qkv_offload", offload=QKV,
@@ -25,4 +26,4 @@ RECIPES: dict[str, Recipe] = {
     "qkv_context_moe_offload": Recipe("qkv_context_moe_offload", offload=QKV + CONTEXT + MOE_UP,
                                       description="qkv_moe_offload plus the attention output and statistics"),
     **context_recipes(),
-}
+})

@@ -1,9 +1,12 @@
 """Recipes: validation, patterns, and the policy they compile to."""
+import importlib
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 import zoo
+from recipes.table import UnknownRecipe
 from tests.helpers import pinned_host_shapes
 from zoo import tags
 from zoo.plan import measure
@@ -106,3 +109,18 @@ def test_a_sequence_longer_than_the_models_context_is_refused_before_anything_co
         zoo.plan.plan(cfg, zoo.Recipe.full(), batch=1, seq=262144, peak=None)
     with pytest.raises(ValueError, match="max_seq_len must be a positive int"):
         zoo.models.LlamaConfig.preset("tiny", max_seq_len=0)
+
+
+@pytest.mark.parametrize("family", ["llama3", "deepseek_v3", "qwen3", "qwen3_moe"])
+def test_a_recipe_name_a_family_lacks_is_named_with_the_families_recipes(family):
+    """`RECIPES[typo]`: an error listing the family's recipes and the closest name; a KeyError (so `in` and `.get`
+    are a dict's) and a ValueError (bad input, as the zoo refuses it everywhere)."""
+    table = importlib.import_module(f"recipes.{family}").RECIPES
+    with pytest.raises(UnknownRecipe) as e:
+        table["fulll"]
+    assert isinstance(e.value, KeyError) and isinstance(e.value, ValueError)
+    assert str(e.value) == (f"'fulll' is not a {family} recipe (did you mean 'full'?); the {family} recipes: "
+                            f"{', '.join(table)}")
+    assert "fulll" not in table and table.get("fulll") is None and table["full"].name == "full"
+    with pytest.raises(KeyError, match="no such"):
+        table["no such"]

@@ -14,7 +14,8 @@ Safety:
   is removed and the earlier ones are intact. The library's own logs and thread tracebacks of that failure go to
   `zoo-library.log` in the checkpoint directory (`recipes.train.quiet`), as those of a failed read do.
 - Each step ends with its manifest (`recipes.train.manifest`: the step, every file's size and sha256, written last and
-  atomically); `damage(step)` checks the step's files against it before orbax reads them.
+  atomically); `damage(step)` checks the step's files against it before orbax reads them. A file it does not list
+  is ignored, and a step without it is checked by orbax's commit record and a full restore: both said (`notes`).
 - Rotation touches only this run's checkpoints (`Checkpoints` docstring).
 - `newest_intact` walks back from the newest step past damaged ones (unreadable record, missing state, files
   that are not the manifest's: bytes changed, a file or folder deleted, a state copied from another step; for a
@@ -39,10 +40,12 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from recipes.train import guard
-from recipes.train.manifest import MANIFEST, check_manifest, write_manifest
+from recipes.train.manifest import MANIFEST, check_manifest, unlisted, write_manifest
 from recipes.train.quiet import collect_quietly, library_log, quiet_stderr
 
 RECORD_FILE = os.path.join("record", "metadata")    # where orbax's JsonSave puts the record, inside a step folder
+ORBAX_COMMIT = "_CHECKPOINT_METADATA"                # orbax's record of a step: its commit time, among others
+ORBAX_STATE = os.path.join("state", "_METADATA")      # orbax's metadata of the state's tree
 ITEMS = ("record", "state")                          # the items of a step folder this zoo writes
 def _reason(e: BaseException) -> str:
     """The cause of a failed write in a few words: the OS error (tensorstore reports os_error_code='28' deep in a
@@ -72,11 +75,15 @@ class Checkpoints:
         self.max_to_keep = max_to_keep
         self.written: set[int] = set()
         self.verified: dict[int, str | None] = {}   # step: why its files are not its manifest's (None: they are)
+        self.unverified: set[int] = set()            # steps without a manifest that orbax recorded as committed
+        self.noted: set[tuple[int, str]] = set()     # (step, note) said already
+        # orbax's, tensorstore's and asyncio's logs, warnings and stray tracebacks: into a file here, not the terminal
+        # (from before orbax first reads the steps: it logs a step whose metadata it cannot read)
+        os.makedirs(self.directory, exist_ok=True)
+        self.log = library_log(self.directory, jax.process_index())
         self.manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
                                                                  enable_async_checkpointing=False))
-        # orbax's, tensorstore's and asyncio's logs, warnings and stray tracebacks: into a file here, not the terminal
-        self.log = library_log(self.directory, jax.process_index())
 
     def foreign(self) -> list[str]:
         """The step-numbered folders here that hold neither a record nor a state (not a checkpoint of this zoo:
@@ -116,7 +123,8 @@ class Checkpoints:
             try:
                 saved = self.manager.save(step, args=ocp.args.Composite(
                     state=ocp.args.StandardSave(state),
-                    record=ocp.args.JsonSave({**record, "step": step, "manifest": MANIFEST})))
+                    record=ocp.args.JsonSave({**record, "step": step, "manifest": MANIFEST,
+                                              "directory": self.directory})))   # (`recipes.train.moved`)
                 if saved and jax.process_index() == 0:   # the step is complete (every process's files): sum it up
                     write_manifest(folder, step)
                 noise.keep()
@@ -135,6 +143,7 @@ class Checkpoints:
                                   f"(its latest step is {self.latest_step()})")
         self.written.add(step)
         self.verified.pop(step, None)
+        self.unverified.discard(step)
         self._rotate(record.get("run"))
 
     def _remove_partial(self, step: int, folder: str | None) -> None:
@@ -172,14 +181,45 @@ class Checkpoints:
             return f"{state} is missing" if not os.path.exists(state) else f"{state} is empty"
         if self.record(step).get("manifest"):   # (checkpoints written before manifests have none to check)
             if step not in self.verified:
-                self.verified[step] = check_manifest(folder, step)
+                why = check_manifest(folder, step)
+                if why is not None and not os.path.exists(os.path.join(folder, MANIFEST)) and self._committed(folder):
+                    why = None
+                    self.unverified.add(step)
+                self.verified[step] = why
             return self.verified[step]
         return None
+
+    def _committed(self, folder: str) -> bool:
+        """Did orbax record the step folder as complete (a commit time, and its state's metadata)?"""
+        try:
+            with open(os.path.join(folder, ORBAX_COMMIT)) as f:
+                committed = json.load(f).get("commit_timestamp_nsecs")
+        except (OSError, ValueError, AttributeError):
+            return False
+        return bool(committed) and os.path.isfile(os.path.join(folder, ORBAX_STATE))
+
+    def notes(self, step: int) -> list[str]:
+        """What is said of a step that is resumed though not all it holds is its manifest's (each once)."""
+        folder = os.path.join(self.directory, str(step))
+        out = []
+        if step in self.unverified:
+            out.append(f"checkpoint step {step} in {self.directory} has no manifest ({os.path.join(folder, MANIFEST)}: "
+                       f"deleted, or the run was killed before writing it): orbax recorded the step as complete, so it "
+                       f"is resumed if it restores, its bytes unverified against checksums")
+        extra = unlisted(folder)
+        if extra:
+            out.append(f"checkpoint step {step} in {self.directory}: {len(extra)} file(s) not written with the step "
+                       f"(not in its manifest), ignored: {', '.join(os.path.join(folder, f) for f in extra[:3])}"
+                       + (" ..." if len(extra) > 3 else ""))
+        fresh = [n for n in out if (step, n) not in self.noted]
+        self.noted.update((step, n) for n in fresh)
+        return fresh
 
     def set_aside(self, step: int) -> str:
         """Rename the step's folder to `<step>.damaged` (or `.damaged-2`, ...); orbax then no longer sees it."""
         src = os.path.join(self.directory, str(step))
         self.verified.pop(step, None)
+        self.unverified.discard(step)
         if jax.process_index() != 0:   # several processes: each finds the same damage; process 0 renames
             return f"{src}.damaged (by process 0)"
         dst, k = src + ".damaged", 1
@@ -219,6 +259,8 @@ class Checkpoints:
             if reason is not None:
                 damaged.append((step, reason))
                 continue
+            for note in self.notes(step):
+                say(note)
             for bad, why in damaged:
                 moved = self.set_aside(bad)
                 say(f"checkpoint step {bad} in {self.directory} is damaged ({why}); moved to {moved} (kept, not "

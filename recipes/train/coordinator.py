@@ -7,12 +7,14 @@ fatal errors", exit -6): no Python code runs, no message is printed. Hosted in a
 outlives process 0: the other processes stay in control and end with one line, through the peers' heartbeat watch
 (`recipes.train.mesh.PeerWatch`) or the failed collective, as they do when any other process dies.
 
-`start(bind, count, ...)` starts the host (`python -m recipes.train.coordinator`): it binds the service, says `ready`,
-then serves until process 0 says `shutdown` on its stdin (JAX's shutdown at exit), or until process 0 is gone
-without saying it (its stdin closes): then it serves `grace` seconds more, long enough for the others to notice and
-stop, and exits (a new run on that port waits for it: `lingering`). It ignores SIGINT and SIGTERM (a Ctrl-C to the
-process group reaches it too): process 0 decides when it ends. Its own log (the service's C++ log lines) goes to a
-file in the temporary directory.
+`start(bind, count, ...)` starts the host (`python -m recipes.train.coordinator`): it claims the port (an `flock` on
+its pid file in the temporary directory: a second process 0 on this machine, two processes given JAX_PROCESS_ID=0,
+is refused in one line naming the first, `serving`), binds the service, says `ready`, then serves until process 0
+says `shutdown` on its stdin (JAX's shutdown at exit), or until process 0 is gone without saying it (its stdin
+closes): then it serves `grace` seconds more, long enough for the others to notice and stop, and exits (a new run
+on that port waits for it: `lingering`). It ignores SIGINT and SIGTERM (a Ctrl-C to the process group reaches it
+too): process 0 decides when it ends. Its own log (the service's C++ log lines) goes to a file in the temporary
+directory.
 
 The service is JAX's own (`jaxlib`'s `get_distributed_runtime_service`, as `jax.distributed.initialize` makes it);
 `use_hosted` lets `initialize` run as usual with that one call replaced. Where this JAX has no such call, or the
@@ -21,6 +23,7 @@ service is asked for mTLS credentials or recoverability, it stays in process 0 (
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import select
 import signal
@@ -28,6 +31,10 @@ import subprocess
 import sys
 import tempfile
 import time
+
+
+class Taken(ValueError):
+    """Another process 0 serves the port (`taken`)."""
 
 
 class Hosted:
@@ -51,19 +58,41 @@ def _file(port: int | str, ext: str) -> str:
     return os.path.join(tempfile.gettempdir(), f"offload-zoo-coordinator-{port}.{ext}")
 
 
-def lingering(port: int) -> tuple[int, float] | None:
-    """(pid, seconds left) of a host of an earlier run still serving `port` after its process 0 ended (it serves
-    `grace` seconds more), or None."""
+def _host(port: int | str) -> tuple[int, float, int] | None:
+    """(pid, until, its process 0's pid) of the live host that claimed `port` (`until`: 0 while its process 0
+    runs, else the time it stops serving), or None."""
     try:
         with open(_file(port, "pid")) as f:
-            pid, until = f.read().split()
+            pid, until, parent = f.read().split()
         os.kill(int(pid), 0)
         with open(f"/proc/{int(pid)}/cmdline", "rb") as f:
             if b"recipes.train.coordinator" not in f.read():
                 return None
     except (OSError, ValueError):
         return None
-    return int(pid), max(0.0, float(until) - time.time())
+    return int(pid), float(until), int(parent)
+
+
+def lingering(port: int) -> tuple[int, float] | None:
+    """(pid, seconds left) of a host of an earlier run still serving `port` after its process 0 ended (it serves
+    `grace` seconds more), or None."""
+    host = _host(port)
+    if host is None or not host[1]:
+        return None
+    return host[0], max(0.0, host[1] - time.time())
+
+
+def serving(port: int) -> tuple[int, int] | None:
+    """(host pid, its process 0's pid) of a host serving `port` for a process 0 that runs, or None."""
+    host = _host(port)
+    return None if host is None or host[1] else (host[0], host[2])
+
+
+def taken(port: int | str, pid: int, parent: int) -> str:
+    """The refusal of a second process 0 for a port another one serves."""
+    return (f"port {port} is already served by the coordination service of another process 0 (pid {parent}; the "
+            f"service's pid {pid}): were two processes started with JAX_PROCESS_ID=0? Give each process its own "
+            f"JAX_PROCESS_ID (0 to JAX_NUM_PROCESSES-1), or this run another port in JAX_COORDINATOR_ADDRESS")
 
 
 def start(bind: str, count: int, *, heartbeat: int, shutdown: int, grace: float, timeout: float) -> Hosted:
@@ -82,6 +111,8 @@ def start(bind: str, count: int, *, heartbeat: int, shutdown: int, grace: float,
     if line != "ready":
         proc.kill()
         proc.wait()
+        if line.startswith("taken "):   # "taken PID PARENT": another process 0 claimed the port first
+            raise Taken(taken(bind.rsplit(":", 1)[-1], *map(int, line.split()[1:3])))
         raise ValueError(f"the coordination service for {bind} did not start ({line or 'no answer'}; its log: {log})")
     return Hosted(proc, log)
 
@@ -121,6 +152,20 @@ def serve(bind: str, count: int, heartbeat: int, shutdown: int, grace: float) ->
     """The host process: serve until told to shut down, or `grace` seconds after process 0 is gone."""
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, signal.SIG_IGN)
+    pidfile = _file(bind.rsplit(":", 1)[-1], "pid")
+    claim = os.open(pidfile, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)   # held (flock) while this host lives
+
+    def say(until: float) -> None:   # who serves the port, for whom, and until when (0: while process 0 runs)
+        os.ftruncate(claim, 0)
+        os.pwrite(claim, f"{os.getpid()} {until} {os.getppid()}".encode(), 0)
+
+    try:
+        fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        held = os.pread(claim, 200, 0).split()
+        print(f"taken {int(held[0])} {int(held[2])}" if len(held) == 3 else "taken 0 0", flush=True)
+        return 1
+    say(0)
     from jax._src.lib import _jax
     try:
         service = _jax.get_distributed_runtime_service(bind, count, heartbeat_timeout=heartbeat,
@@ -130,11 +175,8 @@ def serve(bind: str, count: int, heartbeat: int, shutdown: int, grace: float) ->
         return 1
     print("ready", flush=True)
     said = sys.stdin.buffer.readline()   # b"shutdown\n", or b"" when process 0 is gone
-    pidfile = _file(bind.rsplit(":", 1)[-1], "pid")
     if said.strip() != b"shutdown":   # say until when it serves: a new run on this port waits for it
-        with contextlib.suppress(OSError):
-            with open(pidfile, "w") as f:
-                f.write(f"{os.getpid()} {time.time() + grace}")
+        say(time.time() + grace)
         time.sleep(grace)
     service.shutdown()
     with contextlib.suppress(OSError):

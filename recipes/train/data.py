@@ -181,6 +181,7 @@ def open_data(path: str | os.PathLike, *, tokenizer: str | None, vocab: int, bat
     if not os.path.exists(path):
         raise ValueError(f"--data {os.fspath(path)!r}: no such file or directory (a token file, a .txt or .jsonl "
                          f"file, or a directory of them)")
+    given = path
     if text.is_text(path):
         if tokenizer is None:
             raise ValueError(f"--data {os.fspath(path)!r} is text: it needs --tokenizer DIR (a Hugging Face "
@@ -196,8 +197,13 @@ def open_data(path: str | os.PathLike, *, tokenizer: str | None, vocab: int, bat
                          f"{os.fspath(path)!r} is read as a token file")
     split = 1.0 - heldout
     kwargs = dict(vocab=vocab, batch=batch, seq=seq, seed=seed, dtype=dtype)
-    train = TokenFile(path, span=(0.0, split), **kwargs)
-    return train, TokenFile(path, span=(split, 1.0), **kwargs) if heldout else None
+    try:
+        train = TokenFile(path, span=(0.0, split), **kwargs)
+        return train, TokenFile(path, span=(split, 1.0), **kwargs) if heldout else None
+    except ValueError as e:
+        if given == path:
+            raise
+        raise ValueError(f"--data {os.fspath(given)!r}, tokenized: {e}") from None   # named as the user gave it
 
 
 def write_tokens(path: str | os.PathLike, ids, dtype: str = "uint16") -> None:

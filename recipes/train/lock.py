@@ -2,10 +2,13 @@
 
 Two runs writing checkpoints into one directory delete each other's (orbax keeps the newest N of whatever it
 finds). `DirLock(directory)` holds `directory/.zoo-run.lock`: an exclusive `fcntl.flock` on the file (the kernel
-drops it when the process ends, even on `kill -9`) and, inside, who holds it (pid, host, start time) for the
-message a second run prints. A lock file whose flock is free is stale: its run ended without giving it back (killed);
-it is taken over, and `taken_over` says whose it was. A lock written by another host is never taken over (its run
-may be alive: flock is not reliable across machines on network file systems): delete the file by hand.
+drops it when the process ends, even on `kill -9`) and, inside, who holds it (pid, host, start time, the directory)
+for the message a second run prints. A lock file whose flock is free is stale: its run ended without giving it back
+(killed); it is taken over, and `taken_over` says whose it was. A run that took over a stale lock and leaves the
+directory without a checkpoint step gives the stale record back instead of removing it: it still says which run was
+killed there and its metrics file, which that run's `--resume` continues. A lock written by another host is never
+taken over (its run may be alive: flock is not reliable across machines on network file systems), nor one that
+does not read as a lock (no one can say whose it is): delete the file by hand.
 Several processes: process 0 takes the lock and tells the others what it decided (`recipes.train.agree.decided_by_0`),
 so that a refusal stops every process with the same line.
 """
@@ -47,6 +50,11 @@ class DirLock:
                 os.close(fd)
                 continue
             holder = _read(fd)
+            if "unreadable" in holder:
+                os.close(fd)
+                raise ValueError(f"the lock file {self.path} is unreadable (not a lock this zoo wrote: "
+                                 f"{holder['unreadable']!r}), so whose it is cannot be told; if no run uses "
+                                 f"{os.path.dirname(self.path)}, delete the file")
             if holder:
                 if holder.get("host") != socket.gethostname():
                     os.close(fd)
@@ -55,19 +63,26 @@ class DirLock:
                 self.taken_over = holder   # flock was free: that process is gone (or ended without cleaning up)
             self.fd = fd
         me = {"pid": os.getpid(), "host": socket.gethostname(),
-              "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), **(info or {})}
+              "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+              "directory": os.path.abspath(directory), **(info or {})}
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, json.dumps(me).encode(), 0)
         os.fsync(self.fd)
 
     def release(self) -> None:
-        """Remove the lock file and drop the lock (idempotent)."""
+        """Remove the lock file and drop the lock (idempotent); a stale record taken over is written back instead
+        when the directory holds no checkpoint step (see the module docstring)."""
         if self.fd is None:
             return
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        if self.taken_over and not _has_steps(os.path.dirname(self.path)):
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, json.dumps(self.taken_over).encode(), 0)
+            os.fsync(self.fd)
+        else:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
         os.close(self.fd)
         self.fd = None
 
@@ -76,6 +91,14 @@ class DirLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _has_steps(directory: str) -> bool:
+    """Does `directory` hold a checkpoint step (a step-numbered folder)?"""
+    try:
+        return any(e.name.isdigit() and e.is_dir() for e in os.scandir(directory))
+    except OSError:
+        return False
 
 
 def _read(fd: int) -> dict:

@@ -30,7 +30,7 @@ from rich.console import Console
 
 import zoo
 import zoo.sharding
-from recipes.train import agree, guard, meter, prepare, resume, watch
+from recipes.train import agree, guard, meter, moved, prepare, resume, watch
 from recipes.train import mesh as mesh_lib
 from recipes.train.config import RunConfig
 from recipes.train.interrupt import Interrupts
@@ -117,12 +117,17 @@ class _Session:
 
     def metrics_owner(self, cfg: RunConfig, resume_record: dict | None) -> str | None:
         """The metrics path the run being continued wrote: its checkpoint's, or, for a run killed before its first
-        checkpoint, its stale lock's (same run identity, --resume given)."""
+        checkpoint, its stale lock's (same run identity, --resume given); where it is now if the run's folder
+        moved (`recipes.train.moved`)."""
         if resume_record is not None:
-            return resume_record.get("metrics")
-        if cfg.resume and self.previous and self.previous.get("run") == cfg.identity():
-            return self.previous.get("metrics")
-        return None
+            said = resume_record
+        elif cfg.resume and self.previous and self.previous.get("run") == cfg.identity():
+            said = self.previous
+        else:
+            return None
+        if cfg.metrics and moved.same(said.get("metrics"), cfg.metrics, said.get("directory"), cfg.ckpt_dir):
+            return os.path.abspath(cfg.metrics)
+        return said.get("metrics")
 
 
 def _run(cfg: RunConfig, console: Console, session: _Session) -> Result:

@@ -5,7 +5,8 @@ renamed into place by orbax), writes `zoo-manifest.json` into it: the step numbe
 sha256, atomically (a temporary file renamed) and last, so a step with a manifest was complete when written.
 `check_manifest(folder, step)` says why a folder is not what its manifest recorded (bytes flipped with the size
 kept, a file or folder deleted, a state copied from another step, a manifest of another step, none at all), or
-None. Hashing reads every byte once: several files at a time (hashlib releases the GIL).
+None. A file the manifest does not list (a `.DS_Store`, a note) is not damage: nothing reads it; `unlisted(folder)`
+names those files. Hashing reads every byte once: several files at a time (hashlib releases the GIL).
 """
 from __future__ import annotations
 
@@ -56,9 +57,20 @@ def write_manifest(folder: str, step: int) -> None:
         os.close(fd)
 
 
+def unlisted(folder: str) -> list[str]:
+    """The files of the step folder that its manifest does not list (relative paths; none without a manifest)."""
+    try:
+        with open(os.path.join(folder, MANIFEST)) as f:
+            listed = set(json.load(f)["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [f for f in _files(folder) if f not in listed]
+
+
 def check_manifest(folder: str, step: int) -> str | None:
-    """Why the step folder is not what its manifest says it wrote (a file missing, added, of another size or with
-    other bytes; the manifest of another step), or None."""
+    """Why the step folder is not what its manifest says it wrote (a file missing, of another size or with other
+    bytes; files missing and others in their place; the manifest of another step), or None. Files it does not list
+    are no damage (`unlisted`)."""
     path = os.path.join(folder, MANIFEST)
     try:
         with open(path) as f:
@@ -79,8 +91,6 @@ def check_manifest(folder: str, step: int) -> str | None:
     if missing:
         return f"{os.path.join(folder, missing[0])} is missing" + (f" (and {len(missing) - 1} more files)"
                                                                      if len(missing) > 1 else "")
-    if extra:
-        return f"{os.path.join(folder, extra[0])} was not written with the step (not in its manifest)"
     try:   # (several processes: process 0 may be setting the step aside while another reads it)
         for f in files:
             size = os.path.getsize(os.path.join(folder, f))

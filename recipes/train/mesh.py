@@ -13,9 +13,11 @@ line adds around them:
   many processes and which one this is; on SLURM / Open MPI clusters JAX detects them itself with
   `--distributed`). It must run before JAX touches a device: the main job calls it right after parsing. Process 0
   first checks that it can serve the coordinator's port (`check_port`: a one-line error naming the port if another
-  program holds it), and its coordination service runs in a process of its own (`recipes.train.coordinator`), so that
-  the others end with a message, not a C++ abort, when process 0 dies. `recipes.train.agree` then checks that every
-  process was given the same command.
+  program holds it, or the other process 0 serving it), and its coordination service runs in a process of its own
+  (`recipes.train.coordinator`), so that the others end with a message, not a C++ abort, when process 0 dies; each
+  process's client reaches the service through a relay of its own (`recipes.train.relay`), which ends the process
+  with a message when the service's process itself dies. `recipes.train.agree` then checks that every process was
+  given the same command.
 - `PeerWatch(timeout)`: while the processes run, each says it is alive every few seconds; one that stops (killed,
   crashed), fails with an error or finishes alone ends the others with one line (at once for an error, after
   `timeout` seconds, `--heartbeat-timeout`, otherwise) instead of leaving them waiting in a collective.
@@ -37,7 +39,7 @@ import time
 import jax
 import numpy as np
 
-from recipes.train import coordinator
+from recipes.train import coordinator, relay
 from zoo import sharding
 
 COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"
@@ -72,14 +74,29 @@ def maybe_initialize(flag: bool, timeout: float = 300.0, heartbeat: float = 60.0
     print(f"distributed: {who} waiting up to {timeout:g} s for {where} and every process (--coordinator-timeout)",
           flush=True)
     # Process 0's coordination service in a process of its own (`recipes.train.coordinator`): it outlives process 0, so
-    # that the others end with a message when process 0 dies, not in a C++ abort.
-    with coordinator_watchdog(timeout, where), coordinator.use_hosted(grace=heartbeat + 10, timeout=timeout):
+    # that the others end with a message when process 0 dies, not in a C++ abort; and every client reaches it through
+    # a relay (`recipes.train.relay`) that ends this process with a message when the service itself dies.
+    def lost(why: str) -> None:
+        end(f"error: {peer_lost(why, _process_id(kwargs))}", 1)
+
+    with coordinator_watchdog(timeout, where), coordinator.use_hosted(grace=heartbeat + 10, timeout=timeout), \
+            relay.use_relay(lost):
         try:   # JAX's own deadline a little later than ours, so that our message is the one a user reads
             jax.distributed.initialize(initialization_timeout=int(math.ceil(timeout)) + 30,
                                        heartbeat_timeout_seconds=int(math.ceil(heartbeat)) + 30, **kwargs)
+        except coordinator.Taken:
+            raise
         except (ValueError, RuntimeError) as e:
             raise ValueError(f"--distributed: JAX could not start the processes: {first_line(e)}") from None
     return True
+
+
+def _process_id(kwargs: dict) -> int:
+    """This process's index, without asking JAX's backend (which a thread must not start)."""
+    if "process_id" in kwargs:
+        return kwargs["process_id"]
+    from jax._src import distributed
+    return distributed.global_state.process_id
 
 
 def check_port(address: str) -> None:
@@ -94,6 +111,9 @@ def check_port(address: str) -> None:
         raise ValueError(f"{COORDINATOR_ENV}={address!r}: the port {port_text!r} is not a number") from None
     host = host.strip("[]") or "::"
     error = _bind(host, port)
+    held = coordinator.serving(port) if error is not None else None
+    if held is not None:   # another process 0, of this run or another, serves it
+        raise ValueError(coordinator.taken(port, *held))
     left = coordinator.lingering(port) if error is not None else None
     if left is not None:   # an earlier run's coordination service, serving its last processes a little longer
         print(f"distributed: port {port} is still served by the coordination service of an earlier run (pid "

@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 
 from recipes.train import data as data_lib
-from recipes.train import watch
+from recipes.train import moved, watch
 from recipes.train.checkpoint import Checkpoints
 from recipes.train.config import RunConfig
 
@@ -37,7 +37,10 @@ def check_resumable(record: dict, cfg: RunConfig, directory: str, data: dict | N
     have = dict(record.get("run", {}))
     if cfg.allow_data_change:   # the data's path may change too
         have["data"] = want["data"]
-    check_data(record.get("data"), data, cfg, directory)
+    had = record.get("data")
+    if had and data and moved.same(had.get("path"), data.get("path"), record.get("directory"), directory):
+        had = {**had, "path": data["path"]}   # the token file moved with the run's folder
+    check_data(had, data, cfg, directory)
     if "schedule_steps" not in have and "steps" in have:   # a record written before --schedule-steps existed
         have["schedule_steps"] = have.pop("steps")
         have["warmup"] = have["warmup"] if have.get("warmup") is not None else max(1, have["schedule_steps"] // 10)

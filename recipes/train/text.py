@@ -2,27 +2,24 @@
 
     python -m recipes.train --data corpus/ --tokenizer my-tokenizer/ --set vocab_size=32000 --eval-every 50
 
-- Input: a `.txt` file (one document), a `.jsonl` file (one document per line: a JSON object with a `"text"`
-  field, or a JSON string), or a directory of them (every `.txt`/`.jsonl` below it, in sorted order). Text is
-  UTF-8: a file that is not is a ValueError naming it and the byte offset of the first byte that does not decode,
-  unless `--text-encoding ENC` names its encoding (e.g. latin-1; then every file is decoded with it).
-- The tokenizer: a Hugging Face `tokenizer.json` (the file, or a directory holding it), read by the `tokenizers`
-  package (`pip install -e ".[text]"`). Documents are encoded without the tokenizer's own special tokens and
-  separated by its end-of-text id: `eos_token` of `tokenizer_config.json` beside it (the token's text, or an
-  AddedToken object with its `content`; a token the vocabulary lacks is an error), else the first of the usual
-  names the vocabulary holds: `<|end_of_text|>`, `<|endoftext|>`, `</s>`, `<eos>`, ...
+- Input: a `.txt` file (one document), a `.jsonl` file (a document per line: an object with a `"text"` string, or
+  a string), or a directory of them (the suffix in any case, sorted; the other files are named as skipped). Text
+  is strict UTF-8 unless `--text-encoding` names its text encoding (then valid UTF-8 is noted once). Refused,
+  naming the file (and line or byte): a byte that does not decode, NUL bytes in UTF-8 (UTF-16 without a byte-order
+  mark: the encoding is named), a lone surrogate, no text at all (a directory's empty files are noted).
+- The tokenizer: a Hugging Face `tokenizer.json` (or a directory holding it), read by `tokenizers`. Documents are
+  encoded without its special tokens and separated by its end-of-text id: `eos_token` of `tokenizer_config.json`
+  (text, or an AddedToken's `content`), else the first of `<|end_of_text|>`, `<|endoftext|>`, `</s>`, ... it holds.
 - Output: the token-file format of `recipes/train/data.py` (uint16 ids when the vocabulary fits, else uint32) in a
-  cache keyed by a hash of everything that makes the tokens: the tokenizer's files (`tokenizer.json`,
-  `tokenizer_config.json`, `special_tokens_map.json`), the end-of-text id, the encoding, and every input file's
-  name and bytes. A second run with the same inputs reads the cache and tokenizes nothing. The cache is
-  `$ZOO_TOKEN_CACHE`, else `$XDG_CACHE_HOME/offload-zoo/tokens` (default `~/.cache/offload-zoo/tokens`): a token
-  file and a JSON record of what it holds (`<hash>.bin`, `<hash>.json`: its number of tokens and a fingerprint of
-  its bytes), each written under a temporary name and renamed (`os.replace`) when complete, the record last. A
-  cache file that does not match its record (cut short, changed) is tokenized again, with a one-line note.
-- Two runs tokenizing the same inputs at once: the second waits for the first (an `fcntl.flock` on
-  `<hash>.lock`, released by the kernel if the first dies) and then reads its cache.
-- Long documents are encoded in pieces of about 1 MB cut after a newline (the tokenizer runs the pieces of a
-  batch on all cores); a token never spans such a cut.
+  cache keyed by a hash of the tokenizer's files, the end-of-text id, the encoding, and every input file's name and
+  bytes (`$ZOO_TOKEN_CACHE`, else `$XDG_CACHE_HOME/offload-zoo/tokens`, default `~/.cache/offload-zoo/tokens`): a
+  token file and its record (`<hash>.bin`, `<hash>.json`: its token count and fingerprint), each written under a
+  temporary name and renamed when complete, the record last; a killed run's temporary files are removed by the
+  next run, and a cache file that does not match its record is tokenized again, with a note.
+- Two runs tokenizing the same inputs at once: the second waits for the first (an `fcntl.flock` on `<hash>.lock`,
+  released by the kernel if the first dies), then reads its cache.
+- Long documents are encoded in pieces of about 1 MB cut after a newline (the tokenizer runs a batch of pieces on
+  all cores); a token never spans such a cut.
 """
 from __future__ import annotations
 
@@ -32,6 +29,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -51,18 +49,32 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def is_text(path: str | os.PathLike) -> bool:
     """Is `--data` text (a .txt/.jsonl file, or a directory) rather than a token file?"""
     p = Path(path)
-    return p.is_dir() or p.suffix in SUFFIXES
+    return p.is_dir() or p.suffix.lower() in SUFFIXES
 
 
-def text_files(path: str | os.PathLike) -> list[Path]:
-    """The text files `--data` names, sorted; ValueError if there are none."""
+def found(directory: Path) -> tuple[list[Path], list[Path]]:
+    """(the text files below `directory`, the other files), each sorted. A suffix is matched in any case."""
+    every = sorted(f for f in directory.rglob("*") if f.is_file())
+    return [f for f in every if f.suffix.lower() in SUFFIXES], [f for f in every if f.suffix.lower() not in SUFFIXES]
+
+
+def text_files(path: str | os.PathLike, flag: str = "--data") -> tuple[list[Path], list[Path]]:
+    """(the text files `flag` names, sorted; the files of its directory that are skipped); ValueError if there
+    are none."""
     p = Path(path)
     if not p.exists():
-        raise ValueError(f"--data {os.fspath(path)!r}: no such file or directory")
-    files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in SUFFIXES) if p.is_dir() else [p]
+        raise ValueError(f"{flag} {os.fspath(path)!r}: no such file or directory")
+    files, skipped = found(p) if p.is_dir() else ([p], [])
     if not files:
-        raise ValueError(f"--data {os.fspath(path)!r}: a directory without .txt or .jsonl files")
-    return files
+        raise ValueError(f"{flag} {os.fspath(path)!r}: a directory without .txt or .jsonl files"
+                         + (f" ({listed(skipped, p)})" if skipped else ""))
+    return files, skipped
+
+
+def listed(files: list[Path], root: Path, most: int = 5) -> str:
+    """A few file names (relative to `root`), and how many more."""
+    names = [os.fspath(f.relative_to(root)) if root.is_dir() else f.name for f in files[:most]]
+    return ", ".join(names) + (f" and {len(files) - most} more" if len(files) > most else "")
 
 
 def load_tokenizer(path: str | os.PathLike):
@@ -83,14 +95,28 @@ def load_tokenizer(path: str | os.PathLike):
 
 
 def check_encoding(encoding: str | None) -> str | None:
-    """`--text-encoding`: None (UTF-8, strict) or a codec Python knows; ValueError otherwise."""
+    """`--text-encoding`: None (UTF-8, strict) or the name of a text encoding Python knows; ValueError otherwise
+    (an unknown name, or a codec that is not a text encoding: rot13, base64, zlib, ...)."""
     if encoding is None:
         return None
     try:
-        return codecs.lookup(encoding).name
+        name = codecs.lookup(encoding).name
     except LookupError:
         raise ValueError(f"--text-encoding {encoding!r} is not an encoding Python knows (e.g. utf-8, latin-1, "
                          f"cp1252)") from None
+    try:
+        b"a".decode(name)
+    except LookupError:   # Python's own refusal of a codec that does not turn bytes into text
+        raise ValueError(f"--text-encoding {encoding!r} is a codec Python knows but not a text encoding (it does "
+                         f"not decode bytes into text); name the files' text encoding, e.g. utf-8, latin-1, "
+                         f"cp1252, utf-16") from None
+    except (UnicodeError, ValueError):
+        pass
+    return name
+
+
+def is_utf8(encoding: str | None) -> bool:
+    return encoding is None or encoding == "utf-8"
 
 
 def eos_token(config: Path) -> str | None:
@@ -132,40 +158,124 @@ def eos_id(tok, file: Path) -> int:
 
 
 def decode(raw: bytes, file: Path, encoding: str | None, offset: int = 0, line: int | None = None) -> str:
-    """`raw` (bytes of `file` from byte `offset`) as text: strict UTF-8, or `encoding`. ValueError naming the file
-    and the byte offset of the first byte that does not decode."""
+    """`raw` (bytes of `file` from byte `offset`) as text: strict UTF-8 (a byte-order mark at the file's start
+    dropped), or `encoding`. ValueError naming the file and the byte offset of the first byte that does not decode,
+    or, in UTF-8, of a NUL byte (UTF-16 text read as UTF-8 decodes, with a NUL in every other byte)."""
+    utf8 = is_utf8(encoding)
     try:
-        return raw.decode(encoding or "utf-8")
+        text = raw.decode("utf-8-sig" if utf8 and offset == 0 else encoding or "utf-8")
     except UnicodeDecodeError as e:
         at = offset + e.start
         where = f"byte {at:,}" + (f" (line {line})" if line is not None else "")
         hint = ("pass --text-encoding ENC with the file's encoding (e.g. latin-1, cp1252) or convert it to UTF-8"
                 if encoding is None else "check --text-encoding")
+        if utf8 and offset == 0 and raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
+            hint = "it starts with a UTF-16 byte-order mark: pass --text-encoding utf-16"
         raise ValueError(f"--data {os.fspath(file)!r} is not {encoding or 'UTF-8'} text: {where} "
                          f"(0x{raw[e.start]:02x}) does not decode; {hint}") from None
+    if utf8 and "\0" in text:
+        at = offset + raw.index(b"\0")
+        where = f"byte {at:,}" + (f" (line {line})" if line is not None else "")
+        raise ValueError(f"--data {os.fspath(file)!r} is not UTF-8 text: it holds NUL bytes (the first at {where}); "
+                         f"{_nul_hint(file)}")
+    return text
 
 
-def documents(file: Path, encoding: str | None = None) -> Iterator[str]:
-    """The documents of one text file: a .txt file is one; a .jsonl file has one per line."""
-    if file.suffix == ".txt":
-        yield decode(file.read_bytes(), file, encoding)
+def _nul_hint(file: Path) -> str:
+    """What a file with NUL bytes probably is: UTF-16 without a byte-order mark when every other byte is NUL."""
+    with open(file, "rb") as f:
+        head = f.read(1 << 16)
+    even, odd = head[0::2].count(0), head[1::2].count(0)
+    half = len(head) // 2
+    for name, nul, other in (("utf-16-le", odd, even), ("utf-16-be", even, odd)):
+        if half and nul > 0.3 * half and other < 0.05 * half:
+            return (f"every other byte is NUL, as in {name.upper()} text without a byte-order mark: pass "
+                    f"--text-encoding {name}")
+    return "pass --text-encoding ENC with the file's encoding (e.g. utf-16-le, utf-32), or remove the NUL bytes"
+
+
+def _ascii_lines(encoding: str | None) -> bool:
+    """Does `encoding` write a newline, braces and letters as ASCII bytes (so a .jsonl file splits on b"\n")?"""
+    return is_utf8(encoding) or "\n{}a".encode(encoding) == b"\n{}a"
+
+
+class _Utf8Note:
+    """Says once (per `say`) that a file read with another `--text-encoding` is valid UTF-8 all the same."""
+
+    def __init__(self, encoding: str | None, say: Callable[[str], None] | None):
+        self.active = say is not None and not is_utf8(encoding)
+        self.encoding, self.say, self.fits, self.wide = encoding, say, True, False
+
+    def see(self, raw: bytes) -> None:
+        if self.active and self.fits and not raw.isascii():
+            self.wide = True
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                self.fits = False
+
+    def end(self, file: Path) -> None:
+        if self.active and self.fits and self.wide:
+            self.active = False
+            self.say(f"note: --data {os.fspath(file)!r} is valid UTF-8 with non-ASCII characters, read as "
+                     f"{self.encoding} as --text-encoding says: if it is UTF-8, drop --text-encoding (its "
+                     f"non-ASCII characters come out as other characters)")
+        self.fits, self.wide = True, False
+
+
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def documents(file: Path, encoding: str | None = None, note: _Utf8Note | None = None) -> Iterator[str]:
+    """The documents of one text file: a .txt file is one (none if it holds only whitespace); a .jsonl file has
+    one per line (blank lines skipped). `note`: told of each file's bytes (`_Utf8Note`)."""
+    note = note or _Utf8Note(encoding, None)
+    if file.suffix.lower() != ".jsonl":
+        raw = file.read_bytes()
+        note.see(raw)
+        doc = decode(raw, file, encoding)
+        note.end(file)
+        _no_surrogate(doc, file)
+        if doc.strip():
+            yield doc
         return
+    if _ascii_lines(encoding):
+        lines = _raw_lines(file, encoding, note)
+    else:   # UTF-16, UTF-32, ...: a newline is not the byte 0x0a; split the decoded text
+        lines = enumerate(decode(file.read_bytes(), file, encoding).split("\n"), 1)
+    for n, line in lines:
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--data {os.fspath(file)!r} line {n} is not JSON: {e}") from None
+        text = record.get("text") if isinstance(record, dict) else record
+        if not isinstance(text, str):
+            raise ValueError(f"--data {os.fspath(file)!r} line {n}: expected a JSON string or an object with "
+                             f"a \"text\" string")
+        _no_surrogate(text, file, n)
+        yield text
+    note.end(file)
+
+
+def _no_surrogate(text: str, file: Path, line: int | None = None) -> None:
+    """ValueError naming the file (and line) if `text` holds a lone surrogate, which no tokenizer encodes."""
+    if (bad := SURROGATE.search(text)) is not None:
+        where = f" line {line}" if line is not None else ""
+        raise ValueError(f"--data {os.fspath(file)!r}{where}: the text holds a lone surrogate "
+                         f"{json.dumps(bad.group())} at character {bad.start():,} (half of a UTF-16 pair, as a string "
+                         f"cut in the middle of an emoji leaves it), which no tokenizer can encode: mend or drop "
+                         f"{'that line' if line is not None else 'it'}")
+
+
+def _raw_lines(file: Path, encoding: str | None, note: _Utf8Note) -> Iterator[tuple[int, str]]:
     offset = 0
     with open(file, "rb") as f:
         for n, raw in enumerate(f, 1):
-            line = decode(raw, file, encoding, offset, n)
+            note.see(raw)
+            yield n, decode(raw, file, encoding, offset, n)
             offset += len(raw)
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--data {os.fspath(file)!r} line {n} is not JSON: {e}") from None
-            text = record.get("text") if isinstance(record, dict) else record
-            if not isinstance(text, str):
-                raise ValueError(f"--data {os.fspath(file)!r} line {n}: expected a JSON string or an object with "
-                                 f"a \"text\" string")
-            yield text
 
 
 def pieces(text: str) -> Iterator[str]:
@@ -228,6 +338,24 @@ def cached(out: Path, say: Callable[[str], None]) -> dict | None:
     return record
 
 
+def _sweep(cache: Path) -> None:
+    """Remove the temporary files of runs that were killed while they wrote a cache entry: those of every entry
+    whose lock no run holds (a run that tokenizes holds it until its files are renamed into place)."""
+    for tmp in cache.glob("*.tmp"):
+        lock = cache / f"{tmp.name.split('.', 1)[0]}.lock"
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:   # no lock: not a file this module writes under it
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            tmp.unlink(missing_ok=True)
+        except OSError:   # held: a run is writing that entry now
+            pass
+        finally:
+            os.close(fd)
+
+
 @contextlib.contextmanager
 def _locked(path: Path, say: Callable[[str], None]) -> Iterator[None]:
     """Hold `path` (an flock) for tokenizing one cache entry; a second run waits, saying for whom."""
@@ -258,7 +386,7 @@ def prepare(data: str | os.PathLike, tokenizer: str | os.PathLike, *, vocab: int
     if tok.get_vocab_size() > vocab:
         raise ValueError(f"--tokenizer {os.fspath(tok_file)!r} has {tok.get_vocab_size():,} tokens, more than the "
                          f"model's vocabulary of {vocab:,}: add --set vocab_size={tok.get_vocab_size()}")
-    files = text_files(data)
+    files, skipped = text_files(data)
     eos = eos_id(tok, tok_file)
     dtype = "uint16" if tok.get_vocab_size() <= 2 ** 16 else "uint32"
     key = content_hash(files, tok_file, Path(data), eos=eos, encoding=encoding)
@@ -270,18 +398,23 @@ def prepare(data: str | os.PathLike, tokenizer: str | os.PathLike, *, vocab: int
         except OSError as e:
             raise ValueError(f"the token cache {out.parent} cannot be made ({e.strerror or e}): set "
                              f"ZOO_TOKEN_CACHE to a writable directory") from None
+        _sweep(out.parent)
         with _locked(out.with_suffix(".lock"), say):
             record = cached(out, lambda _: None)   # made by the run this one waited for?
             if record is None:
-                record = _make(tok, tok_file, files, eos, dtype, out, encoding, say, progress)
+                if skipped:
+                    say(f"skipping {len(skipped)} file(s) of {os.fspath(data)} that are not .txt or .jsonl: "
+                        f"{listed(skipped, Path(data))}")
+                record = _make(tok, tok_file, files, eos, dtype, out, encoding, say, progress, Path(data))
                 return out, record["dtype"]
     say(f"tokens of {os.fspath(data)}: {record['tokens']:,} from the cache {out}")
     return out, record["dtype"]
 
 
 def _make(tok, tok_file: Path, files: list[Path], eos: int, dtype: str, out: Path, encoding: str | None,
-          say: Callable[[str], None], progress: Callable | None) -> dict:
-    """Tokenize `files` into the cache entry `out` (token file, then its record; each renamed into place)."""
+          say: Callable[[str], None], progress: Callable | None, root: Path | None = None) -> dict:
+    """Tokenize `files` into the cache entry `out` (token file, then its record; each renamed into place).
+    ValueError naming the file(s) when none holds a document; a file without one among others is noted."""
     total = sum(f.stat().st_size for f in files)
     say(f"tokenizing {len(files)} file(s), {total / 2 ** 20:.1f} MiB, with {tok_file} (eos id {eos}) "
         f"into {out} ...")
@@ -289,7 +422,16 @@ def _make(tok, tok_file: Path, files: list[Path], eos: int, dtype: str, out: Pat
     advance = (progress or _lines(say))(total)
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     try:
-        n = _tokenize(tok, files, eos, dtype, tmp, advance, encoding)
+        n, empty = _tokenize(tok, files, eos, dtype, tmp, advance, encoding, say)
+        root = root or files[0]
+        if len(empty) == len(files):
+            raise ValueError(f"--data {os.fspath(root)!r}: " + (
+                "no text in it (an empty file, or only blank lines)" if not root.is_dir() else
+                f"no text in any of its {len(files)} file(s) ({listed(empty, root)}): each is empty or holds only "
+                f"blank lines"))
+        if empty:
+            say(f"note: {len(empty)} file(s) of {os.fspath(root)} hold no text (empty, or only blank lines): "
+                f"{listed(empty, root)}")
         advance(total)   # a .jsonl file's text is shorter than its bytes: close the bar at 100%
         seconds = time.perf_counter() - t0
         with open(tmp, "rb") as f:
@@ -311,8 +453,9 @@ def _make(tok, tok_file: Path, files: list[Path], eos: int, dtype: str, out: Pat
 
 
 def _tokenize(tok, files: list[Path], eos: int, dtype: str, path: Path, advance: Callable[[int], None],
-              encoding: str | None = None) -> int:
-    """Encode every document of `files` (EOS after each) into the token file `path`; the number of tokens."""
+              encoding: str | None = None, say: Callable[[str], None] | None = None) -> tuple[int, list[Path]]:
+    """Encode every document of `files` (EOS after each) into the token file `path`: (the number of tokens, the
+    files that held no document)."""
     np_dtype = np.dtype("<u2" if dtype == "uint16" else "<u4")   # the token-file format (recipes/train/data.py)
     n, done = 0, 0
     with open(path, "wb") as out:
@@ -325,9 +468,11 @@ def _tokenize(tok, files: list[Path], eos: int, dtype: str, path: Path, advance:
                 done += len(text.encode("utf-8", errors="replace"))
             advance(done)
 
-        batch, ends = [], []
+        batch, ends, empty, note = [], [], [], _Utf8Note(encoding, say)
         for file in files:
-            for doc in documents(file, encoding):
+            docs = 0
+            for doc in documents(file, encoding, note):
+                docs += 1
                 parts = list(pieces(doc)) or [""]
                 for i, part in enumerate(parts):
                     batch.append(part)
@@ -335,9 +480,11 @@ def _tokenize(tok, files: list[Path], eos: int, dtype: str, path: Path, advance:
                     if len(batch) == BATCH:
                         flush(batch, ends)
                         batch, ends = [], []
+            if not docs:
+                empty.append(file)
         if batch:
             flush(batch, ends)
-    return n
+    return n, empty
 
 
 def _lines(say: Callable[[str], None]) -> Callable[[int], Callable[[int], None]]:

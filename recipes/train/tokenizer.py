@@ -32,11 +32,8 @@ def _files(paths: Sequence[str]) -> list[Path]:
         if not p.exists():
             raise ValueError(f"--train {path!r}: no such file or directory")
         if p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in text.SUFFIXES)
-            if not found:
-                raise ValueError(f"--train {path!r}: a directory without {' or '.join(text.SUFFIXES)} files")
-            out += found
-        elif p.suffix in text.SUFFIXES:
+            out += text.text_files(p, "--train")[0]
+        elif p.suffix.lower() in text.SUFFIXES:
             out.append(p)
         else:
             raise ValueError(f"--train {path!r}: not a {' or '.join(text.SUFFIXES)} file")

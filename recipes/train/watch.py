@@ -154,11 +154,12 @@ class Board:
         os.replace(record_path + ".tmp", record_path)
 
     def start_at(self, step: int) -> None:
-        """Open the writer for steps after `step`: TensorBoard discards earlier events of steps > `step`."""
+        """Open the writer for steps after `step`: its file starts with a purge at `step + 1` (a session start),
+        on which TensorBoard discards the earlier files' events of steps > `step` (those a killed run wrote past
+        its last checkpoint, or before its first: `step` 0), so each step has one point."""
         # tensorboardX names its file by the second and the host and opens it "wb": the suffix keeps a resumed
         # run's file from replacing the one it continues
-        self.writer = self.make(self.directory, purge_step=step + 1 if step else None,
-                                filename_suffix=f".{os.getpid()}.from{step}")
+        self.writer = self.make(self.directory, purge_step=step + 1, filename_suffix=f".{os.getpid()}.from{step}")
 
     def write(self, row: dict) -> None:
         if self.writer is None:

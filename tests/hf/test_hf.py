@@ -250,6 +250,12 @@ BAD = {
                                                            "high_freq_factor": 4.0, "beta_fast": 3.0,
                                                            "original_max_position_embeddings": 16}), "beta_fast"),
     "missing field": (lambda p: edit_config(p, vocab_size=None), "vocab_size"),
+    "architectures contradict model_type": (lambda p: edit_config(p, architectures=["Qwen3ForCausalLM"]),
+                                            "config.json: architectures=\\['Qwen3ForCausalLM'\\] names "
+                                            "Qwen3ForCausalLM, whose model_type is 'qwen3', but model_type='llama': "
+                                            "transformers goes by model_type and would build LlamaForCausalLM"),
+    "no positions": (lambda p: edit_config(p, max_position_embeddings=0),
+                     "^config.json: max_position_embeddings=0 must be a positive integer$"),
     "bad config value": (lambda p: edit_config(p, num_key_value_heads=2), "num_kv_heads=2 must divide"),
 }
 
@@ -270,6 +276,31 @@ def test_bad_checkpoint_is_refused_before_loading(ckpt, case, monkeypatch):
     monkeypatch.setattr(hf_load, "stream", no_loading)
     with pytest.raises(ValueError, match=message):
         zoo.from_hf(ckpt)
+
+
+def test_a_checkpoints_context_bounds_the_model_and_the_training_step(ckpt):
+    """max_position_embeddings 8: the model refuses 32 positions, called or traced (a static shape), and so does
+    the training step, as the main job and the planner do; `max_seq_len=N` raises it."""
+    import optax
+
+    from zoo.optim import make_optimizer
+    from zoo.train_step import train_step
+    edit_config(ckpt, max_position_embeddings=8)
+    model = zoo.from_hf(ckpt)
+    assert model.config.max_seq_len == 8
+    tokens = jnp.zeros((1, 32), jnp.int32)
+    refusal = "sequence length 32 is longer than LlamaConfig.max_seq_len=8 "
+    model(tokens[:, :8])
+    with pytest.raises(ValueError, match=refusal):
+        model(tokens)
+    with pytest.raises(ValueError, match=refusal):
+        jax.jit(lambda t: model(t))(tokens)
+    optimizer = make_optimizer(model, optax.constant_schedule(1e-3), clip=1.0, weight_decay=0.0)
+    batch = {"tokens": jnp.zeros((1, 33), jnp.int32), "weights": jnp.ones((1, 32), jnp.float32)}
+    with pytest.raises(ValueError, match=refusal):
+        train_step(model, optimizer, batch)
+    longer = zoo.models.llama3(dataclasses.replace(model.config, max_seq_len=32), rngs=nnx.Rngs(0))
+    assert longer(tokens).shape[:2] == (1, 32)
 
 
 def test_missing_files_are_named(tmp_path):

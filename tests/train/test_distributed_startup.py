@@ -1,9 +1,10 @@
 """Several processes: start-up errors are one-line messages (exit 2; a coordinator port another program holds
 among them), a process whose coordinator is not there says it is waiting and gives up after --coordinator-timeout
-instead of waiting forever (or aborting with a C++ stack trace), and a SIGTERM that reaches one process of two
-stops both after the same step, with one checkpoint of it."""
+instead of waiting forever (or aborting with a C++ stack trace), a second process 0 is refused naming the first,
+and a SIGTERM that reaches one process of two stops both after the same step, with one checkpoint of it."""
 from __future__ import annotations
 
+import os
 import pathlib
 import signal
 import socket
@@ -107,8 +108,9 @@ def test_the_coordination_service_host_serves_until_told_and_lingers_after_proce
     port = free_port()
     host = coordinator.start(f"[::]:{port}", 1, heartbeat=5, shutdown=5, grace=600, timeout=60)
     try:
-        with pytest.raises(ValueError, match=f"process 0 cannot serve the coordinator on port {port} "):
-            mesh.check_port(f"127.0.0.1:{port}")   # held by a live run: it is another program's to this one
+        with pytest.raises(ValueError, match=f"port {port} is already served by the coordination service of another "
+                                             f"process 0 "):
+            mesh.check_port(f"127.0.0.1:{port}")   # held by a live run's process 0
         host.shutdown()
         assert host.proc.returncode == 0
         mesh.check_port(f"127.0.0.1:{port}")       # free again
@@ -124,3 +126,50 @@ def test_the_coordination_service_host_serves_until_told_and_lingers_after_proce
     finally:
         host.proc.kill()
         host.proc.wait()
+
+
+def test_a_second_process_0_is_refused_naming_the_first():
+    """Two processes given JAX_PROCESS_ID=0 on one machine: the second cannot claim the port the first's service
+    holds, whether it checks before starting (`check_port`) or races the first to start (`coordinator.start`):
+    one line naming the first process 0 (their services would share the port and JAX abort in C++)."""
+    port = free_port()
+    host = coordinator.start(f"[::]:{port}", 2, heartbeat=5, shutdown=5, grace=600, timeout=60)
+    try:
+        refusal = (f"port {port} is already served by the coordination service of another process 0 (pid "
+                   f"{os.getpid()}; the service's pid {host.proc.pid}): were two processes started with "
+                   f"JAX_PROCESS_ID=0? Give each process its own JAX_PROCESS_ID (0 to JAX_NUM_PROCESSES-1), or this "
+                   f"run another port in JAX_COORDINATOR_ADDRESS")
+        assert coordinator.serving(port) == (host.proc.pid, os.getpid())
+        with pytest.raises(ValueError) as e:
+            mesh.check_port(f"127.0.0.1:{port}")
+        assert str(e.value) == refusal
+        with pytest.raises(coordinator.Taken) as e:
+            coordinator.start(f"[::]:{port}", 2, heartbeat=5, shutdown=5, grace=600, timeout=60)
+        assert str(e.value) == refusal
+    finally:
+        host.shutdown()
+    assert coordinator.serving(port) is None
+
+
+@pytest.mark.slow
+@pytest.mark.multidevice
+def test_two_processes_started_as_process_0_each_end_with_one_line(tmp_path):
+    """Both processes of a run given JAX_PROCESS_ID=0, started at once: the one whose service could not claim the
+    port says so; the other says that not every process connected. Both exit 2; no C++ abort."""
+    port = free_port()
+    args = [sys.executable, "-m", "recipes.train", *map(str, RUN), "--steps", "2", "--coordinator-timeout", "40"]
+    procs = [subprocess.Popen(args, cwd=ROOT, env=env_for(0, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [2, 2], [o[1][-3000:] for o in outs]
+    said = sorted(o[1] for o in outs)
+    assert all(s.count("\n") == 1 and "Terminating process" not in s for s in said), said
+    assert said[0].startswith(f"error: no coordinator at 127.0.0.1:{port} after 40 s, or not every process "
+                              f"connected"), said
+    assert said[1].startswith(f"error: port {port} is already served by the coordination service of another "
+                              f"process 0 (pid "), said

@@ -47,3 +47,43 @@ def test_one_run_per_tensorboard_directory(tmp_path):
     (foreign / "events.out.tfevents.1.host").write_bytes(b"")
     with pytest.raises(ValueError, match="no run of the zoo recorded them"):
         watch.Board(str(foreign), run=run_a, resume=True)
+
+
+def points(directory, tag="train/loss", purge=True) -> list[tuple[int, float]]:
+    """The (step, value) points of `tag` in the event files of `directory`, read in order; `purge`: as TensorBoard
+    applies a purge (a session start at step N drops the points read so far at steps >= N)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.compat.proto.event_pb2 import SessionLog
+    out = []
+    for name in sorted(f for f in os.listdir(directory) if f.startswith("events.out.tfevents")):
+        for event in EventFileLoader(os.path.join(directory, name)).Load():
+            if purge and event.HasField("session_log") and event.session_log.status == SessionLog.START:
+                out = [p for p in out if p[0] < event.step]
+            for value in event.summary.value:
+                if value.tag == tag:   # (the loader hands scalars over as tensors)
+                    out.append((event.step, value.tensor.float_val[0]))
+    return out
+
+
+@pytest.mark.parametrize("resumed_at", [0, 2])
+def test_a_resumed_run_has_one_point_per_step(tmp_path, resumed_at):
+    """A run killed after logging steps 1-4, resumed from its checkpoint at `resumed_at` (0: killed before its first
+    checkpoint): TensorBoard shows steps 1-6 once each, those past `resumed_at` from the resumed run."""
+    pytest.importorskip("tensorboardX")
+    pytest.importorskip("tensorboard")
+    tb, run = tmp_path / "tb", {"seed": 0}
+    killed = watch.Board(str(tb), run=run)
+    for step in range(1, 5):
+        killed.write({"step": step, "loss": 10.0 + step})
+    killed.close()   # (what a killed run leaves: every row is flushed as it is written)
+    for name in os.listdir(tb):   # written a second before the resumed run's (whose name would be the same here)
+        if name.startswith("events.out.tfevents."):
+            stamp, rest = name[len("events.out.tfevents."):].split(".", 1)
+            os.rename(tb / name, tb / f"events.out.tfevents.{int(stamp) - 1}.{rest}")
+    again = watch.Board(str(tb), run=run, resume=True)
+    again.start_at(resumed_at)
+    for step in range(resumed_at + 1, 7):
+        again.write({"step": step, "loss": 20.0 + step})
+    again.close()
+    assert len(points(tb, purge=False)) == 4 + 6 - resumed_at   # both runs' points are in the files
+    assert points(tb) == [(s, (10.0 if s <= resumed_at else 20.0) + s) for s in range(1, 7)]

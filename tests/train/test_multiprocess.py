@@ -12,6 +12,8 @@ among them, CPU collectives over gloo, under `--mesh fsdp=4`; compared with one 
   aborting in C++. The same command in one process on another mesh (fsdp=2,tp=2) with --resume takes over the
   lock if it was left, continues from the checkpoint the two processes wrote, and logs the uninterrupted run's
   losses into the same --metrics file, each step once.
+- SIGKILL to the coordination service's own process (process 0's child): both processes exit 1 with one line
+  (the relay's), no C++ abort.
 - The PeerWatch itself, on a stand-in for the coordination service's key-value store and a clock the test moves
   (no sleeps): a process that stops publishing is named once --heartbeat-timeout has passed and not before, one
   that failed after one more round, one that finished alone after the timeout; a coordinator that stops answering
@@ -32,7 +34,7 @@ import time
 
 import pytest
 
-from recipes.train import mesh
+from recipes.train import coordinator, mesh
 from recipes.train.checkpoint import Checkpoints
 from recipes.train.lock import LOCK_NAME, DirLock
 from tests.helpers import cpu_env, tiered
@@ -65,10 +67,10 @@ def one_process(args) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=DEADLINE)
 
 
-def processes(args, count: int = 2, per_process=None) -> list[subprocess.Popen]:
+def processes(args, count: int = 2, per_process=None, port: int | None = None) -> list[subprocess.Popen]:
     """`count` processes sharing the 4 devices of the one-process run, 4 // count each; `per_process(i)`: flags
     added to process i's command."""
-    port = free_port()
+    port = port or free_port()
     return [subprocess.Popen([sys.executable, *RUN, *map(str, args), *map(str, per_process(i) if per_process else [])],
                              cwd=ROOT, env=env_for(4 // count, i, port, count), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True) for i in range(count)]
@@ -324,3 +326,32 @@ def test_a_killed_process_stops_the_other_and_resume_continues(tmp_path, referen
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))   # each step once: rows past `last` were cut
     assert [r["loss"] for r in got[:last]] == pytest.approx(reference[:last], rel=TOL)   # the two processes
     assert [r["loss"] for r in got[last:]] == pytest.approx(reference[last:], rel=TOL)
+
+
+def test_a_killed_coordination_service_ends_every_process_with_one_line(tmp_path):
+    """SIGKILL to the coordination service's own process (process 0's child) mid-run: JAX's clients would abort
+    both processes from C++ at once; each exits 1 with one line instead, the relay's (`recipes.train.relay`) or,
+    when the other process's exit reset the collective first, the failed collective's."""
+    port = free_port()
+    procs = processes(["--mesh", "fsdp=4", "--steps", 1000, "--heartbeat-timeout", HEARTBEAT], port=port)
+    try:
+        seen = []
+        for line in procs[0].stdout:
+            seen.append(line)
+            if line.startswith("step      2"):
+                break
+        host = coordinator.serving(port)
+        assert host is not None and host[1] == procs[0].pid, "".join(seen)[-3000:]
+        os.kill(host[0], signal.SIGKILL)
+        outs = finish(procs, timeout=HEARTBEAT + 60)
+    finally:
+        finish(procs, timeout=10)
+    assert [p.returncode for p in procs] == [1, 1], [o[1][-3000:] for o in outs]
+    for i, (_, stderr) in enumerate(outs):
+        assert "Terminating process" not in stderr and "Traceback" not in stderr, stderr[-3000:]
+        said = stderr.splitlines()[-1]   # the relay's line, or gloo's if the other process's exit came first
+        assert said.startswith((f"error: the coordination service at 127.0.0.1:{port} (process 0's) closed its "
+                                f"connection and answers no new one (",
+                                "error: a collective with the other processes failed (")) and said.endswith(
+            STOPS.replace("process 0", f"process {i}")), said
+    assert any("coordination service" in o[1] for o in outs)

@@ -50,8 +50,9 @@ def damage(ckpt, how: str, step: int = 6) -> str:
     if how == "deleted_small_arrays":
         shutil.rmtree(state / "d")
         return f"{state / 'd'}/"
-    if how == "deleted_manifest":     # ours: written last, so a step without it was not completed
+    if how == "deleted_manifest_and_commit":   # ours, and orbax's record that the step was committed
         (folder / "zoo-manifest.json").unlink()
+        (folder / "_CHECKPOINT_METADATA").unlink()
         return f"its manifest {folder / 'zoo-manifest.json'} is missing"
     if how == "truncated_array_file":
         file = biggest_file(state)
@@ -73,7 +74,7 @@ def damage(ckpt, how: str, step: int = 6) -> str:
 
 
 @pytest.mark.parametrize("how", ["flipped_bytes", "earlier_state", "earlier_step", "deleted_orbax_manifest",
-                                 "deleted_small_arrays", "deleted_manifest", "truncated_array_file"])
+                                 "deleted_small_arrays", "deleted_manifest_and_commit", "truncated_array_file"])
 def test_a_step_whose_files_are_not_its_manifests_is_set_aside(base, tmp_path, capfd, how):
     """Each step's manifest (written last: the step and each file's size and sha256) is checked before orbax reads
     anything: a damaged step is named in one line with what differs and set aside as it is; the step before is
@@ -94,7 +95,7 @@ def test_a_step_whose_files_are_not_its_manifests_is_set_aside(base, tmp_path, c
 def test_every_step_damaged_is_one_line_and_nothing_is_renamed(base, tmp_path):
     ckpt = copy_ckpt(base, tmp_path)
     reasons = [damage(ckpt, how, step) for how, step in (("flipped_bytes", 6), ("deleted_orbax_manifest", 4),
-                                                         ("deleted_manifest", 2))]
+                                                         ("deleted_manifest_and_commit", 2))]
     out = cli(RUN + ["--ckpt-dir", ckpt, "--resume", "--steps", 8, "--schedule-steps", 6])
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr
     assert out.stderr.startswith(f"error: no checkpoint in {ckpt} can be resumed (nothing was changed): step 6: "

@@ -171,7 +171,7 @@ def test_two_runs_tokenizing_the_same_files_at_once_share_one_cache_entry(corpus
     then reads the entry the first made; no temporary file is left."""
     import threading
     _, root, tok_dir = corpus
-    files = text.text_files(root)
+    files = text.text_files(root)[0]
     tok, tok_file = text.load_tokenizer(tok_dir)
     key = text.content_hash(files, tok_file, root, eos=text.eos_id(tok, tok_file), encoding=None)
     out = text.cache_dir() / f"{key}.bin"

@@ -30,7 +30,7 @@ def require(hf: dict, field: str) -> Any:
 # The JSON types of the config.json fields every family reads (an int field is not a bool; a float field may be an
 # int); a family adds its own (`check_types(hf, ints=..., ...)` in its from_hf).
 INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim")
+              "num_key_value_heads", "head_dim", "max_position_embeddings")   # each at least 1
 FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
 BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
 STR_FIELDS = ("model_type", "hidden_act", "dtype", "torch_dtype")
@@ -39,7 +39,8 @@ STR_FIELDS = ("model_type", "hidden_act", "dtype", "torch_dtype")
 def check_types(hf: dict, *, ints: tuple[str, ...] = (), floats: tuple[str, ...] = (),
                 bools: tuple[str, ...] = ()) -> None:
     """ValueError naming the first field (the common ones, and `ints`, `floats`, `bools`) whose value has the wrong
-    JSON type (null is "not set"), and `architectures` that is not a list of names (a string would be matched by
+    JSON type (null is "not set"), a common integer field below 1 (named as config.json's field, not as the zoo
+    config's it becomes), and `architectures` that is not a list of names (a string would be matched by
     substring)."""
     kinds = [(INT_FIELDS + ints, "an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
              (FLOAT_FIELDS + floats, "a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
@@ -50,6 +51,9 @@ def check_types(hf: dict, *, ints: tuple[str, ...] = (), floats: tuple[str, ...]
         for field in fields:
             if hf.get(field) is not None and not ok(hf[field]):
                 raise ValueError(f"config.json: {field}={hf[field]!r} must be {what}")
+    for field in INT_FIELDS:
+        if hf.get(field) is not None and hf[field] < 1:
+            raise ValueError(f"config.json: {field}={hf[field]!r} must be a positive integer")
     names = hf.get("architectures")
     if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
         raise ValueError(f"config.json: architectures={names!r} must be a list of names (architectures)")

@@ -182,6 +182,7 @@ class CausalLM(nnx.Module):
     def _trunk(self, tokens):
         """(normed final hidden states, input embeddings, the recipe's policy, {stack: aux})."""
         tokens = check_tokens(tokens, self.config.vocab_size)
+        self.config.check_seq(tokens.shape[1])   # within max_seq_len: a static shape, checked when traced too
         embeddings = self.embed(tokens)
         x = embeddings
         r = self.recipe

@@ -146,13 +146,20 @@ def family_of(cfg: Any) -> Family:
 
 
 def family_for_hf(hf: dict) -> Family:
-    """The family of a Hugging Face config.json (by `architectures`, else `model_type`)."""
+    """The family of a Hugging Face config.json (by `architectures`, else `model_type`). ValueError naming both
+    when they contradict each other (transformers goes by `model_type`: it would build another model)."""
     names = hf.get("architectures") or []
     by_type = {f.hf.model_type: f.hf.architecture for f in FAMILIES.values()}
     if not names and hf.get("model_type") in by_type:
         names = [by_type[hf["model_type"]]]
     for f in FAMILIES.values():
         if f.hf.architecture in names:
+            said = hf.get("model_type")
+            if said is not None and said != f.hf.model_type:
+                builds = by_type.get(said, f"a {said!r} model")
+                raise ValueError(f"config.json: architectures={names!r} names {f.hf.architecture}, whose model_type "
+                                 f"is {f.hf.model_type!r}, but model_type={said!r}: transformers goes by model_type "
+                                 f"and would build {builds} from it; correct the one that is wrong")
             return f
     raise ValueError(f"config.json: architectures={names!r} (model_type={hf.get('model_type')!r}) is not supported; "
                      f"zoo reads {sorted(f.hf.architecture for f in FAMILIES.values())}")
