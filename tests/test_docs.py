@@ -342,3 +342,37 @@ def test_the_models_table_is_the_registry():
         assert set(re.findall(r"`(\w+)`", presets)) == set(f.presets()), name
         assert re.findall(r"`(\w+)`", recipe_cells) == list(rs.RECIPES), name
         assert f"`{rs.DEFAULT}` (default)" in recipe_cells, name
+
+
+# -- renamed names (docs/changes.md) -----------------------------------------------------------------------------
+def renames() -> list[tuple[str, str]]:
+    """(old form, what it gives) of each row of docs/changes.md's table."""
+    rows = []
+    for line in (ROOT / "docs" / "changes.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("| `") else []
+        if len(cells) == 3:
+            old = cells[0].strip("`").strip()
+            said = re.match(r"(`+) ?(.*?) ?\1", cells[2])
+            rows.append((old, said.group(2)))
+    return rows
+
+
+@pytest.mark.parametrize("old, said", renames(), ids=[old for old, _ in renames()])
+def test_each_renamed_name_says_its_new_form(old, said):
+    """Every row of the "what changed" page: the old form fails with the one line the page quotes, which names the
+    new form (a command exits 2; a Python name raises before doing anything else)."""
+    if old.startswith("python -m "):
+        module = old.split()[2]
+        out = subprocess.run([sys.executable, "-m", module], cwd=ROOT, env=cpu_env(), capture_output=True, text=True,
+                             timeout=120)
+        assert (out.returncode, out.stdout, out.stderr.strip()) == (2, "", said)
+        return
+    import zoo
+    with pytest.raises(Exception) as e:
+        exec(old, {"zoo": zoo, "cfg": None, "recipe": None, "path": "no/such/checkpoint"})
+    assert f"{type(e.value).__name__}: {e.value}" == said
+
+
+def test_the_renames_table_is_read():
+    olds = [old for old, _ in renames()]
+    assert "python -m recipes.plan ..." in olds and "zoo.from_hf(path, mtp=False)" in olds and len(olds) >= 10

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from zoo import renames
 from zoo import sharding as zoo_sharding
 from zoo.hf import config as hf_config
 from zoo.hf import keymap
@@ -71,6 +72,7 @@ def _set_slice(buf, piece, index):
     return jax.lax.dynamic_update_slice(buf, piece, starts)
 
 
+@renames.keywords(mtp="extra_heads= (the model's extra heads, e.g. multi-token prediction)")
 def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *, mesh=None,
             rules: Sequence[tuple[str, Any]] | None = None, allow_nonfinite: bool = False,
             extra_heads: bool | None = None) -> nnx.Module:

@@ -14,6 +14,7 @@ planned for, its link and rate, how the peak is found), `build` (`plan`), `repor
 
 `zoo.plan` is this package, a plain module; the planner is its function `zoo.plan.plan`.
 """
+from zoo import renames
 from zoo.plan import measure
 from zoo.plan.build import auto_recipe, plan
 from zoo.plan.capacity import Capacity, largest_batch
@@ -26,3 +27,4 @@ __all__ = ["POOL_ENV", "Capacity", "Hardware", "ModelState", "Parallelism", "Pla
            "Training", "auto_recipe", "fmt_bytes", "host_pool_bytes", "largest_batch", "measure", "plan", "render",
            "to_json"]
 
+renames.called(__name__)   # `zoo.plan(...)` was the planner: a TypeError naming zoo.plan.plan (docs/changes.md)
