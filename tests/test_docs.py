@@ -312,16 +312,78 @@ def test_example_scripts_print_what_the_docs_quote(block):
         assert_quoted(quoted, out.stdout, block.id)
 
 
-def test_the_site_builds(tmp_path):
-    """`mkdocs build --strict` (warnings are errors: a broken link, a missing page, a docstring mkdocstrings cannot
-    render) with the repository's mkdocs.yml."""
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The site, built once with `mkdocs build --strict` (warnings are errors: a broken link, a missing page, a
+    docstring mkdocstrings cannot render) and the repository's mkdocs.yml."""
     pytest.importorskip("mkdocs", reason='the docs extra is not installed (pip install -e ".[docs]")')
     pytest.importorskip("mkdocstrings")
-    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+    out_dir = tmp_path_factory.mktemp("site")
+    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out_dir)],
                          cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**cpu_env(), "NO_MKDOCS_2_WARNING": "1"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert (tmp_path / "site" / "api" / "plan" / "index.html").stat().st_size > 10_000
+    return out_dir
+
+
+def test_the_site_builds(site):
+    assert (site / "api" / "plan" / "index.html").stat().st_size > 10_000
+
+
+# The modules whose `__all__` is the public API: each name there has an entry in the API reference.
+PUBLIC = ["zoo", "zoo.models", "zoo.layers", "zoo.plan", "zoo.hf", "zoo.hf.load", "zoo.hf.save"]
+
+
+def public_modules() -> list[str]:
+    """PUBLIC, each family's package (zoo.models.<package>: its config, builder and the rest of its `__all__`) and
+    each family's recipe set (`recipes.<family>`: RECIPES and DEFAULT)."""
+    from zoo.models import registry
+    families = registry.FAMILIES.values()
+    return PUBLIC + sorted({f.config_cls.__module__.rsplit(".", 1)[0] for f in families}) + sorted(
+        f"recipes.{f.name}" for f in families)
+
+
+def test_every_public_name_has_an_api_entry(site):
+    """mkdocstrings' inventory (objects.inv) holds an entry for every name in the `__all__` of each public module:
+    a class or function by the path it is defined at or one it is re-exported at, anything else by its public path.
+    A name added to `__all__` without a page that renders it fails here."""
+    import importlib
+    import types
+
+    import griffe
+    from mkdocstrings import Inventory
+    with open(site / "objects.inv", "rb") as f:
+        entries = set(Inventory.parse_sphinx(f))
+    loaded = griffe.GriffeLoader(search_paths=[str(ROOT)])
+    for package in ("zoo", "recipes"):
+        loaded.load(package)
+    loaded.resolve_aliases(external=False)
+    targets = set(entries)
+    for entry in entries:   # the object each entry documents, where it is defined
+        try:
+            obj = loaded.modules_collection[entry]
+            targets.add(obj.final_target.path if obj.is_alias else obj.path)
+        except (KeyError, griffe.AliasResolutionError, griffe.CyclicAliasError):
+            continue
+    missing = []
+    for name in public_modules():
+        module = importlib.import_module(name)
+        assert hasattr(module, "__all__"), f"{name} has no __all__: its public names are not said"
+        for attr in module.__all__:
+            obj = getattr(module, attr, None)
+            if obj is None:
+                obj = importlib.import_module(f"{name}.{attr}")
+            public = f"{name}.{attr}"
+            if isinstance(obj, type | types.FunctionType):   # where it is defined (a builder shares its package's name)
+                where = {f"{obj.__module__}.{obj.__qualname__}"}
+            else:
+                where = {public, obj.__name__ if isinstance(obj, types.ModuleType) else public}
+                with contextlib.suppress(KeyError, griffe.AliasResolutionError, griffe.CyclicAliasError):
+                    known = loaded.modules_collection[public]
+                    where.add(known.final_target.path if known.is_alias else known.path)
+            if not where & targets:
+                missing.append(public)
+    assert not missing, f"public names without an entry in the API reference (docs/api/): {missing}"
 
 
 def test_the_models_table_is_the_registry():

@@ -32,6 +32,8 @@ from zoo.hf.files import FLOAT_DTYPES, TensorInfo, list_tensors, open_safetensor
 from zoo.models import registry
 from zoo.recipe import Recipe
 
+__all__ = ["from_hf"]
+
 
 def arch_for_config(hf: dict):
     """The model family (zoo.models.registry) whose Hugging Face architecture config.json names."""

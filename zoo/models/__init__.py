@@ -21,6 +21,10 @@ from zoo.models.qwen3 import Qwen3, Qwen3Config, qwen3  # noqa: F401
 from zoo.models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig, qwen3_moe  # noqa: F401
 from zoo.models.stack import Stack  # noqa: F401
 
+__all__ = ["CausalLM", "DeepSeekV3", "DeepSeekV3Config", "LMConfig", "Llama", "LlamaConfig", "MoEConfig", "Qwen3",
+           "Qwen3Config", "Qwen3Moe", "Qwen3MoeConfig", "Stack", "StackTags", "count_params", "deepseek_v3", "llama3",
+           "qwen3", "qwen3_moe", "registry"]
+
 # the family packages renamed since the last release (docs/changes.md): imports and attributes name the new ones
 renames.install_module_finder()
 __getattr__ = renames.attributes(__name__)
