@@ -195,7 +195,8 @@ def assert_quoted(quoted: list[str], printed: str, where: str) -> None:
         return
     missing = [q for q in quoted if norm(q) not in ("", ELIDED) and not re.search(quote_pattern([q]), have, re.S)]
     raise AssertionError(f"{where}: the docs' quote is not what is printed (quoted lines not printed: {missing}; "
-                         f"else a printed line is not quoted, or the order differs)\n--- printed:\n{printed}")
+                         f"else a printed line is not quoted, or the order differs)\n--- printed (its end):\n"
+                         f"{printed[-4000:]}")
 
 
 def test_the_comparison_sees_a_changed_figure_a_missing_line_and_an_extra_one():

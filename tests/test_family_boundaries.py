@@ -56,7 +56,7 @@ def family_files() -> set[pathlib.Path]:
 
 def registration_lines(path: pathlib.Path, root: pathlib.Path) -> set[int]:
     """The lines of the registration modules that may name a family: `zoo/models/__init__.py`'s imports of a family
-    package, `recipes/train/defaults.py`'s `DEFAULT_MODEL = ...`."""
+    package and its `__all__` (the names those imports export), `recipes/train/defaults.py`'s `DEFAULT_MODEL = ...`."""
     rel = path.relative_to(root).as_posix()
     tree = ast.parse(path.read_text())
     packages = {family_package(f) for f in registry.FAMILIES.values()}
@@ -64,6 +64,9 @@ def registration_lines(path: pathlib.Path, root: pathlib.Path) -> set[int]:
     for node in tree.body:
         if rel == "zoo/models/__init__.py" and isinstance(node, ast.ImportFrom) and node.module and (
                 node.module.split(".")[-1] in packages):
+            lines |= set(range(node.lineno, node.end_lineno + 1))
+        if rel == "zoo/models/__init__.py" and isinstance(node, ast.Assign) and [
+                getattr(t, "id", None) for t in node.targets] == ["__all__"]:
             lines |= set(range(node.lineno, node.end_lineno + 1))
         if rel == "recipes/train/defaults.py" and isinstance(node, ast.Assign) and [
                 getattr(t, "id", None) for t in node.targets] == ["DEFAULT_MODEL"]:
