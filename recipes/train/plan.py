@@ -52,7 +52,7 @@ SHARED = {
 
 def parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(prog="python -m recipes.train.plan", description=__doc__.split("\n\n")[0],
-                                formatter_class=cli.HelpFormatter)
+                           formatter_class=cli.HelpFormatter)
     cli.add_fields(p, config.RunConfig, ("model", "preset", "overrides", "recipe", "batch", "seq"), **SHARED)
     p.epilog = (f"--preset, --seq and --batch default to the training command's ({config.default('preset')}, "
                 f"{config.default('seq')}, {config.default('batch')}). "
