@@ -12,7 +12,8 @@ the audit of a recipe), `auto` (the automatic recipe), `state` (model state, hos
 planned for, its link and rate, how the peak is found), `build` (`plan`), `report` (tables and JSON),
 `capacity` (the largest batch that fits a budget). The command line is the application's.
 
-`zoo.plan` is this package, a plain module; the planner is its function `zoo.plan.plan`.
+`zoo.plan` is this package; the planner is its function `zoo.plan.plan` (calling the package, as before a rename,
+is a TypeError naming it: docs/changes.md).
 """
 from zoo import renames
 from zoo.plan import measure
