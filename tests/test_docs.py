@@ -331,6 +331,7 @@ def test_session_pages_run_in_order_from_nothing(page, tmp_path, monkeypatch):
     tokenizer and training commands; each transcript compared."""
     from recipes import train
     from recipes.train import tokenizer
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_latency_hiding_scheduler=true")   # set: none added late
     monkeypatch.setenv("ZOO_TOKEN_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
     ran = 0
