@@ -12,11 +12,14 @@ from recipes.context import CONTEXT, context_recipes
 from recipes.table import RecipeTable
 from zoo import Recipe
 
+__all__ = ["DEFAULT", "RECIPES"]
+
 MLA_QKV = ("query_proj", "key_proj", "value_proj")
 MOE_UP = ("moe_mlpwi_0", "moe_mlpwi_1")
 STUDY = MLA_QKV + MOE_UP
 
 DEFAULT = "mla_moe_offload"  # the study's recipe: what `--recipe` runs when not given
+"""The name of the recipe `--recipe` runs when not given."""
 RECIPES: dict[str, Recipe] = RecipeTable("deepseek_v3", {
     "none": Recipe.none(),
     "full": Recipe.full(),
@@ -38,3 +41,5 @@ RECIPES: dict[str, Recipe] = RecipeTable("deepseek_v3", {
                                       description="lowrank_wa_offload plus the attention output and statistics"),
     **context_recipes("MLA's", grouped=False),   # its stacks (3 dense, 58 MoE layers) share no group size
 })
+"""DeepSeek-V3's recipes by name (the names `--recipe` takes); each `zoo.Recipe` says what it does in its
+`description` (docs/recipes.md lists them)."""

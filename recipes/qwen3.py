@@ -8,5 +8,10 @@ from recipes.gqa import gqa_recipes
 from recipes.table import RecipeTable
 from zoo import Recipe
 
+__all__ = ["DEFAULT", "RECIPES"]
+
 DEFAULT = "qkv_offload"  # the study's recipe: what `--recipe` runs when not given
+"""The name of the recipe `--recipe` runs when not given."""
 RECIPES: dict[str, Recipe] = RecipeTable("qwen3", gqa_recipes("q, k (after norm and RoPE) and v"))
+"""Qwen3's recipes by name (the names `--recipe` takes); each `zoo.Recipe` says what it does in its
+`description` (docs/recipes.md lists them)."""

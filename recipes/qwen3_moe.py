@@ -10,9 +10,12 @@ from recipes.gqa import QKV
 from recipes.table import RecipeTable
 from zoo import Recipe
 
+__all__ = ["DEFAULT", "RECIPES"]
+
 MOE_UP = ("moe_mlpwi_0", "moe_mlpwi_1")
 
 DEFAULT = "qkv_moe_offload"  # what `--recipe` runs when not given
+"""The name of the recipe `--recipe` runs when not given."""
 RECIPES: dict[str, Recipe] = RecipeTable("qwen3_moe", {
     "none": Recipe.none(),
     "full": Recipe.full(),
@@ -27,3 +30,5 @@ RECIPES: dict[str, Recipe] = RecipeTable("qwen3_moe", {
                                       description="qkv_moe_offload plus the attention output and statistics"),
     **context_recipes(),
 })
+"""Qwen3-MoE's recipes by name (the names `--recipe` takes); each `zoo.Recipe` says what it does in its
+`description` (docs/recipes.md lists them)."""

@@ -14,7 +14,7 @@ import dataclasses
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from zoo import logical
+from zoo import logical, renames
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,3 +72,6 @@ def name(x: jax.Array, tag: str, axes: tuple[str | None, ...] | None = None) -> 
     if axes is not None:
         x = logical.constrain(x, axes)
     return checkpoint_name(x, tag)
+
+
+__getattr__ = renames.attributes(__name__)   # names moved to zoo.emitted, zoo.jaxprs (docs/changes.md)

@@ -53,8 +53,10 @@ def nnx_step(model: nnx.Module, optimizer: nnx.Optimizer, tokens: jax.Array) -> 
 def make_nnx() -> tuple[nnx.Module, nnx.Optimizer]:
     model = qwen3_moe(cfg, recipe=recipe, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
-    # Arrays made outside jit are not yet placed ("uncommitted"); a step's outputs are. Placing the state once
-    # here gives the first step the inputs every later step gets, so the second step does not compile again.
+    # Arrays made outside jit are not yet placed ("uncommitted"); under a recipe that offloads, a step's outputs
+    # are (JAX commits the outputs of a program that moves values to host memory). Placing the state once here
+    # gives the first step the inputs every later step gets, so the second step does not compile again
+    # (docs/own-loop.md, "Compiling once").
     nnx.update((model, optimizer), jax.device_put(nnx.state((model, optimizer)), jax.devices()[0]))
     return model, optimizer
 

@@ -10,11 +10,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import math
 import os
 import sys
 import types
 import typing
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, saying no as both commands do: a bad flag or value is one line on stderr naming it and
+    the fix, and exit 2; the usage block only for `--help`."""
+
+    def error(self, message: str):
+        unknown = message.removeprefix("unrecognized arguments: ")
+        if unknown != message:
+            flags = [s for a in self._actions for s in a.option_strings]
+            close = [m for f in unknown.split() if f.startswith("--")
+                     for m in difflib.get_close_matches(f.split("=")[0], flags, n=1, cutoff=0.75)]
+            message += f" (did you mean {close[0]}?)" if close else ""
+            message += f"; `{self.prog} --help` lists the flags"
+        self.exit(2, f"error: {message}\n")
 
 
 class HelpFormatter(argparse.HelpFormatter):

@@ -20,8 +20,8 @@ from recipes.train import cli, config, flags
 def parser() -> argparse.ArgumentParser:
     """Every field of the run (`recipes.train.config.RunConfig`) and of the launch (`recipes.train.config.Launch`)
     as a flag."""
-    p = argparse.ArgumentParser(prog="python -m recipes.train", description=__doc__.split("\n\n")[0],
-                                formatter_class=cli.HelpFormatter)
+    p = cli.ArgumentParser(prog="python -m recipes.train", description=__doc__.split("\n\n")[0],
+                           formatter_class=cli.HelpFormatter)
     cli.add_fields(p, config.RunConfig)
     cli.add_fields(p, config.Launch)
     return p

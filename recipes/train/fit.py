@@ -5,7 +5,8 @@ outputs - donated + temporaries, `zoo.plan.peak`) is compared with the device's 
 given, else the device's `memory_stats()["bytes_limit"]`, else, on the CPU (whose "device memory" is the
 machine's RAM), the machine's RAM. Host bytes (offloaded residuals) are compared with XLA's pinned host pool.
 A step that cannot fit is refused with the plan and what to change, instead of an out-of-memory traceback;
-`--force` launches it anyway.
+`--force` launches it anyway. A budget the model state alone is over (`check_state`) is refused before anything
+compiles, by the training command and the planner alike.
 """
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import os
 
 import jax
 
+from zoo.plan import measure
+from zoo.plan import mesh as mesh_plan
+from zoo.plan import state as state_lib
 from zoo.plan.peak import Peak, allocator_limit
-from zoo.plan.types import GiB, fmt_bytes
+from zoo.plan.types import GiB, ModelState, fmt_bytes
 
 
 def ram_bytes() -> tuple[int | None, int | None]:
@@ -117,3 +121,49 @@ def advice(*, batch: int, seq: int, recipe: str, opt_dtype: str, optimizer_bytes
         tips.append(f"--opt-dtype bfloat16 (saves {fmt_bytes(optimizer_bytes // 2)} of optimizer state)")
     tips.append("--set num_layers=N for a slice")
     return "to fit: " + "; ".join(tips) + ". --force launches anyway"
+
+
+def model_state(model_cfg, *, mesh=None, shard: int = 1, optimizer: str = "adamw", opt_dtype: str = "float32",
+                grad_accum: int = 1, opt_state: str = "device", params: str = "device") -> ModelState:
+    """The model state per device that the plan counts (`zoo.plan.state`: parameters, gradients, the optimizer's
+    moments, gradient sums and a master copy where they live), from shapes alone: under `mesh` (a spec, a dict or
+    a Mesh) by the sharding rules, else split evenly over `shard` devices."""
+    model = measure.abstract_model(model_cfg)
+    state = (state_lib.model_state(model, shard, optimizer, opt_dtype) if mesh is None
+             else mesh_plan.model_state(model, mesh_plan.as_abstract(mesh), optimizer, opt_dtype))
+    return state_lib.placed(state, model, grad_accum, opt_state, params)
+
+
+def check_state(state: ModelState, limit: int | None, where: str, flag: str) -> None:
+    """ValueError when the model state alone is over the device budget `limit` (from `where`): no recipe, batch or
+    sequence length can fit that, so it is said before anything is planned or compiled. `flag` is the budget's
+    flag in this command."""
+    if limit is None or state.total <= limit:
+        return
+    parts = [("parameters", state.params), ("gradients", state.grads), ("gradient sums", state.accum),
+             ("optimizer state", 0 if state.optimizer_host else state.optimizer),
+             ("master copy", 0 if state.master_host else state.master), ("other variables", state.other)]
+    sums = " + ".join(f"{what} {fmt_bytes(n)}" for what, n in parts if n)
+    tips = [f"a larger {flag}" if where == flag else "a device with more memory",
+            "more devices (--mesh: the model state split over them)"]
+    if not state.optimizer_host and state.optimizer:
+        tips.append("--opt-state host (the optimizer state in pinned host memory)")
+    tips.append("--set num_layers=N for a slice")
+    raise ValueError(f"the model state alone needs {fmt_bytes(state.total)} of device memory per device ({sums}), "
+                     f"over the {fmt_bytes(limit)} of {where}: no recipe, batch or sequence length fits it; to fit: "
+                     + "; ".join(tips))
+
+
+def check_run_state(cfg, model_cfg, device: jax.Device, mesh, console) -> None:
+    """The training command's `check_state`, before it compiles: against `--hbm-limit` or the device's budget
+    (`budget`), for the run's optimizer state and master copy where its flags put them; `--force` says so and
+    goes on."""
+    limit, where = budget(device, cfg.hbm_limit)
+    state = model_state(model_cfg, mesh=mesh if mesh.devices.size > 1 else None, opt_dtype=cfg.opt_dtype,
+                        grad_accum=cfg.grad_accum, opt_state=cfg.opt_state, params=cfg.params)
+    try:
+        check_state(state, limit, where, "--hbm-limit")
+    except ValueError as e:
+        if not cfg.force:
+            raise
+        console.print(f"warning: {e}; launching anyway (--force)", soft_wrap=True, markup=False)

@@ -54,8 +54,8 @@ SHARED = {
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m recipes.train.plan", description=__doc__.split("\n\n")[0],
-                                formatter_class=cli.HelpFormatter)
+    p = cli.ArgumentParser(prog="python -m recipes.train.plan", description=__doc__.split("\n\n")[0],
+                           formatter_class=cli.HelpFormatter)
     cli.add_fields(p, config.RunConfig, ("model", "preset", "overrides", "recipe", "batch", "seq"), **SHARED)
     p.epilog = (f"--preset, --seq and --batch default to the training command's ({config.default('preset')}, "
                 f"{config.default('seq')}, {config.default('batch')}). "
@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         family = cli.family(args.model)
         cfg = cli.model_config(family, args.preset, args.overrides)
         recipe = "auto" if args.recipe == "auto" else cli.recipe(family, args.recipe)
+        _check_state(args, cfg)
         p = zoo.plan.plan(cfg, recipe, batch=args.batch, seq=args.seq, hardware=_hardware(args),
                           parallel=_parallel(args), training=_training(args),
                           peak=None if args.peak == "none" else args.peak, model_name=f"{args.model} {args.preset}")
@@ -178,6 +179,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         _plot(ap, args, family, cfg, p)
     return 0
+
+
+def _check_state(args, cfg) -> None:
+    """An --hbm budget the model state alone is over is refused (ValueError) before anything is planned, as the
+    training command refuses its --hbm-limit (`recipes.train.fit.check_state`)."""
+    if args.hbm_limit is not None:
+        state = fit.model_state(cfg, mesh=args.mesh, shard=args.shard, optimizer=args.optimizer,
+                                opt_dtype=args.opt_dtype, grad_accum=args.grad_accum, opt_state=args.opt_state,
+                                params=args.params)
+        fit.check_state(state, int(args.hbm_limit * 2 ** 30), "--hbm", "--hbm")
 
 
 def _hardware(args) -> zoo.plan.Hardware:
@@ -232,6 +243,7 @@ def _max_batch(ap: argparse.ArgumentParser, args) -> int:
         family = cli.family(args.model)
         cfg = cli.model_config(family, args.preset, args.overrides)
         recipe = cli.recipe(family, args.recipe)
+        _check_state(args, cfg)
         start = args.batch
         if start is not None and (start & (start - 1) or start > args.max_batch):
             raise ValueError(f"--batch {start} with --max-batch is the first batch planned: a power of two up to "

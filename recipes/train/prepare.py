@@ -154,6 +154,7 @@ def compile_run(cfg: RunConfig, console: Console, family: Family, model_cfg, rec
     t0 = time.perf_counter()
     what = (f"compiling the training step ({cfg.model} {cfg.preset}, batch {cfg.batch} x seq {cfg.seq}, recipe "
             f"{recipe_name}) for {device.platform}")
+    fit.check_run_state(cfg, model_cfg, device, mesh, console)   # a budget the model state alone is over: no compile
     # --recipe auto: its inputs (ValueError naming every missing flag) before the compile's status line
     ins = None if recipe is not None else auto.inputs(device, hbm_gib=cfg.hbm_limit, link_gbps=cfg.link,
                                                       overlap=cfg.overlap, tflops=cfg.peak_tflops)

@@ -44,3 +44,25 @@ def test_shape_flags_are_bounded_by_argparse(capsys):
     assert e.value.code == 2
     assert "argument --batch: expected a positive integer up to 2,147,483,647, got '100000000000'" in \
         capsys.readouterr().err
+
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch", "x"], "error: argument --batch: expected a positive integer, got 'x'"),
+    (["--seq", "8", "--nope"], "error: unrecognized arguments: --nope; `{prog} --help` lists the flags"),
+    (["--sequ", "8"], "error: unrecognized arguments: --sequ 8 (did you mean --seq?); `{prog} --help` lists the flags"),
+    (["--opt-state", "disk"], "error: argument --opt-state: invalid choice: 'disk' (choose from "),   # quoting: 3.12.8+
+])
+@pytest.mark.parametrize("command", ["recipes.train", "recipes.train.plan"])
+def test_both_commands_say_no_in_one_line_without_the_usage_block(command, argv, message, capsys):
+    """A flag argparse refuses: one `error:` line naming the flag and the fix, exit 2; the usage only for --help."""
+    import importlib
+    parser = importlib.import_module(command).parser()
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(message.format(prog=f"python -m {command}")), err
+    assert err.count("\n") == 1 and "usage" not in err, err
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["--help"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith(f"usage: python -m {command}")

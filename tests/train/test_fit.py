@@ -1,6 +1,7 @@
 """Does the step fit (recipes.train.fit, recipes.train.prepare): the main job's compiled step is the one the planner
 compiles (`zoo.plan.plan(peak="compile")`: XLA's memory analysis of both is equal, field by field); a step over the
-budget is refused (exit 2, before a step runs, the plan printed) unless --force; a step that fits runs."""
+budget is refused (exit 2, before a step runs, the plan printed) unless --force, and a budget the model state alone
+is over before anything compiles, as the planner refuses it; a step that fits runs."""
 import pytest
 
 import zoo
@@ -39,13 +40,30 @@ def test_the_planners_compiled_peak_is_the_main_jobs_own_step(family, monkeypatc
 
 
 def test_the_main_job_refuses_a_step_over_the_budget_before_running_it(capsys):
-    rc = train.main(RUN + ["--hbm-limit", "0.001"])
+    rc = train.main(RUN + ["--hbm-limit", "0.0018"])   # the model state (1.6 MiB) fits, the step's peak does not
     out = capsys.readouterr()
     assert rc == 2
-    assert "error: the step needs" in out.err and "over the 1.0 MiB of --hbm-limit" in out.err
+    assert "error: the step needs" in out.err and "over the 1.8 MiB of --hbm-limit" in out.err
     assert "temporaries" in out.err and "--batch (now 2)" in out.err and "--force" in out.err
     assert "step      1" not in out.out and "compiled the step" not in out.out   # nothing ran
     assert "peak HBM of the step, compiled for cpu" in out.out                  # the plan is printed
+
+
+def test_a_budget_under_the_model_state_is_refused_alike_by_both_commands_before_compiling(capsys):
+    """`train --hbm-limit 0.001` and `plan --hbm 0.001`: the model state alone (1.6 MiB) is over the budget, so
+    both exit 2 with the same one line (but the budget's flag), before anything is planned or compiled."""
+    from recipes.train import plan
+    assert train.main(RUN + ["--hbm-limit", "0.001"]) == 2
+    out = capsys.readouterr()
+    assert "compiling" not in out.out and "peak" not in out.out and out.err.count("\n") == 1, out
+    with pytest.raises(SystemExit) as e:
+        plan.main(["--preset", "tiny", "--batch", "2", "--seq", "16", "--hbm", "0.001"])
+    planned = capsys.readouterr()
+    assert e.value.code == 2 and planned.out == "" and planned.err.count("\n") == 1, planned
+    assert out.err.startswith("error: the model state alone needs 1.6 MiB of device memory per device (parameters "
+                              "417.2 KiB + gradients 417.2 KiB + optimizer state 834.5 KiB), over the 1.0 MiB of "
+                              "--hbm-limit: no recipe, batch or sequence length fits it; to fit: a larger --hbm-limit")
+    assert planned.err == out.err.replace("--hbm-limit", "--hbm")
 
 
 def test_force_launches_anyway(capsys):

@@ -76,6 +76,7 @@ def test_cli_errors_name_the_flags(args, needles, capsys):
         plan_cli.main(["--model", "llama3", "--preset", "tiny", "--batch", "2", "--seq", "8", *args])
     err = capsys.readouterr().err
     assert e.value.code == 2, err
+    assert err.startswith("error: ") and err.count("\n") == 1, err   # one line, no usage block
     for needle in needles:
         assert needle in err, (needle, err)
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from zoo import renames
 from zoo import sharding as zoo_sharding
 from zoo.hf import config as hf_config
 from zoo.hf import keymap
@@ -30,6 +31,8 @@ from zoo.hf.checks import check_copies, check_keymap_covers, check_tensors, chec
 from zoo.hf.files import FLOAT_DTYPES, TensorInfo, list_tensors, open_safetensors, read_config
 from zoo.models import registry
 from zoo.recipe import Recipe
+
+__all__ = ["from_hf"]
 
 
 def arch_for_config(hf: dict):
@@ -71,6 +74,7 @@ def _set_slice(buf, piece, index):
     return jax.lax.dynamic_update_slice(buf, piece, starts)
 
 
+@renames.keywords(mtp="extra_heads= (the model's extra heads, e.g. multi-token prediction)")
 def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *, mesh=None,
             rules: Sequence[tuple[str, Any]] | None = None, allow_nonfinite: bool = False,
             extra_heads: bool | None = None) -> nnx.Module:

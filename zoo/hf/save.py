@@ -24,6 +24,8 @@ from zoo.hf.checks import check_keymap_covers
 from zoo.hf.files import INDEX
 from zoo.models import registry
 
+__all__ = ["to_hf"]
+
 
 def arch_for_model(cfg):
     try:

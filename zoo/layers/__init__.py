@@ -1,4 +1,5 @@
 """Offload-first layers: they compute and name their intermediates; they never decide where those live."""
+from zoo import renames
 from zoo.layers.attention import Attention, causal_attention
 from zoo.layers.embed import Embed, LMHead
 from zoo.layers.mla import MLA
@@ -10,3 +11,5 @@ from zoo.layers.rope import Rope, WavelengthScaling, YarnScaling
 __all__ = ["Attention", "causal_attention", "Embed", "LMHead", "MLP", "RMSNorm", "Rope", "WavelengthScaling",
            "YarnScaling"]
 __all__ += ["MLA", "MoE", "MoEAux", "GroupLimitedRouter", "SoftmaxRouter", "RoutingBias"]
+
+__getattr__ = renames.attributes(__name__)   # renamed classes (docs/changes.md)

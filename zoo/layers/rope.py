@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zoo import renames
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WavelengthScaling:
@@ -116,3 +118,6 @@ class Rope:
         x1, x2 = jnp.split(x32, 2, axis=-1)
         rotated = jnp.concatenate([-x2, x1], axis=-1)
         return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+__getattr__ = renames.attributes(__name__)   # renamed classes (docs/changes.md)

@@ -14,8 +14,10 @@ planned for, its link and rate, how the peak is found), `build` (`plan`), `repor
 `capacity` (the largest batch that fits a budget), `longest` (the longest sequence), `fitting` (`fit`: the recipe
 and loss chunks a run compiles, checked against compiled peaks). The command line is the application's.
 
-`zoo.plan` is this package, a plain module; the planner is its function `zoo.plan.plan`.
+`zoo.plan` is this package; the planner is its function `zoo.plan.plan` (calling the package, as before a rename,
+is a TypeError naming it: docs/changes.md).
 """
+from zoo import renames
 from zoo.plan import measure
 from zoo.plan.build import auto_recipe, plan
 from zoo.plan.capacity import Capacity, largest_batch
@@ -30,3 +32,4 @@ __all__ = ["POOL_ENV", "Capacity", "Fitted", "Hardware", "Longest", "ModelState"
            "TagPlan", "Training", "auto_recipe", "fit", "fmt_bytes", "host_pool_bytes", "largest_batch",
            "longest_seq", "measure", "plan", "render", "to_json"]
 
+renames.called(__name__)   # `zoo.plan(...)` was the planner: a TypeError naming zoo.plan.plan (docs/changes.md)

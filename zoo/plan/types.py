@@ -14,8 +14,9 @@ GiB, MiB = 1 << 30, 1 << 20
 CARRY = "decoder_layer_input"
 # Optimizer moments kept per parameter.
 OPTIMIZERS = {"adamw": 2, "adam": 2, "lion": 1, "momentum": 1, "sgd": 0}
-# XLA's pinned host pool for GPUs: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (an integer, GiB), 64 by default.
-POOL_ENV, POOL_DEFAULT_GIB = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", 64
+POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+"""The variable that sizes XLA's pinned host pool on GPUs (an integer, GiB; `POOL_DEFAULT_GIB` when unset)."""
+POOL_DEFAULT_GIB = 64
 
 
 def fmt_bytes(n: float) -> str:
