@@ -22,7 +22,7 @@ from typing import Any
 
 from zoo.plan.build import ADAMW, NO_HARDWARE, ONE_DEVICE, plan
 from zoo.plan.inputs import Hardware, Parallelism, Training
-from zoo.plan.peak import chunk_to_fit, from_compiled, longest_chunk
+from zoo.plan.peak import chunk_to_fit, from_compiled
 from zoo.plan.types import GiB, ceil_div, fmt_bytes
 from zoo.recipe import Recipe
 
@@ -57,16 +57,11 @@ def fit(cfg, recipe: Recipe | str, *, batch: int, seq: int, compile: Callable[[R
     chunk = None if auto_loss else training.loss_chunk
     if auto_loss and limit is not None:
         # the whole sequence where the planner expects the step to fit that way, else the fewest chunks it expects
-        # to fit: beside the recipe given, or beside the one "auto" makes for the default chunk (planned for the
-        # whole sequence's logits, it would have made room for them)
+        # to fit beside what the whole sequence's plan keeps
         first = plan(cfg, recipe, batch=batch, seq=seq, hardware=hardware, parallel=parallel,
                      training=dataclasses.replace(training, loss_chunk=None), peak="estimate")
         if first.peak_bytes > limit:
-            if auto_recipe:
-                first = plan(cfg, recipe, batch=batch, seq=seq, hardware=hardware, parallel=parallel,
-                             training=dataclasses.replace(training, loss_chunk="auto"), peak="estimate")
-            chunk = longest_chunk(cfg, peak=first.peak_bytes, limit=limit, chunk=first.loss_chunk, rows=rows,
-                                  seq=seq, shard=shard)
+            chunk = chunk_to_fit(cfg, peak=first.peak_bytes, limit=limit, chunk=None, rows=rows, seq=seq, shard=shard)
     for attempt in range(2 * ATTEMPTS):
         r = recipe
         if auto_recipe:

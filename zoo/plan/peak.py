@@ -126,18 +126,6 @@ def chunk_to_fit(cfg, *, peak: int, limit: int, chunk: int | None, rows: int, se
     return shorter[-1] if shorter else chunk
 
 
-def longest_chunk(cfg, *, peak: int, limit: int, chunk: int | None, rows: int, seq: int, shard: int = 1
-                  ) -> int | None:
-    """The longest chunk of the loss (None: the whole sequence) with which a step whose peak is `peak` at `chunk`
-    is estimated to fit `limit` (the logits of the other chunk length for those of `chunk`); the shortest when
-    none does."""
-    rest = peak - loss_bytes(cfg, chunk, rows, seq, shard)
-    for c in [None] + _chunks(seq):
-        if rest + loss_bytes(cfg, c, rows, seq, shard) <= limit:
-            return c
-    return _chunks(seq)[-1] if _chunks(seq) else chunk
-
-
 def _chunks(seq: int) -> list[int]:
     """The chunk lengths the loss may take, longest first: divisors of `seq` shorter than it, down to
     `MIN_DEFAULT_CHUNK`."""
