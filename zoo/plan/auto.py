@@ -40,8 +40,8 @@ def choose_structure(layout_of, *, candidates, state: ModelState, shard: int, hb
                      host_budget: int | None, link: float, rate: float, overlap, reserve
                      ) -> tuple[Recipe, dict[str, str]]:
     """The recipe `choose` makes for the structure (tiles, group) of `candidates` that costs least (recompute and
-    exposed copies, seconds per step) among those whose choice fits the budgets; where none fits, the one over the
-    HBM budget by least. `layout_of(tiles, group)`: the planner's `Layout`; `reserve(layout, recipe)`: HBM the
+    exposed copies, seconds per step) among those whose choice fits the budgets; the first candidate's (one tile, no
+    groups) where none fits. `layout_of(tiles, group)`: the planner's `Layout`; `reserve(layout, recipe)`: HBM the
     step needs beside the plan's saved bytes (the loss's logits, one group's backward)."""
     best, layouts = None, {}
     for (tiles, group), carry_out in itertools.product(candidates, (False, True)):
@@ -62,11 +62,11 @@ def choose_structure(layout_of, *, candidates, state: ModelState, shard: int, hb
             probe = recipe
         if carry_out and CARRY not in chooser.offload:
             continue   # the carry cannot go to the host: the first pass covered this structure
-        cost, over = chooser.seconds(), chooser.over
-        # a larger structure must pay for itself: cheaper by more than TIE of the step's cost so far; where nothing
-        # fits, the one over the budget by least (it says what the step needs at the least)
-        if best is None or (over == 0 and (best[0] > 0 or cost < best[1] * (1 - TIE) - 1e-3)) or 0 < over < best[0]:
-            best = (over, cost, recipe, chooser.notes)
+        cost = chooser.seconds()
+        fits = chooser.over == 0
+        # a larger structure must pay for itself: cheaper by more than TIE of the step's cost so far
+        if best is None or (fits and (not best[0] or cost < best[1] * (1 - TIE) - 1e-3)):
+            best = (fits, cost, recipe, chooser.notes)
     return best[2], best[3]
 
 
