@@ -24,6 +24,12 @@ def tiered(values, fast) -> list:
     return [pytest.param(v, marks=() if v in fast else (pytest.mark.slow,)) for v in values]
 
 
+def plain(recipe) -> bool:
+    """A recipe of tags alone (one sequence tile, one layer per group): the per-recipe checks of each family's tests
+    read its residuals per layer; the recipes with tiles or groups are checked in tests/models/test_stack.py."""
+    return recipe.seq_tiles == 1 and recipe.group == 1
+
+
 def cpu_env(devices: int | None = None, **extra: str) -> dict[str, str]:
     """The environment of a test's subprocess: this process's (with the run's XLA flags and compilation cache, set
     in conftest.py), the repository on PYTHONPATH, JAX on the CPU and, given `devices`, that many fake CPU devices

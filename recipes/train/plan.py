@@ -253,12 +253,7 @@ def _max_batch(ap: argparse.ArgumentParser, args) -> int:
                                    cap=args.max_batch)
     except ValueError as e:
         ap.error(str(e))
-    if args.json:
-        json.dump(c.to_dict(), sys.stdout, indent=1)
-        sys.stdout.write("\n")
-    else:
-        print(f"{args.model} {args.preset}: " + c.render())
-    return 0
+    return _answer(args, c)
 
 
 def _max_seq(ap: argparse.ArgumentParser, args) -> int:
@@ -278,6 +273,11 @@ def _max_seq(ap: argparse.ArgumentParser, args) -> int:
                                      training=_training(args), peak=args.peak, cap=args.max_seq)
     except ValueError as e:
         ap.error(str(e))
+    return _answer(args, found)
+
+
+def _answer(args, found) -> int:
+    """Print a search's answer (`--max-batch`, `--max-seq`): as JSON with --json, else its lines."""
     if args.json:
         json.dump(found.to_dict(), sys.stdout, indent=1)
         sys.stdout.write("\n")

@@ -46,6 +46,23 @@ def test_long_context_recipes_leave_the_gradients_unchanged(case):
         assert abs(float(loss) - float(loss0)) < 1e-5 and max_rel_err(grads, grads0) < 1e-5, r.name
 
 
+def test_the_plan_of_each_long_context_recipe_is_what_jax_saves(case):
+    """Per stack, the plan's saved bytes in HBM and on the host equal JAX's own residuals of the scanned stack under
+    the recipe's tiles and groups, and the plan warns of nothing; every tag the recipe offloads is a host residual."""
+    name, model, _, _ = case
+    named = recipes_of(family(name))
+    for r in [named[n] for n in LONG if n in named]:
+        model.set_recipe(r)
+        p = zoo.plan.plan(model.config, r, batch=B, seq=S, peak=None)
+        assert not p.warnings, (r.name, p.warnings)
+        for sp in p.stacks:
+            device, host, hoisted = measure.stack_residuals(model, sp.name, B, S, r.policy(),
+                                                            group=model.stack_group(sp.name, r.group),
+                                                            tiles=r.seq_tiles)
+            assert (sp.host_bytes, sp.device_bytes) == (host, device + hoisted), (r.name, sp.name)
+            assert (host > 0) == bool(r.offload), (r.name, sp.name)
+
+
 @pytest.mark.parametrize("group", [2, 4])
 def test_the_layer_input_is_saved_once_per_group_where_the_recipe_puts_it(group):
     """4 layers in groups of `group`: JAX saves [4 / group, B, S, D] of layer inputs (on the host when offloaded),

@@ -212,26 +212,19 @@ class _Chooser:
         self.host_used += size
 
     def place(self, group, value: int) -> None:
-        """Keep `group` in HBM if it fits, else offload it if that pays and fits the host budget, else recompute it."""
+        """Keep `group` in HBM if it fits, else offload it if that pays and fits the host budget (never a tag made
+        inside sequence tiles), else recompute it."""
         size = self.total(group)
-        if self.tiled(group):   # made inside sequence tiles: kept in HBM or recomputed, never offloaded
-            if size <= self.hbm_left:
-                self.device.extend(group)
-                self.hbm_left -= size
-                self.kept |= set(group)
-                note = f"kept in HBM (tile by tile): {fmt_bytes(size)} fits"
-            else:
-                note = (f"recomputed tile by tile: {fmt_bytes(size)} does not fit in HBM and a tiled tag is not "
-                        f"offloaded")
-            for t in group:
-                self.notes[t] = note
-            return
+        tiled = self.tiled(group)
         gain = f"saves {fmt_flops(value)} of recompute per step ({value / size:.0f} FLOP/byte)"
         if size <= self.hbm_left:
             self.device.extend(group)
             self.hbm_left -= size
             self.kept |= set(group)
-            note = f"kept in HBM: {fmt_bytes(size)} fits ({fmt_bytes(self.hbm_left + size)} left); {gain}"
+            note = (f"kept in HBM{' (tile by tile)' if tiled else ''}: {fmt_bytes(size)} fits "
+                    f"({fmt_bytes(self.hbm_left + size)} left); {gain}")
+        elif tiled:
+            note = f"recomputed tile by tile: {fmt_bytes(size)} does not fit in HBM and a tiled tag is not offloaded"
         else:
             ok, why = self.hides(group, value)
             if ok and (self.host_budget is None or self.host_used + size <= self.host_budget):

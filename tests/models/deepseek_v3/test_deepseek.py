@@ -10,7 +10,7 @@ from flax import nnx
 
 import zoo
 from recipes.deepseek_v3 import RECIPES
-from tests.helpers import cuda_lowering, grads_under, hlo_type, max_rel_err, pinned_host_shapes, tiered
+from tests.helpers import cuda_lowering, grads_under, hlo_type, max_rel_err, pinned_host_shapes, plain, tiered
 from zoo.layers import MLA, Rope, RoutingBias, YarnScaling
 from zoo.layers.moe import update_routing_bias
 from zoo.models.deepseek_v3 import total_balance_loss
@@ -19,6 +19,10 @@ from zoo.plan import measure as audit
 CFG = zoo.models.DeepSeekV3Config.preset("tiny")
 B, S = 2, 8
 STACKS = ("dense_layers", "moe_layers")
+
+
+# the recipes of tags alone (tiles and groups: tests/models/test_stack.py)
+PLAIN = [n for n in RECIPES if plain(RECIPES[n])]
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +84,7 @@ def reference(model, tokens):
     return grads_under(model, RECIPES["none"], tokens)
 
 
-@pytest.mark.parametrize("name", tiered([n for n in RECIPES if n != "none"], fast=("full", "save_mla_moe",
+@pytest.mark.parametrize("name", tiered([n for n in PLAIN if n != "none"], fast=("full", "save_mla_moe",
                                                                                      "mla_moe_offload")))
 def test_gradients_equal_under_every_recipe(model, tokens, reference, name):
     ref_loss, ref = reference
@@ -89,7 +93,7 @@ def test_gradients_equal_under_every_recipe(model, tokens, reference, name):
     assert max_rel_err(got, ref) < 1e-5
 
 
-@pytest.mark.parametrize("name", [n for n in RECIPES if RECIPES[n].special is None])
+@pytest.mark.parametrize("name", [n for n in PLAIN if RECIPES[n].special is None])
 def test_residuals_are_placed_as_the_recipe_says_in_each_stack(model, tokens, name):
     recipe = RECIPES[name]
     model.set_recipe(recipe)
@@ -105,7 +109,7 @@ def test_residuals_are_placed_as_the_recipe_says_in_each_stack(model, tokens, na
     assert collections.Counter(r.shape for r in res if r.host) == want_host
 
 
-@pytest.mark.parametrize("name", [n for n in RECIPES if RECIPES[n].offload] + ["save_mla_moe"])  # every offload recipe
+@pytest.mark.parametrize("name", [n for n in PLAIN if RECIPES[n].offload] + ["save_mla_moe"])  # every offload recipe
 def test_cuda_lowering_places_offloaded_tags_in_pinned_host(model, tokens, name):
     recipe = RECIPES[name]
     model.set_recipe(recipe)

@@ -11,7 +11,7 @@ from flax import nnx
 
 import zoo
 from recipes.deepseek_v3 import RECIPES
-from tests.helpers import max_rel_err, tiered
+from tests.helpers import max_rel_err, plain, tiered
 from zoo import train_step
 from zoo.models.deepseek_v3 import FAMILY, DeepSeekDecoderLayer
 from zoo.models.deepseek_v3.mtp import mtp_loss
@@ -21,6 +21,10 @@ from zoo.plan import measure as audit
 # one dense main layer (no scan) and two MTP depths (MoE layers), so that depth 2 reads depth 1's output
 CFG = zoo.models.DeepSeekV3Config.preset("tiny", num_layers=1, first_dense_layers=1, mtp_depths=2)
 B, S, D = 2, 8, 2
+
+
+# the recipes of tags alone (tiles and groups: tests/models/test_stack.py)
+PLAIN = [n for n in RECIPES if plain(RECIPES[n])]
 
 
 @pytest.fixture(scope="module")
@@ -151,14 +155,14 @@ def test_micro_batches_add_up_to_the_batch(model, batch, reference):
     assert max_rel_err(grads, reference[4]) < 1e-5
 
 
-@pytest.mark.parametrize("name", tiered([n for n in RECIPES if n != "none"], fast=("full", "mla_moe_offload")))
+@pytest.mark.parametrize("name", tiered([n for n in PLAIN if n != "none"], fast=("full", "mla_moe_offload")))
 def test_gradients_equal_under_every_recipe(model, batch, reference, name):
     loss, _, mtp, _, grads = _losses_and_grads(model, batch, RECIPES[name])
     assert abs(float(loss) - float(reference[0])) < 1e-6 and abs(float(mtp) - float(reference[2])) < 1e-6
     assert max_rel_err(grads, reference[4]) < 1e-5
 
 
-@pytest.mark.parametrize("name", [n for n in RECIPES if RECIPES[n].special is None])
+@pytest.mark.parametrize("name", [n for n in PLAIN if RECIPES[n].special is None])
 def test_mtp_layers_place_their_tags_as_the_recipe_says(model, batch, name):
     """In the stack the planner measures, and in the training loss itself: each offloaded tag the MTP layers need
     is on the host once per depth (the depths run one by one, unstacked)."""

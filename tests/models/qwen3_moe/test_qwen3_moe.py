@@ -13,7 +13,7 @@ from flax import nnx
 import zoo
 from recipes.qwen3_moe import RECIPES
 from recipes.registry import default_recipe, recipes_of
-from tests.helpers import cuda_lowering, grads_under, hlo_type, max_rel_err, pinned_host_shapes, tiered
+from tests.helpers import cuda_lowering, grads_under, hlo_type, max_rel_err, pinned_host_shapes, plain, tiered
 from zoo.models import count_params, registry
 from zoo.models.qwen3_moe import Qwen3MoeConfig, hf, qwen3_moe
 from zoo.plan import measure as audit
@@ -21,6 +21,10 @@ from zoo.plan import measure as audit
 FAMILY = registry.family("qwen3_moe")
 TINY = Qwen3MoeConfig.preset("tiny")
 B, S = 2, 8
+
+
+# the recipes of tags alone (tiles and groups: tests/models/test_stack.py)
+PLAIN = [n for n in RECIPES if plain(RECIPES[n])]
 
 
 @pytest.mark.parametrize("preset,published", [("qwen3_30b_a3b", 30_532_122_624),
@@ -105,7 +109,7 @@ def test_flops_per_token_counts_the_active_experts():
     assert 3.0e9 < active < 3.5e9   # "A3B": about 3.3B active parameters with the embedding excluded
 
 
-@pytest.mark.parametrize("name", ["full"] + [n for n in RECIPES if RECIPES[n].special is None])
+@pytest.mark.parametrize("name", ["full"] + [n for n in PLAIN if RECIPES[n].special is None])
 def test_recipes_land_as_planned(name):
     """Each needed residual is placed as the recipe says, and exactly the offloaded tags' tensors move to pinned
     host memory in the CUDA lowering of the training gradient."""
@@ -135,7 +139,7 @@ def float32_grads():
     return model, tokens, grads_under(model, RECIPES["none"], tokens)
 
 
-@pytest.mark.parametrize("name", tiered([n for n in RECIPES if n != "none"], fast=("full", "qkv_moe_offload")))
+@pytest.mark.parametrize("name", tiered([n for n in PLAIN if n != "none"], fast=("full", "qkv_moe_offload")))
 def test_gradients_equal_under_every_recipe(float32_grads, name):
     model, tokens, (ref_loss, ref) = float32_grads
     loss, got = grads_under(model, RECIPES[name], tokens)

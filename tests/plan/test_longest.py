@@ -1,0 +1,56 @@
+"""`zoo.plan.longest_seq` (and `python -m recipes.train.plan --max-seq`): the longest power-of-two sequence whose
+step fits, decided by the compiled peak where it compiles; the walk stops at `max_seq_len`; a budget the model state
+alone is over, or a host budget the state kept on the host is over, is refused before anything is planned."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import zoo
+from recipes.train import plan as plan_cli
+from zoo.plan import Hardware, Training
+
+GiB = 1 << 30
+TINY = zoo.models.LlamaConfig.preset("tiny", num_layers=1)
+
+
+def test_the_longest_is_the_longest_length_whose_compiled_peak_fits():
+    """A budget between the compiled peaks at 1,024 and 2,048 positions: the answer is 1,024, from compiles (walked
+    down from where the estimates ended: on the CPU they leave out the XLA kernel's [S, S] temporaries)."""
+    full = zoo.Recipe.full()
+    peaks = {s: zoo.plan.plan(TINY, full, batch=1, seq=s, peak="compile").peak_bytes for s in (1024, 2048)}
+    assert peaks[1024] < peaks[2048]
+    budget = (peaks[1024] + peaks[2048]) / 2 / GiB
+    found = zoo.plan.longest_seq(TINY, full, hardware=Hardware(hbm_gib=budget), peak="compile", cap=8192)
+    assert found.seq == 1024 and found.capped is None
+    compiled = {t.seq: t.fits for t in found.tried if t.peak_source.startswith("compiled")}
+    assert compiled[1024] and not compiled[2048] and not any(fits for s, fits in compiled.items() if s > 1024)
+    assert "longest sequence that fits: 1024" in found.render()
+
+
+def test_the_walk_stops_at_the_configs_context():
+    capped = dataclasses.replace(TINY, max_seq_len=2048)
+    found = zoo.plan.longest_seq(capped, zoo.Recipe.full(), hardware=Hardware(hbm_gib=1000), peak="estimate")
+    assert found.seq == 2048 and found.capped == "max_seq_len"
+    assert "raise it to plan longer" in found.render()
+
+
+def test_budgets_the_state_alone_is_over_are_refused(monkeypatch):
+    with pytest.raises(ValueError, match="the model state alone takes .* over the budget .*no sequence fits"):
+        zoo.plan.longest_seq(TINY, zoo.Recipe.full(), hardware=Hardware(hbm_gib=1e-6), peak="estimate")
+    monkeypatch.setenv(zoo.plan.POOL_ENV, "0")
+    with pytest.raises(ValueError, match="pinned host memory takes .* over the host budget .*XLA_PJRT_GPU_HOST_MEMORY"):
+        zoo.plan.longest_seq(TINY, zoo.Recipe.full(), hardware=Hardware(hbm_gib=1000), peak="estimate",
+                             training=Training(opt_state="host"))
+
+
+def test_the_command_prints_the_answer_and_refuses_what_does_not_apply(capsys):
+    argv = ["--model", "llama3", "--preset", "tiny", "--set", "num_layers=1", "--recipe", "full", "--hbm", "1000",
+            "--max-seq", "4096", "--peak", "estimate"]
+    assert plan_cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("llama3 tiny: longest sequence that fits: 4096 (the longest tried: may fit longer)")
+    with pytest.raises(SystemExit) as e:
+        plan_cli.main(argv + ["--max-batch"])
+    assert e.value.code == 2 and "give one of them" in capsys.readouterr().err
