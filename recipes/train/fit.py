@@ -95,6 +95,12 @@ def check(peak: Peak, *, host: int, pool: int, device: jax.Device, hbm_limit_gib
         problems.append(f"the offloaded values need {fmt_bytes(host)} of pinned host memory, over XLA's pool of "
                         f"{fmt_bytes(pool)} (raise XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, an integer GiB, or offload "
                         f"less)")
+    else:
+        total, _ = ram_bytes()
+        if total is not None and host > total:
+            problems.append(f"the offloaded values and the state on the host need {fmt_bytes(host)} of pinned host "
+                            f"memory, over this machine's {fmt_bytes(total)} of RAM (offload less, or keep the "
+                            f"layer input in HBM every few layers: a recipe's group)")
     return problems, notes
 
 
@@ -116,6 +122,8 @@ def advice(*, batch: int, seq: int, recipe: str, opt_dtype: str, optimizer_bytes
     tips += [f"a smaller --batch (now {batch}) or --seq (now {seq})",
             f"a recipe that offloads or recomputes more than {recipe!r} (e.g. --recipe full; "
             f"`python -m recipes.train.plan ... --recipe auto --hbm GIB` chooses one for a budget)",
+            "sequence tiles and layer groups (a recipe's seq_tiles and group, e.g. --recipe long_context: a tile's "
+            "intermediates at a time, the layer input of every second layer on the host)",
             "more devices (the batch and the model state split over them)"]
     if opt_dtype == "float32" and optimizer_bytes:
         tips.append(f"--opt-dtype bfloat16 (saves {fmt_bytes(optimizer_bytes // 2)} of optimizer state)")
