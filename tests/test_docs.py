@@ -135,9 +135,11 @@ TRANSCRIBED = {commands(b)[0][0] for b in ALL if commands(b)[1]}
 def slow(block: Block) -> bool:
     """Marked `slow` (pytest -m "not slow" leaves them out): a process of its own on 8 fake devices, a training
     command without a transcript (a compile each), a session, the DeepSeek-V3 tour (eager calls of the tiny
-    model), the plans of the 8B at 524,288 positions."""
+    model), the plans of the 8B at 524,288 positions and its automatic recipe under a tight budget (a search of
+    tiles and groups)."""
+    heavy = ("deepseek_v3(", "seq=524288", 'plan(cfg, "auto"')
     return (kind(block) in ("mesh", "example", "session") or (kind(block) == "train" and not commands(block)[1])
-            or (block.lang == "python" and ("deepseek_v3(" in block.text or "seq=524288" in block.text)))
+            or (block.lang == "python" and any(h in block.text for h in heavy)))
 
 
 def params(kinds: tuple[str, ...]) -> list:

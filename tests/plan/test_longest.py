@@ -8,13 +8,13 @@ import dataclasses
 import pytest
 
 import zoo
-from recipes.train import plan as plan_cli
 from zoo.plan import Hardware, Training
 
 GiB = 1 << 30
 TINY = zoo.models.LlamaConfig.preset("tiny", num_layers=1)
 
 
+@pytest.mark.slow   # four compiles of the tiny step; the walk itself is checked on estimates below
 def test_the_longest_is_the_longest_length_whose_compiled_peak_fits():
     """A budget between the compiled peaks at 1,024 and 2,048 positions: the answer is 1,024, from compiles (walked
     down from where the estimates ended: on the CPU they leave out the XLA kernel's [S, S] temporaries)."""
@@ -27,6 +27,15 @@ def test_the_longest_is_the_longest_length_whose_compiled_peak_fits():
     compiled = {t.seq: t.fits for t in found.tried if t.peak_source.startswith("compiled")}
     assert compiled[1024] and not compiled[2048] and not any(fits for s, fits in compiled.items() if s > 1024)
     assert "longest sequence that fits: 1024" in found.render()
+
+
+def test_the_walk_goes_up_while_lengths_fit_and_stops_at_the_budget():
+    """On estimates: every length up to the answer fits, the next does not, and the answer is the longest."""
+    probe = zoo.plan.plan(TINY, zoo.Recipe.full(), batch=1, seq=4096, peak="estimate").peak_bytes
+    found = zoo.plan.longest_seq(TINY, zoo.Recipe.full(), hardware=Hardware(hbm_gib=probe / GiB), peak="estimate",
+                                 cap=16384)
+    fits = {t.seq: t.fits for t in found.tried}
+    assert found.seq == 4096 and fits[4096] and not fits[8192] and all(fits[s] for s in (1024, 2048))
 
 
 def test_the_walk_stops_at_the_configs_context():
@@ -43,14 +52,3 @@ def test_budgets_the_state_alone_is_over_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="pinned host memory takes .* over the host budget .*XLA_PJRT_GPU_HOST_MEMORY"):
         zoo.plan.longest_seq(TINY, zoo.Recipe.full(), hardware=Hardware(hbm_gib=1000), peak="estimate",
                              training=Training(opt_state="host"))
-
-
-def test_the_command_prints_the_answer_and_refuses_what_does_not_apply(capsys):
-    argv = ["--model", "llama3", "--preset", "tiny", "--set", "num_layers=1", "--recipe", "full", "--hbm", "1000",
-            "--max-seq", "4096", "--peak", "estimate"]
-    assert plan_cli.main(argv) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("llama3 tiny: longest sequence that fits: 4096 (the longest tried: may fit longer)")
-    with pytest.raises(SystemExit) as e:
-        plan_cli.main(argv + ["--max-batch"])
-    assert e.value.code == 2 and "give one of them" in capsys.readouterr().err

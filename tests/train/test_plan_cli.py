@@ -165,3 +165,14 @@ def test_the_planner_plans_qwen3_moe(capsys, monkeypatch):
                           "--seq", "64"]) == 0
     out = capsys.readouterr().out
     assert "moe_mlpwi_0" in out and "query_proj" in out
+
+
+def test_max_seq_prints_the_longest_and_refuses_what_does_not_apply(capsys):
+    argv = ["--model", "llama3", "--preset", "tiny", "--set", "num_layers=1", "--recipe", "full", "--hbm", "1000",
+            "--max-seq", "4096", "--peak", "estimate"]
+    assert plan_cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("llama3 tiny: longest sequence that fits: 4096 (the longest tried: may fit longer)")
+    with pytest.raises(SystemExit) as e:
+        plan_cli.main(argv + ["--max-batch"])
+    assert e.value.code == 2 and "give one of them" in capsys.readouterr().err

@@ -41,10 +41,14 @@ def choose_structure(layout_of, *, candidates, state: ModelState, shard: int, hb
                      ) -> tuple[Recipe, dict[str, str]]:
     """The recipe `choose` makes for the structure (tiles, group) of `candidates` that costs least (recompute and
     exposed copies, seconds per step) among those whose choice fits the budgets; the first candidate's (one tile, no
-    groups) where none fits. `layout_of(tiles, group)`: the planner's `Layout`; `reserve(layout, recipe)`: HBM the
-    step needs beside the plan's saved bytes (the loss's logits, one group's backward)."""
+    groups) where none fits. Once a structure that fits keeps every tag that saves recompute in HBM, the larger
+    ones are not tried (they could only add recompute). `layout_of(tiles, group)`: the planner's `Layout`;
+    `reserve(layout, recipe)`: HBM the step needs beside the plan's saved bytes (the loss's logits, one group's
+    backward)."""
     best, layouts = None, {}
     for (tiles, group), carry_out in itertools.product(candidates, (False, True)):
+        if best is not None and best[0] and not best[4]:
+            break   # a simpler structure kept in HBM every tag that saves recompute: more tiles or layers only cost
         if (tiles, group) not in layouts:
             layouts[(tiles, group)] = layout_of(tiles, group)
         lay = layouts[(tiles, group)]
@@ -66,7 +70,7 @@ def choose_structure(layout_of, *, candidates, state: ModelState, shard: int, hb
         fits = chooser.over == 0
         # a larger structure must pay for itself: cheaper by more than TIE of the step's cost so far
         if best is None or (fits and (not best[0] or cost < best[1] * (1 - TIE) - 1e-3)):
-            best = (fits, cost, recipe, chooser.notes)
+            best = (fits, cost, recipe, chooser.notes, chooser.pressed)
     return best[2], best[3]
 
 
@@ -124,6 +128,7 @@ class _Chooser:
     groups: dict = None            # {stack: layers per group}: the scan carry is saved once per group
     host_used: int = 0
     over: int = 0                  # bytes kept in HBM over the budget (the carry, which cannot be recomputed)
+    pressed: bool = False          # some tag that saves recompute found no room in HBM
     kept: frozenset = frozenset()
     device: list[str] = dataclasses.field(default_factory=list)
     offload: list[str] = dataclasses.field(default_factory=list)
@@ -223,7 +228,11 @@ class _Chooser:
             self.kept |= set(group)
             note = (f"kept in HBM{' (tile by tile)' if tiled else ''}: {fmt_bytes(size)} fits "
                     f"({fmt_bytes(self.hbm_left + size)} left); {gain}")
-        elif tiled:
+            for t in group:
+                self.notes[t] = note
+            return
+        self.pressed = True
+        if tiled:
             note = f"recomputed tile by tile: {fmt_bytes(size)} does not fit in HBM and a tiled tag is not offloaded"
         else:
             ok, why = self.hides(group, value)
