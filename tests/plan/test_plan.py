@@ -348,9 +348,13 @@ def test_deepseek_study_bytes_per_token():
 
 
 @pytest.mark.slow   # auto's link model: test_step_time.py checks it on both slices at the H200's link
-def test_auto_deepseek_is_link_aware():
+def test_auto_deepseek_is_link_aware(monkeypatch):
     """At the study's 450 GB/s the study's tensors hide under a MoE layer's forward pass; at PCIe's 55 GB/s they
-    cannot, and the low-rank tensors (MLA down-projections, MoE up-projections) are offloaded instead."""
+    cannot, and the low-rank tensors (MLA down-projections, MoE up-projections) are saved instead (offloaded, or kept
+    where HBM holds them). The pinned
+    pool is roomy (512 GiB): on this slice auto offloads 338 GiB per device at 450 GB/s, and the link is what is
+    tested here, not the host budget."""
+    monkeypatch.setenv(zoo.plan.POOL_ENV, "512")
     from recipes.deepseek_v3 import RECIPES, STUDY
     cfg = zoo.models.DeepSeekV3Config.preset("deepseek_v3_671b")
     budget = _tight_budget(cfg, **DS_SLICE)
@@ -359,7 +363,7 @@ def test_auto_deepseek_is_link_aware():
     assert set(STUDY) <= set(fast.recipe.offload)
     slow = zoo.plan.plan(cfg, "auto", hardware=Hardware(hbm_gib=budget, link_gbps=55, overlap=1, tflops=600),
                          **DS_SLICE)
-    assert set(RECIPES["lowrank_wa_offload"].offload) <= set(slow.recipe.offload)
+    assert set(RECIPES["lowrank_wa_offload"].offload) <= set(slow.recipe.offload) | set(slow.recipe.device)
     assert {"query_proj", "key_proj", "value_proj"}.isdisjoint(slow.recipe.offload)
     notes = {t.tag: t.note for s in slow.stacks for t in s.tags}
     assert "would not hide" in notes["query_proj"] and "at 55 GB/s" in notes["query_proj"]
