@@ -121,6 +121,7 @@ def run_child(a) -> None:
 
     from bench.common import emit
     from zoo.optim import lr_schedule, make_optimizer
+    from zoo.plan import Training
     from zoo.plan.peak import from_compiled
     from zoo.train_step import abstract_step
 
@@ -130,7 +131,8 @@ def run_child(a) -> None:
     out = dict(fits=None, peak_gib=None, step_s=None, error=None)
     try:
         schedule = lr_schedule(lr=1e-4, steps=100, warmup=10)   # abstract_step's default: the planner's program
-        jitted, _, abstract = abstract_step(fam, cfg, recipe, schedule=schedule, optimizer="sgd", opt_dtype="float32")
+        jitted, _, abstract = abstract_step(fam, cfg, recipe, schedule=schedule,
+                                              training=Training(optimizer="sgd"))
         model = fam.build(cfg, recipe=recipe, rngs=nnx.Rngs(0))
         opt = make_optimizer(model, schedule, clip=1.0, weight_decay=0.1, optimizer="sgd", opt_dtype="float32")
         _, state = nnx.split((model, opt))

@@ -31,6 +31,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
+import zoo
 from bench.common import guarded, measure, planned, sharded_inputs
 from recipes.registry import recipes_of
 from zoo.layers.attention import resolve_impl
@@ -55,7 +56,8 @@ def resolve_auto(cfg, *, batch: int, seq: int, mesh: str | None, hbm_gib: float 
     if smoke and device.platform == "cpu":   # the CPU has no memory limit, no measured link and no FLOP table
         hbm_gib, link, tflops = hbm_gib or 1.0, 10.0, tflops or 1.0
     ins = auto.inputs(device, hbm_gib=hbm_gib, link_gbps=link, tflops=tflops)
-    recipe = auto.choose(cfg, ins, batch=batch, seq=seq, optimizer="sgd", mesh=mesh)
+    recipe = auto.choose(cfg, ins, batch=batch, seq=seq, training=zoo.plan.Training(optimizer="sgd"),
+                         parallel=zoo.plan.Parallelism(mesh=mesh))
     return recipe, dict(auto_device=list(recipe.device), auto_offload=list(recipe.offload),
                         **{f"auto_{k}": v for k, v in dataclasses.asdict(ins).items()})
 

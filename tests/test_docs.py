@@ -542,7 +542,7 @@ def test_each_renamed_name_says_its_new_form(old, said):
         return
     import zoo
     with pytest.raises(Exception) as e:
-        exec(old, {"zoo": zoo, "cfg": None, "recipe": None, "path": "no/such/checkpoint"})
+        exec(old, {"zoo": zoo, "family": None, "cfg": None, "recipe": None, "path": "no/such/checkpoint"})
     assert f"{type(e.value).__name__}: {e.value}" == said
 
 

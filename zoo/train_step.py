@@ -27,11 +27,12 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from zoo import compile_options, sharding, streamed_update
+from zoo import compile_options, renames, sharding, streamed_update
 from zoo.layers import moe
 from zoo.loss import check_chunk, head_loss, next_token_loss, resolve_chunk
 from zoo.opt_state import state_shardings
 from zoo.optim import has_master, lr_schedule, make_optimizer
+from zoo.training import Training
 
 __all__ = ["abstract_batch", "abstract_step", "all_finite", "check_grad_accum", "check_loss_chunk",
            "compile_abstract", "eval_loss", "family_step", "jit_step", "loss_and_grads", "micro_batches", "moe_drops",
@@ -39,6 +40,9 @@ __all__ = ["abstract_batch", "abstract_step", "all_finite", "check_grad_accum", 
 
 # The loss's chunk length by default: `zoo.loss.default_chunk` of the micro-batch's shape and the vocabulary.
 DEFAULT_LOSS_CHUNK = "auto"
+# The keywords the abstract step took before they were grouped in `Training` (docs/changes.md).
+MOVED = {k: f"training=zoo.plan.Training({k}=...)" for k in ("optimizer", "opt_dtype", "grad_accum", "opt_state",
+                                                             "params", "loss_chunk", "clip", "weight_decay")}
 
 
 def moe_drops(aux: Any) -> tuple[jax.Array, jax.Array]:
@@ -276,26 +280,27 @@ def abstract_batch(batch: int, seq: int) -> dict[str, jax.ShapeDtypeStruct]:
             "weights": jax.ShapeDtypeStruct((batch, seq), jnp.float32)}
 
 
-def abstract_step(family, cfg, recipe, *, schedule: optax.Schedule | None = None, optimizer: str = "adamw",
-                  clip: float = 1.0, weight_decay: float = 0.1, opt_dtype: str | None = None, seed: int = 0,
-                  mesh=None, grad_accum: int = 1, opt_state: str = "device", params: str = "device",
-                  loss_chunk=DEFAULT_LOSS_CHUNK):
-    """(jitted step, graphdef, abstract state) for `cfg` under `recipe`: the model and optimizer built from shapes
-    alone (no memory). `schedule` only changes constants of the program, never its memory. With `mesh`, every
-    variable carries its sharding by the rules (`zoo.sharding.shardings`) and the step keeps them. `grad_accum`:
-    micro-batches per update (`train_step`); `opt_state`: where the moments live; `params="host"`: a float32 master
-    copy of the parameters (`zoo.optim.with_master`) in pinned host memory, "device": none (`zoo.opt_state`;
-    "host" without a mesh lays the state out on the first device); `loss_chunk`: the loss's chunk length
-    (`loss_and_grads`)."""
+STEP = Training()   # the step of the planner and of a run without flags: AdamW, float32 moments, on the device
+
+
+@renames.keywords(**MOVED)
+def abstract_step(family, cfg, recipe, *, training: Training = STEP, schedule: optax.Schedule | None = None,
+                  mesh=None):
+    """(jitted step, graphdef, abstract state) for `cfg` under `recipe`, the step `training` describes
+    (`zoo.training.Training`): the model and optimizer built from shapes alone (no memory). `schedule` only changes
+    constants of the program, never its memory. With `mesh`, every variable carries its sharding by the rules
+    (`zoo.sharding.shardings`) and the step keeps them; state in pinned host memory without a mesh is laid out on
+    the first device."""
     schedule = schedule if schedule is not None else lr_schedule(lr=1e-4, steps=100, warmup=10)
 
     def build():
-        model = family.build(cfg, recipe=recipe, rngs=nnx.Rngs(seed))
-        return model, make_optimizer(model, schedule, clip=clip, weight_decay=weight_decay, optimizer=optimizer,
-                                     opt_dtype=opt_dtype, master=params == "host")
+        model = family.build(cfg, recipe=recipe, rngs=nnx.Rngs(0))
+        return model, make_optimizer(model, schedule, clip=training.clip, weight_decay=training.weight_decay,
+                                     optimizer=training.optimizer, opt_dtype=training.opt_dtype,
+                                     master=training.params == "host")
 
-    step_fn = family_step(family, schedule, grad_accum, loss_chunk)
-    if mesh is None and opt_state == "device" and params == "device":
+    step_fn = family_step(family, schedule, training.grad_accum, training.loss_chunk)
+    if mesh is None and training.opt_state == "device" and training.params == "device":
         model, opt = nnx.eval_shape(build)
         return jit_step(model, opt, step_fn)
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):  # logical names are not mesh axes
@@ -306,23 +311,24 @@ def abstract_step(family, cfg, recipe, *, schedule: optax.Schedule | None = None
     # on entry, where the streamed update cannot see it: zoo.streamed_update).
     placed = sharding.shardings(state, mesh if mesh is not None else sharding.make_mesh(None, jax.devices()[:1]))
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
-                         state_shardings(state, placed, opt_state=opt_state, params=params))
+                         state_shardings(state, placed, opt_state=training.opt_state, params=training.params))
     model, opt = nnx.merge(graphdef, state)
     return jit_step(model, opt, step_fn, keep_shardings=True)
 
 
-def compile_abstract(family, cfg, recipe, *, batch: int, seq: int, mesh=None, **kwargs):
+@renames.keywords(**MOVED)
+def compile_abstract(family, cfg, recipe, *, batch: int, seq: int, training: Training = STEP,
+                     schedule: optax.Schedule | None = None, mesh=None):
     """(compiled step, graphdef, abstract state): `abstract_step` lowered on abstract inputs and compiled for the
-    device present, with the XLA options that hide a recipe's host copies (`zoo.compile_options.for_step`: only
-    where the recipe offloads; the user's `XLA_FLAGS` win). Nothing is allocated; `compiled.memory_analysis()` says
-    what running it would take (per device under a mesh). With a (concrete) `mesh`, as the main job runs it: the
-    state on the rules' shardings, the batch split over the data axes, traced inside `zoo.sharding.use(mesh)`
-    (jit's cache does not key on the rules: the activation constraints are read at this trace). The main job and
-    the planner both compile through here. `grad_accum` must divide `batch` (the global batch) and `loss_chunk`
-    `seq` (ValueError, before anything is traced)."""
-    check_grad_accum(batch, kwargs.get("grad_accum", 1))
-    check_loss_chunk(seq, kwargs.get("loss_chunk", DEFAULT_LOSS_CHUNK))
-    jitted, graphdef, state = abstract_step(family, cfg, recipe, mesh=mesh, **kwargs)
+    device present, with the XLA options that hide a recipe's host copies (`zoo.compile_options.for_step`).
+    Nothing is allocated; `compiled.memory_analysis()` says what running it would take (per device under a mesh).
+    With a (concrete) `mesh`, as the main job runs it: the state on the rules' shardings, the batch split over the
+    data axes, traced inside `zoo.sharding.use(mesh)`. The main job and the planner both compile through here.
+    `training.grad_accum` must divide `batch` (the global batch) and `training.loss_chunk` `seq` (ValueError,
+    before anything is traced)."""
+    check_grad_accum(batch, training.grad_accum)
+    check_loss_chunk(seq, training.loss_chunk)
+    jitted, graphdef, state = abstract_step(family, cfg, recipe, training=training, schedule=schedule, mesh=mesh)
     platform = (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform
     options = compile_options.for_step(recipe, platform).options
     if mesh is None:

@@ -23,6 +23,7 @@ import pytest
 from recipes.train import moved, resume
 from recipes.train.checkpoint import Checkpoints
 from recipes.train.config import RunConfig
+from recipes.train.job import resolve
 from recipes.train.lock import LOCK_NAME, DirLock
 from recipes.train.loop import _Session
 from tests.train.cli_runs import RUN, cli, copy_ckpt, main, rows
@@ -97,7 +98,8 @@ def test_a_plain_rerun_after_a_kill_leaves_the_killed_runs_record_for_its_resume
     assert (ckpt / LOCK_NAME).read_text() == left   # the killed run's record is back, as it was
     again = DirLock(ckpt)                           # what --resume then finds: the killed run and its metrics file
     cfg = run_cfg(ckpt_dir=str(ckpt), metrics=str(metrics), resume=True)
-    assert _Session(stack=None, interrupts=None, previous=again.taken_over).metrics_owner(cfg, None) == str(metrics)
+    session = _Session(stack=None, interrupts=None, previous=again.taken_over)
+    assert session.metrics_owner(resolve(cfg), None) == str(metrics)
     again.release()
 
 
@@ -130,9 +132,9 @@ def test_a_moved_run_folder_keeps_its_metrics_file(base, tmp_path):
     run2 = moved_run(base, tmp_path)
     cfg = run_cfg(ckpt_dir=str(run2 / "ckpt"), metrics=str(run2 / "m.jsonl"), resume=True)
     session = _Session(stack=None, interrupts=None)
-    assert session.metrics_owner(cfg, Checkpoints(run2 / "ckpt").record()) == str(run2 / "m.jsonl")
+    assert session.metrics_owner(resolve(cfg), Checkpoints(run2 / "ckpt").record()) == str(run2 / "m.jsonl")
     other = run_cfg(ckpt_dir=str(run2 / "ckpt"), metrics=str(tmp_path / "other.jsonl"), resume=True)
-    assert session.metrics_owner(other, Checkpoints(run2 / "ckpt").record()) == str(base / "m.jsonl")
+    assert session.metrics_owner(resolve(other), Checkpoints(run2 / "ckpt").record()) == str(base / "m.jsonl")
 
 
 @pytest.mark.slow
@@ -153,9 +155,10 @@ def test_a_token_file_that_moved_with_the_run_is_the_runs_own(tmp_path):
     record = {"run": cfg.identity(), "directory": str(old / "ckpt"),
               "data": {"path": str(old / "ids.bin"), "dtype": "uint16", "bytes": 10, "fingerprint": "f"}}
     here = {**record["data"], "path": str(new / "ids.bin")}
-    resume.check_resumable(record, cfg, str(new / "ckpt"), here)   # moved with the checkpoints: the same file
+    resume.check_resumable(record, resolve(cfg), str(new / "ckpt"), here)   # moved with the checkpoints: the same file
     with pytest.raises(ValueError, match="--data ids.bin is not the file the run in .* read .path: checkpoint"):
-        resume.check_resumable(record, cfg, str(new / "ckpt"), {**here, "path": str(tmp_path / "elsewhere.bin")})
+        resume.check_resumable(record, resolve(cfg), str(new / "ckpt"),
+                               {**here, "path": str(tmp_path / "elsewhere.bin")})
     assert moved.rebased(str(old / "m.jsonl"), str(old / "ckpt"), new / "ckpt") == str(new / "m.jsonl")
     assert moved.rebased("/logs/m.jsonl", str(old / "ckpt"), old / "ckpt") == "/logs/m.jsonl"
     assert os.path.isabs(moved.rebased(str(old / "m.jsonl"), str(old / "ckpt"), "rel/ckpt"))

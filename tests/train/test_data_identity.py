@@ -11,6 +11,7 @@ import pytest
 
 from recipes.train import data as data_lib
 from recipes.train import loop, resume
+from recipes.train.job import resolve
 
 
 def tokens(path, n=20_000, vocab=256, dtype="uint16", seed=0):
@@ -51,15 +52,15 @@ def test_resume_on_another_token_file_is_refused(tmp_path):
     before = data_lib.TokenFile(path, vocab=256, batch=2, seq=16).identity()
     assert set(before) == {"path", "dtype", "bytes", "fingerprint"} and before["bytes"] == 40_000
     record = {"run": cfg.identity(), "data": before}
-    resume.check_resumable(record, cfg, "c", before)                 # the same file: resumable
+    resume.check_resumable(record, resolve(cfg), "c", before)                 # the same file: resumable
     tokens(path, seed=1)
     after = data_lib.TokenFile(path, vocab=256, batch=2, seq=16).identity()
     assert after["fingerprint"] != before["fingerprint"] and after["bytes"] == before["bytes"]
     with pytest.raises(ValueError, match=r"--resume: --data .*t.bin is not the file the run in c read \(fingerprint: "
                                          r"checkpoint .*--allow-data-change"):
-        resume.check_resumable(record, cfg, "c", after)
+        resume.check_resumable(record, resolve(cfg), "c", after)
     moved = loop.RunConfig(**{**cfg.__dict__, "data": str(tmp_path / "other.bin"), "allow_data_change": True})
-    resume.check_resumable(record, moved, "c", after)              # allowed: another path and content
+    resume.check_resumable(record, resolve(moved), "c", after)              # allowed: another path and content
 
 
 def test_token_ids_out_of_range_are_refused(tiny_model, tmp_path):

@@ -6,7 +6,7 @@ from zoo.layers.moe import MoEAux
 
 
 def test_moe_drops_sums_every_moe_stack():
-    from recipes.train.loop import moe_drops
+    from zoo.train_step import moe_drops
     moe_layers = MoEAux(load=jnp.ones((2, 8)) * 5, balance_loss=jnp.zeros(2), dropped=jnp.array([3, 4]))
     aux = {"dense_layers": {}, "moe_layers": moe_layers}
     dropped, routed = moe_drops(aux)

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from recipes.train import guard
+from recipes.train.job import resolve
 from recipes.train.lock import DirLock
 from recipes.train.loop import RunConfig, _Session
 
@@ -116,7 +117,7 @@ def test_a_run_killed_before_its_first_checkpoint_owns_its_metrics_file(tmp_path
     lock.fd = None
     again = DirLock(ckpt)
     session = _Session(stack=None, interrupts=None, previous=again.taken_over)
-    assert session.metrics_owner(cfg, None) == metrics
+    assert session.metrics_owner(resolve(cfg), None) == metrics
     other = RunConfig(steps=6, ckpt_dir=str(ckpt), metrics=metrics, resume=True, seed=1)
-    assert session.metrics_owner(other, None) is None
+    assert session.metrics_owner(resolve(other), None) is None
     again.release()

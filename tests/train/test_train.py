@@ -22,6 +22,7 @@ from recipes.train.checkpoint import Checkpoints
 from recipes.train.cli import family as model_family
 from recipes.train.cli import recipe as model_recipe
 from tests.helpers import cpu_env
+from zoo.optim import lr_schedule, make_optimizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -150,7 +151,7 @@ def test_nan_guard_stops_and_keeps_the_last_good_checkpoint(tmp_path, full, cach
 
 def _model_and_optimizer(family):
     model = family.build(family.config("tiny"), recipe=model_recipe(family, "qkv_offload"), rngs=nnx.Rngs(0))
-    return model, loop.make_optimizer(model, loop.lr_schedule(lr=3e-3, steps=12, warmup=1), clip=1.0,
+    return model, make_optimizer(model, lr_schedule(lr=3e-3, steps=12, warmup=1), clip=1.0,
                                       weight_decay=0.1)
 
 
@@ -159,7 +160,7 @@ def test_the_guard_decided_before_the_update_changes_no_number():
     steps the state and metrics must equal those of the guard decided after the update, bit for bit."""
     from zoo.train_step import family_step, jit_step
     fam = model_family("llama3")
-    schedule = loop.lr_schedule(lr=3e-3, steps=12, warmup=1)
+    schedule = lr_schedule(lr=3e-3, steps=12, warmup=1)
     batch = {k: jax.numpy.asarray(v) for k, v in data_lib.Synthetic(vocab=fam.config("tiny").vocab_size, batch=2,
                                                                       seq=16).batch(1).items()}
     states = []

@@ -19,17 +19,18 @@ is a TypeError naming it: docs/changes.md).
 """
 from zoo import renames
 from zoo.plan import measure
-from zoo.plan.build import auto_recipe, plan
+from zoo.plan.build import auto_recipe, model_state, plan
 from zoo.plan.capacity import Capacity, largest_batch
 from zoo.plan.fitting import Fitted, fit
 from zoo.plan.inputs import Hardware, Parallelism, Training
 from zoo.plan.longest import Longest, longest_seq
+from zoo.plan.peak import allocator_limit
 from zoo.plan.report import render, to_json
 from zoo.plan.state import host_pool_bytes
 from zoo.plan.types import POOL_ENV, ModelState, Plan, StackPlan, TagPlan, fmt_bytes
 
 __all__ = ["POOL_ENV", "Capacity", "Fitted", "Hardware", "Longest", "ModelState", "Parallelism", "Plan", "StackPlan",
-           "TagPlan", "Training", "auto_recipe", "fit", "fmt_bytes", "host_pool_bytes", "largest_batch",
-           "longest_seq", "measure", "plan", "render", "to_json"]
+           "TagPlan", "Training", "allocator_limit", "auto_recipe", "fit", "fmt_bytes", "host_pool_bytes",
+           "largest_batch", "longest_seq", "measure", "model_state", "plan", "render", "to_json"]
 
 renames.called(__name__)   # `zoo.plan(...)` was the planner: a TypeError naming zoo.plan.plan (docs/changes.md)

@@ -63,7 +63,7 @@ from zoo.plan.measure import abstract_model, layer_cost, stack_residuals, workin
 from zoo.plan.measure import nbytes as sds_nbytes
 from zoo.plan.peak import chunk_to_fit, loss_bytes
 from zoo.plan.target import device_target, find_peak, link_of, peak_target, step_rate_of
-from zoo.plan.types import CARRY, GiB, Plan, StackPlan, TagPlan, ceil_div, fmt_bytes
+from zoo.plan.types import CARRY, GiB, ModelState, Plan, StackPlan, TagPlan, ceil_div, fmt_bytes
 from zoo.recipe import Recipe
 
 NO_HARDWARE, ONE_DEVICE, ADAMW = Hardware(), Parallelism(), Training()
@@ -126,9 +126,7 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
     model_flops = family_of(cfg).flops_per_token(cfg, model, seq) * batch * seq / shard
     if not is_auto:
         model.check_recipe(recipe)  # raises if the recipe names a tag no stack emits
-    state = (state_lib.model_state(model, shard, training.optimizer, training.opt_dtype) if amesh is None
-             else mesh_plan.model_state(model, amesh, training.optimizer, training.opt_dtype))
-    state = state_lib.placed(state, model, training.grad_accum, training.opt_state, training.params)
+    state = _model_state(model, amesh, shard, training)
     hbm_budget = None if hardware.hbm_gib is None else int(hardware.hbm_gib * GiB)
     pool, pool_warning = state_lib.host_pool_bytes()
 
@@ -177,6 +175,21 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
                 attention_forward_tflops=None if att is None else att.forward_tflops,
                 step_rate_source=rate_source, grad_accum=training.grad_accum,
                 loss_chunk=resolve_chunk(training.loss_chunk, ceil_div(micro, shard), seq, cfg.vocab_size))
+
+
+def model_state(cfg, *, training: Training = ADAMW, parallel: Parallelism = ONE_DEVICE) -> ModelState:
+    """The model state per device that `plan` counts (parameters, gradients, the optimizer's moments, gradient sums
+    and a master copy, where `training` puts them), from shapes alone: under `parallel.mesh` by the sharding rules,
+    else split evenly over `parallel.shard` devices."""
+    amesh = None if parallel.mesh is None else mesh_plan.as_abstract(parallel.mesh)
+    shard = parallel.shard if amesh is None else mesh_plan.devices(amesh)
+    return _model_state(abstract_model(cfg), amesh, shard, training)
+
+
+def _model_state(model, amesh, shard: int, training: Training) -> ModelState:
+    state = (state_lib.model_state(model, shard, training.optimizer, training.opt_dtype) if amesh is None
+             else mesh_plan.model_state(model, amesh, training.optimizer, training.opt_dtype))
+    return state_lib.placed(state, model, training.grad_accum, training.opt_state, training.params)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,7 +37,8 @@ import jax
 from zoo.loss import MIN_DEFAULT_CHUNK, divisors, resolve_chunk
 from zoo.models.registry import family_of
 from zoo.plan.types import ceil_div
-from zoo.train_step import DEFAULT_LOSS_CHUNK, compile_abstract
+from zoo.train_step import DEFAULT_LOSS_CHUNK, STEP, compile_abstract
+from zoo.training import Training
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,16 +70,12 @@ def mesh_label(mesh) -> str:
     return ",".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or ",".join(f"{a}={n}" for a, n in sizes.items())
 
 
-def compile_step(cfg, recipe, *, batch: int, seq: int, optimizer: str = "adamw", opt_dtype: str | None = None,
-                 mesh: jax.sharding.Mesh | None = None, grad_accum: int = 1, opt_state: str = "device",
-                 params: str = "device", loss_chunk=DEFAULT_LOSS_CHUNK):
-    """The main job's training step (`zoo.train_step`) for `cfg` under `recipe` at global [batch, seq], lowered on
-    abstract inputs and compiled (nothing allocated). With a `mesh` (a concrete one: its devices compile it), as
-    the main job compiles it: the state on the rules' shardings, the batch split over the data axes, traced inside
-    `zoo.sharding.use(mesh)`."""
-    return compile_abstract(family_of(cfg), cfg, recipe, batch=batch, seq=seq, optimizer=optimizer,
-                            opt_dtype=opt_dtype, mesh=mesh, grad_accum=grad_accum, opt_state=opt_state,
-                            params=params, loss_chunk=loss_chunk)[0]
+def compile_step(cfg, recipe, *, batch: int, seq: int, training: Training = STEP,
+                 mesh: jax.sharding.Mesh | None = None):
+    """The main job's training step (`zoo.train_step.compile_abstract`) for `cfg` under `recipe` at global
+    [batch, seq], the step `training` describes, lowered on abstract inputs and compiled (nothing allocated); with a
+    (concrete) `mesh`, sharded as the main job compiles it."""
+    return compile_abstract(family_of(cfg), cfg, recipe, batch=batch, seq=seq, training=training, mesh=mesh)[0]
 
 
 def from_compiled(compiled, device: jax.Device | None = None, mesh=None) -> Peak:
