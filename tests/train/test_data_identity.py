@@ -48,18 +48,18 @@ def test_resume_on_another_token_file_is_refused(tmp_path):
     """The checkpoint's record holds the file's path, dtype, size and fingerprint; a file rewritten in place (same
     path and size, other ids) is refused on --resume, and accepted with --allow-data-change."""
     path = tokens(tmp_path / "t.bin")
-    cfg = loop.RunConfig(steps=4, batch=2, seq=16, data=str(path), ckpt_dir=str(tmp_path / "c"), resume=True)
+    settings = loop.RunConfig(steps=4, batch=2, seq=16, data=str(path), ckpt_dir=str(tmp_path / "c"), resume=True)
     before = data_lib.TokenFile(path, vocab=256, batch=2, seq=16).identity()
     assert set(before) == {"path", "dtype", "bytes", "fingerprint"} and before["bytes"] == 40_000
-    record = {"run": cfg.identity(), "data": before}
-    resume.check_resumable(record, resolve(cfg), "c", before)                 # the same file: resumable
+    record = {"run": settings.identity(), "data": before}
+    resume.check_resumable(record, resolve(settings), "c", before)                 # the same file: resumable
     tokens(path, seed=1)
     after = data_lib.TokenFile(path, vocab=256, batch=2, seq=16).identity()
     assert after["fingerprint"] != before["fingerprint"] and after["bytes"] == before["bytes"]
     with pytest.raises(ValueError, match=r"--resume: --data .*t.bin is not the file the run in c read \(fingerprint: "
                                          r"checkpoint .*--allow-data-change"):
-        resume.check_resumable(record, resolve(cfg), "c", after)
-    moved = loop.RunConfig(**{**cfg.__dict__, "data": str(tmp_path / "other.bin"), "allow_data_change": True})
+        resume.check_resumable(record, resolve(settings), "c", after)
+    moved = loop.RunConfig(**{**settings.__dict__, "data": str(tmp_path / "other.bin"), "allow_data_change": True})
     resume.check_resumable(record, resolve(moved), "c", after)              # allowed: another path and content
 
 

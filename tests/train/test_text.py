@@ -108,10 +108,10 @@ def test_text_run_with_eval_and_tensorboard(corpus, tmp_path):
     from recipes.train import loop
     _, root, tok_dir = corpus
     metrics = tmp_path / "m.jsonl"
-    cfg = loop.RunConfig(preset="tiny", overrides=(("vocab_size", "300"),), steps=4, batch=2, seq=16,
-                         data=str(root), tokenizer=str(tok_dir), eval_every=2, heldout=0.2, log_every=2,
-                         metrics=str(metrics), tensorboard=str(tmp_path / "tb"))
-    result = loop.run(cfg)
+    settings = loop.RunConfig(preset="tiny", overrides=(("vocab_size", "300"),), steps=4, batch=2, seq=16,
+                              data=str(root), tokenizer=str(tok_dir), eval_every=2, heldout=0.2, log_every=2,
+                              metrics=str(metrics), tensorboard=str(tmp_path / "tb"))
+    result = loop.run(settings)
     assert result.stopped is None and len(result.losses) == 4
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     evals = [r for r in rows if "eval_loss" in r]
