@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import zoo
 from bench.common import guarded, measure, planned, sharded_inputs
 from recipes.registry import recipes_of
-from zoo.layers.attention import resolve_impl
+from zoo.layers.attention_kernel import resolve_impl
 from zoo.layers.moe import EP_DISPATCHES, backend_choice
 from zoo.models.registry import family
 

@@ -60,7 +60,6 @@ LOGICAL: tuple[str, ...] = ("layers", "embed", "heads", "kv_heads", "head_dim", 
 
 # One rule set per parallelism. Order is priority (flax's rules): the batch rules come first, so that an
 # activation's `embed` never takes the fsdp axis its batch already uses.
-REPLICATED = tuple((n, None) for n in LOGICAL)
 RULES: dict[str, tuple[tuple[str, Any], ...]] = {
     "dp": (("batch", "dp"), ("exp_batch", "dp")),
     "fsdp": (("batch", "fsdp"), ("exp_batch", "fsdp"), ("embed", "fsdp")),

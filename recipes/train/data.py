@@ -206,16 +206,6 @@ def open_data(path: str | os.PathLike, *, tokenizer: str | None, vocab: int, bat
         raise ValueError(f"--data {os.fspath(given)!r}, tokenized: {e}") from None   # named as the user gave it
 
 
-def write_tokens(path: str | os.PathLike, ids, dtype: str = "uint16") -> None:
-    """Write token ids in the token-file format."""
-    ids = np.asarray(ids)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
-    if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(DTYPES[dtype]).max):
-        raise ValueError(f"token ids out of range for {dtype}")
-    ids.astype(DTYPES[dtype]).tofile(path)
-
-
 class Poisoned:
     """`source` with the loss weights of one step set to NaN: a corrupted record, for testing the NaN guard."""
 

@@ -19,7 +19,7 @@ from recipes import registry as recipe_registry
 from recipes.train import cli, fit
 from recipes.train import mesh as mesh_lib
 from recipes.train.config import RunConfig
-from zoo.layers.attention import resolve_impl
+from zoo.layers.attention_kernel import resolve_impl
 from zoo.models.registry import Family
 from zoo.opt_state import check_params
 from zoo.optim import lr_schedule

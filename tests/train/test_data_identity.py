@@ -12,10 +12,11 @@ import pytest
 from recipes.train import data as data_lib
 from recipes.train import loop, resume
 from recipes.train.job import resolve
+from tests.train.token_files import write_tokens
 
 
 def tokens(path, n=20_000, vocab=256, dtype="uint16", seed=0):
-    data_lib.write_tokens(path, np.random.default_rng(seed).integers(vocab, size=n), dtype)
+    write_tokens(path, np.random.default_rng(seed).integers(vocab, size=n), dtype)
     return path
 
 
@@ -67,7 +68,7 @@ def test_token_ids_out_of_range_are_refused(tiny_model, tmp_path):
     path = tmp_path / "tokens.bin"
     ids = np.arange(100) % 30
     ids[57] = 300
-    data_lib.write_tokens(path, ids, "uint16")
+    write_tokens(path, ids, "uint16")
     # Found in the sample read at start (recipes.train.data.TokenFile), before training; else by the batch that reads
     # it.
     with pytest.raises(ValueError, match=f"TokenFile '{path}': id 300 at position 57 is outside the model's vocab"):

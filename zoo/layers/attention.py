@@ -5,10 +5,10 @@ q and of k; RoPE on q and k; causal attention (`zoo.layers.attention_kernel`); o
 Tags: query_proj, key_proj (after the norm and RoPE), value_proj, attention_out and context (the kernel's output and
 softmax statistics, named by the kernel), out_proj.
 
-The kernel is chosen once, when the layer is built, for the device present (`choose_impl`; `resolve_impl(cfg)` for a
-model config; `attention_impls(model)` for a built model): cuDNN flash attention on an NVIDIA GPU when cuDNN takes the
-case, the zoo's XLA kernel elsewhere. An explicit `implementation` "xla" or "cudnn" wins; "cudnn" where cuDNN cannot
-run is a ValueError, before anything compiles.
+The kernel is chosen once, when the layer is built, for the device present (`zoo.layers.attention_kernel`:
+`choose_impl`, `resolve_impl(cfg)` for a model config; `attention_impls(model)` for a built model): cuDNN flash
+attention on an NVIDIA GPU when cuDNN takes the case, the zoo's XLA kernel elsewhere. An explicit `implementation`
+"xla" or "cudnn" wins; "cudnn" where cuDNN cannot run is a ValueError, before anything compiles.
 """
 from __future__ import annotations
 
@@ -18,14 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zoo.layers.attention_kernel import (  # noqa: F401  (re-exported: the kernel choice's public home was here)
-    IMPLEMENTATIONS,
-    AttentionChoice,
-    Implementation,
-    causal_attention,
-    choose_impl,
-    resolve_impl,
-)
+from zoo.layers.attention_kernel import AttentionChoice, Implementation, causal_attention, choose_impl
 from zoo.layers.linear import projection
 from zoo.layers.norm import RMSNorm
 from zoo.layers.rope import Rope

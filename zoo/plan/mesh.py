@@ -53,11 +53,6 @@ def devices(mesh: jax.sharding.AbstractMesh) -> int:
     return math.prod(sharding.mesh_sizes(mesh).values())
 
 
-def data_shards(mesh: jax.sharding.AbstractMesh) -> int:
-    s = sharding.mesh_sizes(mesh)
-    return s["dp"] * s["fsdp"] * s["ep"]
-
-
 def _per_device_bytes(sds, logical, mesh) -> int:
     shape = sharding.shard_shape(sds.shape, logical, mesh) if logical else tuple(sds.shape)
     return math.prod(shape) * jnp.dtype(sds.dtype).itemsize

@@ -65,7 +65,7 @@ class MultiTokenPrediction(nnx.Module):
         if cfg.mtp_depths <= 0:
             raise ValueError(f"MultiTokenPrediction needs DeepSeekV3Config.mtp_depths > 0, got {cfg.mtp_depths}")
         self.depths = cfg.mtp_depths
-        self.loss_weight = cfg.mtp_lambda
+        self.loss_weight = cfg.mtp_loss_weight()
         self.heads = stacked_modules(lambda r: MTPDepth(cfg, rngs=r), cfg.mtp_depths, rngs)
         self.layers = Stack(make_layer, num_layers=cfg.mtp_depths, rngs=rngs)
 
