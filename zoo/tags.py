@@ -24,6 +24,7 @@ class Tag:
     meaning: str
 
 
+# one row a tag (a table: its rows repeat each other's shape)
 _TAGS = (
     Tag("decoder_layer_input", "[B,S,D]", "the decoder layer's input (the scan carry), named on the first line of "
         "the rematerialized layer body; naming the carry outside the body offloads nothing (jax#23869)"),

@@ -31,6 +31,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+
+from recipes.train import jaxlib
 
 
 class Taken(ValueError):
@@ -117,35 +120,18 @@ def start(bind: str, count: int, *, heartbeat: int, shutdown: int, grace: float,
     return Hosted(proc, log)
 
 
-@contextlib.contextmanager
 def use_hosted(**options):
     """Within the block, `jax.distributed.initialize()` on process 0 starts the service in a host process (`start`
     with `options`) instead of in this one."""
-    try:
-        from jax._src import distributed
-        lib = distributed._jax
-        lib.get_distributed_runtime_service   # noqa: B018  (where this JAX keeps it)
-    except (ImportError, AttributeError):
-        yield
-        return
-
-    class Lib:   # jaxlib's module, with the service's constructor replaced
-        def __getattr__(self, name):
-            return getattr(lib, name)
-
-        @staticmethod
+    def hosted(original: Callable) -> Callable:
         def get_distributed_runtime_service(address, num_nodes, **kwargs):
             if any(v for k, v in kwargs.items() if k not in ("heartbeat_timeout", "shutdown_timeout")):
                 # mTLS credentials, recoverability: JAX's own service in this process, as configured
-                return lib.get_distributed_runtime_service(address, num_nodes, **kwargs)
+                return original(address, num_nodes, **kwargs)
             return start(address, num_nodes, heartbeat=kwargs.get("heartbeat_timeout") or 100,
                          shutdown=kwargs.get("shutdown_timeout") or 300, **options)
-
-    distributed._jax = Lib()
-    try:
-        yield
-    finally:
-        distributed._jax = lib
+        return get_distributed_runtime_service
+    return jaxlib.replaced("get_distributed_runtime_service", hosted)
 
 
 def serve(bind: str, count: int, heartbeat: int, shutdown: int, grace: float) -> int:

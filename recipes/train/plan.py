@@ -238,8 +238,7 @@ def _max_batch(ap: argparse.ArgumentParser, args) -> int:
         if bad:
             ap.error(f"--max-batch plans one recipe on one device: {flag} does not apply")
     try:
-        family = cli.family(args.model)
-        model_cfg = cli.model_config(family, args.preset, args.overrides)
+        family, model_cfg = _model(args)
         recipe = cli.recipe(family, args.recipe)
         _check_state(args, model_cfg)
         start = args.batch
@@ -251,12 +250,7 @@ def _max_batch(ap: argparse.ArgumentParser, args) -> int:
                                    cap=args.max_batch)
     except ValueError as e:
         ap.error(str(e))
-    if args.json:
-        json.dump(c.to_dict(), sys.stdout, indent=1)
-        sys.stdout.write("\n")
-    else:
-        print(f"{args.model} {args.preset}: " + c.render())
-    return 0
+    return _found(args, c)
 
 
 def _max_seq(ap: argparse.ArgumentParser, args) -> int:
@@ -266,8 +260,7 @@ def _max_seq(ap: argparse.ArgumentParser, args) -> int:
         if bad:
             ap.error(f"--max-seq plans on one device: {flag} does not apply")
     try:
-        family = cli.family(args.model)
-        model_cfg = cli.model_config(family, args.preset, args.overrides)
+        family, model_cfg = _model(args)
         recipe = "auto" if args.recipe == "auto" else cli.recipe(family, args.recipe)
         hardware = _hardware(args)
         if recipe == "auto":
@@ -276,6 +269,17 @@ def _max_seq(ap: argparse.ArgumentParser, args) -> int:
                                      training=_training(args), peak=args.peak, cap=args.max_seq)
     except ValueError as e:
         ap.error(str(e))
+    return _found(args, found)
+
+
+def _model(args):
+    """(the family of --model, its config: --preset with --set)."""
+    family = cli.family(args.model)
+    return family, cli.model_config(family, args.preset, args.overrides)
+
+
+def _found(args, found) -> int:
+    """Print what --max-batch or --max-seq found: JSON with --json, else its line."""
     if args.json:
         json.dump(found.to_dict(), sys.stdout, indent=1)
         sys.stdout.write("\n")

@@ -211,27 +211,24 @@ class _Chooser:
             self.moved[s] += self.nbytes(group, s) / self.link
         self.host_used += size
 
+    def _keep(self, group, size: int) -> None:
+        """Keep `group` (`size` bytes) in HBM."""
+        self.device.extend(group)
+        self.hbm_left -= size
+        self.kept |= set(group)
+
     def place(self, group, value: int) -> None:
         """Keep `group` in HBM if it fits, else offload it if that pays and fits the host budget, else recompute it."""
         size = self.total(group)
+        fits = size <= self.hbm_left
+        if fits:
+            self._keep(group, size)
         if self.tiled(group):   # made inside sequence tiles: kept in HBM or recomputed, never offloaded
-            if size <= self.hbm_left:
-                self.device.extend(group)
-                self.hbm_left -= size
-                self.kept |= set(group)
-                note = f"kept in HBM (tile by tile): {fmt_bytes(size)} fits"
-            else:
-                note = (f"recomputed tile by tile: {fmt_bytes(size)} does not fit in HBM and a tiled tag is not "
-                        f"offloaded")
-            for t in group:
-                self.notes[t] = note
-            return
-        gain = f"saves {fmt_flops(value)} of recompute per step ({value / size:.0f} FLOP/byte)"
-        if size <= self.hbm_left:
-            self.device.extend(group)
-            self.hbm_left -= size
-            self.kept |= set(group)
-            note = f"kept in HBM: {fmt_bytes(size)} fits ({fmt_bytes(self.hbm_left + size)} left); {gain}"
+            note = (f"kept in HBM (tile by tile): {fmt_bytes(size)} fits" if fits else
+                    f"recomputed tile by tile: {fmt_bytes(size)} does not fit in HBM and a tiled tag is not offloaded")
+        elif fits:
+            note = (f"kept in HBM: {fmt_bytes(size)} fits ({fmt_bytes(self.hbm_left + size)} left); "
+                    f"{self._gain(size, value)}")
         else:
             ok, why = self.hides(group, value)
             if ok and (self.host_budget is None or self.host_used + size <= self.host_budget):
@@ -239,13 +236,17 @@ class _Chooser:
                 self._move(group, size)
                 self.kept |= set(group)
                 note = (f"offloaded: {fmt_bytes(size)} does not fit in HBM ({fmt_bytes(max(self.hbm_left, 0))} left); "
-                        f"{why}; {gain}")
+                        f"{why}; {self._gain(size, value)}")
             else:
                 reason = why if not ok else f"the host budget is full ({fmt_bytes(self.host_used)} used)"
                 note = (f"recomputed: {fmt_bytes(size)} does not fit in HBM ({fmt_bytes(max(self.hbm_left, 0))} left) "
                         f"and {reason}")
         for t in group:
             self.notes[t] = note
+
+    @staticmethod
+    def _gain(size: int, value: int) -> str:
+        return f"saves {fmt_flops(value)} of recompute per step ({value / size:.0f} FLOP/byte)"
 
     def tiled(self, group) -> bool:
         return any(t in getattr(self.shapes[s], "tiled", ()) for s in self.shapes for t in group)

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from flax import nnx
 
-from zoo.layers import MLP, Attention, RMSNorm
+from zoo.layers import MLP, RMSNorm
 from zoo.layers.block import PreNormBlock
 from zoo.layers.moe import Experts, MoE, SoftmaxRouter
+from zoo.models import gqa
 from zoo.models.lm import CausalLM
 from zoo.models.qwen3_moe.config import Qwen3MoeConfig
 from zoo.recipe import Recipe
@@ -27,9 +28,7 @@ class Qwen3MoeDecoderLayer(PreNormBlock):
         self.dim, self.dtype, self.moe = cfg.dim, cfg.compute_dtype, moe
         common = dict(dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype)
         self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, **common)
-        self.attn = Attention(dim=cfg.dim, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                              head_dim=cfg.head_dim, rope=cfg.rope(), implementation=cfg.attention_impl,
-                              qk_norm_eps=cfg.norm_eps, rngs=rngs, **common)
+        self.attn = gqa.attention(cfg, qk_norm_eps=cfg.norm_eps, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, **common)
         self.mlp = (qwen3_moe_ffn(cfg, rngs=rngs) if moe else
                     MLP(dim=cfg.dim, hidden=cfg.mlp_dim, seq_chunks=cfg.mlp_seq_chunks, rngs=rngs, **common))
