@@ -1,9 +1,6 @@
-"""Names renamed since the last release, kept for one release as errors that name the new form (docs/changes.md).
-
-Each table maps an old name to the words that say what replaces it. A renamed module attribute raises
-`AttributeError`, a renamed module `ModuleNotFoundError` (an `ImportError`), a renamed keyword `TypeError`, and a
-module that used to be called raises `TypeError`: each a one-line message naming the new form. This module imports
-nothing of the zoo, so any module may use it.
+"""Names renamed since the last release, kept for one release as errors that name the new form (docs/changes.md): a
+renamed attribute raises `AttributeError`, a module `ModuleNotFoundError`, a keyword `TypeError`, and a module that used
+to be called `TypeError`. This module imports nothing of the zoo, so any module may use it.
 """
 from __future__ import annotations
 

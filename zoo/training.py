@@ -23,13 +23,11 @@ def check_positive(name: str, value, kind=int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Training:
-    """What the step keeps and how it updates: `optimizer` (one of `zoo.optim.OPTIMIZER_NAMES`) with its moments in
-    `opt_dtype`, living on the "device" or in pinned "host" memory between steps (`opt_state`); `params="host"`: a
-    float32 master copy of the (16-bit) parameters in pinned host memory (`zoo.optim.with_master`; "device": none);
-    `grad_accum` K micro-batches of batch / K per update, with float32 gradient sums; `loss_chunk`: positions of
-    the sequence per chunk of the LM head and its cross-entropy (`zoo.train_step`: "auto", None, or a divisor of
-    the sequence); `clip` (the gradients' global norm) and `weight_decay`, which change no byte of the plan.
-    Checked when made: a ValueError names the field."""
+    """What the step keeps and how it updates: `optimizer` (`zoo.optim.OPTIMIZER_NAMES`) with its moments in
+    `opt_dtype`, on the "device" or in pinned "host" memory between steps (`opt_state`); `params="host"`: a float32
+    master copy of 16-bit parameters in pinned host memory; `grad_accum` micro-batches per update; `loss_chunk`
+    (`zoo.train_step`: "auto", None, or a divisor of the sequence); `clip` and `weight_decay`, which change no byte of a
+    plan. A bad field is a ValueError naming it."""
     optimizer: str = "adamw"
     opt_dtype: str = "float32"
     grad_accum: int = 1

@@ -1,6 +1,6 @@
 """`--recipe auto` on a device: what `zoo.plan.plan(model_cfg, "auto", ...)` needs, taken from the device.
 
-The planner's automatic recipe (`zoo.plan.auto.choose`) needs an HBM budget, a host link (rate and overlap) and a
+The planner's automatic recipe (`zoo.plan.auto`) needs an HBM budget, a host link (rate and overlap) and a
 FLOP rate. On a device each has a default, and every figure says where it came from:
 
 - HBM: `--hbm-limit`, else the device's allocator limit (`memory_stats()["bytes_limit"]`); a device without one

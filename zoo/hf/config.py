@@ -1,14 +1,6 @@
-"""Hugging Face `config.json` <-> zoo configs: the helpers every family's mapping uses (zoo/models/<family>/hf.py).
-
-Each family lists the HF fields it reads (SUPPORTED), the ones that cannot change the logits and are
-ignored (IGNORED: token ids, init ranges, dropout at inference, cache flags, ...), and the ones that would change
-the math but that the zoo does not implement (UNSUPPORTED, with their neutral value): a checkpoint that sets one
-of those to anything else is refused with a ValueError naming the field. Fields in none of the lists are ignored,
-as transformers ignores them.
-
-Both spellings of RoPE settings are read: the published one (`rope_theta` and `rope_scaling` at the top level)
-and transformers 5's (`rope_parameters` holding `rope_theta`, `rope_type` and the scaling fields). The published
-spelling is written, which every transformers version reads.
+"""Hugging Face `config.json` <-> zoo configs: the helpers every family's mapping uses (zoo/models/<family>/hf.py). A
+family lists the HF fields it reads (SUPPORTED), ignores (IGNORED) and does not implement (UNSUPPORTED, with their
+neutral value: any other is a ValueError); both spellings of RoPE settings are read, the published one written.
 """
 from __future__ import annotations
 

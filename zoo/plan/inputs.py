@@ -5,9 +5,8 @@
                   parallel=Parallelism(mesh="fsdp=4,tp=2"),                    # how the step is split over devices
                   training=Training(optimizer="adamw", grad_accum=2))          # what the step keeps and how it updates
 
-`Training` is the training step's own group (`zoo.training`: the step takes it too). Each group checks its own
-values when it is made (a ValueError naming the field); checks between groups and the shape (a mesh the batch does
-not split over, micro-batches that do not divide it) are the planner's.
+Each checks its own values when it is made (a ValueError naming the field); `Training` is the step's own
+(`zoo.training`).
 """
 from __future__ import annotations
 
@@ -21,12 +20,10 @@ __all__ = ["Hardware", "Parallelism", "Training", "check_positive"]
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
-    """The device planned for. `hbm_gib`: the HBM budget per device (warned about; needed by recipe "auto");
-    `host_gib`: host memory per device for "auto" (None: unbounded); `link_gbps` (GB/s per direction) and
-    `overlap` (the fraction of transfer time hidden under compute: one for both directions or a (device-to-host,
-    host-to-device) pair) default to the link measured on `device_kind` (`zoo.plan.links`; default: the device
-    present); `tflops`: the matmul rate for "auto" and the step time; `step_tflops`: the executed rate of the
-    family's step (default: measured, `zoo.plan.links.step_rate`: the family's own, else `tflops`)."""
+    """The device planned for: `hbm_gib` (the HBM budget per device; needed by recipe "auto"), `host_gib` (host memory
+    per device for "auto"; None: unbounded), `link_gbps` and `overlap` (default: the link measured on `device_kind`,
+    `zoo.plan.links`; default device: the one present), `tflops` (the matmul rate for "auto" and the step time) and
+    `step_tflops` (the executed rate of the family's step; default measured, else `tflops`)."""
     hbm_gib: float | None = None
     host_gib: float | None = None
     link_gbps: float | None = None

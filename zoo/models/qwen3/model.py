@@ -1,9 +1,6 @@
-"""Qwen3, the dense models (Qwen Team, 2025, "Qwen3 Technical Report").
-
-A pre-norm decoder: x += attention(RMSNorm(x)); x += SwiGLU(RMSNorm(x)). Grouped-query attention with an RMSNorm
-over each query and key head (one scale of head_dim each) before RoPE (theta 1e6, no frequency scaling); no
-attention biases. The embedding and the LM head are untied in the published 8B and 32B (tied in the smaller
-sizes: `tie_embeddings`).
+"""Qwen3, the dense models (Qwen Team, 2025, "Qwen3 Technical Report"): a pre-norm decoder with grouped-query attention,
+an RMSNorm over each query and key head before RoPE (theta 1e6), no attention biases, and a SwiGLU; the embedding and
+the LM head untied in the published 8B and 32B (`tie_embeddings`).
 """
 from __future__ import annotations
 

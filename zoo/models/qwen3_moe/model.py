@@ -1,12 +1,9 @@
 """Qwen3-MoE (Qwen Team, 2025, "Qwen3 Technical Report").
 
-A pre-norm decoder: x += attention(RMSNorm(x)); x += FFN(RMSNorm(x)). Grouped-query attention with an RMSNorm over
-each query and key head before RoPE (theta 1e6). The FFN is a mixture of experts (softmax top-k routing, the k
-weights renormalised when `norm_topk_prob`, no shared expert) except in the layers `mlp_only_layers` and
-`decoder_sparse_step` make dense. Each run of layers of one kind is one scanned stack under the one recipe: the
-published sizes are all experts (one stack, `moe_layers`); the tiny preset has two (`dense_layers`, then
-`moe_layers`). The embedding and
-the LM head are untied.
+A pre-norm decoder with grouped-query attention (an RMSNorm over each query and key head before RoPE, theta 1e6)
+and a mixture of experts (softmax top-k, no shared expert) except in the layers `mlp_only_layers` and
+`decoder_sparse_step` make dense. Each run of layers of one kind is one scanned stack (the published sizes:
+`moe_layers` alone; tiny: `dense_layers`, then `moe_layers`). The embedding and the LM head are untied.
 """
 from __future__ import annotations
 
