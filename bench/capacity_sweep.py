@@ -80,8 +80,8 @@ def plan_child(a) -> dict:
         backend, why = backend_choice(a.backend, dtype=jnp.bfloat16)
     except ValueError as e:
         backend, why = a.backend, str(e)
-    c = zoo.plan.largest_batch(cfg, recipe, seq=a.seq, hbm_gib=a.hbm, optimizer="sgd", peak="compile",
-                               start=a.start, cap=a.cap)
+    c = zoo.plan.largest_batch(cfg, recipe, seq=a.seq, hardware=zoo.plan.Hardware(hbm_gib=a.hbm),
+                               training=zoo.plan.Training(optimizer="sgd"), peak="compile", start=a.start, cap=a.cap)
     planned = {t.batch: (t.peak_bytes, t.peak_source) for t in c.tried}
     measure = [c.batch, 2 * c.batch] if c.batch else [min(planned)]
     for b in measure:

@@ -41,8 +41,9 @@ def keywords(**renamed: str) -> Callable[[Callable], Callable]:
     def decorate(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            for old in renamed.keys() & kwargs.keys():
-                raise TypeError(f"{fn.__name__}(): the keyword {old}= is now {renamed[old]}")
+            for old in kwargs:   # in the caller's order: the first renamed one is named
+                if old in renamed:
+                    raise TypeError(f"{fn.__name__}(): the keyword {old}= is now {renamed[old]}")
             return fn(*args, **kwargs)
         return call
     return decorate

@@ -245,9 +245,10 @@ def _max_batch(ap: argparse.ArgumentParser, args) -> int:
         if start is not None and (start & (start - 1) or start > args.max_batch):
             raise ValueError(f"--batch {start} with --max-batch is the first batch planned: a power of two up to "
                              f"{args.max_batch}")
-        c = zoo.plan.largest_batch(model_cfg, recipe, seq=args.seq, hbm_gib=args.hbm_limit, optimizer=args.optimizer,
-                                   opt_dtype=args.opt_dtype, peak=args.peak, device_kind=args.device, start=start,
-                                   cap=args.max_batch)
+        c = zoo.plan.largest_batch(model_cfg, recipe, seq=args.seq,
+                                   hardware=zoo.plan.Hardware(hbm_gib=args.hbm_limit, device_kind=args.device),
+                                   training=zoo.plan.Training(optimizer=args.optimizer, opt_dtype=args.opt_dtype),
+                                   peak=args.peak, start=start, cap=args.max_batch)
     except ValueError as e:
         ap.error(str(e))
     return _found(args, c)

@@ -2,7 +2,7 @@
 
     p = zoo.plan.plan(cfg, recipe, batch=2, seq=8192)   # a zoo.Recipe, or "auto" with a budget, a link and a rate
     zoo.plan.render(p)                                # tables; p.to_dict() or zoo.plan.to_json(p) for JSON
-    zoo.plan.largest_batch(cfg, recipe, seq=8192, hbm_gib=141)   # the largest power-of-two batch that fits
+    zoo.plan.largest_batch(cfg, recipe, seq=8192, hardware=zoo.plan.Hardware(hbm_gib=141))   # the largest batch
 
 Its modules: docs/architecture.md. Calling the package is a TypeError naming `zoo.plan.plan` (docs/changes.md).
 """

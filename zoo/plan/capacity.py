@@ -1,6 +1,6 @@
 """Capacity: the largest batch (a power of two) whose training step fits an HBM budget.
 
-    c = zoo.plan.largest_batch(cfg, recipe, seq=4096, hbm_gib=104.9)
+    c = zoo.plan.largest_batch(cfg, recipe, seq=4096, hardware=zoo.plan.Hardware(hbm_gib=104.9))
     c.batch, c.tried   # the largest batch whose peak fits (0: none does); each batch planned, its peak, whether it fits
 
 Each batch is one `zoo.plan.plan`, walked up the powers of two from `start` (down if `start` does not fit): a `start`
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from zoo.plan.build import plan
+from zoo import renames
+from zoo.plan.build import ADAMW, NO_HARDWARE, plan
 from zoo.plan.inputs import Hardware, Training, check_positive
 from zoo.plan.peak import allocator_limit
 from zoo.plan.target import device_target
@@ -93,20 +94,23 @@ def candidates(cap: int = DEFAULT_CAP, batches=None) -> tuple[int, ...]:
     return tuple(sorted(set(batches)))
 
 
-def largest_batch(cfg, recipe: Recipe, *, seq: int, hbm_gib: float | None = None, optimizer: str = "adamw",
-                  opt_dtype: str = "float32", peak: str = "auto", batches=None, device_kind: str | None = None,
-                  start: int | None = None, cap: int = DEFAULT_CAP) -> Capacity:
+@renames.keywords(hbm_gib="hardware=zoo.plan.Hardware(hbm_gib=...)",
+                  device_kind="hardware=zoo.plan.Hardware(device_kind=...)",
+                  optimizer="training=zoo.plan.Training(optimizer=...)",
+                  opt_dtype="training=zoo.plan.Training(opt_dtype=...)")
+def largest_batch(cfg, recipe: Recipe, *, seq: int, hardware: Hardware = NO_HARDWARE, training: Training = ADAMW,
+                  peak: str = "auto", batches=None, start: int | None = None, cap: int = DEFAULT_CAP) -> Capacity:
     """The largest batch (of `batches`, default the powers of two up to `cap`) whose planned peak HBM fits the
-    budget (`hbm_gib`, else the allocator limit of the device present), for `recipe` at `seq`. `peak` is
-    `zoo.plan.plan`'s; `start` (one of the candidates) is the first batch planned. A batch the model cannot take
-    raises `zoo.plan`'s ValueError."""
+    budget (`hardware.hbm_gib`, else the allocator limit of the device present), for `recipe` at `seq` and the step
+    `training` describes. `peak` is `zoo.plan.plan`'s; `start` (one of the candidates) is the first batch planned.
+    A batch the model cannot take raises `zoo.plan`'s ValueError."""
     if not isinstance(recipe, Recipe):
         raise ValueError(f"recipe must be a zoo.Recipe, got {recipe!r} (a front end looks names up in the model "
                          f"family's recipes; 'auto' chooses a recipe per batch and has no single capacity)")
     check_positive("seq", seq)
     if peak not in ("auto", "compile", "estimate"):
         raise ValueError(f"peak={peak!r}: choose 'auto', 'compile' or 'estimate' (a capacity needs a peak)")
-    limit, source = budget(hbm_gib, device_kind)
+    limit, source = budget(hardware.hbm_gib, hardware.device_kind)
     order = candidates(cap, batches)
     if start is None:
         i = 0
@@ -119,8 +123,9 @@ def largest_batch(cfg, recipe: Recipe, *, seq: int, hbm_gib: float | None = None
     tried: list[Tried] = []
 
     def fits(b: int) -> bool:
-        p = plan(cfg, recipe, batch=b, seq=seq, hardware=Hardware(device_kind=device_kind),
-                 training=Training(optimizer=optimizer, opt_dtype=opt_dtype), peak=peak)
+        # the peak at the default loss chunk: the budget is the walk's, not the plan's (no chunk fitted to it)
+        p = plan(cfg, recipe, batch=b, seq=seq, hardware=Hardware(device_kind=hardware.device_kind),
+                 training=training, peak=peak)
         tried.append(Tried(b, int(p.peak_bytes), p.peak_source, p.peak_bytes <= limit))
         return tried[-1].fits
 
