@@ -1,27 +1,13 @@
 """capacity-sweep: the largest batch a deepseek-slice recipe fits, planned and measured.
 
-    XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true \
-        python3 -m bench.capacity_sweep mla_moe_offload --start 8
+    XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true python3 -m bench.capacity_sweep mla_moe_offload --start 8
     JAX_PLATFORMS=cpu python -m bench.capacity_sweep mla_moe_offload --smoke --hbm 0.05   # checks the script only
 
-The model is bench/deepseek_slice.py's (the DeepSeek-V3 671B preset cut to 1 dense + 3 MoE layers, 16 experts,
-bf16, capacity dispatch by default; `--smoke`: the tiny preset, seq 64), the step the main job's
-(`zoo.train_step`) with optimizer "sgd", so that memory is parameters + gradients + activations as in the bench.
-
-1. The planner: `zoo.plan.largest_batch(..., peak="compile", start=--start)` compiles the step on abstract inputs
-   for the GPU present, one batch (a power of two) at a time, against the allocator's `bytes_limit` (`--hbm` on
-   the CPU, which has none): B*, the largest batch whose compiled peak fits.
-2. The measurement: the state is really built for batch B* and the same jitted step (`zoo.train_step.
-   abstract_step`, the program the planner compiled) runs 2 steps on random tokens; then the same at 2 B*, which
-   the planner says does not fit: an out-of-memory error there is data (`fits: false`), not a crash.
-
-Every phase runs in its own process, so a failed allocation cannot poison the next and each process has the
-whole GPU (JAX preallocates 75% of it in the first process that touches it: this parent never does). The
-children share a persistent compilation cache, so a run can reuse the planner's compile of the same program
-(`compile_s` in the record says whether it did). One JSON line per (recipe, batch) via `bench.common.emit`:
-planned_peak_gib / planned_peak_source (the planner's compiled peak at that batch), limit_gib (the budget),
-predicted_fits, fits (True / False for out of memory / None when it did not run to an answer), peak_gib
-(`peak_bytes_in_use`), step_s, error.
+The model is bench/deepseek_slice.py's, the step the main job's (`zoo.train_step`) with SGD. First the planner
+(`zoo.plan.largest_batch(..., peak="compile")`) finds B*, the largest power-of-two batch whose compiled peak fits the
+allocator's limit; then the same step really runs at B* and at 2 B* (an out-of-memory error there is data, `fits:
+false`). Every phase runs in a process of its own, sharing a compilation cache. One record per (recipe, batch): the
+planned peak, the budget, predicted_fits, fits, the measured peak, step_s, error.
 """
 from __future__ import annotations
 
@@ -94,8 +80,8 @@ def plan_child(a) -> dict:
         backend, why = backend_choice(a.backend, dtype=jnp.bfloat16)
     except ValueError as e:
         backend, why = a.backend, str(e)
-    c = zoo.plan.largest_batch(cfg, recipe, seq=a.seq, hbm_gib=a.hbm, optimizer="sgd", peak="compile",
-                               start=a.start, cap=a.cap)
+    c = zoo.plan.largest_batch(cfg, recipe, seq=a.seq, hardware=zoo.plan.Hardware(hbm_gib=a.hbm),
+                               training=zoo.plan.Training(optimizer="sgd"), peak="compile", start=a.start, cap=a.cap)
     planned = {t.batch: (t.peak_bytes, t.peak_source) for t in c.tried}
     measure = [c.batch, 2 * c.batch] if c.batch else [min(planned)]
     for b in measure:
@@ -121,6 +107,7 @@ def run_child(a) -> None:
 
     from bench.common import emit
     from zoo.optim import lr_schedule, make_optimizer
+    from zoo.plan import Training
     from zoo.plan.peak import from_compiled
     from zoo.train_step import abstract_step
 
@@ -130,7 +117,8 @@ def run_child(a) -> None:
     out = dict(fits=None, peak_gib=None, step_s=None, error=None)
     try:
         schedule = lr_schedule(lr=1e-4, steps=100, warmup=10)   # abstract_step's default: the planner's program
-        jitted, _, abstract = abstract_step(fam, cfg, recipe, schedule=schedule, optimizer="sgd", opt_dtype="float32")
+        jitted, _, abstract = abstract_step(fam, cfg, recipe, schedule=schedule,
+                                              training=Training(optimizer="sgd"))
         model = fam.build(cfg, recipe=recipe, rngs=nnx.Rngs(0))
         opt = make_optimizer(model, schedule, clip=1.0, weight_decay=0.1, optimizer="sgd", opt_dtype="float32")
         _, state = nnx.split((model, opt))

@@ -1,28 +1,14 @@
-"""deepseek-slice: the DeepSeek-V3 671B preset cut to 1 dense + 3 MoE layers and 16 experts (top-8 kept, the
-study's hidden sizes), batch 4, seq 4096, SGD step, bf16.
+"""deepseek-slice: the DeepSeek-V3 671B preset cut to 1 dense + 3 MoE layers and 16 experts (top-8 kept, the study's
+hidden sizes), batch 4, seq 4096, SGD step, bf16.
 
-    XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true \
-        python -m bench.deepseek_slice mla_moe_offload --batch 4 --backend tokamax
+    XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true python -m bench.deepseek_slice mla_moe_offload
 
-`bench.baselines.plain_jax_deepseek` (E=16 NL=3) is its plain-JAX baseline: the same MoE layers and dispatch
-(sort + jax.lax.ragged_dot), without the dense layer, the embedding and the LM head. Prints one JSON line (a record of
-`bench.records`): `backend` is the grouped matmul that ran (`auto` resolved on the device), `attention` the
-kernel, `dropped` the token copies capacity dispatch dropped in the last step, `planned_host_gib` and
-`planned_peak_gib` the planner's figures beside XLA's `host_temp_gib` and the measured `peak_gib`.
-
-Expert parallelism: `--mesh ep=2 --experts 32 --batch 8` keeps each GPU's share as on one GPU (16 experts and 4
-sequences per GPU; `--batch` and `--experts` are global). Two backends shard experts over `ep`: capacity
-dispatch (`--backend capacity`), and the dropless ones with `--ep-dispatch ragged_a2a` (`--backend tokamax` or
-`ragged_dot`: each token copy sent to its expert's device with a ragged all-to-all; zoo/layers/moe/expert_parallel.py).
-The record carries gpus, mesh, ep_dispatch, tflops per GPU and the largest device's peak.
-
-`auto` (the recipe `zoo.plan.plan(cfg, "auto", ...)` chooses for this slice, batch and seq, for the SGD step's model
-state): the HBM budget is the allocator's `bytes_limit` on the device (`--auto-hbm` on the CPU, default 1 GiB with
-`--smoke`), the link and its overlap are those measured for the device (`zoo.plan.links`), the FLOP rate is the
-main job's per-device table (`recipes.train.meter.peak_tflops`: the datasheet bf16 peak, 989 on an H200; `--auto-tflops`
-overrides). The record keeps `recipe: "auto"` and says what it chose: `auto_device` (tags kept in HBM),
-`auto_offload` (tags sent to the host; every other tag is recomputed) and the inputs (`auto_hbm_gib`,
-`auto_link_gbps`, `auto_overlap`, `auto_tflops`).
+Its plain-JAX baseline is `bench.baselines.plain_jax_deepseek` (E=16 NL=3). Prints one record of `bench.records`: the
+backend that ran, the attention kernel, the copies dropped, the planner's figures beside XLA's. Expert parallelism:
+`--mesh ep=2 --experts 32 --batch 8` keeps each GPU's share as on one (`--ep-dispatch ragged_a2a` for the dropless
+backends). `auto`: the recipe `zoo.plan.plan(cfg, "auto", ...)` chooses for the SGD step, its inputs taken from the
+device as the main job's `--recipe auto` takes them (`--auto-hbm`, `--auto-tflops` override); the record says what it
+chose (`auto_device`, `auto_offload`, the inputs).
 """
 from __future__ import annotations
 
@@ -31,9 +17,10 @@ import argparse
 import jax
 import jax.numpy as jnp
 
+import zoo
 from bench.common import guarded, measure, planned, sharded_inputs
 from recipes.registry import recipes_of
-from zoo.layers.attention import resolve_impl
+from zoo.layers.attention_kernel import resolve_impl
 from zoo.layers.moe import EP_DISPATCHES, backend_choice
 from zoo.models.registry import family
 
@@ -55,7 +42,8 @@ def resolve_auto(cfg, *, batch: int, seq: int, mesh: str | None, hbm_gib: float 
     if smoke and device.platform == "cpu":   # the CPU has no memory limit, no measured link and no FLOP table
         hbm_gib, link, tflops = hbm_gib or 1.0, 10.0, tflops or 1.0
     ins = auto.inputs(device, hbm_gib=hbm_gib, link_gbps=link, tflops=tflops)
-    recipe = auto.choose(cfg, ins, batch=batch, seq=seq, optimizer="sgd", mesh=mesh)
+    recipe = auto.choose(cfg, ins, batch=batch, seq=seq, training=zoo.plan.Training(optimizer="sgd"),
+                         parallel=zoo.plan.Parallelism(mesh=mesh))
     return recipe, dict(auto_device=list(recipe.device), auto_offload=list(recipe.offload),
                         **{f"auto_{k}": v for k, v in dataclasses.asdict(ins).items()})
 

@@ -25,10 +25,10 @@ def curve(a, recipe: str) -> list[float]:
     overrides = [("num_layers", a.layers)]
     if jax.devices()[0].platform == "gpu":
         overrides.append(("attention_impl", "cudnn"))
-    cfg = loop.RunConfig(model="llama3", preset=a.preset, recipe=recipe, overrides=tuple(overrides), steps=a.steps,
-                         batch=a.batch, seq=a.seq, seed=0, log_every=a.steps)
+    settings = loop.RunConfig(model="llama3", preset=a.preset, recipe=recipe, overrides=tuple(overrides),
+                              steps=a.steps, batch=a.batch, seq=a.seq, seed=0, log_every=a.steps)
     with contextlib.redirect_stdout(io.StringIO()):  # the run's own tables: not this record
-        result = loop.run(cfg)
+        result = loop.run(settings)
     return result.losses
 
 

@@ -124,7 +124,7 @@ def run_sgd(a) -> None:
     import zoo
     from bench.common import guarded, measure, planned
     from recipes.llama3 import RECIPES
-    from zoo.layers.attention import resolve_impl
+    from zoo.layers.attention_kernel import resolve_impl
     from zoo.models.llama3 import flops_per_token as llama_flops_per_token
 
     m = _shape(a)

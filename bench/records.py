@@ -1,24 +1,18 @@
-"""The one schema of a benchmark record: a line of bench/results/*.jsonl, of `bench.run`'s OUT/results.jsonl and of
-a bench's BENCH_OUT file.
+"""The one schema of a benchmark record: a line of bench/results/*.jsonl, of `bench.run`'s OUT/results.jsonl and of a
+bench's BENCH_OUT file.
 
-A record is a JSON object with every field of `Record` (None where a figure does not apply or was not measured)
-and `extras`: a flat dict of whatever else the bench reports (its variant, setting, compile time, the planner's
-further figures, an error message). `normalize` turns a bench's flat dict into that form (the fields it knows
-are taken out, the rest go to `extras`) and checks each field's type; `flat` is the reverse, for readers that
-look a key up wherever it lives. `load` reads a file of records and checks every line.
+A record is a JSON object with every field of `Record` (None where a figure does not apply) and `extras` (whatever else
+the bench reports). `normalize` turns a bench's flat dict into that form and checks each field's type; `flat` is the
+reverse; `load` reads a file and checks every line.
 
-    bench       what was measured: the bench's name ("llama405b-slice", "deepseek-slice", "main-job-8b", ...)
-    impl        "zoo" (this library) or "anchor" (a plain-JAX baseline of bench/baselines/)
-    recipe      the recipe (zoo) or the checkpoint policy (anchor) the step ran under
-    backend     the MoE dispatch ("capacity", "ragged_dot", "tokamax"), None for a dense model
-    gpus        devices the step ran on; mesh: the mesh spec ("fsdp=2") or None for one device
-    B, S, L     global batch, sequence length, decoder layers
-    step_s      seconds per step (mean of the timed steps); tflops: model TFLOP/s per device
-    peak_gib    the device's peak HBM in use; planned_peak_gib: the planner's prediction of it
-    host_temp_gib  XLA's host temporaries (offloaded activations) of the compiled step; planned_host_gib: the
-                planner's offloaded bytes
-    dropped     token copies dropped by capacity dispatch (0 for dropless and dense)
-    jax         jax version; flags: XLA_FLAGS and the step's compile options; date: YYYY-MM-DD
+    bench, impl    what was measured; "zoo" or "anchor" (a plain-JAX baseline of bench/baselines/)
+    recipe         the recipe (zoo) or the checkpoint policy (anchor); backend: the MoE dispatch, None if dense
+    gpus, mesh     the devices the step ran on, the mesh spec ("fsdp=2") or None
+    B, S, L        global batch, sequence length, decoder layers
+    step_s, tflops seconds per step (mean of the timed steps), model TFLOP/s per device
+    peak_gib, planned_peak_gib, host_temp_gib, planned_host_gib   measured and planned HBM peak and host bytes
+    dropped        token copies dropped by capacity dispatch
+    jax, flags, date   jax version, XLA_FLAGS and the step's compile options, YYYY-MM-DD
 """
 from __future__ import annotations
 

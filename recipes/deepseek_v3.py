@@ -20,6 +20,7 @@ STUDY = MLA_QKV + MOE_UP
 
 DEFAULT = "mla_moe_offload"  # the study's recipe: what `--recipe` runs when not given
 """The name of the recipe `--recipe` runs when not given."""
+# the family's recipes by name (a table: the other families' repeat its shape)
 RECIPES: dict[str, Recipe] = RecipeTable("deepseek_v3", {
     "none": Recipe.none(),
     "full": Recipe.full(),

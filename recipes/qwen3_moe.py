@@ -16,6 +16,7 @@ MOE_UP = ("moe_mlpwi_0", "moe_mlpwi_1")
 
 DEFAULT = "qkv_moe_offload"  # what `--recipe` runs when not given
 """The name of the recipe `--recipe` runs when not given."""
+# the family's recipes by name (a table: the other families' repeat its shape)
 RECIPES: dict[str, Recipe] = RecipeTable("qwen3_moe", {
     "none": Recipe.none(),
     "full": Recipe.full(),

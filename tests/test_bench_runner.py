@@ -100,3 +100,37 @@ def test_the_reporter_renders_every_committed_record():
         recs = report.rows(str(path))
         text = report.summary(recs)
         assert text.count("\n| ") >= len([r for r in recs if r.get("bench") != "loss-curve"]), path.name
+
+
+# bench modules no scenario runs: each says who uses it
+TOOLS = {"bench.plots": "draws the benchmark pages' plots from bench/results (docs/benchmarks/index.md)"}
+
+
+def test_every_bench_module_is_reached_from_a_scenario():
+    """Every module of bench/ is run by a scenario's job (an ANCHOR_DIR script is its copy in bench/baselines),
+    imported by one that is (or by the runner), or a tool of TOOLS: a probe run once and left behind fails here."""
+    import ast
+
+    def imports(module: str) -> set[str]:
+        path = ROOT / (module.replace(".", "/") + ".py")
+        if not path.exists():
+            path = path.with_suffix("") / "__init__.py"
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("bench"):
+                found |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.startswith("bench")}
+        return {m for m in found if (ROOT / (m.replace(".", "/") + ".py")).exists()}
+
+    jobs = [j for s in run.SCENARIOS.values() for j in s.jobs]
+    programs = [j.program if j.argv[0] == "-m" else "bench.baselines." + j.program.removesuffix(".py") for j in jobs]
+    reached, todo = set(), ["bench.run", *TOOLS, *(p for p in programs if p.startswith("bench."))]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo += imports(module)
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts) for p in (ROOT / "bench").rglob("*.py")
+               if p.name != "__init__.py" and "shims" not in p.parts}
+    assert modules - reached == set(), "bench modules no scenario reaches: delete them or run them from a scenario"

@@ -37,7 +37,7 @@ EXCLUDED = {
     "pip install -e \".[cuda]\"": "installs JAX's CUDA build (GPU only; CI builds its environments in .ci/run)",
     "JAX_COORDINATOR_ADDRESS=10.0.0.1:1234": "two hosts with 8 GPUs each (the multi-host path is not tested here)",
     "python -m bench.run ": "GPU benchmarks, one device call each (their records are in "
-                             "bench/results/ and docs/benchmarks.md)",
+                             "bench/results/ and docs/benchmarks/)",
     "JAX_COORDINATOR_ADDRESS=127.0.0.1:12355": ("two processes: tests/train/test_multiprocess.py runs them "
                                                 "(its own checks)"),
     "mkdocs build": "the site's build: test_the_site_builds runs it",
@@ -548,7 +548,7 @@ def test_each_renamed_name_says_its_new_form(old, said):
         return
     import zoo
     with pytest.raises(Exception) as e:
-        exec(old, {"zoo": zoo, "cfg": None, "recipe": None, "path": "no/such/checkpoint"})
+        exec(old, {"zoo": zoo, "family": None, "cfg": None, "recipe": None, "path": "no/such/checkpoint"})
     assert f"{type(e.value).__name__}: {e.value}" == said
 
 

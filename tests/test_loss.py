@@ -13,6 +13,7 @@ from zoo import loss as loss_lib
 from zoo import train_step
 from zoo.models import registry
 from zoo.recipe import Recipe
+from zoo.training import Training
 
 B, S = 2, 16
 FAMILIES = {  # float32 parameters and activations; DeepSeek-V3 with two MTP depths
@@ -115,7 +116,8 @@ def test_bad_chunk_lengths_raise_before_tracing(chunk, match):
     with pytest.raises(ValueError, match=match):
         train_step.loss_and_grads(model, _batch(cfg.vocab_size), aux_loss=fam.aux_loss, loss_chunk=chunk)
     with pytest.raises(ValueError, match=match):   # before anything is built or compiled
-        train_step.compile_abstract(fam, cfg, Recipe.none(), batch=B, seq=S, loss_chunk=chunk)
+        train_step.compile_abstract(fam, cfg, Recipe.none(), batch=B, seq=S,
+                                     training=Training(loss_chunk=chunk))
 
 
 def test_default_chunk_length():
@@ -139,7 +141,8 @@ def test_compiled_temporaries_fall_with_chunking():
     cfg = fam.config("tiny", vocab_size=16384, num_layers=1)
     temp = {}
     for chunk in (None, 32):
-        compiled, _, _ = train_step.compile_abstract(fam, cfg, Recipe.none(), batch=1, seq=256, loss_chunk=chunk)
+        compiled, _, _ = train_step.compile_abstract(fam, cfg, Recipe.none(), batch=1, seq=256,
+                                                     training=Training(loss_chunk=chunk))
         temp[chunk] = compiled.memory_analysis().temp_size_in_bytes
     logits = 4 * 256 * 16384
     assert temp[32] < temp[None] - logits, {k: v / 2 ** 20 for k, v in temp.items()}

@@ -1,8 +1,9 @@
 """The library's tests do not import the application: every test file outside `tests/train/` (the application's
 tests) checks the library through its own API, and imports nothing of `recipes.train` nor runs it.
 
-The files checked are every `*.py` under `tests/` but `tests/train/` and the two files that run the docs' commands
-as a user types them (`tests/test_docs.py`, `tests/test_examples.py`), and this file (whose probe holds what it
+The files checked are every `*.py` under `tests/` but `tests/train/`, the two files that run the docs' commands
+as a user types them (`tests/test_docs.py`, `tests/test_examples.py`), the one that resolves every name the docstrings
+and pages give (`tests/test_docstrings.py`), and this file (whose probe holds what it
 looks for). Importing the recipe sets (`recipes.llama3`,
 `recipes.registry`, ...) is fine: they are data. The check parses each file with `ast` and looks for
 - an import of `recipes.train` or below (`import recipes.train.cli`, `from recipes.train import loop`,
@@ -29,6 +30,7 @@ from tests.helpers import cpu_env
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 APP = "recipes.train"
 EXEMPT = {"tests/test_docs.py", "tests/test_examples.py",   # the docs' commands, run as a user types them
+          "tests/test_docstrings.py",                       # every docstring and page's names, the application's too
           "tests/test_test_layout.py"}                      # this check: it holds the names it looks for
 MODULE = re.compile(r"recipes\.train(\.[A-Za-z_]\w*)*")
 RUNS = re.compile(r"-m\s+recipes\.train\b")

@@ -1,17 +1,7 @@
-"""The XLA options a training step is compiled with: a step that offloads gets its copies off the compute stream.
-
-XLA already issues every host-offload copy asynchronously, on a stream of its own (an `AsyncStart` on one of the
-`computation_stream`s of the compiled thunk sequence). On the GPU its command buffers (CUDA graphs, on by default)
-record runs of the scanned layer's kernels into graphs launched on the compute stream; host copies are not
-recorded, and with command buffers on the profiler showed every copy on the compute stream, none overlapping
-compute. Measured on an H200 (jax 0.11.2, 405B-shaped slice, 3 layers, batch 2, seq 8192): the offloaded step ran
-at 0.79x of the same step saving its tensors in HBM with command buffers on, and 0.91x with them off, its copies
-then on their own streams (docs/offload-profile.md, bench/results/).
-
-So the step whose recipe offloads is compiled with `HIDE_COPIES`, per compilation (`compiler_options`, which
-XLA applies on top of `XLA_FLAGS` for this executable only): every other program of the process, and a step that
-offloads nothing, keeps XLA's defaults (command buffers save launch overhead there). A user who sets the same
-option in `XLA_FLAGS` wins: the option is then left out, and `reason` says so.
+"""The XLA options a training step is compiled with: a step that offloads gets its copies off the compute stream
+(`HIDE_COPIES`: command buffers, which put every host copy on the compute stream, off for that executable only); every
+other program keeps XLA's defaults, and a user's `XLA_FLAGS` wins (`reason` says so). The measurement:
+docs/offload-profile.md.
 """
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""Reading tags off a trace: which tags a function or a layer emits, with their shapes and dtypes.
-
-Shapes are never written down twice: `emitted` traces a function abstractly (`jax.make_jaxpr`: no FLOPs, no
-memory) and reads each tag (a `checkpoint_name`, `zoo.tags.name`) and its shape and dtype off the jaxpr, looking
-inside jits, conds and custom VJPs. The planner, the recipe check at model build, the stack and the tests all read
-tag shapes here (`TaggedLayer.tag_shapes` for a layer).
-
-A tag emitted more than once names one tensor made in sequence chunks (`join_chunks`). The loop of sequence tiles
-(`zoo.layers.tiles`) is read as one tensor per tag, the tile's shape times the tiles along the sequence axis
-(`tiled_tags` says which tags it makes). Any other loop is not entered: the loop guard (`zoo.loop_guard`) refuses one
-that holds a tag or an offload, and any other loop has no tag to read.
+"""Reading tags off a trace: which tags a function or a layer emits, with their shapes and dtypes (`emitted`:
+`jax.make_jaxpr`, no FLOPs, no memory, inside jits, conds and custom VJPs), so shapes are never written down twice. A
+tag emitted more than once is one tensor made in chunks (`join_chunks`); the loop of sequence tiles is read as one
+tensor per tag (`tiled_tags`).
 """
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """Walking a jaxpr: the jaxprs held in an equation's parameters (a jit's body, a scan's, a cond's branches, a custom
-VJP's primal), one level down.
-
-`jax.extend.core.jaxprs_in_params` yields only open `Jaxpr`s, and skips the `ClosedJaxpr`s that jit, scan and cond
-hold; this yields both, as open jaxprs. The tag reader (`zoo.emitted`), the loop guard (`zoo.loop_guard`), the
-per-device tag shapes (`zoo.sharding`) and the planner's FLOP count (`zoo.plan.measure`) recurse with it.
+VJP's primal), one level down, as open jaxprs (`jax.extend.core.jaxprs_in_params` skips the `ClosedJaxpr`s). The tag
+reader, the loop guard, the per-device tag shapes and the planner's FLOP count recurse with it.
 """
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
 """Sharding constraints by logical axis names: the one piece of sharding a tag site needs (`zoo.tags.name`).
 
-A no-op unless a mesh and Flax's logical-axis rules are both active (`zoo.sharding.use` activates them with
-`nnx.logical_axis_rules`); the rule sets and the mesh live in `zoo.sharding`, which builds on this module.
-
-Logical names become mesh axes with priority semantics (`mesh_spec`): rules are tried in order, and a mesh axis is
-used at most once per array, so under fsdp an activation [batch, seq, embed] is split on `batch` and keeps `embed`
-whole, while a parameter's `embed` is split over fsdp. Flax NNX's own mapping (`nnx.get_partition_spec` and
-`nnx.get_named_sharding` under `nnx.logical_axis_rules`, `flax.core.spmd.apply_rules`) renames each name by a plain
-lookup, which gives that activation P('fsdp', None, 'fsdp'), a spec JAX rejects; the resolution is therefore
-`flax.linen.logical_to_mesh_axes`, the one Flax Linen function the zoo uses.
+A no-op unless a mesh and Flax's logical-axis rules are both active (`zoo.sharding.use`). Logical names become mesh
+axes with priority semantics (`mesh_spec`: rules tried in order, a mesh axis used at most once per array) through
+`flax.linen.logical_to_mesh_axes`: NNX's plain lookup would give an fsdp activation [batch, seq, embed]
+P('fsdp', None, 'fsdp'), a spec JAX rejects (docs/internals.md, "Sharding").
 """
 from __future__ import annotations
 
@@ -70,13 +65,10 @@ def _spec(x: jax.Array, rows: Sequence[str], cols: Sequence[str]) -> PartitionSp
 
 
 def split_embed(x: jax.Array, *, keep_batch: bool = True) -> jax.Array:
-    """x [batch, ..., embed] from the activations' layout (batch over every data axis, embed whole) to the
-    parameters' layout of `embed`: the last dim split over the mesh axes of `embed` (fsdp), the batch over its
-    other axes (`rows_beside_embed`), or, with `keep_batch=False`, whole. `keep_batch=False` moves one mesh axis
-    at a time, the batch's minor-most first (to the last dim if `embed` uses it, else gathered), each a sharding
-    constraint that is one collective: XLA's SPMD partitioner makes such moves one at a time and, for a move it
-    cannot split, replicates the whole tensor on every device ("Involuntary full rematerialization"). A no-op
-    unless a mesh and rules are active."""
+    """x [batch, ..., embed] from the activations' layout (batch over every data axis, embed whole) to the parameters'
+    layout of `embed` (the last dim over fsdp, the batch over its other axes, `rows_beside_embed`; with
+    `keep_batch=False`, whole). The moves go one mesh axis at a time: a move XLA's SPMD partitioner cannot split
+    replicates the whole tensor. A no-op unless a mesh and rules are active."""
     if not active():
         return x
     embed, batch = mesh_axes("embed"), list(mesh_axes("batch"))

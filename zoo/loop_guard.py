@@ -1,17 +1,7 @@
-"""The loop guard: a loop inside a tagged layer may not hold a tag or an offload.
-
-The zoo keeps tags and offloads at one scan level, the layer stack's: offload inside nested scans is known to
-break (the policy's saves and host copies inside an inner loop). A loop inside a layer is refused only when its
-body holds a tag (a `checkpoint_name`) or an offload (a `device_put` to host memory): any other loop, such as the
-scan inside tokamax's Mosaic GPU grouped-matmul kernel, is only computation and runs under any recipe.
-
-The zoo's own sequence tiles (`zoo.layers.tiles`) are the one loop allowed to hold tags: its body is rematerialized
-on its own, a tag kept in HBM is saved tile by tile like any residual, and the recipe check refuses offloading one of
-its tags. The loop is recognised by its name scope (`TILE_SCOPE`).
-
-A module of its own, not part of the tag reader (`zoo.emitted`) that calls it: the reader says what a layer emits,
-this says which layers the stack can apply a recipe to, and it changes for another reason (what JAX's nested
-scans support), not with how tags are read.
+"""The loop guard: a loop inside a tagged layer may not hold a tag or an offload (offload inside nested scans is known
+to break); any other loop, such as tokamax's kernel's, runs under any recipe, and the zoo's own sequence tiles
+(`zoo.layers.tiles`, `TILE_SCOPE`) may hold tags. Apart from the tag reader (`zoo.emitted`) that calls it: it changes
+with what JAX's nested scans support.
 """
 from __future__ import annotations
 

@@ -1,22 +1,7 @@
-"""The training loss: next-token cross-entropy, and the LM head with its cross-entropy over chunks of the sequence.
-
-`next_token_loss(logits, targets, weights)` is the weighted mean cross-entropy of logits a caller holds whole.
-
-`head_loss(head, head_weights, hidden, targets, weights, total_weight, chunk=C)` is the same number from the normed
-hidden states [B, S, dim], the LM head applied `C` positions at a time, so the [B, S, vocab] float32 logits never
-exist whole: one chunk's [B, C, vocab] logits, their softmax and gradient at a time. Under differentiation each
-chunk's gradient with respect to the hidden states and the head's weights is computed in the forward pass, in the
-same loop (a custom VJP: the loss is a scalar, so the backward pass only scales these by the incoming cotangent):
-no chunk's logits are recomputed and the head's matmuls are the unchunked loss's, three per chunk. What the
-backward pass keeps is the hidden states' gradient [B, S, dim], the head weights' (float32, accumulated over the
-chunks) and the per-token loss [B, S].
-
-The chunk length is a setting (`check_chunk`: a positive divisor of the sequence, or None for the whole sequence
-at once); `default_chunk` chooses it from the shapes alone: unchunked where the whole sequence's float32 logits fit
-`WHOLE_BYTES` (8 GiB: batch 2 at 8,192 positions of a 128,256-token vocabulary), else the largest divisor of the
-sequence whose chunk's fit `CHUNK_BYTES` (512 MiB: 1,024 positions at batch 1). The planner and the main job decide
-from the compiled step instead where they know the device's budget (`zoo.plan.fitting`: whole where the step fits, else
-the fewest chunks that fit).
+"""The training loss: `next_token_loss` (the weighted mean cross-entropy of whole logits) and `head_loss`, the same
+number with the LM head applied `chunk` positions at a time so the [B, S, vocab] float32 logits never exist whole (a
+custom VJP: nothing recomputed). `default_chunk` chooses the chunk from the shapes (docs/internals.md, "The chunked
+loss").
 """
 from __future__ import annotations
 

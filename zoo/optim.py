@@ -54,16 +54,11 @@ MASTER = MasterState._fields[0]   # the master's key in the optimizer's state: "
 
 
 def with_master(tx: optax.GradientTransformation) -> optax.GradientTransformation:
-    """`tx` run on a float32 master copy of the parameters (mixed-precision "master weights", as Megatron and
-    DeepSpeed keep them): the state holds the master (every floating parameter in float32) and `tx`'s state,
-    initialised on it. An update upcasts the gradients to float32 (float32 gradients, e.g. `--grad-accum`'s sums,
-    pass unrounded), runs `tx` against the master (weight decay reads the master, not the rounded parameters) and
-    adds its update to the master. An update too small to move a bf16 parameter still moves the master, and adds
-    up over steps until the rounded parameter moves: the point of the copy.
-
-    The updates it returns are float32 `new master - params`: `optax.apply_updates` then gives the new master
-    rounded to the parameters' dtype up to a double rounding in rare cases. `MasterOptimizer` (what
-    `make_optimizer(master=True)` builds) sets the parameters to `new master.astype(dtype)` exactly instead."""
+    """`tx` run on a float32 master copy of the parameters (mixed-precision "master weights"): the state holds the
+    master and `tx`'s state, initialised on it; an update upcasts the gradients to float32, runs `tx` against the master
+    and adds its update to it, so an update too small to move a bf16 parameter still moves the master. The updates it
+    returns are float32 `new master - params`; `MasterOptimizer` (`make_optimizer(master=True)`) sets the parameters to
+    `new master.astype(dtype)` exactly instead."""
     def init(params):
         master = jax.tree.map(_to_f32, params)
         return MasterState(master, tx.init(master))

@@ -1,20 +1,9 @@
 """Recipes: for each tag, where its tensor lives between the forward and the backward pass.
 
-A recipe is a value: a name and two tuples of tags (or `fnmatch` patterns over the vocabulary), kept as written;
-`Recipe.resolve()` expands them (over the vocabulary, or over the tags a model emits):
-
-- ``device``:  kept in HBM (saved residual),
-- ``offload``: copied to pinned host memory in the forward pass and streamed back in the backward pass,
-- every other tag is rematerialized (recomputed in the backward pass).
-
-Two special recipes exist: ``Recipe.none()`` (nothing recomputed) and ``Recipe.full()`` (everything recomputed
-but the scan carry). ``Recipe.policy()`` compiles a recipe's tags to a JAX checkpoint policy that any
-``jax.checkpoint`` / ``nnx.remat`` accepts.
-
-Two fields say how the zoo's stacks recompute, beyond the tags (`zoo.models.stack` applies them; a policy alone
-does not carry them): ``seq_tiles`` (the per-position parts of a layer run over sequence tiles, each rematerialized on
-its own: `zoo.layers.tiles`) and ``group`` (layers per rematerialized group: the layer input, `decoder_layer_input`,
-is then kept once per group: sublinear checkpointing, Chen et al. 2016).
+A recipe (a value: a name and two tuples of tags or `fnmatch` patterns, expanded by `Recipe.resolve()`) keeps its
+``device`` tags in HBM, copies its ``offload`` tags to pinned host memory and back, and recomputes every other tag;
+``Recipe.policy()`` is its JAX checkpoint policy. ``seq_tiles`` and ``group`` say how the zoo's stacks recompute beyond
+the tags (`zoo.layers.tiles`; layers per rematerialized group, Chen et al. 2016).
 """
 from __future__ import annotations
 
@@ -55,16 +44,11 @@ class ResolvedRecipe:
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """A mapping from tag to placement; unnamed tags are rematerialized. A value: it holds what was written (tag
-    names or patterns) and nothing else, so `==`, `hash` and `dataclasses.replace` see exactly those fields; what
-    the patterns name is `resolve()`'s result.
+    """A mapping from tag to placement; unnamed tags are rematerialized. A value: it holds what was written (tag names
+    or patterns) and nothing else; what the patterns name is `resolve()`'s result.
 
-    >>> r = Recipe("qkv_offload", offload=("query_proj", "key_proj", "value_proj"))
-    >>> r.placement("key_proj"), r.placement("mlpwo")
-    ('offload', 'remat')
-    >>> Recipe("moe", offload=("moe_*",)).resolve().offload
-    ('moe_mlpwi_0', 'moe_mlpwi_1', 'moe_mlpwo')
-    """
+        >>> Recipe("qkv_offload", offload=("query_proj", "key_proj", "value_proj")).placement("key_proj")
+        'offload'"""
 
     name: str
     offload: tuple[str, ...] = ()   # tag names or fnmatch patterns over the vocabulary, as written

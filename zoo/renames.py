@@ -1,9 +1,6 @@
-"""Names renamed since the last release, kept for one release as errors that name the new form (docs/changes.md).
-
-Each table maps an old name to the words that say what replaces it. A renamed module attribute raises
-`AttributeError`, a renamed module `ModuleNotFoundError` (an `ImportError`), a renamed keyword `TypeError`, and a
-module that used to be called raises `TypeError`: each a one-line message naming the new form. This module imports
-nothing of the zoo, so any module may use it.
+"""Names renamed since the last release, kept for one release as errors that name the new form (docs/changes.md): a
+renamed attribute raises `AttributeError`, a module `ModuleNotFoundError`, a keyword `TypeError`, and a module that used
+to be called `TypeError`. This module imports nothing of the zoo, so any module may use it.
 """
 from __future__ import annotations
 
@@ -44,8 +41,9 @@ def keywords(**renamed: str) -> Callable[[Callable], Callable]:
     def decorate(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            for old in renamed.keys() & kwargs.keys():
-                raise TypeError(f"{fn.__name__}(): the keyword {old}= is now {renamed[old]}")
+            for old in kwargs:   # in the caller's order: the first renamed one is named
+                if old in renamed:
+                    raise TypeError(f"{fn.__name__}(): the keyword {old}= is now {renamed[old]}")
             return fn(*args, **kwargs)
         return call
     return decorate

@@ -1,33 +1,14 @@
-"""Sharding: the mesh (axes dp, fsdp, tp, ep), the logical-axis rules, parameters created sharded, and the
-activation constraint every tag site applies.
+"""Sharding: the mesh (axes dp, fsdp, tp, ep), the logical-axis rules, parameters created sharded, and the activation
+constraint every tag site applies.
 
-Logical axes. Every parameter carries logical axis names (`out_sharding` metadata, see `zoo.layers.linear`) and
-every tagged activation is constrained with logical names right before it is named (`zoo.tags.name(x, tag, axes)`).
-Rules map logical names to mesh axes: `use(mesh)` activates them with `nnx.logical_axis_rules`, parameters' names
-are read with `nnx.get_partition_spec`, and both parameters and activations are mapped by `zoo.logical.mesh_spec`,
-with priority semantics: rules are tried in order, and a mesh axis is used at most once per array (so the
-activation `embed` of a [batch, seq, embed] tensor stays whole while `batch` takes fsdp, and the parameter `embed`
-is sharded over fsdp; `zoo.logical` says why this is not NNX's plain lookup).
+Parameters and tagged activations carry logical axis names; `rules_for(mesh)` maps them to the mesh's axes (`RULES`;
+docs/internals.md, "Sharding").
 
-Mesh axes (`jax.make_mesh`, Auto axis types; device order dp, fsdp, ep, tp, so tp is innermost):
-- ``dp``: replicas; the batch is split.
-- ``fsdp``: parameters, gradients and optimizer state sharded on `embed`; the batch is split.
-- ``tp``: heads, kv_heads, the MLP and expert hidden dims and the vocabulary split (Megatron-style).
-- ``ep``: experts split; the batch is split too (attention and the dense parts run data-parallel over ep), and
-  the capacity dispatch buffers [experts, groups*capacity, ...] are constrained experts->ep, so XLA inserts the
-  all-to-all that takes each token copy to its expert's device and back (GShard).
-
-`rules_for(mesh)` merges the rule set of each axis of size > 1 (`RULES`): for a single parallelism it is that
-axis's set, for a mix (fsdp x tp, fsdp x ep, ...) each logical name maps to the tuple of its mesh axes.
-Every logical name of the zoo appears in every rule set (`None`: replicated, by rule).
-
-Use:
     mesh = zoo.sharding.make_mesh("fsdp=4,tp=2")
     zoo.sharding.check_mesh(cfg, mesh, batch=8)           # ValueError before compiling
-    build = zoo.models.registry.family_of(cfg).build
-    model = zoo.sharding.create(build, cfg, recipe=r, mesh=mesh, seed=0)   # never a full copy
+    model = zoo.sharding.create(zoo.models.registry.family_of(cfg).build, cfg, recipe=r, mesh=mesh, seed=0)
     with zoo.sharding.use(mesh):                           # jax.set_mesh + nnx.logical_axis_rules
-        step = jax.jit(...)                                # trace inside: the activation constraints see the rules
+        step = jax.jit(...)                                # traced inside: the activation constraints see the rules
 """
 from __future__ import annotations
 
@@ -60,7 +41,6 @@ LOGICAL: tuple[str, ...] = ("layers", "embed", "heads", "kv_heads", "head_dim", 
 
 # One rule set per parallelism. Order is priority (flax's rules): the batch rules come first, so that an
 # activation's `embed` never takes the fsdp axis its batch already uses.
-REPLICATED = tuple((n, None) for n in LOGICAL)
 RULES: dict[str, tuple[tuple[str, Any], ...]] = {
     "dp": (("batch", "dp"), ("exp_batch", "dp")),
     "fsdp": (("batch", "fsdp"), ("exp_batch", "fsdp"), ("embed", "fsdp")),
@@ -186,13 +166,10 @@ def check_divisible(state, mesh, rules: Iterable[tuple[str, Any]] | None = None)
 
 def init(make: Callable[[], Any], mesh=None, rules: Iterable[tuple[str, Any]] | None = None,
          place: Callable[[Any, Any], Any] | None = None):
-    """`make()` (any nnx graph: a model, or `(model, optimizer)`) with every variable created on its sharding: an
-    abstract init (`nnx.eval_shape`, nothing allocated), then one jitted init whose `out_shardings` are the rules'
-    shardings, so no device ever holds a full copy of a sharded variable. Values are those `make()` gives.
-    Optimizer state inherits its parameters' logical axes, so it is sharded like them. `place(abstract state,
-    shardings) -> shardings` may move variables to another memory (`zoo.opt_state.state_shardings`: the
-    optimizer's moments or its float32 master copy created in pinned host memory). `mesh` defaults to the active
-    one (`jax.set_mesh`); without any, `make()`."""
+    """`make()` (a model, or `(model, optimizer)`) with every variable created on its sharding: an abstract init, then
+    one jitted init onto the rules' shardings, so no device holds a full copy of a sharded variable; values are
+    `make()`'s. `place(abstract state, shardings)` may move variables to another memory
+    (`zoo.opt_state.state_shardings`). `mesh` defaults to the active one; without any, `make()`."""
     mesh = mesh if mesh is not None else jax.sharding.get_mesh()
     if mesh is None or mesh.empty:
         return make()

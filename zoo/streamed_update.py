@@ -1,33 +1,10 @@
-"""The optimizer update streamed through HBM a slice at a time, for optimizer state in pinned host memory.
+"""The optimizer update streamed through HBM a slice at a time, for optimizer state in pinned host memory (`--opt-state
+host`, `--params host`: `zoo.opt_state`).
 
-With `--opt-state host` (the moments) or `--params host` (the float32 master copy), `zoo.opt_state` keeps that
-state in pinned host memory between steps. Brought into HBM a whole leaf at a time for the update, it is all in HBM
-at once (XLA holds every leaf's copy: measured on an H200, the 8B preset with both on the host peaked above its run
-with float32 parameters in HBM). Here it is never in HBM whole:
-
-- `make_tx`'s transform is a global-norm clip, then a transform that is elementwise given the scalars its state
-  shares between parameters (`zoo.optim.TxParts`). The clip's norm is computed once over the gradients (in HBM);
-  everything after it runs per slice.
-- Each parameter's arrays (the parameter, its gradient, its moments, its master) are cut into equal chunks along
-  one axis (`chunking`): a stacked parameter one layer per chunk (its leading `layers` axis), any other the fewest
-  chunks of at most `CHUNK_BYTES` along its first axis the sharding rules leave whole, a small one not at all.
-- The parameters with the same number of chunks are updated in one `jax.lax.fori_loop` whose carry holds their
-  arrays, host arrays included: iteration i slices chunk i of each, `device_put`s the host chunks into HBM, runs
-  the elementwise transform once over the group's chunks, selects the old chunk where the step is not finite (the NaN
-  guard's select, decided before the update: it needs the learning-rate schedule), `device_put`s the new host
-  chunks back and writes every chunk into the carry in place (the state is donated: no second host copy). XLA
-  may overlap one chunk's copies with the other parameters' in the same iteration; HBM holds a few chunks, never
-  the state.
-- The shared scalars (the step counts) depend only on their old values: their new values come from one update of
-  an empty slice; the caller's guard selects them with the rest of the state (`unguarded`).
-
-The numbers are the unstreamed update's (`nnx.Optimizer.update`, `zoo.optim.MasterOptimizer`): the same
-expressions, elementwise, on slices, in another program, which XLA may fuse and simplify differently, so an element
-may round differently in its last bit (its rewrites of a division by a scalar depend on the graph around it: one
-transform update per parameter inside the loop had AdamW's bias correction become a multiplication by its reciprocal,
-an ulp off, so the transform runs once over a group's chunks, as over the whole tree). On the CPU jax 0.11.2 gives
-identical arrays and jax 0.12 parameters an ulp apart; the tests compare whole runs to a few ulp at each array's
-scale (tests/rounding.py). A step that is not finite leaves the state exactly as it was.
+The clip's norm is computed once over the gradients; then each parameter's arrays are cut into equal chunks (`chunking`)
+and the parameters with as many chunks are updated in one `jax.lax.fori_loop` that brings chunk i of each into HBM,
+updates it (the NaN guard's select included) and writes it back in place. HBM holds a few chunks, never the state; the
+numbers are the unstreamed update's up to an ulp (docs/internals.md, "The streamed update").
 """
 from __future__ import annotations
 

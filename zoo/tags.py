@@ -1,11 +1,8 @@
 """The tag vocabulary: one name per offloadable intermediate.
 
-Every layer in the zoo passes the tensors a training step might keep, offload or recompute through
-:func:`name`, which is `jax.ad_checkpoint.checkpoint_name` plus a check that the tag is in this closed
-vocabulary. Names follow MaxText where MaxText has one, so a MaxText `custom` remat config carries over.
-
-The vocabulary gives each tag's meaning and a symbolic shape for people; the real shapes are read off a trace of
-the layer (`zoo.emitted`), never written down twice.
+Every layer passes the tensors a training step might keep, offload or recompute through :func:`name`
+(`jax.ad_checkpoint.checkpoint_name` checked against this closed vocabulary). Names follow MaxText where it has one;
+each tag has a meaning and a symbolic shape for people, its real shape being read off a trace (`zoo.emitted`).
 """
 from __future__ import annotations
 
@@ -24,6 +21,7 @@ class Tag:
     meaning: str
 
 
+# one row a tag (a table: its rows repeat each other's shape)
 _TAGS = (
     Tag("decoder_layer_input", "[B,S,D]", "the decoder layer's input (the scan carry), named on the first line of "
         "the rematerialized layer body; naming the carry outside the body offloads nothing (jax#23869)"),

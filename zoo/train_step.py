@@ -1,20 +1,8 @@
 """The training step the main job runs and the planner compiles: one function, so the planner's peak is the job's.
 
-`train_step(model, optimizer, batch)` is an ordinary function of NNX objects: next-token loss (plus the weighted
-losses of the model's extra heads, `zoo.models.lm`, and the model's auxiliary loss), gradients, the optimizer
-update, the model's non-gradient updates (e.g. a MoE router's bias), and the NaN guard: a step
-whose loss, gradient norm or updated parameters are not finite leaves every state as it was. Optimizer state that
-lives in pinned host memory (`--opt-state host`, `--params host`) is updated streamed through HBM a layer slice at a
-time (`zoo.streamed_update`), never whole. `jit_step` puts the whole step under one `jax.jit` (split into graph and
-state, merge inside, donate the state). The LM head and the cross-entropy run over chunks of the sequence
-(`loss_chunk`; `zoo.loss.head_loss`), so the [B, S, vocab] float32 logits never exist whole. `abstract_step`
-builds the same jitted step on shapes alone (`nnx.eval_shape`: no memory), and
-`compile_abstract` compiles it for the device present: `compiled.memory_analysis()` is XLA's own account of
-arguments, outputs, donated (aliased) bytes and temporaries, before anything is allocated.
-
-Why this lives in `zoo` (not in the main job's loop): the planner (`zoo.plan`, peak="compile") must compile
-exactly the step the main job runs, and the library never imports the application. Passing a step function into
-`zoo.plan` instead would let the two drift apart silently; one definition cannot.
+`train_step(model, optimizer, batch)` is an ordinary function of NNX objects (loss, gradients, update, NaN guard);
+`jit_step` jits it over split state; `abstract_step` builds it on shapes alone and `compile_abstract` compiles it,
+nothing allocated. Why it lives in the library: docs/internals.md, "The training step".
 """
 from __future__ import annotations
 
@@ -27,11 +15,12 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from zoo import compile_options, sharding, streamed_update
+from zoo import compile_options, renames, sharding, streamed_update
 from zoo.layers import moe
 from zoo.loss import check_chunk, head_loss, next_token_loss, resolve_chunk
 from zoo.opt_state import state_shardings
 from zoo.optim import has_master, lr_schedule, make_optimizer
+from zoo.training import Training
 
 __all__ = ["abstract_batch", "abstract_step", "all_finite", "check_grad_accum", "check_loss_chunk",
            "compile_abstract", "eval_loss", "family_step", "jit_step", "loss_and_grads", "micro_batches", "moe_drops",
@@ -39,6 +28,9 @@ __all__ = ["abstract_batch", "abstract_step", "all_finite", "check_grad_accum", 
 
 # The loss's chunk length by default: `zoo.loss.default_chunk` of the micro-batch's shape and the vocabulary.
 DEFAULT_LOSS_CHUNK = "auto"
+# The keywords the abstract step took before they were grouped in `Training` (docs/changes.md).
+MOVED = {k: f"training=zoo.plan.Training({k}=...)" for k in ("optimizer", "opt_dtype", "grad_accum", "opt_state",
+                                                             "params", "loss_chunk", "clip", "weight_decay")}
 
 
 def moe_drops(aux: Any) -> tuple[jax.Array, jax.Array]:
@@ -93,20 +85,11 @@ def loss_and_grads(model: nnx.Module, batch: dict[str, jax.Array], *, aux_loss: 
                    grad_dtype=None, loss_chunk=DEFAULT_LOSS_CHUNK):
     """(total loss, next-token loss, {extra head: its loss}, aux, gradients) of `batch`.
 
-    The total is the next-token loss, plus each extra head's loss (`zoo.models.lm`: `head.loss`) times its
-    `loss_weight`, plus the auxiliary loss. The LM head and the cross-entropy run `loss_chunk` positions at a time
-    (`zoo.loss.head_loss`; the extra heads' losses too): "auto" (default) chooses by the shapes
-    (`zoo.loss.default_chunk`), None or 0 is the whole sequence at once, a positive integer must divide the
-    sequence (ValueError). The numbers are the unchunked loss's up to float32 rounding.
-
-    With `grad_accum` K > 1 the batch runs as K micro-batches of B/K sequences (`micro_batches`) in a
-    `jax.lax.scan`, so activations are a micro-batch's: the gradients are summed in float32 over the micro-batches
-    and handed back in the parameters' dtypes (in `grad_dtype` if given: float32 for an optimizer with a float32
-    master copy, which then receives the sums unrounded). Each micro-batch's next-token loss is its weighted sum
-    over the whole batch's total weight, so the losses and gradients add up to the whole batch's (equal to K=1's
-    up to float32 rounding; with every token weighted 1, the mean over micro-batches); the auxiliary loss is the
-    mean of the micro-batches'. The aux (MoE loads and drop counts) is summed over the micro-batches: the batch's.
-    """
+    The total is the next-token loss plus each extra head's loss times its `loss_weight` plus the auxiliary loss; the
+    head and the cross-entropy run `loss_chunk` positions at a time ("auto": by the shapes, `zoo.loss.default_chunk`;
+    None or 0: whole; else a divisor of the sequence). With `grad_accum` K > 1 the batch runs as K micro-batches
+    (`micro_batches`) in a `jax.lax.scan`: float32 gradient sums, handed back in the parameters' dtypes (or
+    `grad_dtype`), losses and aux adding up to the whole batch's (docs/internals.md, "Micro-batches")."""
     seq = batch["tokens"].shape[1] - 1
     check_grad_accum(batch["tokens"].shape[0], grad_accum)
     check_loss_chunk(seq, loss_chunk)
@@ -157,40 +140,14 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax
                after_update: Callable = lambda model, aux: None,
                lr: optax.Schedule | None = None, grad_accum: int = 1,
                loss_chunk=DEFAULT_LOSS_CHUNK) -> dict[str, jax.Array]:
-    """One optimizer step on `batch` ({"tokens": [B, S+1], "weights": [B, S]}), in place. Returns metrics: "loss"
-    (next-token), "total_loss", "aux_loss" (the family's auxiliary loss), "<name>_loss" for each extra head (before
-    its weight), "grad_norm", the guard's "ok", "params_ok" and "kept", MoE "dropped" and "routed", and "lr".
+    """One optimizer step on `batch` ({"tokens": [B, S+1], "weights": [B, S]}), in place; returns its metrics ("loss",
+    "total_loss", "aux_loss", each extra head's "<name>_loss", "grad_norm", the guard's "ok", "params_ok" and "kept",
+    MoE "dropped" and "routed", "lr").
 
-    `loss_chunk`: positions of the sequence per chunk of the LM head and its cross-entropy (`loss_and_grads`).
-
-    With `grad_accum` K, the batch is K micro-batches of B/K and the step makes one update from their summed
-    gradients (`loss_and_grads`); the loss is the whole batch's and the gradient norm the update's.
-
-    If the loss, the gradient norm or any updated parameter is not finite, nothing changes (`metrics["ok"]` is
-    False). `metrics["params_ok"]` and `metrics["kept"]` say whether the parameters the step leaves are all finite:
-    False when a parameter was non-finite already (the cause of a NaN loss), or when an update that passed the guard
-    made one so; the caller must not save that state. A NaN batch weight is no fault of the parameters (both True).
-    `grad_accum` must divide the batch and `loss_chunk` the sequence (ValueError, before any computation).
-
-    `lr`, the optimizer's learning-rate schedule, makes the guard cheap. Without it, whether the updated
-    parameters are finite is known only once all of them are computed, so XLA keeps the old state beside the new
-    one and selects between them in a second pass over both (for float32 AdamW, 36 bytes read and 12 written per
-    parameter, and a second copy of the state in HBM). With it the decision is taken before the update: with a
-    finite loss and gradient norm, a finite previous state and a finite rate, the updates of the optimizers this
-    step runs (`zoo.optim.make_tx`: clipped AdamW, Adam, Lion, momentum, SGD, on a float32 master copy or not) are
-    finite, so `ok` is known first and the select fuses into the update, in place. The master copy is optimizer
-    state: a step that is not finite keeps it as it was too. The updated parameters are still checked
-    afterwards: should they be non-finite all the same (an overflow), `metrics["kept"]` is False and the caller
-    must not save this state.
-
-    Optimizer state in pinned host memory (arrays whose memory space is the host: `zoo.opt_state`) is updated
-    streamed (`zoo.streamed_update.update`): the clip's norm once, then each parameter with its moments and master a
-    chunk at a time (one layer of a stacked parameter) in a loop that brings the chunk into HBM, updates it, selects
-    the old chunk where the step is not finite and sends it back, so HBM never holds the host state whole. The numbers
-    are those of the state in HBM up to XLA's rounding (an ulp: `zoo.streamed_update`). It needs `lr` (the guard
-    decided before the update) and an optimizer made by `zoo.optim.make_optimizer`: ValueError otherwise, at trace
-    time.
-    """
+    `loss_chunk` and `grad_accum` are `loss_and_grads`' (ValueError where they do not divide). A step that is not finite
+    changes nothing (`ok` False); `kept` False: the state left holds a non-finite parameter and must not be saved. `lr`
+    (the schedule) decides the guard before the update; state in pinned host memory is updated streamed and needs it
+    (docs/internals.md, "The NaN guard")."""
     # An optimizer with a float32 master copy takes --grad-accum's float32 sums as they are.
     loss, lm_loss, extra_losses, aux, grads = loss_and_grads(
         model, batch, aux_loss=aux_loss, grad_accum=grad_accum, loss_chunk=loss_chunk,
@@ -249,15 +206,10 @@ def family_step(family, lr: optax.Schedule | None = None, grad_accum: int = 1,
 
 # -- under jit ----------------------------------------------------------------------------------------------------
 def jit_step(model: nnx.Module, optimizer: nnx.Optimizer, step_fn: Callable, *, keep_shardings: bool = False):
-    """(jitted step over (state, batch) -> (state, metrics), graphdef, state). The state is donated. With
-    `keep_shardings`, the new state is laid out as the old one (a sharded run's state stays on its shardings; the
-    state's leaves must then carry shardings: arrays, or ShapeDtypeStructs with `sharding=`).
-
-    State that lives in host memory between steps (leaves whose sharding has the memory kind "pinned_host":
-    `zoo.opt_state.state_shardings`: moments, the float32 master copy) enters the step as host arrays and leaves it
-    as host arrays (donated, laid out as before): `train_step` updates it streamed, a layer slice at a time, through
-    HBM (`zoo.streamed_update`), so HBM never holds it whole. A `step_fn` other than `train_step` must handle host
-    arrays itself."""
+    """(jitted step over (state, batch) -> (state, metrics), graphdef, state); the state is donated. With
+    `keep_shardings`, the new state is laid out as the old one (the state's leaves must carry shardings). State in
+    host memory between steps enters and leaves the step as host arrays; a `step_fn` other than `train_step` must
+    handle them itself."""
     graphdef, state = nnx.split((model, optimizer))
     shardings = jax.tree.map(lambda x: x.sharding, state) if keep_shardings else None
 
@@ -276,26 +228,27 @@ def abstract_batch(batch: int, seq: int) -> dict[str, jax.ShapeDtypeStruct]:
             "weights": jax.ShapeDtypeStruct((batch, seq), jnp.float32)}
 
 
-def abstract_step(family, cfg, recipe, *, schedule: optax.Schedule | None = None, optimizer: str = "adamw",
-                  clip: float = 1.0, weight_decay: float = 0.1, opt_dtype: str | None = None, seed: int = 0,
-                  mesh=None, grad_accum: int = 1, opt_state: str = "device", params: str = "device",
-                  loss_chunk=DEFAULT_LOSS_CHUNK):
-    """(jitted step, graphdef, abstract state) for `cfg` under `recipe`: the model and optimizer built from shapes
-    alone (no memory). `schedule` only changes constants of the program, never its memory. With `mesh`, every
-    variable carries its sharding by the rules (`zoo.sharding.shardings`) and the step keeps them. `grad_accum`:
-    micro-batches per update (`train_step`); `opt_state`: where the moments live; `params="host"`: a float32 master
-    copy of the parameters (`zoo.optim.with_master`) in pinned host memory, "device": none (`zoo.opt_state`;
-    "host" without a mesh lays the state out on the first device); `loss_chunk`: the loss's chunk length
-    (`loss_and_grads`)."""
+STEP = Training()   # the step of the planner and of a run without flags: AdamW, float32 moments, on the device
+
+
+@renames.keywords(**MOVED)
+def abstract_step(family, cfg, recipe, *, training: Training = STEP, schedule: optax.Schedule | None = None,
+                  mesh=None):
+    """(jitted step, graphdef, abstract state) for `cfg` under `recipe`, the step `training` describes
+    (`zoo.training.Training`): the model and optimizer built from shapes alone (no memory). `schedule` only changes
+    constants of the program, never its memory. With `mesh`, every variable carries its sharding by the rules
+    (`zoo.sharding.shardings`) and the step keeps them; state in pinned host memory without a mesh is laid out on
+    the first device."""
     schedule = schedule if schedule is not None else lr_schedule(lr=1e-4, steps=100, warmup=10)
 
     def build():
-        model = family.build(cfg, recipe=recipe, rngs=nnx.Rngs(seed))
-        return model, make_optimizer(model, schedule, clip=clip, weight_decay=weight_decay, optimizer=optimizer,
-                                     opt_dtype=opt_dtype, master=params == "host")
+        model = family.build(cfg, recipe=recipe, rngs=nnx.Rngs(0))
+        return model, make_optimizer(model, schedule, clip=training.clip, weight_decay=training.weight_decay,
+                                     optimizer=training.optimizer, opt_dtype=training.opt_dtype,
+                                     master=training.params == "host")
 
-    step_fn = family_step(family, schedule, grad_accum, loss_chunk)
-    if mesh is None and opt_state == "device" and params == "device":
+    step_fn = family_step(family, schedule, training.grad_accum, training.loss_chunk)
+    if mesh is None and training.opt_state == "device" and training.params == "device":
         model, opt = nnx.eval_shape(build)
         return jit_step(model, opt, step_fn)
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):  # logical names are not mesh axes
@@ -306,23 +259,21 @@ def abstract_step(family, cfg, recipe, *, schedule: optax.Schedule | None = None
     # on entry, where the streamed update cannot see it: zoo.streamed_update).
     placed = sharding.shardings(state, mesh if mesh is not None else sharding.make_mesh(None, jax.devices()[:1]))
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
-                         state_shardings(state, placed, opt_state=opt_state, params=params))
+                         state_shardings(state, placed, opt_state=training.opt_state, params=training.params))
     model, opt = nnx.merge(graphdef, state)
     return jit_step(model, opt, step_fn, keep_shardings=True)
 
 
-def compile_abstract(family, cfg, recipe, *, batch: int, seq: int, mesh=None, **kwargs):
-    """(compiled step, graphdef, abstract state): `abstract_step` lowered on abstract inputs and compiled for the
-    device present, with the XLA options that hide a recipe's host copies (`zoo.compile_options.for_step`: only
-    where the recipe offloads; the user's `XLA_FLAGS` win). Nothing is allocated; `compiled.memory_analysis()` says
-    what running it would take (per device under a mesh). With a (concrete) `mesh`, as the main job runs it: the
-    state on the rules' shardings, the batch split over the data axes, traced inside `zoo.sharding.use(mesh)`
-    (jit's cache does not key on the rules: the activation constraints are read at this trace). The main job and
-    the planner both compile through here. `grad_accum` must divide `batch` (the global batch) and `loss_chunk`
-    `seq` (ValueError, before anything is traced)."""
-    check_grad_accum(batch, kwargs.get("grad_accum", 1))
-    check_loss_chunk(seq, kwargs.get("loss_chunk", DEFAULT_LOSS_CHUNK))
-    jitted, graphdef, state = abstract_step(family, cfg, recipe, mesh=mesh, **kwargs)
+@renames.keywords(**MOVED)
+def compile_abstract(family, cfg, recipe, *, batch: int, seq: int, training: Training = STEP,
+                     schedule: optax.Schedule | None = None, mesh=None):
+    """(compiled step, graphdef, abstract state): `abstract_step` lowered on abstract inputs and compiled for the device
+    present with the XLA options of its recipe (`zoo.compile_options.for_step`); with a concrete `mesh`, as the main job
+    runs it (the state on the rules' shardings, the batch over the data axes). Nothing is allocated.
+    `training.grad_accum` must divide `batch` and `training.loss_chunk` `seq` (ValueError before tracing)."""
+    check_grad_accum(batch, training.grad_accum)
+    check_loss_chunk(seq, training.loss_chunk)
+    jitted, graphdef, state = abstract_step(family, cfg, recipe, training=training, schedule=schedule, mesh=mesh)
     platform = (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform
     options = compile_options.for_step(recipe, platform).options
     if mesh is None:

@@ -1,6 +1,6 @@
-"""`--recipe auto` on a device: what `zoo.plan.plan(cfg, "auto", ...)` needs, taken from the device, and its choice.
+"""`--recipe auto` on a device: what `zoo.plan.plan(model_cfg, "auto", ...)` needs, taken from the device.
 
-The planner's automatic recipe (`zoo.plan.auto.choose`) needs an HBM budget, a host link (rate and overlap) and a
+The planner's automatic recipe (`zoo.plan.auto`) needs an HBM budget, a host link (rate and overlap) and a
 FLOP rate. On a device each has a default, and every figure says where it came from:
 
 - HBM: `--hbm-limit`, else the device's allocator limit (`memory_stats()["bytes_limit"]`); a device without one
@@ -24,6 +24,7 @@ import jax
 import zoo
 from recipes.train import meter
 from zoo.plan import links
+from zoo.plan.build import ADAMW, ONE_DEVICE
 from zoo.plan.peak import allocator_limit
 
 GiB = 1 << 30
@@ -82,16 +83,11 @@ def inputs(device: jax.Device, *, hbm_gib: float | None = None, link_gbps: float
     return Inputs(hbm, hbm_src, rate, ovl, link_src, rate_tflops, tflops_src)
 
 
-def choose(cfg, ins: Inputs, *, batch: int, seq: int, optimizer: str = "adamw", opt_dtype: str = "float32",
-           mesh=None, budget_gib: float | None = None, grad_accum: int = 1, opt_state: str = "device",
-           params: str = "device") -> zoo.Recipe:
-    """The recipe `zoo.plan` chooses for `cfg` at [batch, seq] with `ins` (HBM budget `budget_gib` if given)."""
-    hardware = ins.hardware(budget_gib)
-    training = zoo.plan.Training(optimizer=optimizer, opt_dtype=opt_dtype, grad_accum=grad_accum, opt_state=opt_state,
-                                 params=params)
-    p = zoo.plan.plan(cfg, "auto", batch=batch, seq=seq, hardware=hardware, parallel=zoo.plan.Parallelism(mesh=mesh),
-                      training=training, peak=None)
-    return p.recipe
+def choose(model_cfg, ins: Inputs, *, batch: int, seq: int, training: zoo.plan.Training = ADAMW,
+           parallel: zoo.plan.Parallelism = ONE_DEVICE) -> zoo.Recipe:
+    """The recipe `zoo.plan` chooses for the model config `model_cfg` at [batch, seq] with `ins`."""
+    return zoo.plan.plan(model_cfg, "auto", batch=batch, seq=seq, hardware=ins.hardware(), parallel=parallel,
+                         training=training, peak=None).recipe
 
 
 def summary(recipe: zoo.Recipe) -> str:

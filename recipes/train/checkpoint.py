@@ -1,27 +1,17 @@
 """Checkpoints of a training run with orbax: the model's and the optimizer's NNX state, and a small JSON record.
 
-The record holds the step and what the run was (model, preset, recipe, batch, seq, seed, data) so that
-`--resume` refuses a checkpoint of a different run instead of silently continuing it. The data is a pure
-function of (seed, step) (`recipes.train.data`), the optimizer state holds its step count and the learning-rate
-schedule reads it: restoring these two states and the step reproduces the uninterrupted run exactly.
+The record holds the step and what the run was, so that `--resume` refuses a checkpoint of a different run; the data is
+a pure function of (seed, step) and the schedule reads the optimizer's step count, so restoring the two states and the
+step reproduces the uninterrupted run exactly.
 
-Safety:
-- Saving is synchronous (the loop waits for every save anyway): a failing write raises in the caller, instead of
-  in orbax's background threads, which left the process hanging. Orbax writes each step into a temporary folder
-  and renames it when complete, so a `kill -9` during a write leaves the previous checkpoints as they were.
-- A checkpoint is never written from non-finite values (`save` raises).
-- A failed write (a full disk) is one CheckpointError naming the directory and the cause; the partial checkpoint
-  is removed and the earlier ones are intact. The library's own logs and thread tracebacks of that failure go to
-  `zoo-library.log` in the checkpoint directory (`recipes.train.quiet`), as those of a failed read do.
-- Each step ends with its manifest (`recipes.train.manifest`: the step, every file's size and sha256, written last and
-  atomically); `damage(step)` checks the step's files against it before orbax reads them. A file it does not list
-  is ignored, and a step without it is checked by orbax's commit record and a full restore: both said (`notes`).
-- Rotation touches only this run's checkpoints (`Checkpoints` docstring).
-- `newest_intact` walks back from the newest step past damaged ones (unreadable record, missing state, files
-  that are not the manifest's: bytes changed, a file or folder deleted, a state copied from another step; for a
-  checkpoint written before manifests, a restore that fails); once an older step proves intact, each damaged
-  step folder is renamed `<step>.damaged` (kept, never deleted; out of orbax's sight, so its keep-N rotation
-  neither counts it nor deletes it, and the resumed run can write that step again).
+- Saving is synchronous; a checkpoint is never written from non-finite values; a failed write is one CheckpointError
+  naming the directory and the cause, the partial checkpoint removed (the library's logs go to `zoo-library.log` there,
+  `recipes.train.quiet`).
+- Each step ends with its manifest (`recipes.train.manifest`), which `damage(step)` checks before orbax reads the step.
+- Rotation touches only this run's checkpoints; `newest_intact` walks back past damaged steps and, once an older one
+  proves intact, renames each damaged folder `<step>.damaged` (kept, never deleted).
+
+Why each of these: docs/internals.md, "Checkpoints".
 """
 from __future__ import annotations
 

@@ -284,20 +284,21 @@ INT_RANGES = {"steps": (1, INT32_MAX), "grad_accum": (1, INT32_MAX),
               "ckpt_every": (0, INT32_MAX), "stop_after": (1, INT32_MAX), "poison_step": (1, INT32_MAX)}
 
 
-def check_ranges(cfg: RunConfig) -> None:
+def check_ranges(settings: RunConfig) -> None:
     """ValueError naming the flag for an integer out of its range (INT_RANGES: before the finer checks of
     __post_init__), a batch of more than 2**31 - 1 tokens, or a float that must be finite and positive."""
     for field, (low, high) in INT_RANGES.items():
-        value = getattr(cfg, field)
+        value = getattr(settings, field)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"--{field.replace('_', '-')} must be an integer, got {value!r}")
         if not low <= value <= high:
             raise ValueError(f"--{field.replace('_', '-')} must be in [{low}, {high:,}], got {value:,}")
-    if cfg.batch * (cfg.seq + 1) > INT32_MAX:
-        raise ValueError(f"--batch {cfg.batch} x --seq {cfg.seq}: a step of more than 2**31 - 1 tokens cannot be "
-                         f"indexed in int32")
-    for flag_, value in (("peak-tflops", cfg.peak_tflops), ("coordinator-timeout", cfg.coordinator_timeout)):
+    if settings.batch * (settings.seq + 1) > INT32_MAX:
+        raise ValueError(f"--batch {settings.batch} x --seq {settings.seq}: a step of more than 2**31 - 1 tokens "
+                         f"cannot be indexed in int32")
+    for flag_, value in (("peak-tflops", settings.peak_tflops),
+                         ("coordinator-timeout", settings.coordinator_timeout)):
         if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise ValueError(f"--{flag_} must be a finite number > 0, got {value}")

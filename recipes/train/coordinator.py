@@ -1,24 +1,12 @@
 """Several processes: JAX's coordination service hosted in a small process of its own, beside process 0.
 
-`jax.distributed.initialize()` runs the coordination service (the key-value store, the heartbeats, the barriers)
-inside process 0. When process 0 dies (SIGKILL, an out-of-memory kill), every other process's JAX client loses the
-service at once and aborts the process from C++ ("Terminating process because the JAX distributed service detected
-fatal errors", exit -6): no Python code runs, no message is printed. Hosted in a process of its own, the service
-outlives process 0: the other processes stay in control and end with one line, through the peers' heartbeat watch
-(`recipes.train.mesh.PeerWatch`) or the failed collective, as they do when any other process dies.
-
-`start(bind, count, ...)` starts the host (`python -m recipes.train.coordinator`): it claims the port (an `flock` on
-its pid file in the temporary directory: a second process 0 on this machine, two processes given JAX_PROCESS_ID=0,
-is refused in one line naming the first, `serving`), binds the service, says `ready`, then serves until process 0
-says `shutdown` on its stdin (JAX's shutdown at exit), or until process 0 is gone without saying it (its stdin
-closes): then it serves `grace` seconds more, long enough for the others to notice and stop, and exits (a new run
-on that port waits for it: `lingering`). It ignores SIGINT and SIGTERM (a Ctrl-C to the process group reaches it
-too): process 0 decides when it ends. Its own log (the service's C++ log lines) goes to a file in the temporary
-directory.
-
-The service is JAX's own (`jaxlib`'s `get_distributed_runtime_service`, as `jax.distributed.initialize` makes it);
-`use_hosted` lets `initialize` run as usual with that one call replaced. Where this JAX has no such call, or the
-service is asked for mTLS credentials or recoverability, it stays in process 0 (JAX's default).
+`jax.distributed.initialize()` runs the coordination service inside process 0; when process 0 dies, every other
+process's JAX client aborts from C++ with no message. Hosted in a process of its own (`start`: `python -m
+recipes.train.coordinator`), the service outlives process 0, so the others end with one line
+(`recipes.train.mesh.PeerWatch`). The host claims its port (`flock` on a pid file: a second process 0 is refused naming
+the first, `serving`), serves until process 0 says `shutdown` or `grace` seconds after it is gone (`lingering`), and
+ignores SIGINT and SIGTERM. `use_hosted` lets `initialize` run with JAX's own service constructor replaced
+(`recipes.train.jaxlib`); with mTLS or recoverability asked for, the service stays in process 0.
 """
 from __future__ import annotations
 
@@ -31,6 +19,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+
+from recipes.train import jaxlib
 
 
 class Taken(ValueError):
@@ -117,35 +108,18 @@ def start(bind: str, count: int, *, heartbeat: int, shutdown: int, grace: float,
     return Hosted(proc, log)
 
 
-@contextlib.contextmanager
 def use_hosted(**options):
     """Within the block, `jax.distributed.initialize()` on process 0 starts the service in a host process (`start`
     with `options`) instead of in this one."""
-    try:
-        from jax._src import distributed
-        lib = distributed._jax
-        lib.get_distributed_runtime_service   # noqa: B018  (where this JAX keeps it)
-    except (ImportError, AttributeError):
-        yield
-        return
-
-    class Lib:   # jaxlib's module, with the service's constructor replaced
-        def __getattr__(self, name):
-            return getattr(lib, name)
-
-        @staticmethod
+    def hosted(original: Callable) -> Callable:
         def get_distributed_runtime_service(address, num_nodes, **kwargs):
             if any(v for k, v in kwargs.items() if k not in ("heartbeat_timeout", "shutdown_timeout")):
                 # mTLS credentials, recoverability: JAX's own service in this process, as configured
-                return lib.get_distributed_runtime_service(address, num_nodes, **kwargs)
+                return original(address, num_nodes, **kwargs)
             return start(address, num_nodes, heartbeat=kwargs.get("heartbeat_timeout") or 100,
                          shutdown=kwargs.get("shutdown_timeout") or 300, **options)
-
-    distributed._jax = Lib()
-    try:
-        yield
-    finally:
-        distributed._jax = lib
+        return get_distributed_runtime_service
+    return jaxlib.replaced("get_distributed_runtime_service", hosted)
 
 
 def serve(bind: str, count: int, heartbeat: int, shutdown: int, grace: float) -> int:

@@ -1,24 +1,15 @@
-"""Training data as a pure function of (seed, step): `source.batch(k)` is the batch of step `k` (1-based) in every
-run, so a resumed run sees exactly the batches an uninterrupted one would.
+"""Training data as a pure function of (seed, step): `source.batch(k)` is the batch of step `k` (1-based) in every run,
+so a resumed run sees exactly the batches an uninterrupted one would.
 
-A batch is a dict of NumPy arrays:
-- `tokens`  int32   [batch, seq + 1]: the model reads `tokens[:, :-1]` and predicts `tokens[:, 1:]`;
-- `weights` float32 [batch, seq]: the loss weight of each predicted token (1 here; 0 masks a token out).
-
-Two sources:
-- `Synthetic`: sequences from a fixed random Markov chain (each token has `branching` equally likely
-  successors), so a model can learn it: the loss falls from log(vocab) towards log(branching).
-- `TokenFile`: real data from a file of token ids, read with `os.pread`; text files with a tokenizer become one
-  (`recipes/train/text.py`, through `open_data`).
-
-Held-out data (`--eval-every`): `source.eval_batch(i)` is the i-th held-out batch. A token file's held-out split
-is its last `heldout` fraction of ids (training windows never reach into it); the synthetic source draws held-out
-sequences from streams no training step uses.
+A batch is a dict of NumPy arrays: `tokens` int32 [batch, seq + 1] (the model reads `tokens[:, :-1]` and predicts
+`tokens[:, 1:]`) and `weights` float32 [batch, seq] (each predicted token's loss weight). Two sources: `Synthetic`
+(sequences from a fixed random Markov chain a model can learn) and `TokenFile` (a file of token ids, read with
+`os.pread`; text files with a tokenizer become one, `open_data`). `source.eval_batch(i)` is the i-th held-out batch
+(`--eval-every`): a token file's last `heldout` fraction of ids, or synthetic streams no training step uses.
 
 Token-file format: a flat array of token ids, little-endian `uint16` or `uint32`, no header (NumPy's
-`ids.astype("<u2").tofile(path)`; the format nanoGPT and many tokenizer scripts write). Documents are simply
-concatenated (put your tokenizer's end-of-text id between them). Each batch row is a window of `seq + 1`
-consecutive ids at an offset drawn from (seed, step). `write_tokens` writes such a file.
+`ids.astype("<u2").tofile(path)`); documents are concatenated (put an end-of-text id between them), and each batch row
+is a window of `seq + 1` ids at an offset drawn from (seed, step).
 """
 from __future__ import annotations
 
@@ -204,16 +195,6 @@ def open_data(path: str | os.PathLike, *, tokenizer: str | None, vocab: int, bat
         if given == path:
             raise
         raise ValueError(f"--data {os.fspath(given)!r}, tokenized: {e}") from None   # named as the user gave it
-
-
-def write_tokens(path: str | os.PathLike, ids, dtype: str = "uint16") -> None:
-    """Write token ids in the token-file format."""
-    ids = np.asarray(ids)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
-    if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(DTYPES[dtype]).max):
-        raise ValueError(f"token ids out of range for {dtype}")
-    ids.astype(DTYPES[dtype]).tofile(path)
 
 
 class Poisoned:

@@ -11,14 +11,17 @@ compiles, by the training command and the planner alike.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import jax
+from rich.console import Console
 
-from zoo.plan import measure
-from zoo.plan import mesh as mesh_plan
-from zoo.plan import state as state_lib
-from zoo.plan.peak import Peak, allocator_limit
+import zoo
+from zoo.plan.peak import Peak
 from zoo.plan.types import GiB, ModelState, fmt_bytes
+
+if TYPE_CHECKING:   # the job is resolved with this module's budget (`recipes.train.job` imports it)
+    from recipes.train.job import Job
 
 
 def ram_bytes() -> tuple[int | None, int | None]:
@@ -52,7 +55,7 @@ def budget(device: jax.Device, hbm_limit_gib: float | None) -> tuple[int | None,
     """(device bytes the step may use, where the figure comes from)."""
     if hbm_limit_gib is not None:
         return int(hbm_limit_gib * GiB), "--hbm-limit"
-    limit = allocator_limit(device)
+    limit = zoo.plan.allocator_limit(device)
     if limit:
         return int(limit), f"{device.device_kind}'s bytes_limit, {allocator_share()}"
     if device.platform == "cpu":
@@ -104,17 +107,18 @@ def check(peak: Peak, *, host: int, pool: int, device: jax.Device, hbm_limit_gib
     return problems, notes
 
 
-def advice(*, batch: int, seq: int, recipe: str, opt_dtype: str, optimizer_bytes: int, gpu: bool = False,
-           opt_state: str = "device", grad_accum: int = 1, params: str = "device", param_dtype: str = "float32",
-           param_bytes: int = 0) -> str:
-    """What to change to fit (`param_bytes`: the parameters' HBM bytes per device, in `param_dtype`)."""
+def advice(training: zoo.plan.Training, *, batch: int, seq: int, recipe: str, state: ModelState, gpu: bool = False,
+           param_dtype: str = "float32") -> str:
+    """What to change to fit a step of `training` whose model state per device is `state` (its parameters in
+    `param_dtype`) under the recipe named `recipe`."""
+    optimizer_bytes, grad_accum = state.optimizer, training.grad_accum
     tips = [f"a larger share of the GPU for XLA's allocator ({FRACTION_ENV}=.95; default .75)"] if gpu else []
-    if opt_state == "device" and optimizer_bytes and gpu:   # on the CPU host memory is the device's memory
+    if training.opt_state == "device" and optimizer_bytes and gpu:   # on the CPU host memory is the device's memory
         tips.append(f"--opt-state host (the {fmt_bytes(optimizer_bytes)} of optimizer state in pinned host memory "
                     f"between steps)")
-    if params == "device" and param_dtype == "float32" and param_bytes and gpu:
+    if training.params == "device" and param_dtype == "float32" and state.params and gpu:
         tips.append(f"--set param_dtype=bfloat16 --params host (bf16 parameters and gradients in HBM, saving "
-                    f"{fmt_bytes(param_bytes)}; the float32 master copy the update runs on in pinned host memory)")
+                    f"{fmt_bytes(state.params)}; the float32 master copy the update runs on in pinned host memory)")
     micro = batch // grad_accum
     if micro > 1:
         tips.append(f"--grad-accum {grad_accum * 2 if micro % 2 == 0 else grad_accum * micro} (the same batch in "
@@ -125,21 +129,10 @@ def advice(*, batch: int, seq: int, recipe: str, opt_dtype: str, optimizer_bytes
             "sequence tiles and layer groups (a recipe's seq_tiles and group, e.g. --recipe long_context: a tile's "
             "intermediates at a time, the layer input of every second layer on the host)",
             "more devices (the batch and the model state split over them)"]
-    if opt_dtype == "float32" and optimizer_bytes:
+    if training.opt_dtype == "float32" and optimizer_bytes:
         tips.append(f"--opt-dtype bfloat16 (saves {fmt_bytes(optimizer_bytes // 2)} of optimizer state)")
     tips.append("--set num_layers=N for a slice")
     return "to fit: " + "; ".join(tips) + ". --force launches anyway"
-
-
-def model_state(model_cfg, *, mesh=None, shard: int = 1, optimizer: str = "adamw", opt_dtype: str = "float32",
-                grad_accum: int = 1, opt_state: str = "device", params: str = "device") -> ModelState:
-    """The model state per device that the plan counts (`zoo.plan.state`: parameters, gradients, the optimizer's
-    moments, gradient sums and a master copy where they live), from shapes alone: under `mesh` (a spec, a dict or
-    a Mesh) by the sharding rules, else split evenly over `shard` devices."""
-    model = measure.abstract_model(model_cfg)
-    state = (state_lib.model_state(model, shard, optimizer, opt_dtype) if mesh is None
-             else mesh_plan.model_state(model, mesh_plan.as_abstract(mesh), optimizer, opt_dtype))
-    return state_lib.placed(state, model, grad_accum, opt_state, params)
 
 
 def check_state(state: ModelState, limit: int | None, where: str, flag: str) -> None:
@@ -162,16 +155,14 @@ def check_state(state: ModelState, limit: int | None, where: str, flag: str) -> 
                      + "; ".join(tips))
 
 
-def check_run_state(cfg, model_cfg, device: jax.Device, mesh, console) -> None:
-    """The training command's `check_state`, before it compiles: against `--hbm-limit` or the device's budget
-    (`budget`), for the run's optimizer state and master copy where its flags put them; `--force` says so and
-    goes on."""
-    limit, where = budget(device, cfg.hbm_limit)
-    state = model_state(model_cfg, mesh=mesh if mesh.devices.size > 1 else None, opt_dtype=cfg.opt_dtype,
-                        grad_accum=cfg.grad_accum, opt_state=cfg.opt_state, params=cfg.params)
+def check_run_state(job: Job, console: Console) -> None:
+    """The training command's `check_state`, before it compiles: against the run's budget (`Job.budget`), for its
+    optimizer state and master copy where its flags put them; `--force` says so and goes on."""
+    limit, where = job.budget
     try:
-        check_state(state, limit, where, "--hbm-limit")
+        check_state(zoo.plan.model_state(job.model_cfg, training=job.training, parallel=job.parallel), limit, where,
+                    "--hbm-limit")
     except ValueError as e:
-        if not cfg.force:
+        if not job.settings.force:
             raise
         console.print(f"warning: {e}; launching anyway (--force)", soft_wrap=True, markup=False)

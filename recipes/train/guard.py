@@ -133,7 +133,7 @@ class MetricsFile:
     def __enter__(self) -> MetricsFile:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *_exc) -> None:
         self.close()
 
     def close(self) -> None:

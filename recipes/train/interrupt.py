@@ -52,7 +52,7 @@ class Interrupts:
                 self._previous[s] = signal.signal(s, self._handle)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *_exc) -> None:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous.clear()
@@ -60,7 +60,7 @@ class Interrupts:
             os.close(self._stderr)
             self._stderr = None
 
-    def _handle(self, signum: int, frame) -> None:
+    def _handle(self, signum: int, _frame) -> None:
         name = signal.Signals(signum).name
         if self.signum is not None:
             line = f"second {name}: exiting at once without saving (the checkpoints already written are intact)\n"

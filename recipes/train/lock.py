@@ -89,7 +89,7 @@ class DirLock:
     def __enter__(self) -> DirLock:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *_exc) -> None:
         self.release()
 
 

@@ -3,28 +3,18 @@
     python -m recipes.train --mesh fsdp=4,tp=2 ...     # axes dp, fsdp, tp, ep; product = the device count
     python -m recipes.train ...                        # default: every device on fsdp
 
-The mesh, its logical-axis rules and the per-model checks are `zoo.sharding`'s; this module is what the command
-line adds around them:
+The mesh and its rules are `zoo.sharding`'s; around them:
 
-- `resolve(spec, model_cfg, batch)`: the mesh, checked against the model and the global batch
-  (`zoo.sharding.check_mesh`: ValueError naming both numbers, before anything compiles; the main job exits 2).
-- Multi-host: `maybe_initialize(flag)` calls `jax.distributed.initialize()` when `--distributed` is given, or
-  automatically when `JAX_COORDINATOR_ADDRESS` is set (then `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID` say how
-  many processes and which one this is; on SLURM / Open MPI clusters JAX detects them itself with
-  `--distributed`). It must run before JAX touches a device: the main job calls it right after parsing. Process 0
-  first checks that it can serve the coordinator's port (`check_port`: a one-line error naming the port if another
-  program holds it, or the other process 0 serving it), and its coordination service runs in a process of its own
-  (`recipes.train.coordinator`), so that the others end with a message, not a C++ abort, when process 0 dies; each
-  process's client reaches the service through a relay of its own (`recipes.train.relay`), which ends the process
-  with a message when the service's process itself dies. `recipes.train.agree` then checks that every process was
-  given the same command.
-- `PeerWatch(timeout)`: while the processes run, each says it is alive every few seconds; one that stops (killed,
-  crashed), fails with an error or finishes alone ends the others with one line (at once for an error, after
-  `timeout` seconds, `--heartbeat-timeout`, otherwise) instead of leaving them waiting in a collective.
-- `put_batch(batch, mesh)`: the data source gives every process the same global batch of step k (a pure function
-  of (seed, step), `recipes.train.data`); each process keeps only the rows its devices hold
-  (`local_rows`, read from the batch sharding, so it is deterministic and needs no communication) and
-  `jax.make_array_from_process_local_data` assembles the global array.
+- `resolve(spec, model_cfg, batch)`: the mesh, checked against the model and the global batch (ValueError naming both
+  numbers, before anything compiles).
+- `maybe_initialize(flag)`: `jax.distributed.initialize()` with `--distributed` or `JAX_COORDINATOR_ADDRESS`
+  (`JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`), before JAX touches a device; process 0 checks its port first (`check_port`)
+  and hosts the coordination service in a process of its own (`recipes.train.coordinator`), each client reaching it
+  through a relay (`recipes.train.relay`), so a dead process 0 or service ends the others with a message.
+- `PeerWatch(timeout)`: a process that stops, fails or finishes alone ends the others with one line
+  (`--heartbeat-timeout`) instead of leaving them waiting in a collective.
+- `put_batch(batch, mesh)`: every process makes the same global batch; each keeps the rows its devices hold
+  (`local_rows`) and `jax.make_array_from_process_local_data` assembles the global array.
 """
 from __future__ import annotations
 

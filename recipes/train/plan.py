@@ -160,10 +160,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         family = cli.family(args.model)
-        cfg = cli.model_config(family, args.preset, args.overrides)
+        model_cfg = cli.model_config(family, args.preset, args.overrides)
         recipe = "auto" if args.recipe == "auto" else cli.recipe(family, args.recipe)
-        _check_state(args, cfg)
-        p = zoo.plan.plan(cfg, recipe, batch=args.batch, seq=args.seq, hardware=_hardware(args),
+        _check_state(args, model_cfg)
+        p = zoo.plan.plan(model_cfg, recipe, batch=args.batch, seq=args.seq, hardware=_hardware(args),
                           parallel=_parallel(args), training=_training(args),
                           peak=None if args.peak == "none" else args.peak, model_name=f"{args.model} {args.preset}")
     except ValueError as e:
@@ -177,17 +177,15 @@ def main(argv: list[str] | None = None) -> int:
                                                            and allocator_limit(jax.devices()[0])):
             print(f"HBM budget: the allocator's limit of the GPU present: {fit.allocator_share()}")
     if args.plot:
-        _plot(ap, args, family, cfg, p)
+        _plot(ap, args, family, model_cfg, p)
     return 0
 
 
-def _check_state(args, cfg) -> None:
+def _check_state(args, model_cfg) -> None:
     """An --hbm budget the model state alone is over is refused (ValueError) before anything is planned, as the
     training command refuses its --hbm-limit (`recipes.train.fit.check_state`)."""
     if args.hbm_limit is not None:
-        state = fit.model_state(cfg, mesh=args.mesh, shard=args.shard, optimizer=args.optimizer,
-                                opt_dtype=args.opt_dtype, grad_accum=args.grad_accum, opt_state=args.opt_state,
-                                params=args.params)
+        state = zoo.plan.model_state(model_cfg, training=_training(args), parallel=_parallel(args))
         fit.check_state(state, int(args.hbm_limit * 2 ** 30), "--hbm", "--hbm")
 
 
@@ -205,7 +203,7 @@ def _training(args) -> zoo.plan.Training:
                              opt_state=args.opt_state, params=args.params, loss_chunk=args.loss_chunk)
 
 
-def _plot(ap: argparse.ArgumentParser, args, family, cfg, printed: zoo.plan.Plan) -> None:
+def _plot(ap: argparse.ArgumentParser, args, family, model_cfg, printed: zoo.plan.Plan) -> None:
     """--plot: every recipe of the family planned as the printed plan was (the same shapes, Training, Hardware and
     Parallelism; no peak: the bars are saved bytes); the printed recipe's bar is the printed plan itself, and a
     recipe --recipe auto chose is drawn beside the family's."""
@@ -215,7 +213,7 @@ def _plot(ap: argparse.ArgumentParser, args, family, cfg, printed: zoo.plan.Plan
         plans = {}
         for name, r in registry.recipes_of(family).items():
             plans[name] = (printed if r == printed.recipe else
-                           zoo.plan.plan(cfg, r, batch=args.batch, seq=args.seq, parallel=_parallel(args),
+                           zoo.plan.plan(model_cfg, r, batch=args.batch, seq=args.seq, parallel=_parallel(args),
                                     training=_training(args), hardware=_hardware(args), peak=None))
         if printed not in plans.values():
             plans[f"{args.recipe}: {printed.recipe.name}" if args.recipe == "auto" else printed.recipe.name] = printed
@@ -240,20 +238,20 @@ def _max_batch(ap: argparse.ArgumentParser, args) -> int:
         if bad:
             ap.error(f"--max-batch plans one recipe on one device: {flag} does not apply")
     try:
-        family = cli.family(args.model)
-        cfg = cli.model_config(family, args.preset, args.overrides)
+        family, model_cfg = _model(args)
         recipe = cli.recipe(family, args.recipe)
-        _check_state(args, cfg)
+        _check_state(args, model_cfg)
         start = args.batch
         if start is not None and (start & (start - 1) or start > args.max_batch):
             raise ValueError(f"--batch {start} with --max-batch is the first batch planned: a power of two up to "
                              f"{args.max_batch}")
-        c = zoo.plan.largest_batch(cfg, recipe, seq=args.seq, hbm_gib=args.hbm_limit, optimizer=args.optimizer,
-                                   opt_dtype=args.opt_dtype, peak=args.peak, device_kind=args.device, start=start,
-                                   cap=args.max_batch)
+        c = zoo.plan.largest_batch(model_cfg, recipe, seq=args.seq,
+                                   hardware=zoo.plan.Hardware(hbm_gib=args.hbm_limit, device_kind=args.device),
+                                   training=zoo.plan.Training(optimizer=args.optimizer, opt_dtype=args.opt_dtype),
+                                   peak=args.peak, start=start, cap=args.max_batch)
     except ValueError as e:
         ap.error(str(e))
-    return _answer(args, c)
+    return _found(args, c)
 
 
 def _max_seq(ap: argparse.ArgumentParser, args) -> int:
@@ -263,21 +261,26 @@ def _max_seq(ap: argparse.ArgumentParser, args) -> int:
         if bad:
             ap.error(f"--max-seq plans on one device: {flag} does not apply")
     try:
-        family = cli.family(args.model)
-        cfg = cli.model_config(family, args.preset, args.overrides)
+        family, model_cfg = _model(args)
         recipe = "auto" if args.recipe == "auto" else cli.recipe(family, args.recipe)
         hardware = _hardware(args)
         if recipe == "auto":
             hardware = _auto_inputs(ap, args, hardware)
-        found = zoo.plan.longest_seq(cfg, recipe, batch=args.batch or 1, hardware=hardware,
+        found = zoo.plan.longest_seq(model_cfg, recipe, batch=args.batch or 1, hardware=hardware,
                                      training=_training(args), peak=args.peak, cap=args.max_seq)
     except ValueError as e:
         ap.error(str(e))
-    return _answer(args, found)
+    return _found(args, found)
 
 
-def _answer(args, found) -> int:
-    """Print a search's answer (`--max-batch`, `--max-seq`): as JSON with --json, else its lines."""
+def _model(args):
+    """(the family of --model, its config: --preset with --set)."""
+    family = cli.family(args.model)
+    return family, cli.model_config(family, args.preset, args.overrides)
+
+
+def _found(args, found) -> int:
+    """Print what --max-batch or --max-seq found: JSON with --json, else its line."""
     if args.json:
         json.dump(found.to_dict(), sys.stdout, indent=1)
         sys.stdout.write("\n")

@@ -43,7 +43,7 @@ class quiet_stderr:
     def keep(self) -> None:
         self.kept = True
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *_exc) -> None:
         sys.stderr.flush()
         os.dup2(self.saved, 2)
         os.close(self.saved)

@@ -25,6 +25,8 @@ import socket
 import threading
 from collections.abc import Callable
 
+from recipes.train import jaxlib
+
 PROBE_TIMEOUT = 10.0   # seconds the service may take to answer a new connection before it counts as gone
 # An HTTP/2 client's connection preface and an empty SETTINGS frame: a gRPC server answers with its SETTINGS frame.
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
@@ -140,31 +142,14 @@ class _Link:
             sock.close()
 
 
-@contextlib.contextmanager
 def use_relay(lost: Callable[[str], None] | None = None):
     """Within the block, `jax.distributed.initialize()` connects its client through a `Relay` to the service."""
-    try:
-        from jax._src import distributed
-        lib = distributed._jax
-        lib.get_distributed_runtime_client   # noqa: B018  (where this JAX keeps it)
-    except (ImportError, AttributeError):
-        yield
-        return
-
-    class Lib:   # jaxlib's module, with the client's constructor replaced
-        def __getattr__(self, name):
-            return getattr(lib, name)
-
-        @staticmethod
+    def relayed(original: Callable) -> Callable:
         def get_distributed_runtime_client(address, node_id, **kwargs):
             if any(v for k, v in kwargs.items() if k.startswith("mtls_") or k == "verify_secure_credentials"):
-                return lib.get_distributed_runtime_client(address, node_id, **kwargs)
+                return original(address, node_id, **kwargs)
             relay = Relay(address, lost)
             atexit.register(relay.leave)   # runs before JAX's shutdown at exit (registered when JAX was imported)
-            return lib.get_distributed_runtime_client(relay.address, node_id, **kwargs)
-
-    distributed._jax = Lib()
-    try:
-        yield
-    finally:
-        distributed._jax = lib
+            return original(relay.address, node_id, **kwargs)
+        return get_distributed_runtime_client
+    return jaxlib.replaced("get_distributed_runtime_client", relayed)

@@ -14,33 +14,34 @@ from recipes.train import data as data_lib
 from recipes.train import moved, watch
 from recipes.train.checkpoint import Checkpoints
 from recipes.train.config import RunConfig
+from recipes.train.job import Job
 
 
-def sources(cfg: RunConfig, vocab: int, console: Console) -> tuple[data_lib.Source, Any]:
+def sources(settings: RunConfig, vocab: int, console: Console) -> tuple[data_lib.Source, Any]:
     """(training source, held-out source or None: without --eval-every)."""
-    if cfg.data:
-        src, held = data_lib.open_data(cfg.data, tokenizer=cfg.tokenizer, vocab=vocab, batch=cfg.batch, seq=cfg.seq,
-                                       seed=cfg.seed, dtype=cfg.data_dtype, heldout=cfg.held_out,
-                                       encoding=cfg.text_encoding,
+    if settings.data:
+        src, held = data_lib.open_data(settings.data, tokenizer=settings.tokenizer, vocab=vocab, batch=settings.batch,
+                                       seq=settings.seq, seed=settings.seed, dtype=settings.data_dtype,
+                                       heldout=settings.held_out, encoding=settings.text_encoding,
                                        say=lambda m: console.print(m, soft_wrap=True, markup=False),
                                        progress=watch.bytes_bar(console) if console.is_terminal else None)
     else:
-        src = held = data_lib.Synthetic(vocab=vocab, batch=cfg.batch, seq=cfg.seq, seed=cfg.seed)
-    src = data_lib.Poisoned(src, cfg.poison_step) if cfg.poison_step is not None else src
-    return src, held if cfg.eval_every else None
+        src = held = data_lib.Synthetic(vocab=vocab, batch=settings.batch, seq=settings.seq, seed=settings.seed)
+    src = data_lib.Poisoned(src, settings.poison_step) if settings.poison_step is not None else src
+    return src, held if settings.eval_every else None
 
 
-def check_resumable(record: dict, cfg: RunConfig, directory: str, data: dict | None = None) -> None:
+def check_resumable(record: dict, job: Job, directory: str, data: dict | None = None) -> None:
     """ValueError unless the checkpoint's record is of this run: its identity, and the token file it read
     (`check_data`)."""
-    want = cfg.identity()
+    settings, want = job.settings, job.identity
     have = dict(record.get("run", {}))
-    if cfg.allow_data_change:   # the data's path may change too
+    if settings.allow_data_change:   # the data's path may change too
         have["data"] = want["data"]
     had = record.get("data")
     if had and data and moved.same(had.get("path"), data.get("path"), record.get("directory"), directory):
         had = {**had, "path": data["path"]}   # the token file moved with the run's folder
-    check_data(had, data, cfg, directory)
+    check_data(had, data, settings, directory)
     if "schedule_steps" not in have and "steps" in have:   # a record written before --schedule-steps existed
         have["schedule_steps"] = have.pop("steps")
         have["warmup"] = have["warmup"] if have.get("warmup") is not None else max(1, have["schedule_steps"] // 10)
@@ -52,24 +53,24 @@ def check_resumable(record: dict, cfg: RunConfig, directory: str, data: dict | N
                          f"differ; resume with --params {had}")
     diff = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
     if diff:
-        if set(diff) <= {"schedule_steps", "warmup"} and cfg.schedule_steps is None and cfg.warmup is None:
+        if set(diff) <= {"schedule_steps", "warmup"} and settings.schedule_steps is None and settings.warmup is None:
             planned = diff["schedule_steps"][0]
-            raise ValueError(f"--resume --steps {cfg.steps}: the run in {directory} was planned for {planned} steps "
-                             f"(its learning-rate schedule); to train on past step {planned} at the schedule's final "
-                             f"learning rate (lr/10), add --schedule-steps {planned}")
+            raise ValueError(f"--resume --steps {settings.steps}: the run in {directory} was planned for {planned} "
+                             f"steps (its learning-rate schedule); to train on past step {planned} at the schedule's "
+                             f"final learning rate (lr/10), add --schedule-steps {planned}")
         lines = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
         raise ValueError(f"--resume: the checkpoint in {directory} is of a different run ({lines})")
 
 
-def check_data(have: dict | None, now: dict | None, cfg: RunConfig, directory: str) -> None:
+def check_data(have: dict | None, now: dict | None, settings: RunConfig, directory: str) -> None:
     """--resume on a token file other than the one the checkpoint's run read (path, dtype, size or fingerprint,
     `recipes.train.data.TokenFile.identity`) is refused unless --allow-data-change. Records written before the data was
     recorded have none: nothing to compare."""
-    if have is None or now is None or cfg.allow_data_change:
+    if have is None or now is None or settings.allow_data_change:
         return
     diff = [f"{k}: checkpoint {have.get(k)!r}, now {v!r}" for k, v in now.items() if have.get(k) != v]
     if diff:
-        raise ValueError(f"--resume: --data {cfg.data} is not the file the run in {directory} read "
+        raise ValueError(f"--resume: --data {settings.data} is not the file the run in {directory} read "
                          f"({'; '.join(diff)}); pass --allow-data-change to resume on it anyway")
 
 
@@ -87,26 +88,27 @@ class Inputs:
     resume_record: dict | None
 
 
-def open_inputs(cfg: RunConfig, console: Console, model_cfg) -> Inputs:
+def open_inputs(job: Job, console: Console) -> Inputs:
     """Refuse to overwrite a run, or to resume a different one, before spending time on the model; open the data
     (a token file is checked and fingerprinted now) and find the checkpoint to resume from."""
-    ckpts = Checkpoints(cfg.ckpt_dir) if cfg.ckpt_dir else None
+    settings = job.settings
+    ckpts = Checkpoints(settings.ckpt_dir) if settings.ckpt_dir else None
     if ckpts is not None and ckpts.foreign():
         raise ValueError(f"--ckpt-dir {ckpts.directory} holds step-numbered folders that are not checkpoints of this "
                          f"zoo: {', '.join(ckpts.foreign())} (checkpoint rotation and --resume would take them for "
                          f"checkpoints); move them away or choose another --ckpt-dir")
-    source, held = sources(cfg, model_cfg.vocab_size, console)
-    if ckpts is not None and ckpts.steps() and not cfg.resume:
+    source, held = sources(settings, job.model_cfg.vocab_size, console)
+    if ckpts is not None and ckpts.steps() and not settings.resume:
         raise ValueError(f"{ckpts.directory} already holds checkpoints (latest step {ckpts.latest_step()}): "
                          f"pass --resume to continue that run, or choose another --ckpt-dir")
     data_id = source.identity()
-    check = lambda record: check_resumable(record, cfg, ckpts.directory, data_id)  # noqa: E731
+    check = lambda record: check_resumable(record, job, ckpts.directory, data_id)  # noqa: E731
     say = lambda message: console.print(message, soft_wrap=True, markup=False)  # noqa: E731  (whole lines in logs)
-    resume_step, resume_record = ckpts.newest_intact(check, say=say) if cfg.resume else (None, None)
+    resume_step, resume_record = ckpts.newest_intact(check, say=say) if settings.resume else (None, None)
     return Inputs(ckpts, source, held, data_id, check, say, resume_step, resume_record)
 
 
-def restore(cfg: RunConfig, console: Console, inputs: Inputs, model, optimizer) -> int:
+def restore(settings: RunConfig, console: Console, inputs: Inputs, model, optimizer) -> int:
     """The step to start after: the newest intact checkpoint's, restored into `model` and `optimizer`; else 0."""
     ckpts = inputs.ckpts
     if ckpts is not None and inputs.resume_step is not None:
@@ -114,6 +116,6 @@ def restore(cfg: RunConfig, console: Console, inputs: Inputs, model, optimizer) 
         start, _ = ckpts.newest_intact(inputs.check, model, optimizer, say=inputs.say)
         console.print(f"resumed from {ckpts.directory} at step {start}")
         return start
-    if cfg.resume:
+    if settings.resume:
         console.print(f"--resume: no checkpoint in {ckpts.directory} yet; starting from step 0")
     return 0

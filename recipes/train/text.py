@@ -2,24 +2,16 @@
 
     python -m recipes.train --data corpus/ --tokenizer my-tokenizer/ --set vocab_size=32000 --eval-every 50
 
-- Input: a `.txt` file (one document), a `.jsonl` file (a document per line: an object with a `"text"` string, or
-  a string), or a directory of them (the suffix in any case, sorted; the other files are named as skipped). Text
-  is strict UTF-8 unless `--text-encoding` names its text encoding (then valid UTF-8 is noted once). Refused,
-  naming the file (and line or byte): a byte that does not decode, NUL bytes in UTF-8 (UTF-16 without a byte-order
-  mark: the encoding is named), a lone surrogate, no text at all (a directory's empty files are noted).
-- The tokenizer: a Hugging Face `tokenizer.json` (or a directory holding it), read by `tokenizers`. Documents are
-  encoded without its special tokens and separated by its end-of-text id: `eos_token` of `tokenizer_config.json`
-  (text, or an AddedToken's `content`), else the first of `<|end_of_text|>`, `<|endoftext|>`, `</s>`, ... it holds.
-- Output: the token-file format of `recipes/train/data.py` (uint16 ids when the vocabulary fits, else uint32) in a
-  cache keyed by a hash of the tokenizer's files, the end-of-text id, the encoding, and every input file's name and
-  bytes (`$ZOO_TOKEN_CACHE`, else `$XDG_CACHE_HOME/offload-zoo/tokens`, default `~/.cache/offload-zoo/tokens`): a
-  token file and its record (`<hash>.bin`, `<hash>.json`: its token count and fingerprint), each written under a
-  temporary name and renamed when complete, the record last; a killed run's temporary files are removed by the
-  next run, and a cache file that does not match its record is tokenized again, with a note.
-- Two runs tokenizing the same inputs at once: the second waits for the first (an `fcntl.flock` on `<hash>.lock`,
-  released by the kernel if the first dies), then reads its cache.
-- Long documents are encoded in pieces of about 1 MB cut after a newline (the tokenizer runs a batch of pieces on
-  all cores); a token never spans such a cut.
+- Input: a `.txt` file (one document), a `.jsonl` file (a document per line), or a directory of them; strict UTF-8
+  unless `--text-encoding` names another; a file that does not decode, holds NUL bytes or no text is refused naming the
+  file (and line or byte).
+- The tokenizer: a Hugging Face `tokenizer.json` (or its directory), read by `tokenizers`; documents are encoded without
+  special tokens and separated by its end-of-text id.
+- Output: a token file (`recipes/train/data.py`'s format) in a cache keyed by the tokenizer, the end-of-text id, the
+  encoding and every input's name and bytes (`$ZOO_TOKEN_CACHE`, else `~/.cache/offload-zoo/tokens`), written under a
+  temporary name and renamed when complete; a second run tokenizing the same inputs waits for the first (`fcntl.flock`).
+
+The cache's files, the end-of-text id's lookup and long documents: docs/internals.md, "Text data".
 """
 from __future__ import annotations
 

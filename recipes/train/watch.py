@@ -182,7 +182,7 @@ class DropWatch:
     """Capacity dispatch drops token copies over an expert's capacity: warn when a step drops more than
     `threshold` of its routed copies, once (at the first such step), and sum them up at the end of the run."""
 
-    def __init__(self, console: Console, threshold: float, every: int = 0):
+    def __init__(self, console: Console, threshold: float):
         self.console, self.threshold, self.last = console, threshold, None
         self.steps, self.worst = 0, 0.0    # steps over the threshold, the largest fraction dropped
 

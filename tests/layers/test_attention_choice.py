@@ -7,7 +7,7 @@ from flax import nnx
 
 import zoo
 from tests.helpers import fake_gpu
-from zoo.layers import attention
+from zoo.layers import attention, attention_kernel
 
 CFG = zoo.models.DeepSeekV3Config.preset("tiny")
 CPU = jax.devices()[0]
@@ -18,26 +18,26 @@ def test_attention_auto_takes_cudnn_on_a_gpu_for_gqa_and_mla():
     ds = zoo.models.DeepSeekV3Config.preset("deepseek_v3_671b")
     assert attention.kernel_head_dim(ds) == 192
     for cfg in (llama, ds):
-        assert attention.resolve_impl(cfg, fake_gpu()).impl == "cudnn"
-        assert attention.resolve_impl(cfg, CPU).impl == "xla"
+        assert attention_kernel.resolve_impl(cfg, fake_gpu()).impl == "cudnn"
+        assert attention_kernel.resolve_impl(cfg, CPU).impl == "xla"
 
 
 def test_attention_auto_on_a_gpu_that_cudnn_cannot_serve_warns_that_the_xla_kernel_runs():
     ds = zoo.models.DeepSeekV3Config.preset("deepseek_v3_671b")
     with pytest.warns(UserWarning, match="the XLA kernel on NVIDIA A100"):
-        choice = attention.resolve_impl(ds, fake_gpu(cc="8.0", kind="NVIDIA A100"))  # 192 > 128 before Hopper
+        choice = attention_kernel.resolve_impl(ds, fake_gpu(cc="8.0", kind="NVIDIA A100"))  # 192 > 128 before Hopper
     assert choice.impl == "xla" and "XLA kernel" in choice.reason and "up to 128" in choice.reason
     with pytest.warns(UserWarning, match="float32"):
-        assert attention.resolve_impl(zoo.models.LlamaConfig.preset("tiny"), fake_gpu()).impl == "xla"
+        assert attention_kernel.resolve_impl(zoo.models.LlamaConfig.preset("tiny"), fake_gpu()).impl == "xla"
 
 
 def test_explicit_attention_choices_win_and_an_impossible_one_is_a_value_error():
     cfg = zoo.models.LlamaConfig.preset("llama3_1_8b", attention_impl="xla")
-    assert attention.resolve_impl(cfg, fake_gpu()).impl == "xla"
+    assert attention_kernel.resolve_impl(cfg, fake_gpu()).impl == "xla"
     with pytest.raises(ValueError, match="attention_impl='cudnn' cannot run here: cuDNN runs only on NVIDIA"):
-        attention.resolve_impl(zoo.models.LlamaConfig.preset("tiny", attention_impl="cudnn"), CPU)
+        attention_kernel.resolve_impl(zoo.models.LlamaConfig.preset("tiny", attention_impl="cudnn"), CPU)
     with pytest.raises(ValueError, match="cannot run here: cuDNN flash attention takes bf16/fp16"):
-        attention.resolve_impl(zoo.models.LlamaConfig.preset("tiny", attention_impl="cudnn"), fake_gpu())
+        attention_kernel.resolve_impl(zoo.models.LlamaConfig.preset("tiny", attention_impl="cudnn"), fake_gpu())
 
 
 def test_a_built_model_says_which_attention_each_layer_runs():

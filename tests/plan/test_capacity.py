@@ -7,12 +7,13 @@ import zoo
 from recipes.deepseek_v3 import RECIPES as DS_RECIPES
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
 from zoo.models import registry
-from zoo.plan import Training
+from zoo.plan import Hardware, Training
 
 GiB = 1 << 30
 LLAMA = registry.family("llama3").config("tiny")
 DEEPSEEK = registry.family("deepseek_v3").config("tiny")
 SEQ = 64
+SGD = Training(optimizer="sgd")
 
 
 def peak(cfg, recipe, batch, seq=SEQ, peak_mode="estimate"):
@@ -27,7 +28,7 @@ def test_the_largest_batch_fits_and_the_next_power_of_two_does_not():
     p4, p8 = peak(LLAMA, recipe, 4), peak(LLAMA, recipe, 8)
     assert p4 < p8
     budget = (p4 + p8) / 2 / GiB
-    c = zoo.plan.largest_batch(LLAMA, recipe, seq=SEQ, hbm_gib=budget, optimizer="sgd")
+    c = zoo.plan.largest_batch(LLAMA, recipe, seq=SEQ, hardware=Hardware(hbm_gib=budget), training=SGD)
     assert c.batch == 4 and not c.capped
     assert c.peaks[4] == p4 <= c.budget_bytes < c.peaks[8] == p8
     assert [t.batch for t in c.tried] == [1, 2, 4, 8] and [t.fits for t in c.tried] == [True, True, True, False]
@@ -41,8 +42,8 @@ def test_a_bigger_budget_never_gives_a_smaller_batch():
     recipe = LLAMA_RECIPES["save_qkv"]
     peaks = [peak(LLAMA, recipe, b) for b in (1, 2, 4, 8, 16)]
     budgets = [peaks[0] * 0.5] + [p * 1.001 for p in peaks]
-    found = [zoo.plan.largest_batch(LLAMA, recipe, seq=SEQ, hbm_gib=b / GiB, optimizer="sgd", cap=16).batch
-             for b in budgets]
+    found = [zoo.plan.largest_batch(LLAMA, recipe, seq=SEQ, hardware=Hardware(hbm_gib=b / GiB), training=SGD,
+                                    cap=16).batch for b in budgets]
     assert found == sorted(found)
     assert found == [0, 1, 2, 4, 8, 16]   # each budget just over a batch's peak admits exactly that batch
 
@@ -51,13 +52,14 @@ def test_a_bigger_budget_never_gives_a_smaller_batch():
 def test_the_walk_from_a_start_gives_the_same_answer_up_or_down():
     recipe = LLAMA_RECIPES["full"]
     budget = peak(LLAMA, recipe, 4) * 1.001 / GiB
-    base = zoo.plan.largest_batch(LLAMA, recipe, seq=SEQ, hbm_gib=budget, optimizer="sgd")
-    up = zoo.plan.largest_batch(LLAMA, recipe, seq=SEQ, hbm_gib=budget, optimizer="sgd", start=2)
-    down = zoo.plan.largest_batch(LLAMA, recipe, seq=SEQ, hbm_gib=budget, optimizer="sgd", start=16)
+    base = zoo.plan.largest_batch(LLAMA, recipe, seq=SEQ, hardware=Hardware(hbm_gib=budget), training=SGD)
+    up = zoo.plan.largest_batch(LLAMA, recipe, seq=SEQ, hardware=Hardware(hbm_gib=budget), training=SGD, start=2)
+    down = zoo.plan.largest_batch(LLAMA, recipe, seq=SEQ, hardware=Hardware(hbm_gib=budget), training=SGD, start=16)
     assert base.batch == up.batch == down.batch == 4
     assert [t.batch for t in up.tried] == [2, 4, 8]
     assert [t.batch for t in down.tried] == [16, 8, 4]
-    assert zoo.plan.largest_batch(LLAMA, recipe, seq=SEQ, hbm_gib=budget, optimizer="sgd", batches=(3, 5)).batch == 3
+    assert zoo.plan.largest_batch(LLAMA, recipe, seq=SEQ, hardware=Hardware(hbm_gib=budget), training=SGD,
+                                  batches=(3, 5)).batch == 3
 
 
 @pytest.mark.slow   # a case of the walk the other capacity tests check
@@ -67,13 +69,14 @@ def test_offloading_fits_more_than_its_save_on_device_twin():
     off, twin = DS_RECIPES["mla_moe_offload"], DS_RECIPES["save_mla_moe"]
     assert peak(DEEPSEEK, twin, 4) > peak(DEEPSEEK, off, 4)   # the premise: saving the tags costs HBM here
     budget = peak(DEEPSEEK, off, 4) / GiB
-    c_off = zoo.plan.largest_batch(DEEPSEEK, off, seq=SEQ, hbm_gib=budget, optimizer="sgd")
-    c_twin = zoo.plan.largest_batch(DEEPSEEK, twin, seq=SEQ, hbm_gib=budget, optimizer="sgd")
+    c_off = zoo.plan.largest_batch(DEEPSEEK, off, seq=SEQ, hardware=Hardware(hbm_gib=budget), training=SGD)
+    c_twin = zoo.plan.largest_batch(DEEPSEEK, twin, seq=SEQ, hardware=Hardware(hbm_gib=budget), training=SGD)
     assert c_off.batch == 4
     assert 0 < c_twin.batch < c_off.batch
     for more in (1.5 * budget, 3 * budget):  # and never fewer, whatever the budget
-        assert (zoo.plan.largest_batch(DEEPSEEK, off, seq=SEQ, hbm_gib=more, optimizer="sgd").batch
-                >= zoo.plan.largest_batch(DEEPSEEK, twin, seq=SEQ, hbm_gib=more, optimizer="sgd").batch)
+        roomier = Hardware(hbm_gib=more)
+        assert (zoo.plan.largest_batch(DEEPSEEK, off, seq=SEQ, hardware=roomier, training=SGD).batch
+                >= zoo.plan.largest_batch(DEEPSEEK, twin, seq=SEQ, hardware=roomier, training=SGD).batch)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -88,24 +91,26 @@ def test_offloading_fits_more_than_its_save_on_device_twin():
     (dict(device_kind="NVIDIA H200"), "hbm_gib is needed: planning for 'NVIDIA H200'"),
 ])
 def test_bad_input_is_a_clear_value_error(kwargs, match):
+    hardware = {k: kwargs.pop(k) for k in ("hbm_gib", "device_kind") if k in kwargs}
     kwargs = {"seq": SEQ, **kwargs}
     with pytest.raises(ValueError, match=match):
-        zoo.plan.largest_batch(LLAMA, LLAMA_RECIPES["full"], **kwargs)
+        zoo.plan.largest_batch(LLAMA, LLAMA_RECIPES["full"], hardware=Hardware(**hardware), **kwargs)
 
 
 def test_a_recipe_the_model_cannot_take_is_a_value_error():
     with pytest.raises(ValueError, match="recipe must be a zoo.Recipe"):
-        zoo.plan.largest_batch(LLAMA, "auto", seq=SEQ, hbm_gib=1.0)
+        zoo.plan.largest_batch(LLAMA, "auto", seq=SEQ, hardware=Hardware(hbm_gib=1.0))
     with pytest.raises(ValueError, match="mla_q"):  # a DeepSeek tag on a Llama: zoo.plan's own refusal
-        zoo.plan.largest_batch(LLAMA, DS_RECIPES["lowrank_offload"], seq=SEQ, hbm_gib=1.0)
+        zoo.plan.largest_batch(LLAMA, DS_RECIPES["lowrank_offload"], seq=SEQ, hardware=Hardware(hbm_gib=1.0))
     with pytest.raises(ValueError, match="not_a_tag"):
-        zoo.plan.largest_batch(LLAMA, zoo.Recipe("typo", offload=("not_a_tag",)), seq=SEQ, hbm_gib=1.0)
+        zoo.plan.largest_batch(LLAMA, zoo.Recipe("typo", offload=("not_a_tag",)), seq=SEQ,
+                               hardware=Hardware(hbm_gib=1.0))
 
 
 def test_the_compiled_walk_runs_on_the_cpu():
     """peak="compile" compiles the main job's step for the CPU at each batch tried."""
-    c = zoo.plan.largest_batch(LLAMA, LLAMA_RECIPES["full"], seq=16, hbm_gib=64.0, optimizer="sgd", peak="compile",
-                               batches=(1, 2))
+    c = zoo.plan.largest_batch(LLAMA, LLAMA_RECIPES["full"], seq=16, hardware=Hardware(hbm_gib=64.0), training=SGD,
+                               peak="compile", batches=(1, 2))
     assert c.batch == 2 and c.capped
     assert all(t.peak_source == "compiled for cpu" for t in c.tried)
     assert 0 < c.peaks[1] < c.peaks[2]

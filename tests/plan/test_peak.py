@@ -25,7 +25,8 @@ def test_the_planners_compiled_peak_is_the_library_steps_memory_analysis():
     fam = zoo.models.registry.family("llama3")
     # test_capacity.py's compiled walk compiles this step too (the run's compilation cache serves the second)
     recipe, sgd = LLAMA_RECIPES["full"], Training(optimizer="sgd")
-    compiled, _, _ = compile_abstract(fam, fam.config("tiny"), recipe, batch=2, seq=16, optimizer="sgd")
+    compiled, _, _ = compile_abstract(fam, fam.config("tiny"), recipe, batch=2, seq=16,
+                                      training=Training(optimizer="sgd"))
     step = peak_lib.from_compiled(compiled)
     planned = zoo.plan.plan(fam.config("tiny"), recipe, batch=2, seq=16, peak="compile", training=sgd)
     assert planned.peak_source == "compiled for cpu" and planned.peak.compiled

@@ -22,9 +22,8 @@ from recipes.llama3 import RECIPES as LLAMA_RECIPES
 from recipes.registry import recipes_of
 from tests.helpers import fake_gpu, plain
 from zoo.models import registry
-from zoo.plan import Hardware, Parallelism, Training
+from zoo.plan import Hardware, Parallelism, Training, measure
 from zoo.plan import build as planner
-from zoo.plan import measure as audit
 from zoo.plan import state as plan_state
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,7 +104,7 @@ def test_planned_bytes_equal_the_residuals_jax_saves(family, name):
     p = zoo.plan.plan(cfg, recipe, batch=B, seq=S)
     model = nnx.eval_shape(lambda: build(cfg, recipe=recipe, rngs=nnx.Rngs(0)))  # JAX answers from shapes alone
     for sp in p.stacks:
-        res = audit.layer_residuals(model, sp.name, B, S)
+        res = measure.layer_residuals(model, sp.name, B, S)
         # one layer: the host residuals are the offloaded tags, byte for byte
         assert sum(r.nbytes for r in res if r.host) == sp.host_bytes_per_layer
         if recipe.special is None:  # `none` may save an alias of a tag (the query reshaped for GQA) instead
@@ -122,7 +121,7 @@ def test_planned_bytes_equal_the_residuals_jax_saves(family, name):
         logits, aux = nnx.merge(graphdef, state)(tokens, return_aux=True)
         return jnp.mean(logits.astype(jnp.float32)) + sum(jnp.sum(a.astype(jnp.float32)) for a in jax.tree.leaves(aux))
 
-    res = audit.residuals(loss, state, tokens)
+    res = measure.residuals(loss, state, tokens)
     lengths = {(sp.num_layers,) for sp in p.stacks}
     assert B not in {sp.num_layers for sp in p.stacks}  # the last carry [B, S, D] is no stacked residual
     stacked = [r for r in res if r.host or (r.source.startswith("output of scan") and r.shape[:1] in lengths)]
@@ -280,9 +279,9 @@ def test_auto_recipe_builds_and_trains_the_tiny_model():
                                  hardware=Hardware(hbm_gib=budget, link_gbps=55, overlap=1, tflops=1e-6))
     assert "decoder_layer_input" in recipe.device and {"mlpwi_0", "mlpwi_1"} <= set(recipe.offload)
     model = nnx.jit(lambda: zoo.models.llama3(LLAMA_TINY, recipe=recipe, rngs=nnx.Rngs(0)))()
-    seen = audit.placements_seen(model, "layers", B, S)
-    assert {t: seen[t] for t in audit.residual_tags(model, "layers")} == {
-        t: recipe.placement(t) for t in audit.residual_tags(model, "layers")}
+    seen = measure.placements_seen(model, "layers", B, S)
+    assert {t: seen[t] for t in measure.residual_tags(model, "layers")} == {
+        t: recipe.placement(t) for t in measure.residual_tags(model, "layers")}
 
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tokens = jax.random.randint(jax.random.key(0), (B, S + 1), 0, LLAMA_TINY.vocab_size)
@@ -390,7 +389,7 @@ def test_a_cudnn_config_is_planned_on_the_xla_path():
 
 
 def test_tags_are_traced_once_per_stack_and_shape(monkeypatch):
-    """Building a model, planning it and auditing it trace each layer's tags once per input shape, and measuring
+    """Building a model, planning it and measuring it trace each layer's tags once per input shape, and measuring
     a recipe never changes the model's own."""
     from zoo.models import stack
     calls = []
@@ -399,8 +398,8 @@ def test_tags_are_traced_once_per_stack_and_shape(monkeypatch):
     cfg = dataclasses.replace(LLAMA_TINY, dim=48)  # a layer no other test has traced
     model = nnx.eval_shape(lambda: zoo.models.llama3(cfg, recipe=LLAMA_RECIPES["full"], rngs=nnx.Rngs(0)))
     zoo.plan.plan(cfg, LLAMA_RECIPES["qkv_offload"], batch=B, seq=S)
-    audit.residual_tags(model, "layers")
-    audit.placements_seen(model, "layers", B, S, recipe=LLAMA_RECIPES["qkv_offload"])
+    measure.residual_tags(model, "layers")
+    measure.placements_seen(model, "layers", B, S, recipe=LLAMA_RECIPES["qkv_offload"])
     assert calls == [(1, 8, 48), (B, S, 48)]
     assert model.recipe == LLAMA_RECIPES["full"]
 

@@ -41,9 +41,9 @@ def test_foreign_step_folders_are_refused_before_training(tmp_path, capsys):
     (tmp_path / "ckpt" / "5").mkdir(parents=True)
     (tmp_path / "ckpt" / "5" / "notes.txt").write_text("mine")
     assert Checkpoints(tmp_path / "ckpt").foreign() == ["5"]
-    cfg = loop.RunConfig(steps=2, batch=2, seq=16, ckpt_dir=str(tmp_path / "ckpt"), resume=True)
+    settings = loop.RunConfig(steps=2, batch=2, seq=16, ckpt_dir=str(tmp_path / "ckpt"), resume=True)
     with pytest.raises(ValueError, match=r"holds step-numbered folders that are not checkpoints of this zoo: 5 "):
-        loop.run(cfg)
+        loop.run(settings)
     assert "compiled" not in capsys.readouterr().out
     assert (tmp_path / "ckpt" / "5" / "notes.txt").read_text() == "mine"
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["5"]   # and the lock was given back

@@ -23,6 +23,7 @@ import pytest
 from recipes.train import moved, resume
 from recipes.train.checkpoint import Checkpoints
 from recipes.train.config import RunConfig
+from recipes.train.job import resolve
 from recipes.train.lock import LOCK_NAME, DirLock
 from recipes.train.loop import _Session
 from tests.train.cli_runs import RUN, cli, copy_ckpt, main, rows
@@ -70,17 +71,17 @@ def test_a_garbage_lock_file_is_refused_as_unreadable(tmp_path):
     assert (tmp_path / LOCK_NAME).read_bytes() == b"PNG garbage"   # left as it was
 
 
-def killed_run_lock(ckpt, cfg: RunConfig, metrics) -> int:
-    """The lock a run of `cfg` leaves when killed before its first checkpoint (its pid is gone)."""
+def killed_run_lock(ckpt, settings: RunConfig, metrics) -> int:
+    """The lock a run of `settings` leaves when killed before its first checkpoint (its pid is gone)."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     (ckpt / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": "then",
-                                              "directory": str(ckpt), "run": cfg.identity(),
+                                              "directory": str(ckpt), "run": settings.identity(),
                                               "metrics": str(metrics)}))
     return dead.pid
 
 
-def run_cfg(**kw) -> RunConfig:
+def run_settings(**kw) -> RunConfig:
     """The RunConfig of the command `RUN` + `kw` (what its identity is)."""
     return RunConfig(**dict(steps=6, batch=2, seq=16, overrides=(("num_layers", "1"),), log_every=1, **kw))
 
@@ -88,7 +89,7 @@ def run_cfg(**kw) -> RunConfig:
 def test_a_plain_rerun_after_a_kill_leaves_the_killed_runs_record_for_its_resume(tmp_path, capsys):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     ckpt.mkdir()
-    pid = killed_run_lock(ckpt, run_cfg(), metrics)
+    pid = killed_run_lock(ckpt, run_settings(), metrics)
     metrics.write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "loss": 8.0}\n')   # the killed run's rows
     left = (ckpt / LOCK_NAME).read_text()
     rc, out, err = main(RUN + ["--ckpt-dir", ckpt, "--metrics", metrics], capsys)   # the plain command again
@@ -96,8 +97,9 @@ def test_a_plain_rerun_after_a_kill_leaves_the_killed_runs_record_for_its_resume
     assert f"took over the stale lock of a run that ended without releasing it (pid {pid}" in out
     assert (ckpt / LOCK_NAME).read_text() == left   # the killed run's record is back, as it was
     again = DirLock(ckpt)                           # what --resume then finds: the killed run and its metrics file
-    cfg = run_cfg(ckpt_dir=str(ckpt), metrics=str(metrics), resume=True)
-    assert _Session(stack=None, interrupts=None, previous=again.taken_over).metrics_owner(cfg, None) == str(metrics)
+    settings = run_settings(ckpt_dir=str(ckpt), metrics=str(metrics), resume=True)
+    session = _Session(stack=None, interrupts=None, previous=again.taken_over)
+    assert session.metrics_owner(resolve(settings), None) == str(metrics)
     again.release()
 
 
@@ -106,7 +108,7 @@ def test_the_killed_runs_resume_continues_its_metrics_file_after_a_plain_rerun(t
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     ckpt.mkdir()
     args = RUN + ["--ckpt-dir", ckpt, "--metrics", metrics]
-    pid = killed_run_lock(ckpt, run_cfg(), metrics)
+    pid = killed_run_lock(ckpt, run_settings(), metrics)
     metrics.write_text('{"step": 1, "loss": 9.0}\n')
     assert main(args, capsys)[0] == 2
     done = cli(args + ["--resume"])
@@ -128,11 +130,11 @@ def moved_run(base, tmp_path):
 
 def test_a_moved_run_folder_keeps_its_metrics_file(base, tmp_path):
     run2 = moved_run(base, tmp_path)
-    cfg = run_cfg(ckpt_dir=str(run2 / "ckpt"), metrics=str(run2 / "m.jsonl"), resume=True)
+    settings = run_settings(ckpt_dir=str(run2 / "ckpt"), metrics=str(run2 / "m.jsonl"), resume=True)
     session = _Session(stack=None, interrupts=None)
-    assert session.metrics_owner(cfg, Checkpoints(run2 / "ckpt").record()) == str(run2 / "m.jsonl")
-    other = run_cfg(ckpt_dir=str(run2 / "ckpt"), metrics=str(tmp_path / "other.jsonl"), resume=True)
-    assert session.metrics_owner(other, Checkpoints(run2 / "ckpt").record()) == str(base / "m.jsonl")
+    assert session.metrics_owner(resolve(settings), Checkpoints(run2 / "ckpt").record()) == str(run2 / "m.jsonl")
+    other = run_settings(ckpt_dir=str(run2 / "ckpt"), metrics=str(tmp_path / "other.jsonl"), resume=True)
+    assert session.metrics_owner(resolve(other), Checkpoints(run2 / "ckpt").record()) == str(base / "m.jsonl")
 
 
 @pytest.mark.slow
@@ -149,13 +151,14 @@ def test_a_moved_run_folder_resumes_where_it_now_is(base, tmp_path):
 
 def test_a_token_file_that_moved_with_the_run_is_the_runs_own(tmp_path):
     old, new = tmp_path / "run1", tmp_path / "run2"
-    cfg = RunConfig(data="ids.bin")
-    record = {"run": cfg.identity(), "directory": str(old / "ckpt"),
+    settings = RunConfig(data="ids.bin")
+    record = {"run": settings.identity(), "directory": str(old / "ckpt"),
               "data": {"path": str(old / "ids.bin"), "dtype": "uint16", "bytes": 10, "fingerprint": "f"}}
     here = {**record["data"], "path": str(new / "ids.bin")}
-    resume.check_resumable(record, cfg, str(new / "ckpt"), here)   # moved with the checkpoints: the same file
+    resume.check_resumable(record, resolve(settings), str(new / "ckpt"), here)   # moved with the checkpoints: same file
     with pytest.raises(ValueError, match="--data ids.bin is not the file the run in .* read .path: checkpoint"):
-        resume.check_resumable(record, cfg, str(new / "ckpt"), {**here, "path": str(tmp_path / "elsewhere.bin")})
+        resume.check_resumable(record, resolve(settings), str(new / "ckpt"),
+                               {**here, "path": str(tmp_path / "elsewhere.bin")})
     assert moved.rebased(str(old / "m.jsonl"), str(old / "ckpt"), new / "ckpt") == str(new / "m.jsonl")
     assert moved.rebased("/logs/m.jsonl", str(old / "ckpt"), old / "ckpt") == "/logs/m.jsonl"
     assert os.path.isabs(moved.rebased(str(old / "m.jsonl"), str(old / "ckpt"), "rel/ckpt"))

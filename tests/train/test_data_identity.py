@@ -11,10 +11,12 @@ import pytest
 
 from recipes.train import data as data_lib
 from recipes.train import loop, resume
+from recipes.train.job import resolve
+from tests.train.token_files import write_tokens
 
 
 def tokens(path, n=20_000, vocab=256, dtype="uint16", seed=0):
-    data_lib.write_tokens(path, np.random.default_rng(seed).integers(vocab, size=n), dtype)
+    write_tokens(path, np.random.default_rng(seed).integers(vocab, size=n), dtype)
     return path
 
 
@@ -47,26 +49,26 @@ def test_resume_on_another_token_file_is_refused(tmp_path):
     """The checkpoint's record holds the file's path, dtype, size and fingerprint; a file rewritten in place (same
     path and size, other ids) is refused on --resume, and accepted with --allow-data-change."""
     path = tokens(tmp_path / "t.bin")
-    cfg = loop.RunConfig(steps=4, batch=2, seq=16, data=str(path), ckpt_dir=str(tmp_path / "c"), resume=True)
+    settings = loop.RunConfig(steps=4, batch=2, seq=16, data=str(path), ckpt_dir=str(tmp_path / "c"), resume=True)
     before = data_lib.TokenFile(path, vocab=256, batch=2, seq=16).identity()
     assert set(before) == {"path", "dtype", "bytes", "fingerprint"} and before["bytes"] == 40_000
-    record = {"run": cfg.identity(), "data": before}
-    resume.check_resumable(record, cfg, "c", before)                 # the same file: resumable
+    record = {"run": settings.identity(), "data": before}
+    resume.check_resumable(record, resolve(settings), "c", before)                 # the same file: resumable
     tokens(path, seed=1)
     after = data_lib.TokenFile(path, vocab=256, batch=2, seq=16).identity()
     assert after["fingerprint"] != before["fingerprint"] and after["bytes"] == before["bytes"]
     with pytest.raises(ValueError, match=r"--resume: --data .*t.bin is not the file the run in c read \(fingerprint: "
                                          r"checkpoint .*--allow-data-change"):
-        resume.check_resumable(record, cfg, "c", after)
-    moved = loop.RunConfig(**{**cfg.__dict__, "data": str(tmp_path / "other.bin"), "allow_data_change": True})
-    resume.check_resumable(record, moved, "c", after)              # allowed: another path and content
+        resume.check_resumable(record, resolve(settings), "c", after)
+    moved = loop.RunConfig(**{**settings.__dict__, "data": str(tmp_path / "other.bin"), "allow_data_change": True})
+    resume.check_resumable(record, resolve(moved), "c", after)              # allowed: another path and content
 
 
 def test_token_ids_out_of_range_are_refused(tiny_model, tmp_path):
     path = tmp_path / "tokens.bin"
     ids = np.arange(100) % 30
     ids[57] = 300
-    data_lib.write_tokens(path, ids, "uint16")
+    write_tokens(path, ids, "uint16")
     # Found in the sample read at start (recipes.train.data.TokenFile), before training; else by the batch that reads
     # it.
     with pytest.raises(ValueError, match=f"TokenFile '{path}': id 300 at position 57 is outside the model's vocab"):

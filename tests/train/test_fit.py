@@ -25,8 +25,8 @@ def test_the_planners_compiled_peak_is_the_main_jobs_own_step(family, monkeypatc
         return seen["compiled"], graphdef, abstract
 
     monkeypatch.setattr(prepare, "compile_for_shapes", spy)   # where the main job calls it
-    cfg = loop.RunConfig(model=family, preset="tiny", steps=1, batch=2, seq=16)
-    loop.run(cfg)
+    settings = loop.RunConfig(model=family, preset="tiny", steps=1, batch=2, seq=16)
+    loop.run(settings)
     job = peak_lib.from_compiled(seen["compiled"])
     fam = zoo.models.registry.family(family)
     recipe = cli.recipe(fam, None)

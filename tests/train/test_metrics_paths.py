@@ -12,6 +12,7 @@ import time
 import pytest
 
 from recipes.train import guard
+from recipes.train.job import resolve
 from recipes.train.lock import DirLock
 from recipes.train.loop import RunConfig, _Session
 
@@ -110,13 +111,13 @@ def test_a_run_killed_before_its_first_checkpoint_owns_its_metrics_file(tmp_path
     given its metrics file back, a different run is not."""
     ckpt, metrics = tmp_path / "ckpt", str(tmp_path / "m.jsonl")
     ckpt.mkdir()
-    cfg = RunConfig(steps=6, ckpt_dir=str(ckpt), metrics=metrics, resume=True)
-    lock = DirLock(ckpt, info={"run": cfg.identity(), "metrics": metrics})
+    settings = RunConfig(steps=6, ckpt_dir=str(ckpt), metrics=metrics, resume=True)
+    lock = DirLock(ckpt, info={"run": settings.identity(), "metrics": metrics})
     os.close(lock.fd)          # as if killed: the file stays, its flock is gone
     lock.fd = None
     again = DirLock(ckpt)
     session = _Session(stack=None, interrupts=None, previous=again.taken_over)
-    assert session.metrics_owner(cfg, None) == metrics
+    assert session.metrics_owner(resolve(settings), None) == metrics
     other = RunConfig(steps=6, ckpt_dir=str(ckpt), metrics=metrics, resume=True, seed=1)
-    assert session.metrics_owner(other, None) is None
+    assert session.metrics_owner(resolve(other), None) is None
     again.release()

@@ -12,22 +12,24 @@ from flax import nnx
 
 from recipes.registry import default_recipe
 from recipes.train import data as data_lib
-from recipes.train import loop
+from recipes.train import loop, prepare
+from recipes.train import mesh as mesh_lib
 from recipes.train.cli import family as model_family
 from recipes.train.cli import recipe as model_recipe
 from tests.helpers import hlo_type, pinned_host_shapes
 from tests.rounding import assert_same_metrics, assert_same_state
 from zoo.opt_state import OPT_STATE_PLACES
-from zoo.plan import Training
+from zoo.optim import lr_schedule, make_optimizer
+from zoo.plan import ModelState, Training
 from zoo.train_step import abstract_batch, abstract_step, check_grad_accum, family_step, jit_step
 
 SEQ = 8
-SCHEDULE = loop.lr_schedule(lr=3e-3, steps=12, warmup=0)   # the first step moves the parameters
+SCHEDULE = lr_schedule(lr=3e-3, steps=12, warmup=0)   # the first step moves the parameters
 
 
 def _setup(fam, batch=4, seq=SEQ):
     model = fam.build(fam.config("tiny"), recipe=model_recipe(fam, default_recipe(fam)), rngs=nnx.Rngs(0))
-    opt = loop.make_optimizer(model, SCHEDULE, clip=1.0, weight_decay=0.1)
+    opt = make_optimizer(model, SCHEDULE, clip=1.0, weight_decay=0.1)
     data = data_lib.Synthetic(vocab=fam.config("tiny").vocab_size, batch=batch, seq=seq)
     return model, opt, {k: jnp.asarray(v) for k, v in data.batch(1).items()}
 
@@ -86,11 +88,11 @@ def test_host_state_lives_in_pinned_host_memory_and_trains_as_in_hbm():
     streamed update: to a few ulp at each array's scale, `tests.rounding`)."""
     fam = model_family("llama3")
     cfg = fam.config("tiny")
-    mesh = loop.mesh_lib.resolve(None, cfg, 2)
+    mesh = mesh_lib.resolve(None, cfg, 2)
     results = {}
     for where in OPT_STATE_PLACES:
-        model, opt = loop.build_sharded(fam, cfg, model_recipe(fam, default_recipe(fam)), mesh, seed=0,
-                                        opt_state=where, make_opt=lambda m: loop.make_optimizer(
+        model, opt = prepare.build_sharded(fam, cfg, model_recipe(fam, default_recipe(fam)), mesh, seed=0,
+                                        opt_state=where, make_opt=lambda m: make_optimizer(
                                             m, SCHEDULE, clip=1.0, weight_decay=0.1))
         moments = {kind for kind, dtype in _kinds(nnx.state(opt)) if dtype == "float32"}
         assert moments == {"pinned_host" if where == "host" else "device"}
@@ -98,7 +100,7 @@ def test_host_state_lives_in_pinned_host_memory_and_trains_as_in_hbm():
         step, _, state = jit_step(model, opt, family_step(fam, SCHEDULE), keep_shardings=True)
         data = data_lib.Synthetic(vocab=cfg.vocab_size, batch=2, seq=SEQ)
         for i in (1, 2):
-            state, m = step(state, loop.mesh_lib.put_batch(data.batch(i), mesh))
+            state, m = step(state, mesh_lib.put_batch(data.batch(i), mesh))
         assert _kinds(state[1]) == _kinds(nnx.state(opt))   # the step gives the moments back where they were
         results[where] = (jax.device_get(m), state)
     (m_dev, s_dev), (m_host, s_host) = results["device"], results["host"]
@@ -119,7 +121,7 @@ def test_cuda_lowering_takes_and_gives_the_moments_in_pinned_host_memory():
     time: tests/train/test_streamed_update.py)."""
     fam = model_family("llama3")
     cfg = fam.config("tiny")
-    jitted, _, state = abstract_step(fam, cfg, model_recipe(fam, "full"), opt_state="host")
+    jitted, _, state = abstract_step(fam, cfg, model_recipe(fam, "full"), training=Training(opt_state="host"))
     text = jitted.trace(state, abstract_batch(2, SEQ)).lower(lowering_platforms=("cuda",)).as_text()
     args, results = _main_signature(text)
     n_params = len(jax.tree.leaves(state[0]))
@@ -175,12 +177,12 @@ def test_a_step_that_does_not_fit_is_told_about_the_host_state_and_accumulation(
     from recipes.train import fit
     with pytest.raises(ValueError, match=r"to fit: --grad-accum 2 \(.*now 2 sequences"):
         loop.run(loop.RunConfig(steps=1, batch=2, seq=SEQ, hbm_limit=0.0017))   # over the state
-    tips = fit.advice(batch=8, seq=64, recipe="full", opt_dtype="float32", optimizer_bytes=2**30, gpu=True,
-                      grad_accum=2)
+    state = ModelState(num_params=0, params=0, grads=0, optimizer=2**30, other=0, optimizer_name="adamw")
+    tips = fit.advice(Training(grad_accum=2), batch=8, seq=64, recipe="full", state=state, gpu=True)
     assert "--opt-state host (the 1.0 GiB of optimizer state in pinned host memory" in tips
     assert "--grad-accum 4 (" in tips
-    assert "--opt-state" not in fit.advice(batch=8, seq=64, recipe="full", opt_dtype="float32",
-                                           optimizer_bytes=2**30, gpu=True, opt_state="host")
+    assert "--opt-state" not in fit.advice(Training(opt_state="host"), batch=8, seq=64, recipe="full", state=state,
+                                           gpu=True)
 
 
 @pytest.mark.slow   # micro-batches of a MoE model: test_mtp.py's add up to the batch

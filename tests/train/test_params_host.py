@@ -17,7 +17,8 @@ from flax import nnx
 import zoo
 from recipes.registry import default_recipe
 from recipes.train import data as data_lib
-from recipes.train import fit, loop
+from recipes.train import fit, loop, prepare
+from recipes.train import mesh as mesh_lib
 from recipes.train import plan as plan_cli
 from recipes.train.cli import family as model_family
 from recipes.train.cli import recipe as model_recipe
@@ -25,14 +26,14 @@ from tests.helpers import hlo_type
 from tests.rounding import assert_same_metrics, assert_same_state
 from tests.train.cli_runs import RUN, main
 from zoo.opt_state import HOST, is_master
-from zoo.optim import make_optimizer
+from zoo.optim import lr_schedule, make_optimizer
 from zoo.plan import Training
 from zoo.plan.peak import from_compiled
 from zoo.train_step import abstract_batch, abstract_step, compile_abstract, family_step, jit_step
 
 SEQ = 8
 BF16 = (("param_dtype", "bfloat16"),)
-SCHEDULE = loop.lr_schedule(lr=3e-3, steps=12, warmup=0)
+SCHEDULE = lr_schedule(lr=3e-3, steps=12, warmup=0)
 
 
 def _f32(x):
@@ -48,17 +49,17 @@ def test_the_master_on_the_host_trains_as_in_hbm():
     was, the master included."""
     fam = model_family("llama3")
     cfg = dataclasses.replace(fam.config("tiny"), param_dtype="bfloat16")
-    mesh = loop.mesh_lib.resolve(None, cfg, 2)
+    mesh = mesh_lib.resolve(None, cfg, 2)
     data = data_lib.Synthetic(vocab=cfg.vocab_size, batch=2, seq=SEQ)
     results = {}
     for where in ("device", "host"):
-        model, opt = loop.build_sharded(fam, cfg, model_recipe(fam, default_recipe(fam)), mesh, seed=0,
+        model, opt = prepare.build_sharded(fam, cfg, model_recipe(fam, default_recipe(fam)), mesh, seed=0,
                                         params=where, make_opt=lambda m: make_optimizer(
                                             m, SCHEDULE, clip=1.0, weight_decay=0.1, opt_dtype="float32",
                                             master=True))
         step, graphdef, state = jit_step(model, opt, family_step(fam, SCHEDULE), keep_shardings=True)
         for i in (1, 2):
-            state, m = step(state, loop.mesh_lib.put_batch(data.batch(i), mesh))
+            state, m = step(state, mesh_lib.put_batch(data.batch(i), mesh))
         flat = jax.tree_util.tree_flatten_with_path(state)[0]
         assert {x.sharding.memory_kind for p, x in flat if is_master(p)} == {HOST if where == "host" else "device"}
         assert {x.sharding.memory_kind for p, x in flat if not is_master(p)} == {"device"}
@@ -67,7 +68,7 @@ def test_the_master_on_the_host_trains_as_in_hbm():
             assert p.dtype == jnp.bfloat16 and np.array_equal(_f32(p), _f32(jnp.asarray(w).astype(jnp.bfloat16)))
         before = [np.asarray(x) for x in jax.tree.leaves(state)]
         poisoned = dict(data.batch(3), weights=np.full((2, SEQ), np.nan, np.float32))
-        state, bad = step(state, loop.mesh_lib.put_batch(poisoned, mesh))
+        state, bad = step(state, mesh_lib.put_batch(poisoned, mesh))
         assert not bad["ok"] and all(np.array_equal(a, np.asarray(b)) for a, b in zip(before, jax.tree.leaves(state)))
         results[where] = (jax.device_get(m), before)
     (m_dev, s_dev), (m_host, s_host) = results["device"], results["host"]
@@ -94,11 +95,12 @@ def test_the_plan_counts_the_master_where_it_lives():
     assert both.state.total == dev.state.total - dev.state.optimizer
     with pytest.raises(ValueError, match="--params host .* the parameters are float32"):
         zoo.plan.plan(fam.config("tiny"), recipe, batch=2, seq=SEQ, peak=None, training=Training(params="host"))
-    kw = dict(batch=8, seq=64, recipe="full", opt_dtype="float32", optimizer_bytes=2**30, gpu=True)
+    state = zoo.plan.ModelState(num_params=0, params=2**29, grads=0, optimizer=2**30, other=0, optimizer_name="adamw")
+    kw = dict(batch=8, seq=64, recipe="full", state=state, gpu=True)
     assert "--set param_dtype=bfloat16 --params host (bf16 parameters and gradients in HBM, saving 512.0 MiB" in \
-        fit.advice(**kw, param_bytes=2**29)
-    assert "--params host" not in fit.advice(**kw, param_bytes=2**29, param_dtype="bfloat16")
-    assert "--params host" not in fit.advice(**kw, param_bytes=2**29, params="host")
+        fit.advice(Training(), **kw)
+    assert "--params host" not in fit.advice(Training(), **kw, param_dtype="bfloat16")
+    assert "--params host" not in fit.advice(Training(params="host"), **kw)
 
 
 def test_the_planner_compiles_the_step_with_the_master_on_the_host():
@@ -108,7 +110,7 @@ def test_the_planner_compiles_the_step_with_the_master_on_the_host():
     fam = model_family("llama3")
     cfg = dataclasses.replace(fam.config("tiny"), param_dtype="bfloat16")
     recipe = model_recipe(fam, "full")
-    jitted, _, state = abstract_step(fam, cfg, recipe, params="host", opt_dtype="float32")
+    jitted, _, state = abstract_step(fam, cfg, recipe, training=Training(params="host"))
     text = jitted.trace(state, abstract_batch(2, SEQ)).lower(lowering_platforms=("cuda",)).as_text()
     line = next(ln for ln in text.splitlines() if "func.func public @main" in ln)
     args, _, results = line.partition(") -> (")
@@ -116,7 +118,7 @@ def test_the_planner_compiles_the_step_with_the_master_on_the_host():
     assert sorted(re.findall(r'(tensor<[^>]*>) \{mhlo\.memory_kind = "pinned_host"', args)) == master
     assert len(re.findall(r'mhlo\.memory_kind = "pinned_host"', results)) == len(master)
     planned = zoo.plan.plan(cfg, recipe, batch=2, seq=SEQ, peak="compile", training=Training(params="host"))
-    compiled = compile_abstract(fam, cfg, recipe, batch=2, seq=SEQ, params="host", opt_dtype="float32")[0]
+    compiled = compile_abstract(fam, cfg, recipe, batch=2, seq=SEQ, training=Training(params="host"))[0]
     assert planned.peak.compiled and planned.peak_bytes == from_compiled(compiled).bytes
 
 

@@ -18,7 +18,8 @@ from flax import nnx
 
 from recipes.registry import default_recipe
 from recipes.train import data as data_lib
-from recipes.train import loop
+from recipes.train import mesh as mesh_lib
+from recipes.train import prepare
 from recipes.train.cli import family as model_family
 from recipes.train.cli import recipe as model_recipe
 from tests.helpers import hlo_type
@@ -26,12 +27,13 @@ from tests.rounding import assert_same_metrics, assert_same_state
 from zoo import sharding
 from zoo import streamed_update as su
 from zoo.opt_state import HOST, is_master
-from zoo.optim import make_optimizer
+from zoo.optim import lr_schedule, make_optimizer
+from zoo.plan import Training
 from zoo.train_step import abstract_batch, abstract_step, family_step, jit_step
 
 SEQ = 8
 BATCH = 4
-SCHEDULE = loop.lr_schedule(lr=3e-3, steps=12, warmup=0)   # the first step moves the parameters
+SCHEDULE = lr_schedule(lr=3e-3, steps=12, warmup=0)   # the first step moves the parameters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +65,8 @@ def _run(case: Case, opt_state: str, params: str):
     cfg = fam.config("tiny")
     if case.params == "host":
         cfg = dataclasses.replace(cfg, param_dtype="bfloat16")
-    mesh = loop.mesh_lib.resolve(None, cfg, BATCH)
-    model, opt = loop.build_sharded(fam, cfg, model_recipe(fam, default_recipe(fam)), mesh, seed=0,
+    mesh = mesh_lib.resolve(None, cfg, BATCH)
+    model, opt = prepare.build_sharded(fam, cfg, model_recipe(fam, default_recipe(fam)), mesh, seed=0,
                                     opt_state=opt_state, params=params, make_opt=lambda m: make_optimizer(
                                         m, SCHEDULE, clip=1.0, weight_decay=0.1, opt_dtype=case.opt_dtype,
                                         optimizer=case.optimizer, master=case.params == "host"))
@@ -73,11 +75,11 @@ def _run(case: Case, opt_state: str, params: str):
     numpy = lambda s: [np.asarray(x) for x in jax.tree.leaves(s)]   # noqa: E731
     initial, metrics = numpy(state), []
     for i in (1, 2):
-        state, m = step(state, loop.mesh_lib.put_batch(data.batch(i), mesh))
+        state, m = step(state, mesh_lib.put_batch(data.batch(i), mesh))
         metrics.append(jax.device_get(m))
     after = numpy(state)
     poisoned = dict(data.batch(3), weights=np.full((BATCH, SEQ), np.nan, np.float32))
-    state, bad = step(state, loop.mesh_lib.put_batch(poisoned, mesh))
+    state, bad = step(state, mesh_lib.put_batch(poisoned, mesh))
     kinds = {x.sharding.memory_kind for p, x in jax.tree_util.tree_flatten_with_path(state)[0]
              if p[0].key == 1 and (is_master(p) or (x.ndim and jnp.issubdtype(x.dtype, jnp.floating)))}
     return initial, metrics, after, jax.device_get(bad), numpy(state), kinds
@@ -133,7 +135,8 @@ def test_the_lowered_step_streams_host_state_a_layer_at_a_time():
     cfg = dataclasses.replace(fam.config("tiny"), param_dtype="bfloat16")
     texts = {}
     for where in ("device", "host"):
-        jitted, _, state = abstract_step(fam, cfg, model_recipe(fam, "full"), params=where, opt_state=where)
+        jitted, _, state = abstract_step(fam, cfg, model_recipe(fam, "full"),
+                                          training=Training(params=where, opt_state=where))
         traced = jitted.trace(state, abstract_batch(2, SEQ))
         texts[where] = {p: traced.lower(lowering_platforms=(p,)).as_text() for p in ("cpu", "cuda")}
     for platform in ("cpu", "cuda"):

@@ -1,5 +1,5 @@
-"""Text to training (recipes/train/text.py, recipes/data.open_data): a tokenizer trained here (no downloads), text and
-JSONL files tokenized once into the token-file format with EOS between documents, cached by content, a held-out
+"""Text to training (recipes/train/text.py, recipes.train.data.open_data): a tokenizer trained here (no downloads),
+text and JSONL files tokenized once into the token-file format with EOS between documents, cached by content, a held-out
 split, and a short run with --eval-every and --tensorboard."""
 import json
 import os
@@ -10,6 +10,7 @@ import pytest
 tokenizers = pytest.importorskip("tokenizers")
 
 from recipes.train import data, text  # noqa: E402
+from tests.train.token_files import write_tokens  # noqa: E402
 
 DOCS = ["the cat sat on the mat.\nthe dog sat on the log.\n", "a bird in the hand is worth two in the bush.",
         "the quick brown fox jumps over the lazy dog.", "all that glitters is not gold."]
@@ -86,7 +87,7 @@ def test_bad_inputs_are_named(corpus, tmp_path):
 
 def test_heldout_split_and_start_up_id_check(tmp_path):
     path = tmp_path / "ids.bin"
-    data.write_tokens(path, np.arange(1000) % 50)
+    write_tokens(path, np.arange(1000) % 50)
     train, held = data.open_data(path, tokenizer=None, vocab=50, batch=2, seq=8, seed=0, dtype=None, heldout=0.1)
     assert (train.lo, train.n_ids, held.lo, held.n_ids) == (0, 900, 900, 100)
     assert held.eval_batches() == 5
@@ -97,7 +98,7 @@ def test_heldout_split_and_start_up_id_check(tmp_path):
         np.testing.assert_array_equal(train.batch(step)["tokens"], [(np.arange(9) + s) % 50 for s in starts])
     ids = np.zeros(5000, np.int64)
     ids[4321] = 300
-    data.write_tokens(path, ids)
+    write_tokens(path, ids)
     # a file this small is read whole by the start-up sample (recipes.train.data.SAMPLE_CHUNKS x SAMPLE_IDS)
     with pytest.raises(ValueError, match="id 300 at position 4,321 is outside the model's vocabulary of 256"):
         data.TokenFile(path, vocab=256, batch=2, seq=8)
@@ -108,10 +109,10 @@ def test_text_run_with_eval_and_tensorboard(corpus, tmp_path):
     from recipes.train import loop
     _, root, tok_dir = corpus
     metrics = tmp_path / "m.jsonl"
-    cfg = loop.RunConfig(preset="tiny", overrides=(("vocab_size", "300"),), steps=4, batch=2, seq=16,
-                         data=str(root), tokenizer=str(tok_dir), eval_every=2, heldout=0.2, log_every=2,
-                         metrics=str(metrics), tensorboard=str(tmp_path / "tb"))
-    result = loop.run(cfg)
+    settings = loop.RunConfig(preset="tiny", overrides=(("vocab_size", "300"),), steps=4, batch=2, seq=16,
+                              data=str(root), tokenizer=str(tok_dir), eval_every=2, heldout=0.2, log_every=2,
+                              metrics=str(metrics), tensorboard=str(tmp_path / "tb"))
+    result = loop.run(settings)
     assert result.stopped is None and len(result.losses) == 4
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     evals = [r for r in rows if "eval_loss" in r]

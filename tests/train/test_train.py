@@ -22,6 +22,8 @@ from recipes.train.checkpoint import Checkpoints
 from recipes.train.cli import family as model_family
 from recipes.train.cli import recipe as model_recipe
 from tests.helpers import cpu_env
+from tests.train.token_files import write_tokens
+from zoo.optim import lr_schedule, make_optimizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -150,7 +152,7 @@ def test_nan_guard_stops_and_keeps_the_last_good_checkpoint(tmp_path, full, cach
 
 def _model_and_optimizer(family):
     model = family.build(family.config("tiny"), recipe=model_recipe(family, "qkv_offload"), rngs=nnx.Rngs(0))
-    return model, loop.make_optimizer(model, loop.lr_schedule(lr=3e-3, steps=12, warmup=1), clip=1.0,
+    return model, make_optimizer(model, lr_schedule(lr=3e-3, steps=12, warmup=1), clip=1.0,
                                       weight_decay=0.1)
 
 
@@ -159,7 +161,7 @@ def test_the_guard_decided_before_the_update_changes_no_number():
     steps the state and metrics must equal those of the guard decided after the update, bit for bit."""
     from zoo.train_step import family_step, jit_step
     fam = model_family("llama3")
-    schedule = loop.lr_schedule(lr=3e-3, steps=12, warmup=1)
+    schedule = lr_schedule(lr=3e-3, steps=12, warmup=1)
     batch = {k: jax.numpy.asarray(v) for k, v in data_lib.Synthetic(vocab=fam.config("tiny").vocab_size, batch=2,
                                                                       seq=16).batch(1).items()}
     states = []
@@ -188,7 +190,7 @@ def test_data_is_a_pure_function_of_seed_and_step():
 def test_token_file_round_trip(tmp_path, dtype):
     ids = np.arange(1000) % 256
     path = tmp_path / f"tokens.{dtype}.bin"
-    data_lib.write_tokens(path, ids, dtype)
+    write_tokens(path, ids, dtype)
     src = data_lib.TokenFile(path, vocab=256, batch=4, seq=16, seed=0, dtype=dtype)
     tok = src.batch(3)["tokens"]
     assert tok.dtype == np.int32 and tok.shape == (4, 17)
@@ -201,7 +203,7 @@ def test_token_file_round_trip(tmp_path, dtype):
 
 def test_training_on_a_token_file(tmp_path, cache):
     path = tmp_path / "tokens.bin"
-    data_lib.write_tokens(path, np.random.default_rng(0).integers(256, size=5000), "uint16")
+    write_tokens(path, np.random.default_rng(0).integers(256, size=5000), "uint16")
     out = cli(RUN + ["--data", path, "--data-dtype", "uint16", "--metrics", tmp_path / "m.jsonl"], cache)
     assert out.returncode == 0, out.stdout + out.stderr
     assert len(losses(tmp_path / "m.jsonl")) == 12 and np.all(np.isfinite(list(losses(tmp_path / "m.jsonl").values())))

@@ -1,14 +1,6 @@
-"""Hugging Face `config.json` <-> zoo configs: the helpers every family's mapping uses (zoo/models/<family>/hf.py).
-
-Each family lists the HF fields it reads (SUPPORTED), the ones that cannot change the logits and are
-ignored (IGNORED: token ids, init ranges, dropout at inference, cache flags, ...), and the ones that would change
-the math but that the zoo does not implement (UNSUPPORTED, with their neutral value): a checkpoint that sets one
-of those to anything else is refused with a ValueError naming the field. Fields in none of the lists are ignored,
-as transformers ignores them.
-
-Both spellings of RoPE settings are read: the published one (`rope_theta` and `rope_scaling` at the top level)
-and transformers 5's (`rope_parameters` holding `rope_theta`, `rope_type` and the scaling fields). The published
-spelling is written, which every transformers version reads.
+"""Hugging Face `config.json` <-> zoo configs: the helpers every family's mapping uses (zoo/models/<family>/hf.py). A
+family lists the HF fields it reads (SUPPORTED), ignores (IGNORED) and does not implement (UNSUPPORTED, with their
+neutral value: any other is a ValueError); both spellings of RoPE settings are read, the published one written.
 """
 from __future__ import annotations
 
@@ -114,3 +106,15 @@ def context_field(cfg) -> dict:
     """config.json's `max_position_embeddings` from the config's `max_seq_len` (the context its positions were made
     for), left out where the config sets none (a slice or a tiny model: transformers then takes its default)."""
     return {} if cfg.max_seq_len is None else {"max_position_embeddings": cfg.max_seq_len}
+
+
+def gqa_fields(hf: dict, param_dtype: str) -> dict[str, Any]:
+    """The config fields a grouped-query attention decoder's config.json gives alike: sizes, heads, MLP, norm, tied
+    embedding, context and dtypes (`param_dtype`'s parameters, `activation_dtype`'s activations)."""
+    heads, dim = require(hf, "num_attention_heads"), require(hf, "hidden_size")
+    return dict(vocab_size=require(hf, "vocab_size"), dim=dim, num_layers=require(hf, "num_hidden_layers"),
+                num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+                head_dim=hf.get("head_dim") or dim // heads, mlp_dim=require(hf, "intermediate_size"),
+                norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                max_seq_len=hf.get("max_position_embeddings"), dtype=activation_dtype(param_dtype),
+                param_dtype=param_dtype)

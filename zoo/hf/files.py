@@ -1,14 +1,7 @@
-"""The files of a Hugging Face checkpoint directory: config.json, the safetensors shards and their index, read as
-JSON and safetensors headers (no tensor is read here). A file that is not what it should be is a ValueError naming
-it.
-
-A checkpoint directory is untrusted input: nothing outside it is read. An index entry that is not a string, names
-an absolute path or a path with `..`, or resolves (through a symlink) outside the directory is a ValueError naming
-the entry. The one exception is the Hugging Face hub cache's own layout, `.../snapshots/<revision>/` whose files
-are symlinks into the same repository's `.../blobs/` (what `huggingface_hub.snapshot_download` makes).
-
-Which files hold the weights: those the index names; without an index `model.safetensors` (as transformers reads
-it); without either, every `*.safetensors` file of the directory."""
+"""The files of a Hugging Face checkpoint directory: config.json, the safetensors shards and their index, read as JSON
+and safetensors headers (no tensor), each checked (ValueError naming the file). The directory is untrusted input: an
+index entry reaching outside it is refused (the hub cache's snapshot links excepted).
+"""
 from __future__ import annotations
 
 import dataclasses

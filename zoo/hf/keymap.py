@@ -1,21 +1,7 @@
-"""Where each zoo parameter lives in a Hugging Face checkpoint, and how its layout differs.
-
-A zoo model keeps one array per parameter, with the layers of a stack on a leading axis (and, for routed experts,
-the experts on the next one); a checkpoint keeps one tensor per layer (and per expert). An `Entry` ties a zoo
-variable path to those tensors: `hf` is a key template with `{i}` for the HF layer index and `{e}` for the expert;
-`layers` lists the HF layer indices in stack order (None: not stacked); `experts` is the number of experts (None:
-not per expert). The layout change between one HF tensor and its zoo slice:
-
-- `n_in=None`: same layout (embeddings, norm scales, biases).
-- `n_in=k`: a projection. HF keeps `nn.Linear.weight` as [out, in] with heads flattened; the zoo keeps an einsum
-  kernel with its k input axes first, heads unflattened: zoo = weight.T.reshape(zoo_shape).
-
-A `copy` entry is a second HF tensor of a parameter that has its own entry: a checkpoint that stores a shared
-tensor twice (a multi-token-prediction layer that keeps copies of the embedding and the LM head). `from_hf`
-checks that it equals the tensor it copies and reads nothing from it; `to_hf` writes it from the same parameter.
-
-Published checkpoints are the reference layout (experts one tensor each; MLA's rope columns interleaved,
-which the zoo's MLA takes as they are: see `zoo.layers.mla`), and what `to_hf` writes.
+"""Where each zoo parameter lives in a Hugging Face checkpoint, and how its layout differs: an `Entry` ties a zoo
+variable path (a stack's layers on a leading axis, routed experts on the next) to the checkpoint's per-layer, per-expert
+tensors (`hf` key template, `layers`, `experts`; `n_in=k`: a projection, HF's [out, in] weight transposed and reshaped).
+A `copy` entry is a second tensor of a shared parameter, checked equal on load and written on save.
 """
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""Read a Hugging Face checkpoint (config.json + sharded safetensors) as a scanned zoo model.
-
-Reading is check-then-stream. Everything about the checkpoint is checked against the model its config.json
-describes BEFORE any array is made (`zoo.hf.checks`): the architecture, every config field that changes the math,
-every tensor's presence, shape and dtype, and that no tensor is left over; a failure is a ValueError naming the field
-or key, and nothing has been loaded. Then each parameter is streamed in: the model is built with `nnx.eval_shape` (no
-memory), each parameter is allocated once on its target sharding and filled one HF tensor at a time (one layer, or
-one expert of one layer; a donated in-place update), so beyond the model itself at most one HF tensor is held, on
-host and on device (the largest is the embedding, which is not stacked). Single-process: the arrays are made by this
-process (a multi-host loader would make each host's shards with `jax.make_array_from_callback`).
+"""Read a Hugging Face checkpoint (config.json + sharded safetensors) as a scanned zoo model: checked against the model
+its config.json describes before any array is made (`zoo.hf.checks`), then each parameter allocated once on its sharding
+and filled one HF tensor at a time. Single-process.
 """
 from __future__ import annotations
 
@@ -78,26 +71,14 @@ def _set_slice(buf, piece, index):
 def from_hf(path: str | os.PathLike, recipe: Recipe | None = None, dtype=None, *, mesh=None,
             rules: Sequence[tuple[str, Any]] | None = None, allow_nonfinite: bool = False,
             extra_heads: bool | None = None) -> nnx.Module:
-    """Load a Hugging Face checkpoint directory (an architecture of a registered family:
-    config.json and one or many *.safetensors, with model.safetensors.index.json when sharded) as a scanned zoo
-    model.
+    """Load a Hugging Face checkpoint directory (config.json and its safetensors, of a registered family's architecture)
+    as a scanned zoo model, each parameter placed on its sharding (`mesh`, `rules`) as it is read; `dtype`: the
+    parameters' (default: the checkpoint's).
 
-    `dtype`: parameter dtype (default: the checkpoint's); float32 parameters compute in float32, others in
-    bfloat16. `mesh` (default: the mesh set with `jax.set_mesh`, if any) and `rules` (logical axis -> mesh axis)
-    place each parameter on its target sharding as it is read. Raises ValueError, before loading anything, for an
-    unknown architecture, an unsupported config field, a config.json or index that is not JSON, an index entry that
-    is not a string or names a file outside the directory (`..`, an absolute path, a symlink escaping it: the
-    directory is untrusted input, `zoo.hf.files`), a safetensors file whose header is damaged or that is shorter
-    than its header says, or a tensor that is missing, mis-shaped or left over; and, while streaming, for a tensor
-    holding NaN or infinity in the parameter's dtype (naming tensor and file: stored so, or float32 values that a
-    cast to float16 overflows) unless `allow_nonfinite=True`.
-
-    `extra_heads`: the model's extra heads (`zoo.models.lm`, trained beside the LM head: e.g. multi-token
-    prediction), which config.json announces and the checkpoint stores under keys of the family's
-    (`HFArch.extra_keys`). False: build the model without them and skip their tensors (inference does not use
-    them); True: load them (a missing tensor is an error); None (default): load them if the checkpoint holds any of
-    their tensors (transformers saves none). Their copies of shared tensors are checked equal to the originals.
-    """
+    ValueError, before anything is loaded, for a checkpoint that does not describe the model (`zoo.hf.checks`; the
+    directory is untrusted input, `zoo.hf.files`), and while streaming for a tensor holding NaN or infinity unless
+    `allow_nonfinite`. `extra_heads`: False skips them, True loads them, None loads them if the checkpoint holds
+    them."""
     check_from_hf_args(path, recipe, allow_nonfinite, extra_heads)
     path = Path(path)
     hf = read_config(path)

@@ -36,20 +36,11 @@ def arch_for_model(cfg):
 
 def to_hf(model: nnx.Module, path: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30,
           overwrite: bool = False) -> None:
-    """Write `model` as a Hugging Face checkpoint: config.json and safetensors shards (with
-    model.safetensors.index.json when there is more than one) that `transformers.AutoModelForCausalLM`
-    loads. `path` is created if needed and must be empty: ValueError otherwise, listing what it holds. With
-    `overwrite=True` a non-empty directory is accepted: the files of a previous checkpoint in it (config.json,
-    `model.safetensors`, `model-*-of-*.safetensors` shards and their index, and `.bin`/`.h5`/`.msgpack` weights:
-    `zoo.hf.files.CHECKPOINT_FILES`; files or links of those names, a link and never its target) are replaced, so
-    no stale shard stays beside the new ones, and everything else (tokenizer files, README, generation_config.json,
-    another `*.safetensors` such as an adapter) is kept: `from_hf` reads the index, else `model.safetensors`, so
-    what is kept is never read as weights. A folder named like a checkpoint file is a ValueError (it is not
-    removed).
-
-    The checkpoint is written into a temporary folder beside `path` (`.<name>.partial-*`) and swapped in only when
-    complete (`swap_in`), so a failure (a full disk, an interrupt) leaves `path` as it was: an OSError names the
-    path and the cause. TypeError for a `model` that is not a zoo model or arguments of the wrong type."""
+    """Write `model` as a Hugging Face checkpoint `transformers.AutoModelForCausalLM` loads (config.json, safetensors
+    shards and their index) into `path`, which must be empty unless `overwrite=True` (then a previous checkpoint's
+    files, `zoo.hf.files.CHECKPOINT_FILES`, are replaced and everything else kept). Written beside `path` and swapped in
+    when complete (`swap_in`): a failure leaves `path` as it was (an OSError naming it). TypeError for a `model` that is
+    not a zoo model."""
     check_to_hf_args(model, path, max_shard_bytes, overwrite)
     cfg = model.config
     arch = arch_for_model(cfg)

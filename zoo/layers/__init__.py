@@ -1,6 +1,7 @@
 """Offload-first layers: they compute and name their intermediates; they never decide where those live."""
 from zoo import renames
-from zoo.layers.attention import Attention, causal_attention
+from zoo.layers.attention import Attention
+from zoo.layers.attention_kernel import causal_attention
 from zoo.layers.embed import Embed, LMHead
 from zoo.layers.mla import MLA
 from zoo.layers.mlp import MLP

@@ -1,14 +1,9 @@
 """Grouped-query attention (Ainslie et al., 2023, arXiv:2305.13245).
 
-x -> q [B,S,H,d], k and v [B,S,Hkv,d]; optionally (`qk_norm_eps`, arXiv:2505.09388) an RMSNorm over each head of
-q and of k; RoPE on q and k; causal attention (`zoo.layers.attention_kernel`); output projection.
-Tags: query_proj, key_proj (after the norm and RoPE), value_proj, attention_out and context (the kernel's output and
-softmax statistics, named by the kernel), out_proj.
-
-The kernel is chosen once, when the layer is built, for the device present (`choose_impl`; `resolve_impl(cfg)` for a
-model config; `attention_impls(model)` for a built model): cuDNN flash attention on an NVIDIA GPU when cuDNN takes the
-case, the zoo's XLA kernel elsewhere. An explicit `implementation` "xla" or "cudnn" wins; "cudnn" where cuDNN cannot
-run is a ValueError, before anything compiles.
+x -> q [B,S,H,d], k and v [B,S,Hkv,d]; optionally (`qk_norm_eps`, arXiv:2505.09388) an RMSNorm over each head of q and
+of k; RoPE on q and k; causal attention (`zoo.layers.attention_kernel`, the kernel chosen once for the device present;
+`attention_impls(model)` says which); output projection. Tags: query_proj, key_proj (after the norm and RoPE),
+value_proj, attention_out and context (the kernel's), out_proj.
 """
 from __future__ import annotations
 
@@ -18,14 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zoo.layers.attention_kernel import (  # noqa: F401  (re-exported: the kernel choice's public home was here)
-    IMPLEMENTATIONS,
-    AttentionChoice,
-    Implementation,
-    causal_attention,
-    choose_impl,
-    resolve_impl,
-)
+from zoo.layers.attention_kernel import AttentionChoice, Implementation, causal_attention, choose_impl
 from zoo.layers.linear import projection
 from zoo.layers.norm import RMSNorm
 from zoo.layers.rope import Rope

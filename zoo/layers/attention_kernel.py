@@ -1,36 +1,10 @@
 """The causal attention kernel, with its residuals named: which kernel runs, and what its backward pass reads.
 
-A training step that recomputes a layer runs attention's forward pass again in the backward pass unless the
-kernel's residuals are kept. Its backward reads q, k and v (the tags query_proj, key_proj, value_proj), its own
-output and its softmax statistics (the log-sum-exp of each query's logits). This module names those two:
-
-- ``attention_out`` [B, S, H, dv]: the kernel's output (what the output projection reads too);
-- ``context`` [B, H, S] float32: the kernel's softmax statistics.
-
-Both are named inside a `jax.custom_vjp` whose forward rule returns them as the residuals of the backward rule, so a
-checkpoint policy that keeps both (in HBM or offloaded) leaves no attention forward in the backward pass. Keeping one
-without the other saves nothing: the kernel's forward runs again to make the missing one (`zoo.recipe` refuses such a
-recipe). The attention forward is quadratic in the sequence length and its residuals are linear, so at long context
-keeping them (even in pinned host memory, over PCIe) beats recomputing them.
-
-Two kernels, chosen per device when a layer is built (`choose_impl`):
-
-- ``cudnn``: cuDNN flash attention through `jax.nn.dot_product_attention(implementation="cudnn")` on NVIDIA GPUs.
-  The forward rule runs `jax.vjp` of it and names the residual leaves that are not q, k, v (its output and its
-  softmax statistics); the backward rule hands them back to cuDNN's own backward kernel.
-- ``xla``: a memory-efficient formulation in plain JAX (`zoo.layers.xla_attention`): the forward keeps only the
-  output and the log-sum-exp, and the backward recomputes the probabilities from them (FlashAttention-2's
-  algorithm, Dao 2023), so nothing of size [B, H, S, S] is saved between the passes.
-
-What cuDNN takes through `jax.nn.dot_product_attention` (jax 0.10-0.12, `jax._src.cudnn.fused_attention_stablehlo`
-`check_layout` / `check_is_flash_attention`): q, k, v in bf16 or fp16; one head dim for q, k and v; head dim a
-multiple of 8 and at most 256 on Hopper and later (compute capability >= 9.0), at most 128 before. Values with a
-smaller head dim (MLA: 128 against q/k 192) are zero-padded for cuDNN and its output sliced back inside the forward
-rule; the saved `attention_out` is the un-padded output (exact: the padded columns of the output are zeros), padded
-again for cuDNN's backward.
-
-The planner counts attention's FLOPs from the layer's q and v shapes (`attention_flops`), whatever kernel runs: the
-kernel's own matmuls run under the name scope `SCOPE` and are left out of jaxpr counts.
+Besides q, k and v, the backward reads the kernel's output and softmax statistics, named here inside a `jax.custom_vjp`
+as ``attention_out`` [B, S, H, dv] and ``context`` [B, H, S] float32: a recipe that keeps both runs no attention forward
+in the backward pass (one without the other saves nothing; `zoo.recipe` refuses it). Two kernels, chosen per device
+(`choose_impl`): ``cudnn`` and ``xla`` (`zoo.layers.xla_attention`). The planner counts attention's FLOPs from its
+shapes (`attention_flops`). What cuDNN takes: docs/internals.md, "The attention kernel".
 """
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """The pre-norm residual decoder block every family of the zoo uses: x + attn(norm(x)), then x + ffn(norm(x)).
 
-A family's decoder layer builds `attn_norm`, `attn`, `mlp_norm` and `mlp`, and sets `moe` when `mlp` is a mixture
-of experts (which returns `(y, aux)`: the block then returns `(x, aux)` too); the block applies them.
-
-`tiles` (a recipe's `seq_tiles`, passed by the stack) runs the parts with no dependency across positions over
-sequence tiles, each rematerialized on its own (`zoo.layers.tiles`): the attention's norm with its q, k, v
-projections where the attention splits them off (`project`, then `attend` on the whole tensors; else the norm
-alone), and the dense FFN (norm and MLP in one tile); a mixture of experts takes the tile count for its own
-per-token parts (its shared expert).
+A family's decoder layer builds `attn_norm`, `attn`, `mlp_norm` and `mlp` (and sets `moe` when `mlp` returns
+`(y, aux)`); the block applies them. `tiles` (a recipe's `seq_tiles`) runs the per-position parts over sequence
+tiles (`zoo.layers.tiles`): the attention's norm with its q, k, v projections, and the dense FFN.
 """
 from __future__ import annotations
 

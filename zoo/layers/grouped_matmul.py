@@ -1,19 +1,7 @@
-"""tokamax's grouped matmul with a tile configuration chosen for each of its problems, forward and backward.
-
-tokamax (0.0.17) ships autotuned kernel configurations for a few devices and shapes. Where its cache has no
-entry (every shape on the H200) its Mosaic GPU `ragged_dot` runs a heuristic configuration (64 x 64 x 128 tiles,
-2 stages) far from the device's matmul rate. The zoo therefore runs the kernel with explicit configurations,
-measured on the device by `bench/tokamax_tiles.py` and kept in `TILES`, one per problem:
-
-- ``fwd``:  rows [M, K] x experts [G, K, N] -> [M, N]            (forward)
-- ``dlhs``: d_out [M, N] x experts^T [G, N, K] -> [M, K]         (the rows' gradient: the same kernel)
-- ``drhs``: rows [M, K] and d_out [M, N] contracted over each group's rows -> [G, K, N]   (the experts' gradient)
-
-A table entry "problem:KxN" (K x N: the forward's expert matrix) is taken before "problem". `make` wraps the
-three in one `jax.custom_vjp`, so the backward problems run their own configuration too (tokamax's own VJP would
-look each one up in its cache). `ZOO_TOKAMAX_TILES=<file>` replaces the table for a run (the JSON that
-`python -m bench.tokamax_tiles --out <file>` writes; a file holding `{}` runs tokamax's own choice). On a device
-with no entry, tokamax chooses, as before.
+"""tokamax's grouped matmul with a tile configuration chosen for each of its problems (``fwd``, ``dlhs``, ``drhs``),
+measured on the device (`bench/tokamax_tiles.py`) and kept in `TILES`: where tokamax's cache has no entry its heuristic
+tiles run far from the device's rate. `make` wraps the three in one `jax.custom_vjp`; `ZOO_TOKAMAX_TILES=<file>`
+replaces the table for a run (`{}`: tokamax's own choice).
 """
 from __future__ import annotations
 

@@ -1,34 +1,12 @@
 """Multi-head latent attention (arXiv:2405.04434; the layer of arXiv:2412.19437 as published).
 
-Queries and keys/values pass through low-rank latents, each with an RMSNorm:
-
     q:  x -> q_a_proj -> [query_wa_proj] -> q_a_layernorm -> [mla_q] -> q_b_proj -> H x (qk_nope + qk_rope)
     kv: x -> kv_a_proj_with_mqa -> [kv_wa_proj] = (latent kv_lora_rank, shared rope key qk_rope)
            latent -> kv_a_layernorm -> [mla_kv] -> kv_b_proj -> H x (qk_nope + v_head)
 
-The rope part of the key is one vector per token, shared by every head. RoPE (with YaRN) is applied to the
-rope parts of q and k; q = [q_nope, q_rope] and k = [k_nope, k_rope] are concatenated per head, and attention uses
-the softmax scale 1/sqrt(qk_nope + qk_rope) times YaRN's mscale^2, as the published model does.
-
-Tags: query_wa_proj, mla_q, kv_wa_proj, mla_kv, query_proj and key_proj (after RoPE and concatenation),
-value_proj [B,S,H,v_head], attention_out [B,S,H,v_head] and context [B,H,S] (named by the kernel), out_proj.
-
-Parameter names follow the published checkpoints' attention (q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa,
-kv_a_layernorm, kv_b_proj, o_proj); kernels are stored [in, out] with heads split out, as everywhere in the zoo.
-
-Rope layout. The published checkpoints store the rope columns of q_b_proj and kv_a_proj_with_mqa *interleaved*:
-pairs (x0, x1), (x2, x3), ... are each rotated by one frequency (transformers' `rope_interleave=True` path,
-`apply_rotary_pos_emb_interleave`). With `rope_interleave=True` (the default) this layer takes the weights as
-published and de-interleaves the rope part inside the layer ([x0, x2, ...,  x1, x3, ...]) before the rotate-half
-RoPE of `zoo.layers.rope`, which is exactly what transformers computes: a loader copies the weights unchanged.
-The tagged query_proj / key_proj hold the rope part in the de-interleaved (rotate-half) order, as transformers'
-query and key states do. With `rope_interleave=False` the weights are taken to be in rotate-half order already.
-
-Value head dim. The published model has qk 192 and v 128; cuDNN's kernel (through `jax.nn.dot_product_attention`)
-takes one head dim, so `zoo.layers.attention_kernel` pads the values with zeros for it and slices the output back:
-exact, and the tags value_proj and attention_out are the un-padded [B,S,H,v_head] tensors (the XLA kernel takes
-v_head as it is). Head dim 192 is within cuDNN flash attention's limit on Hopper (256). The kernel also names
-`context`, its softmax statistics [B,H,S].
+RoPE (with YaRN) rotates the rope parts; q and k are [nope, rope] per head, the rope key shared by every head. Further
+tags: query_proj, key_proj, value_proj, attention_out and context (the kernel's), out_proj. Parameter names and rope
+layout are the published checkpoints' (docs/internals.md, "MLA").
 """
 from __future__ import annotations
 

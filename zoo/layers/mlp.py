@@ -1,15 +1,9 @@
 """SwiGLU feed-forward (Shazeer, 2020): down(silu(gate(x)) * up(x)).
 
-Tags: {prefix}mlpwi_0 (gate, before the activation), {prefix}mlpwi_1 (up), {prefix}mlpwo (down). The prefix
-lets the same layer serve as a mixture of experts' shared expert ("shared_").
-
-`seq_chunks=n` runs the MLP on n equal slices of the sequence, one after the other, each slice's tensors tagged
-with the layer's tags (the tag's tensor is their concatenation: `zoo.emitted`). The arithmetic is the same
-(every token's MLP is independent); what changes is when each tagged tensor exists. An offloaded tensor's copy to
-the host can start only once the whole tensor is made: in one piece, the gate and up projections' copies start
-after the last matmul that makes them and finish after the layer's compute, so the scan waits for them at the end
-of every forward iteration (and for their reloads at the start of every backward one). In n pieces the first
-piece's copies run under the later pieces' compute and only the last piece's are exposed.
+Tags: {prefix}mlpwi_0 (gate, before the activation), {prefix}mlpwi_1 (up), {prefix}mlpwo (down); the prefix lets
+the layer serve as a mixture of experts' shared expert ("shared_"). `seq_chunks=n` runs it on n equal slices of the
+sequence, each slice's tensors tagged with the layer's tags (`zoo.emitted` joins them): the same arithmetic, but an
+offloaded piece's copy runs under the later pieces' compute, so only the last piece's copies are exposed.
 """
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Rotary position embeddings (Su et al., 2021) with two frequency scalings: `WavelengthScaling`, the frequency
-bands by wavelength of arXiv:2407.21783 (long wavelengths interpolated, short ones kept, a smooth band between), and
-`YarnScaling`, YaRN (Peng et al., 2023).
-
-Layout: the "rotate half" layout of the Hugging Face checkpoints: a head vector is split into two halves
-[x1, x2] and rotated as (x1 cos - x2 sin, x2 cos + x1 sin). Frequencies are constants of the config, computed
-with NumPy in float64, so they fold into the compiled program.
+"""Rotary position embeddings (Su et al., 2021) in the Hugging Face checkpoints' "rotate half" layout, with two
+frequency scalings: `WavelengthScaling` (the frequency bands by wavelength of arXiv:2407.21783) and `YarnScaling` (YaRN,
+Peng et al., 2023). Frequencies are constants of the config, computed with NumPy in float64.
 """
 from __future__ import annotations
 

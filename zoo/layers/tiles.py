@@ -1,13 +1,7 @@
-"""Sequence tiles: a part of a layer with no dependency across positions run over tiles of the sequence, one tile at a
-time, each rematerialized on its own (ALST's tiled compute, arXiv:2506.13996).
-
-`tiled(fn, module, x, tiles)` is `fn(module, x)` for x [B, S, ...] computed as `tiles` slices of S in a loop whose
-body is a `jax.checkpoint` that saves nothing of its own: in the forward pass and in the backward pass's recompute,
-only one tile's intermediates exist at a time. A tag named inside keeps its full shape (`zoo.emitted` reads the loop
-as one tensor) and its placement: kept in HBM, it is saved tile by tile; recomputed, each tile recomputes it in its
-own backward step. Offloading a tag from inside the loop is refused by the recipe check (offload inside nested loops
-is known to break). 16-bit parameters enter the loop in float32, so the gradient the loop sums over the tiles is
-summed in float32 and rounded once, as an untiled matmul's.
+"""Sequence tiles (ALST's tiled compute, arXiv:2506.13996): `tiled(fn, module, x, tiles)` computes a part of a layer
+with no dependency across positions as `tiles` slices of the sequence in a loop of `jax.checkpoint`s, so only one tile's
+intermediates exist at a time. A tag named inside keeps its full shape and placement but may not be offloaded; 16-bit
+parameters enter in float32, so their summed gradient is rounded once.
 """
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
 """Causal grouped-query attention in plain JAX whose residuals are its output and log-sum-exp (FlashAttention-2's
-backward, Dao 2023, without the tiling).
-
-    forward:  s = scale q k^T (masked causally), lse = logsumexp(s), p = exp(s - lse), out = p v
-    backward: p = exp(s - lse) again; dv = p^T do; dp = do v^T; ds = p (dp - rowsum(do * out)); dq = scale ds k;
-              dk = scale ds^T q
-
-Only `out` [B, S, H, dv] and `lse` [B, H, S] (float32) pass from the forward to the backward: nothing of size
-[B, H, S, S] is saved, though each pass holds the logits of its own as a temporary. Logits, softmax and the
-statistics are float32; the probabilities meet the values in the values' dtype, as `jax.nn.dot_product_attention`'s
-XLA path does. Query head h attends with key/value head h // (H // Hkv).
+backward, Dao 2023, without the tiling): the backward recomputes p = exp(s - lse), so nothing of size [B, H, S, S] is
+saved. Logits, softmax and statistics are float32; query head h attends with key/value head h // (H // Hkv).
 """
 from __future__ import annotations
 

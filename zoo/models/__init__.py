@@ -1,15 +1,6 @@
-"""Models: the causal LM and its scanned stacks (shared), and one package per model family, named as the family
-(`zoo/models/<family>/`), each registering its `Family` record into `registry` when imported.
-
-A family's registration is its line here: importing its package registers it and exports its model and config
-classes and its builder, under the family's name:
-
-    model = zoo.models.<family>(cfg, recipe=..., rngs=nnx.Rngs(0))   # the builder, under the family's name
-    from zoo.models.<family> import hf                                 # the package's parts: import them by name
-
-`zoo.models.<family>` is the builder, so reach the package's modules with `from zoo.models.<family> import ...`
-(or `importlib.import_module`, or `registry.family(name)` for its record), not by attribute
-(`zoo.models.<family>.hf` would look for `hf` on the function).
+"""Models: the causal LM and its scanned stacks (shared), and one package per model family (`zoo/models/<family>/`),
+registered when its line here imports it. `zoo.models.<family>` is the family's builder; import the package's parts by
+name (`from zoo.models.<family> import hf`).
 """
 from zoo import renames
 from zoo.models import registry  # noqa: F401

@@ -1,9 +1,6 @@
-"""`LMConfig`: the fields `CausalLM` reads, and validation done once for every model config; `MoEConfig`: what a
-family with routed experts adds.
-
-Each family's config (zoo/models/<family>/config.py) extends one of them. Construction checks every field against
-its type annotation (`zoo.models.fields.check_types`), then the ranges the base knows, then the subclass's own
-`check()`. Every bad value is a ValueError naming its field.
+"""`LMConfig`: the fields `CausalLM` reads, checked once for every model config (each field against its type annotation,
+`zoo.models.fields`, then the base's ranges, then the subclass's `check()`: a ValueError names the field); `MoEConfig`:
+what a family with routed experts adds. Each family's config extends one of them.
 """
 from __future__ import annotations
 

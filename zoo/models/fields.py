@@ -1,11 +1,7 @@
-"""Checking a config dataclass's fields at run time: each value against its type annotation, the names a caller
-gives against the fields, and the ranges a config's `check()` asks for.
-
-Types (`check_types`): a bool field takes only a bool, an int field rejects bools and floats, a float field takes a
-finite int or float, an `X | None` field also takes None, any other class its instances. Names
-(`check_field_names`): an unknown one is a ValueError with the closest fields (difflib) and every field. Ranges
-(`check_positive`, `check_non_negative`, `check_positive_float`, `check_divides`). Every message names the config
-class and the field. Text (a command line's `--set FIELD=VALUE`) is the application's to turn into values
+"""Checking a config dataclass's fields at run time: each value against its type annotation (`check_types`), the
+names a caller gives against the fields (`check_field_names`: the closest ones named), and the ranges a config's
+`check()` asks for (`check_positive`, `check_non_negative`, `check_positive_float`, `check_divides`). Every message
+names the config class and the field; turning command-line text into values is the application's
 (`recipes.train.cli.parse_field`, with `field_types`, `type_options` and `type_name` from here).
 """
 from __future__ import annotations

@@ -1,30 +1,10 @@
 """A causal language model: embedding, one or more scanned decoder stacks under one recipe, norm, LM head, and
 optionally extra prediction heads beside the LM head.
 
-Family packages (zoo/models/<family>/) say what the layers are; this class says how they are stacked and checks
-the recipe against what the stacks really emit, when the model is built.
-
-`model(tokens)` gives the logits [B, S, vocab]. A training loss reads the normed hidden states instead
-(`model.hidden(tokens)`) and applies the head itself (`model.head_function()`: the head as a pure function of its
-weights), so that it can run the head and the cross-entropy over chunks of the sequence (`zoo.loss.head_loss`)
-without the [B, S, vocab] logits ever existing whole.
-
-An extra head is a family's module beside the LM head, trained with a loss of its own (multi-token prediction,
-arXiv:2412.19437, is one). The family passes `extra_heads={name: make(rngs) or None}`: the model holds each
-as the attribute `name` (None: not in this config), and each is
-
-- called as `head(h, embeddings, policy, tiles=n) -> (hidden [D, B, S, dim], aux)` on the main model's normed final
-  hidden states and its input embeddings (`tiles`: the recipe's `seq_tiles`): D sets of normed hidden states that
-  this model's LM head reads;
-- `head.loss(hidden, targets, weights, batch_weights, cross_entropy) -> scalar`: its loss, given the step's
-  `cross_entropy(hidden [B, S, dim], targets, weights, total_weight)` (the LM head's weighted mean cross-entropy,
-  chunked as the step chunks the main loss); `targets` and `weights` [B, S] are the next-token loss's;
-- `head.loss_weight`: its weight in the training loss (from the config);
-- `head.layers`, if it has decoder layers: a `Stack`, listed by `stacks()` under `name` like the main stacks, so
-  recipes, the planner and the routing-bias update cover it.
-
-`model(tokens, return_aux=True)` runs them too: `aux[name]` is the head's aux and `aux[name + "_logits"]` its
-logits [D, B, S, vocab] (`extra_logits_key`); the training step reports each head's loss as `name + "_loss"`.
+Family packages (zoo/models/<family>/) say what the layers are; this class stacks them and checks the recipe against
+what the stacks emit. `model(tokens)` gives the logits; a training loss reads `model.hidden(tokens)` and
+`model.head_function()` instead, to run the head over chunks (`zoo.loss.head_loss`). What an extra head provides:
+docs/internals.md, "Extra heads".
 """
 from __future__ import annotations
 
@@ -151,15 +131,10 @@ class CausalLM(nnx.Module):
 
     # -- the forward pass ---------------------------------------------------------------------------------
     def __call__(self, tokens: jax.Array, *, return_aux: bool = False):
-        """int tokens [B, S] -> logits [B, S, vocab]; with return_aux, also {stack: aux stacked over layers} (and,
-        with extra heads, each one's aux under its name and its logits [D, B, S, vocab] under
-        `extra_logits_key(name)`).
-
-        `tokens` may be any integer array-like (a nested Python list of ints becomes an int32 array). On concrete
-        values (an eager call) every id is checked against the vocabulary: ValueError naming the first bad one.
-        Under `jax.jit`/`nnx.jit` (tracers) no value check is possible and none is made: an id >= vocab_size then
-        embeds as NaN (JAX's out-of-bounds gather fills), and a negative id counts from the end (-1 is the last
-        row), silently. Check ids where they are made (the main job's data reader does)."""
+        """int tokens [B, S] -> logits [B, S, vocab]; with return_aux, also {stack: aux stacked over layers} (and each
+        extra head's aux under its name and its logits under `extra_logits_key(name)`). On concrete values every id is
+        checked against the vocabulary (ValueError naming the first bad one); under jit none can be: an id >= vocab_size
+        then embeds as NaN and a negative one counts from the end, so check ids where they are made."""
         if not return_aux:
             x, _, _, _ = self._trunk(tokens)
             return self.head(x)

@@ -1,18 +1,10 @@
-"""The model families: what every front end (training, planning, `from_hf`/`to_hf`, the benchmarks) may ask of a
-model family, and the table the families register into.
+"""The model families: what every front end (training, planning, `from_hf`/`to_hf`, the benchmarks) may ask of a model
+family, and the table the families register into.
 
 A family is a package under `zoo/models/<family>/` that builds one `Family` record and calls `register` when it is
-imported; `zoo/models/__init__.py` imports each family package (one line per family). Generic code asks only what
-the record (and `LMConfig`'s hooks: `attention_head_dim`, `kernel_choices`, `mesh_divisors`, `without_extra_heads`)
-answers, never a family's fields by name:
-
-    family(name).config("tiny", num_layers=4)   # a preset with overrides
-    family_of(cfg).build(cfg, recipe=..., rngs=...)
-    family_for_hf(config_json).hf.from_hf(config_json, param_dtype="bfloat16")
-    family_of(cfg).step_rate(device_kind, cfg)   # its measured step rate on a device (the planner's), or None
-    family(name).train_defaults.get(preset)     # the published peak learning rate and warm-up of a preset
-
-Recipes are the application's (`recipes/<family name>.py`): nothing here names them.
+imported. Generic code asks only what the record and `LMConfig`'s hooks answer, never a family's fields by name
+(`family(name).config("tiny")`, `family_of(cfg).build(cfg, recipe=..., rngs=...)`, `family_for_hf(config_json)`).
+Recipes are the application's.
 """
 from __future__ import annotations
 

@@ -1,29 +1,9 @@
 """The scanned, rematerialized decoder stack: where a recipe is applied.
 
-Parameters of `num_layers` identical layers are created with `nnx.split_rngs` + `nnx.vmap` (layer axis first,
-logical axis name `layers`) and applied by one `nnx.scan` over `nnx.remat(policy=recipe.policy(),
-prevent_cse=False)` of a plain `(layer, x)` function. A recipe's `group` k scans over groups of k layers instead (the
-variables seen as [L / k, k, ...]), each group one rematerialized body whose input alone is named
-`decoder_layer_input`: the backward pass keeps the input of every k-th layer and recomputes the others from it
-(sublinear checkpointing). Its `seq_tiles` is handed to each layer (`zoo.layers.block`). The traps this file is built
-around:
-
-- `decoder_layer_input` is named on the first line of the rematerialized body. Naming the layer's output or
-  the scan carry outside the body silently offloads nothing (jax#23869).
-- `prevent_cse=False`: inside a scan, CSE cannot undo the remat, and `True` only adds optimization barriers.
-- one scan level: offload inside nested scans is known to break, so a layer may not contain a scan that holds a
-  tag or an offload (`zoo.loop_guard` refuses one).
-- variables of an enclosing trace: a functional loop that splits `nnx.split(model, nnx.Param, ...)` and merges
-  inside `jax.grad` hands the stack non-Param variables (a router's `RoutingBias`) that belong to the trace
-  outside the gradient; `nnx.scan` refuses those ("Cannot extract graph node from different trace level"). The
-  forward pass only reads the layers, so the stack then scans over a copy of them (`scannable`).
-- no scan of one: XLA removes a while loop that runs once, and the host offloads inside it go with it (measured
-  on the H200, jax 0.11.2: 0 bytes offloaded). A one-layer stack is applied without a scan; its residuals are
-  then the layer's own, not stacked.
-
-The stack owns its rematerialized body (`remat`, `Stack.layer_fn`) and its abstract input
-(`Stack.abstract_input`): the planner and the audit measure the same body training runs, under any policy, without
-touching a model's recipe. The tags one layer emits are traced once per layer structure and input shape (cached).
+`num_layers` identical layers are created stacked (`nnx.vmap`, logical axis `layers`) and applied by one `nnx.scan` over
+`nnx.remat(policy=recipe.policy(), prevent_cse=False)`; a recipe's `group` k scans over groups of k layers (sublinear
+checkpointing) and its `seq_tiles` goes to each layer (`zoo.layers.block`). The stack owns its body (`Stack.layer_fn`)
+and abstract input, which the planner measures. The traps it is built around: docs/internals.md, "The stack's traps".
 """
 from __future__ import annotations
 
@@ -82,8 +62,9 @@ def grouped(modules: nnx.Module, k: int) -> nnx.Module:
 
 
 def remat(fn: Callable, policy, *, scanned: bool = True) -> Callable:
-    """`fn` rematerialized under the checkpoint `policy`: the one remat wrapper of the zoo (the stack, the planner
-    and the audit use it). `prevent_cse=False` inside a scan (CSE cannot undo the remat there); True outside."""
+    """`fn` rematerialized under the checkpoint `policy`: the one remat wrapper of the zoo (the stack and the planner's
+    measures, zoo.plan.measure, use it). `prevent_cse=False` inside a scan (CSE cannot undo the remat there); True
+    outside."""
     return nnx.remat(fn, policy=policy, prevent_cse=not scanned)
 
 
@@ -180,7 +161,7 @@ class Stack(nnx.Module):
     def tag_shapes(self, x: jax.ShapeDtypeStruct, tiles: int = 1) -> dict[str, jax.ShapeDtypeStruct]:
         """{tag: shape} that one layer of this stack emits for an input shaped like `x` (its per-position parts in
         `tiles` sequence tiles), read from a trace (cached per layer structure and input shape: building, planning
-        and auditing a model trace it once)."""
+        and measuring a model trace it once)."""
         return dict(self._read(x, tiles)[0])
 
     def tiled_tags(self, x: jax.ShapeDtypeStruct, tiles: int) -> frozenset[str]:

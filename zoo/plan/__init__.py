@@ -1,35 +1,25 @@
 """The memory planner: what a recipe keeps in HBM, puts in host memory and recomputes, before launch.
 
     p = zoo.plan.plan(cfg, recipe, batch=2, seq=8192)   # a zoo.Recipe, or "auto" with a budget, a link and a rate
-    p = zoo.plan.plan(cfg, "auto", batch=2, seq=8192, hardware=zoo.plan.Hardware(hbm_gib=141, tflops=800),
-                      parallel=zoo.plan.Parallelism(mesh="fsdp=8"), training=zoo.plan.Training(opt_dtype="bfloat16"))
     zoo.plan.render(p)                                # tables; p.to_dict() or zoo.plan.to_json(p) for JSON
-    zoo.plan.largest_batch(cfg, recipe, seq=8192, hbm_gib=141)   # the largest power-of-two batch that fits
-    zoo.plan.longest_seq(cfg, "auto", hardware=zoo.plan.Hardware(hbm_gib=133, tflops=760))   # the longest sequence
+    zoo.plan.largest_batch(cfg, recipe, seq=8192, hardware=zoo.plan.Hardware(hbm_gib=141))   # the largest batch
 
-Modules, each importing only those before it: `types` (what a plan is, units), `inputs` (what a plan is asked
-for: `Hardware`, `Parallelism`, `Training`), `measure` (what JAX saves and re-runs: residuals, recompute FLOPs;
-the audit of a recipe), `auto` (the automatic recipe), `state` (model state, host memory), `target` (the device
-planned for, its link and rate, how the peak is found), `build` (`plan`), `report` (tables and JSON),
-`capacity` (the largest batch that fits a budget), `longest` (the longest sequence), `fitting` (`fit`: the recipe
-and loss chunks a run compiles, checked against compiled peaks). The command line is the application's.
-
-`zoo.plan` is this package; the planner is its function `zoo.plan.plan` (calling the package, as before a rename,
-is a TypeError naming it: docs/changes.md).
+Its modules: docs/architecture.md. Calling the package is a TypeError naming `zoo.plan.plan` (docs/changes.md).
 """
 from zoo import renames
 from zoo.plan import measure
-from zoo.plan.build import auto_recipe, plan
+from zoo.plan.build import auto_recipe, model_state, plan
 from zoo.plan.capacity import Capacity, largest_batch
 from zoo.plan.fitting import Fitted, fit
 from zoo.plan.inputs import Hardware, Parallelism, Training
 from zoo.plan.longest import Longest, longest_seq
+from zoo.plan.peak import allocator_limit
 from zoo.plan.report import render, to_json
 from zoo.plan.state import host_pool_bytes
 from zoo.plan.types import POOL_ENV, ModelState, Plan, StackPlan, TagPlan, fmt_bytes
 
 __all__ = ["POOL_ENV", "Capacity", "Fitted", "Hardware", "Longest", "ModelState", "Parallelism", "Plan", "StackPlan",
-           "TagPlan", "Training", "auto_recipe", "fit", "fmt_bytes", "host_pool_bytes", "largest_batch",
-           "longest_seq", "measure", "plan", "render", "to_json"]
+           "TagPlan", "Training", "allocator_limit", "auto_recipe", "fit", "fmt_bytes", "host_pool_bytes",
+           "largest_batch", "longest_seq", "measure", "model_state", "plan", "render", "to_json"]
 
 renames.called(__name__)   # `zoo.plan(...)` was the planner: a TypeError naming zoo.plan.plan (docs/changes.md)

@@ -1,10 +1,7 @@
-"""The automatic recipe: each tag's placement, the sequence tiles and the layers per group chosen for an HBM budget,
-a host budget, a host link and a FLOP rate.
-
-`choose_structure` is what `zoo.plan.plan(cfg, "auto", ...)` runs: for each candidate structure (`structures`: sequence
-tiles and layers per rematerialized group) it places the tags (`choose`) within what the budget leaves beside the
-structure's working set, and takes the structure whose recompute and exposed copies cost least among those that fit
-(the fewest tiles and the smallest group on a tie); it says why each tag landed where it did.
+"""The automatic recipe: each tag's placement, the sequence tiles and the layers per group chosen for an HBM budget, a
+host budget, a host link and a FLOP rate. `choose_structure` (what `zoo.plan.plan(cfg, "auto", ...)` runs) places the
+tags of each candidate structure (`structures`, `_Chooser`) and takes the one that costs least among those that fit,
+saying why each tag landed where it did (docs/internals.md, "The automatic recipe").
 """
 from __future__ import annotations
 
@@ -74,47 +71,10 @@ def choose_structure(layout_of, *, candidates, state: ModelState, shard: int, hb
     return best[2], best[3]
 
 
-def choose(shapes, needed, costs: dict[str, LayerCost], state: ModelState, shard: int, hbm_budget: int,
-           host_budget: int | None, link: float, rate: float, overlap: Overlap | float = 0.0
-           ) -> tuple[Recipe, dict[str, str]]:
-    """Choose each tag's placement to minimise the estimated step time within the HBM budget.
-
-    A recipe names a tag once for every stack, so each decision weighs all stacks (bytes and FLOPs times their
-    layers). The scan carry is saved whatever the recipe: it stays in HBM if it fits, else it is offloaded if
-    its transfer hides. Every other tag the backward pass needs is taken in order of value, the recompute
-    FLOPs it saves per byte given the tags kept so far (a lazy greedy: values only fall as more is kept):
-
-    1. keep it on the device if it fits in what is left of the HBM budget;
-    2. else offload it if the step time its transfers add is less than the recompute time it saves, and it fits
-       the host budget (if one is given);
-    3. else recompute it.
-
-    The link model (`zoo.plan.links`): a transfer of T seconds per layer each way (device-to-host in the
-    forward pass, host-to-device in the backward) adds `(1 - overlap) * T` to the step in each direction (the
-    overlap measured per direction), plus, for the part that overlaps, whatever does not fit under the layer's
-    compute (forward; backward: twice the forward). With `overlap=1` a transfer that hides under the forward pass
-    is free; with `overlap=0` every offloaded byte costs its link time twice, so a tag is offloaded only where
-    recomputing it would take longer. In between (the H200 over PCIe: 0.63 of the stores and 0.48 of the reloads
-    hide) a tag is offloaded where its exposed part costs less than its recompute, and once a layer's copies
-    outgrow its compute the rest is recomputed: on a slow link only a subset of a layer's tags is offloaded.
-
-    A tag whose saving alone is zero (the norm of a kept tensor; MLA's key and value, two slices of one
-    up-projection) is then tried in pairs with the other such tags, and a pair that saves FLOPs goes through the
-    same three steps. Hidden transfers are taken as free, so on a fast link everything that hides is offloaded;
-    `host_gib` bounds that.
-    """
-    chooser = _Chooser(shapes, needed, costs, shard, host_budget, link, rate, Overlap.of(overlap),
-                       hbm_left=hbm_budget - state.total)
-    chooser.place_carry()
-    alone_useless = chooser.place_singles()
-    chooser.place_pairs(alone_useless)
-    return chooser.recipe(), chooser.notes
-
-
 @dataclasses.dataclass
 class _Chooser:
-    """`choose`'s inputs and what it has decided so far: the tags placed, HBM and host memory left, the transfer
-    time per layer already chosen, and why each tag landed where it did. Each step (`place_carry`,
+    """The placement of a structure's tags and what it has decided so far: the tags placed, HBM and host memory left,
+    the transfer time per layer already chosen, and why each tag landed where it did. Each step (`place_carry`,
     `place_singles`, `place_pairs`) places tags through `place`."""
     shapes: dict
     needed: dict
@@ -216,23 +176,24 @@ class _Chooser:
             self.moved[s] += self.nbytes(group, s) / self.link
         self.host_used += size
 
+    def _keep(self, group, size: int) -> None:
+        """Keep `group` (`size` bytes) in HBM."""
+        self.device.extend(group)
+        self.hbm_left -= size
+        self.kept |= set(group)
+
     def place(self, group, value: int) -> None:
         """Keep `group` in HBM if it fits, else offload it if that pays and fits the host budget (never a tag made
         inside sequence tiles), else recompute it."""
         size = self.total(group)
-        tiled = self.tiled(group)
-        gain = f"saves {fmt_flops(value)} of recompute per step ({value / size:.0f} FLOP/byte)"
-        if size <= self.hbm_left:
-            self.device.extend(group)
-            self.hbm_left -= size
-            self.kept |= set(group)
-            note = (f"kept in HBM{' (tile by tile)' if tiled else ''}: {fmt_bytes(size)} fits "
-                    f"({fmt_bytes(self.hbm_left + size)} left); {gain}")
-            for t in group:
-                self.notes[t] = note
-            return
-        self.pressed = True
-        if tiled:
+        fits = size <= self.hbm_left
+        self.pressed |= not fits
+        if fits:
+            self._keep(group, size)
+            tile = " (tile by tile)" if self.tiled(group) else ""
+            note = f"kept in HBM{tile}: {fmt_bytes(size)} fits ({fmt_bytes(self.hbm_left + size)} left); " + \
+                self._gain(size, value)
+        elif self.tiled(group):   # made inside sequence tiles: kept in HBM or recomputed, never offloaded
             note = f"recomputed tile by tile: {fmt_bytes(size)} does not fit in HBM and a tiled tag is not offloaded"
         else:
             ok, why = self.hides(group, value)
@@ -241,13 +202,17 @@ class _Chooser:
                 self._move(group, size)
                 self.kept |= set(group)
                 note = (f"offloaded: {fmt_bytes(size)} does not fit in HBM ({fmt_bytes(max(self.hbm_left, 0))} left); "
-                        f"{why}; {gain}")
+                        f"{why}; {self._gain(size, value)}")
             else:
                 reason = why if not ok else f"the host budget is full ({fmt_bytes(self.host_used)} used)"
                 note = (f"recomputed: {fmt_bytes(size)} does not fit in HBM ({fmt_bytes(max(self.hbm_left, 0))} left) "
                         f"and {reason}")
         for t in group:
             self.notes[t] = note
+
+    @staticmethod
+    def _gain(size: int, value: int) -> str:
+        return f"saves {fmt_flops(value)} of recompute per step ({value / size:.0f} FLOP/byte)"
 
     def tiled(self, group) -> bool:
         return any(t in getattr(self.shapes[s], "tiled", ()) for s in self.shapes for t in group)

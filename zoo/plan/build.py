@@ -1,46 +1,9 @@
 """The memory planner: what a recipe keeps in HBM, puts in host memory and recomputes, before launch.
 
-``zoo.plan.plan(cfg, recipe, batch=, seq=)`` (with the optional groups ``hardware=``, ``parallel=``, ``training=``,
-``zoo.plan.inputs``) builds the model abstractly (``nnx.eval_shape``: no memory), reads each
-stack's tags and their shapes from the layers themselves (``model.tag_shapes``) and returns a :class:`Plan`:
-
-- per stack and tag: the shape, the bytes one layer's tensor takes, and its placement. Only tags the backward
-  pass needs count: those JAX saves when every tag may be saved (``zoo.plan.measure.residual_tags``). A dense
-  decoder's ``mlpwo``, for one, only flows into the residual sum and is never saved, whatever the recipe says; it is
-  listed as "not a residual" with 0 bytes.
-- the scan carry (``decoder_layer_input``) is saved once per layer on the device by every recipe (the
-  rematerialized body needs its input in the backward pass) unless the recipe offloads it.
-- JAX's own list of what the stack saves (``saved_residuals`` of the scanned stack at the planned shape, its
-  aux outputs such as the MoE balance loss differentiated too, as in training) is read as well: residuals
-  beyond the tags (recipe ``none`` keeps every intermediate, e.g. the attention probabilities) are reported
-  per layer as "untagged", and values JAX hoists out of the scan (masks, RoPE tables) once per stack as
-  "invariant". If JAX saves less than the tags the plan counts, or other host bytes,
-  the plan says so in a warning. Constants baked into the program are not counted.
-- recompute FLOPs: per layer, the matmul FLOPs (``dot_general`` and ``ragged_dot``, 2*M*N*K) of the gradient's
-  jaxpr under the recipe minus those under ``none``. This is what the rematerialized backward pass re-runs of
-  the forward pass, counted by JAX's own partial evaluation rather than by a second model of the layer. It
-  counts the attention kernel as the XLA path computes it (the full S x S scores, masked), and no elementwise
-  FLOPs. A config that asks for cuDNN attention is planned on the XLA path (it traces on any machine, and a
-  custom call has no FLOPs to count): the tags and their bytes are the same.
-- model state: parameters (their dtype), gradients (same dtype), optimizer state (``OPTIMIZERS``: moments per
-  parameter, ``opt_dtype``), and other variables.
-
-Sharding: with ``Parallelism(shard=N)``, ``batch`` is the global batch and every byte and FLOP figure is per device: the
-batch is split over N devices (data parallel) and model state too (FSDP / ZeRO-3), rounded up. Tag shapes stay
-global.
-
-Not counted in the per-tag figures: the embedding, final norm, LM head and loss (their activations, the float32
-logits of one chunk of the loss among them: ``zoo.loss``), XLA's temporaries, copy buffers for overlapping
-transfers and fragmentation: those figures are a floor. The peak (``Plan.peak_bytes``, ``zoo.plan.peak``) counts
-them: on the device present the training step (``zoo.train_step``, the main job's own) is compiled on abstract
-inputs and XLA's memory analysis read (``peak="compile"``; ``"auto"`` does so on an accelerator); under a mesh
-whose devices are present, the sharded step is compiled as the main job compiles it and the figure is per device.
-Planning for another device (``Hardware(device_kind=)``), for a mesh larger than the devices present, with
-``shard=N`` (a uniform split, not a program), or on the CPU by default, it is an estimate, labelled so
-(``Plan.peak_source``).
-
-``recipe="auto"`` chooses each tag's placement for an HBM budget, a host link and a FLOP rate (see
-``zoo.plan.auto.choose``), and says why each tag landed where it did.
+``zoo.plan.plan(cfg, recipe, batch=, seq=)`` builds the model abstractly (no memory), reads each stack's tags and their
+shapes off the layers (``model.tag_shapes``) and returns a :class:`Plan`: per stack and tag its bytes and placement,
+what JAX saves beside the tags, the recompute FLOPs, the model state and the peak. What is counted and how:
+docs/internals.md, "What a plan counts".
 """
 from __future__ import annotations
 
@@ -63,7 +26,7 @@ from zoo.plan.measure import abstract_model, layer_cost, stack_residuals, workin
 from zoo.plan.measure import nbytes as sds_nbytes
 from zoo.plan.peak import chunk_to_fit, loss_bytes
 from zoo.plan.target import device_target, find_peak, link_of, peak_target, step_rate_of
-from zoo.plan.types import CARRY, GiB, Plan, StackPlan, TagPlan, ceil_div, fmt_bytes
+from zoo.plan.types import CARRY, GiB, ModelState, Plan, StackPlan, TagPlan, ceil_div, fmt_bytes
 from zoo.recipe import Recipe
 
 NO_HARDWARE, ONE_DEVICE, ADAMW = Hardware(), Parallelism(), Training()
@@ -72,41 +35,14 @@ NO_HARDWARE, ONE_DEVICE, ADAMW = Hardware(), Parallelism(), Training()
 def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware = NO_HARDWARE,
          parallel: Parallelism = ONE_DEVICE, training: Training = ADAMW, peak: str | None = "auto", compiled=None,
          model_name: str | None = None) -> Plan:
-    """Plan `recipe` (a `zoo.Recipe`, or "auto" to choose one) for the model `cfg` (a config, or a built model,
-    whose config is used) at global [batch, seq] on `hardware`, split as `parallel` says, for the step `training`
-    describes (`zoo.plan.inputs`: each group's fields). Recipes by name are the front end's business (the
-    application's recipe sets). "auto" needs an HBM budget, a link (given or measured) and a FLOP rate.
+    """Plan `recipe` (a `zoo.Recipe`, or "auto" to choose one: it needs an HBM budget, a link and a FLOP rate) for the
+    model `cfg` (a config or a built model) at global [batch, seq], on `hardware`, split as `parallel` says, for the
+    step `training` describes (`zoo.plan.inputs`).
 
-    The predicted step time (`Plan.step_time()`) runs the step's work at `hardware.step_tflops`, the executed FLOP
-    rate measured for the model family on the device (`zoo.plan.links.step_rate`; else `hardware.tflops`).
-
-    Peak HBM (`Plan.peak_bytes`, `Plan.peak_source`): `peak="compile"` compiles the main job's training step
-    (`zoo.train_step`, with the optimizer and its dtype) on abstract inputs for the device present; "estimate"
-    does not compile (see `zoo.plan.peak`); "auto" compiles on an accelerator that is the device planned for, and
-    estimates otherwise (on the CPU, where a full-size step compiles slowly and says nothing of a GPU); None skips
-    it. `compiled` is a step already compiled (the main job's; under the mesh, sharded on it): its memory analysis
-    is used as is. See the module docstring for what is counted and how. `model_name` labels the plan.
-
-    Under a mesh (`Parallelism(mesh=)`), figures are per device by the sharding rules (`zoo.plan.mesh`): model
-    state from each variable's per-device shape, each tag's bytes from its per-device shape at the tag site; no
-    devices are needed for these. The peak under a mesh is compiled when its devices are present (a Mesh; or a
-    spec, dict or AbstractMesh of at most `jax.device_count()` devices, laid out on the first of them): the sharded
-    step, as the main job compiles it, whose memory analysis is one device's ("compiled for 4 x ... (mesh
-    fsdp=4), per device"); "auto" does so on an accelerator, "compile" on the CPU too (fake devices:
-    `--xla_force_host_platform_device_count`), and raises a ValueError naming the mesh's device count and the
-    devices present when there are too few. With `shard=N` the peak is only estimated ("compile" raises: give a
-    mesh).
-
-    `grad_accum` K: the step runs K micro-batches of batch / K per update (`zoo.train_step`): activations, their
-    host bytes and a layer's working set are a micro-batch's, FLOPs the whole batch's, and the model state gains
-    the float32 gradient sums. `opt_state="host"`: the optimizer moments live in pinned host memory between
-    steps; they leave the HBM figures, count as host memory and cross the link twice per update. `params="host"`:
-    a float32 master copy of the 16-bit parameters (4 bytes a parameter) in pinned host memory, counted and
-    charged the same way (float32 parameters: ValueError, they have no separate master).
-
-    (Longer than most functions for its docstring: the body, under 60 lines, is the planner's steps in order, each
-    a call to a named helper.)
-    """
+    `peak`: "compile" compiles the main job's step for the device present (the sharded step under a mesh whose devices
+    are present), "estimate" does not (`zoo.plan.peak`), "auto" compiles on an accelerator that is the device planned
+    for, None skips it; `compiled` is a step already compiled, read as is. `model_name` labels the plan. What is
+    counted, and how: docs/internals.md, "What a plan counts"."""
     if isinstance(cfg, nnx.Module) and hasattr(cfg, "config"):
         cfg = cfg.config
     if getattr(cfg, "attention_impl", None) == "cudnn":
@@ -126,9 +62,7 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
     model_flops = family_of(cfg).flops_per_token(cfg, model, seq) * batch * seq / shard
     if not is_auto:
         model.check_recipe(recipe)  # raises if the recipe names a tag no stack emits
-    state = (state_lib.model_state(model, shard, training.optimizer, training.opt_dtype) if amesh is None
-             else mesh_plan.model_state(model, amesh, training.optimizer, training.opt_dtype))
-    state = state_lib.placed(state, model, training.grad_accum, training.opt_state, training.params)
+    state = _model_state(model, amesh, shard, training)
     hbm_budget = None if hardware.hbm_gib is None else int(hardware.hbm_gib * GiB)
     pool, pool_warning = state_lib.host_pool_bytes()
 
@@ -177,6 +111,21 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
                 attention_forward_tflops=None if att is None else att.forward_tflops,
                 step_rate_source=rate_source, grad_accum=training.grad_accum,
                 loss_chunk=resolve_chunk(training.loss_chunk, ceil_div(micro, shard), seq, cfg.vocab_size))
+
+
+def model_state(cfg, *, training: Training = ADAMW, parallel: Parallelism = ONE_DEVICE) -> ModelState:
+    """The model state per device that `plan` counts (parameters, gradients, the optimizer's moments, gradient sums
+    and a master copy, where `training` puts them), from shapes alone: under `parallel.mesh` by the sharding rules,
+    else split evenly over `parallel.shard` devices."""
+    amesh = None if parallel.mesh is None else mesh_plan.as_abstract(parallel.mesh)
+    shard = parallel.shard if amesh is None else mesh_plan.devices(amesh)
+    return _model_state(abstract_model(cfg), amesh, shard, training)
+
+
+def _model_state(model, amesh, shard: int, training: Training) -> ModelState:
+    state = (state_lib.model_state(model, shard, training.optimizer, training.opt_dtype) if amesh is None
+             else mesh_plan.model_state(model, amesh, training.optimizer, training.opt_dtype))
+    return state_lib.placed(state, model, training.grad_accum, training.opt_state, training.params)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,24 +1,17 @@
 """Capacity: the largest batch (a power of two) whose training step fits an HBM budget.
 
-    c = zoo.plan.largest_batch(cfg, recipe, seq=4096, hbm_gib=104.9)
-    c.batch          # the largest batch whose peak fits (0: none does)
-    c.tried          # (batch, peak bytes, peak source, fits) for each batch planned, in the order planned
+    c = zoo.plan.largest_batch(cfg, recipe, seq=4096, hardware=zoo.plan.Hardware(hbm_gib=104.9))
+    c.batch, c.tried   # the largest batch whose peak fits (0: none does); each batch planned, its peak, whether it fits
 
-Each batch tried is one `zoo.plan.plan(cfg, recipe, batch=B, seq=seq, peak=peak)`; its `peak_bytes` (XLA's
-temporaries included: compiled for the device present, or the planner's estimate, `zoo.plan.peak`) is compared
-with the budget. The peak grows with the batch, so the walk goes up the powers of two from `start` and stops at
-the first batch that does not fit; if `start` itself does not fit it walks down instead, to the first that does.
-Compiling costs about 30 s a batch for a 4-layer slice of a 671B MoE on an H200: `start` near the answer saves compiles.
-
-The budget is `hbm_gib`, or else the allocator's limit on the device present (`memory_stats()["bytes_limit"]`:
-what XLA may use, e.g. 75% of an H200's 141 GB under JAX's default preallocation); the CPU has none, nor does a
-device planned for but not present: `hbm_gib` is then required.
+Each batch is one `zoo.plan.plan`, walked up the powers of two from `start` (down if `start` does not fit): a `start`
+near the answer saves compiles (about 30 s a batch for a 4-layer slice of a 671B MoE on an H200).
 """
 from __future__ import annotations
 
 import dataclasses
 
-from zoo.plan.build import plan
+from zoo import renames
+from zoo.plan.build import ADAMW, NO_HARDWARE, plan
 from zoo.plan.inputs import Hardware, Training, check_positive
 from zoo.plan.peak import allocator_limit
 from zoo.plan.target import device_target
@@ -101,25 +94,23 @@ def candidates(cap: int = DEFAULT_CAP, batches=None) -> tuple[int, ...]:
     return tuple(sorted(set(batches)))
 
 
-def largest_batch(cfg, recipe: Recipe, *, seq: int, hbm_gib: float | None = None, optimizer: str = "adamw",
-                  opt_dtype: str = "float32", peak: str = "auto", batches=None, device_kind: str | None = None,
-                  start: int | None = None, cap: int = DEFAULT_CAP) -> Capacity:
+@renames.keywords(hbm_gib="hardware=zoo.plan.Hardware(hbm_gib=...)",
+                  device_kind="hardware=zoo.plan.Hardware(device_kind=...)",
+                  optimizer="training=zoo.plan.Training(optimizer=...)",
+                  opt_dtype="training=zoo.plan.Training(opt_dtype=...)")
+def largest_batch(cfg, recipe: Recipe, *, seq: int, hardware: Hardware = NO_HARDWARE, training: Training = ADAMW,
+                  peak: str = "auto", batches=None, start: int | None = None, cap: int = DEFAULT_CAP) -> Capacity:
     """The largest batch (of `batches`, default the powers of two up to `cap`) whose planned peak HBM fits the
-    budget (`hbm_gib`, else the allocator limit of the device present), for `recipe` at `seq`.
-
-    `peak` is `zoo.plan`'s: "auto" compiles the main job's step for each batch on an accelerator and estimates on
-    the CPU; "compile" compiles for the device present (the CPU's own program on the CPU); "estimate" never
-    compiles. `start` (one of the candidates; default the smallest) is the first batch planned: the walk goes up
-    from it while batches fit, or down from it while they do not. A batch the model cannot take raises
-    `zoo.plan`'s ValueError.
-    """
+    budget (`hardware.hbm_gib`, else the allocator limit of the device present), for `recipe` at `seq` and the step
+    `training` describes. `peak` is `zoo.plan.plan`'s; `start` (one of the candidates) is the first batch planned.
+    A batch the model cannot take raises `zoo.plan`'s ValueError."""
     if not isinstance(recipe, Recipe):
         raise ValueError(f"recipe must be a zoo.Recipe, got {recipe!r} (a front end looks names up in the model "
                          f"family's recipes; 'auto' chooses a recipe per batch and has no single capacity)")
     check_positive("seq", seq)
     if peak not in ("auto", "compile", "estimate"):
         raise ValueError(f"peak={peak!r}: choose 'auto', 'compile' or 'estimate' (a capacity needs a peak)")
-    limit, source = budget(hbm_gib, device_kind)
+    limit, source = budget(hardware.hbm_gib, hardware.device_kind)
     order = candidates(cap, batches)
     if start is None:
         i = 0
@@ -132,8 +123,9 @@ def largest_batch(cfg, recipe: Recipe, *, seq: int, hbm_gib: float | None = None
     tried: list[Tried] = []
 
     def fits(b: int) -> bool:
-        p = plan(cfg, recipe, batch=b, seq=seq, hardware=Hardware(device_kind=device_kind),
-                 training=Training(optimizer=optimizer, opt_dtype=opt_dtype), peak=peak)
+        # the peak at the default loss chunk: the budget is the walk's, not the plan's (no chunk fitted to it)
+        p = plan(cfg, recipe, batch=b, seq=seq, hardware=Hardware(device_kind=hardware.device_kind),
+                 training=training, peak=peak)
         tried.append(Tried(b, int(p.peak_bytes), p.peak_source, p.peak_bytes <= limit))
         return tried[-1].fits
 

@@ -1,18 +1,7 @@
-"""Fitting a step to its device: the recipe and the loss's chunks a run compiles, decided from compiled peaks.
-
-    fitted = zoo.plan.fit(cfg, "auto", batch=1, seq=131072, hardware=..., training=Training(loss_chunk="auto"),
-                          compile=lambda recipe, chunk: ..., limit=device_bytes)
-
-`compile(recipe, loss_chunk)` compiles the step (the main job's, `zoo.train_step.compile_abstract`) and returns a tuple
-whose first element is the compiled executable. What is decided:
-
-- recipe "auto": planned for `hardware.hbm_gib` (`zoo.plan.plan(cfg, "auto", ...)`); while the compiled peak is over
-  `limit`, planned again with the budget lowered by the excess (`ATTEMPTS` at most).
-- loss chunk "auto": the whole sequence where the step fits that way, else the fewest chunks that fit: the chunk length
-  is the longest divisor of the sequence whose estimated peak (the compiled one less the logits it no longer holds,
-  `zoo.plan.peak.loss_bytes`) fits, compiled to confirm. A recipe "auto" first lowers its own budget; the loss is
-  chunked when that is spent.
-A step that still does not fit is returned as it is (the caller refuses it, naming the budget).
+"""Fitting a step to its device (`fit`): the recipe and the loss's chunks a run compiles through its `compile(recipe,
+loss_chunk)`, decided from compiled peaks. Recipe "auto" is planned again with its budget lowered by the excess while
+its peak is over `limit` (`ATTEMPTS` at most); loss chunk "auto" is the whole sequence where the step fits so, else the
+longest divisor estimated to fit, compiled to confirm. A step that still does not fit is returned as it is.
 """
 from __future__ import annotations
 

@@ -1,20 +1,7 @@
-"""What the planner knows of a device from measurement: its host link, how much of a copy hides, how fast a step runs.
-
-- `Link.rate_gbps`: what a copy of an offloaded residual reaches inside a training step, per direction.
-- `Link.overlap`: the fraction of that copy time that runs while compute runs, per direction (`Overlap`):
-  device-to-host copies overlap the forward pass, host-to-device copies the backward pass. Measured from a
-  profile of the step with the compile options the zoo uses for it (`Link.setting`, `zoo.compile_options`);
-  a slice's edge layers (the last layer's stores, the first reloads of the backward pass) hide least, so a
-  figure measured on a few layers is a floor for a deep stack.
-- `step_rate`: how fast a training step of a model family runs on the device, as two measured figures that the
-  family declares (`zoo.models.registry.StepRate`, in its package): `tflops`,
-  the rate at which extra matmul work (a recipe's recompute) adds time, and `overhead`, the step's work that is
-  not its model FLOPs (norms, softmax, routing and dispatch, the loss: memory-bound) as a fraction of the time
-  its model FLOPs take at that rate. Predicted step time = (model FLOPs x (1 + overhead) + recompute FLOPs) /
-  tflops + the copies that do not hide. Both figures come from two recipes of one slice measured in one call
-  (the step times of the least and the most recompute); the other recipes are predictions.
-
-A device missing here has no default: pass `--link` (and `--overlap`) and `--peak-tflops`.
+"""What the planner knows of a device from measurement: its host link (`Link.rate_gbps`, per direction), how much of a
+copy hides under compute (`Link.overlap`), and how fast a family's step runs (`step_rate`: `tflops` and `overhead`,
+`zoo.models.registry.StepRate`). How the figures were measured: docs/internals.md, "Links and step rates". A device
+missing here has no default: pass `--link` (and `--overlap`) and `--peak-tflops`.
 """
 from __future__ import annotations
 

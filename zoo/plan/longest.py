@@ -2,15 +2,10 @@
 
     l = zoo.plan.longest_seq(cfg, "auto", batch=1, hardware=Hardware(hbm_gib=133, tflops=760),
                              training=Training(opt_state="host", params="host", opt_dtype="bfloat16"))
-    l.seq            # the longest that fits (0: none does)
-    l.tried          # each sequence planned: its peak, host bytes, recipe, where the peak comes from, whether it fits
+    l.seq, l.tried   # the longest that fits (0: none does); each length planned, its peak, host bytes and recipe
 
-Each length tried is one `zoo.plan.plan` (for a recipe, or "auto": chosen for each length); it fits when its peak
-(compiled for the device present, or estimated: `zoo.plan.peak`) is within the HBM budget and its pinned host
-bytes (offloaded activations and the state kept on the host) within the host budget (XLA's pool, the machine's RAM
-and `Hardware.host_gib`, whichever is least: `zoo.plan.state.host_budget`). Compiling a long step takes a minute on
-an H200, so a compiled walk first walks the estimates and starts its compiles at the estimate's answer. The walk
-stops at the config's `max_seq_len` (raise it with `max_seq_len=N` to plan longer).
+Each length is one `zoo.plan.plan` (a recipe, or "auto" per length); a compiled walk starts at the estimates' answer and
+stops at the config's `max_seq_len`.
 """
 from __future__ import annotations
 

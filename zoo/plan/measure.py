@@ -1,22 +1,7 @@
-"""Measuring what JAX saves and re-runs, on any machine (no GPU, no memory: shapes only).
-
-What JAX saves between the forward and the backward pass, under a checkpoint policy:
-
-- `residuals(fn, *args)`: JAX's own list (`saved_residuals`) for a scalar function, with tag names and host marks.
-- `layer_residuals`: one layer of a stack, rematerialized as the stack runs it (`Stack.layer_fn`); residuals carry
-  their tag names, so each tag's placement can be read off: on the host (`offload`), in HBM (`device`), or absent
-  (`remat`). `placements_seen` turns that into {tag: placement}, which tests compare with `recipe.placement(tag)`.
-- `residual_tags`: the tags the backward pass needs at all (those JAX saves when every tag may be saved).
-- `stack_residuals`: the whole scanned stack, stacked over its layers, and what JAX hoists out of the scan.
-- `model_residuals`: the whole model's loss; host residuals are marked as such.
-
-What the backward pass re-runs: `LayerCost` traces one layer once to a jaxpr and counts the matmul FLOPs of its
-gradient under any set of saved tags (cached). Attention's own FLOPs are counted from the layer's q and v shapes
-(`zoo.layers.attention_kernel.attention_flops`: causal, half the square), whatever kernel runs (cuDNN's is one custom
-call with no matmul in the jaxpr; the XLA kernel's matmuls run under the kernel's name scope and are skipped): once in
-the forward pass, and again in the backward pass unless the recipe keeps the kernel's residuals (`attention_out` and
-`context`). Every function takes the policy to measure; none changes a model's
-recipe (the default policy is the model's own recipe's).
+"""Measuring what JAX saves and re-runs, on any machine (shapes only): `residuals`, `layer_residuals` (with
+`placements_seen`), `residual_tags`, `stack_residuals` and `model_residuals` read JAX's own list of what the backward
+pass keeps under a policy; `LayerCost` counts the matmul FLOPs of a layer's gradient under any set of saved tags
+(attention's from its shapes, `zoo.layers.attention_kernel.attention_flops`). No function changes a model's recipe.
 """
 from __future__ import annotations
 
@@ -129,13 +114,9 @@ def residual_tags(model, stack_name: str, batch: int = 1, seq: int = 8) -> tuple
 
 def placements_seen(model, stack_name: str, batch: int = 1, seq: int = 8, recipe: Recipe | None = None
                     ) -> dict[str, str]:
-    """{tag: 'device' | 'offload' | 'remat'} as JAX really saves the tags of one layer of `stack_name` under
-    `recipe` (default: the model's).
-
-    Device residuals carry their tag's name. A host residual is reported as the output of the copy to the host,
-    without the name, so host residuals are matched to the emitted tags by shape and dtype; tags with equal
-    shapes (key and value in GQA) are interchangeable there, and so are their bytes. So is a tag kept inside
-    sequence tiles, saved as the tile loop's output [tiles, B, S / tiles, ...]."""
+    """{tag: 'device' | 'offload' | 'remat'} as JAX really saves the tags of one layer of `stack_name` under `recipe`
+    (default: the model's). A host residual carries no name, so it is matched to the emitted tags by shape and dtype
+    (tags of equal shapes are interchangeable there, as is a tag kept inside sequence tiles)."""
     recipe = model.recipe if recipe is None else recipe
     stack = model.stacks()[stack_name]
     x = stack.abstract_input(batch, seq)

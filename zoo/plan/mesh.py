@@ -1,14 +1,6 @@
-"""Per-device figures under a mesh (`zoo.plan.plan(..., mesh=...)`; the application's planner command takes `--mesh`).
-
-No devices are needed: the mesh is an `AbstractMesh` (`zoo.sharding.abstract_mesh`) and
-- model state (parameters, gradients, optimizer moments, other variables) is each variable's per-device shape
-  under the rules (`zoo.sharding.shard_shape` of its logical axes): a variable a rule leaves whole counts whole
-  on every device;
-- each tag's bytes are its per-device shape at the tag site (`zoo.sharding.tag_shard_shapes`: the sharding
-  constraint the layer applies there), so activations in HBM and offloaded host bytes are per device.
-FLOPs, untagged and invariant residuals are divided by the device count (the work is split over all of them).
-The peak with XLA's temporaries is not made here: `zoo.plan` compiles the sharded step when the mesh's devices are
-present (`zoo.plan.peak.compile_step`) and estimates it otherwise.
+"""Per-device figures under a mesh, no devices needed: model state and each tag's bytes per device by the sharding rules
+(`zoo.sharding.shard_shape`, `tag_shard_shapes`) on an `AbstractMesh`; FLOPs and untagged residuals divided by the
+device count.
 """
 from __future__ import annotations
 
@@ -51,11 +43,6 @@ def _product_of_spec(spec: str) -> int:
 
 def devices(mesh: jax.sharding.AbstractMesh) -> int:
     return math.prod(sharding.mesh_sizes(mesh).values())
-
-
-def data_shards(mesh: jax.sharding.AbstractMesh) -> int:
-    s = sharding.mesh_sizes(mesh)
-    return s["dp"] * s["fsdp"] * s["ep"]
 
 
 def _per_device_bytes(sds, logical, mesh) -> int:

@@ -1,31 +1,7 @@
-"""Peak HBM with XLA's temporaries: the training step compiled on abstract inputs, or an estimate.
-
-- **compiled** (the device present, or the devices of a mesh): `compile_step` lowers the main job's own step
-  (`zoo.train_step`) on shapes alone and compiles it; `memory_analysis()` gives XLA's buffer assignment:
-  arguments (parameters, optimizer state, the batch), outputs, the bytes of outputs that alias a donated argument
-  (the state is donated: its updated copy reuses the input's buffers), and temporaries (one block XLA allocates
-  for the whole step: saved activations, gradients, transients). What the step holds at its peak is
-
-      arguments + outputs - aliased + temporaries
-
-  (the outputs that alias a donated argument are not allocated again). Host figures are XLA's separate account
-  of pinned host memory: `host_temp_size_in_bytes` (offloaded residuals) and `host_argument_size_in_bytes` /
-  `host_output_size_in_bytes` / `host_alias_size_in_bytes` (state that lives there between steps,
-  `--opt-state host`, `--params host`), which the device figures above leave out.
-  Under a mesh the step is compiled as the main job compiles it (`zoo.train_step.compile_abstract`): the state
-  laid out by the sharding rules, the batch split over the data axes, traced inside `zoo.sharding.use(mesh)` so
-  the activation constraints apply. XLA partitions it (SPMD) and its memory analysis is one device's program:
-  every figure is per device (a tiny dense model's argument bytes are one device's / 4 under fsdp=4, / 8 under fsdp=8,
-  on jax 0.10.2 and 0.11.2 alike); the devices of the mesh must be present.
-- **estimate** (planning for another device, e.g. an H200 config on a laptop, or for a mesh larger than the
-  devices present, or a uniform `shard=N` split, which is no program to compile): a CPU compile is not a GPU's
-  program: the CPU has no pinned host memory space (an offloaded residual stays in device memory there, so an
-  offload recipe would look as heavy as saving), it fuses differently, upcasts bf16 arithmetic to float32 and
-  runs XLA's attention where the GPU runs cuDNN's. So the estimate is the planner's own floor (saved activations
-  + parameters, gradients and optimizer state) plus what any training step holds on top: the loss's float32 logits
-  and gradient (`loss_bytes`: one chunk's, or the whole sequence's unchunked) and what the backward pass of one
-  rematerialized group holds beyond the floor (`zoo.plan.measure.working_bytes`). It is labelled as an estimate;
-  the bench records show how far it is from the measured peak.
+"""Peak HBM with XLA's temporaries: the training step compiled on abstract inputs (`compile_step`, `from_compiled`:
+arguments + outputs - aliased + temporaries, per device under a mesh), or, for another device, a mesh larger than the
+devices present or a `shard=N` split, an estimate labelled so (`estimate`: the planner's floor, the loss's logits and
+one group's backward beyond the floor). What each figure holds: docs/internals.md, "The peak".
 """
 from __future__ import annotations
 
@@ -37,7 +13,8 @@ import jax
 from zoo.loss import MIN_DEFAULT_CHUNK, divisors, resolve_chunk
 from zoo.models.registry import family_of
 from zoo.plan.types import ceil_div
-from zoo.train_step import DEFAULT_LOSS_CHUNK, compile_abstract
+from zoo.train_step import DEFAULT_LOSS_CHUNK, STEP, compile_abstract
+from zoo.training import Training
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,16 +46,12 @@ def mesh_label(mesh) -> str:
     return ",".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or ",".join(f"{a}={n}" for a, n in sizes.items())
 
 
-def compile_step(cfg, recipe, *, batch: int, seq: int, optimizer: str = "adamw", opt_dtype: str | None = None,
-                 mesh: jax.sharding.Mesh | None = None, grad_accum: int = 1, opt_state: str = "device",
-                 params: str = "device", loss_chunk=DEFAULT_LOSS_CHUNK):
-    """The main job's training step (`zoo.train_step`) for `cfg` under `recipe` at global [batch, seq], lowered on
-    abstract inputs and compiled (nothing allocated). With a `mesh` (a concrete one: its devices compile it), as
-    the main job compiles it: the state on the rules' shardings, the batch split over the data axes, traced inside
-    `zoo.sharding.use(mesh)`."""
-    return compile_abstract(family_of(cfg), cfg, recipe, batch=batch, seq=seq, optimizer=optimizer,
-                            opt_dtype=opt_dtype, mesh=mesh, grad_accum=grad_accum, opt_state=opt_state,
-                            params=params, loss_chunk=loss_chunk)[0]
+def compile_step(cfg, recipe, *, batch: int, seq: int, training: Training = STEP,
+                 mesh: jax.sharding.Mesh | None = None):
+    """The main job's training step (`zoo.train_step.compile_abstract`) for `cfg` under `recipe` at global
+    [batch, seq], the step `training` describes, lowered on abstract inputs and compiled (nothing allocated); with a
+    (concrete) `mesh`, sharded as the main job compiles it."""
+    return compile_abstract(family_of(cfg), cfg, recipe, batch=batch, seq=seq, training=training, mesh=mesh)[0]
 
 
 def from_compiled(compiled, device: jax.Device | None = None, mesh=None) -> Peak:

@@ -100,10 +100,7 @@ def find_peak(cfg, recipe, target, compiled, training: Training, *, batch, seq, 
     if mode == "compiled":
         return peak_lib.from_compiled(compiled, mesh=mesh)
     if mode == "compile":
-        step = peak_lib.compile_step(cfg, recipe, batch=batch, seq=seq, optimizer=training.optimizer,
-                                     opt_dtype=training.opt_dtype, mesh=mesh, grad_accum=training.grad_accum,
-                                     opt_state=training.opt_state, params=training.params,
-                                     loss_chunk=training.loss_chunk)
+        step = peak_lib.compile_step(cfg, recipe, batch=batch, seq=seq, training=training, mesh=mesh)
         return peak_lib.from_compiled(step, mesh=mesh)
     return peak_lib.estimate(floor, cfg=cfg, batch=batch // training.grad_accum, seq=seq, shard=shard,
                              working=working, why=why, loss_chunk=training.loss_chunk)

@@ -199,17 +199,10 @@ class Plan:
         return sum(s.num_layers * s.forward_flops for s in self.stacks)
 
     def step_time(self, stacks_only: bool = False) -> dict | None:
-        """The predicted time of a training step: its model FLOPs (forward and backward, `model_flops`, or three
-        times the stacks' forward where unknown) with the step's measured non-FLOP work (`step_overhead`), plus
-        the recipe's recompute, at the step's measured rate (`step_tflops`, else `tflops`: zoo.plan.links.step_rate),
-        plus the transfers that do not hide. Per layer and
-        direction, `1 - overlap` of a copy's time is exposed, and of the overlapped part whatever does not fit
-        under the layer's compute (device-to-host stores under its forward pass, host-to-device reloads under its
-        backward: twice the forward, plus its recompute); each micro-batch moves its own activations. Optimizer
-        state on the host crosses the link twice per update (in and out), charged in full: the update it would
-        hide under is memory-bound and short. None without a rate, or with host bytes and no link.
-        `stacks_only`: the decoder stacks alone (three times their forward, their recompute and copies; no
-        embedding, head or loss), as a benchmark of the stacks runs them."""
+        """The predicted time of a training step: its model FLOPs with the step's measured non-FLOP work
+        (`step_overhead`), plus the recipe's recompute, at the step's measured rate (`step_tflops`, else `tflops`), plus
+        the transfers that do not hide (docs/internals.md, "The predicted step time"). None without a rate, or with host
+        bytes and no link. `stacks_only`: the decoder stacks alone, as a benchmark of the stacks runs them."""
         tflops = self.step_tflops or self.tflops
         if tflops is None or (self.host_total and self.link_gbps is None):
             return None

@@ -13,7 +13,7 @@ from flax import nnx
 import zoo
 from tests.helpers import cuda_lowering, fake_gpu, hlo_type, pinned_host_shapes, tiered
 from zoo.layers.moe import backend as moe
-from zoo.plan import measure as audit
+from zoo.plan import measure
 
 CPU = jax.devices()[0]
 # The recipes these tests place tensors by (the library's tests build their own values, not the application's sets):
@@ -91,15 +91,15 @@ def test_offload_lands_as_planned_with_a_looping_grouped_matmul(backend, name, r
     tokens = jax.random.randint(jax.random.key(1), (B, S), 0, CFG.vocab_size, dtype=jnp.int32)
     want_host, want_hlo = collections.Counter(), collections.Counter()
     for stack in STACKS:
-        needed = audit.residual_tags(model, stack)
-        seen = audit.placements_seen(model, stack, B, S)
+        needed = measure.residual_tags(model, stack)
+        seen = measure.placements_seen(model, stack, B, S)
         assert {t: seen[t] for t in needed} == {t: recipe.placement(t) for t in needed}, stack
         st = model.tag_shapes(B, S)[stack]
         offloaded = [t for t in recipe.offload if t in needed]
         assert stack == "dense_layers" or {"moe_mlpwi_0", "moe_mlpwi_1"} <= set(offloaded)
         want_host.update((st.num_layers,) + st.tags[t].shape for t in offloaded)
         want_hlo.update(hlo_type(st.tags[t].shape, st.tags[t].dtype) for t in offloaded)
-    res = audit.model_residuals(model, tokens)
+    res = measure.model_residuals(model, tokens)
     assert collections.Counter(r.shape for r in res if r.host) == want_host
     assert pinned_host_shapes(cuda_lowering(model, tokens)) == want_hlo
 

@@ -14,7 +14,7 @@ from tests.helpers import cuda_lowering, grads_under, hlo_type, max_rel_err, pin
 from zoo.layers import MLA, Rope, RoutingBias, YarnScaling
 from zoo.layers.moe import update_routing_bias
 from zoo.models.deepseek_v3 import total_balance_loss
-from zoo.plan import measure as audit
+from zoo.plan import measure
 
 CFG = zoo.models.DeepSeekV3Config.preset("tiny")
 B, S = 2, 8
@@ -99,13 +99,13 @@ def test_residuals_are_placed_as_the_recipe_says_in_each_stack(model, tokens, na
     model.set_recipe(recipe)
     want_host = collections.Counter()
     for stack in STACKS:
-        needed = audit.residual_tags(model, stack)
-        seen = audit.placements_seen(model, stack, B, S)
+        needed = measure.residual_tags(model, stack)
+        seen = measure.placements_seen(model, stack, B, S)
         assert {t: seen[t] for t in needed} == {t: recipe.placement(t) for t in needed}, stack
         st = model.tag_shapes(B, S)[stack]
         want_host.update((st.num_layers,) + st.tags[t].shape for t in recipe.offload if t in needed)
     # the whole model: one stacked host residual [L, ...] per offloaded tag and stack, nothing else on the host
-    res = audit.model_residuals(model, tokens)
+    res = measure.model_residuals(model, tokens)
     assert collections.Counter(r.shape for r in res if r.host) == want_host
 
 
@@ -116,7 +116,7 @@ def test_cuda_lowering_places_offloaded_tags_in_pinned_host(model, tokens, name)
     want = collections.Counter()
     for stack in STACKS:
         shapes = model.tag_shapes(B, S)[stack].tags
-        needed = audit.residual_tags(model, stack)
+        needed = measure.residual_tags(model, stack)
         want.update(hlo_type(shapes[t].shape, shapes[t].dtype) for t in recipe.offload if t in needed)
     assert pinned_host_shapes(cuda_lowering(model, tokens)) == want  # save_mla_moe: nothing goes to the host
 
@@ -125,13 +125,13 @@ def test_cuda_lowering_places_offloaded_tags_in_pinned_host(model, tokens, name)
 def test_every_needed_tag_is_really_emitted(model, stack):
     """A recipe that offloads every tag the backward pass needs puts each of them on the host."""
     emitted = model.tag_shapes(1, 8)[stack].tags
-    needed = audit.residual_tags(model, stack)
+    needed = measure.residual_tags(model, stack)
     # mlpwo and shared_mlpwo only flow into the residual sum; moe_mlpwo is needed: the routing weights' gradient
     # is moe_mlpwo . dy
     summed_only = {"mlpwo"} if stack == "dense_layers" else {"shared_mlpwo"}
     assert set(needed) == set(emitted) - summed_only
     model.set_recipe(zoo.Recipe("all_needed", offload=needed))
-    seen = audit.placements_seen(model, stack)
+    seen = measure.placements_seen(model, stack)
     assert {t: seen[t] for t in needed} == {t: "offload" for t in needed}
 
 

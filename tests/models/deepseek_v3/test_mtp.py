@@ -16,7 +16,7 @@ from zoo import train_step
 from zoo.models.deepseek_v3 import FAMILY, DeepSeekDecoderLayer
 from zoo.models.deepseek_v3.mtp import mtp_loss
 from zoo.models.stack import module_at
-from zoo.plan import measure as audit
+from zoo.plan import measure
 
 # one dense main layer (no scan) and two MTP depths (MoE layers), so that depth 2 reads depth 1's output
 CFG = zoo.models.DeepSeekV3Config.preset("tiny", num_layers=1, first_dense_layers=1, mtp_depths=2)
@@ -168,20 +168,20 @@ def test_mtp_layers_place_their_tags_as_the_recipe_says(model, batch, name):
     is on the host once per depth (the depths run one by one, unstacked)."""
     recipe = RECIPES[name]
     model.set_recipe(recipe)
-    needed = audit.residual_tags(model, "mtp")
-    seen = audit.placements_seen(model, "mtp", B, S)
+    needed = measure.residual_tags(model, "mtp")
+    seen = measure.placements_seen(model, "mtp", B, S)
     assert {t: seen[t] for t in needed} == {t: recipe.placement(t) for t in needed}
     want = collections.Counter()
     for stack, st in model.tag_shapes(B, S).items():   # a scanned stack's residuals are stacked over its layers
         copies = [()] * st.num_layers if stack == "mtp" or st.num_layers == 1 else [(st.num_layers,)]
-        needed = audit.residual_tags(model, stack)
+        needed = measure.residual_tags(model, stack)
         want.update(c + st.tags[t].shape for t in recipe.offload if t in needed for c in copies)
     graphdef, state = nnx.split(model)
 
     def only_mtp(state):   # the MTP loss alone still runs (and differentiates) the main layers under it
         _, aux = nnx.merge(graphdef, state, copy=True)(batch["tokens"][:, :-1], return_aux=True)
         return mtp_loss(aux["mtp_logits"], batch["tokens"][:, 1:], batch["weights"])
-    res = audit.residuals(only_mtp, state)
+    res = measure.residuals(only_mtp, state)
     assert collections.Counter(r.shape for r in res if r.host) == want
 
 

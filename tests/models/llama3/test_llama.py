@@ -14,7 +14,7 @@ from recipes.llama3 import RECIPES
 from tests.helpers import cuda_lowering, grads_under, hlo_type, max_rel_err, pinned_host_shapes, plain
 from zoo.layers import MLP, Attention, Embed, LMHead, RMSNorm, Rope, WavelengthScaling
 from zoo.models.llama3 import LlamaDecoderLayer
-from zoo.plan import measure as audit
+from zoo.plan import measure
 
 CFG = zoo.models.LlamaConfig.preset("tiny")
 B, S = 2, 8
@@ -91,13 +91,13 @@ def test_gradients_equal_under_every_recipe(model, tokens, name):
 def test_residuals_are_placed_as_the_recipe_says(model, tokens, name):
     recipe = RECIPES[name]
     model.set_recipe(recipe)
-    needed = audit.residual_tags(model, "layers")
+    needed = measure.residual_tags(model, "layers")
     # one layer: each tag the backward pass needs is where the recipe puts it
-    seen = audit.placements_seen(model, "layers", B, S)
+    seen = measure.placements_seen(model, "layers", B, S)
     assert {t: seen[t] for t in needed} == {t: recipe.placement(t) for t in needed}
     # the whole model: exactly one stacked host residual [L, ...] per offloaded tag, nothing else on the host
     shapes = model.tag_shapes(B, S)["layers"].tags
-    res = audit.model_residuals(model, tokens)
+    res = measure.model_residuals(model, tokens)
     host = collections.Counter(r.shape for r in res if r.host)
     assert host == collections.Counter((CFG.num_layers,) + shapes[t].shape for t in recipe.offload if t in needed)
     device = collections.Counter(r.shape for r in res if not r.host)
@@ -111,7 +111,7 @@ def test_cuda_lowering_places_offloaded_tags_in_pinned_host(model, tokens, name)
     recipe = RECIPES[name]
     model.set_recipe(recipe)
     shapes = model.tag_shapes(B, S)["layers"].tags
-    needed = audit.residual_tags(model, "layers")
+    needed = measure.residual_tags(model, "layers")
     pinned = pinned_host_shapes(cuda_lowering(model, tokens))
     want = collections.Counter(hlo_type(shapes[t].shape, shapes[t].dtype) for t in recipe.offload if t in needed)
     assert pinned == want  # save_qkv: nothing goes to the host
@@ -120,18 +120,18 @@ def test_cuda_lowering_places_offloaded_tags_in_pinned_host(model, tokens, name)
 def test_every_emitted_tag_is_really_emitted(model):
     """A recipe that offloads only tag t produces a host residual, for every tag the backward pass needs."""
     emitted = model.tag_shapes(1, 8)["layers"].tags
-    needed = audit.residual_tags(model, "layers")
+    needed = measure.residual_tags(model, "layers")
     assert set(needed) == set(emitted) - {"mlpwo"}  # mlpwo only flows into the residual sum: never saved
     for t in needed:   # attention_out and context only go together (zoo.recipe.TOGETHER)
         group = next((g for g in zoo.recipe.TOGETHER if t in g), (t,))
         model.set_recipe(zoo.Recipe(f"only_{t}", offload=group))
-        assert audit.placements_seen(model, "layers")[t] == "offload", t
+        assert measure.placements_seen(model, "layers")[t] == "offload", t
 
 
 def test_offloading_the_layer_input_really_offloads(model, tokens):
     """The trap of jax#23869: naming the carry outside the remat body would leave it on the device."""
     model.set_recipe(zoo.Recipe("carry", offload=("decoder_layer_input",)))
-    res = audit.model_residuals(model, tokens)
+    res = measure.model_residuals(model, tokens)
     stacked = (CFG.num_layers, B, S, CFG.dim)
     assert [r.shape for r in res if r.host] == [stacked]
     assert stacked not in [r.shape for r in res if not r.host]
@@ -226,7 +226,7 @@ def test_a_one_layer_stack_offloads_too():
     _, got = grads_under(model, RECIPES["qkv_offload"], tokens)
     assert max_rel_err(got, ref) < 1e-5
     shapes = model.tag_shapes(B, S)["layers"].tags
-    host = collections.Counter(r.shape for r in audit.model_residuals(model, tokens) if r.host)
+    host = collections.Counter(r.shape for r in measure.model_residuals(model, tokens) if r.host)
     assert host == collections.Counter(shapes[t].shape for t in RECIPES["qkv_offload"].offload)
     plan = zoo.plan.plan(cfg, RECIPES["qkv_offload"], batch=B, seq=S)
     assert plan.host_bytes == sum(math.prod(shapes[t].shape) * 4 for t in RECIPES["qkv_offload"].offload)

@@ -17,7 +17,7 @@ from recipes.registry import default_recipe, recipes_of
 from tests.helpers import cuda_lowering, grads_under, hlo_type, max_rel_err, pinned_host_shapes, plain, tiered
 from zoo.models import count_params, registry
 from zoo.models.qwen3 import Qwen3Config, hf, qwen3
-from zoo.plan import measure as audit
+from zoo.plan import measure
 
 FAMILY = registry.family("qwen3")
 TINY = Qwen3Config.preset("tiny")
@@ -112,15 +112,15 @@ def test_recipes_land_as_planned(name):
     recipe = RECIPES[name]
     model = qwen3(TINY, recipe=recipe, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(1), (B, S), 0, TINY.vocab_size, dtype=jnp.int32)
-    needed = audit.residual_tags(model, "layers")
-    seen = audit.placements_seen(model, "layers", B, S)
+    needed = measure.residual_tags(model, "layers")
+    seen = measure.placements_seen(model, "layers", B, S)
     assert {t: seen[t] for t in needed} == {t: recipe.placement(t) for t in needed}
     st = model.tag_shapes(B, S)["layers"]
     offloaded = [t for t in recipe.resolve().offload if t in needed]
     want_host = collections.Counter((st.num_layers,) + st.tags[t].shape for t in offloaded)
     want_hlo = collections.Counter(hlo_type(st.tags[t].shape, st.tags[t].dtype) for t in offloaded)
     assert (not recipe.offload) == (not want_hlo)
-    res = audit.model_residuals(model, tokens)
+    res = measure.model_residuals(model, tokens)
     assert collections.Counter(r.shape for r in res if r.host) == want_host
     assert pinned_host_shapes(cuda_lowering(model, tokens)) == want_hlo
 

@@ -16,7 +16,7 @@ from recipes.registry import default_recipe, recipes_of
 from tests.helpers import cuda_lowering, grads_under, hlo_type, max_rel_err, pinned_host_shapes, plain, tiered
 from zoo.models import count_params, registry
 from zoo.models.qwen3_moe import Qwen3MoeConfig, hf, qwen3_moe
-from zoo.plan import measure as audit
+from zoo.plan import measure
 
 FAMILY = registry.family("qwen3_moe")
 TINY = Qwen3MoeConfig.preset("tiny")
@@ -118,15 +118,15 @@ def test_recipes_land_as_planned(name):
     tokens = jax.random.randint(jax.random.key(1), (B, S), 0, TINY.vocab_size, dtype=jnp.int32)
     want_host, want_hlo = collections.Counter(), collections.Counter()
     for stack in model.stack_names:
-        needed = audit.residual_tags(model, stack)
-        seen = audit.placements_seen(model, stack, B, S)
+        needed = measure.residual_tags(model, stack)
+        seen = measure.placements_seen(model, stack, B, S)
         assert {t: seen[t] for t in needed} == {t: recipe.placement(t) for t in needed}, stack
         st = model.tag_shapes(B, S)[stack]
         offloaded = [t for t in recipe.offload if t in needed]
         want_host.update((st.num_layers,) + st.tags[t].shape for t in offloaded)
         want_hlo.update(hlo_type(st.tags[t].shape, st.tags[t].dtype) for t in offloaded)
     assert (not recipe.offload) == (not want_hlo)
-    res = audit.model_residuals(model, tokens)
+    res = measure.model_residuals(model, tokens)
     assert collections.Counter(r.shape for r in res if r.host) == want_host
     assert pinned_host_shapes(cuda_lowering(model, tokens)) == want_hlo
 

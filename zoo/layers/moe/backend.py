@@ -1,24 +1,7 @@
-"""Which grouped matmul runs the experts (the backend), and why.
-
-Every backend sorts the B*S*k token copies by expert (`zoo.layers.moe.dispatch`) and gives the same outputs
-when nothing is dropped:
-
-- ``"ragged_dot"``: `jax.lax.ragged_dot`, dropless; the reference, and right on CPU. On GPUs (jax 0.11) XLA
-  computes every expert for every row: 48 TFLOP/s on an H200 where a batched einsum reaches 805.
-- ``"tokamax"``: tokamax's `ragged_dot` (a real grouped GEMM; Mosaic GPU kernel), dropless, same API and
-  results; imported only when chosen (it needs jax >= 0.11.1 and is not a dependency of the zoo). On an NVIDIA
-  GPU the zoo asks for its Mosaic kernel by name, so an unsupported case fails loudly instead of falling back to
-  XLA's dense ragged_dot; elsewhere tokamax picks (XLA on a CPU). Its kernel has a scan of its own, with no tag
-  and no offload inside: `zoo.loop_guard` allows that (it refuses only a loop that holds a tag or an offload).
-- ``"capacity"``: each expert takes at most C = ceil(capacity_factor * B*S*k / experts) copies (the first ones
-  in token order); the experts run as a batched einsum over an [experts, C, hidden] buffer. Copies over an
-  expert's capacity are dropped (they add nothing) and counted. Its tags moe_mlpwi_0, moe_mlpwi_1, moe_mlpwo are
-  the [experts, C, F] / [experts, C, D] buffers, not [B*S*k, ...] rows.
-- ``"auto"``: only a backend known to run well on the device. On an NVIDIA GPU: tokamax when it imports and its
-  Mosaic kernel covers the case (bf16/fp16, compute capability 8.x, 9.x or 10.x); otherwise capacity dispatch,
-  with a warning that it drops copies over capacity, since ragged_dot computes every expert for every row there
-  (48 against 805 TFLOP/s on an H200, and out of memory at the 671B slice's batch). On any other
-  device: ragged_dot (exact, and what XLA does well on CPUs and TPUs). `backend_choice` says which and why.
+"""Which grouped matmul runs the experts (the backend), and why: ``"ragged_dot"`` (`jax.lax.ragged_dot`, dropless, the
+reference), ``"tokamax"`` (tokamax's grouped GEMM, dropless), ``"capacity"`` (a batched einsum over [experts, C,
+hidden]; copies over capacity dropped and counted) or ``"auto"`` (one known to run well on the device). `backend_choice`
+says which and why; the measurements behind it: docs/internals.md, "MoE backends".
 """
 from __future__ import annotations
 

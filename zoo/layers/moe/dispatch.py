@@ -1,15 +1,7 @@
-"""How token copies reach their experts on one device or under capacity dispatch: each group's copies sorted by
-expert (`sort_by_expert`, shared by every backend) and, for the capacity backend, the [experts, C, hidden]
-buffer its batched einsum runs over (`capacity_dispatch`). Which backend runs is `zoo.layers.moe.backend`;
-dropless expert parallelism is `zoo.layers.moe.expert_parallel`.
-
-Under a mesh (`zoo.sharding`) the capacity backend is GShard's: the batch is cut into G groups, one per shard of
-the batch (dp x fsdp x ep; G = 1 on one device), each group routes and fills its own C = ceil(capacity_factor *
-group copies / experts) slots, and the buffer is laid out [experts, G*C, ...] with experts over `ep` and the groups
-over dp x fsdp: XLA moves each copy to its expert's device and back with all-to-alls, and every expert's
-activations stay on its device (the tags are these sharded buffers: per-device host bytes = plan / shards).
-Capacity is per group, so which copies drop can depend on the mesh; with nothing dropped the results equal one
-device's.
+"""How token copies reach their experts on one device or under capacity dispatch: each group's copies sorted by expert
+(`sort_by_expert`, every backend's) and the capacity backend's [experts, C, hidden] buffer (`capacity_dispatch`). Under
+a mesh the capacity backend is GShard's: a group per batch shard, each with its own capacity, the buffer's experts over
+`ep` (XLA's all-to-alls move each copy); which copies drop can depend on the mesh.
 """
 from __future__ import annotations
 

@@ -1,23 +1,8 @@
-"""Dropless expert parallelism (`ep_dispatch="ragged_a2a"`): token copies sent to their experts' devices with a
-ragged all-to-all under `shard_map`, and back.
-
-How the dropless backends (`zoo.layers.moe.backend`: ragged_dot, tokamax) reach their experts under a mesh is
-`ep_dispatch`:
-- ``"gather"`` (the default): all copies are sorted at once; XLA gathers the rows and the expert weights (no expert
-  parallelism; the moe_* tags are not sharded over the batch).
-- ``"ragged_a2a"``: dropless expert parallelism (`expert_parallel`), under `shard_map` over the whole mesh. Each
-  device sorts its own tokens' copies by expert, sends each to its expert's device over `ep` with
-  `jax.lax.ragged_all_to_all`, runs the grouped matmul over its E/ep local experts, and sends the results back with
-  the reverse exchange; the router's weights combine them outside. The receive buffer has a static size that
-  nothing can overflow: `receive_rows` = ep x T x min(k, E/ep) rows for T tokens per device (every copy of the ep
-  group that can land on one device), i.e. ep times the device's own T*k copies when k <= E/ep. That is the
-  memory cost: the moe_* tags are [ep*T*k, ...] per device (capacity dispatch: ~capacity_factor*T*k), so the
-  planner's per-device tag bytes are one device's plan / (dp x fsdp), not / (dp x fsdp x ep). Rows past what
-  arrived are in no expert's group (the grouped matmul gives them zeros; they are never sent back). The expert
-  weights enter the shard_map split over ep only (XLA all-gathers them over fsdp and tp first), the tokens split
-  over the batch axes; a mesh without ep > 1 runs the same code with no exchange (data-parallel dropless).
-  XLA:CPU has no ragged-all-to-all: `ragged_all_to_all` lowers jax's on every other platform and, on a CPU, the
-  same exchange built from `jax.lax.all_to_all` on padded buffers (`padded_ragged_all_to_all`).
+"""Dropless expert parallelism (`ep_dispatch="ragged_a2a"`): under `shard_map`, each device sends its tokens' copies to
+their experts' devices over `ep` with `jax.lax.ragged_all_to_all`, runs the grouped matmul over its E/ep local experts
+and sends the results back (`expert_parallel`); `receive_rows` sizes a buffer nothing can overflow. XLA:CPU has no
+ragged all-to-all: there the exchange is built from `jax.lax.all_to_all` (`padded_ragged_all_to_all`). Its memory cost:
+docs/internals.md, "Expert parallelism".
 """
 from __future__ import annotations
 

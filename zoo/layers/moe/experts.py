@@ -1,11 +1,8 @@
 """The routed experts: `num_experts` SwiGLU feed-forwards stored stacked, run over the rows dispatched to them.
 
-Tags: moe_mlpwi_0 (gate, before the activation), moe_mlpwi_1 (up), moe_mlpwo (down), over the sorted rows
-[B*S*k, ...] (dropless backends), one device's receive buffer [ep*T*k, ...] under dropless expert parallelism
-(inside `shard_map`: per-device values, constrained by nothing), or the capacity buffer [experts, C, ...]. No tag
-sits inside a loop: the stack is the only scan that holds tags (a grouped-matmul kernel may loop internally).
-
-Parameter names follow transformers (`experts.{e}.gate_proj` ...): gate_proj, up_proj [E, D, F], down_proj [E, F, D].
+Tags moe_mlpwi_0 (gate), moe_mlpwi_1 (up), moe_mlpwo (down), over the sorted rows [B*S*k, ...], one device's
+receive buffer under expert parallelism, or the capacity buffer [experts, C, ...]. Parameter names follow
+transformers: gate_proj, up_proj [E, D, F], down_proj [E, F, D].
 """
 from __future__ import annotations
 

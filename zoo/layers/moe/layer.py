@@ -1,18 +1,9 @@
 """The mixture-of-experts layer: a router, a dispatch backend, the routed experts and an optional shared expert.
 
-    y = sum over the token's k experts of weight * expert(x)  (+ shared(x))
-
-`MoE.__call__` returns (y, `MoEAux`): a typed record, which a scanned stack stacks over its layers like any pytree
-([L, E], [L], [L]). Training adds `total_balance_loss(aux)` to its loss and, for a router with a `RoutingBias`
-(the auxiliary-loss-free balance), calls `update_routing_bias(model, aux, rate)` after the step. Load
-statistics are global (summed over the dispatch groups): the bias update is the same on any mesh.
-
-The bias is a `RoutingBias`, not an `nnx.Param`: optimizers over `nnx.Param` leave it alone. A functional loop that
-splits `nnx.split(model, nnx.Param, ...)` and merges inside `jax.grad` hands the stack a bias of the trace outside
-the gradient; the stack scans over a copy of its layers then (`zoo.models.stack.scannable`), so the plain
-`nnx.merge(graphdef, params, rest)` works. The bias update after the step: docs/own-loop.md.
-
-Submodule names follow transformers (`gate`, `experts`, `shared_experts`), so the checkpoints' keys map one to one.
+`MoE.__call__` returns (y, `MoEAux`), which a scanned stack stacks over its layers. Training adds
+`total_balance_loss(aux)` to its loss and, for a router with a `RoutingBias` (not an `nnx.Param`: optimizers leave it
+alone), calls `update_routing_bias(model, aux, rate)` after the step (docs/own-loop.md). Submodule names follow
+transformers.
 """
 from __future__ import annotations
 

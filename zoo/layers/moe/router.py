@@ -1,21 +1,7 @@
-"""Routers: which k experts each token visits and with what weights; and each router's balance loss.
-
-A router is an `nnx.Module` with `num_experts`, `k` and two methods (`Router`, the interface the MoE layer calls):
-- `__call__(x [T, D]) -> (scores [T, E], weights [T, k], indices [T, k])`, scores and weights in float32;
-- `balance_loss(scores, idx, batch=) -> []`: the auxiliary loss that keeps the load balanced, already weighted.
-
-Two routers:
-- `GroupLimitedRouter` (arXiv:2412.19437, sections 2.1.2-2.1.3): sigmoid affinities; a
-  score-correction bias b_i (a `RoutingBias`, moved by the auxiliary-loss-free update, never by gradients) used
-  only to *choose*; the experts split into `n_group` groups, a group scored by the sum of its two best biased
-  affinities, the `topk_group` best groups kept, the top-k experts chosen among them. The weights are the chosen
-  *unbiased* affinities, normalised to sum to one (`norm_topk_prob`) and times `routed_scaling_factor`. Its balance
-  loss is the complementary sequence-wise one.
-- `SoftmaxRouter` (Mixtral and its successors): softmax over the experts, top-k, renormalised to sum to one when
-  `norm_topk_prob`. Its balance loss is Switch Transformer's (Fedus et al., 2021) as transformers computes it.
-
-Parameter names follow transformers: `kernel` [D, E] is the `gate.weight` of the published checkpoints
-(transposed), `e_score_correction_bias` the group-limited router's bias.
+"""Routers: which k experts each token visits and with what weights (`Router`: `__call__(x [T, D]) -> (scores, weights
+[T, k], indices [T, k])`, float32), and each router's balance loss, already weighted. `GroupLimitedRouter`
+(arXiv:2412.19437, 2.1.2-2.1.3: sigmoid affinities, a `RoutingBias` used only to choose, group-limited top-k) and
+`SoftmaxRouter` (softmax top-k; Switch Transformer's balance loss). Parameter names follow transformers.
 """
 from __future__ import annotations
 
@@ -123,15 +109,9 @@ class GroupLimitedRouter(nnx.Module):
 # -- softmax top-k (Mixtral) --------------------------------------------------------------------------------------
 def switch_balance_loss(probs: jax.Array, idx: jax.Array, *, weight: float) -> jax.Array:
     """Switch Transformer's load-balancing loss as transformers computes it (`load_balancing_loss_func`):
-    weight * E * sum_i f_i P_i, f_i = copies routed to i / tokens, P_i = mean router probability of i, over the
-    tokens of one forward pass.
-
-    A product of two means over the tokens, it does not add up over parts of a batch: with gradient accumulation
-    each micro-batch's loss has its own f_i and P_i and the step takes their mean (what transformers and Megatron
-    compute per forward pass), which differs from the whole batch's. Exact equality would need every micro-batch's
-    f_i before the first backward pass (a forward pass over the whole batch first): f_i enters the gradient as the
-    weight of each token's d p_ti, and keeping per-expert gradients to reweight later costs E copies of them.
-    (`sequence_balance_loss`, a mean over sequences, adds up exactly.)"""
+    weight * E * sum_i f_i P_i (f_i: copies routed to i / tokens, P_i: mean router probability of i) over one
+    forward pass's tokens. A product of two means, it does not add up over micro-batches: the step takes their mean,
+    as transformers and Megatron do (`sequence_balance_loss` adds up exactly)."""
     t, e = probs.shape
     f = jax.lax.stop_gradient(jnp.sum(jax.nn.one_hot(idx, e, dtype=jnp.float32), axis=(0, 1)) / t)
     return weight * e * jnp.sum(f * jnp.mean(probs, axis=0))

@@ -1,23 +1,10 @@
 """DeepSeek-V3 (DeepSeek-AI, 2024, "DeepSeek-V3 Technical Report").
 
-A pre-norm decoder: x += MLA(RMSNorm(x)); x += FFN(RMSNorm(x)). The first `first_dense_layers` layers have a
-dense SwiGLU FFN, the rest a mixture of experts (256 routed experts, 8 active per token, group-limited routing
-with the auxiliary-loss-free bias, one shared expert). Two scanned stacks under one recipe: `dense_layers`, then
-`moe_layers`. Multi-head latent attention with YaRN RoPE. The embedding and the LM head are untied.
-
-The MoE stack returns per-layer aux (see `zoo.layers.moe`): `model(tokens, return_aux=True)` gives
-`(logits, {"dense_layers": {}, "moe_layers": MoEAux(load=[L, E], balance_loss=[L], dropped=[L])})`. A training
-step adds `total_balance_loss(aux)` to its loss and calls `update_routing_bias(model, aux, rate)` after the step.
-
-Multi-token prediction (`mtp_depths` > 0; zoo.models.deepseek_v3.mtp) adds `model.mtp`: per depth an MoE decoder
-layer (the stack "mtp", tagged like `moe_layers`), two input norms, a 2*dim -> dim projection and a final norm,
-sharing the embedding and the LM head: an extra head of the model (`zoo.models.lm`). `model(tokens,
-return_aux=True)` then also gives its logits (`aux["mtp_logits"]`, [D, B, S, vocab]) and its layers' `MoEAux`
-(`aux["mtp"]`); the training step adds `mtp_lambda` times its loss and reports it as "mtp_loss". The 671B preset counts
-671,026,419,200 parameters (the routing biases included) without MTP, as published; its one depth adds
-11,610,068,224 (the MoE decoder layer's 11,507,286,272 with its routing bias, the projection's 102,760,448 and three
-norms' 21,504): 682,636,487,424 in all. The checkpoint also stores layer 61's copies of the embedding and the head
-(926,679,040 each; 684,489,845,504 tensors' elements in all, the published "685B"), which the model shares.
+A pre-norm decoder with multi-head latent attention (YaRN RoPE): `first_dense_layers` dense SwiGLU layers (the stack
+`dense_layers`), then a mixture of experts (`moe_layers`: group-limited routing with the auxiliary-loss-free bias, one
+shared expert), and its multi-token prediction as an extra head when `mtp_depths` > 0. A training step adds
+`total_balance_loss(aux)` and calls `update_routing_bias(model, aux, rate)` after the step. The presets' parameter
+counts: docs/internals.md, "DeepSeek-V3's parameters".
 """
 from __future__ import annotations
 

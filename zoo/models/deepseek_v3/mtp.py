@@ -1,29 +1,12 @@
-"""DeepSeek-V3's multi-token prediction (the technical report, section 2.2).
-
-Depth k (1..D) sees, at position i, the representation h_i^(k-1) the depth before it made (the main model's for
-k = 1) and the embedding of the token k positions ahead, t_(i+k); it predicts t_(i+k+1):
+"""DeepSeek-V3's multi-token prediction (the technical report, section 2.2): depth k (1..D) predicts t_(i+k+1) from the
+representation the depth before it made and the embedding of t_(i+k).
 
     h'_i^k = eh_proj([enorm(Emb(t_(i+k))); hnorm(h_i^(k-1))])    2*dim -> dim
     h^k    = norm(TRM_k(h'^k))                                   one full decoder layer (MLA + MoE)
     P^k    = OutHead(h^k)                                         the main model's LM head (shared)
 
-The embedding and the output head are the main model's, not copies. The concatenation puts the embedding first:
-the published checkpoints' `eh_proj` columns are in that order (the report writes the pair the other way round).
-The representation handed on is the normed one the head reads: the main model's after its final norm (as the
-published MTP layer is used for speculative decoding), then each depth's after its own `norm` (`shared_head.norm`).
-
-Positions whose embedded token t_(i+k) lies past the input are fed zeros; their targets lie past the sequence too,
-so the loss excludes them (`mtp_loss`), and causal attention keeps them from every kept position.
-
-The module is one of the model's extra heads (`zoo.models.lm`): the model holds it as `model.mtp`, its calls give
-each depth's normed hidden states [D, B, S, dim] (the model's LM head makes them logits: `aux["mtp_logits"]` of
-`model(tokens, return_aux=True)`), and its `loss` is the mean over depths of each depth's cross-entropy, weighted
-`cfg.mtp_lambda` in the training loss and reported as "mtp_loss".
-
-The decoder layers are a `Stack` of the main MoE stack's layer class (the same tags: a recipe places them here too;
-the planner plans them as the stack "mtp"); each depth's layer runs alone, rematerialized under the recipe, because
-depth k + 1 needs depth k's output and a new embedding in between. The parameters of the D depths' own parts (the
-two input norms, the projection, the final norm) are stacked on a leading `layers` axis like a stack's.
+An extra head of the model (`zoo.models.lm`), held as `model.mtp`, its layers the stack "mtp" (docs/internals.md,
+"Multi-token prediction").
 """
 from __future__ import annotations
 
@@ -65,7 +48,7 @@ class MultiTokenPrediction(nnx.Module):
         if cfg.mtp_depths <= 0:
             raise ValueError(f"MultiTokenPrediction needs DeepSeekV3Config.mtp_depths > 0, got {cfg.mtp_depths}")
         self.depths = cfg.mtp_depths
-        self.loss_weight = cfg.mtp_lambda
+        self.loss_weight = cfg.mtp_loss_weight()
         self.heads = stacked_modules(lambda r: MTPDepth(cfg, rngs=r), cfg.mtp_depths, rngs)
         self.layers = Stack(make_layer, num_layers=cfg.mtp_depths, rngs=rngs)
 

@@ -2,21 +2,18 @@
 its `Family` record (with training.py's step rates and training defaults), registered when this package is imported."""
 from flax import nnx
 
-from zoo.layers.attention_kernel import causal_attention_flops
-from zoo.models import registry
+from zoo.models import gqa, registry
 from zoo.models.llama3 import hf, training
 from zoo.models.llama3.config import LlamaConfig
 from zoo.models.llama3.model import Llama, LlamaDecoderLayer, llama3
-from zoo.models.lm import non_embedding_params
 
 __all__ = ["FAMILY", "Llama", "LlamaConfig", "LlamaDecoderLayer", "flops_per_token", "llama3"]
 
 
+# the family's FLOPs and its record: its own, alike in shape to the other families'
 def flops_per_token(cfg: LlamaConfig, model: nnx.Module, seq: int) -> float:
-    """6 N (forward 2N, backward 4N) plus causal attention: QK^T and PV over half the keys, times 3."""
-    # forward and backward (3x) of one sequence of `seq` tokens, per token
-    attention = 3 * causal_attention_flops(1, seq, cfg.num_heads, cfg.head_dim, cfg.head_dim) / seq * cfg.num_layers
-    return 6 * non_embedding_params(model) + attention
+    """A dense GQA decoder's training FLOPs per token: 6 N plus causal attention (`zoo.models.gqa`)."""
+    return gqa.dense_flops_per_token(cfg, model, seq)
 
 
 FAMILY = registry.register(registry.Family(

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from zoo.layers import Rope, WavelengthScaling
+from zoo.layers import WavelengthScaling
 from zoo.models import gqa
 from zoo.models.config import LMConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LlamaConfig(LMConfig):
+class LlamaConfig(gqa.GQAConfig, LMConfig):
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -18,6 +18,7 @@ class LlamaConfig(LMConfig):
     rope_scaling: WavelengthScaling | None = WavelengthScaling()
     # from LMConfig: vocab_size, dim, num_layers, norm_eps (1e-5), tie_embeddings, dtype, param_dtype, attention_impl
 
+    # the published sizes, one row each (a table: the other families' repeat its shape)
     PRESETS = {
         "llama3_1_8b": dict(max_seq_len=131072,
                             vocab_size=128256, dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
@@ -32,15 +33,3 @@ class LlamaConfig(LMConfig):
         "tiny": dict(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
                      dtype="float32", param_dtype="float32"),
     }
-
-    def check(self):
-        gqa.check_gqa(self)
-
-    def attention_head_dim(self) -> int:
-        return self.head_dim
-
-    def mesh_divisors(self) -> tuple[tuple[str, str], ...]:
-        return gqa.MESH_DIVISORS + super().mesh_divisors()
-
-    def rope(self) -> Rope:
-        return Rope(dim=self.head_dim, theta=self.rope_theta, scaling=self.rope_scaling)

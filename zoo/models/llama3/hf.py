@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zoo.hf.config import activation_dtype, check_types, check_unsupported, context_field, require, rope_settings
+from zoo.hf.config import check_types, check_unsupported, context_field, gqa_fields, require, rope_settings
 from zoo.hf.keymap import GQA, NORMS, SWIGLU, Entry, embed_and_head, stacked
 from zoo.layers import WavelengthScaling
 from zoo.models.llama3.config import LlamaConfig
@@ -34,15 +34,7 @@ def from_hf(hf: dict, *, param_dtype: str) -> LlamaConfig:
         if extra:
             raise ValueError(f"config.json: rope_scaling fields {extra} are not supported for rope_type 'llama3'")
         rope_scaling = WavelengthScaling(**{f: require(scaling, f) for f in LLAMA3_SCALING})
-    heads = require(hf, "num_attention_heads")
-    dim = require(hf, "hidden_size")
-    return LlamaConfig(
-        vocab_size=require(hf, "vocab_size"), dim=dim, num_layers=require(hf, "num_hidden_layers"),
-        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or dim // heads,
-        mlp_dim=require(hf, "intermediate_size"), rope_theta=theta, rope_scaling=rope_scaling,
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_seq_len=hf.get("max_position_embeddings"), dtype=activation_dtype(param_dtype), param_dtype=param_dtype)
+    return LlamaConfig(**gqa_fields(hf, param_dtype), rope_theta=theta, rope_scaling=rope_scaling)
 
 
 def to_hf(cfg: LlamaConfig) -> dict:

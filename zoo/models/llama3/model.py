@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from flax import nnx
 
-from zoo.layers import MLP, Attention, RMSNorm
+from zoo.layers import MLP, RMSNorm
 from zoo.layers.block import PreNormBlock
+from zoo.models import gqa
 from zoo.models.llama3.config import LlamaConfig
 from zoo.models.lm import CausalLM
 from zoo.recipe import Recipe
@@ -19,14 +20,13 @@ class LlamaDecoderLayer(PreNormBlock):
         self.dim, self.dtype = cfg.dim, cfg.compute_dtype
         dtype, param_dtype = cfg.compute_dtype, cfg.weight_dtype
         self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype)
-        self.attn = Attention(dim=cfg.dim, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                              head_dim=cfg.head_dim, rope=cfg.rope(), dtype=dtype, param_dtype=param_dtype,
-                              implementation=cfg.attention_impl, rngs=rngs)
+        self.attn = gqa.attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.mlp = MLP(dim=cfg.dim, hidden=cfg.mlp_dim, dtype=dtype, param_dtype=param_dtype,
                        seq_chunks=cfg.mlp_seq_chunks, rngs=rngs)
 
 
+# the family's model and builder: its own, alike in shape to the others' (a family reads whole in its package)
 class Llama(CausalLM):
     def __init__(self, cfg: LlamaConfig, *, recipe: Recipe | None = None, rngs: nnx.Rngs):
         if not isinstance(cfg, LlamaConfig):

@@ -3,9 +3,7 @@
 Its report publishes no learning-rate schedule (the main job takes the generic defaults)."""
 from flax import nnx
 
-from zoo.layers.attention_kernel import causal_attention_flops
-from zoo.models import registry
-from zoo.models.lm import non_embedding_params
+from zoo.models import gqa, registry
 from zoo.models.qwen3 import hf, training
 from zoo.models.qwen3.config import Qwen3Config
 from zoo.models.qwen3.model import Qwen3, Qwen3DecoderLayer, qwen3
@@ -13,11 +11,10 @@ from zoo.models.qwen3.model import Qwen3, Qwen3DecoderLayer, qwen3
 __all__ = ["FAMILY", "Qwen3", "Qwen3Config", "Qwen3DecoderLayer", "flops_per_token", "qwen3"]
 
 
+# the family's FLOPs and its record: its own, alike in shape to the other families'
 def flops_per_token(cfg: Qwen3Config, model: nnx.Module, seq: int) -> float:
-    """6 N (forward 2N, backward 4N) plus causal attention: QK^T and PV over half the keys, times 3."""
-    # forward and backward (3x) of one sequence of `seq` tokens, per token
-    attention = 3 * causal_attention_flops(1, seq, cfg.num_heads, cfg.head_dim, cfg.head_dim) / seq * cfg.num_layers
-    return 6 * non_embedding_params(model) + attention
+    """A dense GQA decoder's training FLOPs per token: 6 N plus causal attention (`zoo.models.gqa`)."""
+    return gqa.dense_flops_per_token(cfg, model, seq)
 
 
 FAMILY = registry.register(registry.Family(

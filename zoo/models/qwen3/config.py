@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from zoo.layers import Rope
 from zoo.models import gqa
 from zoo.models.config import LMConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Qwen3Config(LMConfig):
+class Qwen3Config(gqa.GQAConfig, LMConfig):
     # from LMConfig: vocab_size, dim, num_layers, tie_embeddings, dtype, param_dtype, attention_impl, mlp_seq_chunks
     num_heads: int
     num_kv_heads: int
@@ -19,6 +18,7 @@ class Qwen3Config(LMConfig):
     rope_theta: float = 1000000.0
     norm_eps: float = 1e-6             # every RMSNorm's, the per-head q/k norms' included
 
+    # the published sizes, one row each (a table: the other families' repeat its shape)
     PRESETS = {
         "qwen3_8b": dict(max_seq_len=40960,
                          vocab_size=151936, dim=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
@@ -31,15 +31,3 @@ class Qwen3Config(LMConfig):
         "tiny": dict(vocab_size=256, dim=48, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=96,
                      dtype="float32", param_dtype="float32"),
     }
-
-    def check(self):
-        gqa.check_gqa(self)
-
-    def attention_head_dim(self) -> int:
-        return self.head_dim
-
-    def mesh_divisors(self) -> tuple[tuple[str, str], ...]:
-        return gqa.MESH_DIVISORS + super().mesh_divisors()
-
-    def rope(self) -> Rope:
-        return Rope(dim=self.head_dim, theta=self.rope_theta)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from zoo.layers import Rope
 from zoo.models import gqa
 from zoo.models.config import MoEConfig
+from zoo.models.fields import check_positive
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Qwen3MoeConfig(MoEConfig):
+class Qwen3MoeConfig(gqa.GQAConfig, MoEConfig):
     # from LMConfig: vocab_size, dim, num_layers, tie_embeddings, dtype, param_dtype, attention_impl
     # from MoEConfig: num_experts, num_experts_per_tok, moe_mlp_dim, norm_topk_prob, moe_backend, capacity_factor
     num_heads: int
@@ -39,9 +39,9 @@ class Qwen3MoeConfig(MoEConfig):
     }
 
     def check(self):
-        super().check()
+        super().check()   # the experts' and the attention's (gqa.GQAConfig)
         name = type(self).__name__
-        gqa.check_gqa(self, "decoder_sparse_step")
+        check_positive(self, "decoder_sparse_step")
         bad = [i for i in self.mlp_only_layers if isinstance(i, bool) or not isinstance(i, int)
                or not 0 <= i < self.num_layers]
         if bad:
@@ -60,12 +60,3 @@ class Qwen3MoeConfig(MoEConfig):
             else:
                 runs.append((self.has_experts(i), range(i, i + 1)))
         return runs
-
-    def attention_head_dim(self) -> int:
-        return self.head_dim
-
-    def mesh_divisors(self) -> tuple[tuple[str, str], ...]:
-        return gqa.MESH_DIVISORS + super().mesh_divisors()
-
-    def rope(self) -> Rope:
-        return Rope(dim=self.head_dim, theta=self.rope_theta)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zoo.hf.config import activation_dtype, check_types, check_unsupported, context_field, require, rope_settings
+from zoo.hf.config import check_types, check_unsupported, context_field, gqa_fields, require, rope_settings
 from zoo.hf.keymap import GQA, NORMS, ROUTED_EXPERTS, SWIGLU, Entry, embed_and_head, stacked
 from zoo.models.qwen3_moe.config import Qwen3MoeConfig
 from zoo.models.qwen3_moe.model import stack_names
@@ -40,17 +40,11 @@ def from_hf(hf: dict, *, param_dtype: str) -> Qwen3MoeConfig:
         raise ValueError(f"config.json: mlp_only_layers={only!r} must be a list of layer indices")
     # transformers 5 writes num_experts as num_local_experts
     experts = hf.get("num_experts") if hf.get("num_experts") is not None else require(hf, "num_local_experts")
-    heads, dim = require(hf, "num_attention_heads"), require(hf, "hidden_size")
     return Qwen3MoeConfig(
-        vocab_size=require(hf, "vocab_size"), dim=dim, num_layers=require(hf, "num_hidden_layers"),
-        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or dim // heads, mlp_dim=require(hf, "intermediate_size"),
-        num_experts=experts, num_experts_per_tok=require(hf, "num_experts_per_tok"),
+        **gqa_fields(hf, param_dtype), num_experts=experts, num_experts_per_tok=require(hf, "num_experts_per_tok"),
         moe_mlp_dim=require(hf, "moe_intermediate_size"), norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
         decoder_sparse_step=hf.get("decoder_sparse_step") or 1, mlp_only_layers=tuple(sorted(set(only))),
-        balance_loss_weight=float(hf.get("router_aux_loss_coef", 1e-3)), rope_theta=theta,
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_seq_len=hf.get("max_position_embeddings"), dtype=activation_dtype(param_dtype), param_dtype=param_dtype)
+        balance_loss_weight=float(hf.get("router_aux_loss_coef", 1e-3)), rope_theta=theta)
 
 
 def to_hf(cfg: Qwen3MoeConfig) -> dict:

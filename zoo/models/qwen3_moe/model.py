@@ -1,20 +1,18 @@
 """Qwen3-MoE (Qwen Team, 2025, "Qwen3 Technical Report").
 
-A pre-norm decoder: x += attention(RMSNorm(x)); x += FFN(RMSNorm(x)). Grouped-query attention with an RMSNorm over
-each query and key head before RoPE (theta 1e6). The FFN is a mixture of experts (softmax top-k routing, the k
-weights renormalised when `norm_topk_prob`, no shared expert) except in the layers `mlp_only_layers` and
-`decoder_sparse_step` make dense. Each run of layers of one kind is one scanned stack under the one recipe: the
-published sizes are all experts (one stack, `moe_layers`); the tiny preset has two (`dense_layers`, then
-`moe_layers`). The embedding and
-the LM head are untied.
+A pre-norm decoder with grouped-query attention (an RMSNorm over each query and key head before RoPE, theta 1e6)
+and a mixture of experts (softmax top-k, no shared expert) except in the layers `mlp_only_layers` and
+`decoder_sparse_step` make dense. Each run of layers of one kind is one scanned stack (the published sizes:
+`moe_layers` alone; tiny: `dense_layers`, then `moe_layers`). The embedding and the LM head are untied.
 """
 from __future__ import annotations
 
 from flax import nnx
 
-from zoo.layers import MLP, Attention, RMSNorm
+from zoo.layers import MLP, RMSNorm
 from zoo.layers.block import PreNormBlock
 from zoo.layers.moe import Experts, MoE, SoftmaxRouter
+from zoo.models import gqa
 from zoo.models.lm import CausalLM
 from zoo.models.qwen3_moe.config import Qwen3MoeConfig
 from zoo.recipe import Recipe
@@ -27,9 +25,7 @@ class Qwen3MoeDecoderLayer(PreNormBlock):
         self.dim, self.dtype, self.moe = cfg.dim, cfg.compute_dtype, moe
         common = dict(dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype)
         self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, **common)
-        self.attn = Attention(dim=cfg.dim, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                              head_dim=cfg.head_dim, rope=cfg.rope(), implementation=cfg.attention_impl,
-                              qk_norm_eps=cfg.norm_eps, rngs=rngs, **common)
+        self.attn = gqa.attention(cfg, qk_norm_eps=cfg.norm_eps, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, **common)
         self.mlp = (qwen3_moe_ffn(cfg, rngs=rngs) if moe else
                     MLP(dim=cfg.dim, hidden=cfg.mlp_dim, seq_chunks=cfg.mlp_seq_chunks, rngs=rngs, **common))
