@@ -346,7 +346,7 @@ def test_deepseek_study_bytes_per_token():
     assert round(lowrank / 1024) == 68  # ~68 KiB
 
 
-@pytest.mark.slow   # auto's link model: test_step_time.py checks it on both slices at the H200's link
+@pytest.mark.slow   # auto's link model: test_step_time.py checks it at the H200's link on the 405B slice by default
 def test_auto_deepseek_is_link_aware(monkeypatch):
     """At the study's 450 GB/s the study's tensors hide under a MoE layer's forward pass; at PCIe's 55 GB/s they
     cannot, and the low-rank tensors (MLA down-projections, MoE up-projections) are saved instead (offloaded, or kept

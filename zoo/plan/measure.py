@@ -250,6 +250,7 @@ class LayerCost:
         self.args, treedef = jax.tree.flatten((state, stack.abstract_input(batch, seq)))
         closed = jax.make_jaxpr(lambda *a: fn(*jax.tree.unflatten(treedef, a))[0])(*self.args)
         tags = stack.tag_shapes(stack.abstract_input(batch, seq), tiles)
+        self._tags = frozenset(tags)   # a saved set is read as its part in this layer (the rest changes nothing)
         # causal attention, whatever kernel runs (0 for a layer without attention)
         self.attention_flops = (attention_flops(tags["query_proj"], tags["value_proj"])
                                 if {"query_proj", "value_proj", "context"} <= set(tags) else 0)
@@ -276,6 +277,7 @@ class LayerCost:
 
     def remat_flops(self, saved: frozenset[str]) -> int:
         """Forward FLOPs the backward pass re-runs when the tags `saved` are kept (in HBM or on the host)."""
+        saved = frozenset(saved) & self._tags
         if saved not in self._cache:
             attention = self._attention_again(saved)
             kept = saved - ATTENTION_RESIDUALS if attention else saved
