@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import pathlib
+import subprocess
 import types
 
 import jax
@@ -108,3 +110,40 @@ def fake_gpu(cc="9.0", kind="NVIDIA H200"):
     """A stand-in for an NVIDIA jax.Device (what the per-device choices read), for checking them on the CPU."""
     return types.SimpleNamespace(platform="gpu", device_kind=kind, compute_capability=cc,
                                  client=types.SimpleNamespace(platform_version="PJRT C API\ncuda 13000"))
+
+
+COMPILED = "/jax/core/compile/backend_compile_duration"
+CACHE_HIT = "/jax/compilation_cache/cache_hits"
+
+
+@contextlib.contextmanager
+def executables():
+    """A list that gets one entry per executable XLA builds (or takes from the persistent cache) while open."""
+    seen: list[str] = []
+
+    def on_duration(event: str, duration: float, **kwargs) -> None:
+        if event == COMPILED:
+            seen.append(event)
+
+    def on_event(event: str, **kwargs) -> None:
+        if event == CACHE_HIT:
+            seen.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    jax.monitoring.register_event_listener(on_event)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_duration)
+        jax.monitoring.unregister_event_listener(on_event)
+
+
+def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[str, str]]:
+    """Each process's (stdout, stderr); every process still running at the deadline is killed (the test fails)."""
+    try:
+        return [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -2,14 +2,13 @@
 and compile once.
 
 Pattern (a) is `nnx.jit` + `nnx.value_and_grad` + `nnx.Optimizer`; pattern (b) `nnx.split(model, nnx.Param, ...)`
-with `nnx.merge` inside `jax.value_and_grad` under `jax.jit`. Checked: over 3 steps the first compiles and the
-next two compile nothing (XLA backend compiles counted through `jax.monitoring`); the two patterns log the same
-losses (same initialisation, data and optimizer); DeepSeek-V3's routing bias moves, equally in both, and leaves
-pattern (b)'s step in its `rest` state.
+with `nnx.merge` inside `jax.value_and_grad` under `jax.jit`. Checked: over 3 steps the first compiles and the next
+two compile nothing (executables XLA builds or takes from the persistent cache, `tests.helpers.executables`); the
+two patterns log the same losses (same initialisation, data and optimizer); DeepSeek-V3's routing bias moves,
+equally in both, and leaves pattern (b)'s step in its `rest` state.
 """
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 
 import jax
@@ -17,11 +16,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.helpers import ROOT, tiered
+from tests.helpers import ROOT, executables, tiered
 from zoo.layers.moe import RoutingBias
 
 FAMILIES = ("llama3", "deepseek_v3", "qwen3_moe")
-BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
 def example(family: str):
@@ -32,28 +30,12 @@ def example(family: str):
     return module
 
 
-@contextlib.contextmanager
-def counting_compiles():
-    """A list that receives one entry per XLA backend compile while the context is open."""
-    seen: list[str] = []
-
-    def listener(event: str, duration: float, **kwargs) -> None:
-        if event == BACKEND_COMPILE:
-            seen.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield seen
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-
-
 def compiles_per_step(step, state: tuple, batches: list) -> tuple[list[int], list[float], tuple]:
     """Run `step(*state, tokens)` on each batch; (compiles of each step, losses, final state). `step` returns the
     loss (pattern a, state updated in place) or (*new state, loss) (pattern b)."""
     counts, losses = [], []
     for tokens in batches:
-        with counting_compiles() as seen:
+        with executables() as seen:
             out = step(*state, tokens)
             if isinstance(out, tuple):
                 *state, loss = out

@@ -19,7 +19,6 @@ placement advice goes.
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 import itertools
 
@@ -31,34 +30,11 @@ import pytest
 from flax import nnx
 
 import zoo
+from tests.helpers import executables
 from zoo.models import registry
 
-COMPILED = "/jax/core/compile/backend_compile_duration"
-CACHE_HIT = "/jax/compilation_cache/cache_hits"
 FAMILIES = ("llama3", "deepseek_v3", "qwen3", "qwen3_moe")
 PATTERNS = ("nnx.jit", "jax.jit + split")
-
-
-@contextlib.contextmanager
-def executables():
-    """A list that gets one entry per executable XLA builds (or takes from the persistent cache) while open."""
-    seen: list[str] = []
-
-    def on_duration(event: str, duration: float, **kwargs) -> None:
-        if event == COMPILED:
-            seen.append(event)
-
-    def on_event(event: str, **kwargs) -> None:
-        if event == CACHE_HIT:
-            seen.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(on_duration)
-    jax.monitoring.register_event_listener(on_event)
-    try:
-        yield seen
-    finally:
-        jax.monitoring.unregister_event_duration_listener(on_duration)
-        jax.monitoring.unregister_event_listener(on_event)
 
 
 def recipe_of(family: str, which: str) -> zoo.Recipe:

@@ -17,7 +17,7 @@ import pytest
 from recipes import train
 from recipes.train import coordinator, mesh
 from recipes.train.checkpoint import Checkpoints
-from tests.helpers import cpu_env
+from tests.helpers import cpu_env, finish
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RUN = ["--batch", 2, "--seq", 16, "--set", "num_layers=1", "--log-every", 1, "--xla-flags", "none"]
@@ -89,11 +89,8 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step(tmp_path):
             if line.startswith("step      3"):
                 procs[1].send_signal(signal.SIGTERM)
                 break
-        outs = [p.communicate(timeout=120) for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        outs = finish(procs, timeout=120)
     assert [p.returncode for p in procs] == [143, 143], [o[1][-2000:] for o in outs]
     said = [next(ln for ln in o[0].splitlines() if ln.startswith("SIGTERM: stopped after step")) for o in outs]
     assert said[0] == said[1], said
@@ -160,12 +157,7 @@ def test_two_processes_started_as_process_0_each_end_with_one_line(tmp_path):
     args = [sys.executable, "-m", "recipes.train", *map(str, RUN), "--steps", "2", "--coordinator-timeout", "40"]
     procs = [subprocess.Popen(args, cwd=ROOT, env=env_for(0, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in (0, 1)]
-    try:
-        outs = [p.communicate(timeout=180) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    outs = finish(procs, timeout=180)
     assert [p.returncode for p in procs] == [2, 2], [o[1][-3000:] for o in outs]
     said = sorted(o[1] for o in outs)
     assert all(s.count("\n") == 1 and "Terminating process" not in s for s in said), said

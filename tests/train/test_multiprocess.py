@@ -37,6 +37,7 @@ import pytest
 from recipes.train import coordinator, mesh
 from recipes.train.checkpoint import Checkpoints
 from recipes.train.lock import LOCK_NAME, DirLock
+from tests import helpers
 from tests.helpers import cpu_env, tiered
 from tests.train.test_distributed_startup import free_port
 
@@ -77,14 +78,8 @@ def processes(args, count: int = 2, per_process=None, port: int | None = None) -
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = DEADLINE) -> list[tuple[str, str]]:
-    """Each process's (stdout, stderr); every process still running at the deadline is killed (the test fails)."""
-    try:
-        return [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    """`tests.helpers.finish` with this file's deadline."""
+    return helpers.finish(procs, timeout)
 
 
 def rows(metrics: pathlib.Path) -> list[dict]:
