@@ -67,11 +67,11 @@ def budget(device: jax.Device, hbm_limit_gib: float | None) -> tuple[int | None,
     return None, f"no memory limit known for {device.device_kind}"
 
 
-def check(peak: Peak, *, host: int, pool: int, device: jax.Device, hbm_limit_gib: float | None
-          ) -> tuple[list[str], list[str]]:
-    """(problems that refuse the launch, notes to print)."""
+def check(peak: Peak, *, host: int, pool: int, device: jax.Device, budget: tuple[int | None, str],
+          hbm_limit_gib: float | None) -> tuple[list[str], list[str]]:
+    """(problems that refuse the launch, notes to print); `budget`: the run's (`budget`, `Job.budget`)."""
     problems, notes = [], []
-    limit, where = budget(device, hbm_limit_gib)
+    limit, where = budget
     d = peak.detail
     parts = (f"arguments {fmt_bytes(d['argument'])} + outputs {fmt_bytes(d['output'])} - donated "
              f"{fmt_bytes(d['alias'])} + temporaries {fmt_bytes(d['temp'])}") if peak.compiled else peak.source

@@ -77,7 +77,7 @@ def check_fits(job: Job, console: Console, plan: zoo.plan.Plan, step: Step) -> N
     if device.platform != "cpu":
         temps = meter.host_bytes(step.compiled, state_on_host=plan.state.host > 0)
         host = (plan.host_bytes if temps is None else temps) + plan.state.host
-    problems, notes = fit.check(plan.peak, host=host or 0, pool=plan.host_pool, device=device,
+    problems, notes = fit.check(plan.peak, host=host or 0, pool=plan.host_pool, device=device, budget=job.budget,
                                 hbm_limit_gib=settings.hbm_limit)
     for n in notes:
         console.print(n, soft_wrap=True, markup=False)
