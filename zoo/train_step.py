@@ -20,7 +20,7 @@ from zoo.layers import moe
 from zoo.loss import check_chunk, head_loss, next_token_loss, resolve_chunk
 from zoo.opt_state import state_shardings
 from zoo.optim import has_master, lr_schedule, make_optimizer
-from zoo.training import Training
+from zoo.training import STEP, Training
 
 __all__ = ["abstract_batch", "abstract_step", "all_finite", "check_grad_accum", "check_loss_chunk",
            "compile_abstract", "eval_loss", "family_step", "jit_step", "loss_and_grads", "micro_batches", "moe_drops",
@@ -226,9 +226,6 @@ def abstract_batch(batch: int, seq: int) -> dict[str, jax.ShapeDtypeStruct]:
     """The shapes of a training batch: tokens [B, S+1] int32 (inputs and shifted targets), weights [B, S] f32."""
     return {"tokens": jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32),
             "weights": jax.ShapeDtypeStruct((batch, seq), jnp.float32)}
-
-
-STEP = Training()   # the step of the planner and of a run without flags: AdamW, float32 moments, on the device
 
 
 @renames.keywords(**MOVED)

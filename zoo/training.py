@@ -49,3 +49,6 @@ class Training:
         if isinstance(self.weight_decay, bool) or not (isinstance(self.weight_decay, (int, float))
                                                        and math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
+
+
+STEP = Training()   # the step of the planner and of a run without flags: AdamW, float32 moments, on the device

@@ -24,8 +24,9 @@ import jax
 import zoo
 from recipes.train import meter
 from zoo.plan import links
-from zoo.plan.build import ADAMW, ONE_DEVICE
+from zoo.plan.build import ONE_DEVICE
 from zoo.plan.peak import allocator_limit
+from zoo.training import STEP
 
 GiB = 1 << 30
 
@@ -83,7 +84,7 @@ def inputs(device: jax.Device, *, hbm_gib: float | None = None, link_gbps: float
     return Inputs(hbm, hbm_src, rate, ovl, link_src, rate_tflops, tflops_src)
 
 
-def choose(model_cfg, ins: Inputs, *, batch: int, seq: int, training: zoo.plan.Training = ADAMW,
+def choose(model_cfg, ins: Inputs, *, batch: int, seq: int, training: zoo.plan.Training = STEP,
            parallel: zoo.plan.Parallelism = ONE_DEVICE) -> zoo.Recipe:
     """The recipe `zoo.plan` chooses for the model config `model_cfg` at [batch, seq] with `ins`."""
     return zoo.plan.plan(model_cfg, "auto", batch=batch, seq=seq, hardware=ins.hardware(), parallel=parallel,

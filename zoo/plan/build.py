@@ -28,12 +28,13 @@ from zoo.plan.peak import chunk_to_fit, loss_bytes
 from zoo.plan.target import device_target, find_peak, link_of, peak_target, step_rate_of
 from zoo.plan.types import CARRY, GiB, ModelState, Plan, StackPlan, TagPlan, ceil_div, fmt_bytes
 from zoo.recipe import Recipe
+from zoo.training import STEP
 
-NO_HARDWARE, ONE_DEVICE, ADAMW = Hardware(), Parallelism(), Training()
+NO_HARDWARE, ONE_DEVICE = Hardware(), Parallelism()
 
 
 def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware = NO_HARDWARE,
-         parallel: Parallelism = ONE_DEVICE, training: Training = ADAMW, peak: str | None = "auto", compiled=None,
+         parallel: Parallelism = ONE_DEVICE, training: Training = STEP, peak: str | None = "auto", compiled=None,
          model_name: str | None = None) -> Plan:
     """Plan `recipe` (a `zoo.Recipe`, or "auto" to choose one: it needs an HBM budget, a link and a FLOP rate) for the
     model `cfg` (a config or a built model) at global [batch, seq], on `hardware`, split as `parallel` says, for the
@@ -113,7 +114,7 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
                 loss_chunk=resolve_chunk(training.loss_chunk, ceil_div(micro, shard), seq, cfg.vocab_size))
 
 
-def model_state(cfg, *, training: Training = ADAMW, parallel: Parallelism = ONE_DEVICE) -> ModelState:
+def model_state(cfg, *, training: Training = STEP, parallel: Parallelism = ONE_DEVICE) -> ModelState:
     """The model state per device that `plan` counts (parameters, gradients, the optimizer's moments, gradient sums
     and a master copy, where `training` puts them), from shapes alone: under `parallel.mesh` by the sharding rules,
     else split evenly over `parallel.shard` devices."""

@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 
 from zoo import renames
-from zoo.plan.build import ADAMW, NO_HARDWARE, plan
+from zoo.plan.build import NO_HARDWARE, plan
 from zoo.plan.inputs import Hardware, Training, check_positive
 from zoo.plan.peak import allocator_limit
 from zoo.plan.target import device_target
 from zoo.plan.types import GiB, fmt_bytes
 from zoo.recipe import Recipe
+from zoo.training import STEP
 
 DEFAULT_CAP = 1024
 
@@ -98,7 +99,7 @@ def candidates(cap: int = DEFAULT_CAP, batches=None) -> tuple[int, ...]:
                   device_kind="hardware=zoo.plan.Hardware(device_kind=...)",
                   optimizer="training=zoo.plan.Training(optimizer=...)",
                   opt_dtype="training=zoo.plan.Training(opt_dtype=...)")
-def largest_batch(cfg, recipe: Recipe, *, seq: int, hardware: Hardware = NO_HARDWARE, training: Training = ADAMW,
+def largest_batch(cfg, recipe: Recipe, *, seq: int, hardware: Hardware = NO_HARDWARE, training: Training = STEP,
                   peak: str = "auto", batches=None, start: int | None = None, cap: int = DEFAULT_CAP) -> Capacity:
     """The largest batch (of `batches`, default the powers of two up to `cap`) whose planned peak HBM fits the
     budget (`hardware.hbm_gib`, else the allocator limit of the device present), for `recipe` at `seq` and the step

@@ -9,11 +9,12 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from zoo.plan.build import ADAMW, NO_HARDWARE, ONE_DEVICE, plan
+from zoo.plan.build import NO_HARDWARE, ONE_DEVICE, plan
 from zoo.plan.inputs import Hardware, Parallelism, Training
 from zoo.plan.peak import chunk_to_fit, from_compiled
 from zoo.plan.types import GiB, ceil_div, fmt_bytes
 from zoo.recipe import Recipe
+from zoo.training import STEP
 
 ATTEMPTS = 3
 MARGIN = GiB // 2   # taken off a lowered budget beyond the excess, for the allocator's slack
@@ -34,7 +35,7 @@ class Fitted:
 
 
 def fit(cfg, recipe: Recipe | str, *, batch: int, seq: int, compile: Callable[[Recipe, int | None], tuple],
-        limit: int | None, hardware: Hardware = NO_HARDWARE, training: Training = ADAMW,
+        limit: int | None, hardware: Hardware = NO_HARDWARE, training: Training = STEP,
         parallel: Parallelism = ONE_DEVICE) -> Fitted:
     """Compile the step of `recipe` (a Recipe, or "auto") under `training` and fit it to `limit` bytes of device
     memory (None: no limit known): see the module docstring."""

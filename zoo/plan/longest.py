@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from zoo.plan.build import ADAMW, NO_HARDWARE, plan
+from zoo.plan.build import NO_HARDWARE, plan
 from zoo.plan.capacity import budget
 from zoo.plan.inputs import Hardware, Training, check_positive
 from zoo.plan.state import host_budget, host_pool_bytes, machine_ram_bytes
 from zoo.plan.target import device_target
 from zoo.plan.types import POOL_ENV, fmt_bytes
 from zoo.recipe import Recipe
+from zoo.training import STEP
 
 DEFAULT_SEQ_CAP = 1 << 20
 FIRST = 1024   # the shortest sequence a walk tries
@@ -66,7 +67,7 @@ class Longest:
 
 
 def longest_seq(cfg, recipe: Recipe | str, *, batch: int = 1, hardware: Hardware = NO_HARDWARE,
-                training: Training = ADAMW, peak: str = "auto", start: int | None = None,
+                training: Training = STEP, peak: str = "auto", start: int | None = None,
                 cap: int = DEFAULT_SEQ_CAP) -> Longest:
     """The longest power-of-two sequence (from `FIRST` up to `cap` and the config's `max_seq_len`) whose step fits
     the budgets, for `recipe` (a Recipe, or "auto": chosen per length) at `batch`. `peak`: as `zoo.plan.plan`'s

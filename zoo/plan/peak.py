@@ -13,8 +13,8 @@ import jax
 from zoo.loss import MIN_DEFAULT_CHUNK, divisors, resolve_chunk
 from zoo.models.registry import family_of
 from zoo.plan.types import ceil_div
-from zoo.train_step import DEFAULT_LOSS_CHUNK, STEP, compile_abstract
-from zoo.training import Training
+from zoo.train_step import DEFAULT_LOSS_CHUNK, compile_abstract
+from zoo.training import STEP, Training
 
 
 @dataclasses.dataclass(frozen=True)
