@@ -5,7 +5,9 @@ sequence while their bytes grow as the sequence (docs/long-context.md).
 
 Past 64K the limit is where every byte lives: the `_tiles` recipes run each layer's per-position parts in
 `TILES` sequence tiles (`zoo.layers.tiles`), and `long_context` also keeps the layer input once per two layers,
-in pinned host memory (a family whose stacks two does not divide leaves it out).
+in pinned host memory; `longest_context` once per four, each group's layers keeping the kernel's two residuals only
+while the group's backward pass runs (two-level checkpoints). A family whose stacks two does not divide leaves both
+out; a model whose layers four does not divide refuses `longest_context` by name.
 """
 from zoo import Recipe
 from zoo.recipe import ATTENTION_RESIDUALS as CONTEXT
@@ -16,7 +18,7 @@ TILES = 16
 
 def context_recipes(kernel: str = "the attention kernel's", *, grouped: bool = True) -> dict[str, Recipe]:
     """{"context_save", "context_offload", "context_tiles", "context_offload_tiles" and, with `grouped`,
-    "long_context"} for a family whose attention is described as `kernel`."""
+    "long_context" and "longest_context"} for a family whose attention is described as `kernel`."""
     out = {
         "context_save": Recipe("context_save", device=CONTEXT,
                                description=f"{kernel} output and softmax statistics kept in HBM: no attention "
@@ -35,4 +37,10 @@ def context_recipes(kernel: str = "the attention kernel's", *, grouped: bool = T
                                      description=f"{kernel} output and statistics in HBM, the layer input of every "
                                                  f"second layer in pinned host memory, {TILES} sequence tiles: "
                                                  f"256K on one H200")
+        out["longest_context"] = Recipe("longest_context", offload=CARRY, seq_tiles=TILES, group=4,
+                                        group_keep=CONTEXT,
+                                        description=f"the layer input of every fourth layer in pinned host memory, "
+                                                    f"each group's layers keeping {kernel} output and statistics "
+                                                    f"while the group's backward runs (two-level checkpoints), "
+                                                    f"{TILES} sequence tiles: 512K on one H200")
     return out

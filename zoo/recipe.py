@@ -40,6 +40,7 @@ class ResolvedRecipe:
     recipe: Recipe
     offload: tuple[str, ...]
     device: tuple[str, ...]
+    group_keep: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,11 +59,14 @@ class Recipe:
     description: str = ""
     seq_tiles: int = 1              # the per-position parts of each layer in this many sequence tiles
     group: int = 1                  # layers per rematerialized group: the layer input kept every `group` layers
+    # tags (or patterns) each layer of a group keeps in HBM while its group's backward pass runs, recomputed between
+    # the passes: the group's recompute makes them once, each layer's own backward reads them (two-level checkpoints)
+    group_keep: tuple[str, ...] = ()
 
     def __post_init__(self):
         """Checks only (the fields are never rewritten): tuples of strings, each matching a tag of the vocabulary,
         no tag placed twice, a special recipe without tags."""
-        for field in ("offload", "device"):
+        for field in ("offload", "device", "group_keep"):
             value = getattr(self, field)
             if not isinstance(value, tuple):
                 raise ValueError(f"Recipe {self.name!r}: {field} takes a tuple of tags, got {value!r}")
@@ -80,6 +84,9 @@ class Recipe:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Recipe {self.name!r}: {field} must be a positive int, got {value!r}")
+        if self.group_keep and self.group == 1:
+            raise ValueError(f"Recipe {self.name!r}: group_keep={self.group_keep!r} needs layer groups (group > 1): it "
+                             f"says what a group's backward pass keeps while it runs")
         if self.special == "none" and (self.seq_tiles > 1 or self.group > 1):
             raise ValueError(f"Recipe {self.name!r} recomputes nothing: seq_tiles and group only change what is "
                              f"recomputed, and must be 1")
@@ -88,6 +95,7 @@ class Recipe:
         if both:
             raise ValueError(f"Recipe {self.name!r}: {both} placed both on device and offloaded; a tag has one "
                              f"placement. The vocabulary is: {tags_lib.vocabulary()}")
+        keep = r.group_keep
         for group in TOGETHER:
             kept = [t for t in group if t in r.offload or t in r.device]
             if kept and len(kept) < len(group):
@@ -96,6 +104,10 @@ class Recipe:
                                  f"only pay together (the attention kernel's backward reads both, so keeping one "
                                  f"still runs the attention forward again); keep {missing} too (on device or "
                                  f"offloaded), or neither")
+            inner = [t for t in group if t in keep or t in kept]
+            if 0 < len(inner) < len(group):
+                raise ValueError(f"Recipe {self.name!r}: group_keep keeps {inner} but not "
+                                 f"{[t for t in group if t not in inner]}: {' and '.join(group)} only pay together")
 
     def resolve(self, emitted: Iterable[str] | None = None, where: str = "the model") -> ResolvedRecipe:
         """The tag names this recipe offloads and keeps on the device: over the whole vocabulary, or, given the
@@ -106,13 +118,14 @@ class Recipe:
             names: Iterable[str] = tags_lib.NAMES
         else:
             names = [t for t in tags_lib.NAMES if t in set(emitted)]
-            for field in ("offload", "device"):
+            for field in ("offload", "device", "group_keep"):
                 for pat in getattr(self, field):
                     if not _expand((pat,), names):
                         raise ValueError(
                             f"Recipe {self.name!r}: {field} entry {pat!r} matches no tag that {where} emits; "
                             f"{where} emits: {', '.join(sorted(names))}")
-        return ResolvedRecipe(self, _expand(self.offload, names), _expand(self.device, names))
+        return ResolvedRecipe(self, _expand(self.offload, names), _expand(self.device, names),
+                              _expand(self.group_keep, names))
 
     @classmethod
     def none(cls, name: str = "none") -> Recipe:
@@ -120,16 +133,19 @@ class Recipe:
         return cls(name, special="none", description="nothing recomputed: every residual saved on device")
 
     @classmethod
-    def full(cls, name: str = "full", *, seq_tiles: int = 1, group: int = 1) -> Recipe:
+    def full(cls, name: str = "full", *, seq_tiles: int = 1, group: int = 1, group_keep: tuple[str, ...] = ()
+             ) -> Recipe:
         """Everything recomputed but the scan carry (kept every `group` layers), in `seq_tiles` sequence tiles."""
         return cls(name, special="full", description="everything recomputed but the scan carry", seq_tiles=seq_tiles,
-                   group=group)
+                   group=group, group_keep=group_keep)
 
     @property
     def structure(self) -> str:
         """How the stack recomputes beyond the tags, in words ("" for one tile and one layer per group)."""
+        keep = self.resolve().group_keep
         parts = [f"in {self.seq_tiles} sequence tiles" if self.seq_tiles > 1 else "",
-                 f"the layer input kept every {self.group} layers" if self.group > 1 else ""]
+                 f"the layer input kept every {self.group} layers" if self.group > 1 else "",
+                 f"{list(keep)} kept while a group's backward runs" if keep else ""]
         return ", ".join(p for p in parts if p)
 
     def placement(self, tag: str) -> Placement:
@@ -162,6 +178,17 @@ class Recipe:
             offload_src="device",
             offload_dst=OFFLOAD_DST,
         )
+
+    def layer_policy(self):
+        """The checkpoint policy of each layer inside a group of `group` layers (two-level checkpoints,
+        `zoo.models.stack.group_body`): every tag the recipe keeps (in HBM or offloaded: the group's own policy
+        brings it back) and `group_keep`, saved in HBM while the group's backward pass runs."""
+        cp = jax.checkpoint_policies
+        if self.special == "none":
+            return cp.everything_saveable
+        r = self.resolve()
+        names = (() if self.special == "full" else r.device + r.offload) + r.group_keep
+        return cp.save_only_these_names(*names) if names else cp.nothing_saveable
 
     def __str__(self) -> str:
         extra = f"; {self.structure}" if self.structure else ""

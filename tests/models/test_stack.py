@@ -19,7 +19,7 @@ from zoo.models.registry import FAMILIES, family
 from zoo.plan import measure
 
 B, S = 2, 16
-LONG = ("context_tiles", "context_offload_tiles", "long_context")
+LONG = ("context_tiles", "context_offload_tiles", "long_context", "longest_context")
 CARRY = ("decoder_layer_input",)
 CONTEXT = ("attention_out", "context")
 
@@ -64,7 +64,7 @@ def test_the_plan_of_each_long_context_recipe_is_what_jax_saves(built):
         for sp in p.stacks:
             device, host, hoisted = measure.stack_residuals(model, sp.name, B, S, r.policy(),
                                                             group=model.stack_group(sp.name, r.group),
-                                                            tiles=r.seq_tiles)
+                                                            tiles=r.seq_tiles, layer_policy=r.layer_policy())
             assert (sp.host_bytes, sp.device_bytes) == (host, device + hoisted), (r.name, sp.name)
             assert (host > 0) == bool(r.offload), (r.name, sp.name)
 

@@ -19,7 +19,7 @@ from zoo import emitted as emitted_lib
 from zoo import tags as tags_lib
 
 
-def _run(layer: nnx.Module, x: jax.Array, tiles: int) -> tuple[jax.Array, Any]:
+def _run(layer: nnx.Module, x: jax.Array, tiles: int = 1) -> tuple[jax.Array, Any]:
     out = layer(x) if tiles == 1 else layer(x, tiles=tiles)
     return out if isinstance(out, tuple) else (out, {})
 
@@ -31,23 +31,30 @@ def layer_body(layer: nnx.Module, x: jax.Array, tiles: int = 1) -> tuple[jax.Arr
     return _run(layer, x, tiles)
 
 
-def group_body(group: nnx.Module, x: jax.Array, tiles: int = 1) -> tuple[jax.Array, Any]:
+def group_body(group: nnx.Module, x: jax.Array, tiles: int = 1, layer_policy=None) -> tuple[jax.Array, Any]:
     """A group of layers (`group`'s variables [k, ...]) as the scan sees it: the group's input named, then each layer
-    in order. Returns (x, aux stacked over the k layers). Its backward pass recomputes the group's forward and holds
-    every layer's residuals at once: the price of keeping one input per group. (A checkpoint around each layer
-    inside would not lower it: JAX saves an inner checkpoint's inputs as residuals of the outer one.)"""
+    in order, each rematerialized on its own under `layer_policy` (two-level checkpoints; None: the layers run
+    plainly inside the group). Returns (x, aux stacked over the k layers).
+
+    The group's backward pass recomputes the group's forward keeping each layer's input and what `layer_policy`
+    saves, then each layer's backward recomputes that layer alone: it holds k inputs and one layer's residuals, not k
+    layers' residuals (JAX saves an inner checkpoint's inputs as residuals of the outer one)."""
     x = tags_lib.name(x, "decoder_layer_input", ("batch", "seq", "embed"))
+    run = functools.partial(_run, tiles=tiles)
+    if layer_policy is not None:
+        run = remat(lambda layer, x: _run(layer, x, tiles), layer_policy)
     auxes = []
     for i in range(_leading(group)):
-        x, aux = _run(module_at(group, i), x, tiles)
+        x, aux = run(module_at(group, i), x)
         auxes.append(aux)
     return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
 
 
-def body_of(group: int, tiles: int) -> Callable[[nnx.Module, jax.Array], tuple[jax.Array, Any]]:
-    """The plain `(modules, x)` function the scan applies: `layer_body` (`group` 1) or `group_body`, with `tiles`."""
+def body_of(group: int, tiles: int, layer_policy=None) -> Callable[[nnx.Module, jax.Array], tuple[jax.Array, Any]]:
+    """The plain `(modules, x)` function the scan applies: `layer_body` (`group` 1) or `group_body` (its layers under
+    `layer_policy`), with `tiles`."""
     def body(modules: nnx.Module, x: jax.Array) -> tuple[jax.Array, Any]:
-        return layer_body(modules, x, tiles) if group == 1 else group_body(modules, x, tiles)
+        return layer_body(modules, x, tiles) if group == 1 else group_body(modules, x, tiles, layer_policy)
     return body
 
 
@@ -120,12 +127,15 @@ class Stack(nnx.Module):
             raise ValueError(f"group={group} does not divide the {self.num_layers} layers of {name}: a recipe's "
                              f"group must divide every stack's layer count")
 
-    def __call__(self, x: jax.Array, policy, *, group: int = 1, tiles: int = 1) -> tuple[jax.Array, Any]:
-        """Apply every layer in order under the checkpoint `policy`, `group` layers per rematerialized body, the
+    def __call__(self, x: jax.Array, policy, *, group: int = 1, tiles: int = 1,
+                 layer_policy=None) -> tuple[jax.Array, Any]:
+        """Apply every layer in order under the checkpoint `policy`, `group` layers per rematerialized body (each
+        layer inside rematerialized on its own under `layer_policy`, default `policy`: two-level checkpoints), the
         per-position parts in `tiles` sequence tiles. Returns (x, aux stacked over layers)."""
         self.check_group(group)
         modules = self.layers if group == 1 else grouped(self.layers, group)
-        body, n = body_of(group, tiles), self.num_layers // group
+        layer_policy = policy if layer_policy is None else layer_policy
+        body, n = body_of(group, tiles, layer_policy), self.num_layers // group
         if n == 1:
             # XLA removes a while loop that runs once, and the host offloads inside it with it: measured on the
             # H200 (jax 0.11.2), a one-layer scan offloaded nothing. One layer (or group) is applied without a scan.
@@ -147,14 +157,15 @@ class Stack(nnx.Module):
         """The [batch, seq, dim] input of a layer, as a ShapeDtypeStruct of the layers' activation dtype."""
         return jax.ShapeDtypeStruct((batch, seq, self.layers.dim), self.layers.dtype)
 
-    def layer_fn(self, policy=None, *, group: int = 1, tiles: int = 1) -> tuple[Callable, Any]:
-        """(f, abstract state): one layer (`group` > 1: one group of that many layers, its state [group, ...]) as a
-        pure function f(state, x) -> (x, aux), rematerialized under the checkpoint `policy` as the scan runs it
-        (None: not rematerialized), its per-position parts in `tiles` sequence tiles."""
+    def layer_fn(self, policy=None, *, group: int = 1, tiles: int = 1, layer_policy=None) -> tuple[Callable, Any]:
+        """(f, abstract state): one layer (`group` > 1: one group of that many layers, its state [group, ...], each
+        layer under `layer_policy`, default `policy`) as a pure function f(state, x) -> (x, aux), rematerialized
+        under the checkpoint `policy` as the scan runs it (None: not rematerialized), its per-position parts in
+        `tiles` sequence tiles."""
         graphdef, state = self.abstract_layer()
         if group > 1:
             state = jax.tree.map(lambda a: jax.ShapeDtypeStruct((group,) + a.shape, a.dtype), state)
-        fn = body_of(group, tiles)
+        fn = body_of(group, tiles, policy if layer_policy is None else layer_policy)
         body = fn if policy is None else remat(fn, policy)
         return (lambda s, x: body(nnx.merge(graphdef, s), x)), state
 

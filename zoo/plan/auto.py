@@ -23,14 +23,16 @@ GROUPS = (1, 2, 4)
 TIE = 0.005   # candidates are tried simplest first; a later one wins only if this much cheaper
 
 
-def structures(model, seq: int) -> list[tuple[int, int]]:
-    """The (sequence tiles, layers per group) `choose_structure` tries for `model` at `seq`: one tile, and the most of
-    `TILES` that divides the sequence into tiles of at least `MIN_TILE` positions; each of `GROUPS` that divides every
-    main stack's layers."""
+def structures(model, seq: int) -> list[tuple[int, int, tuple[str, ...]]]:
+    """The (sequence tiles, layers per group, tags a group's layers keep while its backward runs) `choose_structure`
+    tries for `model` at `seq`: one tile, and the most of `TILES` that divides the sequence into tiles of at least
+    `MIN_TILE` positions; each of `GROUPS` that divides every main stack's layers, its layers keeping the attention
+    kernel's residuals (one attention forward fewer) or nothing."""
     tiles = [1] + [t for t in TILES if seq % t == 0 and seq // t >= MIN_TILE][-1:]
     layers = [model.stacks()[n].num_layers for n in model.stack_names]
     groups = [g for g in GROUPS if all(n % g == 0 and n // g >= 1 for n in layers)]
-    return [(t, g) for g in groups for t in tiles]
+    keeps = [tuple(t for g in TOGETHER for t in g), ()]
+    return [(t, g, k) for g in groups for k in (keeps if g > 1 else [()]) for t in tiles]
 
 
 def choose_structure(layout_of, *, candidates, state: ModelState, shard: int, hbm_budget: int,
@@ -39,25 +41,26 @@ def choose_structure(layout_of, *, candidates, state: ModelState, shard: int, hb
     """The recipe `choose` makes for the structure (tiles, group) of `candidates` that costs least (recompute and
     exposed copies, seconds per step) among those whose choice fits the budgets; the first candidate's (one tile, no
     groups) where none fits. Once a structure that fits keeps every tag that saves recompute in HBM, the larger
-    ones are not tried (they could only add recompute). `layout_of(tiles, group)`: the planner's `Layout`;
+    ones are not tried (they could only add recompute). `layout_of(tiles, group, keep)`: the planner's `Layout`;
     `reserve(layout, recipe)`: HBM the step needs beside the plan's saved bytes (the loss's logits, one group's
     backward)."""
     best, layouts = None, {}
-    for (tiles, group), carry_out in itertools.product(candidates, (False, True)):
+    for (tiles, group, keep), carry_out in itertools.product(candidates, (False, True)):
         if best is not None and best[0] and not best[4]:
             break   # a simpler structure kept in HBM every tag that saves recompute: more tiles or layers only cost
-        if (tiles, group) not in layouts:
-            layouts[(tiles, group)] = layout_of(tiles, group)
-        lay = layouts[(tiles, group)]
+        if (tiles, group, keep) not in layouts:
+            layouts[(tiles, group, keep)] = layout_of(tiles, group, keep)
+        lay = layouts[(tiles, group, keep)]
         # the reserve depends on what is kept (a kept tensor is not remade): start from keeping the tags that pay
         # together, then from the choice itself
-        probe = Recipe("probe", device=tuple(t for g in TOGETHER for t in g), seq_tiles=tiles, group=group)
+        probe = Recipe("probe", device=tuple(t for g in TOGETHER for t in g), seq_tiles=tiles, group=group,
+                       group_keep=keep)
         for _ in range(2):
             chooser = _Chooser(lay.shapes, lay.needed, lay.costs, shard, host_budget, link, rate, Overlap.of(overlap),
                                hbm_left=hbm_budget - state.total - reserve(lay, probe), groups=lay.groups)
             chooser.place_carry(offload_first=carry_out)
             chooser.place_pairs(chooser.place_singles())
-            recipe = chooser.recipe(tiles, group)
+            recipe = chooser.recipe(tiles, group, keep)
             if recipe == probe:
                 break
             probe = recipe
@@ -111,10 +114,12 @@ class _Chooser:
         return sum(ceil_div(sds_nbytes(self.shapes[s].tags[t]), self.shard * (self.groups[s] if t == CARRY else 1))
                    for t in group if t in self.shapes[s].tags and t in self.needed[s])
 
-    def recipe(self, tiles: int = 1, group: int = 1) -> Recipe:
-        """The choice so far as a recipe (with the structure it was made for)."""
+    def recipe(self, tiles: int = 1, group: int = 1, keep: tuple[str, ...] = ()) -> Recipe:
+        """The choice so far as a recipe (with the structure it was made for: `keep`, what a group's layers keep while
+        its backward runs, less what the choice keeps anyway)."""
+        keep = tuple(t for t in keep if t not in self.offload and t not in self.device)
         return Recipe("auto", offload=tuple(self.offload), device=tuple(self.device), seq_tiles=tiles, group=group,
-                      description="chosen by zoo.plan for an HBM budget, a link and a FLOP rate")
+                      group_keep=keep, description="chosen by zoo.plan for an HBM budget, a link and a FLOP rate")
 
     def seconds(self) -> float:
         """Seconds per step the choice costs: the recompute it leaves and its exposed copies."""

@@ -72,11 +72,11 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
         # recompute is priced at the step's measured rate where one is known, else at the given FLOP rate
         host_budget = state_lib.host_budget(hardware.host_gib, pool, ram) - state.host
         recipe, notes = auto.choose_structure(
-            lambda tiles, group: layout(cfg, micro, seq, amesh, shard, tiles, group),
+            lambda tiles, group, keep: layout(cfg, micro, seq, amesh, shard, tiles, group, keep),
             candidates=auto.structures(model, seq), state=state, shard=shard, hbm_budget=hbm_budget,
             host_budget=host_budget, link=link_gbps * 1e9, rate=(step_tflops or hardware.tflops) * 1e12,
             overlap=overlap, reserve=lambda lay, r: loss_reserve(cfg, training, micro, seq, shard) + lay.working(r))
-    lay = layout(cfg, micro, seq, amesh, shard, recipe.seq_tiles, recipe.group)
+    lay = layout(cfg, micro, seq, amesh, shard, recipe.seq_tiles, recipe.group, recipe.resolve().group_keep)
     shapes = lay.shapes
     stacks, extra = [], []
     for s, st in shapes.items():
@@ -150,7 +150,7 @@ class Layout:
     def working(self, recipe: Recipe) -> int:
         """Per device: the most one group's backward pass holds beyond the plan's saved bytes (`measure.working_bytes`,
         the largest over the stacks)."""
-        key = (recipe.offload, recipe.device, recipe.special)
+        key = (recipe.offload, recipe.device, recipe.special, recipe.group_keep)
         if key not in self.memo:
             self.memo[key] = max(ceil_div(working_bytes(self.model, s, self.micro, self.seq, recipe, self.groups[s]),
                                           self.shard) for s in self.shapes)
@@ -158,15 +158,18 @@ class Layout:
 
 
 @functools.lru_cache(maxsize=16)
-def layout(cfg, micro: int, seq: int, amesh, shard: int, tiles: int, group: int) -> Layout:
+def layout(cfg, micro: int, seq: int, amesh, shard: int, tiles: int, group: int, keep: tuple[str, ...] = ()
+           ) -> Layout:
     """The `Layout` of the model of `cfg` at [micro, seq] for `tiles` sequence tiles and `group` layers per group (a
-    main stack's; an extra head's layers run one at a time). Cached: auto and a run's fitting ask it again."""
+    main stack's; an extra head's layers run one at a time), each layer of a group keeping the tags `keep` while the
+    group's backward runs. Cached: auto and a run's fitting ask it again."""
     check_tiles(tiles, seq)
     model = abstract_model(cfg)
     shapes = model.tag_shapes(micro, seq, tiles=tiles)
     groups = {s: model.stack_group(s, group) for s in shapes}
     # attention's FLOPs are counted from its shapes whatever kernel runs (zoo.plan.measure.LayerCost)
-    costs = {s: layer_cost(cfg, s, micro, seq, groups[s], tiles) for s in shapes}
+    costs = {s: layer_cost(cfg, s, micro, seq, groups[s], tiles, frozenset(keep) if groups[s] > 1 else frozenset())
+             for s in shapes}
     needed = {s: costs[s].residual_tags(shapes[s].tags) for s in shapes}
     device_shapes, per_device = _per_device(model, shapes, micro, seq, amesh, shard)
     return Layout(model, micro, seq, shard, tiles, shapes, costs, needed, device_shapes, per_device, groups)
@@ -255,7 +258,7 @@ def _stack_plan(model, s: str, st, recipe: Recipe, lay: Layout, notes: dict, *, 
         tag_plans.append(TagPlan(tag, tuple(sds.shape), jnp.dtype(sds.dtype).name, place, residual, nbytes,
                                  device, host, note, split))
     jax_device, jax_host, hoisted = stack_residuals(model, s, micro, seq, recipe.policy(), group=group,
-                                                    tiles=lay.tiles)
+                                                    tiles=lay.tiles, layer_policy=recipe.layer_policy())
 
     def share(t):   # the bytes per layer of tag t as JAX saves it: the carry once per group
         return sds_nbytes(st.tags[t]) // (group if t == CARRY else 1)

@@ -169,14 +169,15 @@ def _view_of_parameters(r: Residual) -> bool:
 
 
 def stack_residuals(model, stack_name: str, batch: int, seq: int, policy, *, group: int = 1,
-                    tiles: int = 1) -> tuple[int, int, int]:
+                    tiles: int = 1, layer_policy=None) -> tuple[int, int, int]:
     """What JAX saves for the scanned stack `stack_name` under `policy` (`group` layers per rematerialized body,
     `tiles` sequence tiles), for a [batch, seq] input: (device bytes stacked over the layers, host bytes stacked
     over the layers, device bytes hoisted out of the scan). Constants and views of the parameters are left out."""
     stack = model.stacks()[stack_name]
     graphdef, state = nnx.split(stack)
     state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
-    res = residuals(lambda s, x: sum_outputs(nnx.merge(graphdef, s)(x, policy, group=group, tiles=tiles)), state,
+    res = residuals(lambda s, x: sum_outputs(nnx.merge(graphdef, s)(x, policy, group=group, tiles=tiles,
+                                                                             layer_policy=layer_policy)), state,
                     stack.abstract_input(batch, seq))
     res = [r for r in res if not r.source.startswith("from a constant") and not _view_of_parameters(r)]
     scans = stack.num_layers // group
@@ -239,34 +240,48 @@ class LayerCost:
     """One layer of a stack, abstract, at [batch, seq], traced once to a jaxpr: its forward FLOPs, the tags its
     backward pass needs, and, for any set of saved tags, the FLOPs its backward pass re-runs (cached). With `group`
     k, one rematerialized group of k layers is traced and every figure is per layer (the group's over k): the
-    recompute then includes remaking the inputs of the group's inner layers. `tiles`: the recipe's sequence tiles.
-    Differentiating the traced jaxpr rather than the module keeps each question to a fraction of a second for a
-    671B layer."""
+    recompute then includes the group's forward and each layer's own (two-level checkpoints), each layer keeping
+    the saved tags and `keep` (the recipe's `group_keep`) while the group's backward runs. `tiles`: the recipe's
+    sequence tiles. Differentiating the traced jaxpr rather than the module keeps each question to a fraction of a
+    second for a 671B layer."""
 
-    def __init__(self, model, stack_name: str, batch: int, seq: int, group: int = 1, tiles: int = 1):
+    def __init__(self, model, stack_name: str, batch: int, seq: int, group: int = 1, tiles: int = 1,
+                 keep: frozenset[str] = frozenset()):
         stack = model.stacks()[stack_name]
+        self.group, self.keep = group, frozenset(keep)
+        self._stack, self._tiles = stack, tiles
         fn, state = stack.layer_fn(group=group, tiles=tiles)
-        self.group = group
-        self.args, treedef = jax.tree.flatten((state, stack.abstract_input(batch, seq)))
-        closed = jax.make_jaxpr(lambda *a: fn(*jax.tree.unflatten(treedef, a))[0])(*self.args)
+        self.args, self._treedef = jax.tree.flatten((state, stack.abstract_input(batch, seq)))
+        closed = self._trace(fn)
         tags = stack.tag_shapes(stack.abstract_input(batch, seq), tiles)
         self._tags = frozenset(tags)   # a saved set is read as its part in this layer (the rest changes nothing)
         # causal attention, whatever kernel runs (0 for a layer without attention)
         self.attention_flops = (attention_flops(tags["query_proj"], tags["value_proj"])
                                 if {"query_proj", "value_proj", "context"} <= set(tags) else 0)
         self.forward_flops = flops(closed.jaxpr) // group + self.attention_flops
-        as_fun = jax.extend.core.jaxpr_as_fun(closed)
-        self._fn = lambda *a: as_fun(*a)[0]
+        self._fn = self._as_fn(closed)
         self._wrt = tuple(i for i, a in enumerate(self.args) if jnp.issubdtype(a.dtype, jnp.inexact))
         self._cache: dict = {}
-        self._grad_none = self._grad_flops(Recipe.none().policy())
+        self._grad_none = self._grad_flops(Recipe.none().policy(), jax.checkpoint_policies.everything_saveable)
 
-    def _loss(self, policy):
-        body = remat(self._fn, policy)
+    def _trace(self, fn):
+        return jax.make_jaxpr(lambda *a: fn(*jax.tree.unflatten(self._treedef, a))[0])(*self.args)
+
+    @staticmethod
+    def _as_fn(closed):
+        as_fun = jax.extend.core.jaxpr_as_fun(closed)
+        return lambda *a: as_fun(*a)[0]
+
+    def _loss(self, policy, inner=None):
+        fn = self._fn
+        if self.group > 1 and inner is not None:   # the group's layers, each under the checkpoint policy `inner`
+            fn = self._as_fn(self._trace(self._stack.layer_fn(group=self.group, tiles=self._tiles,
+                                                              layer_policy=inner)[0]))
+        body = remat(fn, policy)
         return lambda *a: jnp.sum(body(*a).astype(jnp.float32))
 
-    def _grad_flops(self, policy) -> int:
-        grad = jax.grad(self._loss(policy), argnums=self._wrt)
+    def _grad_flops(self, policy, inner=None) -> int:
+        grad = jax.grad(self._loss(policy, inner), argnums=self._wrt)
         return flops(jax.make_jaxpr(grad)(*self.args).jaxpr)
 
     def residual_tags(self, emitted) -> frozenset[str]:
@@ -280,15 +295,19 @@ class LayerCost:
         saved = frozenset(saved) & self._tags
         if saved not in self._cache:
             attention = self._attention_again(saved)
-            kept = saved - ATTENTION_RESIDUALS if attention else saved
-            policy = Recipe("saved", device=tuple(sorted(kept))).policy()
-            self._cache[saved] = (self._grad_flops(policy) - self._grad_none) // self.group + attention
+            policy = Recipe("saved", device=tuple(sorted(_matmul_part(saved)))).policy()
+            inner = Recipe("inner", device=tuple(sorted(_matmul_part(saved | self.keep)))).policy()
+            self._cache[saved] = (self._grad_flops(policy, inner) - self._grad_none) // self.group + attention
         return self._cache[saved]
 
     def _attention_again(self, saved) -> int:
-        """Attention's forward FLOPs run again when the tags `saved` are kept: all of them unless both of the
-        kernel's residuals are kept (zoo.recipe.TOGETHER)."""
-        return 0 if ATTENTION_RESIDUALS <= saved else self.attention_flops
+        """Attention's forward FLOPs run again when the tags `saved` are kept: once unless both of the kernel's
+        residuals are kept (zoo.recipe.TOGETHER); in a group, once more in each layer's own backward unless the
+        layers keep them (`keep`) while the group's backward runs."""
+        again = 0 if ATTENTION_RESIDUALS <= saved else self.attention_flops
+        if self.group > 1 and not ATTENTION_RESIDUALS <= saved | self.keep:
+            again += self.attention_flops
+        return again
 
     @staticmethod
     def _kept(recipe: Recipe, emitted) -> frozenset[str]:
@@ -303,24 +322,42 @@ class LayerCost:
         return 0 if recipe.special == "none" else self.remat_flops(self._kept(recipe, emitted))
 
 
+def _matmul_part(saved: frozenset[str]) -> frozenset[str]:
+    """`saved` as it changes the matmuls re-run: the kernel's residuals only count together (attention's own FLOPs
+    are counted from its shapes)."""
+    return saved if ATTENTION_RESIDUALS <= saved else saved - ATTENTION_RESIDUALS
+
+
 @functools.lru_cache(maxsize=32)
-def layer_cost(cfg, stack_name: str, batch: int, seq: int, group: int = 1, tiles: int = 1) -> LayerCost:
-    return LayerCost(abstract_model(cfg), stack_name, batch, seq, group, tiles)
+def layer_cost(cfg, stack_name: str, batch: int, seq: int, group: int = 1, tiles: int = 1,
+               keep: frozenset[str] = frozenset()) -> LayerCost:
+    return LayerCost(abstract_model(cfg), stack_name, batch, seq, group, tiles, keep)
+
+
+def _remade(fn, state, x, kept) -> tuple[list[Residual], int]:
+    """(the residuals of `fn(state, x)` but views of the parameters, the bytes of those a recompute remakes: all but
+    the tags `kept` and the named layer input)."""
+    res = [r for r in residuals(lambda s, x: sum_outputs(fn(s, x)), state, x) if not _view_of_parameters(r)]
+    return res, sum(r.nbytes for r in res if r.tag not in kept and r.tag != "decoder_layer_input")
 
 
 def working_bytes(model, stack_name: str, batch: int, seq: int, recipe: Recipe, group: int = 1) -> int:
     """What the backward pass of one rematerialized group (one layer where `group` is 1) of `stack_name` holds at
-    once beyond what the recipe keeps: the residuals its recompute remakes (those the group's own backward reads,
-    read off JAX's list for the group differentiated as it is recomputed: the recipe's sequence tiles
-    rematerialized on their own) less the tags the recipe keeps and the group's input (the plan counts those),
-    plus the cotangents of its largest tensors: twice the largest residual and, for attention, its q, k, v,
-    output and their gradients, and one sequence tile's tagged tensors and their cotangents."""
+    once beyond what the recipe keeps: the residuals one layer's recompute remakes (read off JAX's list for the layer
+    differentiated as it is recomputed: the recipe's sequence tiles rematerialized on their own) less the tags the
+    recipe keeps and its input (the plan counts those); in a group (two-level checkpoints), also the inputs of its
+    other layers and what each keeps while the group's backward runs (`group_keep`); plus the cotangents of its
+    largest tensors: twice the largest residual and, for attention, its q, k, v, output and their gradients, and one
+    sequence tile's tagged tensors and their cotangents."""
     stack = model.stacks()[stack_name]
-    fn, state = stack.layer_fn(group=group, tiles=recipe.seq_tiles)
     x = stack.abstract_input(batch, seq)
-    res = [r for r in residuals(lambda s, x: sum_outputs(fn(s, x)), state, x) if not _view_of_parameters(r)]
     kept = {t for t in tags_lib.NAMES if recipe.placement(t) != "remat"}
-    remade = sum(r.nbytes for r in res if r.tag not in kept and r.tag != "decoder_layer_input")
+    fn, state = stack.layer_fn(tiles=recipe.seq_tiles)
+    res, remade = _remade(fn, state, x, kept | set(recipe.resolve().group_keep))
+    if group > 1:
+        fn, state = stack.layer_fn(group=group, tiles=recipe.seq_tiles, layer_policy=recipe.layer_policy())
+        held, more = _remade(fn, state, x, kept)
+        res, remade = res + held, remade + more
     tags = stack.tag_shapes(x, recipe.seq_tiles)
     attention = sum(nbytes(tags[t]) for t in ("query_proj", "key_proj", "value_proj", "attention_out") if t in tags)
     largest = max((r.nbytes for r in res), default=0)
