@@ -65,10 +65,22 @@ def test_a_loss_that_does_not_fit_whole_takes_the_fewest_chunks_that_fit():
 
 def test_chunk_to_fit_is_the_longest_divisor_that_fits():
     whole = loss_bytes(LLAMA_8B, None, 1, 32768, 1)
-    # a peak nothing shorter than the whole saves enough for: the shortest candidate
-    assert chunk_to_fit(LLAMA_8B, peak=2 * whole, limit=0, chunk=None, rows=1, seq=32768) == 64
     # a peak just over: half the sequence
     assert chunk_to_fit(LLAMA_8B, peak=whole + 1, limit=whole, chunk=None, rows=1, seq=32768) == 16384
+    # room for a quarter of the whole sequence's logits beside the rest of the step: the longest chunk under it
+    room = whole // 4
+    got = chunk_to_fit(LLAMA_8B, peak=whole + 10 * whole, limit=10 * whole + room, chunk=None, rows=1, seq=32768)
+    assert loss_bytes(LLAMA_8B, got, 1, 32768, 1) <= room < loss_bytes(LLAMA_8B, 2 * got, 1, 32768, 1)
+
+
+def test_where_no_chunk_fits_the_loss_takes_the_default_chunk_not_the_shortest():
+    """At 262,144 positions a step over its limit by more than its logits: the chunk whose float32 logits take at most
+    512 MiB (1,024 positions of Llama 3.1's vocabulary: 256 chunks), not 64 positions (4,096 chunks); asked again
+    from there, it stays (shorter chunks would not bring the step under)."""
+    seq = 262144
+    whole = loss_bytes(LLAMA_8B, None, 1, seq, 1)
+    assert chunk_to_fit(LLAMA_8B, peak=3 * whole, limit=whole, chunk=None, rows=1, seq=seq) == 1024
+    assert chunk_to_fit(LLAMA_8B, peak=3 * whole, limit=whole, chunk=1024, rows=1, seq=seq) == 1024
 
 
 def test_an_automatic_recipe_over_the_limit_is_planned_again_with_a_lower_budget(monkeypatch):

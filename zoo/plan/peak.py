@@ -10,7 +10,7 @@ import math
 
 import jax
 
-from zoo.loss import MIN_DEFAULT_CHUNK, divisors, resolve_chunk
+from zoo.loss import CHUNK_BYTES, MIN_DEFAULT_CHUNK, chunk_under, divisors, resolve_chunk
 from zoo.models.registry import family_of
 from zoo.plan.types import ceil_div
 from zoo.train_step import DEFAULT_LOSS_CHUNK, compile_abstract
@@ -88,15 +88,20 @@ def loss_bytes(cfg, loss_chunk, rows: int, seq: int, shard: int) -> int:
 
 def chunk_to_fit(cfg, *, peak: int, limit: int, chunk: int | None, rows: int, seq: int, shard: int = 1
                  ) -> int | None:
-    """The longest chunk of the loss (a divisor of `seq`, shorter than `chunk`; None: the whole sequence) whose
-    estimated peak fits `limit`: `peak` (the step's at `chunk`) less the logits a shorter chunk no longer holds.
-    The shortest candidate when none fits; `chunk` itself when nothing shorter exists."""
+    """The longest chunk of the loss (the fewest chunks: a divisor of `seq`, shorter than `chunk`; None: the whole
+    sequence) whose float32 logits fit beside the rest of the step: `peak` (the step's at `chunk`) less the logits it
+    holds, plus the shorter chunk's, within `limit`. Where no chunk fits, the logits are not what is over: the longest
+    chunk whose logits take at most `zoo.loss.CHUNK_BYTES` (more, smaller chunks would only run smaller matmuls), or
+    `chunk` itself when it is already that short."""
     held = loss_bytes(cfg, chunk, rows, seq, shard)
     shorter = [d for d in _chunks(seq) if d < (chunk or seq)]
     for c in shorter:
         if peak - held + loss_bytes(cfg, c, rows, seq, shard) <= limit:
             return c
-    return shorter[-1] if shorter else chunk
+    small = chunk_under(CHUNK_BYTES, rows, seq, cfg.vocab_size)
+    if small is None or (chunk is not None and chunk <= small):
+        return chunk
+    return next((c for c in shorter if c <= small), chunk)
 
 
 def _chunks(seq: int) -> list[int]:
