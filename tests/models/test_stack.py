@@ -112,3 +112,34 @@ def test_bad_structures_are_refused_when_the_recipe_is_set():
     with pytest.raises(ValueError, match="seq_tiles=3 does not divide the sequence length 16"):
         zoo.plan.plan(tiny("llama3"), zoo.Recipe.full(seq_tiles=3), batch=B, seq=S, peak=None)
     assert model.recipe == zoo.Recipe.none()
+
+
+def test_a_groups_backward_holds_its_layer_inputs_and_what_they_keep_not_their_residuals():
+    """Two-level checkpoints: differentiating one group of 4 layers (as its backward recomputes it), JAX keeps the 4
+    layer inputs (the group's, named, and 3 more) and each layer's `group_keep` tensors, and nothing else of the
+    layers; with the layers run plainly inside the group (no inner checkpoints) it keeps their intermediates."""
+    model = nnx.eval_shape(lambda: zoo.models.llama3(tiny("llama3"), rngs=nnx.Rngs(0)))
+    stack, x = model.layers, model.layers.abstract_input(B, S)
+    recipe = zoo.Recipe("g", offload=CARRY, group=4, group_keep=CONTEXT)
+
+    def saved(layer_policy):
+        fn, state = stack.layer_fn(group=4, layer_policy=layer_policy)
+        res = measure.residuals(lambda s, x: measure.sum_outputs(fn(s, x)), state, x)
+        return [r for r in res if not r.source.startswith("from a constant") and "(module_at." not in r.source]
+
+    two_level = saved(recipe.layer_policy())
+    kept = sorted(r.tag for r in two_level if r.tag is not None)
+    assert kept == sorted(["decoder_layer_input"] + 4 * list(CONTEXT))
+    inputs = [r for r in two_level if r.tag is None]
+    assert len(inputs) == 3 and all(r.shape == x.shape for r in inputs)
+    plain = saved(jax.checkpoint_policies.everything_saveable)
+    assert sum(r.nbytes for r in plain) > 2 * sum(r.nbytes for r in two_level)
+
+
+def test_group_keep_is_refused_without_groups_and_named_in_the_recipe():
+    with pytest.raises(ValueError, match="group_keep=.* needs layer groups"):
+        zoo.Recipe("k", group_keep=CONTEXT)
+    with pytest.raises(ValueError, match="only pay together"):
+        zoo.Recipe("k", group=2, group_keep=("context",))
+    assert "['attention_out', 'context'] kept while a group's backward runs" in str(
+        zoo.Recipe("k", group=2, group_keep=CONTEXT))
