@@ -131,6 +131,18 @@ def test_planned_bytes_equal_the_residuals_jax_saves(family, name):
     assert not any("the plan is off" in w for w in p.warnings)
 
 
+@pytest.mark.parametrize("name", ["qkv_offload", "full", "save_qkv"])
+def test_a_one_layer_model_is_planned_as_it_runs(name):
+    """One layer runs without a scan: its input is the rematerialized body's argument, which its backward reads. The
+    plan counts it where the recipe places the layer input, and JAX's own account agrees (no "plan is off" warning,
+    the debugging user's `--set num_layers=1`)."""
+    cfg = dataclasses.replace(LLAMA_TINY, num_layers=1)
+    p = zoo.plan.plan(cfg, LLAMA_RECIPES[name], batch=4, seq=32, peak=None)
+    assert not p.warnings, p.warnings
+    (carry,) = [t for t in p.stacks[0].tags if t.tag == "decoder_layer_input"]
+    assert carry.device_bytes == 4 * 32 * cfg.dim * jnp.dtype(cfg.dtype).itemsize
+
+
 def test_none_counts_what_jax_saves_beyond_the_tags():
     p = zoo.plan.plan(LLAMA_TINY, LLAMA_RECIPES["none"], batch=B, seq=S)
     (sp,) = p.stacks

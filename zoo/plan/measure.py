@@ -29,6 +29,7 @@ from zoo.models.stack import remat
 from zoo.recipe import Recipe
 
 _NAMED = re.compile(r"named '([^']+)'")
+CARRY = "decoder_layer_input"
 # One line of `jax.ad_checkpoint.print_saved_residuals`: "f32<host>[2,8] named 'q' from ...", the aval in JAX's
 # short form (`aval.str_short(short_dtypes=True)`), then where it comes from.
 _LINE = re.compile(r"^(\w+)(<(\w+)>)?\[([\d,]*)\] (.*)$")
@@ -183,6 +184,9 @@ def stack_residuals(model, stack_name: str, batch: int, seq: int, policy, *, gro
     scans = stack.num_layers // group
     if scans == 1:  # applied without a scan (see Stack.__call__): every residual is the layer's (group's) own
         stacked, hoisted = res, []
+        if not any(r.tag == CARRY for r in res):   # its input is the body's argument, which its backward reads
+            x = stack.abstract_input(batch, seq)
+            stacked = res + [Residual(x.shape, x.dtype, False, CARRY, "the input of a stack run without a scan")]
     else:
         stacked = [r for r in res if r.source.startswith("output of scan") and r.shape[:1] == (scans,)]
         hoisted = [r for r in res if r not in stacked]
