@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zoo.checks import check_positive
 from zoo.layers.linear import projection
 from zoo.layers.tagged import TaggedLayer
 from zoo.sharding import BSD, BSF
@@ -23,8 +24,7 @@ class MLP(TaggedLayer):
     def __init__(self, *, dim: int, hidden: int, dtype=jnp.float32, param_dtype=jnp.float32, tag_prefix: str = "",
                  seq_chunks: int = 1, rngs: nnx.Rngs):
         self.dim, self.dtype = dim, dtype
-        if isinstance(seq_chunks, bool) or not isinstance(seq_chunks, int) or seq_chunks <= 0:
-            raise ValueError(f"MLP seq_chunks must be a positive int, got {seq_chunks!r}")
+        check_positive("MLP seq_chunks", seq_chunks, optional=False)
         self.seq_chunks = seq_chunks
         if tag_prefix not in PREFIXES:
             raise ValueError(f"MLP tag_prefix must be one of {PREFIXES}, got {tag_prefix!r}")

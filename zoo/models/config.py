@@ -8,6 +8,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from zoo import checks
 from zoo.dtypes import DTYPES, dtype_of
 from zoo.layers.moe import BACKENDS, EP_DISPATCHES, backend_choice, resolve_backend
 from zoo.models.fields import check_field_names, check_non_negative, check_positive, check_positive_float, check_types
@@ -49,8 +50,7 @@ class LMConfig:
 
     def check_seq(self, seq: int) -> None:
         """ValueError unless `seq` is a positive int within `max_seq_len` (the positions the model was made for)."""
-        if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0:
-            raise ValueError(f"the sequence length must be a positive int, got {seq!r}")
+        checks.check_positive("the sequence length", seq, optional=False)
         if self.max_seq_len is not None and seq > self.max_seq_len:
             raise ValueError(f"sequence length {seq} is longer than {type(self).__name__}.max_seq_len="
                              f"{self.max_seq_len} (the context its positions were made for); raise it with "
