@@ -41,7 +41,18 @@ def positions_for(x: jax.Array) -> jax.Array:
     return jnp.arange(x.shape[1], dtype=jnp.int32)
 
 
-class Attention(TaggedLayer):
+class _ChosenKernel(TaggedLayer):
+    """What the attention layers share: the kernel they run, chosen once when built (`kernel`, for the first
+    device) from `implementation`, `dtype` and `kernel_head_dim`."""
+
+    def attention_choice(self, device: jax.Device | None = None) -> AttentionChoice:
+        """The kernel this layer runs: chosen when it was built, for the first device (or for `device`)."""
+        if device is None:
+            return self.kernel
+        return choose_impl(self.implementation, dtype=self.dtype, head_dim=self.kernel_head_dim, device=device)
+
+
+class Attention(_ChosenKernel):
     def __init__(self, *, dim: int, num_heads: int, num_kv_heads: int, head_dim: int, rope: Rope,
                  dtype=jnp.float32, param_dtype=jnp.float32, implementation: Implementation = None,
                  qk_norm_eps: float | None = None, rngs: nnx.Rngs):
@@ -58,15 +69,9 @@ class Attention(TaggedLayer):
         self.q_norm = None if qk_norm_eps is None else RMSNorm(head_dim, **norm)
         self.k_norm = None if qk_norm_eps is None else RMSNorm(head_dim, **norm)
         self.rope = rope
-        self.head_dim = head_dim
+        self.head_dim = self.kernel_head_dim = head_dim
         self.implementation = implementation
         self.kernel = choose_impl(implementation, dtype=dtype, head_dim=head_dim)   # once, for the device present
-
-    def attention_choice(self, device: jax.Device | None = None) -> AttentionChoice:
-        """The kernel this layer runs: chosen when it was built, for the first device (or for `device`)."""
-        if device is None:
-            return self.kernel
-        return choose_impl(self.implementation, dtype=self.dtype, head_dim=self.head_dim, device=device)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.attend(*self.project(x))

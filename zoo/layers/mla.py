@@ -14,12 +14,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zoo.layers.attention import positions_for
-from zoo.layers.attention_kernel import AttentionChoice, Implementation, causal_attention, choose_impl
+from zoo.layers.attention import _ChosenKernel, positions_for
+from zoo.layers.attention_kernel import Implementation, causal_attention, choose_impl
 from zoo.layers.linear import projection
 from zoo.layers.norm import RMSNorm
 from zoo.layers.rope import Rope, YarnScaling
-from zoo.layers.tagged import TaggedLayer
 from zoo.sharding import BSD, BSH
 from zoo.tags import name
 
@@ -29,7 +28,7 @@ def deinterleave(x: jax.Array) -> jax.Array:
     return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
 
 
-class MLA(TaggedLayer):
+class MLA(_ChosenKernel):
     def __init__(self, *, dim: int, num_heads: int, q_lora_rank: int, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, rope: Rope, rope_interleave: bool = True,
                  norm_eps: float = 1e-6, dtype=jnp.float32, param_dtype=jnp.float32,
@@ -63,12 +62,6 @@ class MLA(TaggedLayer):
         self.kernel = choose_impl(implementation, dtype=dtype, head_dim=self.kernel_head_dim)  # once, when built
         mscale = rope.scaling.softmax_mscale() if isinstance(rope.scaling, YarnScaling) else 1.0
         self.scale = qk_head_dim ** -0.5 * mscale
-
-    def attention_choice(self, device: jax.Device | None = None) -> AttentionChoice:
-        """The kernel this layer runs: chosen when it was built, for the first device (or for `device`)."""
-        if device is None:
-            return self.kernel
-        return choose_impl(self.implementation, dtype=self.dtype, head_dim=self.kernel_head_dim, device=device)
 
     def _rotate(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         return self.rope(deinterleave(x) if self.rope_interleave else x, positions)
