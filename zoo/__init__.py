@@ -37,6 +37,3 @@ def __getattr__(name: str):
         return importlib.import_module(f"zoo.{name}")   # a subpackage or module: zoo.plan, zoo.layers, ...
     raise AttributeError(f"module 'zoo' has no attribute {name!r}")
 
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
