@@ -28,4 +28,4 @@ def test_the_package_names_are_attributes():
     assert zoo.from_hf.__module__ == "zoo.hf.load" and zoo.to_hf.__module__ == "zoo.hf.save"
     assert all(getattr(zoo, n) is not None for n in zoo.__all__)
     with pytest.raises(AttributeError, match="no_such_name"):
-        getattr(zoo, "no_such_name")
+        zoo.__getattr__("no_such_name")
