@@ -27,7 +27,7 @@ def check_gqa(cfg, *positive: str) -> None:
 
 
 class GQAConfig:
-    """The hooks of a grouped-query-attention decoder's config (a mixin before the family's config base): its attention's
+    """The hooks of a grouped-query-attention decoder's config (a mixin before the config base): its attention's
     head dim, the fields tp must divide, its RoPE. The fields below are declared by each family, with its defaults.
 
     Args:

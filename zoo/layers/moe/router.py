@@ -48,15 +48,15 @@ class Router(Protocol):
     num_experts: int
     k: int
 
-                                                                                """Route tokens.
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Route tokens.
 
-                                                                                Args:
-                                                                                    x: [T, D] tokens.
+        Args:
+            x: [T, D] tokens.
 
-                                                                                Returns:
-                                                                                    (scores [T, E], weights [T, k], indices [T, k]), float32 (indices int32).
-                                                                                """
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]: ...
+        Returns:
+            (scores [T, E], weights [T, k], indices [T, k]), float32 (indices int32).
+        """
 
     def balance_loss(self, scores: jax.Array, idx: jax.Array, *, batch: int) -> jax.Array: ...
 
