@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("fsdp=3", "product of the axes is 3, but there are 8 devices"),
     ({"fsdp": 2, "tp": 2}, "product of the axes is 4, but there are 8 devices"),
     ("fsdp", "axis=size pairs"),
-    ("fsdp=0,tp=8", "fsdp=0 must be a positive int"),
+    ("fsdp=0,tp=8", "mesh: fsdp must be a positive int, got 0"),
 ])
 def test_bad_mesh_specs_raise(spec, match):
     with pytest.raises(ValueError, match=match):

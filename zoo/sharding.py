@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from zoo.checks import check_positive
 from zoo.emitted import join_chunks
 from zoo.jaxprs import sub_jaxprs
 from zoo.logical import active, constrain, mesh_axes, mesh_spec, size_of  # noqa: F401  what the tag sites apply
@@ -72,8 +72,7 @@ def parse_mesh(spec: str | Mapping[str, int] | None, num_devices: int) -> dict[s
     if unknown:
         raise ValueError(f"mesh: unknown axis {unknown[0]!r}; the axes are {', '.join(AXES)}")
     for axis, size in sizes.items():
-        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
-            raise ValueError(f"mesh: {axis}={size!r} must be a positive int")
+        check_positive(f"mesh: {axis}", size, optional=False)
     sizes = {a: int(sizes.get(a, 1)) for a in AXES}
     product = math.prod(sizes.values())
     if product != num_devices:

@@ -9,16 +9,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from zoo.checks import check_positive
 from zoo.opt_state import OPT_STATE_PLACES, PARAMS_PLACES
 from zoo.optim import OPTIMIZER_NAMES
-
-
-def check_positive(name: str, value, kind=int) -> None:
-    """ValueError unless `value` is None or a positive `kind` (int; float also accepts an int)."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or not value > 0:
-        raise ValueError(f"{name} must be a positive {'number' if kind is float else 'int'}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)

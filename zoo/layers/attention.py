@@ -41,7 +41,50 @@ def positions_for(x: jax.Array) -> jax.Array:
     return jnp.arange(x.shape[1], dtype=jnp.int32)
 
 
-class Attention(TaggedLayer):
+class _ChosenKernel(TaggedLayer):
+    """What the attention layers share: the kernel they run, chosen once when built (`kernel`, for the first
+    device) from `implementation`, `dtype` and `kernel_head_dim`."""
+
+    def attention_choice(self, device: jax.Device | None = None) -> AttentionChoice:
+        """The kernel this layer runs: chosen when it was built, for the first device (or for `device`)."""
+        if device is None:
+            return self.kernel
+        return choose_impl(self.implementation, dtype=self.dtype, head_dim=self.kernel_head_dim, device=device)
+
+
+class Attention(_ChosenKernel):
+    """Grouped-query attention (GQA; Ainslie et al., 2023): `num_heads` query heads share `num_kv_heads` key and
+    value heads; with `qk_norm_eps`, Qwen3's RMSNorm over each query and key head before RoPE (Qwen Team, 2025);
+    rotary position embeddings (Su et al.) on q and k; causal attention; the output projection. No biases.
+
+    Args:
+        dim: the model width D.
+        num_heads: the query heads H.
+        num_kv_heads: the key and value heads Hkv (they divide H).
+        head_dim: the width of each head.
+        rope: the rotary embedding of q and k (`zoo.layers.Rope`, of `head_dim` dimensions).
+        dtype: the computation's dtype.
+        param_dtype: the dtype the kernels are stored in.
+        implementation: the attention kernel, "xla", "cudnn" or None (chosen for the first device, once, when the
+            layer is built: `attention_choice()` says which and why).
+        qk_norm_eps: None for no q/k norm, else the eps of the per-head RMSNorm of q and of k.
+        rngs: the random generators of the kernels' initialization.
+
+    Emits:
+        `query_proj` and `key_proj` (after the norm and RoPE), `value_proj`, `attention_out` and `context` (the
+        kernel's output and softmax statistics), `out_proj`.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from zoo.layers import Attention, Rope
+        >>> attn = Attention(dim=16, num_heads=4, num_kv_heads=2, head_dim=8, rope=Rope(dim=8), rngs=nnx.Rngs(0))
+        >>> attn(jnp.ones((1, 6, 16))).shape
+        (1, 6, 16)
+        >>> list(attn.tag_shapes(batch=1, seq=6))
+        ['query_proj', 'key_proj', 'value_proj', 'attention_out', 'context', 'out_proj']
+    """
+
     def __init__(self, *, dim: int, num_heads: int, num_kv_heads: int, head_dim: int, rope: Rope,
                  dtype=jnp.float32, param_dtype=jnp.float32, implementation: Implementation = None,
                  qk_norm_eps: float | None = None, rngs: nnx.Rngs):
@@ -58,17 +101,19 @@ class Attention(TaggedLayer):
         self.q_norm = None if qk_norm_eps is None else RMSNorm(head_dim, **norm)
         self.k_norm = None if qk_norm_eps is None else RMSNorm(head_dim, **norm)
         self.rope = rope
-        self.head_dim = head_dim
+        self.head_dim = self.kernel_head_dim = head_dim
         self.implementation = implementation
         self.kernel = choose_impl(implementation, dtype=dtype, head_dim=head_dim)   # once, for the device present
 
-    def attention_choice(self, device: jax.Device | None = None) -> AttentionChoice:
-        """The kernel this layer runs: chosen when it was built, for the first device (or for `device`)."""
-        if device is None:
-            return self.kernel
-        return choose_impl(self.implementation, dtype=self.dtype, head_dim=self.head_dim, device=device)
-
     def __call__(self, x: jax.Array) -> jax.Array:
+        """Causal self-attention over the positions 0..S-1 (packed, unpadded sequences).
+
+        Args:
+            x: [B, S, D].
+
+        Returns:
+            [B, S, D] in `dtype`.
+        """
         return self.attend(*self.project(x))
 
     def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

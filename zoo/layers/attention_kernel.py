@@ -31,6 +31,17 @@ STATS_AXES = ("batch", "heads", "seq")
 
 @dataclasses.dataclass(frozen=True)
 class AttentionChoice:
+    """Which attention kernel a layer runs, and why (what `choose_impl` returns; `str()` gives both).
+
+    Args:
+        impl: "xla" or "cudnn".
+        reason: why (asked for, or what "auto" found on the device).
+
+    Example:
+        >>> from zoo.layers.attention_kernel import choose_impl
+        >>> str(choose_impl("xla", dtype="float32", head_dim=64))
+        'xla (asked for)'
+    """
     impl: str          # "xla" or "cudnn": what runs
     reason: str
 
@@ -179,10 +190,31 @@ _KERNELS = {"cudnn": _vjp_with_residuals, "xla": _xla_with_residuals}
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str | None = None,
                      scale: float | None = None) -> jax.Array:
-    """Causal attention over q [B, S, H, dq], k [B, S, Hkv, dq], v [B, S, Hkv, dv] (Hkv divides H) with the kernel
-    `impl` ("xla" or "cudnn"; the zoo's layers pass what `choose_impl` chose when they were built; None chooses for
-    the first device now), naming its output `attention_out` and its softmax statistics `context`. `scale` defaults
-    to dq ** -0.5. Returns [B, S, H, dv]."""
+    """Causal scaled dot-product attention, softmax(q k^T * scale + causal mask) v, with grouped-query heads (each of
+    the Hkv key/value heads serves H / Hkv query heads; Ainslie et al., 2023).
+
+    Args:
+        q: [B, S, H, dq].
+        k: [B, S, Hkv, dq] (Hkv divides H).
+        v: [B, S, Hkv, dv].
+        impl: the kernel, "xla" or "cudnn" (the zoo's layers pass what `choose_impl` chose when they were built;
+            None chooses for the first device now).
+        scale: the softmax scale (default dq ** -0.5).
+
+    Returns:
+        [B, S, H, dv] in q's dtype.
+
+    Emits:
+        `attention_out` (the output) and `context` (the float32 softmax statistics [B, H, S]), inside a
+        `jax.custom_vjp`: what the backward pass reads besides q, k and v.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from zoo.layers import causal_attention
+        >>> q = jnp.ones((1, 4, 2, 8))
+        >>> causal_attention(q, q[:, :, :1], q[:, :, :1], impl="xla").shape
+        (1, 4, 2, 8)
+    """
     if impl is None:
         impl = choose_impl(None, dtype=q.dtype, head_dim=max(q.shape[-1], v.shape[-1])).impl
     if impl not in _KERNELS:

@@ -27,9 +27,40 @@ def _project(parts, x):
 
 
 class PreNormBlock(TaggedLayer):
+    """The pre-norm residual block: x + attn(attn_norm(x)), then x + mlp(mlp_norm(x)). A family's decoder layer
+    subclasses it, building `attn_norm`, `attn`, `mlp_norm` and `mlp` in its `__init__` (and setting `moe = True`
+    when `mlp` returns `(y, aux)`).
+
+    Emits:
+        the tags of its `attn` and `mlp` (e.g. `query_proj` ... `out_proj`, `mlpwi_0`, `mlpwi_1`, `mlpwo`).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from zoo.layers import MLP, RMSNorm
+        >>> from zoo.layers.block import PreNormBlock
+        >>> class Block(PreNormBlock):
+        ...     def __init__(self, rngs):
+        ...         self.dim, self.dtype = 8, jnp.float32
+        ...         self.attn_norm, self.mlp_norm = RMSNorm(8), RMSNorm(8)
+        ...         self.attn = MLP(dim=8, hidden=8, tag_prefix="shared_", rngs=rngs)  # any [B, S, D] layer
+        ...         self.mlp = MLP(dim=8, hidden=16, rngs=rngs)
+        >>> Block(nnx.Rngs(0))(jnp.ones((1, 4, 8)), tiles=2).shape
+        (1, 4, 8)
+    """
     moe: bool = False   # does `mlp` return (y, aux)?
 
     def __call__(self, x: jax.Array, *, tiles: int = 1):
+        """Apply the block.
+
+        Args:
+            x: [B, S, D].
+            tiles: run the per-position parts (the norms, the attention's projections, a dense MLP) over this many
+                sequence tiles (`zoo.layers.tiles`; a recipe's `seq_tiles`).
+
+        Returns:
+            [B, S, D]; with `moe`, (that, the MLP's aux).
+        """
         if hasattr(self.attn, "project"):
             x = x + self.attn.attend(*tiled(_project, (self.attn_norm, self.attn), x, tiles))
         else:

@@ -13,7 +13,18 @@ from flax import nnx
 
 class Stored(nnx.Variable):
     """A variable that checkpoints store and no gradient trains (an optimizer over `nnx.Param` leaves it alone),
-    e.g. a router's load-balancing bias. Parameter counts include it."""
+    e.g. a router's load-balancing bias. Parameter counts include it.
+
+    Args:
+        value: the array held (as `nnx.Variable` takes it).
+        **metadata: the variable's metadata, e.g. `logical(axes)`.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from zoo.layers.linear import Stored
+        >>> Stored(jnp.zeros(3))[...].shape
+        (3,)
+    """
 
 
 def logical(axes: Sequence[str | None]) -> dict:

@@ -14,12 +14,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zoo.layers.attention import positions_for
-from zoo.layers.attention_kernel import AttentionChoice, Implementation, causal_attention, choose_impl
+from zoo.layers.attention import _ChosenKernel, positions_for
+from zoo.layers.attention_kernel import Implementation, causal_attention, choose_impl
 from zoo.layers.linear import projection
 from zoo.layers.norm import RMSNorm
 from zoo.layers.rope import Rope, YarnScaling
-from zoo.layers.tagged import TaggedLayer
 from zoo.sharding import BSD, BSH
 from zoo.tags import name
 
@@ -29,7 +28,46 @@ def deinterleave(x: jax.Array) -> jax.Array:
     return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
 
 
-class MLA(TaggedLayer):
+class MLA(_ChosenKernel):
+    """Multi-head latent attention (MLA) of DeepSeek-V2 (arXiv:2405.04434) as DeepSeek-V3 publishes it
+    (arXiv:2412.19437): queries and keys/values pass through low-rank latents (`q_lora_rank`, `kv_lora_rank`), each
+    RMS-normalized; each head's q and k are [nope, rope] parts, the rope key shared by every head; RoPE with YaRN
+    rotates the rope parts and its mscale enters the softmax scale. Parameter names are the published checkpoints'.
+
+    Args:
+        dim: the model width D.
+        num_heads: the attention heads H.
+        q_lora_rank: the width of the query latent.
+        kv_lora_rank: the width of the key/value latent.
+        qk_nope_head_dim: the per-head width of q and k without position.
+        qk_rope_head_dim: the per-head width of q and k that RoPE rotates (the rope key is shared by the heads).
+        v_head_dim: the per-head width of v.
+        rope: the rotary embedding (`zoo.layers.Rope` of `qk_rope_head_dim` dimensions, usually with `YarnScaling`).
+        rope_interleave: whether the checkpoint's rope dimensions are interleaved pairs (DeepSeek-V3's are).
+        norm_eps: the eps of the two latents' RMSNorms.
+        dtype: the computation's dtype.
+        param_dtype: the dtype the kernels are stored in.
+        implementation: the attention kernel, "xla", "cudnn" or None (chosen once, when the layer is built).
+        rngs: the random generators of the kernels' initialization.
+
+    Emits:
+        `query_wa_proj` and `mla_q` (the query latent before and after its norm), `kv_wa_proj` and `mla_kv` (the
+        key/value latent before and after its norm), `query_proj`, `key_proj`, `value_proj`, `attention_out`,
+        `context`, `out_proj`.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from zoo.layers import MLA, Rope
+        >>> mla = MLA(dim=16, num_heads=2, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+        ...           v_head_dim=4, rope=Rope(dim=4), rngs=nnx.Rngs(0))
+        >>> mla(jnp.ones((1, 6, 16))).shape
+        (1, 6, 16)
+        >>> list(mla.tag_shapes(batch=1, seq=6))  # doctest: +NORMALIZE_WHITESPACE
+        ['query_wa_proj', 'mla_q', 'query_proj', 'kv_wa_proj', 'mla_kv', 'key_proj', 'value_proj',
+         'attention_out', 'context', 'out_proj']
+    """
+
     def __init__(self, *, dim: int, num_heads: int, q_lora_rank: int, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, rope: Rope, rope_interleave: bool = True,
                  norm_eps: float = 1e-6, dtype=jnp.float32, param_dtype=jnp.float32,
@@ -64,16 +102,18 @@ class MLA(TaggedLayer):
         mscale = rope.scaling.softmax_mscale() if isinstance(rope.scaling, YarnScaling) else 1.0
         self.scale = qk_head_dim ** -0.5 * mscale
 
-    def attention_choice(self, device: jax.Device | None = None) -> AttentionChoice:
-        """The kernel this layer runs: chosen when it was built, for the first device (or for `device`)."""
-        if device is None:
-            return self.kernel
-        return choose_impl(self.implementation, dtype=self.dtype, head_dim=self.kernel_head_dim, device=device)
-
     def _rotate(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         return self.rope(deinterleave(x) if self.rope_interleave else x, positions)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """Causal self-attention over the positions 0..S-1 (packed, unpadded sequences).
+
+        Args:
+            x: [B, S, D].
+
+        Returns:
+            [B, S, D] in `dtype`.
+        """
         pos = positions_for(x)
         nope = self.qk_nope_head_dim
 

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zoo.checks import check_positive
 from zoo.layers.linear import projection
 from zoo.layers.tagged import TaggedLayer
 from zoo.sharding import BSD, BSF
@@ -20,11 +21,39 @@ PREFIXES = ("", "shared_")
 
 
 class MLP(TaggedLayer):
+    """The SwiGLU feed-forward of Shazeer (2020), "GLU Variants Improve Transformer": down(silu(gate(x)) * up(x)),
+    without biases, as Llama 3 and Qwen3 use it.
+
+    Args:
+        dim: the model width D (input and output).
+        hidden: the hidden width F of the gate and up projections.
+        dtype: the computation's dtype.
+        param_dtype: the dtype the kernels are stored in.
+        tag_prefix: "" for a decoder layer's MLP, "shared_" for a mixture of experts' shared expert.
+        seq_chunks: run on this many equal slices of the sequence (it must divide the sequence length), each
+            slice's tensors named with the layer's tags: the same arithmetic, the offloaded copies overlapping the
+            later slices' compute.
+        rngs: the random generators of the kernels' initialization.
+
+    Emits:
+        `{prefix}mlpwi_0` (the gate projection, before the activation), `{prefix}mlpwi_1` (the up projection),
+        `{prefix}mlpwo` (the down projection), where `{prefix}` is `tag_prefix`.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from zoo.layers import MLP
+        >>> mlp = MLP(dim=8, hidden=16, rngs=nnx.Rngs(0))
+        >>> mlp(jnp.ones((2, 4, 8))).shape
+        (2, 4, 8)
+        >>> list(mlp.tag_shapes(batch=2, seq=4))
+        ['mlpwi_0', 'mlpwi_1', 'mlpwo']
+    """
+
     def __init__(self, *, dim: int, hidden: int, dtype=jnp.float32, param_dtype=jnp.float32, tag_prefix: str = "",
                  seq_chunks: int = 1, rngs: nnx.Rngs):
         self.dim, self.dtype = dim, dtype
-        if isinstance(seq_chunks, bool) or not isinstance(seq_chunks, int) or seq_chunks <= 0:
-            raise ValueError(f"MLP seq_chunks must be a positive int, got {seq_chunks!r}")
+        check_positive("MLP seq_chunks", seq_chunks, optional=False)
         self.seq_chunks = seq_chunks
         if tag_prefix not in PREFIXES:
             raise ValueError(f"MLP tag_prefix must be one of {PREFIXES}, got {tag_prefix!r}")
@@ -35,6 +64,14 @@ class MLP(TaggedLayer):
         self.tag_prefix = tag_prefix
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """Apply the feed-forward.
+
+        Args:
+            x: [B, S, D].
+
+        Returns:
+            [B, S, D] in `dtype`.
+        """
         n = self.seq_chunks
         if n == 1:
             return self._ffn(x)

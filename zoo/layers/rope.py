@@ -16,16 +16,37 @@ from zoo import renames
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WavelengthScaling:
-    """RoPE scaling by wavelength bands (arXiv:2407.21783): frequencies whose wavelength is longer than
-    `original_max_position_embeddings / low_freq_factor` are divided by `factor`, those shorter than
-    `original_max_position_embeddings / high_freq_factor` kept, and those between blended linearly in
-    `original_max_position_embeddings / wavelength`. The defaults are those published with the paper's models."""
+    """RoPE frequency scaling by wavelength bands, as Llama 3.1 extends its context (Grattafiori et al., 2024,
+    arXiv:2407.21783): frequencies whose wavelength is longer than `original_max_position_embeddings / low_freq_factor`
+    are divided by `factor`, those shorter than `original_max_position_embeddings / high_freq_factor` kept, and those
+    between blended linearly. The defaults are Llama 3.1's.
+
+    Args:
+        factor: the division of the low frequencies.
+        low_freq_factor: the band edge of the divided frequencies.
+        high_freq_factor: the band edge of the kept frequencies.
+        original_max_position_embeddings: the context the model was pre-trained at.
+
+    Example:
+        >>> from zoo.layers import Rope, WavelengthScaling
+        >>> Rope(dim=8, theta=500000.0, scaling=WavelengthScaling()).inv_freq().round(6).tolist()
+        [1.0, 0.037606, 0.000525, 7e-06]
+    """
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
 
     def __call__(self, inv_freq: np.ndarray, theta: float) -> np.ndarray:
+        """The scaled inverse frequencies.
+
+        Args:
+            inv_freq: [dim // 2] float64 inverse frequencies.
+            theta: RoPE's base (unused: the bands are by wavelength).
+
+        Returns:
+            [dim // 2] float64.
+        """
         del theta
         low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
         high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
@@ -40,9 +61,23 @@ class WavelengthScaling:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class YarnScaling:
-    """YaRN (Peng et al., 2023) as arXiv:2412.19437 uses it: interpolate low frequencies by `factor` with a linear ramp
-    between beta_slow and beta_fast rotations; `attention_factor` scales cos/sin (1.0 for the published 671B MoE,
-    whose mscale correction goes into the softmax scale instead; see `softmax_mscale`)."""
+    """YaRN (Peng et al., 2023) as DeepSeek-V3 uses it (arXiv:2412.19437): low frequencies interpolated by `factor`,
+    high ones kept, a linear ramp between `beta_slow` and `beta_fast` rotations; `attention_factor()` scales cos and
+    sin, `softmax_mscale()` the softmax scale of MLA. The defaults are DeepSeek-V3's.
+
+    Args:
+        factor: the context extension (the interpolation of the low frequencies).
+        original_max_position_embeddings: the context the model was pre-trained at.
+        beta_fast: the rotations above which frequencies are kept.
+        beta_slow: the rotations below which frequencies are interpolated.
+        mscale: YaRN's mscale of cos and sin.
+        mscale_all_dim: the mscale of the softmax (0: none).
+
+    Example:
+        >>> from zoo.layers import YarnScaling
+        >>> round(YarnScaling().softmax_mscale(), 4)
+        1.8739
+    """
     factor: float = 40.0
     original_max_position_embeddings: int = 4096
     beta_fast: float = 32.0
@@ -51,6 +86,15 @@ class YarnScaling:
     mscale_all_dim: float = 1.0
 
     def __call__(self, inv_freq: np.ndarray, theta: float) -> np.ndarray:
+        """The interpolated inverse frequencies.
+
+        Args:
+            inv_freq: [dim // 2] float64 inverse frequencies.
+            theta: RoPE's base (it places the ramp).
+
+        Returns:
+            [dim // 2] float64.
+        """
         dim, base = 2 * len(inv_freq), theta
 
         def correction_dim(rotations: float) -> float:
@@ -86,7 +130,22 @@ def yarn_get_mscale(scale: float, mscale: float) -> float:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Rope:
-    """Rotary embedding of `dim` dimensions with base `theta` and an optional frequency scaling."""
+    """Rotary position embedding (Su et al., 2021, "RoFormer") in the Hugging Face checkpoints' "rotate half" layout:
+    each pair (x_i, x_{i + dim/2}) rotated by position * inv_freq_i, inv_freq_i = theta^(-2i/dim), optionally
+    rescaled. Frequencies are constants computed with NumPy in float64; the rotation runs in float32.
+
+    Args:
+        dim: the rotated width (even).
+        theta: the base of the frequencies.
+        scaling: None, `WavelengthScaling` (Llama 3.1) or `YarnScaling` (DeepSeek-V3).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from zoo.layers import Rope
+        >>> rope = Rope(dim=4)
+        >>> rope(jnp.ones((1, 3, 2, 4)), jnp.arange(3)).shape
+        (1, 3, 2, 4)
+    """
     dim: int
     theta: float = 10000.0
     scaling: WavelengthScaling | YarnScaling | None = None
@@ -103,8 +162,15 @@ class Rope:
         return jnp.cos(angles) * factor, jnp.sin(angles) * factor
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """Rotate x [B, S, H, dim] at `positions` [S] or [B, S]; computed in float32 (float64 for a float64 x),
-        returned in x.dtype."""
+        """Rotate `x` at `positions`.
+
+        Args:
+            x: [B, S, H, dim].
+            positions: int [S] or [B, S].
+
+        Returns:
+            [B, S, H, dim] in x's dtype (computed in float32, float64 for a float64 x).
+        """
         wide = jnp.promote_types(x.dtype, jnp.float32)
         cos, sin = self.cos_sin(positions, wide)
         if cos.ndim == 2:  # [S, dim] -> broadcast over batch

@@ -13,13 +13,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zoo.checks import check_positive
 from zoo.loop_guard import TILE_SCOPE
 
 
 def check_tiles(tiles: Any, seq: int | None = None, *, what: str = "seq_tiles") -> None:
     """ValueError unless `tiles` is a positive int that divides `seq` (when given)."""
-    if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
-        raise ValueError(f"{what} must be a positive int (sequence tiles of the per-position parts), got {tiles!r}")
+    check_positive(what, tiles, optional=False, hint=" (sequence tiles of the per-position parts)")
     if seq is not None and seq % tiles:
         raise ValueError(f"{what}={tiles} does not divide the sequence length {seq}: the sequence is cut into "
                          f"{what} tiles of equal length")

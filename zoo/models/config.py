@@ -8,6 +8,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from zoo import checks
 from zoo.dtypes import DTYPES, dtype_of
 from zoo.layers.moe import BACKENDS, EP_DISPATCHES, backend_choice, resolve_backend
 from zoo.models.fields import check_field_names, check_non_negative, check_positive, check_positive_float, check_types
@@ -17,7 +18,27 @@ ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LMConfig:
-    """What every causal LM of the zoo has; `CausalLM` reads only these fields."""
+    """What every causal LM of the zoo has; `CausalLM` reads only these fields. A family's config extends it (or
+    `MoEConfig`); every field is checked against its type and range when the config is made (a ValueError naming it).
+
+    Args:
+        vocab_size: the number of token ids.
+        dim: the model width D.
+        num_layers: the decoder layers.
+        norm_eps: every RMSNorm's eps.
+        tie_embeddings: whether the LM head shares the embedding table.
+        dtype: the activations' dtype ("bfloat16", "float32", ...).
+        param_dtype: the parameters' dtype.
+        attention_impl: the attention kernel: None (chosen for the device), "xla" or "cudnn".
+        mlp_seq_chunks: the dense MLP in this many sequence chunks (`zoo.layers.MLP`'s `seq_chunks`).
+        max_seq_len: the longest sequence the model takes (a published context); None: any.
+
+    Example:
+        >>> from zoo.models import LlamaConfig
+        >>> cfg = LlamaConfig.preset("tiny", num_layers=1)
+        >>> cfg.dim, cfg.num_layers
+        (64, 1)
+    """
     vocab_size: int
     dim: int
     num_layers: int
@@ -49,8 +70,7 @@ class LMConfig:
 
     def check_seq(self, seq: int) -> None:
         """ValueError unless `seq` is a positive int within `max_seq_len` (the positions the model was made for)."""
-        if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0:
-            raise ValueError(f"the sequence length must be a positive int, got {seq!r}")
+        checks.check_positive("the sequence length", seq, optional=False)
         if self.max_seq_len is not None and seq > self.max_seq_len:
             raise ValueError(f"sequence length {seq} is longer than {type(self).__name__}.max_seq_len="
                              f"{self.max_seq_len} (the context its positions were made for); raise it with "
@@ -101,8 +121,24 @@ class LMConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MoEConfig(LMConfig):
-    """What a family with routed experts adds (`zoo.layers.moe`): the experts, how tokens reach them, the balance
-    loss's weight. A subclass's `check()` calls this one's first."""
+    """What a family with routed experts adds to `LMConfig` (`zoo.layers.moe`): the experts, how tokens reach them, the
+    balance loss's weight. A subclass's `check()` calls this one's first.
+
+    Args:
+        num_experts: the routed experts E.
+        num_experts_per_tok: the experts each token visits (k).
+        moe_mlp_dim: each routed expert's hidden width.
+        norm_topk_prob: whether the k chosen weights are renormalized to sum to one.
+        moe_backend: "auto", "ragged_dot", "tokamax" or "capacity" (`zoo.layers.moe.backend`).
+        capacity_factor: the capacity backend's rows per expert, as a multiple of an even share.
+        ep_dispatch: "gather" or "ragged_a2a" (dropless expert parallelism under a mesh).
+        balance_loss_weight: the router's balance loss weight (alpha).
+
+    Example:
+        >>> from zoo.models import Qwen3MoeConfig
+        >>> Qwen3MoeConfig.preset("tiny").num_experts_per_tok
+        2
+    """
     num_experts: int                   # routed experts
     num_experts_per_tok: int
     moe_mlp_dim: int                   # each routed expert's hidden size

@@ -14,6 +14,8 @@ import types
 import typing
 from typing import Any
 
+from zoo import checks
+
 
 def type_options(hint) -> tuple[tuple[type, ...], bool]:
     """(the non-None types a hint allows, whether None is allowed)."""
@@ -81,9 +83,7 @@ def check_field_names(cls: type, names) -> None:
 def check_positive(cfg, *fields: str) -> None:
     """ValueError unless each of `fields` of `cfg` is an int above zero (a bool is not)."""
     for f in fields:
-        v = getattr(cfg, f)
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{type(cfg).__name__}.{f} must be a positive int, got {v!r}")
+        checks.check_positive(f"{type(cfg).__name__}.{f}", getattr(cfg, f), optional=False)
 
 
 def check_non_negative(cfg, *fields: str) -> None:
@@ -97,9 +97,7 @@ def check_non_negative(cfg, *fields: str) -> None:
 def check_positive_float(cfg, *fields: str) -> None:
     """ValueError unless each of `fields` of `cfg` is an int or float above zero."""
     for f in fields:
-        v = getattr(cfg, f)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            raise ValueError(f"{type(cfg).__name__}.{f} must be a positive number, got {v!r}")
+        checks.check_positive(f"{type(cfg).__name__}.{f}", getattr(cfg, f), float, optional=False)
 
 
 def check_divides(cfg, small: str, big: str) -> None:

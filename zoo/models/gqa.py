@@ -27,7 +27,22 @@ def check_gqa(cfg, *positive: str) -> None:
 
 
 class GQAConfig:
-    """The hooks of a GQA decoder's config: its attention's head dim, the fields tp must divide, its RoPE."""
+    """The hooks of a grouped-query-attention decoder's config (a mixin before the config base): its attention's
+    head dim, the fields tp must divide, its RoPE. The fields below are declared by each family, with its defaults.
+
+    Args:
+        num_heads: the query heads H.
+        num_kv_heads: the key and value heads (they divide H; Ainslie et al., 2023).
+        head_dim: each head's width (even: RoPE rotates pairs).
+        mlp_dim: the SwiGLU's hidden width.
+        rope_theta: RoPE's base.
+        rope_scaling: RoPE's frequency scaling (where the family has one).
+
+    Example:
+        >>> from zoo.models import LlamaConfig
+        >>> LlamaConfig.preset("tiny").rope().dim
+        16
+    """
 
     def check(self) -> None:
         super().check()

@@ -36,17 +36,45 @@ def extra_logits_key(name: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class StackTags:
-    """What one stack emits: its number of layers, per layer {tag: shape and dtype}, and the tags made inside
-    sequence tiles (`zoo.layers.tiles`: kept in HBM tile by tile, or recomputed; never offloaded)."""
+    """What one stack emits, read from a trace.
+
+    Args:
+        num_layers: the stack's layers.
+        tags: per layer, {tag: shape and dtype}.
+        tiled: the tags made inside sequence tiles (`zoo.layers.tiles`: kept in HBM tile by tile, or recomputed;
+            never offloaded).
+
+    Example:
+        >>> import jax
+        >>> from zoo.models import StackTags
+        >>> StackTags(2, {"mlpwo": jax.ShapeDtypeStruct((1, 8, 64), "float32")}).num_layers
+        2
+    """
     num_layers: int
     tags: dict[str, jax.ShapeDtypeStruct]
     tiled: frozenset[str] = frozenset()
 
 
 class CausalLM(nnx.Module):
-    """Embedding -> stacks (in order) -> RMSNorm -> LM head. `stacks` maps a stack's attribute name to
-    (make_layer, num_layers); `extra_heads` maps an extra head's attribute name to its builder (`make(rngs)`), or
-    to None where this config has none (the attribute is then None): see the module docstring."""
+    """The decoder-only causal language model every family builds on: embedding -> stacks of decoder layers (each a
+    scanned `Stack`, in order) -> RMSNorm -> LM head (tied to the embedding with `tie_embeddings`), every tag placed as
+    `recipe` says. A family's model (`Llama`, `Qwen3`, ...) passes its stacks and extra heads.
+
+    Args:
+        cfg: the model's `LMConfig`.
+        stacks: {a stack's attribute name: (make_layer(rngs), num_layers)}, in order.
+        recipe: the placement of each tag (`zoo.Recipe`; None: `Recipe.none()`).
+        rngs: the random generators of the parameters' initialization.
+        extra_heads: {an extra head's attribute name: its builder make(rngs), or None where this config has none}.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from zoo.models import CausalLM, LlamaConfig, llama3
+        >>> model = llama3(LlamaConfig.preset("tiny"), rngs=nnx.Rngs(0))
+        >>> isinstance(model, CausalLM), model(jnp.zeros((2, 8), jnp.int32)).shape
+        (True, (2, 8, 256))
+    """
 
     def __init__(self, cfg: LMConfig, *, stacks: dict[str, tuple[Callable[[nnx.Rngs], nnx.Module], int]],
                  recipe: Recipe | None, rngs: nnx.Rngs,
@@ -131,10 +159,17 @@ class CausalLM(nnx.Module):
 
     # -- the forward pass ---------------------------------------------------------------------------------
     def __call__(self, tokens: jax.Array, *, return_aux: bool = False):
-        """int tokens [B, S] -> logits [B, S, vocab]; with return_aux, also {stack: aux stacked over layers} (and each
-        extra head's aux under its name and its logits under `extra_logits_key(name)`). On concrete values every id is
-        checked against the vocabulary (ValueError naming the first bad one); under jit none can be: an id >= vocab_size
-        then embeds as NaN and a negative one counts from the end, so check ids where they are made."""
+        """The next-token logits of `tokens`. On concrete values every id is checked against the vocabulary (ValueError
+        naming the first bad one); under jit none can be, so check ids where they are made.
+
+        Args:
+            tokens: int [B, S] token ids.
+            return_aux: also return {stack: aux stacked over its layers} (and each extra head's aux under its name and
+                its logits under `extra_logits_key(name)`).
+
+        Returns:
+            logits [B, S, vocab]; with `return_aux`, (logits, aux).
+        """
         if not return_aux:
             x, _, _, _ = self._trunk(tokens)
             return self.head(x)

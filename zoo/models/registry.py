@@ -33,7 +33,21 @@ def no_extra_keys(hf: dict) -> Callable[[str], bool]:
 
 @dataclasses.dataclass(frozen=True)
 class HFArch:
-    """How a family maps to a Hugging Face architecture (read by zoo.hf.load, written by zoo.hf.save)."""
+    """How a family maps to a Hugging Face architecture (read by zoo.hf.load, written by zoo.hf.save).
+
+    Args:
+        architecture: config.json's "architectures" entry.
+        model_type: config.json's "model_type".
+        from_hf: (hf config dict, param_dtype=) -> the family's config.
+        to_hf: config -> hf config dict.
+        keys: config -> the checkpoint's entries (`zoo.hf.keymap.Entry`).
+        extra_keys: hf config -> whether a checkpoint key belongs to an extra head.
+
+    Example:
+        >>> from zoo.models import registry
+        >>> registry.family("llama3").hf.architecture
+        'LlamaForCausalLM'
+    """
     architecture: str                                       # config.json "architectures"
     model_type: str                                         # config.json "model_type"
     from_hf: Callable[..., LMConfig]                        # (hf config dict, param_dtype=) -> config
@@ -45,10 +59,21 @@ class HFArch:
 
 @dataclasses.dataclass(frozen=True)
 class StepRate:
-    """How fast a training step of the family runs on a device, measured (read by the planner, zoo.plan.links):
-    `tflops`, the rate at which a recipe's extra (recomputed) FLOPs add time, per device, and `overhead`, the step's
-    work that is not its model FLOPs (norms, softmax, routing, the loss) as a fraction of its model FLOPs' time at
-    that rate."""
+    """How fast a training step of the family runs on a device, measured (read by the planner, zoo.plan.links).
+
+    Args:
+        device_kind: matched (case-insensitive substring) against `jax.Device.device_kind`.
+        moe_backend: for a family with experts, the dispatch backend measured (None: any, or no experts).
+        tflops: the rate at which a recipe's extra (recomputed) FLOPs add time, per device.
+        overhead: the step's work that is not its model FLOPs, as a fraction of their time at that rate.
+        date: when it was measured.
+        source: where the measurement is recorded.
+
+    Example:
+        >>> from zoo.models import registry
+        >>> all(isinstance(r, registry.StepRate) for r in registry.family("llama3").step_rates)
+        True
+    """
     device_kind: str         # matched (case-insensitive substring) against jax.Device.device_kind
     moe_backend: str | None  # for a family with experts: the dispatch backend measured (None: any / no experts)
     tflops: float
@@ -59,7 +84,18 @@ class StepRate:
 
 @dataclasses.dataclass(frozen=True)
 class TrainDefaults:
-    """A preset's published training schedule: the peak learning rate and the warm-up (None: no published cap)."""
+    """A preset's published training schedule.
+
+    Args:
+        lr: the peak learning rate.
+        warmup_cap: the warm-up steps (None: no published cap).
+        source: where it is published.
+
+    Example:
+        >>> from zoo.models import registry
+        >>> registry.TrainDefaults(lr=3e-4, warmup_cap=2000, source="the paper").lr
+        0.0003
+    """
     lr: float
     warmup_cap: int | None
     source: str
@@ -68,8 +104,26 @@ class TrainDefaults:
 @dataclasses.dataclass(frozen=True)
 class Family:
     """One model family: its config class (whose `PRESETS` table names its sizes), its builder, its Hugging Face
-    mapping, its FLOP count, its training-time hooks, and what was measured or published for it: step rates per
-    device and training defaults per preset."""
+    mapping, its FLOP count, its training-time hooks, and what was measured or published for it.
+    A family's package registers one (`register`) when imported.
+
+    Args:
+        name: the family's name (the command's --model; recipes/<name>.py holds its recipes).
+        config_cls: its config class.
+        build: build(cfg, recipe=, rngs=) -> the model.
+        hf: its Hugging Face mapping (`HFArch`).
+        flops_per_token: (cfg, model, seq) -> the training FLOPs per token.
+        aux_loss: (cfg, aux) -> the scalar added to the loss (the balance loss).
+        after_update: (model, aux) -> None: state updates after the step (the routing bias).
+        step_rates: measured step rates (`StepRate`), by device (and MoE backend).
+        train_defaults: {preset: `TrainDefaults`} as published.
+
+    Example:
+        >>> from zoo.models import registry
+        >>> fam = registry.family("qwen3")
+        >>> fam.config_cls.__name__, fam.build.__name__
+        ('Qwen3Config', 'qwen3')
+    """
     name: str                                               # --model; recipes/<name>.py holds its recipes
     config_cls: type[LMConfig]
     build: Callable[..., nnx.Module]                        # build(cfg, recipe=, rngs=)

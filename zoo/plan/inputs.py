@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from zoo.training import Training, check_positive
+from zoo.checks import check_positive
+from zoo.training import Training
 
 __all__ = ["Hardware", "Parallelism", "Training", "check_positive"]
 

@@ -32,6 +32,16 @@ def tokamax_status() -> tuple[bool, str]:
 
 
 def tokamax_available() -> bool:
+    """Whether tokamax (the grouped GEMM of the "tokamax" backend) imports here.
+
+    Returns:
+        True or False (`tokamax_status` says why not).
+
+    Example:
+        >>> from zoo.layers.moe import tokamax_available
+        >>> tokamax_available() in (True, False)
+        True
+    """
     return tokamax_status()[0]
 
 
@@ -51,8 +61,26 @@ def _tokamax_kernel_covers(device: jax.Device, dtype) -> str | None:
 
 def backend_choice(backend: str, *, dtype=jnp.bfloat16, device: jax.Device | None = None,
                    ep_dispatch: str = "gather") -> tuple[str, str]:
-    """(the backend that runs, why) for the configured `backend` on `device` (default: the first device). With
-    `ep_dispatch="ragged_a2a"` the backend is a dropless grouped matmul: "auto" never picks capacity then."""
+    """The MoE backend that runs for the configured `backend` on `device`, and why. With `ep_dispatch="ragged_a2a"` the
+    backend is a dropless grouped matmul: "auto" never picks capacity then.
+
+    Args:
+        backend: "auto", "ragged_dot", "tokamax" or "capacity".
+        dtype: the activations' dtype.
+        device: the device (default: the first).
+        ep_dispatch: "gather" or "ragged_a2a".
+
+    Returns:
+        (the backend that runs, why).
+
+    Raises:
+        ValueError: for an unknown backend, one missing here, or one `ep_dispatch` cannot run.
+
+    Example:
+        >>> from zoo.layers.moe import backend_choice
+        >>> backend_choice("ragged_dot")[0]
+        'ragged_dot'
+    """
     if backend not in BACKENDS:
         raise ValueError(f"moe_backend must be one of {BACKENDS}, got {backend!r}")
     if ep_dispatch not in EP_DISPATCHES:
@@ -91,7 +119,22 @@ def backend_choice(backend: str, *, dtype=jnp.bfloat16, device: jax.Device | Non
 
 def resolve_backend(backend: str, *, dtype=jnp.bfloat16, device: jax.Device | None = None,
                     ep_dispatch: str = "gather") -> str:
-    """The backend that runs for the configured `backend` (see `backend_choice`)."""
+    """The backend that runs for the configured `backend` (the first half of `backend_choice`).
+
+    Args:
+        backend: "auto", "ragged_dot", "tokamax" or "capacity".
+        dtype: the activations' dtype.
+        device: the device (default: the first).
+        ep_dispatch: "gather" or "ragged_a2a".
+
+    Returns:
+        the backend's name.
+
+    Example:
+        >>> from zoo.layers.moe import resolve_backend
+        >>> resolve_backend("capacity")
+        'capacity'
+    """
     return backend_choice(backend, dtype=dtype, device=device, ep_dispatch=ep_dispatch)[0]
 
 

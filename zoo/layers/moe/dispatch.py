@@ -17,14 +17,41 @@ from zoo import sharding
 
 
 def capacity(num_rows: int, num_experts: int, capacity_factor: float) -> int:
-    """Rows each expert takes under capacity dispatch: ceil(capacity_factor * rows / experts), at least 1."""
+    """The rows each expert takes under capacity dispatch (GShard; Lepikhin et al., 2020).
+
+    Args:
+        num_rows: the token copies of a group (tokens * k).
+        num_experts: the experts E.
+        capacity_factor: the capacity as a multiple of an even share.
+
+    Returns:
+        ceil(capacity_factor * num_rows / num_experts), at least 1.
+
+    Example:
+        >>> from zoo.layers.moe import capacity
+        >>> capacity(16, 4, 1.25)
+        5
+    """
     return max(1, math.ceil(capacity_factor * num_rows / num_experts))
 
 
 # -- moving token copies ---------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Sorted:
-    """Each group's T*k token copies sorted by expert (stable: token order within an expert)."""
+    """Each group's T*k token copies sorted by expert (stable: token order within an expert), as `sort_by_expert` gives.
+
+    Args:
+        rows: [G, N, D] the copies, by expert.
+        expert: [G, N] the expert of each sorted copy.
+        group_sizes: [G, E] the copies per expert.
+        inverse: [G, N] where each copy (in token order) sits among the sorted ones.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from zoo.layers.moe.dispatch import sort_by_expert
+        >>> sort_by_expert(jnp.ones((1, 2, 4)), jnp.array([[[1], [0]]]), 2).expert.tolist()
+        [[0, 1]]
+    """
     rows: jax.Array          # [G, N, D] the copies, by expert
     expert: jax.Array        # [G, N] the expert of each sorted copy
     group_sizes: jax.Array   # [G, E] copies per expert

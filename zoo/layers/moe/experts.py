@@ -17,7 +17,29 @@ from zoo.tags import name
 
 
 class Experts(nnx.Module):
-    """`num_experts` SwiGLU experts, stored stacked: gate_proj, up_proj [E, D, F], down_proj [E, F, D]."""
+    """The routed experts of a mixture of experts: `num_experts` SwiGLU feed-forwards (Shazeer, 2020) stored stacked,
+    gate_proj and up_proj [E, D, F], down_proj [E, F, D] (transformers' names), run over the rows dispatched to them
+    by a grouped matmul (`grouped`) or a batched einsum over a capacity buffer (`batched`).
+
+    Args:
+        num_experts: the experts E.
+        dim: the model width D.
+        hidden: each expert's hidden width F.
+        dtype: the computation's dtype.
+        param_dtype: the dtype the kernels are stored in.
+        rngs: the random generators of the kernels' initialization.
+
+    Emits:
+        `moe_mlpwi_0` (gate), `moe_mlpwi_1` (up), `moe_mlpwo` (down), over the dispatched rows.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from zoo.layers.moe import Experts
+        >>> experts = Experts(num_experts=2, dim=8, hidden=16, rngs=nnx.Rngs(0))
+        >>> experts.grouped(jnp.ones((3, 8)), jnp.array([2, 1], jnp.int32), "ragged_dot").shape
+        (3, 8)
+    """
 
     def __init__(self, *, num_experts: int, dim: int, hidden: int, dtype=jnp.float32, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):

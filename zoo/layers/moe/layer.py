@@ -29,16 +29,59 @@ from zoo.logical import split_embed
 
 @struct.dataclass
 class MoEAux:
-    """What a MoE layer reports besides its output (stacked over layers by a scanned stack)."""
+    """What a MoE layer reports besides its output (a scanned stack stacks it over its layers).
+
+    Args:
+        load: float32 [E]: the token copies routed to each expert (before any drop).
+        balance_loss: float32 []: the router's balance loss, already weighted (add it to the loss).
+        dropped: int32 []: the copies dropped by capacity dispatch (0 for the dropless backends).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from zoo.layers import MoEAux
+        >>> MoEAux(load=jnp.ones(4), balance_loss=jnp.zeros(()), dropped=jnp.zeros((), jnp.int32)).load.shape
+        (4,)
+    """
     load: jax.Array           # float32 [E]: token copies routed to each expert (before any drop)
     balance_loss: jax.Array   # float32 []: the router's balance loss, already weighted (add it to the loss)
     dropped: jax.Array        # int32 []: copies dropped by capacity dispatch (0 for the dropless backends)
 
 
 class MoE(TaggedLayer):
-    """The MoE layer, for one device kind: the backend that runs (`runs`, and why: `choice`) is chosen once, when
-    the layer is built (`backend_choice` for `device`, default the first device), never while tracing; a build
-    where "auto" falls back to capacity dispatch warns then."""
+    """The mixture-of-experts feed-forward of DeepSeekMoE (Dai et al., 2024; DeepSeek-V2/V3: fine-grained routed experts
+    and an always-on shared expert) and of Qwen3-MoE: y = shared(x) + sum over the k chosen experts of
+    weight * expert(x). The router chooses; the backend that runs the experts (`runs`, and why: `choice`) is chosen
+    once, when the layer is built, never while tracing; a build where "auto" falls back to capacity dispatch warns.
+
+    Args:
+        dim: the model width D.
+        router: a `Router` (`GroupLimitedRouter`, `SoftmaxRouter`).
+        experts: the routed `Experts` (as many as the router chooses among).
+        shared: the shared expert, an `MLP(tag_prefix="shared_")`, or None.
+        backend: "auto", "ragged_dot", "tokamax" or "capacity" (`zoo.layers.moe.backend`).
+        capacity_factor: the capacity backend's rows per expert, as a multiple of an even share.
+        ep_dispatch: "gather" or "ragged_a2a" (dropless expert parallelism over a ragged all-to-all).
+        dtype: the computation's dtype.
+        device: the device the backend is chosen for (default: the first).
+
+    Emits:
+        `moe_mlpwi_0`, `moe_mlpwi_1`, `moe_mlpwo` (the routed experts'), and with a shared expert `shared_mlpwi_0`,
+        `shared_mlpwi_1`, `shared_mlpwo`.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from zoo.layers import MoE, SoftmaxRouter
+        >>> from zoo.layers.moe import Experts
+        >>> rngs = nnx.Rngs(0)
+        >>> moe = MoE(dim=8, router=SoftmaxRouter(dim=8, num_experts=4, k=2, rngs=rngs),
+        ...           experts=Experts(num_experts=4, dim=8, hidden=16, rngs=rngs), backend="ragged_dot")
+        >>> y, aux = moe(jnp.ones((1, 4, 8)))
+        >>> y.shape, aux.load.tolist()
+        ((1, 4, 8), [0.0, 0.0, 4.0, 4.0])
+        >>> list(moe.tag_shapes(batch=1, seq=4))
+        ['moe_mlpwi_0', 'moe_mlpwi_1', 'moe_mlpwo']
+    """
 
     def __init__(self, *, dim: int, router: Router, experts: Experts, shared: MLP | None = None,
                  backend: backends.Backend = "auto", capacity_factor: float = 1.25,
@@ -56,9 +99,16 @@ class MoE(TaggedLayer):
         self.runs, self.choice = runs, why
 
     def __call__(self, x: jax.Array, *, tiles: int = 1) -> tuple[jax.Array, MoEAux]:
-        """x [B, S, D] -> (y [B, S, D], aux). `tiles`: the shared expert (per token) runs over that many sequence
-        tiles (`zoo.layers.tiles`); the routed experts' dispatch always takes the whole batch (capacity and the
-        balance loss count over it)."""
+        """Route each token to its experts and sum their outputs.
+
+        Args:
+            x: [B, S, D].
+            tiles: run the shared expert (per token) over this many sequence tiles (`zoo.layers.tiles`); the routed
+                experts' dispatch always takes the whole batch (capacity and the balance loss count over it).
+
+        Returns:
+            (y [B, S, D] in `dtype`, `MoEAux`).
+        """
         b, s, _ = x.shape
         backend = self.runs
         # Dispatch groups: one per shard of the batch under a mesh (GShard), one on a single device (a batch the
@@ -109,19 +159,55 @@ class MoE(TaggedLayer):
 
 # -- reading a model's aux ({stack: MoEAux stacked over layers, or {} for a stack without experts}) ----------------
 def moe_records(aux: Any) -> list[MoEAux]:
-    """The MoE records of a model's aux (`model(tokens, return_aux=True)[1]`), or of one layer's own aux."""
+    """The MoE records of a model's aux (`model(tokens, return_aux=True)[1]`), or of one layer's own aux.
+
+    Args:
+        aux: {stack: `MoEAux` stacked over its layers, or {}}, or a `MoEAux`.
+
+    Returns:
+        the `MoEAux` records.
+
+    Example:
+        >>> from zoo.layers.moe import moe_records
+        >>> moe_records({"layers": {}})
+        []
+    """
     if isinstance(aux, MoEAux):
         return [aux]
     return [a for a in (aux.values() if isinstance(aux, dict) else ()) if isinstance(a, MoEAux)]
 
 
 def total_balance_loss(aux: Any) -> jax.Array:
-    """The balance loss summed over every MoE layer."""
+    """The balance loss summed over every MoE layer (each already weighted): what training adds to its loss.
+
+    Args:
+        aux: a model's aux or a layer's (`moe_records`).
+
+    Returns:
+        [] float32 (0 without MoE layers).
+
+    Example:
+        >>> from zoo.layers.moe import total_balance_loss
+        >>> float(total_balance_loss({}))
+        0.0
+    """
     return sum((jnp.sum(a.balance_loss) for a in moe_records(aux)), jnp.zeros((), jnp.float32))
 
 
 def drops(aux: Any) -> tuple[jax.Array, jax.Array]:
-    """(token copies dropped by capacity dispatch, token copies routed), summed over every MoE layer."""
+    """The token copies dropped by capacity dispatch, and those routed, summed over every MoE layer.
+
+    Args:
+        aux: a model's aux or a layer's (`moe_records`).
+
+    Returns:
+        (dropped, routed), int32 [].
+
+    Example:
+        >>> from zoo.layers.moe import drops
+        >>> [int(n) for n in drops({})]
+        [0, 0]
+    """
     records = moe_records(aux)
     dropped = sum((jnp.sum(a.dropped).astype(jnp.int32) for a in records), jnp.zeros((), jnp.int32))
     routed = sum((jnp.sum(a.load).astype(jnp.int32) for a in records), jnp.zeros((), jnp.int32))
@@ -129,14 +215,53 @@ def drops(aux: Any) -> tuple[jax.Array, jax.Array]:
 
 
 def routing_bias_delta(load: jax.Array, rate: float) -> jax.Array:
-    """The auxiliary-loss-free step of the bias for per-expert `load` [..., E]: rate * sign(mean - load)."""
+    """DeepSeek-V3's auxiliary-loss-free bias step (arXiv:2412.19437, 2.1.2): rate * sign(mean load - load), raising the
+    bias of the under-loaded experts and lowering that of the over-loaded.
+
+    Args:
+        load: [..., E] copies routed to each expert.
+        rate: the bias update speed (gamma).
+
+    Returns:
+        [..., E] float32.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from zoo.layers.moe import routing_bias_delta
+        >>> (routing_bias_delta(jnp.array([3.0, 1.0]), 0.001) * 1000).tolist()
+        [-1.0, 1.0]
+    """
     load = jnp.asarray(load, jnp.float32)
     return rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
 
 
 def update_routing_bias(model: nnx.Module, aux: Any, rate: float) -> None:
-    """Add `routing_bias_delta` in place to the `RoutingBias` of every stack of `model` whose aux is a `MoEAux`
-    ([L, E] loads), or of a single MoE layer given its own aux ([E])."""
+    """Add `routing_bias_delta` in place to the `RoutingBias` of every stack of `model` whose aux is a `MoEAux` ([L, E]
+    loads), or of a single MoE layer given its own aux ([E]): the step after each update of DeepSeek-V3's training.
+
+    Args:
+        model: the model (or the MoE layer) holding the biases.
+        aux: its aux (`model(tokens, return_aux=True)[1]`).
+        rate: the bias update speed (gamma).
+
+    Raises:
+        ValueError: where a stack holds no single `RoutingBias` of the loads' shape.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from zoo.layers import GroupLimitedRouter, MoE, MoEAux
+        >>> from zoo.layers.moe import Experts, update_routing_bias
+        >>> rngs = nnx.Rngs(0)
+        >>> router = GroupLimitedRouter(dim=8, num_experts=4, k=2, n_group=2, topk_group=1, routed_scaling_factor=1.0,
+        ...                             rngs=rngs)
+        >>> moe = MoE(dim=8, router=router, experts=Experts(num_experts=4, dim=8, hidden=16, rngs=rngs),
+        ...           backend="ragged_dot")
+        >>> update_routing_bias(moe, MoEAux(load=jnp.array([3.0, 1.0, 0.0, 0.0]), balance_loss=jnp.zeros(()),
+        ...                                 dropped=jnp.zeros((), jnp.int32)), 0.001)
+        >>> (moe.gate.e_score_correction_bias[...] * 1000).tolist()
+        [-1.0, 0.0, 1.0, 1.0]
+    """
     if isinstance(aux, MoEAux):
         targets = [(model, aux.load)]
     else:

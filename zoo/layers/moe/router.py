@@ -15,14 +15,48 @@ from zoo.layers.linear import Stored, fan_in_init, logical
 
 
 class RoutingBias(Stored):
-    """The group-limited router's e_score_correction_bias: set by the load-balancing update, never by gradients."""
+    """DeepSeek-V3's `e_score_correction_bias` (arXiv:2412.19437, 2.1.2, auxiliary-loss-free load balancing): a
+    per-expert bias added to the affinities only to choose the experts, moved by `update_routing_bias` after each
+    step, never by gradients (a `Stored` variable, not an `nnx.Param`).
+
+    Args:
+        value: [E] float32, zeros at initialization.
+        **metadata: the variable's metadata (its logical axes).
+
+    Example:
+        >>> from flax import nnx
+        >>> from zoo.layers import GroupLimitedRouter, RoutingBias
+        >>> router = GroupLimitedRouter(dim=8, num_experts=4, k=2, n_group=2, topk_group=1, routed_scaling_factor=1.0,
+        ...                             rngs=nnx.Rngs(0))
+        >>> isinstance(router.e_score_correction_bias, RoutingBias), router.e_score_correction_bias.shape
+        (True, (4,))
+    """
 
 
 class Router(Protocol):
+    """What a router of `MoE` is: `__call__(x [T, D])` gives (scores [T, E], weights [T, k], expert indices [T, k]) in
+    float32, and `balance_loss(scores, idx, batch=B)` its weighted balance loss. `GroupLimitedRouter` and
+    `SoftmaxRouter` are the zoo's.
+
+    Example:
+        >>> from flax import nnx
+        >>> from zoo.layers import SoftmaxRouter
+        >>> router = SoftmaxRouter(dim=8, num_experts=4, k=2, rngs=nnx.Rngs(0))
+        >>> (router.num_experts, router.k)
+        (4, 2)
+    """
     num_experts: int
     k: int
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]: ...
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Route tokens.
+
+        Args:
+            x: [T, D] tokens.
+
+        Returns:
+            (scores [T, E], weights [T, k], indices [T, k]), float32 (indices int32).
+        """
 
     def balance_loss(self, scores: jax.Array, idx: jax.Array, *, batch: int) -> jax.Array: ...
 
@@ -40,7 +74,22 @@ def _logits(x: jax.Array, kernel: nnx.Param) -> jax.Array:
 
 # -- group-limited --------------------------------------------------------------------------------------------
 def check_routing(*, num_experts: int, k: int, n_group: int, topk_group: int, where: str) -> None:
-    """The group-limited router's limits (the one place they are checked: the router and the configs that use it)."""
+    """Check the group-limited router's limits (the one place they are checked: the router and the configs that use it).
+
+    Args:
+        num_experts: the routed experts E.
+        k: the experts each token visits.
+        n_group: the groups the experts are split into (it divides E).
+        topk_group: the groups a token may choose from (1..n_group).
+        where: what the message names (the config or the layer).
+
+    Raises:
+        ValueError: naming the field out of range.
+
+    Example:
+        >>> from zoo.layers.moe import check_routing
+        >>> check_routing(num_experts=8, k=2, n_group=4, topk_group=2, where="MoE")
+    """
     if num_experts % n_group:
         raise ValueError(f"{where}: n_group={n_group} must divide num_experts={num_experts}")
     if not 0 < topk_group <= n_group:
@@ -52,9 +101,31 @@ def check_routing(*, num_experts: int, k: int, n_group: int, topk_group: int, wh
 
 def route(scores: jax.Array, bias: jax.Array, *, k: int, n_group: int, topk_group: int,
           routed_scaling_factor: float, norm_topk_prob: bool = True) -> tuple[jax.Array, jax.Array]:
-    """Group-limited top-k (arXiv:2412.19437) over sigmoid `scores` [T, E] (float32) with the selection `bias` [E].
+    """DeepSeek-V3's node-limited (group-limited) top-k routing (arXiv:2412.19437, 2.1.2): each token keeps its
+    `topk_group` best groups (a group scored by its two best biased affinities), then the k best experts in them by
+    biased affinity; the weights are the unbiased affinities, normalized to sum to one (`norm_topk_prob`) and times
+    `routed_scaling_factor`.
 
-    Returns (weights [T, k] float32, expert indices [T, k] int32). The bias only chooses; weights are unbiased."""
+    Args:
+        scores: [T, E] float32 sigmoid affinities.
+        bias: [E] the selection bias (`RoutingBias`; it only chooses).
+        k: the experts each token visits.
+        n_group: the groups the experts are split into.
+        topk_group: the groups each token may choose from.
+        routed_scaling_factor: the factor on the weights.
+        norm_topk_prob: whether the k weights are normalized to sum to one first.
+
+    Returns:
+        (weights [T, k] float32, expert indices [T, k] int32).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from zoo.layers.moe import route
+        >>> w, idx = route(jnp.array([[0.9, 0.1, 0.8, 0.2]]), jnp.zeros(4), k=2, n_group=2, topk_group=1,
+        ...                routed_scaling_factor=1.0)
+        >>> idx.tolist(), (w * 10).round().tolist()
+        ([[0, 1]], [[9.0, 1.0]])
+    """
     t, e = scores.shape
     biased = scores + jax.lax.stop_gradient(bias)
     grouped = biased.reshape(t, n_group, e // n_group)
@@ -70,8 +141,25 @@ def route(scores: jax.Array, bias: jax.Array, *, k: int, n_group: int, topk_grou
 
 
 def sequence_balance_loss(scores: jax.Array, idx: jax.Array, *, batch: int, weight: float) -> jax.Array:
-    """The complementary sequence-wise balance loss: weight * mean over sequences of sum_i f_i P_i, where
-    f_i = E / (k S) * (copies of the sequence routed to i) and P_i = mean over the sequence of s_i / sum_j s_j."""
+    """DeepSeek-V3's complementary sequence-wise balance loss (arXiv:2412.19437, 2.1.2): weight * the mean over
+    sequences of sum_i f_i P_i, where f_i = E / (k S) * (the sequence's copies routed to expert i) and P_i is the
+    mean over the sequence of expert i's normalized affinity.
+
+    Args:
+        scores: [T, E] affinities of T = batch * S tokens.
+        idx: [T, k] the experts chosen.
+        batch: the sequences B among the T tokens.
+        weight: the loss's weight (DeepSeek-V3's alpha).
+
+    Returns:
+        [] float32.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from zoo.layers.moe import sequence_balance_loss
+        >>> float(sequence_balance_loss(jnp.full((4, 2), 0.5), jnp.array([[0], [1], [0], [1]]), batch=1, weight=1.0))
+        1.0
+    """
     t, e = scores.shape
     k = idx.shape[1]
     s = t // batch
@@ -82,7 +170,31 @@ def sequence_balance_loss(scores: jax.Array, idx: jax.Array, *, batch: int, weig
 
 
 class GroupLimitedRouter(nnx.Module):
-    """Sigmoid affinities of each token to each expert, and the group-limited choice."""
+    """DeepSeek-V3's router (arXiv:2412.19437, 2.1.2): sigmoid affinities of each token to each expert, a `RoutingBias`
+    used only to choose, group-limited top-k (`route`); its balance loss is the sequence-wise one
+    (`sequence_balance_loss`). Parameter names are transformers'.
+
+    Args:
+        dim: the model width D.
+        num_experts: the routed experts E.
+        k: the experts each token visits.
+        n_group: the groups the experts are split into.
+        topk_group: the groups each token may choose from.
+        routed_scaling_factor: the factor on the routing weights.
+        norm_topk_prob: whether the k weights are normalized to sum to one.
+        balance_loss_weight: the sequence-wise balance loss's weight.
+        param_dtype: the dtype the kernel is stored in (the logits are float32).
+        rngs: the random generators of the kernel's initialization.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from zoo.layers import GroupLimitedRouter
+        >>> router = GroupLimitedRouter(dim=8, num_experts=4, k=2, n_group=2, topk_group=1, routed_scaling_factor=1.0,
+        ...                             rngs=nnx.Rngs(0))
+        >>> [a.shape for a in router(jnp.ones((3, 8)))]
+        [(3, 4), (3, 2), (3, 2)]
+    """
 
     def __init__(self, *, dim: int, num_experts: int, k: int, n_group: int, topk_group: int,
                  routed_scaling_factor: float, norm_topk_prob: bool = True, balance_loss_weight: float = 1e-4,
@@ -95,7 +207,14 @@ class GroupLimitedRouter(nnx.Module):
         self.balance_loss_weight = balance_loss_weight
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x [T, D] -> (scores [T, E], weights [T, k], indices [T, k]); scores and weights in float32."""
+        """Route tokens.
+
+        Args:
+            x: [T, D] tokens.
+
+        Returns:
+            (scores [T, E], weights [T, k], indices [T, k]); scores and weights float32, indices int32.
+        """
         scores = jax.nn.sigmoid(_logits(x, self.kernel))
         weights, idx = route(scores, self.e_score_correction_bias[...], k=self.k, n_group=self.n_group,
                              topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor,
@@ -108,17 +227,52 @@ class GroupLimitedRouter(nnx.Module):
 
 # -- softmax top-k (Mixtral) --------------------------------------------------------------------------------------
 def switch_balance_loss(probs: jax.Array, idx: jax.Array, *, weight: float) -> jax.Array:
-    """Switch Transformer's load-balancing loss as transformers computes it (`load_balancing_loss_func`):
-    weight * E * sum_i f_i P_i (f_i: copies routed to i / tokens, P_i: mean router probability of i) over one
-    forward pass's tokens. A product of two means, it does not add up over micro-batches: the step takes their mean,
-    as transformers and Megatron do (`sequence_balance_loss` adds up exactly)."""
+    """The Switch Transformer's load-balancing loss (Fedus et al., 2021) as transformers computes it
+    (`load_balancing_loss_func`): weight * E * sum_i f_i P_i, f_i the share of the copies routed to expert i and P_i
+    its mean router probability, over one forward pass's tokens (a product of two means: with gradient accumulation
+    the step takes the micro-batches' mean, as transformers and Megatron do).
+
+    Args:
+        probs: [T, E] router probabilities.
+        idx: [T, k] the experts chosen.
+        weight: the loss's weight (transformers' router_aux_loss_coef).
+
+    Returns:
+        [] float32.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from zoo.layers.moe import switch_balance_loss
+        >>> float(switch_balance_loss(jnp.full((2, 2), 0.5), jnp.array([[0], [1]]), weight=1.0))
+        1.0
+    """
     t, e = probs.shape
     f = jax.lax.stop_gradient(jnp.sum(jax.nn.one_hot(idx, e, dtype=jnp.float32), axis=(0, 1)) / t)
     return weight * e * jnp.sum(f * jnp.mean(probs, axis=0))
 
 
 class SoftmaxRouter(nnx.Module):
-    """Softmax over the experts, the top-k kept; their weights renormalised to sum to one when `norm_topk_prob`."""
+    """The softmax top-k router of Qwen3-MoE (Qwen Team, 2025) and Mixtral: a softmax over the experts, the k best kept,
+    their weights renormalized to sum to one with `norm_topk_prob`; its balance loss is the Switch Transformer's
+    (`switch_balance_loss`).
+
+    Args:
+        dim: the model width D.
+        num_experts: the routed experts E.
+        k: the experts each token visits.
+        norm_topk_prob: whether the k weights are renormalized to sum to one.
+        balance_loss_weight: the balance loss's weight.
+        param_dtype: the dtype the kernel is stored in (the logits are float32).
+        rngs: the random generators of the kernel's initialization.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from zoo.layers import SoftmaxRouter
+        >>> probs, weights, idx = SoftmaxRouter(dim=8, num_experts=4, k=2, rngs=nnx.Rngs(0))(jnp.ones((3, 8)))
+        >>> weights.sum(axis=-1).round(3).tolist()
+        [1.0, 1.0, 1.0]
+    """
 
     def __init__(self, *, dim: int, num_experts: int, k: int, norm_topk_prob: bool = True,
                  balance_loss_weight: float = 1e-3, param_dtype=jnp.float32, rngs: nnx.Rngs):
@@ -129,7 +283,14 @@ class SoftmaxRouter(nnx.Module):
         self.balance_loss_weight = balance_loss_weight
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x [T, D] -> (probabilities [T, E], weights [T, k], indices [T, k]); float32."""
+        """Route tokens.
+
+        Args:
+            x: [T, D] tokens.
+
+        Returns:
+            (probabilities [T, E], weights [T, k], indices [T, k]); float32, indices int32.
+        """
         probs = jax.nn.softmax(_logits(x, self.kernel), axis=-1)
         weights, idx = jax.lax.top_k(probs, self.k)
         if self.norm_topk_prob:

@@ -13,6 +13,36 @@ from zoo.models.fields import check_non_negative, check_positive, check_positive
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DeepSeekV3Config(MoEConfig):
     # from LMConfig: vocab_size, dim, num_layers, tie_embeddings, dtype, param_dtype, attention_impl
+    """DeepSeek-V3 (DeepSeek-AI, 2024, arXiv:2412.19437): MLA attention (DeepSeek-V2, arXiv:2405.04434), dense FFNs in
+    the first layers and DeepSeekMoE (fine-grained routed experts, shared experts, group-limited sigmoid routing with
+    auxiliary-loss-free balancing) in the rest, optionally multi-token prediction. `MoEConfig`'s fields, and:
+
+    Args:
+        first_dense_layers: the first layers with a dense FFN (transformers' first_k_dense_replace).
+        num_heads: the attention heads.
+        q_lora_rank: the query latent's width.
+        kv_lora_rank: the key/value latent's width.
+        qk_nope_head_dim: the per-head q/k width without position.
+        qk_rope_head_dim: the per-head q/k width RoPE rotates.
+        v_head_dim: the per-head value width.
+        mlp_dim: the dense layers' FFN width.
+        num_shared_experts: the shared experts (each of moe_mlp_dim).
+        n_group: the groups the routed experts are split into.
+        topk_group: the groups each token may choose from.
+        routed_scaling_factor: the factor on the routing weights.
+        rope_theta: RoPE's base.
+        rope_scaling: YaRN (`zoo.layers.YarnScaling`) or None.
+        rope_interleave: whether the checkpoint's rope columns are interleaved pairs (as published).
+        norm_eps: every RMSNorm's eps.
+        mtp_depths: the multi-token prediction depths (0: off; the report's 2.2).
+        mtp_lambda: the weight of their mean loss.
+
+    Example:
+        >>> from zoo.models import DeepSeekV3Config
+        >>> cfg = DeepSeekV3Config.preset("deepseek_v3_671b")
+        >>> cfg.num_experts, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+        (256, 8, 8, 4)
+    """
     first_dense_layers: int            # transformers: first_k_dense_replace
     num_heads: int
     q_lora_rank: int

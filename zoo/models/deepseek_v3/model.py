@@ -21,7 +21,27 @@ from zoo.recipe import Recipe
 
 
 class DeepSeekDecoderLayer(PreNormBlock):
-    """One decoder layer; `moe=True` for the mixture-of-experts FFN, which also returns its aux."""
+    """One DeepSeek-V3 decoder layer (arXiv:2412.19437): x += MLA(RMSNorm(x)); x += FFN(RMSNorm(x)), the FFN a
+    dense SwiGLU or, with `moe=True`, DeepSeekMoE (`deepseek_moe`), which also returns its aux.
+
+    Args:
+        cfg: the model's `DeepSeekV3Config`.
+        moe: whether the FFN is the mixture of experts (which also returns its aux).
+        rngs: the random generators of the parameters' initialization.
+
+    Emits:
+        `query_wa_proj`, `mla_q`, `kv_wa_proj`, `mla_kv`, `query_proj`, `key_proj`, `value_proj`, `attention_out`,
+        `context`, `out_proj` (`zoo.layers.MLA`); `mlpwi_0`, `mlpwi_1`, `mlpwo`, or with `moe=True` `moe_mlpwi_0`,
+        `moe_mlpwi_1`, `moe_mlpwo`, `shared_mlpwi_0`, `shared_mlpwi_1`, `shared_mlpwo`.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from zoo.models.deepseek_v3 import DeepSeekDecoderLayer, DeepSeekV3Config
+        >>> layer = DeepSeekDecoderLayer(DeepSeekV3Config.preset("tiny"), moe=False, rngs=nnx.Rngs(0))
+        >>> layer(jnp.ones((1, 8, layer.dim))).shape == (1, 8, layer.dim)
+        True
+    """
 
     def __init__(self, cfg: DeepSeekV3Config, *, moe: bool, rngs: nnx.Rngs):
         self.dim, self.dtype = cfg.dim, cfg.compute_dtype
@@ -42,7 +62,24 @@ class DeepSeekDecoderLayer(PreNormBlock):
 
 
 def deepseek_moe(cfg: DeepSeekV3Config, *, rngs: nnx.Rngs) -> MoE:
-    """DeepSeek-V3's MoE: the group-limited sigmoid router with its bias, the routed experts, the shared expert."""
+    """DeepSeekMoE as DeepSeek-V3 configures it (arXiv:2412.19437, 2.1.2): `GroupLimitedRouter` (sigmoid affinities,
+    group-limited top-k, the routing bias), the routed `Experts`, and `num_shared_experts` shared experts as one
+    `MLP(tag_prefix="shared_")` of num_shared_experts * moe_mlp_dim.
+
+    Args:
+        cfg: the model's `DeepSeekV3Config`.
+        rngs: the random generators of the parameters' initialization.
+
+    Returns:
+        the `zoo.layers.MoE`.
+
+    Example:
+        >>> from flax import nnx
+        >>> from zoo.models.deepseek_v3 import DeepSeekV3Config, deepseek_moe
+        >>> moe = deepseek_moe(DeepSeekV3Config.preset("tiny"), rngs=nnx.Rngs(0))
+        >>> type(moe.gate).__name__, moe.experts.num_experts
+        ('GroupLimitedRouter', 8)
+    """
     common = dict(dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype)
     router = GroupLimitedRouter(dim=cfg.dim, num_experts=cfg.num_experts, k=cfg.num_experts_per_tok,
                                 n_group=cfg.n_group, topk_group=cfg.topk_group,
@@ -56,6 +93,23 @@ def deepseek_moe(cfg: DeepSeekV3Config, *, rngs: nnx.Rngs) -> MoE:
 
 
 class DeepSeekV3(CausalLM):
+    """DeepSeek-V3 (DeepSeek-AI, 2024, arXiv:2412.19437): the embedding, `first_dense_layers` dense layers (the stack
+    `dense_layers`), the DeepSeekMoE layers (`moe_layers`), a final RMSNorm, the LM head, and with `mtp_depths` > 0
+    the multi-token prediction head (`mtp`). Training adds `total_balance_loss(aux)` and calls
+    `update_routing_bias(model, aux, rate)` after each step.
+
+    Args:
+        cfg: the model's `DeepSeekV3Config` (a preset: `DeepSeekV3Config.preset(name)`).
+        recipe: the placement of each tag (a `zoo.Recipe`; default `Recipe.none()`: everything kept in HBM).
+        rngs: the random generators of the parameters' initialization.
+
+    Example:
+        >>> from flax import nnx
+        >>> from zoo.models import DeepSeekV3, DeepSeekV3Config
+        >>> model = nnx.eval_shape(lambda: DeepSeekV3(DeepSeekV3Config.preset("tiny"), rngs=nnx.Rngs(0)))
+        >>> type(model).__name__, list(model.stack_names)
+        ('DeepSeekV3', ['dense_layers', 'moe_layers'])
+    """
     def __init__(self, cfg: DeepSeekV3Config, *, recipe: Recipe | None = None, rngs: nnx.Rngs):
         if not isinstance(cfg, DeepSeekV3Config):
             raise ValueError(f"DeepSeekV3 needs a DeepSeekV3Config, got {type(cfg).__name__}")
@@ -73,6 +127,22 @@ class DeepSeekV3(CausalLM):
 
 
 def deepseek_v3(cfg: DeepSeekV3Config, *, recipe: Recipe | None = None, rngs: nnx.Rngs) -> DeepSeekV3:
-    """Build DeepSeek-V3. `recipe` (default: `Recipe.none()`) decides each tag's placement in every stack (the MTP
-    module's too)."""
+    """Build a DeepSeek-V3 model: `DeepSeekV3(cfg, recipe=recipe, rngs=rngs)` (`zoo.models.deepseek_v3`).
+
+    Args:
+        cfg: the model's `DeepSeekV3Config`.
+        recipe: the placement of each tag (a `zoo.Recipe`; default `Recipe.none()`).
+        rngs: the random generators of the parameters' initialization.
+
+    Returns:
+        the `DeepSeekV3`.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import zoo
+        >>> model = zoo.models.deepseek_v3(zoo.models.DeepSeekV3Config.preset("tiny"), rngs=nnx.Rngs(0))
+        >>> model(jnp.zeros((1, 8), jnp.int32)).shape[:2]
+        (1, 8)
+    """
     return DeepSeekV3(cfg, recipe=recipe, rngs=rngs)

@@ -26,7 +26,22 @@ from zoo.models.stack import Stack, module_at, stacked_modules
 
 
 class MTPDepth(nnx.Module):
-    """One depth's own parts around its decoder layer (checkpoint names: enorm, hnorm, eh_proj, shared_head.norm)."""
+    """One multi-token prediction depth's own parts around its decoder layer (DeepSeek-V3, arXiv:2412.19437, 2.2):
+    RMSNorms of the previous depth's hidden states and of the next tokens' embeddings, their concatenation projected
+    back to `dim` (checkpoint names: enorm, hnorm, eh_proj, shared_head.norm).
+
+    Args:
+        cfg: the model's `DeepSeekV3Config`.
+        rngs: the random generators of the parameters' initialization.
+
+    Example:
+        >>> from flax import nnx
+        >>> from zoo.models.deepseek_v3 import DeepSeekV3Config
+        >>> from zoo.models.deepseek_v3.mtp import MTPDepth
+        >>> depth = MTPDepth(DeepSeekV3Config.preset("tiny"), rngs=nnx.Rngs(0))
+        >>> type(depth.eh_proj).__name__
+        'Einsum'
+    """
 
     def __init__(self, cfg: DeepSeekV3Config, *, rngs: nnx.Rngs):
         common = dict(eps=cfg.norm_eps, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype)
@@ -42,7 +57,21 @@ class MTPDepth(nnx.Module):
 
 
 class MultiTokenPrediction(nnx.Module):
-    """`cfg.mtp_depths` depths; `make_layer(rngs)` builds one decoder layer (the main MoE stack's kind)."""
+    """DeepSeek-V3's multi-token prediction (arXiv:2412.19437, 2.2): `cfg.mtp_depths` sequential depths, depth k
+    predicting the token k + 1 positions after the next from the previous depth's hidden states and the embeddings.
+
+    Args:
+        cfg: the model's `DeepSeekV3Config` (with `mtp_depths` > 0).
+        make_layer: make_layer(rngs) builds one decoder layer (the main MoE stack's kind).
+        rngs: the random generators of the parameters' initialization.
+
+    Example:
+        >>> from flax import nnx
+        >>> from zoo.models import DeepSeekV3Config, deepseek_v3
+        >>> model = nnx.eval_shape(lambda: deepseek_v3(DeepSeekV3Config.preset("tiny", mtp_depths=1), rngs=nnx.Rngs(0)))
+        >>> model.mtp.depths
+        1
+    """
 
     def __init__(self, cfg: DeepSeekV3Config, make_layer: Callable[[nnx.Rngs], nnx.Module], *, rngs: nnx.Rngs):
         if cfg.mtp_depths <= 0:
@@ -53,8 +82,17 @@ class MultiTokenPrediction(nnx.Module):
         self.layers = Stack(make_layer, num_layers=cfg.mtp_depths, rngs=rngs)
 
     def __call__(self, h: jax.Array, embeddings: jax.Array, policy, *, tiles: int = 1) -> tuple[jax.Array, Any]:
-        """h: the main model's normed final hidden states [B, S, dim]; embeddings: its input embeddings [B, S, dim].
-        Returns (each depth's normed hidden states [D, B, S, dim], the layers' aux stacked over D)."""
+        """Run the depths.
+
+        Args:
+            h: the main model's normed final hidden states [B, S, dim].
+            embeddings: its input embeddings [B, S, dim].
+            policy: the remat policy of the depths' decoder layers (the recipe's).
+            tiles: sequence tiles of the per-position parts (`zoo.layers.tiles`).
+
+        Returns:
+            (each depth's normed hidden states [D, B, S, dim], the layers' aux stacked over D).
+        """
         hidden, auxes = [], []
         for k in range(1, self.depths + 1):
             depth = module_at(self.heads, k - 1)

@@ -10,6 +10,19 @@ from zoo.models.config import LMConfig
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LlamaConfig(gqa.GQAConfig, LMConfig):
+    """Llama 3.1 (Grattafiori et al., 2024, "The Llama 3 Herd of Models"): a GQA decoder (`GQAConfig`'s fields) with
+    RoPE at theta 500000 and Llama 3.1's wavelength scaling. `PRESETS`: llama3_1_8b, llama3_1_70b, llama3_1_405b as
+    published, and tiny (two float32 layers, for tests and CPU runs).
+
+    Args:
+        rope_scaling: RoPE's frequency scaling (`zoo.layers.WavelengthScaling`; None: none).
+
+    Example:
+        >>> from zoo.models import LlamaConfig
+        >>> cfg = LlamaConfig.preset("llama3_1_8b")
+        >>> cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        (32, 8, 128)
+    """
     num_heads: int
     num_kv_heads: int
     head_dim: int

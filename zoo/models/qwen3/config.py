@@ -11,6 +11,18 @@ from zoo.models.config import LMConfig
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Qwen3Config(gqa.GQAConfig, LMConfig):
     # from LMConfig: vocab_size, dim, num_layers, tie_embeddings, dtype, param_dtype, attention_impl, mlp_seq_chunks
+    """The dense Qwen3 models (Qwen Team, 2025, "Qwen3 Technical Report"): a GQA decoder (`GQAConfig`'s fields) with an
+    RMSNorm over each query and key head, RoPE at theta 1e6, `head_dim` independent of `dim`. `PRESETS`: qwen3_8b,
+    qwen3_32b as published, and tiny.
+
+    Args:
+        norm_eps: every RMSNorm's eps, the per-head q/k norms' included.
+
+    Example:
+        >>> from zoo.models import Qwen3Config
+        >>> Qwen3Config.preset("qwen3_32b").head_dim * Qwen3Config.preset("qwen3_32b").num_heads
+        8192
+    """
     num_heads: int
     num_kv_heads: int
     head_dim: int                      # independent of dim (Qwen3-32B: 64 x 128 = 8192 against dim 5120)

@@ -13,6 +13,22 @@ from zoo.models.fields import check_positive
 class Qwen3MoeConfig(gqa.GQAConfig, MoEConfig):
     # from LMConfig: vocab_size, dim, num_layers, tie_embeddings, dtype, param_dtype, attention_impl
     # from MoEConfig: num_experts, num_experts_per_tok, moe_mlp_dim, norm_topk_prob, moe_backend, capacity_factor
+    """Qwen3's mixture-of-experts models (Qwen Team, 2025): Qwen3's GQA attention (`GQAConfig`'s fields) and, in the
+    layers `decoder_sparse_step` and `mlp_only_layers` choose, routed experts with softmax top-k routing and the
+    Switch Transformer's balance loss (`MoEConfig`'s fields). `PRESETS`: qwen3_30b_a3b, qwen3_235b_a22b, and tiny.
+
+    Args:
+        decoder_sparse_step: layer i has experts when (i + 1) % decoder_sparse_step == 0 ...
+        mlp_only_layers: ... and i is not listed here.
+        norm_eps: every RMSNorm's eps.
+        balance_loss_weight: the balance loss's weight (transformers' router_aux_loss_coef).
+
+    Example:
+        >>> from zoo.models import Qwen3MoeConfig
+        >>> cfg = Qwen3MoeConfig.preset("qwen3_30b_a3b")
+        >>> cfg.num_experts, cfg.num_experts_per_tok
+        (128, 8)
+    """
     num_heads: int
     num_kv_heads: int
     head_dim: int

@@ -19,7 +19,27 @@ from zoo.recipe import Recipe
 
 
 class Qwen3MoeDecoderLayer(PreNormBlock):
-    """One decoder layer; `moe=True` for the mixture-of-experts FFN, which also returns its aux."""
+    """One Qwen3-MoE decoder layer (Qwen Team, 2025): Qwen3's GQA attention, then a dense SwiGLU or, with
+    `moe=True`, a mixture of experts with softmax top-k routing (`zoo.layers.MoE`, `SoftmaxRouter`).
+
+    Args:
+        cfg: the model's `Qwen3MoeConfig`.
+        moe: whether the FFN is the mixture of experts (which also returns its aux).
+        rngs: the random generators of the parameters' initialization.
+
+    Emits:
+        `query_proj`, `key_proj`, `value_proj`, `attention_out`, `context`, `out_proj` (`zoo.layers.Attention`),
+        `mlpwi_0`, `mlpwi_1`, `mlpwo` (`zoo.layers.MLP`).
+        With `moe=True`: `moe_mlpwi_0`, `moe_mlpwi_1`, `moe_mlpwo` instead of the dense MLP's.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from zoo.models.qwen3_moe import Qwen3MoeDecoderLayer, Qwen3MoeConfig
+        >>> layer = Qwen3MoeDecoderLayer(Qwen3MoeConfig.preset("tiny"), moe=False, rngs=nnx.Rngs(0))
+        >>> layer(jnp.ones((1, 8, layer.dim))).shape == (1, 8, layer.dim)
+        True
+    """
 
     def __init__(self, cfg: Qwen3MoeConfig, *, moe: bool, rngs: nnx.Rngs):
         self.dim, self.dtype, self.moe = cfg.dim, cfg.compute_dtype, moe
@@ -52,6 +72,22 @@ def stack_names(cfg: Qwen3MoeConfig) -> list[str]:
 
 
 class Qwen3Moe(CausalLM):
+    """Qwen3's mixture-of-experts models (Qwen Team, 2025): the embedding, scanned runs of dense and MoE
+    `Qwen3MoeDecoderLayer`s (as `decoder_sparse_step` and `mlp_only_layers` lay them out), a final RMSNorm and the
+    LM head. Build it with `zoo.models.qwen3_moe`; call it with `return_aux=True` for the balance loss's records.
+
+    Args:
+        cfg: the model's `Qwen3MoeConfig` (a preset: `Qwen3MoeConfig.preset(name)`).
+        recipe: the placement of each tag (a `zoo.Recipe`; default `Recipe.none()`: everything kept in HBM).
+        rngs: the random generators of the parameters' initialization.
+
+    Example:
+        >>> from flax import nnx
+        >>> from zoo.models import Qwen3Moe, Qwen3MoeConfig
+        >>> model = nnx.eval_shape(lambda: Qwen3Moe(Qwen3MoeConfig.preset("tiny"), rngs=nnx.Rngs(0)))
+        >>> type(model).__name__, list(model.stack_names)
+        ('Qwen3Moe', ['dense_layers', 'moe_layers'])
+    """
     def __init__(self, cfg: Qwen3MoeConfig, *, recipe: Recipe | None = None, rngs: nnx.Rngs):
         if not isinstance(cfg, Qwen3MoeConfig):
             raise ValueError(f"Qwen3Moe needs a Qwen3MoeConfig, got {type(cfg).__name__}")
@@ -63,5 +99,22 @@ class Qwen3Moe(CausalLM):
 
 
 def qwen3_moe(cfg: Qwen3MoeConfig, *, recipe: Recipe | None = None, rngs: nnx.Rngs) -> Qwen3Moe:
-    """Build Qwen3-MoE. `recipe` (default: `Recipe.none()`) decides each tag's placement in every stack."""
+    """Build a Qwen3-MoE model: `Qwen3Moe(cfg, recipe=recipe, rngs=rngs)` (`zoo.models.qwen3_moe`).
+
+    Args:
+        cfg: the model's `Qwen3MoeConfig`.
+        recipe: the placement of each tag (a `zoo.Recipe`; default `Recipe.none()`).
+        rngs: the random generators of the parameters' initialization.
+
+    Returns:
+        the `Qwen3Moe`.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import zoo
+        >>> model = zoo.models.qwen3_moe(zoo.models.Qwen3MoeConfig.preset("tiny"), rngs=nnx.Rngs(0))
+        >>> model(jnp.zeros((1, 8), jnp.int32)).shape[:2]
+        (1, 8)
+    """
     return Qwen3Moe(cfg, recipe=recipe, rngs=rngs)
