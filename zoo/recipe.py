@@ -36,7 +36,19 @@ def _expand(patterns: tuple[str, ...], names: Iterable[str]) -> tuple[str, ...]:
 @dataclasses.dataclass(frozen=True)
 class ResolvedRecipe:
     """A recipe's patterns expanded to tag names (`Recipe.resolve`): over the vocabulary, or over the tags one
-    model emits."""
+    model emits.
+
+    Args:
+        recipe: the recipe as written.
+        offload: the tag names it sends to pinned host memory.
+        device: the tag names it keeps in HBM.
+        group_keep: the tag names a group's layers keep while the group's backward runs.
+
+    Example:
+        >>> from zoo import Recipe
+        >>> Recipe("mlp", device=("mlpwi_*",)).resolve().device
+        ('mlpwi_0', 'mlpwi_1')
+    """
     recipe: Recipe
     offload: tuple[str, ...]
     device: tuple[str, ...]
@@ -45,11 +57,35 @@ class ResolvedRecipe:
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """A mapping from tag to placement; unnamed tags are rematerialized. A value: it holds what was written (tag names
-    or patterns) and nothing else; what the patterns name is `resolve()`'s result.
+    """Where each named intermediate of a training step lives between the forward and the backward pass: kept in HBM
+    (`device`), copied to pinned host memory and back (`offload`), or recomputed (every tag the recipe does not
+    name). It compiles to a JAX checkpoint policy (`policy()`), and the zoo's stacks also apply its structure: sequence
+    tiles (Arctic Long Sequence Training's tiled compute) and layer groups (sublinear checkpointing, Chen et al.
+    2016, two levels deep). A value: it holds what was written (tag names or `fnmatch` patterns) and nothing else.
 
-        >>> Recipe("qkv_offload", offload=("query_proj", "key_proj", "value_proj")).placement("key_proj")
-        'offload'"""
+    Args:
+        name: the recipe's name (what `--recipe` takes when a family's set holds it).
+        offload: tags (or patterns over the vocabulary, `zoo.tags.NAMES`) sent to pinned host memory.
+        device: tags (or patterns) kept in HBM.
+        special: "none" (nothing recomputed) or "full" (everything recomputed but the layer input); use
+            `Recipe.none()` and `Recipe.full()`.
+        description: one line saying what the recipe does, for tables and `--help`.
+        seq_tiles: each layer's per-position parts run over this many sequence tiles, each rematerialized alone.
+        group: layers per rematerialized group: the layer input is kept every `group` layers and each layer inside
+            a group is rematerialized on its own.
+        group_keep: tags each layer of a group keeps in HBM only while the group's backward pass runs.
+
+    Raises:
+        ValueError: a name or pattern that matches no tag (the message lists the vocabulary), a tag in two
+            placements, one of the attention kernel's two residuals kept without the other, a non-positive or boolean
+            `seq_tiles` or `group`, `group_keep` without groups.
+
+    Example:
+        >>> from zoo import Recipe
+        >>> r = Recipe("qkv_offload", offload=("query_proj", "key_proj", "value_proj"))
+        >>> r.placement("key_proj"), r.placement("mlpwi_0")
+        ('offload', 'remat')
+    """
 
     name: str
     offload: tuple[str, ...] = ()   # tag names or fnmatch patterns over the vocabulary, as written

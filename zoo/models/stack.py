@@ -109,7 +109,24 @@ def module_at(modules: nnx.Module, index: int) -> nnx.Module:
 
 
 class Stack(nnx.Module):
-    """`num_layers` copies of the layer `make_layer(rngs)` builds, stacked on a leading `layers` axis."""
+    """`num_layers` copies of one decoder layer, their variables stacked on a leading `layers` axis, applied in order
+    by one `nnx.scan` over `nnx.remat` of the layer (or of a group of layers) under a recipe's checkpoint policy.
+
+    Args:
+        make_layer: builds one layer from `rngs` (a module whose `__call__(x)` returns x or (x, aux)).
+        num_layers: the number of layers.
+        rngs: the random generators; split over the layers (`nnx.split_rngs` and `nnx.vmap`).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from zoo.layers import MLP
+        >>> from zoo.models.stack import Stack
+        >>> stack = Stack(lambda rngs: MLP(dim=8, hidden=16, rngs=rngs), num_layers=4, rngs=nnx.Rngs(0))
+        >>> y, aux = stack(jnp.ones((2, 4, 8)), jax.checkpoint_policies.nothing_saveable, group=2)
+        >>> y.shape
+        (2, 4, 8)
+    """
 
     def __init__(self, make_layer: Callable[[nnx.Rngs], nnx.Module], *, num_layers: int, rngs: nnx.Rngs):
         if num_layers <= 0:
@@ -129,9 +146,19 @@ class Stack(nnx.Module):
 
     def __call__(self, x: jax.Array, policy, *, group: int = 1, tiles: int = 1,
                  layer_policy=None) -> tuple[jax.Array, Any]:
-        """Apply every layer in order under the checkpoint `policy`, `group` layers per rematerialized body (each
-        layer inside rematerialized on its own under `layer_policy`, default `policy`: two-level checkpoints), the
-        per-position parts in `tiles` sequence tiles. Returns (x, aux stacked over layers)."""
+        """Apply every layer in order.
+
+        Args:
+            x: the stack's input [batch, seq, dim].
+            policy: the JAX checkpoint policy of each rematerialized body (`Recipe.policy()`).
+            group: layers per rematerialized body; it must divide the number of layers.
+            tiles: sequence tiles of each layer's per-position parts.
+            layer_policy: the checkpoint policy of each layer inside a group (`Recipe.layer_policy()`; default
+                `policy`): two-level checkpoints.
+
+        Returns:
+            (x, aux): the last layer's output and each layer's aux, stacked over the layers.
+        """
         self.check_group(group)
         modules = self.layers if group == 1 else grouped(self.layers, group)
         layer_policy = policy if layer_policy is None else layer_policy

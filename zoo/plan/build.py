@@ -36,14 +36,42 @@ NO_HARDWARE, ONE_DEVICE = Hardware(), Parallelism()
 def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware = NO_HARDWARE,
          parallel: Parallelism = ONE_DEVICE, training: Training = STEP, peak: str | None = "auto", compiled=None,
          model_name: str | None = None) -> Plan:
-    """Plan `recipe` (a `zoo.Recipe`, or "auto" to choose one: it needs an HBM budget, a link and a FLOP rate) for the
-    model `cfg` (a config or a built model) at global [batch, seq], on `hardware`, split as `parallel` says, for the
-    step `training` describes (`zoo.plan.inputs`).
+    """What a recipe costs before launch: for each tag of each stack, its bytes per layer and where they live (HBM,
+    pinned host memory, or recomputed), the model state, the recompute FLOPs, the peak HBM of the step and its
+    predicted time. The byte counts are read off the layers (their tags' shapes) and checked against JAX's own list of
+    residuals. What is counted, and how: docs/internals.md, "What a plan counts".
 
-    `peak`: "compile" compiles the main job's step for the device present (the sharded step under a mesh whose devices
-    are present), "estimate" does not (`zoo.plan.peak`), "auto" compiles on an accelerator that is the device planned
-    for, None skips it; `compiled` is a step already compiled, read as is. `model_name` labels the plan. What is
-    counted, and how: docs/internals.md, "What a plan counts"."""
+    Args:
+        cfg: the model's config (a family's frozen config dataclass), or a built model (its config is read).
+        recipe: a `zoo.Recipe`, or "auto" to choose the tags' placements, the sequence tiles and the layer groups for
+            `hardware` (it needs `hbm_gib`, a link and a FLOP rate).
+        batch: the global batch (sequences per step).
+        seq: the sequence length.
+        hardware: the device planned for (`zoo.plan.Hardware`: its kind, HBM and host budgets, link and FLOP rate).
+        parallel: how the step is split over devices (`zoo.plan.Parallelism`: a mesh, or `shard=N` even splits).
+        training: the step (`zoo.plan.Training`: optimizer, where its state lives, micro-batches, loss chunks).
+        peak: "compile" compiles the step for the device present, "estimate" estimates it, "auto" compiles where the
+            device present is the one planned for, None leaves the peak out.
+        compiled: a training step already compiled, whose memory analysis is read as it is.
+        model_name: the model's name in the plan's header.
+
+    Returns:
+        A `zoo.plan.Plan` (`zoo.plan.render` prints it; `.to_dict()` is its JSON).
+
+    Raises:
+        ValueError: a recipe naming a tag the model does not emit, a group that does not divide a stack, a sequence
+            beyond the model's context, a batch or mesh that does not split, "auto" without its budgets.
+
+    Example:
+        >>> import zoo
+        >>> cfg = zoo.models.LlamaConfig.preset("tiny")
+        >>> p = zoo.plan.plan(cfg, zoo.Recipe("qkv", offload=("query_proj", "key_proj", "value_proj")),
+        ...                   batch=2, seq=64, peak=None)
+        >>> [t.tag for t in p.stacks[0].tags if t.placement == "offload"]
+        ['query_proj', 'key_proj', 'value_proj']
+        >>> p.host_bytes == 2 * (2 * 64 * 4 * 16 + 2 * 2 * 64 * 2 * 16) * 4
+        True
+    """
     if isinstance(cfg, nnx.Module) and hasattr(cfg, "config"):
         cfg = cfg.config
     if getattr(cfg, "attention_impl", None) == "cudnn":
@@ -117,7 +145,22 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
 def model_state(cfg, *, training: Training = STEP, parallel: Parallelism = ONE_DEVICE) -> ModelState:
     """The model state per device that `plan` counts (parameters, gradients, the optimizer's moments, gradient sums
     and a master copy, where `training` puts them), from shapes alone: under `parallel.mesh` by the sharding rules,
-    else split evenly over `parallel.shard` devices."""
+    else split evenly over `parallel.shard` devices.
+
+    Args:
+        cfg: the model's config.
+        training: the step (`zoo.plan.Training`): the optimizer, its moments' dtype and place, the parameters' place.
+        parallel: how the state is split (`zoo.plan.Parallelism`).
+
+    Returns:
+        A `zoo.plan.ModelState` (bytes per device).
+
+    Example:
+        >>> import zoo
+        >>> s = zoo.plan.model_state(zoo.models.LlamaConfig.preset("tiny"))
+        >>> s.params == s.grads == 4 * s.num_params, s.optimizer == 2 * s.params
+        (True, True)
+    """
     amesh = None if parallel.mesh is None else mesh_plan.as_abstract(parallel.mesh)
     shard = parallel.shard if amesh is None else mesh_plan.devices(amesh)
     return _model_state(abstract_model(cfg), amesh, shard, training)
@@ -283,5 +326,26 @@ def _stack_plan(model, s: str, st, recipe: Recipe, lay: Layout, notes: dict, *, 
 
 
 def auto_recipe(cfg, *, batch: int, seq: int, hardware: Hardware, **kwargs) -> Recipe:
-    """The recipe `plan(cfg, "auto", ...)` chooses."""
+    """The recipe `plan(cfg, "auto", ...)` chooses: each tag's placement, the sequence tiles and the layer groups
+    whose recompute and exposed copies cost least within the HBM and host budgets of `hardware`.
+
+    Args:
+        cfg: the model's config.
+        batch: the global batch.
+        seq: the sequence length.
+        hardware: the device, with `hbm_gib` and a FLOP rate (`tflops`); the link is the measured one of a known
+            device kind, or `link_gbps`.
+        **kwargs: what `plan` takes beside (`parallel`, `training`, `peak`).
+
+    Returns:
+        A `zoo.Recipe` named "auto".
+
+    Example:
+        >>> import zoo
+        >>> cfg = zoo.models.LlamaConfig.preset("tiny")
+        >>> r = zoo.plan.auto_recipe(cfg, batch=2, seq=64, peak=None,
+        ...                          hardware=zoo.plan.Hardware(device_kind="H200", hbm_gib=80, tflops=760))
+        >>> r.name, r.group
+        ('auto', 1)
+    """
     return plan(cfg, "auto", batch=batch, seq=seq, hardware=hardware, **kwargs).recipe
