@@ -12,8 +12,6 @@ import argparse
 import dataclasses
 import difflib
 import math
-import os
-import sys
 import types
 import typing
 
@@ -47,15 +45,14 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 INT32_MAX = 2**31 - 1
-PIPED_WIDTH = 160   # columns of rich's output when stdout is not a terminal (rich's own default there is 80)
 
 
 def console(**kwargs):
     """A rich Console for a command's tables: the terminal's width on a terminal; piped or redirected (a log, `| less`),
-    `PIPED_WIDTH` columns so tables do not wrap at 80, unless COLUMNS says otherwise."""
-    from rich.console import Console
-    width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else PIPED_WIDTH
-    return Console(highlight=False, width=width, **kwargs)
+    wide enough that tables print at their natural width and no line wraps (`zoo.plan.report.new_console`; this
+    imports JAX)."""
+    from zoo.plan.report import new_console
+    return new_console(**kwargs)
 
 
 def _positive(cast: type, noun: str):

@@ -13,7 +13,7 @@ import pytest
 import zoo
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
 from recipes.train import plan as plan_cli
-from tests.helpers import ROOT, cpu_env
+from tests.helpers import ROOT, assert_unbroken, cpu_env
 from zoo.models import registry
 from zoo.plan import Training
 
@@ -39,11 +39,18 @@ def test_cli_json_has_the_study_integers():
     assert any("pinned host pool" in w for w in out["warnings"])
 
 
-def test_cli_table_renders():
-    r = _run(*PLAN, env={"COLUMNS": "160"})
+def test_cli_table_renders_whole_into_a_file(tmp_path):
+    """`... > plan.txt`: the tables at their natural width (whatever COLUMNS says) and the warning on one line."""
+    log = tmp_path / "plan.txt"
+    with open(log, "w") as f:
+        r = subprocess.run([sys.executable, *PLAN], cwd=ROOT, stdout=f, stderr=subprocess.PIPE, text=True,
+                           timeout=300, env={**os.environ, "COLUMNS": "80"})
     assert r.returncode == 0, r.stderr
-    for text in ("query_proj", "512.0 MiB", "32.0 MiB", "576.0 MiB", "70.9 GiB", "not a residual", "warning:"):
-        assert text in r.stdout, text
+    out = log.read_text()
+    for text in ("query_proj", "512.0 MiB", "32.0 MiB", "576.0 MiB", "70.9 GiB", "not a residual"):
+        assert text in out, text
+    assert_unbroken(out, "│ layers │", "│ parameters (405,853,388,800)", "│ peak HBM of the step, estimate",
+                    "warning: host memory 70.9 GiB is over XLA's pinned host pool ... before launch, or offload less")
 
 
 def test_cli_auto_and_bad_input():

@@ -21,7 +21,7 @@ from recipes.train import flags, loop
 from recipes.train.checkpoint import Checkpoints
 from recipes.train.cli import family as model_family
 from recipes.train.cli import recipe as model_recipe
-from tests.helpers import cpu_env
+from tests.helpers import assert_unbroken, cpu_env
 from tests.train.token_files import write_tokens
 from zoo.optim import lr_schedule, make_optimizer
 
@@ -247,6 +247,20 @@ def test_readme_main_job_command_runs_as_printed_and_tiny_llama_learns_in_60_ste
     rows = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
     assert rows[-1]["step"] == 60 and rows[-1]["loss"] < 0.9 * rows[0]["loss"]
     assert {"tokens_per_s", "model_tflops", "mfu", "peak_hbm_bytes"} <= set(rows[0])
+
+
+def test_the_main_jobs_output_to_a_pipe_keeps_every_line_whole(tmp_path):
+    """Its output piped (a cluster job's log): the plan's tables at their natural width and each line whole, the
+    longest (--recipe auto's choice, over 160 columns) too, whatever COLUMNS says."""
+    args = ["--recipe", "auto", "--hbm-limit", "1", "--link", "10", "--peak-tflops", "1", "--steps", 1, "--batch", 2,
+            "--seq", 16, "--xla-flags", "none", "--ckpt-dir", tmp_path / "ckpt"]
+    out = subprocess.run([sys.executable, "-m", "recipes.train", *map(str, args)], env=cpu_env(COLUMNS="80"),
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert_unbroken(out.stdout, "recipe auto for HBM 1.0 GiB ... recomputes every other tag",
+                    "recipe auto: device=['decoder_layer_input', ... every other tag recomputed",
+                    "chosen: auto: device=[ ... every other tag recomputed", "│ decoder_layer_input │",
+                    "│ peak HBM of the step, compiled for cpu")
 
 
 def test_custom_loop_example_trains_with_the_recipe_policy():
