@@ -176,3 +176,46 @@ def recipe(fam, name: str | None):
     """The family's recipe `name` (None: its default); ValueError naming --recipe."""
     from recipes import registry
     return registry.recipe(fam, name)
+
+
+def check_recipe_fits(fam, recipe, name: str, model_cfg, seq: int) -> None:
+    """ValueError, in the flags the user typed, before anything compiles, when the recipe's structure does not fit:
+    its sequence tiles do not divide --seq (the nearest lengths that do, and a recipe without tiles, offered), or
+    its group does not divide a stack's layers (a recipe without groups offered)."""
+    from recipes import registry
+    from zoo.plan.measure import abstract_model
+    others = registry.recipes_of(fam)
+    tiles, group = recipe.seq_tiles, recipe.group
+
+    def instead(field: str) -> str:
+        """The family's recipe without tiles (or groups) nearest this one: the same placements, else the same other
+        structure and the most tags placed alike."""
+        mine = set(recipe.offload + recipe.device)
+        other = "group" if field == "seq_tiles" else "seq_tiles"
+        plain = [r for r in others.values() if getattr(r, field) == 1 and r.special is None]
+        if not plain:
+            return "a recipe"
+        best = max(plain, key=lambda r: ((r.offload, r.device) == (recipe.offload, recipe.device),
+                                         getattr(r, other) == getattr(recipe, other), len(mine & {*r.offload,
+                                                                                                   *r.device})))
+        same = (best.offload, best.device) == (recipe.offload, recipe.device)
+        return f"--recipe {best.name}" + (" (the same placements)" if same else "")
+
+    if tiles > 1 and seq % tiles:
+        below, above = seq // tiles * tiles, (seq // tiles + 1) * tiles
+        fits = [n for n in (below, above) if n > 0 and (model_cfg.max_seq_len is None or n <= model_cfg.max_seq_len)]
+        raise ValueError(f"--recipe {name} cuts the sequence into {tiles} tiles and --seq {seq} is not a multiple of "
+                         f"{tiles}: give {' or '.join(f'--seq {n}' for n in fits)}, or {instead('seq_tiles')} "
+                         f"without tiles")
+    if group > 1:
+        model = abstract_model(model_cfg)
+        for stack in model.stack_names:
+            layers = getattr(model, stack).num_layers
+            if layers % group:
+                near = (n for n in (layers // group * group, layers // group * group + group) if n)
+                fix = (" or ".join(f"--set num_layers={n}" for n in near)
+                       if len(model.stack_names) == 1 and layers == getattr(model_cfg, "num_layers", None) else
+                       f"stacks of a multiple of {group} layers (--set)")
+                raise ValueError(f"--recipe {name} recomputes the layers in groups of {group} and the stack {stack!r} "
+                                 f"has {layers} layers, not a multiple of {group}: give {instead('group')} without "
+                                 f"groups, or {fix}")

@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         family = cli.family(args.model)
         model_cfg = cli.model_config(family, args.preset, args.overrides)
         recipe = "auto" if args.recipe == "auto" else cli.recipe(family, args.recipe)
+        if recipe != "auto":
+            cli.check_recipe_fits(family, recipe, args.recipe, model_cfg, args.seq)
         _check_state(args, model_cfg)
         p = zoo.plan.plan(model_cfg, recipe, batch=args.batch, seq=args.seq, hardware=_hardware(args),
                           parallel=_parallel(args), training=_training(args),
@@ -240,6 +242,7 @@ def _max_batch(ap: argparse.ArgumentParser, args) -> int:
     try:
         family, model_cfg = _model(args)
         recipe = cli.recipe(family, args.recipe)
+        cli.check_recipe_fits(family, recipe, args.recipe, model_cfg, args.seq)
         _check_state(args, model_cfg)
         start = args.batch
         if start is not None and (start & (start - 1) or start > args.max_batch):

@@ -76,6 +76,8 @@ def test_cli_auto_and_bad_input():
     (("--set", "tie_embeddings=maybe"), ("--set tie_embeddings=maybe", "must be a bool")),
     (("--set", "num_layer=3"), ("--set num_layer=3", "not a field of LlamaConfig")),
     (("--hbm", "-1"), ("--hbm", "positive")),
+    (("--recipe", "context_tiles"), ("--recipe context_tiles cuts the sequence into 16 tiles", "--seq 8 is not",
+                                     "give --seq 16, or --recipe context_save")),
 ])
 def test_cli_errors_name_the_flags(args, needles, capsys):
     """Bad input is a usage error (exit 2) that names the flags, not Python keywords."""
