@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import math
 import types
 import typing
@@ -23,10 +22,10 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):
         unknown = message.removeprefix("unrecognized arguments: ")
         if unknown != message:
+            from zoo.names import did_you_mean  # imports JAX: only once the command is refused
             flags = [s for a in self._actions for s in a.option_strings]
-            close = [m for f in unknown.split() if f.startswith("--")
-                     for m in difflib.get_close_matches(f.split("=")[0], flags, n=1, cutoff=0.75)]
-            message += f" (did you mean {close[0]}?)" if close else ""
+            typed = [f.split("=")[0] for f in unknown.split() if f.startswith("--")]
+            message += next((hint for hint in (did_you_mean(f, flags) for f in typed) if hint), "")
             message += f"; `{self.prog} --help` lists the flags"
         self.exit(2, f"error: {message}\n")
 
@@ -113,8 +112,10 @@ def _scalar(hint):
 def family(name: str):
     """The model table's family `name`; ValueError naming --model."""
     from zoo.models import registry
+    from zoo.names import did_you_mean
     if name not in registry.FAMILIES:
-        raise ValueError(f"--model {name!r} is not in the zoo; choose one of: {', '.join(registry.FAMILIES)}")
+        raise ValueError(f"--model {name!r} is not in the zoo{did_you_mean(name, registry.FAMILIES)}; choose one of: "
+                         f"{', '.join(registry.FAMILIES)}")
     return registry.FAMILIES[name]
 
 
@@ -155,7 +156,9 @@ def model_config(fam, preset: str, overrides=()):
     """The family's preset with `overrides` ((FIELD, VALUE) pairs): text values are converted to the field's type
     (`parse_field`: "false" -> False for a bool field), others are used as given."""
     if preset not in fam.presets():
-        raise ValueError(f"--preset {preset!r} is not a {fam.name} preset; choose one of: {', '.join(fam.presets())}")
+        from zoo.names import did_you_mean
+        raise ValueError(f"--preset {preset!r} is not a {fam.name} preset{did_you_mean(preset, fam.presets())}; "
+                         f"choose one of: {', '.join(fam.presets())}")
     values = {}
     for key, value in overrides:
         if isinstance(value, str):

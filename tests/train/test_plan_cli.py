@@ -70,8 +70,13 @@ def test_cli_auto_and_bad_input():
 @pytest.mark.parametrize("args, needles", [
     (("--recipe", "auto", "--hbm", "1"), ("--recipe auto needs --link, --flops",)),
     (("--shard", "3"), ("--shard 3", "--batch 2")),
-    (("--model", "gpt2"), ("--model 'gpt2'", "llama3", "deepseek_v3")),
-    (("--preset", "huge"), ("--preset 'huge'", "llama3_1_405b")),
+    (("--model", "gpt2"), ("--model 'gpt2' is not in the zoo; choose one of: deepseek_v3, llama3, qwen3, qwen3_moe",)),
+    (("--model", "llama4"), ("--model 'llama4' is not in the zoo (did you mean llama3?); choose one of: deepseek_v3, "
+                             "llama3, qwen3, qwen3_moe",)),
+    (("--preset", "huge"), ("--preset 'huge' is not a llama3 preset; choose one of: ", "llama3_1_405b")),
+    (("--preset", "tyni"), ("--preset 'tyni' is not a llama3 preset (did you mean tiny?); choose one of: ",)),
+    (("--mesh", "fdsp=2"), ("unknown axis 'fdsp' (did you mean fsdp?)",)),
+    (("--resume",), ("unrecognized arguments: --resume; `python -m recipes.train.plan --help` lists the flags",)),
     (("--recipe", "qkv"), ("--recipe 'qkv'", "qkv_offload")),
     (("--set", "tie_embeddings=maybe"), ("--set tie_embeddings=maybe", "must be a bool")),
     (("--set", "num_layer=3"), ("--set num_layer=3", "not a field of LlamaConfig")),
