@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 import types
 import typing
 
@@ -44,6 +45,16 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 INT32_MAX = 2**31 - 1
+# The planner's Python arguments, as its messages name them (`zoo.plan`), and the flags of `recipes.train.plan`.
+ARGUMENT_FLAGS = ((re.compile(r"\bpeak=(['\"])(\w+)\1"), r"--peak \2"), (re.compile(r"\bhbm_gib\b"), "--hbm"))
+
+
+def in_flags(text: str) -> str:
+    """`text` from `zoo.plan` with each Python argument it names as the planner's flag (`peak='compile'` ->
+    `--peak compile`, `hbm_gib` -> `--hbm`)."""
+    for pattern, flag in ARGUMENT_FLAGS:
+        text = pattern.sub(flag, text)
+    return text
 
 
 def console(**kwargs):

@@ -128,7 +128,7 @@ def test_the_command_line_prints_the_largest_batch(capsys):
     assert "batch 8, seq 16" in capsys.readouterr().out
     with pytest.raises(SystemExit):   # --max-batch needs a budget on the CPU
         plan_cli.main(["--model", "llama3", "--preset", "tiny", "--seq", "16", "--max-batch"])
-    assert "hbm_gib is needed" in capsys.readouterr().err
+    assert "error: --hbm is needed" in capsys.readouterr().err   # the flag, not zoo.plan's hbm_gib
 
 
 # -- the peak (zoo.plan.peak: tests/plan/test_peak.py) ----------------------------------------------------------
@@ -143,6 +143,9 @@ def test_the_plan_command_line_reports_the_peak_and_the_measured_link(capsys, mo
     assert plan_cli.main(tiny + ["--recipe", "auto", "--hbm", "1", "--flops", "800", "--device", "H200"]) == 0
     text = " ".join(capsys.readouterr().out.split())   # rich wraps lines at the terminal's width
     assert "overlap d2h 0.634 / h2d 0.475 (measured on H200" in text and "estimate (planned for H200 on cpu)" in text
+    assert plan_cli.main(tiny + ["--recipe", "qkv_offload"]) == 0
+    text = capsys.readouterr().out   # the flag, where Python reads `peak='compile'` (Plan.peak_source)
+    assert "estimate (not compiled on the CPU: --peak compile does)" in text and "peak='compile'" not in text
 
 
 # -- --mesh (zoo.plan.plan(parallel=Parallelism(mesh=...)): tests/plan/test_mesh_plan.py) ------------------------
