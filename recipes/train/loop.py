@@ -204,7 +204,8 @@ class _Loop:
 
     def save(self, step: int) -> None:
         nnx.update((self.model, self.optimizer), self.state)
-        self.ckpts.save(step, self.model, self.optimizer, self.record)
+        self.ckpts.save(step, self.model, self.optimizer, self.record,
+                        say=lambda m: self.console.print(m, soft_wrap=True, markup=False))
         self.ckpts.wait()
         self.last_ckpt = step
 
