@@ -6,12 +6,12 @@ The model families are `zoo.models.registry`'s (`family(name)`, `family_of(cfg)`
 """
 from __future__ import annotations
 
-import difflib
 import importlib
 from types import ModuleType
 
 from zoo import Recipe
 from zoo.models.registry import FAMILIES, Family
+from zoo.names import did_you_mean
 
 
 def recipe_set(family: Family) -> ModuleType:
@@ -41,9 +41,7 @@ def recipe(family: Family, name: str | None) -> Recipe:
     named = recipes_of(family)
     if name not in named:
         others = [other for other in owners(name) if other != family.name]
-        close = difflib.get_close_matches(name, named, n=1)
-        hint = (f" (it is {' and '.join(others)}'s: --model {others[0]})" if others else
-                f" (did you mean {close[0]}?)" if close else "")
+        hint = f" (it is {' and '.join(others)}'s: --model {others[0]})" if others else did_you_mean(name, named)
         raise ValueError(f"--recipe {name!r} is not a {family.name} recipe{hint}; choose one of: {', '.join(named)}")
     return named[name]
 

@@ -7,9 +7,8 @@ ValueError, as every refusal of bad input in the zoo is (a command line prints i
 """
 from __future__ import annotations
 
-import difflib
-
 from zoo import Recipe
+from zoo.names import did_you_mean
 
 
 class UnknownRecipe(KeyError, ValueError):
@@ -27,7 +26,6 @@ class RecipeTable(dict[str, Recipe]):
         self.family = family
 
     def __missing__(self, name):
-        close = difflib.get_close_matches(str(name), list(self), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        hint = did_you_mean(str(name), self, quote=True)
         raise UnknownRecipe(f"{name!r} is not a {self.family} recipe{hint}; the {self.family} recipes: "
                             f"{', '.join(self)}")

@@ -45,6 +45,19 @@ def cpu_env(devices: int | None = None, **extra: str) -> dict[str, str]:
     return env
 
 
+def assert_unbroken(text: str, *lines: str) -> None:
+    """`text`, output sent to a file or a pipe, as a log keeps it: no table cell cut (`…`), no table row wrapped
+    onto a further line (a row's first cell is never blank), and each of `lines` within one line (one that
+    begins and ends as given where " ... " joins the two)."""
+    assert "…" not in text, text
+    for row in (line for line in text.splitlines() if line.startswith("│")):
+        assert row.split("│")[1].strip(), f"a table row wrapped onto a further line:\n{text}"
+    for want in lines:
+        start, elided, end = want.partition(" ... ")
+        assert any(line.startswith(start) and line.rstrip().endswith(end) if elided else want in line
+                   for line in text.splitlines()), f"{want!r} is not within one line of:\n{text}"
+
+
 def loss_fn(graphdef, state, tokens):
     # copy=True: variables that are not differentiated (DeepSeek-V3's routing biases) must be made afresh at this
     # trace level, or nnx.scan refuses them ("different trace level").

@@ -165,24 +165,31 @@ VOLATILE = [(re.compile(p), r) for p, r in (
 
 
 def norm(text: str) -> str:
-    text = BOX.sub(" ", text)
-    for pattern, repl in VOLATILE:
-        text = pattern.sub(repl, text)
-    return " ".join(text.split())
+    """Each line with box drawing and VOLATILE figures masked and its whitespace collapsed; blank lines dropped."""
+    lines = []
+    for line in text.splitlines():
+        line = BOX.sub(" ", line)
+        for pattern, repl in VOLATILE:
+            line = pattern.sub(repl, line)
+        if line.split():
+            lines.append(" ".join(line.split()))
+    return "\n".join(lines)
 
 
 ELIDED = "..."   # a quoted line that is only this stands for any number of printed lines
 
 
 def quote_pattern(quoted: list[str]) -> str:
-    """The regular expression the normalized printed text must match: each quoted line in turn (whitespace between
-    them), an `...` line as any text, `...` inside a line as any part of a line."""
+    """The regular expression the normalized printed text must match: each quoted line in turn, a space or a line
+    break wherever one of them is (a terminal's wrapping), an `...` line as any lines, `...` inside a line as any
+    part of that line (never of the next: "for cpu ..." does not hide a printed line after it)."""
     pattern = ""
     for piece in map(norm, quoted):
         if piece == ELIDED:
-            pattern += r"(?:.*? )??"
+            pattern += r"(?:[^\n]*\n)*?"
         elif piece:
-            pattern += ".*?".join(re.escape(part) for part in piece.split(ELIDED)) + " "
+            parts = [re.escape(part).replace("\\ ", "[ \n]") for part in piece.split(ELIDED)]
+            pattern += "[^\n]*?".join(parts) + "[ \n]"
     return pattern
 
 
@@ -192,7 +199,7 @@ def assert_quoted(quoted: list[str], printed: str, where: str) -> None:
     a line for a part of it left out."""
     if not quoted:   # a command the docs quote no output of
         return
-    have = norm(printed) + " "
+    have = norm(printed) + "\n"
     if re.fullmatch(quote_pattern(quoted), have, re.S):
         return
     missing = [q for q in quoted if norm(q) not in ("", ELIDED) and not re.search(quote_pattern([q]), have, re.S)]
@@ -217,6 +224,12 @@ def test_the_comparison_sees_a_changed_figure_a_missing_line_and_an_extra_one():
                     [quoted[2], quoted[1], quoted[0]]):                      # out of order
         with pytest.raises(AssertionError):
             assert_quoted(changed, printed, "changed")
+    # A line that ends in "..." (as "compiling ... for cpu ...") elides nothing of the lines after it.
+    printed = "compiling the step for cpu ...\nloss: the whole sequence at once\nmodel llama3 tiny"
+    assert_quoted(["compiling the step for cpu ...", "loss: the whole sequence at once", "model llama3 tiny"],
+                  printed, "a line ending in dots")
+    with pytest.raises(AssertionError):
+        assert_quoted(["compiling the step for cpu ...", "model llama3 tiny"], printed, "a line hidden after dots")
 
 
 def run_main(module, argv: list[str]) -> tuple[int, str]:

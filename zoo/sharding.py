@@ -25,6 +25,7 @@ from zoo.checks import check_positive
 from zoo.emitted import join_chunks
 from zoo.jaxprs import sub_jaxprs
 from zoo.logical import active, constrain, mesh_axes, mesh_spec, size_of  # noqa: F401  what the tag sites apply
+from zoo.names import did_you_mean
 
 AXES: tuple[str, ...] = ("dp", "fsdp", "tp", "ep")
 MESH_ORDER: tuple[str, ...] = ("dp", "fsdp", "ep", "tp")   # device order: tp innermost (fastest links)
@@ -70,7 +71,8 @@ def parse_mesh(spec: str | Mapping[str, int] | None, num_devices: int) -> dict[s
         raise ValueError(f"mesh must be a string like 'fsdp=2,tp=1' or a dict, got {type(spec).__name__}")
     unknown = sorted(set(sizes) - set(AXES))
     if unknown:
-        raise ValueError(f"mesh: unknown axis {unknown[0]!r}; the axes are {', '.join(AXES)}")
+        raise ValueError(f"mesh: unknown axis {unknown[0]!r}{did_you_mean(unknown[0], AXES)}; the axes are "
+                         f"{', '.join(AXES)}")
     for axis, size in sizes.items():
         check_positive(f"mesh: {axis}", size, optional=False)
     sizes = {a: int(sizes.get(a, 1)) for a in AXES}

@@ -67,6 +67,7 @@ class Checkpoints:
         self.verified: dict[int, str | None] = {}   # step: why its files are not its manifest's (None: they are)
         self.unverified: set[int] = set()            # steps without a manifest that orbax recorded as committed
         self.noted: set[tuple[int, str]] = set()     # (step, note) said already
+        self.undeletable: set[int] = set()           # steps rotation could not delete (said once, then left)
         # orbax's, tensorstore's and asyncio's logs, warnings and stray tracebacks: into a file here, not the terminal
         # (from before orbax first reads the steps: it logs a step whose metadata it cannot read)
         os.makedirs(self.directory, exist_ok=True)
@@ -81,12 +82,20 @@ class Checkpoints:
         return [str(step) for step in self.steps()
                 if not any(os.path.exists(os.path.join(self.directory, str(step), item)) for item in ITEMS)]
 
-    def _rotate(self, run: Any) -> None:
+    def _rotate(self, run: Any, say: Callable[[str], None]) -> None:
+        """Delete this run's checkpoints older than the newest `max_to_keep`; one that cannot be deleted (read-only)
+        is kept, and said so once through `say`: the new checkpoint is written and the run goes on."""
         if self.max_to_keep is None:
             return
         ours = [s for s in self.steps() if s in self.written or self._run_of(s) == run]
-        for step in ours[:-self.max_to_keep]:
-            self.manager.delete(step)
+        for step in (s for s in ours[:-self.max_to_keep] if s not in self.undeletable):
+            try:
+                self.manager.delete(step)
+            except Exception as e:   # orbax raises what the file system does (PermissionError, ...), or its own
+                self.manager.reload()
+                self.undeletable.add(step)
+                say(f"warning: checkpoint rotation could not delete step {step} in {self.directory} ({_reason(e)}); "
+                    f"it is kept (delete it by hand to free its space) and the run goes on")
 
     def _run_of(self, step: int) -> Any:
         try:
@@ -100,7 +109,8 @@ class Checkpoints:
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer, record: dict[str, Any]) -> None:
+    def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer, record: dict[str, Any],
+             say: Callable[[str], None] = print) -> None:
         state = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
         bad = guard.nonfinite_leaves(state)
         if bad:
@@ -134,7 +144,7 @@ class Checkpoints:
         self.written.add(step)
         self.verified.pop(step, None)
         self.unverified.discard(step)
-        self._rotate(record.get("run"))
+        self._rotate(record.get("run"), say)
 
     def _remove_partial(self, step: int, folder: str | None) -> None:
         """Remove what a failed save of `step` left: orbax's temporary folder, and the step's folder if the save

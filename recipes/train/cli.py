@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import math
-import os
-import sys
+import re
 import types
 import typing
 
@@ -25,10 +23,10 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):
         unknown = message.removeprefix("unrecognized arguments: ")
         if unknown != message:
+            from zoo.names import did_you_mean  # imports JAX: only once the command is refused
             flags = [s for a in self._actions for s in a.option_strings]
-            close = [m for f in unknown.split() if f.startswith("--")
-                     for m in difflib.get_close_matches(f.split("=")[0], flags, n=1, cutoff=0.75)]
-            message += f" (did you mean {close[0]}?)" if close else ""
+            typed = [f.split("=")[0] for f in unknown.split() if f.startswith("--")]
+            message += next((hint for hint in (did_you_mean(f, flags) for f in typed) if hint), "")
             message += f"; `{self.prog} --help` lists the flags"
         self.exit(2, f"error: {message}\n")
 
@@ -47,15 +45,24 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 INT32_MAX = 2**31 - 1
-PIPED_WIDTH = 160   # columns of rich's output when stdout is not a terminal (rich's own default there is 80)
+# The planner's Python arguments, as its messages name them (`zoo.plan`), and the flags of `recipes.train.plan`.
+ARGUMENT_FLAGS = ((re.compile(r"\bpeak=(['\"])(\w+)\1"), r"--peak \2"), (re.compile(r"\bhbm_gib\b"), "--hbm"))
+
+
+def in_flags(text: str) -> str:
+    """`text` from `zoo.plan` with each Python argument it names as the planner's flag (`peak='compile'` ->
+    `--peak compile`, `hbm_gib` -> `--hbm`)."""
+    for pattern, flag in ARGUMENT_FLAGS:
+        text = pattern.sub(flag, text)
+    return text
 
 
 def console(**kwargs):
     """A rich Console for a command's tables: the terminal's width on a terminal; piped or redirected (a log, `| less`),
-    `PIPED_WIDTH` columns so tables do not wrap at 80, unless COLUMNS says otherwise."""
-    from rich.console import Console
-    width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else PIPED_WIDTH
-    return Console(highlight=False, width=width, **kwargs)
+    wide enough that tables print at their natural width and no line wraps (`zoo.plan.report.new_console`; this
+    imports JAX)."""
+    from zoo.plan.report import new_console
+    return new_console(**kwargs)
 
 
 def _positive(cast: type, noun: str):
@@ -116,8 +123,10 @@ def _scalar(hint):
 def family(name: str):
     """The model table's family `name`; ValueError naming --model."""
     from zoo.models import registry
+    from zoo.names import did_you_mean
     if name not in registry.FAMILIES:
-        raise ValueError(f"--model {name!r} is not in the zoo; choose one of: {', '.join(registry.FAMILIES)}")
+        raise ValueError(f"--model {name!r} is not in the zoo{did_you_mean(name, registry.FAMILIES)}; choose one of: "
+                         f"{', '.join(registry.FAMILIES)}")
     return registry.FAMILIES[name]
 
 
@@ -158,7 +167,9 @@ def model_config(fam, preset: str, overrides=()):
     """The family's preset with `overrides` ((FIELD, VALUE) pairs): text values are converted to the field's type
     (`parse_field`: "false" -> False for a bool field), others are used as given."""
     if preset not in fam.presets():
-        raise ValueError(f"--preset {preset!r} is not a {fam.name} preset; choose one of: {', '.join(fam.presets())}")
+        from zoo.names import did_you_mean
+        raise ValueError(f"--preset {preset!r} is not a {fam.name} preset{did_you_mean(preset, fam.presets())}; "
+                         f"choose one of: {', '.join(fam.presets())}")
     values = {}
     for key, value in overrides:
         if isinstance(value, str):
@@ -179,3 +190,46 @@ def recipe(fam, name: str | None):
     """The family's recipe `name` (None: its default); ValueError naming --recipe."""
     from recipes import registry
     return registry.recipe(fam, name)
+
+
+def check_recipe_fits(fam, recipe, name: str, model_cfg, seq: int) -> None:
+    """ValueError, in the flags the user typed, before anything compiles, when the recipe's structure does not fit:
+    its sequence tiles do not divide --seq (the nearest lengths that do, and a recipe without tiles, offered), or
+    its group does not divide a stack's layers (a recipe without groups offered)."""
+    from recipes import registry
+    from zoo.plan.measure import abstract_model
+    others = registry.recipes_of(fam)
+    tiles, group = recipe.seq_tiles, recipe.group
+
+    def instead(field: str) -> str:
+        """The family's recipe without tiles (or groups) nearest this one: the same placements, else the same other
+        structure and the most tags placed alike."""
+        mine = set(recipe.offload + recipe.device)
+        other = "group" if field == "seq_tiles" else "seq_tiles"
+        plain = [r for r in others.values() if getattr(r, field) == 1 and r.special is None]
+        if not plain:
+            return "a recipe"
+        best = max(plain, key=lambda r: ((r.offload, r.device) == (recipe.offload, recipe.device),
+                                         getattr(r, other) == getattr(recipe, other), len(mine & {*r.offload,
+                                                                                                   *r.device})))
+        same = (best.offload, best.device) == (recipe.offload, recipe.device)
+        return f"--recipe {best.name}" + (" (the same placements)" if same else "")
+
+    if tiles > 1 and seq % tiles:
+        below, above = seq // tiles * tiles, (seq // tiles + 1) * tiles
+        fits = [n for n in (below, above) if n > 0 and (model_cfg.max_seq_len is None or n <= model_cfg.max_seq_len)]
+        raise ValueError(f"--recipe {name} cuts the sequence into {tiles} tiles and --seq {seq} is not a multiple of "
+                         f"{tiles}: give {' or '.join(f'--seq {n}' for n in fits)}, or {instead('seq_tiles')} "
+                         f"without tiles")
+    if group > 1:
+        model = abstract_model(model_cfg)
+        for stack in model.stack_names:
+            layers = getattr(model, stack).num_layers
+            if layers % group:
+                near = (n for n in (layers // group * group, layers // group * group + group) if n)
+                fix = (" or ".join(f"--set num_layers={n}" for n in near)
+                       if len(model.stack_names) == 1 and layers == getattr(model_cfg, "num_layers", None) else
+                       f"stacks of a multiple of {group} layers (--set)")
+                raise ValueError(f"--recipe {name} recomputes the layers in groups of {group} and the stack {stack!r} "
+                                 f"has {layers} layers, not a multiple of {group}: give {instead('group')} without "
+                                 f"groups, or {fix}")

@@ -79,10 +79,12 @@ def serving(port: int) -> tuple[int, int] | None:
     return None if host is None or host[1] else (host[0], host[2])
 
 
-def taken(port: int | str, pid: int, parent: int) -> str:
-    """The refusal of a second process 0 for a port another one serves."""
-    return (f"port {port} is already served by the coordination service of another process 0 (pid {parent}; the "
-            f"service's pid {pid}): were two processes started with JAX_PROCESS_ID=0? Give each process its own "
+def taken(port: int | str, pid: int | None, parent: int | None) -> str:
+    """The refusal of a second process 0 for a port another one serves (`pid`, `parent`: None while the other's host
+    has not yet written them)."""
+    who = f"pid {parent}; the service's pid {pid}" if pid else "its pid not yet known: it is starting"
+    return (f"port {port} is already served by the coordination service of another process 0 ({who}): were two "
+            f"processes started with JAX_PROCESS_ID=0? Give each process its own "
             f"JAX_PROCESS_ID (0 to JAX_NUM_PROCESSES-1), or this run another port in JAX_COORDINATOR_ADDRESS")
 
 
@@ -102,8 +104,9 @@ def start(bind: str, count: int, *, heartbeat: int, shutdown: int, grace: float,
     if line != "ready":
         proc.kill()
         proc.wait()
-        if line.startswith("taken "):   # "taken PID PARENT": another process 0 claimed the port first
-            raise Taken(taken(bind.rsplit(":", 1)[-1], *map(int, line.split()[1:3])))
+        if line.split()[:1] == ["taken"]:   # "taken PID PARENT" (or no pids yet): another process 0 claimed the port
+            pids = [int(w) for w in line.split()[1:3]]
+            raise Taken(taken(bind.rsplit(":", 1)[-1], *(pids if len(pids) == 2 else (None, None))))
         raise ValueError(f"the coordination service for {bind} did not start ({line or 'no answer'}; its log: {log})")
     return Hosted(proc, log)
 
@@ -122,6 +125,20 @@ def use_hosted(**options):
     return jaxlib.replaced("get_distributed_runtime_service", hosted)
 
 
+def _claimed(claim: int, wait: float = 2.0) -> list[int] | None:
+    """(pid, until, parent) that the host holding the claim wrote in it; it may not have yet (it locks the file, then
+    writes): read again for up to `wait` seconds, then None."""
+    end = time.monotonic() + wait
+    while True:
+        held = os.pread(claim, 200, 0).split()
+        if len(held) == 3:
+            with contextlib.suppress(ValueError):
+                return [int(held[0]), float(held[1]), int(held[2])]
+        if time.monotonic() > end:
+            return None
+        time.sleep(0.05)
+
+
 def serve(bind: str, count: int, heartbeat: int, shutdown: int, grace: float) -> int:
     """The host process: serve until told to shut down, or `grace` seconds after process 0 is gone."""
     for s in (signal.SIGINT, signal.SIGTERM):
@@ -136,8 +153,8 @@ def serve(bind: str, count: int, heartbeat: int, shutdown: int, grace: float) ->
     try:
         fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        held = os.pread(claim, 200, 0).split()
-        print(f"taken {int(held[0])} {int(held[2])}" if len(held) == 3 else "taken 0 0", flush=True)
+        held = _claimed(claim)
+        print(f"taken {held[0]} {held[2]}" if held else "taken", flush=True)
         return 1
     say(0)
     from jax._src.lib import _jax

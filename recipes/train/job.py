@@ -68,6 +68,8 @@ def resolve(settings: RunConfig) -> Job:
         model_cfg.check_seq(settings.seq)
     except ValueError as e:
         raise ValueError(f"--seq {settings.seq}: {e}") from None
+    if recipe is not None:
+        cli.check_recipe_fits(family, recipe, recipe_name, model_cfg, settings.seq)
     check_params(settings.params, model_cfg.param_dtype)
     # What runs on the device: the attention kernel and, for a mixture of experts, the grouped matmul. A choice the
     # device cannot run raises; an explicit one is said to be the user's --set or the preset's.

@@ -29,7 +29,7 @@ from rich.console import Console
 
 import zoo
 import zoo.sharding
-from recipes.train import agree, guard, meter, moved, prepare, resume, watch
+from recipes.train import agree, cli, guard, meter, moved, prepare, resume, watch
 from recipes.train import mesh as mesh_lib
 from recipes.train.config import RunConfig
 from recipes.train.interrupt import Interrupts
@@ -78,7 +78,7 @@ def run(settings: RunConfig, console: Console | None = None) -> Result:
     """Train as `settings` say (see the module docstring). With --ckpt-dir, the directory is checked and taken for
     this run (`recipes.train.lock.DirLock`) before anything else, and given back at the end."""
     # Off a terminal (a log file, CI), print wide lines rather than wrapping at 80 columns.
-    console = console or Console(highlight=False, width=None if os.isatty(1) else 160)
+    console = console or cli.console()
     job = resolve(settings)   # bad names, values or mesh: ValueError before anything touches the disk
     with contextlib.ExitStack() as stack:
         session = _Session(stack, stack.enter_context(Interrupts()))
@@ -204,7 +204,8 @@ class _Loop:
 
     def save(self, step: int) -> None:
         nnx.update((self.model, self.optimizer), self.state)
-        self.ckpts.save(step, self.model, self.optimizer, self.record)
+        self.ckpts.save(step, self.model, self.optimizer, self.record,
+                        say=lambda m: self.console.print(m, soft_wrap=True, markup=False))
         self.ckpts.wait()
         self.last_ckpt = step
 

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             args.plot = plot.check_output(args.plot, f"{args.model}-{args.preset}")   # before anything is planned
         except ValueError as e:
-            ap.error(str(e))
+            ap.error(cli.in_flags(str(e)))
     if args.max_batch is not None and args.max_seq is not None:
         ap.error("--max-batch and --max-seq search one dimension each: give one of them")
     if args.max_batch is not None:
@@ -162,23 +162,31 @@ def main(argv: list[str] | None = None) -> int:
         family = cli.family(args.model)
         model_cfg = cli.model_config(family, args.preset, args.overrides)
         recipe = "auto" if args.recipe == "auto" else cli.recipe(family, args.recipe)
+        if recipe != "auto":
+            cli.check_recipe_fits(family, recipe, args.recipe, model_cfg, args.seq)
         _check_state(args, model_cfg)
         p = zoo.plan.plan(model_cfg, recipe, batch=args.batch, seq=args.seq, hardware=_hardware(args),
                           parallel=_parallel(args), training=_training(args),
                           peak=None if args.peak == "none" else args.peak, model_name=f"{args.model} {args.preset}")
     except ValueError as e:
-        ap.error(str(e))
+        ap.error(cli.in_flags(str(e)))
     if args.json:
         json.dump(zoo.plan.to_json(p), sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
-        zoo.plan.render(p, console=cli.console())
+        zoo.plan.render(_in_flags(p), console=cli.console())
         if getattr(args, "hbm_from_allocator", False) or (args.hbm_limit is None
                                                            and allocator_limit(jax.devices()[0])):
             print(f"HBM budget: the allocator's limit of the GPU present: {fit.allocator_share()}")
     if args.plot:
         _plot(ap, args, family, model_cfg, p)
     return 0
+
+
+def _in_flags(p: zoo.plan.Plan) -> zoo.plan.Plan:
+    """The plan as the command prints it: its peak's source and its warnings in flags (`cli.in_flags`)."""
+    peak = None if p.peak is None else dataclasses.replace(p.peak, source=cli.in_flags(p.peak.source))
+    return dataclasses.replace(p, peak=peak, warnings=tuple(map(cli.in_flags, p.warnings)))
 
 
 def _check_state(args, model_cfg) -> None:
@@ -226,7 +234,7 @@ def _plot(ap: argparse.ArgumentParser, args, family, model_cfg, printed: zoo.pla
         written = plot.recipes_chart(plans, args.plot, title=f"{args.model} {args.preset}{sets}: batch {args.batch}, "
                                                              f"seq {args.seq}{where}{how}")
     except ValueError as e:
-        ap.error(str(e))
+        ap.error(cli.in_flags(str(e)))
     print(f"wrote {args.plot}: HBM and host bytes per tag of {len(plans)} recipes ({', '.join(plans)})"
           + (f"; {written}" if written else ""), file=sys.stderr if args.json else sys.stdout)
 
@@ -240,6 +248,7 @@ def _max_batch(ap: argparse.ArgumentParser, args) -> int:
     try:
         family, model_cfg = _model(args)
         recipe = cli.recipe(family, args.recipe)
+        cli.check_recipe_fits(family, recipe, args.recipe, model_cfg, args.seq)
         _check_state(args, model_cfg)
         start = args.batch
         if start is not None and (start & (start - 1) or start > args.max_batch):
@@ -250,7 +259,7 @@ def _max_batch(ap: argparse.ArgumentParser, args) -> int:
                                    training=zoo.plan.Training(optimizer=args.optimizer, opt_dtype=args.opt_dtype),
                                    peak=args.peak, start=start, cap=args.max_batch)
     except ValueError as e:
-        ap.error(str(e))
+        ap.error(cli.in_flags(str(e)))
     return _found(args, c)
 
 
@@ -269,7 +278,7 @@ def _max_seq(ap: argparse.ArgumentParser, args) -> int:
         found = zoo.plan.longest_seq(model_cfg, recipe, batch=args.batch or 1, hardware=hardware,
                                      training=_training(args), peak=args.peak, cap=args.max_seq)
     except ValueError as e:
-        ap.error(str(e))
+        ap.error(cli.in_flags(str(e)))
     return _found(args, found)
 
 
@@ -285,7 +294,7 @@ def _found(args, found) -> int:
         json.dump(found.to_dict(), sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
-        print(f"{args.model} {args.preset}: " + found.render())
+        print(f"{args.model} {args.preset}: " + cli.in_flags(found.render()))
     return 0
 
 

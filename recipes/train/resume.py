@@ -31,6 +31,18 @@ def sources(settings: RunConfig, vocab: int, console: Console) -> tuple[data_lib
     return src, held if settings.eval_every else None
 
 
+# The settings a run's identity holds only off their default: (the default, why a change is refused). Each is refused
+# in both directions, naming the value the checkpoint was written with.
+CHANGED_SETTINGS = {
+    "params": ("device", "--params host trains a float32 master copy of the parameters (part of the optimizer state) "
+                         "and --params device keeps none, so the two runs' states and numbers differ"),
+    "opt_dtype": ("float32", "the optimizer moments were stored and updated in that dtype, so the two runs' numbers "
+                             "differ (moments cast to another dtype are not the run's)"),
+    "grad_accum": (1, "an update sums the gradients of that many micro-batches, in an order that changes its numbers "
+                      "(equal up to rounding, not bit for bit)"),
+}
+
+
 def check_resumable(record: dict, job: Job, directory: str, data: dict | None = None) -> None:
     """ValueError unless the checkpoint's record is of this run: its identity, and the token file it read
     (`check_data`)."""
@@ -45,12 +57,12 @@ def check_resumable(record: dict, job: Job, directory: str, data: dict | None = 
     if "schedule_steps" not in have and "steps" in have:   # a record written before --schedule-steps existed
         have["schedule_steps"] = have.pop("steps")
         have["warmup"] = have["warmup"] if have.get("warmup") is not None else max(1, have["schedule_steps"] // 10)
-    had, now = have.get("params", "device"), want.get("params", "device")
-    if had != now:   # either way: the identity holds the key only for host, and records before --params lack it
-        raise ValueError(f"--resume: the checkpoint in {directory} was written with --params {had}, this run asks for "
-                         f"--params {now}: --params host trains a float32 master copy of the parameters (part of the "
-                         f"optimizer state) and --params device keeps none, so the two runs' states and numbers "
-                         f"differ; resume with --params {had}")
+    for key, (default, why) in CHANGED_SETTINGS.items():
+        had, now = have.get(key, default), want.get(key, default)
+        if had != now:   # either way: the identity holds the key only off its default (as records written before it)
+            flag = "--" + key.replace("_", "-")
+            raise ValueError(f"--resume: the checkpoint in {directory} was written with {flag} {had}, this run asks "
+                             f"for {flag} {now}: {why}; resume with {flag} {had}")
     diff = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
     if diff:
         if set(diff) <= {"schedule_steps", "warmup"} and settings.schedule_steps is None and settings.warmup is None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -436,6 +437,12 @@ def _make(tok, tok_file: Path, files: list[Path], eos: int, dtype: str, out: Pat
         meta = out.with_name(f"{out.stem}.json.{os.getpid()}.tmp")
         meta.write_text(json.dumps(record, indent=1))
         os.replace(meta, out.with_suffix(".json"))
+    except OSError as e:
+        # numpy's short write ("432443 requested and 30720 written") carries no errno: a full disk (or quota)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT) or (e.errno is None and "requested and" in str(e)):
+            raise OSError(f"no space left for the token cache in {out.parent} ({e}): free space there, or set "
+                          f"ZOO_TOKEN_CACHE to a directory with room (nothing half-written is kept)") from None
+        raise
     finally:
         for leftover in (tmp, out.with_name(f"{out.stem}.json.{os.getpid()}.tmp")):
             leftover.unlink(missing_ok=True)

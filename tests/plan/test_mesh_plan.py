@@ -85,7 +85,7 @@ def test_compile_under_a_mesh_larger_than_the_devices_present_raises_naming_both
 def test_auto_estimates_a_mesh_peak_on_the_cpu_even_with_the_devices_present():
     p = zoo.plan.plan(LLAMA, LLAMA_RECIPES["qkv_offload"], batch=8, seq=16,
                       parallel=Parallelism(mesh=f"fsdp={jax.device_count()}"))
-    assert not p.peak.compiled and p.peak_source == "estimate (not compiled on the CPU: --peak compile does)"
+    assert not p.peak.compiled and p.peak_source == "estimate (not compiled on the CPU: peak='compile' does)"
 
 
 @pytest.mark.slow   # a mesh's case of the compiled peak (test_peak.py has one device's)

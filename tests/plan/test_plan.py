@@ -20,7 +20,7 @@ import zoo
 from recipes.deepseek_v3 import RECIPES as DS_RECIPES
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
 from recipes.registry import recipes_of
-from tests.helpers import fake_gpu, plain
+from tests.helpers import assert_unbroken, cpu_env, fake_gpu, plain
 from zoo.models import registry
 from zoo.plan import Hardware, Parallelism, Training, measure
 from zoo.plan import build as planner
@@ -435,3 +435,22 @@ def test_a_split_plan_shows_one_devices_shapes_beside_one_devices_bytes():
     text = io.StringIO()
     zoo.plan.render(meshed, console=rich.console.Console(file=text, width=200))
     assert "shape per device" in text.getvalue() and "2x8x2x16 f32" in text.getvalue()
+
+
+def test_render_sent_to_a_file_prints_tables_at_their_natural_width(tmp_path):
+    """The README's snippet with its output redirected (a cluster job's log): `zoo.plan.render`'s default console
+    prints each table at its natural width, not squeezed to rich's 80 columns (`host/lay…`, `dense_la…`), whatever
+    COLUMNS says; a warning is one line."""
+    snippet = ("import zoo, recipes\n"
+               "cfg = zoo.models.DeepSeekV3Config.preset('tiny')\n"
+               "recipe = recipes.deepseek_v3.RECIPES['mla_moe_offload']\n"
+               "hardware = zoo.plan.Hardware(hbm_gib=1e-3)\n"   # a budget it is over: a warning
+               "zoo.plan.render(zoo.plan.plan(cfg, recipe, batch=8, seq=64, hardware=hardware))\n")
+    log = tmp_path / "plan.log"
+    with open(log, "w") as f:
+        r = subprocess.run([sys.executable, "-c", snippet], cwd=ROOT, env=cpu_env(COLUMNS="80"), stdout=f,
+                           stderr=subprocess.PIPE, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert_unbroken(log.read_text(), "│ dense_layers │", "│ moe_layers   │", "recomputed per step",
+                    "│ peak HBM of the step, estimate",
+                    "warning: peak HBM ... is over the budget of 1.0 MiB")

@@ -1,6 +1,7 @@
-"""Checkpoint folders: rotation deletes only this run's checkpoints, a --ckpt-dir holding step-numbered folders that
-are not zoo checkpoints is refused before training (naming them), and a failed write (a full disk) is one message
-naming the directory, with the partial checkpoint removed and the earlier ones intact."""
+"""Checkpoint folders: rotation deletes only this run's checkpoints (one it cannot delete is a warning, and the run
+goes on), a --ckpt-dir holding step-numbered folders that are not zoo checkpoints is refused before training (naming
+them), and a failed write (a full disk) is one message naming the directory, with the partial checkpoint removed and
+the earlier ones intact."""
 from __future__ import annotations
 
 import os
@@ -33,6 +34,27 @@ def test_rotation_keeps_other_runs_checkpoints(tmp_path):
         ours.save(step, model, opt, {"run": {"seed": 0}})
     assert ours.steps() == [1, 4, 5]
     ours.close()
+
+
+def test_rotation_that_cannot_delete_a_step_is_a_warning_and_the_saves_go_on(tmp_path, monkeypatch):
+    """An old step that cannot be deleted (read-only; the tests run as root, so deleting is made to fail) is kept
+    with one warning naming the folder (once); the new checkpoint is written and later saves rotate the rest."""
+    model, opt = small()
+    ckpts = Checkpoints(tmp_path, max_to_keep=2)
+    delete = ckpts.manager.delete
+
+    def read_only(step):
+        if step == 1:
+            raise PermissionError(13, "Permission denied", str(tmp_path / "1"))
+        delete(step)
+    monkeypatch.setattr(ckpts.manager, "delete", read_only)
+    said = []
+    for step in (1, 2, 3, 4):
+        ckpts.save(step, model, opt, {"run": {"seed": 0}}, say=said.append)
+    assert ckpts.steps() == [1, 3, 4]
+    assert said == [f"warning: checkpoint rotation could not delete step 1 in {tmp_path} (Permission denied); it is "
+                    f"kept (delete it by hand to free its space) and the run goes on"]
+    ckpts.close()
 
 
 def test_foreign_step_folders_are_refused_before_training(tmp_path, capsys):

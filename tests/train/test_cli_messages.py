@@ -67,3 +67,19 @@ def test_errors_are_messages_naming_the_input_not_tracebacks(base, tmp_path, cap
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"checkpoint step 6 in {ckpt} is damaged (checkpoint record {record} is unreadable" in out.stdout
     assert f"resumed from {ckpt} at step 4" in out.stdout
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--recipe", "context_tiles", "--seq", 100],
+     "error: --recipe context_tiles cuts the sequence into 16 tiles and --seq 100 is not a multiple of 16: give "
+     "--seq 96 or --seq 112, or --recipe context_save (the same placements) without tiles\n"),
+    (["--recipe", "long_context", "--seq", 32, "--set", "num_layers=3"],
+     "error: --recipe long_context recomputes the layers in groups of 2 and the stack 'layers' has 3 layers, not a "
+     "multiple of 2: give --recipe context_tiles without groups, or --set num_layers=2 or --set num_layers=4\n"),
+])
+def test_a_recipes_tiles_or_group_that_do_not_fit_are_refused_before_compiling_in_the_flags_typed(args, says):
+    """Tiles that do not divide --seq, a group that does not divide a stack: refused before anything compiles, in the
+    flags typed (not `seq_tiles=16`), with the nearest values that work and a recipe without them."""
+    out = cli(["--model", "llama3", "--preset", "tiny", "--steps", 1, *args])
+    assert out.returncode == 2 and out.stderr == says, out.stdout + out.stderr
+    assert "compiling" not in out.stdout, out.stdout

@@ -51,6 +51,8 @@ def test_shape_flags_are_bounded_by_argparse(capsys):
     (["--batch", "x"], "error: argument --batch: expected a positive integer, got 'x'"),
     (["--seq", "8", "--nope"], "error: unrecognized arguments: --nope; `{prog} --help` lists the flags"),
     (["--sequ", "8"], "error: unrecognized arguments: --sequ 8 (did you mean --seq?); `{prog} --help` lists the flags"),
+    (["--presett", "tiny"], "error: unrecognized arguments: --presett tiny (did you mean --preset?); `{prog} --help`"),
+    (["--verbose"], "error: unrecognized arguments: --verbose; `{prog} --help` lists"),   # nothing close
     (["--opt-state", "disk"], "error: argument --opt-state: invalid choice: 'disk' (choose from "),   # quoting: 3.12.8+
 ])
 @pytest.mark.parametrize("command", ["recipes.train", "recipes.train.plan"])

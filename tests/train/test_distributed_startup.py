@@ -148,6 +148,28 @@ def test_a_second_process_0_is_refused_naming_the_first():
     assert coordinator.serving(port) is None
 
 
+def test_a_second_process_0_racing_the_first_before_it_wrote_its_pid_names_no_pid_0():
+    """The first host has claimed the port (its lock) but not yet written its pids, as under load: the second host
+    reads on for a moment and names the pids written meanwhile; none written, it says the pid is not yet known
+    (it said "pid 0; the service's pid 0")."""
+    import fcntl
+    import threading
+    port = free_port()
+    claim = os.open(coordinator._file(port, "pid"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)   # as the first host: locked, nothing written yet
+        with pytest.raises(coordinator.Taken, match=r"another process 0 \(its pid not yet known: it is starting\)"):
+            coordinator.start(f"[::]:{port}", 2, heartbeat=5, shutdown=5, grace=600, timeout=60)
+        later = threading.Timer(0.5, lambda: os.pwrite(claim, b"4321 0 1234", 0))
+        later.start()
+        with pytest.raises(coordinator.Taken, match=r"another process 0 \(pid 1234; the service's pid 4321\)"):
+            coordinator.start(f"[::]:{port}", 2, heartbeat=5, shutdown=5, grace=600, timeout=60)
+        later.join()
+    finally:
+        os.close(claim)
+        os.unlink(coordinator._file(port, "pid"))
+
+
 @pytest.mark.slow
 @pytest.mark.multidevice
 def test_two_processes_started_as_process_0_each_end_with_one_line(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 import zoo
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
 from recipes.train import plan as plan_cli
-from tests.helpers import ROOT, cpu_env
+from tests.helpers import ROOT, assert_unbroken, cpu_env
 from zoo.models import registry
 from zoo.plan import Training
 
@@ -39,11 +39,18 @@ def test_cli_json_has_the_study_integers():
     assert any("pinned host pool" in w for w in out["warnings"])
 
 
-def test_cli_table_renders():
-    r = _run(*PLAN, env={"COLUMNS": "160"})
+def test_cli_table_renders_whole_into_a_file(tmp_path):
+    """`... > plan.txt`: the tables at their natural width (whatever COLUMNS says) and the warning on one line."""
+    log = tmp_path / "plan.txt"
+    with open(log, "w") as f:
+        r = subprocess.run([sys.executable, *PLAN], cwd=ROOT, stdout=f, stderr=subprocess.PIPE, text=True,
+                           timeout=300, env={**os.environ, "COLUMNS": "80"})
     assert r.returncode == 0, r.stderr
-    for text in ("query_proj", "512.0 MiB", "32.0 MiB", "576.0 MiB", "70.9 GiB", "not a residual", "warning:"):
-        assert text in r.stdout, text
+    out = log.read_text()
+    for text in ("query_proj", "512.0 MiB", "32.0 MiB", "576.0 MiB", "70.9 GiB", "not a residual"):
+        assert text in out, text
+    assert_unbroken(out, "│ layers │", "│ parameters (405,853,388,800)", "│ peak HBM of the step, estimate",
+                    "warning: host memory 70.9 GiB is over XLA's pinned host pool ... before launch, or offload less")
 
 
 def test_cli_auto_and_bad_input():
@@ -63,12 +70,19 @@ def test_cli_auto_and_bad_input():
 @pytest.mark.parametrize("args, needles", [
     (("--recipe", "auto", "--hbm", "1"), ("--recipe auto needs --link, --flops",)),
     (("--shard", "3"), ("--shard 3", "--batch 2")),
-    (("--model", "gpt2"), ("--model 'gpt2'", "llama3", "deepseek_v3")),
-    (("--preset", "huge"), ("--preset 'huge'", "llama3_1_405b")),
+    (("--model", "gpt2"), ("--model 'gpt2' is not in the zoo; choose one of: deepseek_v3, llama3, qwen3, qwen3_moe",)),
+    (("--model", "llama4"), ("--model 'llama4' is not in the zoo (did you mean llama3?); choose one of: deepseek_v3, "
+                             "llama3, qwen3, qwen3_moe",)),
+    (("--preset", "huge"), ("--preset 'huge' is not a llama3 preset; choose one of: ", "llama3_1_405b")),
+    (("--preset", "tyni"), ("--preset 'tyni' is not a llama3 preset (did you mean tiny?); choose one of: ",)),
+    (("--mesh", "fdsp=2"), ("unknown axis 'fdsp' (did you mean fsdp?)",)),
+    (("--resume",), ("unrecognized arguments: --resume; `python -m recipes.train.plan --help` lists the flags",)),
     (("--recipe", "qkv"), ("--recipe 'qkv'", "qkv_offload")),
     (("--set", "tie_embeddings=maybe"), ("--set tie_embeddings=maybe", "must be a bool")),
     (("--set", "num_layer=3"), ("--set num_layer=3", "not a field of LlamaConfig")),
     (("--hbm", "-1"), ("--hbm", "positive")),
+    (("--recipe", "context_tiles"), ("--recipe context_tiles cuts the sequence into 16 tiles", "--seq 8 is not",
+                                     "give --seq 16, or --recipe context_save")),
 ])
 def test_cli_errors_name_the_flags(args, needles, capsys):
     """Bad input is a usage error (exit 2) that names the flags, not Python keywords."""
@@ -114,7 +128,7 @@ def test_the_command_line_prints_the_largest_batch(capsys):
     assert "batch 8, seq 16" in capsys.readouterr().out
     with pytest.raises(SystemExit):   # --max-batch needs a budget on the CPU
         plan_cli.main(["--model", "llama3", "--preset", "tiny", "--seq", "16", "--max-batch"])
-    assert "hbm_gib is needed" in capsys.readouterr().err
+    assert "error: --hbm is needed" in capsys.readouterr().err   # the flag, not zoo.plan's hbm_gib
 
 
 # -- the peak (zoo.plan.peak: tests/plan/test_peak.py) ----------------------------------------------------------
@@ -129,6 +143,9 @@ def test_the_plan_command_line_reports_the_peak_and_the_measured_link(capsys, mo
     assert plan_cli.main(tiny + ["--recipe", "auto", "--hbm", "1", "--flops", "800", "--device", "H200"]) == 0
     text = " ".join(capsys.readouterr().out.split())   # rich wraps lines at the terminal's width
     assert "overlap d2h 0.634 / h2d 0.475 (measured on H200" in text and "estimate (planned for H200 on cpu)" in text
+    assert plan_cli.main(tiny + ["--recipe", "qkv_offload"]) == 0
+    text = capsys.readouterr().out   # the flag, where Python reads `peak='compile'` (Plan.peak_source)
+    assert "estimate (not compiled on the CPU: --peak compile does)" in text and "peak='compile'" not in text
 
 
 # -- --mesh (zoo.plan.plan(parallel=Parallelism(mesh=...)): tests/plan/test_mesh_plan.py) ------------------------

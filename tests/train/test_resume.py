@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import types
 
 import optax
 import pytest
 from flax import nnx
 
+from recipes.train import loop, resume
 from recipes.train.checkpoint import Checkpoints
 from tests.helpers import tiered
 from tests.train.cli_runs import RUN, cli, copy_ckpt, main, rows
@@ -177,3 +179,19 @@ def test_resume_past_the_planned_steps_keeps_the_schedule(base, tmp_path, capsys
     got = rows(tmp_path / "m.jsonl")
     assert sorted(got) == [7, 8] and all(got[k]["lr"] == pytest.approx(3e-4) for k in (7, 8))
     assert Checkpoints(ckpt).latest_step() == 8
+
+
+@pytest.mark.parametrize("key, written, now", [("opt_dtype", "bfloat16", "float32"),
+                                               ("opt_dtype", "float32", "bfloat16"),
+                                               ("grad_accum", 2, 1), ("grad_accum", 1, 2)])
+def test_resume_across_opt_dtype_or_grad_accum_is_refused_either_way_naming_the_recorded_value(key, written, now):
+    """One rule each way for --opt-dtype and --grad-accum (part of the run's identity): refused, naming the value the
+    checkpoint was written with (before, a bfloat16 checkpoint resumed under float32 without a word, and --grad-accum 2
+    under 1)."""
+    flag = "--" + key.replace("_", "-")
+    settings = loop.RunConfig(batch=4, **{key: now})
+    job = types.SimpleNamespace(settings=settings, identity=settings.identity())
+    record = {"run": loop.RunConfig(batch=4, **{key: written}).identity()}
+    with pytest.raises(ValueError, match=rf"written with {flag} {written}, this run asks for {flag} {now}: .*; "
+                                         rf"resume with {flag} {written}$"):
+        resume.check_resumable(record, job, "/runs/ckpt")

@@ -193,3 +193,19 @@ def test_two_runs_tokenizing_the_same_files_at_once_share_one_cache_entry(corpus
     assert got == [(out, "uint16")] and "from the cache" in said[-1] and not any("tokens/s" in s for s in said)
     assert first["tokens"] == np.fromfile(out, "<u2").size
     assert sorted(p.suffix for p in out.parent.iterdir()) == [".bin", ".json", ".lock"]
+
+
+def test_a_full_disk_under_the_token_cache_says_so_and_names_the_folder(corpus, monkeypatch):
+    """The token file written to a full disk: numpy's short write ("432443 requested and 30720 written", no errno)
+    and the system's ENOSPC are an error that says no space is left and names the cache folder; no half-written
+    entry is left."""
+    tok, root, tok_dir = corpus
+    cache = text.cache_dir()
+    for failure in (OSError("432443 requested and 30720 written"), OSError(28, "No space left on device")):
+        def full(*args, failure=failure):
+            args[4].write_bytes(b"\0" * 64)   # the part written before the disk filled
+            raise failure
+        monkeypatch.setattr(text, "_tokenize", full)
+        with pytest.raises(OSError, match=f"^no space left for the token cache in {cache} "):
+            text.prepare(root, tok_dir, vocab=300, say=lambda _: None)
+        assert not [p for p in cache.iterdir() if p.suffix in (".bin", ".tmp")]

@@ -10,6 +10,7 @@ import pathlib
 import shlex
 import subprocess
 import sys
+import warnings
 
 import jax
 import numpy as np
@@ -21,7 +22,7 @@ from recipes.train import flags, loop
 from recipes.train.checkpoint import Checkpoints
 from recipes.train.cli import family as model_family
 from recipes.train.cli import recipe as model_recipe
-from tests.helpers import cpu_env
+from tests.helpers import assert_unbroken, cpu_env
 from tests.train.token_files import write_tokens
 from zoo.optim import lr_schedule, make_optimizer
 
@@ -249,12 +250,28 @@ def test_readme_main_job_command_runs_as_printed_and_tiny_llama_learns_in_60_ste
     assert {"tokens_per_s", "model_tflops", "mfu", "peak_hbm_bytes"} <= set(rows[0])
 
 
-def test_custom_loop_example_trains_with_the_recipe_policy():
+def test_the_main_jobs_output_to_a_pipe_keeps_every_line_whole(tmp_path):
+    """Its output piped (a cluster job's log): the plan's tables at their natural width and each line whole, the
+    longest (--recipe auto's choice, over 160 columns) too, whatever COLUMNS says."""
+    args = ["--recipe", "auto", "--hbm-limit", "1", "--link", "10", "--peak-tflops", "1", "--steps", 1, "--batch", 2,
+            "--seq", 16, "--xla-flags", "none", "--ckpt-dir", tmp_path / "ckpt"]
+    out = subprocess.run([sys.executable, "-m", "recipes.train", *map(str, args)], env=cpu_env(COLUMNS="80"),
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert_unbroken(out.stdout, "recipe auto for HBM 1.0 GiB ... recomputes every other tag",
+                    "recipe auto: device=['decoder_layer_input', ... every other tag recomputed",
+                    "chosen: auto: device=[ ... every other tag recomputed", "│ decoder_layer_input │",
+                    "│ peak HBM of the step, compiled for cpu")
+
+
+def test_custom_loop_example_trains_with_the_recipe_policy(capsys):
     spec = importlib.util.spec_from_file_location("custom_loop", ROOT / "docs/examples/custom_loop.py")
     ex = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ex)
     losses = ex.main(steps=15)
     assert losses[-1] < 0.5 * losses[0]
+    # On the CPU it does not claim pinned host memory: nothing moves there.
+    assert "offloaded by the recipe (on the CPU nothing moves" in capsys.readouterr().out
     from zoo.plan import measure
     host = [r for r in measure.residuals(ex.loss_fn, ex.init(jax.random.key(0)), ex.batch(0)) if r.host]
     assert len(host) == 3 and all(r.shape[0] == ex.LAYERS for r in host)   # q, k, v, stacked over the layers
@@ -262,7 +279,10 @@ def test_custom_loop_example_trains_with_the_recipe_policy():
 
 def test_the_main_job_refuses_a_sequence_beyond_the_models_context(capsys):
     from recipes import train
-    assert train.main(["--preset", "tiny", "--set", "max_seq_len=32", "--seq", "64", "--steps", "1"]) == 2
+    with warnings.catch_warnings():   # in this process JAX is imported: no flag set is applied late (--xla-flags none)
+        warnings.simplefilter("error")
+        assert train.main(["--preset", "tiny", "--set", "max_seq_len=32", "--seq", "64", "--steps", "1",
+                           "--xla-flags", "none"]) == 2
     assert "--seq 64: sequence length 64 is longer than LlamaConfig.max_seq_len=32" in capsys.readouterr().err
 
 

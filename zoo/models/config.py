@@ -12,6 +12,7 @@ from zoo import checks
 from zoo.dtypes import DTYPES, dtype_of
 from zoo.layers.moe import BACKENDS, EP_DISPATCHES, backend_choice, resolve_backend
 from zoo.models.fields import check_field_names, check_non_negative, check_positive, check_positive_float, check_types
+from zoo.names import did_you_mean
 
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
 
@@ -114,7 +115,8 @@ class LMConfig:
     def preset(cls, name: str, **overrides):
         """The config of the size `name` (a key of the class's `PRESETS` table) with `overrides` replacing fields."""
         if name not in cls.PRESETS:
-            raise ValueError(f"{name!r} is not a {cls.__name__} preset; choose one of: {', '.join(cls.PRESETS)}")
+            raise ValueError(f"{name!r} is not a {cls.__name__} preset{did_you_mean(str(name), cls.PRESETS)}; choose "
+                             f"one of: {', '.join(cls.PRESETS)}")
         check_field_names(cls, overrides)
         return cls(**{**cls.PRESETS[name], **overrides})
 

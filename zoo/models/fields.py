@@ -7,7 +7,6 @@ names the config class and the field; turning command-line text into values is t
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import math
 import types
@@ -15,6 +14,7 @@ import typing
 from typing import Any
 
 from zoo import checks
+from zoo.names import did_you_mean
 
 
 def type_options(hint) -> tuple[tuple[type, ...], bool]:
@@ -65,14 +65,13 @@ def check_types(cfg) -> None:
 
 def check_field_names(cls: type, names) -> None:
     """ValueError naming each of `names` that is not a field of the dataclass `cls`, with the closest field names
-    (difflib) and every field; nothing for known names."""
+    (zoo.names) and every field; nothing for known names."""
     fields = sorted(f.name for f in dataclasses.fields(cls) if f.init)
     unknown = [n for n in names if n not in fields]
     if not unknown:
         return
     def guess(n):
-        close = difflib.get_close_matches(n, fields, n=3, cutoff=0.6)
-        return f" (did you mean {' or '.join(close)}?)" if close else ""
+        return did_you_mean(n, fields, n=3)
     if len(unknown) == 1:
         what = f"{unknown[0]!r} is not a field of {cls.__name__}{guess(unknown[0])}"
     else:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo.models.config import LMConfig, MoEConfig
+from zoo.names import did_you_mean
 
 
 def no_aux_loss(cfg: LMConfig, aux: dict) -> jax.Array:
@@ -140,7 +141,8 @@ class Family:
     def config(self, preset: str, **overrides) -> LMConfig:
         """The preset `preset` with `overrides` replacing fields (values of the fields' types)."""
         if preset not in self.presets():
-            raise ValueError(f"preset {preset!r} is not a {self.name} preset; choose one of: "
+            raise ValueError(f"preset {preset!r} is not a {self.name} preset{did_you_mean(preset, self.presets())}; "
+                             f"choose one of: "
                              f"{', '.join(self.presets())}")
         return self.config_cls.preset(preset, **overrides)   # a misspelt field: ValueError with the close names
 
@@ -177,7 +179,8 @@ def register(f: Family) -> Family:
 
 def family(name: str) -> Family:
     if name not in FAMILIES:
-        raise ValueError(f"model {name!r} is not in the zoo; choose one of: {', '.join(FAMILIES)}")
+        raise ValueError(f"model {name!r} is not in the zoo{did_you_mean(name, FAMILIES)}; choose one of: "
+                         f"{', '.join(FAMILIES)}")
     return FAMILIES[name]
 
 

@@ -1,17 +1,31 @@
 """The plan as tables (rich) and as JSON."""
 from __future__ import annotations
 
+import sys
+
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from zoo.plan.types import CARRY, Plan, fmt_bytes, fmt_flops
 
 _SHORT = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
+# The width of output that is not a terminal (a log file, a pipe): wide enough that rich neither squeezes a table
+# (cutting its cells to `…`) nor wraps a line, so tables print at their natural width and each line whole.
+UNWRAPPED = 100_000
+
+
+def new_console(**kwargs) -> Console:
+    """A rich Console for tables: on a terminal, the terminal's width; otherwise (stdout redirected to a file or a
+    pipe, whatever COLUMNS says) `UNWRAPPED` columns."""
+    return Console(highlight=False, width=None if sys.stdout.isatty() else UNWRAPPED, **kwargs)
 
 
 def render(p: Plan, console=None) -> None:
-    """Print `p` as tables: one row per tag and stack, then totals, model state, reasons and warnings."""
-    console = console or Console()
+    """Print `p` as tables: one row per tag and stack, then totals, model state, reasons and warnings (one line
+    each). Without `console`, `new_console()`: tables at their natural width where stdout is not a
+    terminal."""
+    console = console or new_console()
     shard = f", split over {p.shard} devices (per-device figures)" if p.shard > 1 else ""
     if p.mesh:
         shard = f", mesh {p.mesh} ({p.shard} devices; per-device figures by the sharding rules)"
@@ -27,8 +41,8 @@ def render(p: Plan, console=None) -> None:
         console.print(f"[bold]chosen:[/] {p.recipe}")
         for tag, note in dict.fromkeys((tp.tag, tp.note) for s in p.stacks for tp in s.tags if tp.note):
             console.print(f"  [bold]{tag}[/]: {note}")
-    for w in p.warnings:
-        console.print(f"[bold yellow]warning:[/] {w}")
+    for w in p.warnings:   # soft_wrap: one line each, however long (a log keeps it whole)
+        console.print(Text.assemble(("warning:", "bold yellow"), f" {w}"), soft_wrap=True)
 
 
 _COLOUR = {"device": "green", "offload": "cyan", "remat": "magenta"}

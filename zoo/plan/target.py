@@ -87,7 +87,7 @@ def peak_target(mode, compiled, *, device, mesh, amesh, shard) -> tuple[str | No
     if mode == "auto":
         mode = "compile" if not why and present.platform != "cpu" else "estimate"
     if mode == "estimate" and not why:
-        why = "not compiled on the CPU: --peak compile does" if present.platform == "cpu" else "peak='estimate'"
+        why = "not compiled on the CPU: peak='compile' does" if present.platform == "cpu" else "peak='estimate'"
     return mode, concrete, why
 
 
