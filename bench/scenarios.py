@@ -290,9 +290,9 @@ SCENARIOS: dict[str, Scenario] = {
         (long_job("auto", 262144, steps=2, est=420, timeout=560),
          probe(("auto",), longest=524288, est=240, timeout=400))),
     "half-million": Scenario(
-        "524,288 tokens on one H200: all 32 layers of the 8B under auto (one step: it fits and trains), then the 8B cut "
-        "to 8 layers under longest_context (the rate of auto's structure at 512K: two steps), the state on the host; a "
-        "step takes minutes: run detached",
+        "524,288 tokens on one H200: all 32 layers of the 8B under auto (one step: it fits and trains), then the 8B "
+        "cut to 8 layers under longest_context (the rate of auto's structure at 512K: two steps), the state on the "
+        "host; a step takes minutes: run detached",
         (long_job("auto", 524288, layers=32, steps=1, est=900, timeout=1200),
          long_job("longest_context", 524288, layers=8, steps=2, est=480, timeout=620))),
     "offload-profile": Scenario(

@@ -80,7 +80,8 @@ def test_a_recipe_is_the_value_it_was_made_as():
     written = zoo.Recipe("x", offload=("*_proj",), description="every projection")
     assert written.offload == ("*_proj",) and not hasattr(written, "patterns")
     assert {f.name: getattr(written, f.name) for f in dataclasses.fields(written)} == dict(
-        name="x", offload=("*_proj",), device=(), special=None, description="every projection", seq_tiles=1, group=1, group_keep=())
+        name="x", offload=("*_proj",), device=(), special=None, description="every projection", seq_tiles=1, group=1,
+        group_keep=())
     renamed = dataclasses.replace(written, name="y")
     assert renamed.offload == written.offload and renamed.resolve().offload == written.resolve().offload
     assert renamed != written and dataclasses.replace(renamed, name="x") == written

@@ -15,8 +15,8 @@ from flax import nnx
 import zoo
 from recipes.registry import recipes_of
 from tests.helpers import grads_under, max_rel_err, tiered
-from zoo.models.registry import FAMILIES, family
 from zoo.models import stack as stack_lib
+from zoo.models.registry import FAMILIES, family
 from zoo.plan import measure
 
 B, S = 2, 16
