@@ -52,3 +52,15 @@ def test_budgets_the_state_alone_is_over_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="pinned host memory takes .* over the host budget .*XLA_PJRT_GPU_HOST_MEMORY"):
         zoo.plan.longest_seq(TINY, zoo.Recipe.full(), hardware=Hardware(hbm_gib=1000), peak="estimate",
                              training=Training(opt_state="host"))
+
+
+def test_an_estimated_answer_warns_where_the_device_present_would_not_fit_it():
+    """On the CPU, `peak="auto"` answers from estimates, which model a GPU's kernels; where the step compiled for the
+    CPU at the answer is over the budget, the answer says so and how to ask for the CPU's own (`peak='compile'`)."""
+    r = zoo.Recipe("long", device=("attention_out", "context"), offload=("decoder_layer_input",), seq_tiles=16,
+                   group=2)
+    found = zoo.plan.longest_seq(dataclasses.replace(TINY, num_layers=2), r, hardware=Hardware(hbm_gib=0.25),
+                                 cap=16384)
+    assert found.seq == 16384 and len(found.warnings) == 1
+    assert "estimated for a GPU's kernels" in found.warnings[0] and "peak='compile'" in found.warnings[0]
+    assert found.render().splitlines()[-1] == "warning: " + found.warnings[0]

@@ -46,6 +46,7 @@ class Longest:
     host_budget: int
     tried: tuple[TriedSeq, ...]  # in the order planned
     capped: str | None           # why longer was not tried: "cap" or "max_seq_len" (None: a longer one did not fit)
+    warnings: tuple[str, ...] = ()   # what the answer assumes that the device present does not bear out
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -63,7 +64,7 @@ class Longest:
                 best[t.seq] = t
         rows += [f"  {t.seq:>8}  {fmt_bytes(t.peak_bytes):>10}  {fmt_bytes(t.host_bytes):>10}  "
                  f"{'yes' if t.fits else 'no ':3}   {t.recipe}; {t.peak_source}" for _, t in sorted(best.items())]
-        return "\n".join([head, *rows])
+        return "\n".join([head, *rows, *(f"warning: {w}" for w in self.warnings)])
 
 
 def longest_seq(cfg, recipe: Recipe | str, *, batch: int = 1, hardware: Hardware = NO_HARDWARE,
@@ -122,8 +123,22 @@ def longest_seq(cfg, recipe: Recipe | str, *, batch: int = 1, hardware: Hardware
     capped = None
     if best == len(lengths) - 1:
         capped = "max_seq_len" if limit < cap and limit == getattr(cfg, "max_seq_len", None) else "cap"
+    warnings = ()
+    if found and here and peak == "auto" and any("estimate" in t.peak_source for t in tried if t.seq == found):
+        warnings = _check_here(cfg, recipe, batch, found, hardware, training, hbm, present)
     return Longest(seq=found, batch=batch, hbm_budget=hbm, hbm_source=hbm_source, host_budget=host,
-                   tried=tuple(tried), capped=capped)
+                   tried=tuple(tried), capped=capped, warnings=warnings)
+
+
+def _check_here(cfg, recipe, batch, seq, hardware, training, hbm, present) -> tuple[str, ...]:
+    """Where the answer comes from estimates and the device present is the one planned for: its step compiled here at
+    the answer, and a warning when that step would not fit (the estimates model a GPU's kernels)."""
+    p = plan(cfg, recipe, batch=batch, seq=seq, hardware=hardware, training=training, peak="compile")
+    if p.peak_bytes <= hbm:
+        return ()
+    return (f"the answer is estimated for a GPU's kernels (cuDNN's flash attention, which keeps no [S, S] scores); "
+            f"compiled for the device present ({present.device_kind}), the step at {seq} peaks at "
+            f"{fmt_bytes(p.peak_bytes)}, over the budget of {fmt_bytes(hbm)}: peak='compile' answers for it",)
 
 
 def _check_state(cfg, recipe, batch, seq, hardware, training, hbm, host) -> None:
