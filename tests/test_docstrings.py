@@ -124,8 +124,6 @@ EXPORTING = ("zoo.layers", "zoo.layers.moe", "zoo.models", "zoo.models.deepseek_
 PENDING = {
     "zoo.models.stack.Stack",
     "zoo.plan.build.auto_recipe", "zoo.plan.build.model_state", "zoo.plan.build.plan",
-    "zoo.plan.fitting.Fitted", "zoo.plan.fitting.fit",
-    "zoo.plan.longest.Longest", "zoo.plan.longest.longest_seq",
     "zoo.recipe.Recipe", "zoo.recipe.ResolvedRecipe",
     # Not yet documented: what this session ran out of time for (no file of another session; to be documented).
     "zoo.models.deepseek_v3.flops_per_token",
