@@ -34,19 +34,62 @@ MOVED = {k: f"training=zoo.plan.Training({k}=...)" for k in ("optimizer", "opt_d
 
 
 def moe_drops(aux: Any) -> tuple[jax.Array, jax.Array]:
-    """(token copies dropped by capacity dispatch, token copies routed), summed over every MoE layer in the
-    model's aux ({stack: MoEAux stacked over layers}); zeros for a model without experts."""
+    """The token copies capacity dispatch dropped and the token copies routed, summed over every MoE layer.
+
+    Args:
+        aux: the model's auxiliary outputs (the second value of `model.hidden`): {stack: its
+            `zoo.layers.moe.MoEAux`, stacked over the stack's layers}.
+
+    Returns:
+        (dropped, routed), two int32 scalars; zeros for a model without experts.
+
+    Example:
+        >>> from zoo.train_step import moe_drops
+        >>> moe_drops({})
+        (Array(0, dtype=int32), Array(0, dtype=int32))
+    """
     return moe.drops(aux)
 
 
 def all_finite(tree) -> jax.Array:
-    """True iff every floating-point leaf of `tree` is finite: one fused reduction under jit."""
+    """Whether every floating-point leaf of `tree` is finite: one fused reduction under jit.
+
+    Args:
+        tree: a pytree of arrays (a model's state, gradients, ...); its integer and boolean leaves are left out.
+
+    Returns:
+        a boolean scalar; True for a tree without floating-point leaves.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from zoo.train_step import all_finite
+        >>> all_finite({"w": jnp.ones(3), "step": jnp.int32(7)})
+        Array(True, dtype=bool)
+        >>> all_finite([jnp.array([1.0, jnp.nan])])
+        Array(False, dtype=bool)
+    """
     leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.bool_(True)
 
 
 def check_grad_accum(batch: int, grad_accum: int) -> None:
-    """ValueError unless `grad_accum` is a positive integer dividing the global `batch`."""
+    """Check that `grad_accum` micro-batches split the global batch evenly.
+
+    Args:
+        batch: the global batch B, in sequences.
+        grad_accum: the number of micro-batches per update.
+
+    Raises:
+        ValueError: unless `grad_accum` is a positive integer dividing `batch`.
+
+    Example:
+        >>> from zoo.train_step import check_grad_accum
+        >>> check_grad_accum(8, 4)
+        >>> check_grad_accum(8, 3)
+        Traceback (most recent call last):
+        ...
+        ValueError: --grad-accum 3 must divide --batch 8 ...
+    """
     if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
         raise ValueError(f"--grad-accum must be a positive integer, got {grad_accum!r}")
     if batch % grad_accum:
@@ -55,8 +98,30 @@ def check_grad_accum(batch: int, grad_accum: int) -> None:
 
 
 def eval_loss(model: nnx.Module, batch: dict[str, jax.Array], loss_chunk=DEFAULT_LOSS_CHUNK) -> jax.Array:
-    """The batch's weighted mean next-token loss, the model's forward pass alone (no extra heads), the head and the
-    cross-entropy over chunks as in the training step (`loss_and_grads`)."""
+    """The batch's weighted mean next-token loss: the model's forward pass alone (no extra heads), the head and the
+    cross-entropy over chunks as in the training step (`loss_and_grads`).
+
+    Args:
+        model: a `zoo.models.CausalLM`.
+        batch: {"tokens": [B, S+1] int32 (the inputs and, shifted by one, the targets), "weights": [B, S] float
+            (each target's weight in the weighted mean)}.
+        loss_chunk: the positions the head and the cross-entropy run at a time: "auto" (by the shapes,
+            `zoo.loss.default_chunk`), None or 0 (the whole sequence), or a divisor of S.
+
+    Returns:
+        the loss, a float32 scalar.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import zoo
+        >>> from zoo.train_step import eval_loss
+        >>> model = zoo.models.llama3(zoo.models.LlamaConfig.preset("tiny"), rngs=nnx.Rngs(0))
+        >>> batch = {"tokens": jnp.zeros((2, 9), jnp.int32), "weights": jnp.ones((2, 8))}
+        >>> loss = nnx.jit(eval_loss)(model, batch)
+        >>> loss.shape, bool(loss > 0)
+        ((), True)
+    """
     tokens, weights = batch["tokens"], batch["weights"]
     check_loss_chunk(tokens.shape[1] - 1, loss_chunk)
     h, _, _ = model.hidden(tokens[:, :-1], extra=False)
@@ -66,7 +131,24 @@ def eval_loss(model: nnx.Module, batch: dict[str, jax.Array], loss_chunk=DEFAULT
 
 
 def check_loss_chunk(seq: int, loss_chunk) -> None:
-    """ValueError unless `loss_chunk` is "auto", None or 0 (unchunked) or a positive integer dividing `seq`."""
+    """Check a loss chunk length against the sequence.
+
+    Args:
+        seq: the sequence length S (the positions that have a target).
+        loss_chunk: "auto", None or 0 (unchunked), or a chunk length, which must divide `seq`.
+
+    Raises:
+        ValueError: unless `loss_chunk` is "auto", None or 0 or a positive integer dividing `seq`.
+
+    Example:
+        >>> from zoo.train_step import check_loss_chunk
+        >>> check_loss_chunk(8, "auto"), check_loss_chunk(8, 4)
+        (None, None)
+        >>> check_loss_chunk(8, 3)
+        Traceback (most recent call last):
+        ...
+        ValueError: --loss-chunk 3 does not divide the sequence length 8...
+    """
     if isinstance(loss_chunk, str) and loss_chunk == "auto":
         return
     if isinstance(loss_chunk, int) and not isinstance(loss_chunk, bool) and loss_chunk == 0:
@@ -77,7 +159,22 @@ def check_loss_chunk(seq: int, loss_chunk) -> None:
 def micro_batches(batch: dict[str, jax.Array], k: int) -> dict[str, jax.Array]:
     """[B, ...] -> [k, B/k, ...]: micro-batch i holds rows i, i+k, i+2k, ... A device's contiguous block of the
     data-parallel batch then splits into k rows of each micro-batch, so every micro-batch stays spread over all
-    the data-parallel devices (a contiguous split would put each micro-batch on a few of them)."""
+    the data-parallel devices (a contiguous split would put each micro-batch on a few of them).
+
+    Args:
+        batch: {name: [B, ...]}, B a multiple of `k`.
+        k: the number of micro-batches.
+
+    Returns:
+        {name: [k, B/k, ...]}.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from zoo.train_step import micro_batches
+        >>> mb = micro_batches({"tokens": jnp.arange(6)[:, None]}, 2)
+        >>> mb["tokens"].shape, mb["tokens"][0, :, 0].tolist()
+        ((2, 3, 1), [0, 2, 4])
+    """
     return {name: einops.rearrange(x, "(b k) ... -> k b ...", k=k) for name, x in batch.items()}
 
 
@@ -89,7 +186,36 @@ def loss_and_grads(model: nnx.Module, batch: dict[str, jax.Array], *, aux_loss: 
     head and the cross-entropy run `loss_chunk` positions at a time ("auto": by the shapes, `zoo.loss.default_chunk`;
     None or 0: whole; else a divisor of the sequence). With `grad_accum` K > 1 the batch runs as K micro-batches
     (`micro_batches`) in a `jax.lax.scan`: float32 gradient sums, handed back in the parameters' dtypes (or
-    `grad_dtype`), losses and aux adding up to the whole batch's (docs/internals.md, "Micro-batches")."""
+    `grad_dtype`), losses and aux adding up to the whole batch's (docs/internals.md, "Micro-batches").
+
+    Args:
+        model: a `zoo.models.CausalLM`.
+        batch: {"tokens": [B, S+1] int32 (the inputs and, shifted by one, the targets), "weights": [B, S] float
+            (each target's weight in the weighted mean)}.
+        aux_loss: aux_loss(config, aux) -> the auxiliary loss added to the total (a family's
+            `zoo.models.registry.Family.aux_loss`; `lambda cfg, aux: 0.0` for none).
+        grad_accum: the micro-batches K, a divisor of B.
+        grad_dtype: the gradients' dtype after a K > 1 sum (None: each parameter's own).
+        loss_chunk: the positions the head and the cross-entropy run at a time: "auto" (by the shapes,
+            `zoo.loss.default_chunk`), None or 0 (the whole sequence), or a divisor of S.
+
+    Returns:
+        (total loss, next-token loss, {extra head: its loss}, aux, gradients): float32 scalars, the model's aux, and
+        the gradients as an `nnx.State` of the parameters.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import zoo
+        >>> from zoo.train_step import loss_and_grads
+        >>> model = zoo.models.llama3(zoo.models.LlamaConfig.preset("tiny"), rngs=nnx.Rngs(0))
+        >>> batch = {"tokens": jnp.zeros((2, 9), jnp.int32), "weights": jnp.ones((2, 8))}
+        >>> no_aux = lambda cfg, aux: 0.0
+        >>> step = nnx.jit(lambda m, b: loss_and_grads(m, b, aux_loss=no_aux, grad_accum=2))
+        >>> loss, lm_loss, extra, aux, grads = step(model, batch)
+        >>> bool(loss == lm_loss), extra, type(grads).__name__
+        (True, {}, 'State')
+    """
     seq = batch["tokens"].shape[1] - 1
     check_grad_accum(batch["tokens"].shape[0], grad_accum)
     check_loss_chunk(seq, loss_chunk)
@@ -147,7 +273,41 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax
     `loss_chunk` and `grad_accum` are `loss_and_grads`' (ValueError where they do not divide). A step that is not finite
     changes nothing (`ok` False); `kept` False: the state left holds a non-finite parameter and must not be saved. `lr`
     (the schedule) decides the guard before the update; state in pinned host memory is updated streamed and needs it
-    (docs/internals.md, "The NaN guard")."""
+    (docs/internals.md, "The NaN guard").
+
+    Args:
+        model: a `zoo.models.CausalLM`, updated in place.
+        optimizer: its `nnx.Optimizer` (`zoo.optim.make_optimizer`), updated in place.
+        batch: {"tokens": [B, S+1] int32 (the inputs and, shifted by one, the targets), "weights": [B, S] float
+            (each target's weight in the weighted mean)}.
+        aux_loss: aux_loss(config, aux) -> the auxiliary loss added to the total (none by default).
+        after_update: after_update(model, aux), run after the optimizer's update (e.g. a router's bias update).
+        lr: the learning-rate schedule, for the guard before the update and the "lr" metric (None: the guard checks
+            the updated parameters instead); needed for state in pinned host memory.
+        grad_accum: the micro-batches per update, a divisor of B.
+        loss_chunk: the positions the head and the cross-entropy run at a time: "auto" (by the shapes,
+            `zoo.loss.default_chunk`), None or 0 (the whole sequence), or a divisor of S.
+
+    Returns:
+        {metric name: scalar}, the metrics above.
+
+    Raises:
+        ValueError: a `grad_accum` or `loss_chunk` that does not divide, or host state without `lr`.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import zoo
+        >>> from zoo.optim import lr_schedule, make_optimizer
+        >>> from zoo.train_step import train_step
+        >>> model = zoo.models.llama3(zoo.models.LlamaConfig.preset("tiny"), rngs=nnx.Rngs(0))
+        >>> batch = {"tokens": jnp.zeros((2, 9), jnp.int32), "weights": jnp.ones((2, 8))}
+        >>> schedule = lr_schedule(lr=1e-3, steps=10, warmup=1)
+        >>> optimizer = make_optimizer(model, schedule, clip=1.0, weight_decay=0.0, optimizer="sgd")
+        >>> metrics = nnx.jit(lambda m, o, b: train_step(m, o, b, lr=schedule))(model, optimizer, batch)
+        >>> bool(metrics["ok"]), int(optimizer.step[...])
+        (True, 1)
+    """
     # An optimizer with a float32 master copy takes --grad-accum's float32 sums as they are.
     loss, lm_loss, extra_losses, aux, grads = loss_and_grads(
         model, batch, aux_loss=aux_loss, grad_accum=grad_accum, loss_chunk=loss_chunk,
@@ -199,7 +359,32 @@ def family_step(family, lr: optax.Schedule | None = None, grad_accum: int = 1,
                 loss_chunk=DEFAULT_LOSS_CHUNK) -> Callable:
     """`train_step` with the model family's auxiliary loss and post-update hook (zoo.models.registry.Family), the
     learning-rate schedule `lr` for the cheap guard, `grad_accum` micro-batches per update and the loss's
-    `loss_chunk`."""
+    `loss_chunk`.
+
+    Args:
+        family: the model's `zoo.models.registry.Family` (`zoo.models.registry.family(name)`).
+        lr: the learning-rate schedule (`train_step`'s `lr`).
+        grad_accum: the micro-batches per update.
+        loss_chunk: the positions the head and the cross-entropy run at a time: "auto" (by the shapes,
+            `zoo.loss.default_chunk`), None or 0 (the whole sequence), or a divisor of S.
+
+    Returns:
+        step(model, optimizer, batch) -> metrics, for `jit_step`.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import zoo
+        >>> from zoo.models.registry import family
+        >>> from zoo.optim import lr_schedule, make_optimizer
+        >>> from zoo.train_step import family_step
+        >>> model = zoo.models.llama3(zoo.models.LlamaConfig.preset("tiny"), rngs=nnx.Rngs(0))
+        >>> batch = {"tokens": jnp.zeros((2, 9), jnp.int32), "weights": jnp.ones((2, 8))}
+        >>> optimizer = make_optimizer(model, lr_schedule(lr=1e-3, steps=10, warmup=1), clip=1.0, weight_decay=0.0)
+        >>> step = family_step(family("llama3"), grad_accum=2)
+        >>> nnx.eval_shape(step, model, optimizer, batch)["loss"]
+        ShapeDtypeStruct(shape=(), dtype=float32)
+    """
     return lambda m, o, b: train_step(m, o, b, aux_loss=family.aux_loss, after_update=family.after_update, lr=lr,
                                       grad_accum=grad_accum, loss_chunk=loss_chunk)
 
@@ -209,7 +394,35 @@ def jit_step(model: nnx.Module, optimizer: nnx.Optimizer, step_fn: Callable, *, 
     """(jitted step over (state, batch) -> (state, metrics), graphdef, state); the state is donated. With
     `keep_shardings`, the new state is laid out as the old one (the state's leaves must carry shardings). State in
     host memory between steps enters and leaves the step as host arrays; a `step_fn` other than `train_step` must
-    handle them itself."""
+    handle them itself.
+
+    Args:
+        model: the model, split (with `optimizer`) into the graphdef and the state.
+        optimizer: its `nnx.Optimizer`.
+        step_fn: step_fn(model, optimizer, batch) -> metrics, updating both in place (`family_step`'s).
+        keep_shardings: lay the new state out as the old one.
+
+    Returns:
+        (step, graphdef, state): step(state, batch) -> (new state, metrics), jitted with `state` donated;
+        `nnx.merge(graphdef, state)` gives the model and the optimizer back.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import zoo
+        >>> from zoo.models.registry import family
+        >>> from zoo.optim import lr_schedule, make_optimizer
+        >>> from zoo.train_step import family_step, jit_step
+        >>> model = zoo.models.llama3(zoo.models.LlamaConfig.preset("tiny"), rngs=nnx.Rngs(0))
+        >>> batch = {"tokens": jnp.zeros((2, 9), jnp.int32), "weights": jnp.ones((2, 8))}
+        >>> schedule = lr_schedule(lr=1e-3, steps=10, warmup=1)
+        >>> optimizer = make_optimizer(model, schedule, clip=1.0, weight_decay=0.0, optimizer="sgd")
+        >>> step, graphdef, state = jit_step(model, optimizer, family_step(family("llama3"), schedule))
+        >>> state, metrics = step(state, batch)
+        >>> model, optimizer = nnx.merge(graphdef, state)
+        >>> bool(metrics["ok"]), int(optimizer.step[...])
+        (True, 1)
+    """
     graphdef, state = nnx.split((model, optimizer))
     shardings = jax.tree.map(lambda x: x.sharding, state) if keep_shardings else None
 
@@ -223,7 +436,20 @@ def jit_step(model: nnx.Module, optimizer: nnx.Optimizer, step_fn: Callable, *, 
 
 
 def abstract_batch(batch: int, seq: int) -> dict[str, jax.ShapeDtypeStruct]:
-    """The shapes of a training batch: tokens [B, S+1] int32 (inputs and shifted targets), weights [B, S] f32."""
+    """The shapes of a training batch: tokens [B, S+1] int32 (inputs and shifted targets), weights [B, S] f32.
+
+    Args:
+        batch: the batch B, in sequences.
+        seq: the sequence length S.
+
+    Returns:
+        {"tokens": ShapeDtypeStruct, "weights": ShapeDtypeStruct}.
+
+    Example:
+        >>> from zoo.train_step import abstract_batch
+        >>> abstract_batch(2, 8)["tokens"]
+        ShapeDtypeStruct(shape=(2, 9), dtype=int32)
+    """
     return {"tokens": jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32),
             "weights": jax.ShapeDtypeStruct((batch, seq), jnp.float32)}
 
@@ -235,7 +461,30 @@ def abstract_step(family, cfg, recipe, *, training: Training = STEP, schedule: o
     (`zoo.training.Training`): the model and optimizer built from shapes alone (no memory). `schedule` only changes
     constants of the program, never its memory. With `mesh`, every variable carries its sharding by the rules
     (`zoo.sharding.shardings`) and the step keeps them; state in pinned host memory without a mesh is laid out on
-    the first device."""
+    the first device.
+
+    Args:
+        family: the model's `zoo.models.registry.Family`.
+        cfg: the model's config (an `LMConfig` of the family).
+        recipe: the placement of each tag (a `zoo.Recipe`).
+        training: the step: optimizer, state placement, micro-batches, loss chunks (`zoo.training.Training`).
+        schedule: the learning-rate schedule (None: a stand-in).
+        mesh: the device mesh the state is sharded over (None: no sharding).
+
+    Returns:
+        (step, graphdef, state) as `jit_step`'s, `state` of ShapeDtypeStructs.
+
+    Example:
+        >>> import jax
+        >>> import zoo
+        >>> from zoo.models.registry import family
+        >>> from zoo.train_step import abstract_batch, abstract_step
+        >>> cfg = zoo.models.LlamaConfig.preset("tiny")
+        >>> step, graphdef, state = abstract_step(family("llama3"), cfg, zoo.Recipe.none())
+        >>> _, metrics = jax.eval_shape(step, state, abstract_batch(2, 8))
+        >>> metrics["loss"]
+        ShapeDtypeStruct(shape=(), dtype=float32)
+    """
     schedule = schedule if schedule is not None else lr_schedule(lr=1e-4, steps=100, warmup=10)
 
     def build():
@@ -267,7 +516,31 @@ def compile_abstract(family, cfg, recipe, *, batch: int, seq: int, training: Tra
     """(compiled step, graphdef, abstract state): `abstract_step` lowered on abstract inputs and compiled for the device
     present with the XLA options of its recipe (`zoo.compile_options.for_step`); with a concrete `mesh`, as the main job
     runs it (the state on the rules' shardings, the batch over the data axes). Nothing is allocated.
-    `training.grad_accum` must divide `batch` and `training.loss_chunk` `seq` (ValueError before tracing)."""
+    `training.grad_accum` must divide `batch` and `training.loss_chunk` `seq` (ValueError before tracing).
+
+    Args:
+        family: the model's `zoo.models.registry.Family`.
+        cfg: the model's config (an `LMConfig` of the family).
+        recipe: the placement of each tag (a `zoo.Recipe`).
+        batch: the global batch B, in sequences.
+        seq: the sequence length S.
+        training: the step: optimizer, state placement, micro-batches, loss chunks (`zoo.training.Training`).
+        schedule: the learning-rate schedule (None: a stand-in).
+        mesh: the device mesh the step runs on (None: the first device).
+
+    Returns:
+        (compiled step, graphdef, abstract state); the compiled step's `memory_analysis()` gives its bytes.
+
+    Example:
+        >>> import zoo
+        >>> from zoo.models.registry import family
+        >>> from zoo.train_step import compile_abstract
+        >>> cfg = zoo.models.LlamaConfig.preset("tiny")
+        >>> compiled, graphdef, state = compile_abstract(family("llama3"), cfg, zoo.Recipe.none(), batch=2, seq=8,
+        ...                                              training=zoo.plan.Training(optimizer="sgd"))
+        >>> compiled.memory_analysis().temp_size_in_bytes > 0
+        True
+    """
     check_grad_accum(batch, training.grad_accum)
     check_loss_chunk(seq, training.loss_chunk)
     jitted, graphdef, state = abstract_step(family, cfg, recipe, training=training, schedule=schedule, mesh=mesh)

@@ -23,7 +23,23 @@ MARGIN = GiB // 2   # taken off a lowered budget beyond the excess, for the allo
 @dataclasses.dataclass(frozen=True)
 class Fitted:
     """What `fit` compiled: the recipe, the loss's chunk length (None: unchunked), what `compile` returned, and one
-    line per decision taken on the way."""
+    line per decision taken on the way; `peak_bytes` is the compiled step's peak.
+
+    Args:
+        recipe: the recipe compiled (the one planned where `fit` was asked for "auto").
+        loss_chunk: the loss's chunk length compiled (None: the whole sequence).
+        compiled: what `compile(recipe, loss_chunk)` returned, its compiled step first.
+        notes: one line per decision taken on the way (empty where the first compile fit).
+
+    Example:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> import zoo
+        >>> compiled = jax.jit(jnp.sin).lower(jnp.ones(1024)).compile()
+        >>> fitted = zoo.plan.Fitted(zoo.Recipe.none(), None, (compiled,), ())
+        >>> fitted.peak_bytes > 0
+        True
+    """
     recipe: Recipe
     loss_chunk: int | None
     compiled: Any
@@ -38,7 +54,39 @@ def fit(cfg, recipe: Recipe | str, *, batch: int, seq: int, compile: Callable[[R
         limit: int | None, hardware: Hardware = NO_HARDWARE, training: Training = STEP,
         parallel: Parallelism = ONE_DEVICE) -> Fitted:
     """Compile the step of `recipe` (a Recipe, or "auto") under `training` and fit it to `limit` bytes of device
-    memory (None: no limit known): see the module docstring."""
+    memory (None: no limit known): see the module docstring.
+
+    Args:
+        cfg: the model's config (an `LMConfig`).
+        recipe: a `zoo.Recipe`, or "auto": planned for `hardware`, and again for a lower budget while over `limit`.
+        batch: the global batch, in sequences.
+        seq: the sequence length.
+        compile: compile(recipe, loss_chunk) -> a tuple whose first item is the compiled step (e.g.
+            `zoo.train_step.compile_abstract`'s).
+        limit: the device memory the step must fit, in bytes (None: no limit known: the first compile is kept).
+        hardware: the device the "auto" recipe is planned for (`zoo.plan.Hardware`; its `hbm_gib`: the first
+            budget).
+        training: the step (`zoo.plan.Training`); its `loss_chunk` "auto": the chunk is chosen here.
+        parallel: how the step is spread over devices (`zoo.plan.Parallelism`).
+
+    Returns:
+        the `Fitted`: the recipe and loss chunk compiled, what `compile` returned and the decisions taken.
+
+    Example:
+        >>> import dataclasses
+        >>> import zoo
+        >>> from zoo.models.registry import family
+        >>> from zoo.train_step import compile_abstract
+        >>> cfg = zoo.models.LlamaConfig.preset("tiny")
+        >>> training = zoo.plan.Training(optimizer="sgd", loss_chunk=None)
+        >>> def compile(recipe, chunk):
+        ...     return compile_abstract(family("llama3"), cfg, recipe, batch=2, seq=8,
+        ...                             training=dataclasses.replace(training, loss_chunk=chunk))
+        >>> fitted = zoo.plan.fit(cfg, zoo.Recipe.none(), batch=2, seq=8, compile=compile, limit=1 << 30,
+        ...                       training=training)
+        >>> fitted.loss_chunk, fitted.notes, fitted.peak_bytes <= 1 << 30
+        (None, (), True)
+    """
     auto_recipe = isinstance(recipe, str) and recipe == "auto"
     auto_loss = isinstance(training.loss_chunk, str) and training.loss_chunk == "auto"
     shard = max(1, parallel.shard)

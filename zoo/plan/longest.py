@@ -38,7 +38,27 @@ class TriedSeq:
 
 @dataclasses.dataclass(frozen=True)
 class Longest:
-    """The longest sequence that fits, and how it was found."""
+    """The longest sequence that fits, and how it was found (`longest_seq`); `render()` writes it as text,
+    `to_dict()` as a dict.
+
+    Args:
+        seq: the longest length tried that fits (0: none of those tried).
+        batch: the batch planned, in sequences.
+        hbm_budget: the HBM budget, in bytes.
+        hbm_source: where the HBM budget comes from ("hbm_gib", or the present device's "bytes_limit").
+        host_budget: the pinned host memory budget, in bytes.
+        tried: each length planned (`TriedSeq`), in the order planned.
+        capped: why longer was not tried: "cap" or "max_seq_len" (None: a longer one did not fit).
+        warnings: what the answer assumes that the device present does not bear out (empty where nothing).
+
+    Example:
+        >>> import zoo
+        >>> cfg = zoo.models.LlamaConfig.preset("tiny")
+        >>> found = zoo.plan.longest_seq(cfg, zoo.Recipe.none(), hardware=zoo.plan.Hardware(hbm_gib=1),
+        ...                              peak="estimate", cap=4096)
+        >>> print(found.render().splitlines()[0])
+        longest sequence that fits: 4096 (the longest tried: may fit longer) ...
+    """
     seq: int                     # the longest tried that fits (0: none of those tried)
     batch: int
     hbm_budget: int
@@ -73,7 +93,34 @@ def longest_seq(cfg, recipe: Recipe | str, *, batch: int = 1, hardware: Hardware
     """The longest power-of-two sequence (from `FIRST` up to `cap` and the config's `max_seq_len`) whose step fits
     the budgets, for `recipe` (a Recipe, or "auto": chosen per length) at `batch`. `peak`: as `zoo.plan.plan`'s
     ("auto": compiled on an accelerator, estimated on the CPU). `start`: the first length planned (default: where
-    the estimates' walk ends). ValueError before anything compiles when the model state alone exceeds a budget."""
+    the estimates' walk ends). ValueError before anything compiles when the model state alone exceeds a budget.
+
+    Args:
+        cfg: the model's config (an `LMConfig`).
+        recipe: a `zoo.Recipe`, or "auto": planned for each length.
+        batch: the batch, in sequences.
+        hardware: the device (`zoo.plan.Hardware`): its `hbm_gib` the HBM budget (None: the present device's
+            allocator limit); the host budget: the least of XLA's pinned pool, `host_gib` and, planning for an
+            accelerator present, this machine's RAM.
+        training: the step (`zoo.plan.Training`).
+        peak: "auto", "compile" or "estimate", as `zoo.plan.plan`'s.
+        start: the first length planned, a power of two from `FIRST` (None: where the estimates' walk ends).
+        cap: the longest length tried.
+
+    Returns:
+        the `Longest`: the longest length that fits, the budgets and each length planned.
+
+    Raises:
+        ValueError: a bad argument, or model state alone over a budget (no sequence fits).
+
+    Example:
+        >>> import zoo
+        >>> cfg = zoo.models.LlamaConfig.preset("tiny")
+        >>> found = zoo.plan.longest_seq(cfg, zoo.Recipe.none(), hardware=zoo.plan.Hardware(hbm_gib=1),
+        ...                              peak="estimate", cap=4096)
+        >>> found.seq, found.capped, [t.seq for t in found.tried]
+        (4096, 'cap', [1024, 2048, 4096])
+    """
     check_positive("batch", batch)
     check_positive("cap", cap)
     if peak not in ("auto", "compile", "estimate"):
