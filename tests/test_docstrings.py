@@ -133,11 +133,6 @@ PENDING = {
     "zoo.train_step.jit_step", "zoo.train_step.abstract_batch", "zoo.train_step.abstract_step",
     "zoo.train_step.compile_abstract",
     # Not yet documented: what this session ran out of time for (no file of another session; to be documented).
-    "zoo.models.deepseek_v3.flops_per_token",
-    "zoo.models.llama3.flops_per_token",
-    "zoo.models.lm.count_params",
-    "zoo.models.qwen3.flops_per_token",
-    "zoo.models.qwen3_moe.flops_per_token",
     "zoo.plan.capacity.Capacity",
     "zoo.plan.capacity.largest_batch",
     "zoo.plan.inputs.Hardware",

@@ -269,7 +269,21 @@ def non_embedding_params(model: CausalLM) -> int:
 
 
 def count_params(model: nnx.Module) -> int:
-    """Number of parameters (works on `nnx.eval_shape` models: nothing is allocated): every `nnx.Param`, and every
-    `Stored` variable (e.g. a MoE router's bias), which the published checkpoints store though no gradient
-    trains them."""
+    """The number of parameters of `model`: every `nnx.Param`, and every `Stored` variable (e.g. a MoE router's
+    bias), which the published checkpoints store though no gradient trains them. It reads shapes only, so an
+    `nnx.eval_shape` model (nothing allocated) will do.
+
+    Args:
+        model: the module (a whole model or one layer).
+
+    Returns:
+        the count, an int.
+
+    Example:
+        >>> from flax import nnx
+        >>> from zoo.layers import MLP
+        >>> from zoo.models import count_params
+        >>> count_params(nnx.eval_shape(lambda: MLP(dim=8, hidden=16, rngs=nnx.Rngs(0))))   # 3 kernels of 8 x 16
+        384
+    """
     return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, (nnx.Param, Stored))))
