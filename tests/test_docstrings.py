@@ -141,11 +141,6 @@ PENDING = {
     "zoo.plan.report.render",
     "zoo.plan.report.to_json",
     "zoo.plan.state.host_pool_bytes",
-    "zoo.plan.types.ModelState",
-    "zoo.plan.types.Plan",
-    "zoo.plan.types.StackPlan",
-    "zoo.plan.types.TagPlan",
-    "zoo.plan.types.fmt_bytes",
     "zoo.training.Training",
 }
 SECTION = re.compile(r"^(\s*)(Args|Returns|Raises|Example|Examples|Emits|Yields|Attributes):\s*$", re.M)
