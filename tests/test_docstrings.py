@@ -135,13 +135,10 @@ PENDING = {
     # Not yet documented: what this session ran out of time for (no file of another session; to be documented).
     "zoo.plan.capacity.Capacity",
     "zoo.plan.capacity.largest_batch",
-    "zoo.plan.inputs.Hardware",
-    "zoo.plan.inputs.Parallelism",
     "zoo.plan.peak.allocator_limit",
     "zoo.plan.report.render",
     "zoo.plan.report.to_json",
     "zoo.plan.state.host_pool_bytes",
-    "zoo.training.Training",
 }
 SECTION = re.compile(r"^(\s*)(Args|Returns|Raises|Example|Examples|Emits|Yields|Attributes):\s*$", re.M)
 
