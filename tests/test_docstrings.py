@@ -133,12 +133,7 @@ PENDING = {
     "zoo.train_step.jit_step", "zoo.train_step.abstract_batch", "zoo.train_step.abstract_step",
     "zoo.train_step.compile_abstract",
     # Not yet documented: what this session ran out of time for (no file of another session; to be documented).
-    "zoo.plan.capacity.Capacity",
-    "zoo.plan.capacity.largest_batch",
     "zoo.plan.peak.allocator_limit",
-    "zoo.plan.report.render",
-    "zoo.plan.report.to_json",
-    "zoo.plan.state.host_pool_bytes",
 }
 SECTION = re.compile(r"^(\s*)(Args|Returns|Raises|Example|Examples|Emits|Yields|Attributes):\s*$", re.M)
 
