@@ -31,7 +31,7 @@ class Training:
         clip: the global norm the gradients are clipped to (it changes no byte of a plan).
         weight_decay: the decoupled weight decay, >= 0 (it changes no byte of a plan).
 
-    Example:
+    Examples:
         >>> import zoo
         >>> from zoo.models import LlamaConfig
         >>> from zoo.training import Training

@@ -44,7 +44,7 @@ class StackTags:
         tiled: the tags made inside sequence tiles (`zoo.layers.tiles`: kept in HBM tile by tile, or recomputed;
             never offloaded).
 
-    Example:
+    Examples:
         >>> import jax
         >>> from zoo.models import StackTags
         >>> StackTags(2, {"mlpwo": jax.ShapeDtypeStruct((1, 8, 64), "float32")}).num_layers
@@ -67,7 +67,7 @@ class CausalLM(nnx.Module):
         rngs: the random generators of the parameters' initialization.
         extra_heads: {an extra head's attribute name: its builder make(rngs), or None where this config has none}.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> from zoo.models import CausalLM, LlamaConfig, llama3
@@ -279,7 +279,7 @@ def count_params(model: nnx.Module) -> int:
     Returns:
         the count, an int.
 
-    Example:
+    Examples:
         >>> from flax import nnx
         >>> from zoo.layers import MLP
         >>> from zoo.models import count_params

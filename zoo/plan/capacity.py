@@ -45,7 +45,7 @@ class Capacity:
         tried: one `Tried` per batch planned, in the order planned: its peak bytes, their source, whether it fits.
         capped: whether the largest candidate fits (then the true largest may be larger).
 
-    Example:
+    Examples:
         >>> import zoo
         >>> from zoo.models import LlamaConfig
         >>> c = zoo.plan.largest_batch(LlamaConfig.preset("tiny"), zoo.Recipe.none(), seq=8, start=4,
@@ -139,7 +139,7 @@ def largest_batch(cfg, recipe: Recipe, *, seq: int, hardware: Hardware = NO_HARD
     Returns:
         the `Capacity`.
 
-    Example:
+    Examples:
         >>> import zoo
         >>> from zoo.models import LlamaConfig
         >>> c = zoo.plan.largest_batch(LlamaConfig.preset("tiny"), zoo.Recipe.none(), seq=8, batches=(1, 2),

@@ -35,7 +35,7 @@ class Hardware:
         step_tflops: the rate the family's step executes its FLOPs at (None: the one measured, else `tflops`).
         device_kind: the device planned for, as `jax.Device.device_kind` names it (None: the one present).
 
-    Example:
+    Examples:
         >>> import zoo
         >>> from zoo.models import LlamaConfig
         >>> from zoo.plan import Hardware
@@ -71,7 +71,7 @@ class Parallelism:
         mesh: a spec ("fsdp=4,tp=2"), an {axis: size} dict, a `jax.sharding.Mesh` or an `AbstractMesh` (None:
             none); its devices need not be present.
 
-    Example:
+    Examples:
         >>> import zoo
         >>> from zoo.models import LlamaConfig
         >>> from zoo.plan import Parallelism

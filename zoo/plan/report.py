@@ -18,7 +18,7 @@ def render(p: Plan, console=None) -> None:
         p: the `zoo.plan.Plan`.
         console: the `rich.console.Console` to print on (None: a new one, on standard output).
 
-    Example:
+    Examples:
         >>> import zoo
         >>> from zoo.models import LlamaConfig
         >>> recipe = zoo.Recipe("mlp_host", offload=("mlpwi_0", "mlpwi_1"))
@@ -153,7 +153,7 @@ def to_json(p: Plan) -> dict:
     Returns:
         a dict of plain values (`json.dumps` takes it).
 
-    Example:
+    Examples:
         >>> import zoo
         >>> from zoo.models import LlamaConfig
         >>> recipe = zoo.Recipe("mlp_host", offload=("mlpwi_0", "mlpwi_1"))

@@ -49,7 +49,7 @@ def host_pool_bytes() -> tuple[int, str | None]:
     Returns:
         (bytes, warning): the pool's bytes, and a line saying XLA ignores the variable's value (None if it does not).
 
-    Example:
+    Examples:
         >>> import os
         >>> from unittest import mock
         >>> from zoo.plan import POOL_ENV, host_pool_bytes

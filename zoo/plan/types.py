@@ -28,7 +28,7 @@ def fmt_bytes(n: float) -> str:
     Returns:
         the text, e.g. "1.5 GiB".
 
-    Example:
+    Examples:
         >>> from zoo.plan import fmt_bytes
         >>> fmt_bytes(512), fmt_bytes(3 * 2**29), fmt_bytes(2**41)
         ('512 B', '1.5 GiB', '2.0 TiB')
@@ -72,7 +72,7 @@ class TagPlan:
         note: why it is where it is ("" if nothing to say).
         device_shape: one device's part when the step is split over devices (None: not split).
 
-    Example:
+    Examples:
         >>> import zoo
         >>> from zoo.models import LlamaConfig
         >>> recipe = zoo.Recipe("mlp_host", offload=("mlpwi_0", "mlpwi_1"))
@@ -114,7 +114,7 @@ class StackPlan:
         attention_flops: per layer, causal attention's share of `forward_flops`.
         remat_attention_flops: per layer, attention's share of `remat_flops`.
 
-    Example:
+    Examples:
         >>> import zoo
         >>> from zoo.models import LlamaConfig
         >>> recipe = zoo.Recipe("mlp_host", offload=("mlpwi_0", "mlpwi_1"))
@@ -179,7 +179,7 @@ class ModelState:
         master: the float32 master copy's bytes (0 without one).
         master_host: whether the master copy lives in pinned host memory.
 
-    Example:
+    Examples:
         >>> import zoo
         >>> from zoo.models import LlamaConfig
         >>> p = zoo.plan.plan(LlamaConfig.preset("tiny"), zoo.Recipe.none(), batch=1, seq=8, peak=None)
@@ -246,7 +246,7 @@ class Plan:
         grad_accum: micro-batches per update (activations are a micro-batch's: batch / grad_accum).
         loss_chunk: the positions per chunk of the loss the plan counts (None: the whole sequence).
 
-    Example:
+    Examples:
         >>> import zoo
         >>> from zoo.models import LlamaConfig
         >>> p = zoo.plan.plan(LlamaConfig.preset("tiny"), zoo.Recipe.none(), batch=1, seq=8, peak=None)

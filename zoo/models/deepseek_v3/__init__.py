@@ -34,7 +34,7 @@ def flops_per_token(cfg: DeepSeekV3Config, model: nnx.Module, seq: int) -> float
     Returns:
         the FLOPs of one token's forward and backward pass, as a float.
 
-    Example:
+    Examples:
         >>> from flax import nnx
         >>> from zoo.models import DeepSeekV3Config
         >>> from zoo.models.lm import non_embedding_params
