@@ -10,9 +10,9 @@ dataclass's fields count); and a path of the repository (`zoo/plan/build.py`, `d
 alone, and so is docs/changes.md, whose first column names what no longer exists.
 
 The public API (`public_api`) is documented as flax documents its modules: each class and function has a docstring
-with `Args:` naming every argument (a module's constructor arguments in the class docstring, its call arguments in
-`__call__`'s), `Returns:` unless it returns None, an example (`>>>`) that `test_docstring_examples_run` runs, and,
-for a layer that names intermediates, `Emits:` naming tags of the vocabulary (`zoo.tags`).
+with `Args:` naming every argument and no other (a module's constructor arguments in the class docstring, its call
+arguments in `__call__`'s), `Returns:` unless it returns None, an example (`>>>`) that `test_docstring_examples_run`
+runs, and, for a layer that names intermediates, `Emits:` naming tags of the vocabulary (`zoo.tags`).
 """
 from __future__ import annotations
 
@@ -224,6 +224,9 @@ def problems(qualname: str, obj) -> list[str]:
         missing = [a for a in (arguments(init) if init else []) if a not in known]
         if missing:
             out.append(f"{qualname}: constructor arguments not under Args: {missing}")
+        stale = sorted(documented_args(doc) - set(arguments(init))) if init else []
+        if stale:
+            out.append(f"{qualname}: Args: names what is not a constructor argument: {stale}")
         call = vars(obj).get("__call__")
         if call is not None and not getattr(call, "__isabstractmethod__", False):
             out += problems(f"{qualname}.__call__", call) if arguments(call) else []
@@ -234,6 +237,9 @@ def problems(qualname: str, obj) -> list[str]:
     missing = [a for a in arguments(obj) if a not in documented_args(doc)]
     if missing:
         out.append(f"{qualname}: arguments not under Args: {missing}")
+    stale = sorted(documented_args(doc) - set(arguments(obj)))
+    if stale:
+        out.append(f"{qualname}: Args: names what is not an argument: {stale}")
     if inspect.signature(obj).return_annotation not in (None, "None") and section(doc, "Returns") is None \
             and section(doc, "Yields") is None:
         out.append(f"{qualname}: no Returns:")
@@ -275,6 +281,18 @@ def test_the_check_sees_a_missing_argument_and_a_missing_example():
           nothing much.
         """
     assert problems("f", f) == ["f: no example (>>>)", "f: arguments not under Args: ['b']"]
+
+    def g(a) -> None:
+        """Does.
+
+        Args:
+          a: one.
+          b: gone.
+
+        Examples:
+          >>> g(1)
+        """
+    assert problems("g", g) == ["g: Args: names what is not an argument: ['b']"]
     assert documented_args("Args:\n  x (int): a.\n    y: no, a continuation.\n  **kw: rest.\n") == {"x", "kw"}
 
 
