@@ -20,7 +20,7 @@ def check_positive(name: str, value: Any, kind: type = int, *, optional: bool = 
     Raises:
         ValueError: "{name} must be a positive int{hint}, got {value!r}" ("number" for `kind=float`).
 
-    Example:
+    Examples:
         >>> from zoo.checks import check_positive
         >>> check_positive("seq_tiles", 4)
         >>> check_positive("seq_tiles", True)

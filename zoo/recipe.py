@@ -44,7 +44,7 @@ class ResolvedRecipe:
         device: the tag names it keeps in HBM.
         group_keep: the tag names a group's layers keep while the group's backward runs.
 
-    Example:
+    Examples:
         >>> from zoo import Recipe
         >>> Recipe("mlp", device=("mlpwi_*",)).resolve().device
         ('mlpwi_0', 'mlpwi_1')
@@ -80,7 +80,7 @@ class Recipe:
             placements, one of the attention kernel's two residuals kept without the other, a non-positive or boolean
             `seq_tiles` or `group`, `group_keep` without groups.
 
-    Example:
+    Examples:
         >>> from zoo import Recipe
         >>> r = Recipe("qkv_offload", offload=("query_proj", "key_proj", "value_proj"))
         >>> r.placement("key_proj"), r.placement("mlpwi_0")

@@ -43,7 +43,7 @@ def moe_drops(aux: Any) -> tuple[jax.Array, jax.Array]:
     Returns:
         (dropped, routed), two int32 scalars; zeros for a model without experts.
 
-    Example:
+    Examples:
         >>> from zoo.train_step import moe_drops
         >>> moe_drops({})
         (Array(0, dtype=int32), Array(0, dtype=int32))
@@ -60,7 +60,7 @@ def all_finite(tree) -> jax.Array:
     Returns:
         a boolean scalar; True for a tree without floating-point leaves.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from zoo.train_step import all_finite
         >>> all_finite({"w": jnp.ones(3), "step": jnp.int32(7)})
@@ -82,7 +82,7 @@ def check_grad_accum(batch: int, grad_accum: int) -> None:
     Raises:
         ValueError: unless `grad_accum` is a positive integer dividing `batch`.
 
-    Example:
+    Examples:
         >>> from zoo.train_step import check_grad_accum
         >>> check_grad_accum(8, 4)
         >>> check_grad_accum(8, 3)
@@ -111,7 +111,7 @@ def eval_loss(model: nnx.Module, batch: dict[str, jax.Array], loss_chunk=DEFAULT
     Returns:
         the loss, a float32 scalar.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> import zoo
@@ -140,7 +140,7 @@ def check_loss_chunk(seq: int, loss_chunk) -> None:
     Raises:
         ValueError: unless `loss_chunk` is "auto", None or 0 or a positive integer dividing `seq`.
 
-    Example:
+    Examples:
         >>> from zoo.train_step import check_loss_chunk
         >>> check_loss_chunk(8, "auto"), check_loss_chunk(8, 4)
         (None, None)
@@ -168,7 +168,7 @@ def micro_batches(batch: dict[str, jax.Array], k: int) -> dict[str, jax.Array]:
     Returns:
         {name: [k, B/k, ...]}.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from zoo.train_step import micro_batches
         >>> mb = micro_batches({"tokens": jnp.arange(6)[:, None]}, 2)
@@ -203,7 +203,7 @@ def loss_and_grads(model: nnx.Module, batch: dict[str, jax.Array], *, aux_loss: 
         (total loss, next-token loss, {extra head: its loss}, aux, gradients): float32 scalars, the model's aux, and
         the gradients as an `nnx.State` of the parameters.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> import zoo
@@ -294,7 +294,7 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax
     Raises:
         ValueError: a `grad_accum` or `loss_chunk` that does not divide, or host state without `lr`.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> import zoo
@@ -371,7 +371,7 @@ def family_step(family, lr: optax.Schedule | None = None, grad_accum: int = 1,
     Returns:
         step(model, optimizer, batch) -> metrics, for `jit_step`.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> import zoo
@@ -406,7 +406,7 @@ def jit_step(model: nnx.Module, optimizer: nnx.Optimizer, step_fn: Callable, *, 
         (step, graphdef, state): step(state, batch) -> (new state, metrics), jitted with `state` donated;
         `nnx.merge(graphdef, state)` gives the model and the optimizer back.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> import zoo
@@ -445,7 +445,7 @@ def abstract_batch(batch: int, seq: int) -> dict[str, jax.ShapeDtypeStruct]:
     Returns:
         {"tokens": ShapeDtypeStruct, "weights": ShapeDtypeStruct}.
 
-    Example:
+    Examples:
         >>> from zoo.train_step import abstract_batch
         >>> abstract_batch(2, 8)["tokens"]
         ShapeDtypeStruct(shape=(2, 9), dtype=int32)
@@ -474,7 +474,7 @@ def abstract_step(family, cfg, recipe, *, training: Training = STEP, schedule: o
     Returns:
         (step, graphdef, state) as `jit_step`'s, `state` of ShapeDtypeStructs.
 
-    Example:
+    Examples:
         >>> import jax
         >>> import zoo
         >>> from zoo.models.registry import family
@@ -531,7 +531,7 @@ def compile_abstract(family, cfg, recipe, *, batch: int, seq: int, training: Tra
     Returns:
         (compiled step, graphdef, abstract state); the compiled step's `memory_analysis()` gives its bytes.
 
-    Example:
+    Examples:
         >>> import zoo
         >>> from zoo.models.registry import family
         >>> from zoo.train_step import compile_abstract

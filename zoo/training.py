@@ -16,11 +16,33 @@ from zoo.optim import OPTIMIZER_NAMES
 
 @dataclasses.dataclass(frozen=True)
 class Training:
-    """What the step keeps and how it updates: `optimizer` (`zoo.optim.OPTIMIZER_NAMES`) with its moments in
-    `opt_dtype`, on the "device" or in pinned "host" memory between steps (`opt_state`); `params="host"`: a float32
-    master copy of 16-bit parameters in pinned host memory; `grad_accum` micro-batches per update; `loss_chunk`
-    (`zoo.train_step`: "auto", None, or a divisor of the sequence); `clip` and `weight_decay`, which change no byte of a
-    plan. A bad field is a ValueError naming it."""
+    """What a training step keeps and how it updates: the optimizer and where its moments live, the float32 master
+    copy, gradient accumulation, the loss's chunks, global-norm clipping and weight decay. The step
+    (`zoo.train_step`) runs it; the planner (`zoo.plan`) counts its bytes. A bad field is a ValueError naming it.
+
+    Args:
+        optimizer: one of `zoo.optim.OPTIMIZER_NAMES` ("adamw": Loshchilov and Hutter, 2019, decoupled weight decay).
+        opt_dtype: the dtype of the optimizer's moments ("float32", "bfloat16").
+        grad_accum: the micro-batches per update (their gradients summed in float32; it divides the batch).
+        opt_state: where the moments live between steps: "device" (HBM) or "host" (pinned host memory).
+        params: "host" keeps a float32 master copy of 16-bit parameters in pinned host memory; "device": none.
+        loss_chunk: the positions per chunk of the loss's logits: "auto" (by their float32 bytes), None (the
+            whole sequence at once) or a divisor of the sequence.
+        clip: the global norm the gradients are clipped to (it changes no byte of a plan).
+        weight_decay: the decoupled weight decay, >= 0 (it changes no byte of a plan).
+
+    Examples:
+        >>> import zoo
+        >>> from zoo.models import LlamaConfig
+        >>> from zoo.training import Training
+        >>> p = zoo.plan.plan(LlamaConfig.preset("tiny"), zoo.Recipe.none(), batch=2, seq=8,
+        ...                   training=Training(opt_state="host"), peak=None)
+        >>> p.state.optimizer_host, p.state.host == p.state.optimizer   # AdamW's moments in pinned host memory
+        (True, True)
+        >>> Training(optimizer="adagrad")
+        Traceback (most recent call last):
+        ValueError: optimizer='adagrad': choose one of adamw, adam, lion, momentum, sgd
+    """
     optimizer: str = "adamw"
     opt_dtype: str = "float32"
     grad_accum: int = 1

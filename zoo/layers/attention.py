@@ -74,7 +74,7 @@ class Attention(_ChosenKernel):
         `query_proj` and `key_proj` (after the norm and RoPE), `value_proj`, `attention_out` and `context` (the
         kernel's output and softmax statistics), `out_proj`.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> from zoo.layers import Attention, Rope

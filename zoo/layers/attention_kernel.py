@@ -37,7 +37,7 @@ class AttentionChoice:
         impl: "xla" or "cudnn".
         reason: why (asked for, or what "auto" found on the device).
 
-    Example:
+    Examples:
         >>> from zoo.layers.attention_kernel import choose_impl
         >>> str(choose_impl("xla", dtype="float32", head_dim=64))
         'xla (asked for)'
@@ -208,7 +208,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str | No
         `attention_out` (the output) and `context` (the float32 softmax statistics [B, H, S]), inside a
         `jax.custom_vjp`: what the backward pass reads besides q, k and v.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from zoo.layers import causal_attention
         >>> q = jnp.ones((1, 4, 2, 8))

@@ -34,7 +34,7 @@ class PreNormBlock(TaggedLayer):
     Emits:
         the tags of its `attn` and `mlp` (e.g. `query_proj` ... `out_proj`, `mlpwi_0`, `mlpwi_1`, `mlpwo`).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> from zoo.layers import MLP, RMSNorm

@@ -22,7 +22,7 @@ class Embed(nnx.Module):
         param_dtype: the dtype the table is stored in.
         rngs: the random generators of the table's initialization.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> from zoo.layers import Embed
@@ -70,7 +70,7 @@ class LMHead(nnx.Module):
         param_dtype: the dtype the kernel is stored in.
         rngs: the random generators of the kernel's initialization.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> from zoo.layers import LMHead

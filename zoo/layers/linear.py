@@ -19,7 +19,7 @@ class Stored(nnx.Variable):
         value: the array held (as `nnx.Variable` takes it).
         **metadata: the variable's metadata, e.g. `logical(axes)`.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from zoo.layers.linear import Stored
         >>> Stored(jnp.zeros(3))[...].shape

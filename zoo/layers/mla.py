@@ -55,7 +55,7 @@ class MLA(_ChosenKernel):
         key/value latent before and after its norm), `query_proj`, `key_proj`, `value_proj`, `attention_out`,
         `context`, `out_proj`.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> from zoo.layers import MLA, Rope

@@ -39,7 +39,7 @@ class MLP(TaggedLayer):
         `{prefix}mlpwi_0` (the gate projection, before the activation), `{prefix}mlpwi_1` (the up projection),
         `{prefix}mlpwo` (the down projection), where `{prefix}` is `tag_prefix`.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> from zoo.layers import MLP

@@ -24,7 +24,7 @@ class RMSNorm(nnx.Module):
         axis_name: the logical axis name of `scale` (`zoo.sharding`'s rules map it to a mesh axis).
         rngs: unused (the initialization is deterministic); accepted as flax's layers accept it.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from zoo.layers import RMSNorm
         >>> norm = RMSNorm(4)

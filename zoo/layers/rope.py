@@ -27,7 +27,7 @@ class WavelengthScaling:
         high_freq_factor: the band edge of the kept frequencies.
         original_max_position_embeddings: the context the model was pre-trained at.
 
-    Example:
+    Examples:
         >>> from zoo.layers import Rope, WavelengthScaling
         >>> Rope(dim=8, theta=500000.0, scaling=WavelengthScaling()).inv_freq().round(6).tolist()
         [1.0, 0.037606, 0.000525, 7e-06]
@@ -73,7 +73,7 @@ class YarnScaling:
         mscale: YaRN's mscale of cos and sin.
         mscale_all_dim: the mscale of the softmax (0: none).
 
-    Example:
+    Examples:
         >>> from zoo.layers import YarnScaling
         >>> round(YarnScaling().softmax_mscale(), 4)
         1.8739
@@ -139,7 +139,7 @@ class Rope:
         theta: the base of the frequencies.
         scaling: None, `WavelengthScaling` (Llama 3.1) or `YarnScaling` (DeepSeek-V3).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from zoo.layers import Rope
         >>> rope = Rope(dim=4)

@@ -18,7 +18,7 @@ class TaggedLayer(nnx.Module):
     Emits:
         the tags of the subclass (`zoo.tags.NAMES` is the vocabulary); `tag_shapes` lists them.
 
-    Example:
+    Examples:
         >>> from flax import nnx
         >>> from zoo.layers import MLP
         >>> {tag: s.shape for tag, s in MLP(dim=8, hidden=16, rngs=nnx.Rngs(0)).tag_shapes(batch=2, seq=4).items()}

@@ -34,7 +34,7 @@ class LMConfig:
         mlp_seq_chunks: the dense MLP in this many sequence chunks (`zoo.layers.MLP`'s `seq_chunks`).
         max_seq_len: the longest sequence the model takes (a published context); None: any.
 
-    Example:
+    Examples:
         >>> from zoo.models import LlamaConfig
         >>> cfg = LlamaConfig.preset("tiny", num_layers=1)
         >>> cfg.dim, cfg.num_layers
@@ -136,7 +136,7 @@ class MoEConfig(LMConfig):
         ep_dispatch: "gather" or "ragged_a2a" (dropless expert parallelism under a mesh).
         balance_loss_weight: the router's balance loss weight (alpha).
 
-    Example:
+    Examples:
         >>> from zoo.models import Qwen3MoeConfig
         >>> Qwen3MoeConfig.preset("tiny").num_experts_per_tok
         2

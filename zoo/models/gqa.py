@@ -38,7 +38,7 @@ class GQAConfig:
         rope_theta: RoPE's base.
         rope_scaling: RoPE's frequency scaling (where the family has one).
 
-    Example:
+    Examples:
         >>> from zoo.models import LlamaConfig
         >>> LlamaConfig.preset("tiny").rope().dim
         16

@@ -44,7 +44,7 @@ class StackTags:
         tiled: the tags made inside sequence tiles (`zoo.layers.tiles`: kept in HBM tile by tile, or recomputed;
             never offloaded).
 
-    Example:
+    Examples:
         >>> import jax
         >>> from zoo.models import StackTags
         >>> StackTags(2, {"mlpwo": jax.ShapeDtypeStruct((1, 8, 64), "float32")}).num_layers
@@ -67,7 +67,7 @@ class CausalLM(nnx.Module):
         rngs: the random generators of the parameters' initialization.
         extra_heads: {an extra head's attribute name: its builder make(rngs), or None where this config has none}.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> from zoo.models import CausalLM, LlamaConfig, llama3
@@ -269,7 +269,21 @@ def non_embedding_params(model: CausalLM) -> int:
 
 
 def count_params(model: nnx.Module) -> int:
-    """Number of parameters (works on `nnx.eval_shape` models: nothing is allocated): every `nnx.Param`, and every
-    `Stored` variable (e.g. a MoE router's bias), which the published checkpoints store though no gradient
-    trains them."""
+    """The number of parameters of `model`: every `nnx.Param`, and every `Stored` variable (e.g. a MoE router's
+    bias), which the published checkpoints store though no gradient trains them. It reads shapes only, so an
+    `nnx.eval_shape` model (nothing allocated) will do.
+
+    Args:
+        model: the module (a whole model or one layer).
+
+    Returns:
+        the count, an int.
+
+    Examples:
+        >>> from flax import nnx
+        >>> from zoo.layers import MLP
+        >>> from zoo.models import count_params
+        >>> count_params(nnx.eval_shape(lambda: MLP(dim=8, hidden=16, rngs=nnx.Rngs(0))))   # 3 kernels of 8 x 16
+        384
+    """
     return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, (nnx.Param, Stored))))

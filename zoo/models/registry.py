@@ -44,7 +44,7 @@ class HFArch:
         keys: config -> the checkpoint's entries (`zoo.hf.keymap.Entry`).
         extra_keys: hf config -> whether a checkpoint key belongs to an extra head.
 
-    Example:
+    Examples:
         >>> from zoo.models import registry
         >>> registry.family("llama3").hf.architecture
         'LlamaForCausalLM'
@@ -70,7 +70,7 @@ class StepRate:
         date: when it was measured.
         source: where the measurement is recorded.
 
-    Example:
+    Examples:
         >>> from zoo.models import registry
         >>> all(isinstance(r, registry.StepRate) for r in registry.family("llama3").step_rates)
         True
@@ -92,7 +92,7 @@ class TrainDefaults:
         warmup_cap: the warm-up steps (None: no published cap).
         source: where it is published.
 
-    Example:
+    Examples:
         >>> from zoo.models import registry
         >>> registry.TrainDefaults(lr=3e-4, warmup_cap=2000, source="the paper").lr
         0.0003
@@ -119,7 +119,7 @@ class Family:
         step_rates: measured step rates (`StepRate`), by device (and MoE backend).
         train_defaults: {preset: `TrainDefaults`} as published.
 
-    Example:
+    Examples:
         >>> from zoo.models import registry
         >>> fam = registry.family("qwen3")
         >>> fam.config_cls.__name__, fam.build.__name__

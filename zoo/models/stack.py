@@ -117,7 +117,7 @@ class Stack(nnx.Module):
         num_layers: the number of layers.
         rngs: the random generators; split over the layers (`nnx.split_rngs` and `nnx.vmap`).
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> from flax import nnx
         >>> from zoo.layers import MLP

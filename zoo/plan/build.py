@@ -62,7 +62,7 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
         ValueError: a recipe naming a tag the model does not emit, a group that does not divide a stack, a sequence
             beyond the model's context, a batch or mesh that does not split, "auto" without its budgets.
 
-    Example:
+    Examples:
         >>> import zoo
         >>> cfg = zoo.models.LlamaConfig.preset("tiny")
         >>> p = zoo.plan.plan(cfg, zoo.Recipe("qkv", offload=("query_proj", "key_proj", "value_proj")),
@@ -155,7 +155,7 @@ def model_state(cfg, *, training: Training = STEP, parallel: Parallelism = ONE_D
     Returns:
         A `zoo.plan.ModelState` (bytes per device).
 
-    Example:
+    Examples:
         >>> import zoo
         >>> s = zoo.plan.model_state(zoo.models.LlamaConfig.preset("tiny"))
         >>> s.params == s.grads == 4 * s.num_params, s.optimizer == 2 * s.params
@@ -340,7 +340,7 @@ def auto_recipe(cfg, *, batch: int, seq: int, hardware: Hardware, **kwargs) -> R
     Returns:
         A `zoo.Recipe` named "auto".
 
-    Example:
+    Examples:
         >>> import zoo
         >>> cfg = zoo.models.LlamaConfig.preset("tiny")
         >>> r = zoo.plan.auto_recipe(cfg, batch=2, seq=64, peak=None,

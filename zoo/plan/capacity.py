@@ -33,14 +33,33 @@ class Tried:
 
 @dataclasses.dataclass(frozen=True)
 class Capacity:
-    """The largest batch that fits, and how it was found."""
+    """The largest batch whose training step fits an HBM budget, the result of `zoo.plan.largest_batch`, and how it
+    was found: each batch planned, its peak and whether it fits (`peaks`, `render()`).
+
+    Args:
+        recipe: the recipe's name.
+        seq: the sequence length.
+        batch: the largest batch tried whose peak fits the budget (0: none of those tried).
+        budget_bytes: the HBM budget per device, bytes.
+        budget_source: where the budget comes from: "hbm_gib" or "<device kind>'s bytes_limit".
+        tried: one `Tried` per batch planned, in the order planned: its peak bytes, their source, whether it fits.
+        capped: whether the largest candidate fits (then the true largest may be larger).
+
+    Examples:
+        >>> import zoo
+        >>> from zoo.models import LlamaConfig
+        >>> c = zoo.plan.largest_batch(LlamaConfig.preset("tiny"), zoo.Recipe.none(), seq=8, start=4,
+        ...                            hardware=zoo.plan.Hardware(hbm_gib=0.004), peak="estimate")
+        >>> c.batch, list(c.peaks), c.capped
+        (8, [4, 8, 16], False)
+    """
     recipe: str
     seq: int
-    batch: int                   # the largest batch tried whose peak fits the budget (0: none of those tried)
+    batch: int
     budget_bytes: int
-    budget_source: str           # "hbm_gib" or "<device kind>'s bytes_limit"
-    tried: tuple[Tried, ...]     # in the order planned
-    capped: bool                 # the largest candidate fits: the true largest may be larger
+    budget_source: str
+    tried: tuple[Tried, ...]
+    capped: bool
 
     @property
     def peaks(self) -> dict[int, int]:
@@ -101,10 +120,33 @@ def candidates(cap: int = DEFAULT_CAP, batches=None) -> tuple[int, ...]:
                   opt_dtype="training=zoo.plan.Training(opt_dtype=...)")
 def largest_batch(cfg, recipe: Recipe, *, seq: int, hardware: Hardware = NO_HARDWARE, training: Training = STEP,
                   peak: str = "auto", batches=None, start: int | None = None, cap: int = DEFAULT_CAP) -> Capacity:
-    """The largest batch (of `batches`, default the powers of two up to `cap`) whose planned peak HBM fits the
-    budget (`hardware.hbm_gib`, else the allocator limit of the device present), for `recipe` at `seq` and the step
-    `training` describes. `peak` is `zoo.plan.plan`'s; `start` (one of the candidates) is the first batch planned.
-    A batch the model cannot take raises `zoo.plan`'s ValueError."""
+    """The largest batch whose training step's planned peak HBM fits the budget: each candidate batch is one
+    `zoo.plan.plan` of `recipe` at `seq`, walked up from `start` while the peak fits (down while it does not). A batch
+    the model cannot take raises `zoo.plan.plan`'s ValueError.
+
+    Args:
+        cfg: the model's config (or a built model).
+        recipe: the `zoo.Recipe` (not "auto": it chooses a recipe per batch, so has no single capacity).
+        seq: the sequence length.
+        hardware: the device (`zoo.plan.Hardware`): its `hbm_gib` is the budget; without it, the allocator limit of
+            the device present (`zoo.plan.allocator_limit`), when it is the one planned for.
+        training: what the step keeps and how it updates (`zoo.plan.Training`).
+        peak: how each peak is found, as `zoo.plan.plan`'s: "auto", "compile" or "estimate".
+        batches: the batches to try (positive ints; None: the powers of two up to `cap`).
+        start: the candidate planned first (None: the smallest); one near the answer saves compiles.
+        cap: the largest power of two tried when `batches` is None.
+
+    Returns:
+        the `Capacity`.
+
+    Examples:
+        >>> import zoo
+        >>> from zoo.models import LlamaConfig
+        >>> c = zoo.plan.largest_batch(LlamaConfig.preset("tiny"), zoo.Recipe.none(), seq=8, batches=(1, 2),
+        ...                            hardware=zoo.plan.Hardware(hbm_gib=1), peak="estimate")
+        >>> c.batch, c.capped, c.budget_source
+        (2, True, 'hbm_gib')
+    """
     if not isinstance(recipe, Recipe):
         raise ValueError(f"recipe must be a zoo.Recipe, got {recipe!r} (a front end looks names up in the model "
                          f"family's recipes; 'auto' chooses a recipe per batch and has no single capacity)")

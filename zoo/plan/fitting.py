@@ -31,7 +31,7 @@ class Fitted:
         compiled: what `compile(recipe, loss_chunk)` returned, its compiled step first.
         notes: one line per decision taken on the way (empty where the first compile fit).
 
-    Example:
+    Examples:
         >>> import jax
         >>> import jax.numpy as jnp
         >>> import zoo
@@ -72,7 +72,7 @@ def fit(cfg, recipe: Recipe | str, *, batch: int, seq: int, compile: Callable[[R
     Returns:
         the `Fitted`: the recipe and loss chunk compiled, what `compile` returned and the decisions taken.
 
-    Example:
+    Examples:
         >>> import dataclasses
         >>> import zoo
         >>> from zoo.models.registry import family

@@ -51,7 +51,7 @@ class Longest:
         capped: why longer was not tried: "cap" or "max_seq_len" (None: a longer one did not fit).
         warnings: what the answer assumes that the device present does not bear out (empty where nothing).
 
-    Example:
+    Examples:
         >>> import zoo
         >>> cfg = zoo.models.LlamaConfig.preset("tiny")
         >>> found = zoo.plan.longest_seq(cfg, zoo.Recipe.none(), hardware=zoo.plan.Hardware(hbm_gib=1),
@@ -113,7 +113,7 @@ def longest_seq(cfg, recipe: Recipe | str, *, batch: int = 1, hardware: Hardware
     Raises:
         ValueError: a bad argument, or model state alone over a budget (no sequence fits).
 
-    Example:
+    Examples:
         >>> import zoo
         >>> cfg = zoo.models.LlamaConfig.preset("tiny")
         >>> found = zoo.plan.longest_seq(cfg, zoo.Recipe.none(), hardware=zoo.plan.Hardware(hbm_gib=1),

@@ -32,7 +32,20 @@ class Peak:
 
 def allocator_limit(device: jax.Device) -> int | None:
     """The bytes XLA's allocator may use on `device` (`memory_stats()["bytes_limit"]`: 75% of the HBM under JAX's
-    default preallocation), or None where the backend keeps no such limit (the CPU)."""
+    default preallocation), or None where the backend keeps no such limit (the CPU).
+
+    Args:
+        device: a `jax.Device`.
+
+    Returns:
+        The allocator's limit in bytes, or None.
+
+    Examples:
+        >>> import jax, zoo
+        >>> limit = zoo.plan.allocator_limit(jax.devices()[0])   # None on the CPU, ~105 GB on an H200 by default
+        >>> limit is None or limit > 0
+        True
+    """
     return (device.memory_stats() or {}).get("bytes_limit") or None
 
 

@@ -22,9 +22,25 @@ def new_console(**kwargs) -> Console:
 
 
 def render(p: Plan, console=None) -> None:
-    """Print `p` as tables: one row per tag and stack, then totals, model state, reasons and warnings (one line
-    each). Without `console`, `new_console()`: tables at their natural width where stdout is not a
-    terminal."""
+    """Print a plan as the command line shows it: a table per stack (one row per tag: its shape, bytes per layer and
+    placement), a table of the stacks, the per-device totals (activations, host memory, recompute, the model state,
+    the peak and the predicted step time), then, for recipe "auto", the reason for each placement, and the warnings.
+
+    Args:
+        p: the `zoo.plan.Plan`.
+        console: the `rich.console.Console` to print on (None: `new_console()`: tables at their natural width
+            where standard output is not a terminal, one line per warning).
+
+    Examples:
+        >>> import zoo
+        >>> from zoo.models import LlamaConfig
+        >>> recipe = zoo.Recipe("mlp_host", offload=("mlpwi_0", "mlpwi_1"))
+        >>> p = zoo.plan.plan(LlamaConfig.preset("tiny"), recipe, batch=1, seq=8, peak=None)
+        >>> from rich.console import Console
+        >>> zoo.plan.render(p, Console(color_system=None, width=100))   # no styles: plain text
+        LlamaConfig: recipe 'mlp_host', batch 1, seq 8
+        ...
+    """
     console = console or new_console()
     shard = f", split over {p.shard} devices (per-device figures)" if p.shard > 1 else ""
     if p.mesh:
@@ -141,7 +157,24 @@ def _peak_rows(p: Plan) -> list[tuple[str, str]]:
 
 
 def to_json(p: Plan) -> dict:
-    """`p.to_dict()`, with the reasons for each placement when the recipe was chosen ("auto")."""
+    """A plan as JSON-ready values, as the command line prints them with `--json`: `p.to_dict()`, and, when the recipe
+    was chosen ("auto"), the reason for each placement under "reasons".
+
+    Args:
+        p: the `zoo.plan.Plan`.
+
+    Returns:
+        a dict of plain values (`json.dumps` takes it).
+
+    Examples:
+        >>> import zoo
+        >>> from zoo.models import LlamaConfig
+        >>> recipe = zoo.Recipe("mlp_host", offload=("mlpwi_0", "mlpwi_1"))
+        >>> p = zoo.plan.plan(LlamaConfig.preset("tiny"), recipe, batch=1, seq=8, peak=None)
+        >>> out = zoo.plan.to_json(p)
+        >>> out["recipe"], out["offload"], out["totals"]["host_bytes"]
+        ('mlp_host', ['mlpwi_0', 'mlpwi_1'], 16384)
+    """
     out = p.to_dict()
     if p.recipe.name == "auto":
         out["reasons"] = {t.tag: t.note for s in p.stacks for t in s.tags if t.note}

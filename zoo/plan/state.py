@@ -43,7 +43,23 @@ def placed(state: ModelState, model, grad_accum: int, opt_state: str, params: st
 
 
 def host_pool_bytes() -> tuple[int, str | None]:
-    """XLA's pinned host pool in bytes, as XLA reads it (an integer GiB; a bad value falls back to 64)."""
+    """The size of XLA's pinned host memory pool on GPUs, which offloaded tensors live in, as XLA reads it from
+    `zoo.plan.POOL_ENV`: an integer of GiB; unset, or a value that is not an integer, the 64 GiB default.
+
+    Returns:
+        (bytes, warning): the pool's bytes, and a line saying XLA ignores the variable's value (None if it does not).
+
+    Examples:
+        >>> import os
+        >>> from unittest import mock
+        >>> from zoo.plan import POOL_ENV, host_pool_bytes
+        >>> with mock.patch.dict(os.environ, {POOL_ENV: "16"}):
+        ...     host_pool_bytes()
+        (17179869184, None)
+        >>> with mock.patch.dict(os.environ, {POOL_ENV: "lots"}):
+        ...     host_pool_bytes()[1]
+        "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB='lots' is not an integer: XLA ignores it and keeps the 64 GiB pool"
+    """
     raw = os.environ.get(POOL_ENV)
     if raw is None:
         return POOL_DEFAULT_GIB * GiB, None

@@ -20,6 +20,19 @@ POOL_DEFAULT_GIB = 64
 
 
 def fmt_bytes(n: float) -> str:
+    """A byte count as the planner's tables print it: binary units (B, KiB, MiB, GiB, TiB), one decimal.
+
+    Args:
+        n: the bytes.
+
+    Returns:
+        the text, e.g. "1.5 GiB".
+
+    Examples:
+        >>> from zoo.plan import fmt_bytes
+        >>> fmt_bytes(512), fmt_bytes(3 * 2**29), fmt_bytes(2**41)
+        ('512 B', '1.5 GiB', '2.0 TiB')
+    """
     if n >= 1024 * GiB:
         return f"{n / (1024 * GiB):.1f} TiB"
     if n >= GiB:
@@ -44,17 +57,40 @@ def ceil_div(a: int, b: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class TagPlan:
-    """One tag of one stack. Bytes are per layer and per device."""
+    """What one tag (`zoo.tags`) of one stack costs under the recipe: where the recipe puts the tensor (kept in HBM,
+    offloaded to pinned host memory, or rematerialized in the backward pass) and its bytes, per layer and per device.
+
+    Args:
+        tag: the tag's name.
+        shape: the global shape of one layer's tensor.
+        dtype: its dtype's name ("bfloat16", ...).
+        placement: "device", "offload" or "remat".
+        residual: whether the backward pass reads it at all (a tensor it never reads costs nothing anywhere).
+        nbytes: one layer's tensor's bytes when it is saved (0 if not a residual).
+        device_bytes: the bytes it holds in HBM per layer.
+        host_bytes: the bytes it holds in pinned host memory per layer.
+        note: why it is where it is ("" if nothing to say).
+        device_shape: one device's part when the step is split over devices (None: not split).
+
+    Examples:
+        >>> import zoo
+        >>> from zoo.models import LlamaConfig
+        >>> recipe = zoo.Recipe("mlp_host", offload=("mlpwi_0", "mlpwi_1"))
+        >>> p = zoo.plan.plan(LlamaConfig.preset("tiny"), recipe, batch=1, seq=8, peak=None)
+        >>> t = next(t for t in p.stacks[0].tags if t.tag == "mlpwi_0")
+        >>> t.shape, t.placement, t.host_bytes   # [B, S, F] in float32, offloaded
+        ((1, 8, 128), 'offload', 4096)
+    """
     tag: str
-    shape: tuple[int, ...]          # global shape of one layer's tensor
+    shape: tuple[int, ...]
     dtype: str
-    placement: str                  # device | offload | remat
-    residual: bool                  # does the backward pass need it at all?
-    nbytes: int                     # bytes of one layer's tensor when it is saved (0 if not a residual)
-    device_bytes: int               # held in HBM per layer
-    host_bytes: int                 # held in host memory per layer
-    note: str = ""                  # why it is where it is
-    device_shape: tuple[int, ...] | None = None   # one device's part when split over devices (None: not split)
+    placement: str
+    residual: bool
+    nbytes: int
+    device_bytes: int
+    host_bytes: int
+    note: str = ""
+    device_shape: tuple[int, ...] | None = None
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "shape": list(self.shape),
@@ -63,15 +99,39 @@ class TagPlan:
 
 @dataclasses.dataclass(frozen=True)
 class StackPlan:
+    """What one stack of scanned layers (`zoo.models.Stack`) costs under the recipe: a `TagPlan` per tag of a layer,
+    and the layers' bytes and FLOPs, per device; its properties sum them (`device_bytes`, `host_bytes`, per layer
+    and over the stack).
+
+    Args:
+        name: the stack's name in the model ("layers", ...).
+        num_layers: its layers.
+        tags: one `TagPlan` per tag a layer emits.
+        untagged_bytes: per layer, the residuals JAX saves beyond the tags (recipe `none`).
+        invariant_bytes: once per stack, the residuals JAX hoists out of the scan (masks, RoPE tables).
+        forward_flops: per layer, the forward pass's FLOPs.
+        remat_flops: per layer, the forward work the recipe re-runs in the backward pass.
+        attention_flops: per layer, causal attention's share of `forward_flops`.
+        remat_attention_flops: per layer, attention's share of `remat_flops`.
+
+    Examples:
+        >>> import zoo
+        >>> from zoo.models import LlamaConfig
+        >>> recipe = zoo.Recipe("mlp_host", offload=("mlpwi_0", "mlpwi_1"))
+        >>> p = zoo.plan.plan(LlamaConfig.preset("tiny"), recipe, batch=1, seq=8, peak=None)
+        >>> s = p.stacks[0]
+        >>> s.name, s.num_layers, s.host_bytes   # two layers of two [1, 8, 128] float32 tensors offloaded
+        ('layers', 2, 16384)
+    """
     name: str
     num_layers: int
     tags: tuple[TagPlan, ...]
-    untagged_bytes: int             # per layer: residuals JAX saves beyond the tags (recipe `none`)
-    invariant_bytes: int            # once per stack: residuals JAX hoists out of the scan (masks, RoPE tables)
-    forward_flops: int              # per layer, per device
-    remat_flops: int                # per layer, per device: forward work re-run in the backward pass
-    attention_flops: int = 0        # per layer, per device: of forward_flops, causal attention's
-    remat_attention_flops: int = 0  # per layer, per device: of remat_flops, attention's forward run again
+    untagged_bytes: int
+    invariant_bytes: int
+    forward_flops: int
+    remat_flops: int
+    attention_flops: int = 0
+    remat_attention_flops: int = 0
 
     @property
     def device_bytes_per_layer(self) -> int:
@@ -101,10 +161,32 @@ class StackPlan:
 
 @dataclasses.dataclass(frozen=True)
 class ModelState:
-    """Per device: parameters, their gradients, optimizer moments, other variables; with gradient accumulation,
-    the float32 sums of the micro-batches' gradients (`accum`); with a float32 master copy of the parameters, its
-    bytes (`master`). The moments live in HBM, or in pinned host memory between steps (`optimizer_host`: then
-    `total`, the HBM figure, leaves them out and `host` counts them); the master likewise (`master_host`)."""
+    """The bytes of the model's state per device, beyond the activations: parameters, their gradients, the
+    optimizer's moments, other variables; with gradient accumulation, the float32 sums of the micro-batches'
+    gradients; with a float32 master copy of the parameters, its bytes. `total` is what the state holds in HBM,
+    `host` what it holds in pinned host memory.
+
+    Args:
+        num_params: the parameters' count (`zoo.models.count_params`), not per device.
+        params: the parameters' bytes.
+        grads: their gradients' bytes.
+        optimizer: the optimizer's moments' bytes.
+        other: the other variables' bytes (e.g. a router's bias).
+        optimizer_name: the optimizer ("adamw", ...).
+        accum: the float32 gradient sums' bytes (0 without gradient accumulation).
+        optimizer_host: whether the moments live in pinned host memory between steps (then `total` leaves them
+            out and `host` counts them).
+        master: the float32 master copy's bytes (0 without one).
+        master_host: whether the master copy lives in pinned host memory.
+
+    Examples:
+        >>> import zoo
+        >>> from zoo.models import LlamaConfig
+        >>> p = zoo.plan.plan(LlamaConfig.preset("tiny"), zoo.Recipe.none(), batch=1, seq=8, peak=None)
+        >>> s = p.state   # float32 parameters, gradients and AdamW's two moments: 4 x 4 bytes a parameter
+        >>> s.total == 16 * s.num_params, s.host
+        (True, 0)
+    """
     num_params: int
     params: int
     grads: int
@@ -133,7 +215,46 @@ class ModelState:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What `recipe` costs for `model` at [batch, seq]; every byte and FLOP figure is per device."""
+    """What `recipe` costs for a model at [batch, seq], the result of `zoo.plan.plan`: per stack, per tag, the saved
+    activations in HBM and in pinned host memory and the recompute; the model state; the step's peak HBM; the
+    predicted step time (`step_time`). Every byte and FLOP figure is per device. `to_dict()` is the JSON the command
+    line prints, `zoo.plan.render` the tables.
+
+    Args:
+        model: the plan's label (`zoo.plan.plan`'s `model_name`, else the config's class name).
+        recipe: the `zoo.Recipe` planned (for "auto", the one chosen).
+        batch: the global batch.
+        seq: the sequence length.
+        shard: the devices the step is split over.
+        stacks: one `StackPlan` per stack of the model.
+        state: the `ModelState`.
+        hbm_budget: the HBM budget per device in bytes (None: none given).
+        host_pool: XLA's pinned host pool in bytes (`zoo.plan.host_pool_bytes`).
+        warnings: what the plan warns of, one line each.
+        link_gbps: the host link's rate per direction, GB/s (None: unknown).
+        tflops: the matmul rate given, TFLOP/s.
+        mesh: the mesh planned under, e.g. "dp=1,fsdp=4,tp=2,ep=1" (None: none; `shard` is its device count).
+        overlap: the fraction of copy time hidden under compute (`zoo.plan.links.Overlap`).
+        link_source: where `link_gbps` and `overlap` come from.
+        peak: the step's peak HBM, compiled or estimated (`zoo.plan.peak.Peak`; None: not asked for).
+        model_flops: the family's model FLOPs per step, forward and backward.
+        step_tflops: the rate the step runs its FLOPs at on the device (`zoo.plan.links.step_rate`).
+        step_overhead: the step's non-FLOP work, as a fraction of its model FLOPs' time.
+        attention_tflops: causal attention's forward and backward rate (`zoo.plan.links`).
+        attention_forward_tflops: its forward re-run's rate.
+        step_rate_source: where `step_tflops` comes from.
+        grad_accum: micro-batches per update (activations are a micro-batch's: batch / grad_accum).
+        loss_chunk: the positions per chunk of the loss the plan counts (None: the whole sequence).
+
+    Examples:
+        >>> import zoo
+        >>> from zoo.models import LlamaConfig
+        >>> p = zoo.plan.plan(LlamaConfig.preset("tiny"), zoo.Recipe.none(), batch=1, seq=8, peak=None)
+        >>> p.model, p.recipe.name, [s.name for s in p.stacks], p.peak_bytes
+        ('LlamaConfig', 'none', ['layers'], None)
+        >>> p.hbm_bytes == p.activation_bytes + p.state.total
+        True
+    """
     model: str
     recipe: Recipe
     batch: int
@@ -146,18 +267,18 @@ class Plan:
     warnings: tuple[str, ...]
     link_gbps: float | None = None
     tflops: float | None = None
-    mesh: str | None = None         # "dp=1,fsdp=4,tp=2,ep=1" when planned under a mesh (shard: its device count)
-    overlap: Overlap = Overlap(0.0, 0.0)  # fraction of transfer time hidden under compute (zoo.plan.links)
-    link_source: str | None = None  # where link_gbps and overlap come from
-    peak: object | None = None      # zoo.plan.peak.Peak: the step's peak HBM, compiled or estimated
-    model_flops: float | None = None  # per device per step: the family's model FLOPs, forward and backward
-    step_tflops: float | None = None  # the rate recompute adds time at on the device (zoo.plan.links.step_rate)
-    step_overhead: float = 0.0      # the step's non-FLOP work, as a fraction of its model FLOPs' time
-    attention_tflops: float | None = None          # attention's forward + backward rate (zoo.plan.links)
-    attention_forward_tflops: float | None = None  # its forward re-run's rate
+    mesh: str | None = None
+    overlap: Overlap = Overlap(0.0, 0.0)
+    link_source: str | None = None
+    peak: object | None = None
+    model_flops: float | None = None
+    step_tflops: float | None = None
+    step_overhead: float = 0.0
+    attention_tflops: float | None = None
+    attention_forward_tflops: float | None = None
     step_rate_source: str | None = None
-    grad_accum: int = 1             # micro-batches per update: activations are a micro-batch's (batch / grad_accum)
-    loss_chunk: int | None = None   # positions per chunk of the loss the plan counts (None: the whole sequence)
+    grad_accum: int = 1
+    loss_chunk: int | None = None
 
     @property
     def peak_bytes(self) -> int | None:

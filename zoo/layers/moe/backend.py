@@ -37,7 +37,7 @@ def tokamax_available() -> bool:
     Returns:
         True or False (`tokamax_status` says why not).
 
-    Example:
+    Examples:
         >>> from zoo.layers.moe import tokamax_available
         >>> tokamax_available() in (True, False)
         True
@@ -76,7 +76,7 @@ def backend_choice(backend: str, *, dtype=jnp.bfloat16, device: jax.Device | Non
     Raises:
         ValueError: for an unknown backend, one missing here, or one `ep_dispatch` cannot run.
 
-    Example:
+    Examples:
         >>> from zoo.layers.moe import backend_choice
         >>> backend_choice("ragged_dot")[0]
         'ragged_dot'
@@ -130,7 +130,7 @@ def resolve_backend(backend: str, *, dtype=jnp.bfloat16, device: jax.Device | No
     Returns:
         the backend's name.
 
-    Example:
+    Examples:
         >>> from zoo.layers.moe import resolve_backend
         >>> resolve_backend("capacity")
         'capacity'

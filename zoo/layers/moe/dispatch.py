@@ -27,7 +27,7 @@ def capacity(num_rows: int, num_experts: int, capacity_factor: float) -> int:
     Returns:
         ceil(capacity_factor * num_rows / num_experts), at least 1.
 
-    Example:
+    Examples:
         >>> from zoo.layers.moe import capacity
         >>> capacity(16, 4, 1.25)
         5
@@ -46,7 +46,7 @@ class Sorted:
         group_sizes: [G, E] the copies per expert.
         inverse: [G, N] where each copy (in token order) sits among the sorted ones.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from zoo.layers.moe.dispatch import sort_by_expert
         >>> sort_by_expert(jnp.ones((1, 2, 4)), jnp.array([[[1], [0]]]), 2).expert.tolist()

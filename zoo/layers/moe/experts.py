@@ -32,7 +32,7 @@ class Experts(nnx.Module):
     Emits:
         `moe_mlpwi_0` (gate), `moe_mlpwi_1` (up), `moe_mlpwo` (down), over the dispatched rows.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> from zoo.layers.moe import Experts

@@ -36,7 +36,7 @@ class MoEAux:
         balance_loss: float32 []: the router's balance loss, already weighted (add it to the loss).
         dropped: int32 []: the copies dropped by capacity dispatch (0 for the dropless backends).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from zoo.layers import MoEAux
         >>> MoEAux(load=jnp.ones(4), balance_loss=jnp.zeros(()), dropped=jnp.zeros((), jnp.int32)).load.shape
@@ -68,7 +68,7 @@ class MoE(TaggedLayer):
         `moe_mlpwi_0`, `moe_mlpwi_1`, `moe_mlpwo` (the routed experts'), and with a shared expert `shared_mlpwi_0`,
         `shared_mlpwi_1`, `shared_mlpwo`.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> from zoo.layers import MoE, SoftmaxRouter
@@ -167,7 +167,7 @@ def moe_records(aux: Any) -> list[MoEAux]:
     Returns:
         the `MoEAux` records.
 
-    Example:
+    Examples:
         >>> from zoo.layers.moe import moe_records
         >>> moe_records({"layers": {}})
         []
@@ -186,7 +186,7 @@ def total_balance_loss(aux: Any) -> jax.Array:
     Returns:
         [] float32 (0 without MoE layers).
 
-    Example:
+    Examples:
         >>> from zoo.layers.moe import total_balance_loss
         >>> float(total_balance_loss({}))
         0.0
@@ -203,7 +203,7 @@ def drops(aux: Any) -> tuple[jax.Array, jax.Array]:
     Returns:
         (dropped, routed), int32 [].
 
-    Example:
+    Examples:
         >>> from zoo.layers.moe import drops
         >>> [int(n) for n in drops({})]
         [0, 0]
@@ -225,7 +225,7 @@ def routing_bias_delta(load: jax.Array, rate: float) -> jax.Array:
     Returns:
         [..., E] float32.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from zoo.layers.moe import routing_bias_delta
         >>> (routing_bias_delta(jnp.array([3.0, 1.0]), 0.001) * 1000).tolist()
@@ -247,7 +247,7 @@ def update_routing_bias(model: nnx.Module, aux: Any, rate: float) -> None:
     Raises:
         ValueError: where a stack holds no single `RoutingBias` of the loads' shape.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> from zoo.layers import GroupLimitedRouter, MoE, MoEAux

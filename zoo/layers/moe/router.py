@@ -23,7 +23,7 @@ class RoutingBias(Stored):
         value: [E] float32, zeros at initialization.
         **metadata: the variable's metadata (its logical axes).
 
-    Example:
+    Examples:
         >>> from flax import nnx
         >>> from zoo.layers import GroupLimitedRouter, RoutingBias
         >>> router = GroupLimitedRouter(dim=8, num_experts=4, k=2, n_group=2, topk_group=1, routed_scaling_factor=1.0,
@@ -38,7 +38,7 @@ class Router(Protocol):
     float32, and `balance_loss(scores, idx, batch=B)` its weighted balance loss. `GroupLimitedRouter` and
     `SoftmaxRouter` are the zoo's.
 
-    Example:
+    Examples:
         >>> from flax import nnx
         >>> from zoo.layers import SoftmaxRouter
         >>> router = SoftmaxRouter(dim=8, num_experts=4, k=2, rngs=nnx.Rngs(0))
@@ -86,7 +86,7 @@ def check_routing(*, num_experts: int, k: int, n_group: int, topk_group: int, wh
     Raises:
         ValueError: naming the field out of range.
 
-    Example:
+    Examples:
         >>> from zoo.layers.moe import check_routing
         >>> check_routing(num_experts=8, k=2, n_group=4, topk_group=2, where="MoE")
     """
@@ -118,7 +118,7 @@ def route(scores: jax.Array, bias: jax.Array, *, k: int, n_group: int, topk_grou
     Returns:
         (weights [T, k] float32, expert indices [T, k] int32).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from zoo.layers.moe import route
         >>> w, idx = route(jnp.array([[0.9, 0.1, 0.8, 0.2]]), jnp.zeros(4), k=2, n_group=2, topk_group=1,
@@ -154,7 +154,7 @@ def sequence_balance_loss(scores: jax.Array, idx: jax.Array, *, batch: int, weig
     Returns:
         [] float32.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from zoo.layers.moe import sequence_balance_loss
         >>> float(sequence_balance_loss(jnp.full((4, 2), 0.5), jnp.array([[0], [1], [0], [1]]), batch=1, weight=1.0))
@@ -186,7 +186,7 @@ class GroupLimitedRouter(nnx.Module):
         param_dtype: the dtype the kernel is stored in (the logits are float32).
         rngs: the random generators of the kernel's initialization.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> from zoo.layers import GroupLimitedRouter
@@ -240,7 +240,7 @@ def switch_balance_loss(probs: jax.Array, idx: jax.Array, *, weight: float) -> j
     Returns:
         [] float32.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from zoo.layers.moe import switch_balance_loss
         >>> float(switch_balance_loss(jnp.full((2, 2), 0.5), jnp.array([[0], [1]]), weight=1.0))
@@ -265,7 +265,7 @@ class SoftmaxRouter(nnx.Module):
         param_dtype: the dtype the kernel is stored in (the logits are float32).
         rngs: the random generators of the kernel's initialization.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> from zoo.layers import SoftmaxRouter

@@ -20,8 +20,30 @@ ROUTING_BIAS_RATE = 1e-3
 
 
 def flops_per_token(cfg: DeepSeekV3Config, model: nnx.Module, seq: int) -> float:
-    """6 N_active (the routed experts a token does not visit excluded) plus causal MLA attention; with multi-token
-    prediction, its MoE layers and projections, and the shared head once more per depth."""
+    """The training FLOPs per token of DeepSeek-V3 (DeepSeek-AI, 2024, "DeepSeek-V3 Technical Report"): 6 N_active,
+    for the non-embedding parameters a token uses (every MoE layer's routed experts less the `num_experts -
+    num_experts_per_tok` it is not routed to; Kaplan et al., 2020's 6 N), plus causal multi-head latent attention's
+    QK^T and PV over half the keys, forward and backward; with multi-token prediction, each depth's layer, its
+    projection and the shared LM head once more. The family's `Family` record reads it for the MFU and the planner.
+
+    Args:
+        cfg: the model's `DeepSeekV3Config`.
+        model: the `DeepSeekV3` built from `cfg` (an `nnx.eval_shape` one will do: only its parameters' shapes count).
+        seq: the sequence length the attention term is taken at.
+
+    Returns:
+        the FLOPs of one token's forward and backward pass, as a float.
+
+    Examples:
+        >>> from flax import nnx
+        >>> from zoo.models import DeepSeekV3Config
+        >>> from zoo.models.lm import non_embedding_params
+        >>> from zoo.models.deepseek_v3 import deepseek_v3, flops_per_token
+        >>> cfg = DeepSeekV3Config.preset("tiny")
+        >>> model = nnx.eval_shape(lambda: deepseek_v3(cfg, rngs=nnx.Rngs(0)))
+        >>> flops_per_token(cfg, model, 8) < 6 * non_embedding_params(model)   # the idle experts do no work
+        True
+    """
     idle_experts = cfg.num_experts - cfg.num_experts_per_tok
     moe_layers = cfg.num_moe_layers + cfg.mtp_depths
     n = non_embedding_params(model) - moe_layers * idle_experts * 3 * cfg.dim * cfg.moe_mlp_dim

@@ -37,7 +37,7 @@ class DeepSeekV3Config(MoEConfig):
         mtp_depths: the multi-token prediction depths (0: off; the report's 2.2).
         mtp_lambda: the weight of their mean loss.
 
-    Example:
+    Examples:
         >>> from zoo.models import DeepSeekV3Config
         >>> cfg = DeepSeekV3Config.preset("deepseek_v3_671b")
         >>> cfg.num_experts, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group

@@ -34,7 +34,7 @@ class DeepSeekDecoderLayer(PreNormBlock):
         `context`, `out_proj` (`zoo.layers.MLA`); `mlpwi_0`, `mlpwi_1`, `mlpwo`, or with `moe=True` `moe_mlpwi_0`,
         `moe_mlpwi_1`, `moe_mlpwo`, `shared_mlpwi_0`, `shared_mlpwi_1`, `shared_mlpwo`.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> from zoo.models.deepseek_v3 import DeepSeekDecoderLayer, DeepSeekV3Config
@@ -73,7 +73,7 @@ def deepseek_moe(cfg: DeepSeekV3Config, *, rngs: nnx.Rngs) -> MoE:
     Returns:
         the `zoo.layers.MoE`.
 
-    Example:
+    Examples:
         >>> from flax import nnx
         >>> from zoo.models.deepseek_v3 import DeepSeekV3Config, deepseek_moe
         >>> moe = deepseek_moe(DeepSeekV3Config.preset("tiny"), rngs=nnx.Rngs(0))
@@ -103,7 +103,7 @@ class DeepSeekV3(CausalLM):
         recipe: the placement of each tag (a `zoo.Recipe`; default `Recipe.none()`: everything kept in HBM).
         rngs: the random generators of the parameters' initialization.
 
-    Example:
+    Examples:
         >>> from flax import nnx
         >>> from zoo.models import DeepSeekV3, DeepSeekV3Config
         >>> model = nnx.eval_shape(lambda: DeepSeekV3(DeepSeekV3Config.preset("tiny"), rngs=nnx.Rngs(0)))
@@ -137,7 +137,7 @@ def deepseek_v3(cfg: DeepSeekV3Config, *, recipe: Recipe | None = None, rngs: nn
     Returns:
         the `DeepSeekV3`.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> import zoo

@@ -34,7 +34,7 @@ class MTPDepth(nnx.Module):
         cfg: the model's `DeepSeekV3Config`.
         rngs: the random generators of the parameters' initialization.
 
-    Example:
+    Examples:
         >>> from flax import nnx
         >>> from zoo.models.deepseek_v3 import DeepSeekV3Config
         >>> from zoo.models.deepseek_v3.mtp import MTPDepth
@@ -65,7 +65,7 @@ class MultiTokenPrediction(nnx.Module):
         make_layer: make_layer(rngs) builds one decoder layer (the main MoE stack's kind).
         rngs: the random generators of the parameters' initialization.
 
-    Example:
+    Examples:
         >>> from flax import nnx
         >>> from zoo.models import DeepSeekV3Config, deepseek_v3
         >>> model = nnx.eval_shape(lambda: deepseek_v3(DeepSeekV3Config.preset("tiny", mtp_depths=1), rngs=nnx.Rngs(0)))

@@ -17,7 +17,7 @@ class LlamaConfig(gqa.GQAConfig, LMConfig):
     Args:
         rope_scaling: RoPE's frequency scaling (`zoo.layers.WavelengthScaling`; None: none).
 
-    Example:
+    Examples:
         >>> from zoo.models import LlamaConfig
         >>> cfg = LlamaConfig.preset("llama3_1_8b")
         >>> cfg.num_heads, cfg.num_kv_heads, cfg.head_dim

@@ -26,7 +26,7 @@ class LlamaDecoderLayer(PreNormBlock):
         `query_proj`, `key_proj`, `value_proj`, `attention_out`, `context`, `out_proj` (`zoo.layers.Attention`),
         `mlpwi_0`, `mlpwi_1`, `mlpwo` (`zoo.layers.MLP`).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> from zoo.models.llama3 import LlamaDecoderLayer, LlamaConfig
@@ -55,7 +55,7 @@ class Llama(CausalLM):
         recipe: the placement of each tag (a `zoo.Recipe`; default `Recipe.none()`: everything kept in HBM).
         rngs: the random generators of the parameters' initialization.
 
-    Example:
+    Examples:
         >>> from flax import nnx
         >>> from zoo.models import Llama, LlamaConfig
         >>> model = nnx.eval_shape(lambda: Llama(LlamaConfig.preset("tiny"), rngs=nnx.Rngs(0)))
@@ -80,7 +80,7 @@ def llama3(cfg: LlamaConfig, *, recipe: Recipe | None = None, rngs: nnx.Rngs) ->
     Returns:
         the `Llama`.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> import zoo

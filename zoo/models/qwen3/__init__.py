@@ -13,7 +13,29 @@ __all__ = ["FAMILY", "Qwen3", "Qwen3Config", "Qwen3DecoderLayer", "flops_per_tok
 
 # the family's FLOPs and its record: its own, alike in shape to the other families'
 def flops_per_token(cfg: Qwen3Config, model: nnx.Module, seq: int) -> float:
-    """A dense GQA decoder's training FLOPs per token: 6 N plus causal attention (`zoo.models.gqa`)."""
+    """The training FLOPs per token of a dense GQA decoder: 6 N for the N non-embedding parameters (forward 2 N,
+    backward 4 N; Kaplan et al., 2020, "Scaling Laws for Neural Language Models"), plus causal attention's QK^T and PV
+    over half the keys, forward and backward (`zoo.models.gqa`). The family's `Family` record reads it for the MFU and
+    the planner's step time.
+
+    Args:
+        cfg: the model's `Qwen3Config`.
+        model: the `Qwen3` built from `cfg` (an `nnx.eval_shape` one will do: only its parameters' shapes count).
+        seq: the sequence length the attention term is taken at.
+
+    Returns:
+        the FLOPs of one token's forward and backward pass, as a float.
+
+    Examples:
+        >>> from flax import nnx
+        >>> from zoo.models import Qwen3Config
+        >>> from zoo.models.lm import non_embedding_params
+        >>> from zoo.models.qwen3 import flops_per_token, qwen3
+        >>> cfg = Qwen3Config.preset("tiny")
+        >>> model = nnx.eval_shape(lambda: qwen3(cfg, rngs=nnx.Rngs(0)))
+        >>> flops_per_token(cfg, model, 8) > 6 * non_embedding_params(model)   # 6 N, plus attention
+        True
+    """
     return gqa.dense_flops_per_token(cfg, model, seq)
 
 

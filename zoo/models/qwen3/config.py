@@ -18,7 +18,7 @@ class Qwen3Config(gqa.GQAConfig, LMConfig):
     Args:
         norm_eps: every RMSNorm's eps, the per-head q/k norms' included.
 
-    Example:
+    Examples:
         >>> from zoo.models import Qwen3Config
         >>> Qwen3Config.preset("qwen3_32b").head_dim * Qwen3Config.preset("qwen3_32b").num_heads
         8192

@@ -26,7 +26,7 @@ class Qwen3DecoderLayer(PreNormBlock):
         `query_proj`, `key_proj`, `value_proj`, `attention_out`, `context`, `out_proj` (`zoo.layers.Attention`),
         `mlpwi_0`, `mlpwi_1`, `mlpwo` (`zoo.layers.MLP`).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> from zoo.models.qwen3 import Qwen3DecoderLayer, Qwen3Config
@@ -54,7 +54,7 @@ class Qwen3(CausalLM):
         recipe: the placement of each tag (a `zoo.Recipe`; default `Recipe.none()`: everything kept in HBM).
         rngs: the random generators of the parameters' initialization.
 
-    Example:
+    Examples:
         >>> from flax import nnx
         >>> from zoo.models import Qwen3, Qwen3Config
         >>> model = nnx.eval_shape(lambda: Qwen3(Qwen3Config.preset("tiny"), rngs=nnx.Rngs(0)))
@@ -79,7 +79,7 @@ def qwen3(cfg: Qwen3Config, *, recipe: Recipe | None = None, rngs: nnx.Rngs) -> 
     Returns:
         the `Qwen3`.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> import zoo

@@ -15,8 +15,29 @@ __all__ = ["FAMILY", "Qwen3Moe", "Qwen3MoeConfig", "Qwen3MoeDecoderLayer", "flop
 
 
 def flops_per_token(cfg: Qwen3MoeConfig, model: nnx.Module, seq: int) -> float:
-    """6 N_active (the routed experts a token does not visit excluded) plus causal attention: QK^T and PV over
-    half the keys, times 3."""
+    """The training FLOPs per token of a Qwen3-MoE decoder: 6 N_active, for the non-embedding parameters a token
+    uses (every MoE layer's routed experts less the `num_experts - num_experts_per_tok` it is not routed to; Kaplan
+    et al., 2020's 6 N, forward 2 N and backward 4 N), plus causal attention's QK^T and PV over half the keys, forward
+    and backward. The family's `Family` record reads it for the MFU and the planner's step time.
+
+    Args:
+        cfg: the model's `Qwen3MoeConfig`.
+        model: the `Qwen3Moe` built from `cfg` (an `nnx.eval_shape` one will do: only its parameters' shapes count).
+        seq: the sequence length the attention term is taken at.
+
+    Returns:
+        the FLOPs of one token's forward and backward pass, as a float.
+
+    Examples:
+        >>> from flax import nnx
+        >>> from zoo.models import Qwen3MoeConfig
+        >>> from zoo.models.lm import non_embedding_params
+        >>> from zoo.models.qwen3_moe import flops_per_token, qwen3_moe
+        >>> cfg = Qwen3MoeConfig.preset("tiny")
+        >>> model = nnx.eval_shape(lambda: qwen3_moe(cfg, rngs=nnx.Rngs(0)))
+        >>> flops_per_token(cfg, model, 8) < 6 * non_embedding_params(model)   # the idle experts do no work
+        True
+    """
     moe_layers = sum(len(layers) for moe, layers in cfg.layer_runs() if moe)
     idle = moe_layers * (cfg.num_experts - cfg.num_experts_per_tok) * 3 * cfg.dim * cfg.moe_mlp_dim
     # forward and backward (3x) of one sequence of `seq` tokens, per token

@@ -23,7 +23,7 @@ class Qwen3MoeConfig(gqa.GQAConfig, MoEConfig):
         norm_eps: every RMSNorm's eps.
         balance_loss_weight: the balance loss's weight (transformers' router_aux_loss_coef).
 
-    Example:
+    Examples:
         >>> from zoo.models import Qwen3MoeConfig
         >>> cfg = Qwen3MoeConfig.preset("qwen3_30b_a3b")
         >>> cfg.num_experts, cfg.num_experts_per_tok

@@ -32,7 +32,7 @@ class Qwen3MoeDecoderLayer(PreNormBlock):
         `mlpwi_0`, `mlpwi_1`, `mlpwo` (`zoo.layers.MLP`).
         With `moe=True`: `moe_mlpwi_0`, `moe_mlpwi_1`, `moe_mlpwo` instead of the dense MLP's.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> from zoo.models.qwen3_moe import Qwen3MoeDecoderLayer, Qwen3MoeConfig
@@ -81,7 +81,7 @@ class Qwen3Moe(CausalLM):
         recipe: the placement of each tag (a `zoo.Recipe`; default `Recipe.none()`: everything kept in HBM).
         rngs: the random generators of the parameters' initialization.
 
-    Example:
+    Examples:
         >>> from flax import nnx
         >>> from zoo.models import Qwen3Moe, Qwen3MoeConfig
         >>> model = nnx.eval_shape(lambda: Qwen3Moe(Qwen3MoeConfig.preset("tiny"), rngs=nnx.Rngs(0)))
@@ -109,7 +109,7 @@ def qwen3_moe(cfg: Qwen3MoeConfig, *, recipe: Recipe | None = None, rngs: nnx.Rn
     Returns:
         the `Qwen3Moe`.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> import zoo
