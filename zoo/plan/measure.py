@@ -170,10 +170,12 @@ def _view_of_parameters(r: Residual) -> bool:
 
 
 def stack_residuals(model, stack_name: str, batch: int, seq: int, policy, *, group: int = 1,
-                    tiles: int = 1, layer_policy=None) -> tuple[int, int, int]:
+                    tiles: int = 1, layer_policy=None, carry: str | None = None) -> tuple[int, int, int]:
     """What JAX saves for the scanned stack `stack_name` under `policy` (`group` layers per rematerialized body,
     `tiles` sequence tiles), for a [batch, seq] input: (device bytes stacked over the layers, host bytes stacked
-    over the layers, device bytes hoisted out of the scan). Constants and views of the parameters are left out."""
+    over the layers, device bytes hoisted out of the scan). Constants and views of the parameters are left out.
+    `carry`: where the recipe keeps the layer input ("device": a stack run without a scan counts its input, the
+    body's argument, as saved on the device)."""
     stack = model.stacks()[stack_name]
     graphdef, state = nnx.split(stack)
     state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
@@ -184,8 +186,9 @@ def stack_residuals(model, stack_name: str, batch: int, seq: int, policy, *, gro
     scans = stack.num_layers // group
     if scans == 1:  # applied without a scan (see Stack.__call__): every residual is the layer's (group's) own
         stacked, hoisted = res, []
-        if not any(r.tag == CARRY for r in res):   # its input is the body's argument, which its backward reads
-            x = stack.abstract_input(batch, seq)
+        x = stack.abstract_input(batch, seq)
+        if carry == "device" and not any(r.shape == x.shape and r.dtype == x.dtype and not r.host for r in res):
+            # its input is the body's argument, which its backward reads: JAX lists it as the program's argument
             stacked = res + [Residual(x.shape, x.dtype, False, CARRY, "the input of a stack run without a scan")]
     else:
         stacked = [r for r in res if r.source.startswith("output of scan") and r.shape[:1] == (scans,)]
