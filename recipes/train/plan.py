@@ -218,8 +218,11 @@ def _plot(ap: argparse.ArgumentParser, args, family, model_cfg, printed: zoo.pla
     from recipes import registry
     from recipes.train import plot
     try:
-        plans = {}
+        plans, left_out = {}, []
         for name, r in registry.recipes_of(family).items():
+            if r != printed.recipe and not _fits_the_model(model_cfg, r, args.seq):
+                left_out.append(name)   # its tiles or groups do not fit this model or sequence
+                continue
             plans[name] = (printed if r == printed.recipe else
                            zoo.plan.plan(model_cfg, r, batch=args.batch, seq=args.seq, parallel=_parallel(args),
                                     training=_training(args), hardware=_hardware(args), peak=None))
@@ -235,8 +238,17 @@ def _plot(ap: argparse.ArgumentParser, args, family, model_cfg, printed: zoo.pla
                                                              f"seq {args.seq}{where}{how}")
     except ValueError as e:
         ap.error(cli.in_flags(str(e)))
+    skipped = (f"; left out, their tiles or groups do not fit this model or --seq: {', '.join(left_out)}"
+               if left_out else "")
     print(f"wrote {args.plot}: HBM and host bytes per tag of {len(plans)} recipes ({', '.join(plans)})"
-          + (f"; {written}" if written else ""), file=sys.stderr if args.json else sys.stdout)
+          + (f"; {written}" if written else "") + skipped, file=sys.stderr if args.json else sys.stdout)
+
+
+def _fits_the_model(model_cfg, recipe: zoo.Recipe, seq: int) -> bool:
+    """Whether `recipe`'s group divides every main stack of the model of `model_cfg` and its tiles divide `seq`."""
+    model = zoo.plan.measure.abstract_model(model_cfg)
+    layers = [model.stacks()[n].num_layers for n in model.stack_names]
+    return seq % recipe.seq_tiles == 0 and all(n % recipe.group == 0 for n in layers)
 
 
 def _max_batch(ap: argparse.ArgumentParser, args) -> int:
