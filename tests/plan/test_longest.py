@@ -54,6 +54,7 @@ def test_budgets_the_state_alone_is_over_are_refused(monkeypatch):
                              training=Training(opt_state="host"))
 
 
+@pytest.mark.slow   # compiles the tiny step at 16,384 positions for the CPU
 def test_an_estimated_answer_warns_where_the_device_present_would_not_fit_it():
     """On the CPU, `peak="auto"` answers from estimates, which model a GPU's kernels; where the step compiled for the
     CPU at the answer is over the budget, the answer says so and how to ask for the CPU's own (`peak='compile'`)."""
