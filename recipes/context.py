@@ -16,9 +16,10 @@ CARRY = ("decoder_layer_input",)
 TILES = 16
 
 
-def context_recipes(kernel: str = "the attention kernel's", *, grouped: bool = True) -> dict[str, Recipe]:
+def context_recipes(kernel: str = "the attention kernel's", *, grouped: bool = True, longest: bool = True
+                    ) -> dict[str, Recipe]:
     """{"context_save", "context_offload", "context_tiles", "context_offload_tiles" and, with `grouped`,
-    "long_context" and "longest_context"} for a family whose attention is described as `kernel`."""
+    "long_context" and (with `longest`) "longest_context"} for a family whose attention is described as `kernel`."""
     out = {
         "context_save": Recipe("context_save", device=CONTEXT,
                                description=f"{kernel} output and softmax statistics kept in HBM: no attention "
@@ -37,6 +38,7 @@ def context_recipes(kernel: str = "the attention kernel's", *, grouped: bool = T
                                      description=f"{kernel} output and statistics in HBM, the layer input of every "
                                                  f"second layer in pinned host memory, {TILES} sequence tiles: "
                                                  f"256K on one H200")
+    if grouped and longest:
         out["longest_context"] = Recipe("longest_context", offload=CARRY, seq_tiles=TILES, group=4,
                                         group_keep=CONTEXT,
                                         description=f"the layer input of every fourth layer in pinned host memory, "

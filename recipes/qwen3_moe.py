@@ -29,7 +29,7 @@ RECIPES: dict[str, Recipe] = RecipeTable("qwen3_moe", {
                                           "host memory"),
     "qkv_context_moe_offload": Recipe("qkv_context_moe_offload", offload=QKV + CONTEXT + MOE_UP,
                                       description="qkv_moe_offload plus the attention output and statistics"),
-    **context_recipes(),
+    **context_recipes(longest=False),   # four divides neither 94 layers (235B) nor the tiny preset's stacks
 })
 """Qwen3-MoE's recipes by name (the names `--recipe` takes); each `zoo.Recipe` says what it does in its
 `description` (docs/recipes.md lists them)."""
