@@ -300,9 +300,9 @@ def _stack_plan(model, s: str, st, recipe: Recipe, lay: Layout, notes: dict, *, 
         split = None if device_shapes is None else tuple(device_shapes.get(tag, sds.shape))
         tag_plans.append(TagPlan(tag, tuple(sds.shape), jnp.dtype(sds.dtype).name, place, residual, nbytes,
                                  device, host, note, split))
+    carry = "offload" if recipe.placement(CARRY) == "offload" else "device"   # any recipe saves the carry
     jax_device, jax_host, hoisted = stack_residuals(model, s, micro, seq, recipe.policy(), group=group,
-                                                    tiles=lay.tiles, layer_policy=recipe.layer_policy(),
-                                                    carry="offload" if recipe.placement(CARRY) == "offload" else "device")
+                                                    tiles=lay.tiles, layer_policy=recipe.layer_policy(), carry=carry)
 
     def share(t):   # the bytes per layer of tag t as JAX saves it: the carry once per group
         return sds_nbytes(st.tags[t]) // (group if t == CARRY else 1)
