@@ -41,13 +41,14 @@ def _main(argv: list[str] | None) -> int:
 
     import jax  # only now: the flags are set
 
-    from recipes.train import agree, loop, mesh
+    from recipes.train import loop
     from recipes.train.checkpoint import CheckpointError
-    from recipes.train.interrupt import Interrupted
+    from recipes.train.processes import agree, mesh
+    from recipes.train.processes.interrupt import Interrupted
 
     launch = {f.name for f in dataclasses.fields(config.Launch)}
     kwargs = {k: v for k, v in vars(args).items() if k not in launch}
-    watch = None   # several processes: recipes.train.mesh.PeerWatch
+    watch = None   # several processes: recipes.train.processes.mesh.PeerWatch
     try:
         if mesh.maybe_initialize(args.distributed, args.coordinator_timeout, args.heartbeat_timeout):
             # (before JAX touches a device)
@@ -70,7 +71,7 @@ def _main(argv: list[str] | None) -> int:
     except (CheckpointError, OSError) as e:   # failed while training: the last checkpoint written is intact
         print(f"error: {e}", file=sys.stderr)
         code = 1
-    except Interrupted as e:   # SIGINT/SIGTERM before training started (recipes.train.interrupt)
+    except Interrupted as e:   # SIGINT/SIGTERM before training started (recipes.train.processes.interrupt)
         print(f"{e}: stopped before training started; nothing to save (exit {e.exit_code})", file=sys.stderr)
         code = e.exit_code
     except Exception as e:

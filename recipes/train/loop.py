@@ -2,9 +2,9 @@
 `recipes.train.job.Job` and passes it down its phases.
 
 1. resolve (`recipes.train.job`): names, model config, recipe, device, kernels, mesh, schedule, checked;
-2. take --ckpt-dir (`recipes.train.guard`, `recipes.train.lock`) and catch SIGINT/SIGTERM (`recipes.train.interrupt`);
-3. open what the run reads (`recipes.train.resume`: checkpoints, data, the step to resume from) and writes (the
-   metrics file, TensorBoard);
+2. take --ckpt-dir (`recipes.train.guard`, `recipes.train.processes.lock`) and catch SIGINT/SIGTERM
+(`recipes.train.processes.interrupt`); 3. open what the run reads (`recipes.train.resume`: checkpoints, data, the step
+   to resume from) and writes (the metrics file, TensorBoard);
 4. compile the step on shapes, show its plan and refuse one that does not fit, build the model sharded
    (`recipes.train.prepare`), restore it;
 5. train (`_Loop`): log, evaluate, checkpoint every K steps and at the end, stop on a non-finite step keeping the
@@ -29,12 +29,13 @@ from rich.console import Console
 
 import zoo
 import zoo.sharding
-from recipes.train import agree, cli, guard, meter, moved, prepare, resume, watch
-from recipes.train import mesh as mesh_lib
+from recipes.train import cli, guard, meter, moved, prepare, resume, watch
 from recipes.train.config import RunConfig
-from recipes.train.interrupt import Interrupts
 from recipes.train.job import Job, resolve
-from recipes.train.lock import DirLock
+from recipes.train.processes import agree
+from recipes.train.processes import mesh as mesh_lib
+from recipes.train.processes.interrupt import Interrupts
+from recipes.train.processes.lock import DirLock
 from zoo.train_step import eval_loss
 
 __all__ = ["Result", "RunConfig", "run"]
@@ -76,7 +77,7 @@ def evaluate(eval_fn: Callable, state, held, n: int, mesh) -> dict[str, float]:
 
 def run(settings: RunConfig, console: Console | None = None) -> Result:
     """Train as `settings` say (see the module docstring). With --ckpt-dir, the directory is checked and taken for
-    this run (`recipes.train.lock.DirLock`) before anything else, and given back at the end."""
+    this run (`recipes.train.processes.lock.DirLock`) before anything else, and given back at the end."""
     # Off a terminal (a log file, CI), print wide lines rather than wrapping at 80 columns.
     console = console or cli.console()
     job = resolve(settings)   # bad names, values or mesh: ValueError before anything touches the disk

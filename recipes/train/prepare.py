@@ -16,8 +16,8 @@ from rich.console import Console
 import zoo
 import zoo.sharding
 from recipes.train import auto, fit, meter, watch
-from recipes.train import mesh as mesh_lib
 from recipes.train.job import Job
+from recipes.train.processes import mesh as mesh_lib
 from zoo import compile_options
 from zoo.models.registry import Family
 from zoo.opt_state import state_shardings

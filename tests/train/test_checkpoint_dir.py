@@ -13,7 +13,7 @@ import pytest
 
 from recipes.train import guard
 from recipes.train.checkpoint import Checkpoints
-from recipes.train.lock import LOCK_NAME, DirLock
+from recipes.train.processes.lock import LOCK_NAME, DirLock
 from tests.helpers import ROOT, cpu_env
 from tests.train.cli_runs import RUN, copy_ckpt, main
 

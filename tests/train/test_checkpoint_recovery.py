@@ -24,8 +24,8 @@ from recipes.train import moved, resume
 from recipes.train.checkpoint import Checkpoints
 from recipes.train.config import RunConfig
 from recipes.train.job import resolve
-from recipes.train.lock import LOCK_NAME, DirLock
 from recipes.train.loop import _Session
+from recipes.train.processes.lock import LOCK_NAME, DirLock
 from tests.train.cli_runs import RUN, cli, copy_ckpt, main, rows
 
 

@@ -13,8 +13,8 @@ import pytest
 
 from recipes.train import guard
 from recipes.train.job import resolve
-from recipes.train.lock import DirLock
 from recipes.train.loop import RunConfig, _Session
+from recipes.train.processes.lock import DirLock
 
 
 def lines(path) -> list[dict]:

@@ -13,9 +13,9 @@ from flax import nnx
 from recipes.registry import default_recipe
 from recipes.train import data as data_lib
 from recipes.train import loop, prepare
-from recipes.train import mesh as mesh_lib
 from recipes.train.cli import family as model_family
 from recipes.train.cli import recipe as model_recipe
+from recipes.train.processes import mesh as mesh_lib
 from tests.helpers import hlo_type, pinned_host_shapes
 from tests.rounding import assert_same_metrics, assert_same_state
 from zoo.opt_state import OPT_STATE_PLACES
