@@ -1,12 +1,12 @@
 """`python -m recipes.train`'s run, as one flow: `run(settings)` resolves the settings once into a
-`recipes.train.job.Job` and passes it down its phases.
+`recipes.train.settings.job.Job` and passes it down its phases.
 
-1. resolve (`recipes.train.job`): names, model config, recipe, device, kernels, mesh, schedule, checked;
-2. take --ckpt-dir (`recipes.train.guard`, `recipes.train.processes.lock`) and catch SIGINT/SIGTERM
-(`recipes.train.processes.interrupt`); 3. open what the run reads (`recipes.train.resume`: checkpoints, data, the step
-   to resume from) and writes (the metrics file, TensorBoard);
+1. resolve (`recipes.train.settings.job`): names, model config, recipe, device, kernels, mesh, schedule, checked;
+2. take --ckpt-dir (`recipes.train.checkpoints.guard`, `recipes.train.processes.lock`) and catch SIGINT/SIGTERM
+(`recipes.train.processes.interrupt`); 3. open what the run reads (`recipes.train.checkpoints.resume`: checkpoints,
+   data, the step to resume from) and writes (the metrics file, TensorBoard);
 4. compile the step on shapes, show its plan and refuse one that does not fit, build the model sharded
-   (`recipes.train.prepare`), restore it;
+   (`recipes.train.step.prepare`), restore it;
 5. train (`_Loop`): log, evaluate, checkpoint every K steps and at the end, stop on a non-finite step keeping the
    last good checkpoint, or after the step a signal arrived in, with a checkpoint.
 
@@ -29,13 +29,16 @@ from rich.console import Console
 
 import zoo
 import zoo.sharding
-from recipes.train import cli, guard, meter, moved, prepare, resume, watch
-from recipes.train.config import RunConfig
-from recipes.train.job import Job, resolve
+from recipes.train.checkpoints import guard, moved, resume
 from recipes.train.processes import agree
 from recipes.train.processes import mesh as mesh_lib
 from recipes.train.processes.interrupt import Interrupts
 from recipes.train.processes.lock import DirLock
+from recipes.train.settings import cli
+from recipes.train.settings.config import RunConfig
+from recipes.train.settings.job import Job, resolve
+from recipes.train.step import meter, prepare
+from recipes.train.watching import watch
 from zoo.train_step import eval_loss
 
 __all__ = ["Result", "RunConfig", "run"]
@@ -130,7 +133,7 @@ class _Session:
     def metrics_owner(self, job: Job, resume_record: dict | None) -> str | None:
         """The metrics path the run being continued wrote: its checkpoint's, or, for a run killed before its first
         checkpoint, its stale lock's (same run identity, --resume given); where it is now if the run's folder
-        moved (`recipes.train.moved`)."""
+        moved (`recipes.train.checkpoints.moved`)."""
         settings = job.settings
         if resume_record is not None:
             said = resume_record

@@ -7,7 +7,7 @@
 - a run killed before its first checkpoint, then the plain command: refused (its metrics file is the killed
   run's), and the killed run's record stays in the lock, so the later `--resume` continues that metrics file;
 - a run folder moved (`mv run1 run2`): the same command resumes in the new place, its metrics file and token file
-  found where they moved (`recipes.train.moved`).
+  found where they moved (`recipes.train.checkpoints.moved`).
 """
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ import sys
 
 import pytest
 
-from recipes.train import moved, resume
-from recipes.train.checkpoint import Checkpoints
-from recipes.train.config import RunConfig
-from recipes.train.job import resolve
+from recipes.train.checkpoints import moved, resume
+from recipes.train.checkpoints.checkpoint import Checkpoints
 from recipes.train.loop import _Session
 from recipes.train.processes.lock import LOCK_NAME, DirLock
+from recipes.train.settings.config import RunConfig
+from recipes.train.settings.job import resolve
 from tests.train.cli_runs import RUN, cli, copy_ckpt, main, rows
 
 

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from recipes import train
-from recipes.train.checkpoint import Checkpoints
+from recipes.train.checkpoints.checkpoint import Checkpoints
 from recipes.train.processes import coordinator, mesh
 from tests.helpers import cpu_env, finish
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from recipes.train.checkpoint import Checkpoints
+from recipes.train.checkpoints.checkpoint import Checkpoints
 from recipes.train.processes.interrupt import Interrupted, Interrupts
 from tests.helpers import ROOT, cpu_env
 

@@ -1,6 +1,6 @@
 """--metrics is opened as a user expects and never replaced: regular files created with the
 umask's mode and appended in place, symlinks followed, FIFOs and devices written as streams, ownership taken with
-the open (a lock), strict JSON lines. No JAX compile: `recipes.train.guard.MetricsFile` directly."""
+the open (a lock), strict JSON lines. No JAX compile: `recipes.train.checkpoints.guard.MetricsFile` directly."""
 from __future__ import annotations
 
 import json
@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from recipes.train import guard
-from recipes.train.job import resolve
+from recipes.train.checkpoints import guard
 from recipes.train.loop import RunConfig, _Session
 from recipes.train.processes.lock import DirLock
+from recipes.train.settings.job import resolve
 
 
 def lines(path) -> list[dict]:

@@ -34,7 +34,7 @@ import time
 
 import pytest
 
-from recipes.train.checkpoint import Checkpoints
+from recipes.train.checkpoints.checkpoint import Checkpoints
 from recipes.train.processes import coordinator, mesh
 from recipes.train.processes.lock import LOCK_NAME, DirLock
 from tests import helpers

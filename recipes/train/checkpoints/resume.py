@@ -10,11 +10,12 @@ from typing import Any
 
 from rich.console import Console
 
-from recipes.train import data as data_lib
-from recipes.train import moved, watch
-from recipes.train.checkpoint import Checkpoints
-from recipes.train.config import RunConfig
-from recipes.train.job import Job
+from recipes.train.checkpoints import moved
+from recipes.train.checkpoints.checkpoint import Checkpoints
+from recipes.train.inputs import data as data_lib
+from recipes.train.settings.config import RunConfig
+from recipes.train.settings.job import Job
+from recipes.train.watching import watch
 
 
 def sources(settings: RunConfig, vocab: int, console: Console) -> tuple[data_lib.Source, Any]:
@@ -76,8 +77,8 @@ def check_resumable(record: dict, job: Job, directory: str, data: dict | None = 
 
 def check_data(have: dict | None, now: dict | None, settings: RunConfig, directory: str) -> None:
     """--resume on a token file other than the one the checkpoint's run read (path, dtype, size or fingerprint,
-    `recipes.train.data.TokenFile.identity`) is refused unless --allow-data-change. Records written before the data was
-    recorded have none: nothing to compare."""
+    `recipes.train.inputs.data.TokenFile.identity`) is refused unless --allow-data-change. Records written before the
+    data was recorded have none: nothing to compare."""
     if have is None or now is None or settings.allow_data_change:
         return
     diff = [f"{k}: checkpoint {have.get(k)!r}, now {v!r}" for k, v in now.items() if have.get(k) != v]

@@ -20,8 +20,8 @@ import zoo
 from zoo.plan.peak import Peak
 from zoo.plan.types import GiB, ModelState, fmt_bytes
 
-if TYPE_CHECKING:   # the job is resolved with this module's budget (`recipes.train.job` imports it)
-    from recipes.train.job import Job
+if TYPE_CHECKING:   # the job is resolved with this module's budget (`recipes.train.settings.job` imports it)
+    from recipes.train.settings.job import Job
 
 
 def ram_bytes() -> tuple[int | None, int | None]:

@@ -1,6 +1,6 @@
 """What a token file is: its dtypes (the ids of a `.bin`, little-endian) and the fingerprint that tells one file's
-contents from another's without reading it all. The training data reader (`recipes.train.data`) and the text cache
-(`recipes.train.text`) both use them."""
+contents from another's without reading it all. The training data reader (`recipes.train.inputs.data`) and the text
+cache (`recipes.train.inputs.text`) both use them."""
 from __future__ import annotations
 
 import hashlib

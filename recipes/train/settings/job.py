@@ -16,9 +16,10 @@ import optax
 
 import zoo
 from recipes import registry as recipe_registry
-from recipes.train import cli, fit
-from recipes.train.config import RunConfig
 from recipes.train.processes import mesh as mesh_lib
+from recipes.train.settings import cli
+from recipes.train.settings.config import RunConfig
+from recipes.train.step import fit
 from zoo.layers.attention_kernel import resolve_impl
 from zoo.models.registry import Family
 from zoo.opt_state import check_params

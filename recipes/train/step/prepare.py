@@ -1,4 +1,4 @@
-"""Before the first step, from the resolved run (`recipes.train.job.Job`): its step compiled on shapes (the
+"""Before the first step, from the resolved run (`recipes.train.settings.job.Job`): its step compiled on shapes (the
 executable that runs), what runs said, its memory plan printed and checked to fit, and the model built sharded. A
 step that cannot fit is refused here, before anything is allocated.
 """
@@ -15,9 +15,10 @@ from rich.console import Console
 
 import zoo
 import zoo.sharding
-from recipes.train import auto, fit, meter, watch
-from recipes.train.job import Job
 from recipes.train.processes import mesh as mesh_lib
+from recipes.train.settings.job import Job
+from recipes.train.step import auto, fit, meter
+from recipes.train.watching import watch
 from zoo import compile_options
 from zoo.models.registry import Family
 from zoo.opt_state import state_shardings
@@ -70,7 +71,7 @@ def compile_for_shapes(job: Job, recipe: zoo.Recipe, loss_chunk="auto"):
 
 def check_fits(job: Job, console: Console, plan: zoo.plan.Plan, step: Step) -> None:
     """Refuse (ValueError: exit 2) a step whose compiled peak exceeds the device's budget, or whose host bytes
-    exceed the pinned pool, before anything is allocated; --force launches it anyway (`recipes.train.fit`)."""
+    exceed the pinned pool, before anything is allocated; --force launches it anyway (`recipes.train.step.fit`)."""
     device, settings = job.device, job.settings
     # the offloaded activations (XLA's host temporaries) and the state kept in pinned host memory
     host = plan.host_total

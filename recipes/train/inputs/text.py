@@ -7,9 +7,10 @@
   file (and line or byte).
 - The tokenizer: a Hugging Face `tokenizer.json` (or its directory), read by `tokenizers`; documents are encoded without
   special tokens and separated by its end-of-text id.
-- Output: a token file (`recipes/train/data.py`'s format) in a cache keyed by the tokenizer, the end-of-text id, the
-  encoding and every input's name and bytes (`$ZOO_TOKEN_CACHE`, else `~/.cache/offload-zoo/tokens`), written under a
-  temporary name and renamed when complete; a second run tokenizing the same inputs waits for the first (`fcntl.flock`).
+- Output: a token file (`recipes/train/inputs/data.py`'s format) in a cache keyed by the tokenizer, the end-of-text id,
+  the encoding and every input's name and bytes (`$ZOO_TOKEN_CACHE`, else `~/.cache/offload-zoo/tokens`), written under
+  a temporary name and renamed when complete; a second run tokenizing the same inputs waits for the first
+  (`fcntl.flock`).
 
 The cache's files, the end-of-text id's lookup and long documents: docs/internals.md, "Text data".
 """
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from recipes.train.token_file import DTYPES, fingerprint
+from recipes.train.inputs.token_file import DTYPES, fingerprint
 
 SUFFIXES = (".txt", ".jsonl")
 EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]", "<|im_end|>")
@@ -455,7 +456,7 @@ def _tokenize(tok, files: list[Path], eos: int, dtype: str, path: Path, advance:
               encoding: str | None = None, say: Callable[[str], None] | None = None) -> tuple[int, list[Path]]:
     """Encode every document of `files` (EOS after each) into the token file `path`: (the number of tokens, the
     files that held no document)."""
-    np_dtype = np.dtype("<u2" if dtype == "uint16" else "<u4")   # the token-file format (recipes/train/data.py)
+    np_dtype = np.dtype("<u2" if dtype == "uint16" else "<u4")   # the token-file format (recipes/train/inputs/data.py)
     n, done = 0, 0
     with open(path, "wb") as out:
         def flush(batch: list[str], ends: list[bool]) -> None:
