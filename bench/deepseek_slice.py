@@ -66,7 +66,8 @@ def main():
     ap.add_argument("--auto-hbm", type=float, default=None,
                     help="recipe auto: HBM budget, GiB (default: the device's bytes_limit; 1 with --smoke on the CPU)")
     ap.add_argument("--auto-tflops", type=float, default=None,
-                    help="recipe auto: FLOP rate, TFLOP/s (default: recipes.train.step.meter's table for the device)")
+                    help="recipe auto: FLOP rate, TFLOP/s (default: recipes.train.watching.meter's table for "
+                         "the device)")
     a = ap.parse_args()
     a.seq = a.seq or (64 if a.smoke else 4096)
     common = dict(param_dtype="bfloat16", dtype="bfloat16", moe_backend=a.backend, capacity_factor=1.25,

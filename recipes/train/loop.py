@@ -37,8 +37,8 @@ from recipes.train.processes.lock import DirLock
 from recipes.train.settings import cli
 from recipes.train.settings.config import RunConfig
 from recipes.train.settings.job import Job, resolve
-from recipes.train.step import meter, prepare
-from recipes.train.watching import watch
+from recipes.train.step import prepare
+from recipes.train.watching import meter, watch
 from zoo.train_step import eval_loss
 
 __all__ = ["Result", "RunConfig", "run"]

@@ -22,7 +22,7 @@ import sys
 import jax
 
 import zoo
-from recipes.train.settings import cli, config
+from recipes.train.settings import cli, config, job
 from recipes.train.step import fit
 from zoo.plan.peak import allocator_limit
 from zoo.plan.types import OPTIMIZERS
@@ -61,7 +61,7 @@ def parser() -> argparse.ArgumentParser:
     p.epilog = (f"--preset, --seq and --batch default to the training command's ({config.default('preset')}, "
                 f"{config.default('seq')}, {config.default('batch')}). "
                 "--recipe auto chooses each tag's placement for --hbm (default: the allocator's limit of the device "
-                "present), --flops (default: the datasheet table, recipes/train/step/meter.py) and --link and "
+                "present), --flops (default: the datasheet table, recipes/train/watching/meter.py) and --link and "
                 "--overlap (default: the link measured on --device, zoo/plan/links.py).")
     p.add_argument("--shard", type=cli.positive_int, default=1, metavar="N",
                    help="devices the batch and the model state are split over (data parallel + FSDP); must divide "
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.batch is None:
         args.batch = config.default("batch")
     if args.recipe == "auto":
-        from recipes.train.step import meter
+        from recipes.train.watching import meter
         from zoo.plan import links
         kind = args.device or _present_kind()
         measured = links.measured(kind)
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         zoo.plan.render(_in_flags(p), console=cli.console())
         if getattr(args, "hbm_from_allocator", False) or (args.hbm_limit is None
                                                            and allocator_limit(jax.devices()[0])):
-            print(f"HBM budget: the allocator's limit of the GPU present: {fit.allocator_share()}")
+            print(f"HBM budget: the allocator's limit of the GPU present: {job.allocator_share()}")
     if args.plot:
         _plot(ap, args, family, model_cfg, p)
     return 0
@@ -313,7 +313,7 @@ def _found(args, found) -> int:
 
 def _auto_inputs(ap: argparse.ArgumentParser, args, hardware: zoo.plan.Hardware) -> zoo.plan.Hardware:
     """--recipe auto's link and FLOP rate where the flags leave them out: the device's measured link and table."""
-    from recipes.train.step import meter
+    from recipes.train.watching import meter
     kind = args.device or _present_kind()
     tflops = args.peak_tflops or meter.peak_tflops_of(kind)[0]
     if tflops is None:

@@ -83,6 +83,7 @@ def test_a_step_that_fits_is_not_refused(capsys):
 def test_host_bytes_over_the_pool_or_the_ram_are_refused_naming_what_sets_them(monkeypatch):
     """On a GPU (a stand-in: the checks read its platform and memory limit) the offloaded values and the state kept
     on the host are checked against XLA's pinned pool, naming its variable, and against the machine's RAM."""
+    from recipes.train.settings import job
     from recipes.train.step import fit
     from tests.helpers import fake_gpu
     from zoo.plan.peak import Peak
@@ -90,12 +91,12 @@ def test_host_bytes_over_the_pool_or_the_ram_are_refused_naming_what_sets_them(m
     gpu.memory_stats = lambda: {"bytes_limit": 100 * 2 ** 30}
     peak = Peak(bytes=2 ** 30, source="compiled for NVIDIA H200 (gpu)", compiled=True,
                 detail=dict(argument=2 ** 30, output=0, alias=0, temp=0))
-    problems, _ = fit.check(peak, host=70 * 2 ** 30, pool=64 * 2 ** 30, device=gpu, budget=fit.budget(gpu, None),
+    problems, _ = fit.check(peak, host=70 * 2 ** 30, pool=64 * 2 ** 30, device=gpu, budget=job.budget(gpu, None),
                             hbm_limit_gib=None)
     assert len(problems) == 1 and "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" in problems[0]
     monkeypatch.setattr(fit, "ram_bytes", lambda: (60 * 2 ** 30, 50 * 2 ** 30))
-    problems, _ = fit.check(peak, host=70 * 2 ** 30, pool=110 * 2 ** 30, device=gpu, budget=fit.budget(gpu, None),
+    problems, _ = fit.check(peak, host=70 * 2 ** 30, pool=110 * 2 ** 30, device=gpu, budget=job.budget(gpu, None),
                             hbm_limit_gib=None)
     assert len(problems) == 1 and "over this machine's 60.0 GiB of RAM" in problems[0]
-    assert fit.check(peak, host=50 * 2 ** 30, pool=110 * 2 ** 30, device=gpu, budget=fit.budget(gpu, None),
+    assert fit.check(peak, host=50 * 2 ** 30, pool=110 * 2 ** 30, device=gpu, budget=job.budget(gpu, None),
                      hbm_limit_gib=None)[0] == []

@@ -17,8 +17,8 @@ import zoo
 import zoo.sharding
 from recipes.train.processes import mesh as mesh_lib
 from recipes.train.settings.job import Job
-from recipes.train.step import auto, fit, meter
-from recipes.train.watching import watch
+from recipes.train.step import auto, fit
+from recipes.train.watching import meter, watch
 from zoo import compile_options
 from zoo.models.registry import Family
 from zoo.opt_state import state_shardings
@@ -115,7 +115,7 @@ def compile_run(job: Job, console: Console) -> Step:
     settings, device = job.settings, job.device
     what = (f"compiling the training step ({settings.model} {settings.preset}, batch {settings.batch} x seq "
             f"{settings.seq}, recipe {job.recipe_name}) for {device.platform}")
-    fit.check_run_state(job, console)   # a budget the model state alone is over: no compile
+    check_model_state(job, console)   # a budget the model state alone is over: no compile
     # --recipe auto: its inputs (ValueError naming every missing flag) before the compile's status line
     ins = None if job.recipe is not None else auto.inputs(device, hbm_gib=settings.hbm_limit, link_gbps=settings.link,
                                                           overlap=settings.overlap, tflops=settings.peak_tflops)
@@ -139,6 +139,19 @@ def compile_run(job: Job, console: Console) -> Step:
     return Step(fitted.recipe, compiled, graphdef, abstract, time.perf_counter() - t0, fitted.loss_chunk,
                 compile_options.for_step(fitted.recipe, device.platform),
                 compile_options.chunking_hint(fitted.recipe, job.model_cfg.mlp_seq_chunks, device.platform))
+
+
+def check_model_state(job: Job, console: Console) -> None:
+    """The training command's `fit.check_state`, before it compiles: against the run's budget (`Job.budget`), for its
+    optimizer state and master copy where its flags put them; `--force` says so and goes on."""
+    limit, where = job.budget
+    try:
+        fit.check_state(zoo.plan.model_state(job.model_cfg, training=job.training, parallel=job.parallel), limit,
+                        where, "--hbm-limit")
+    except ValueError as e:
+        if not job.settings.force:
+            raise
+        console.print(f"warning: {e}; launching anyway (--force)", soft_wrap=True, markup=False)
 
 
 def show_and_check(job: Job, console: Console, step: Step) -> zoo.plan.Plan:

@@ -1,1 +1,2 @@
-"""Watching a run: its progress, dropped tokens and TensorBoard (`watch`), and the planner's chart (`plot`)."""
+"""Watching a run: its progress, dropped tokens and TensorBoard (`watch`), its FLOPs, MFU and memory figures
+(`meter`), and the planner's chart (`plot`)."""

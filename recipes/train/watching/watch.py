@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 
 from rich.console import Console
 
-from recipes.train.step import meter
+from recipes.train.watching import meter
 
 EVERY_S = 30.0   # off a terminal: a "still ..." line this often
 
