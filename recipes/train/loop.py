@@ -29,7 +29,7 @@ from rich.console import Console
 
 import zoo
 import zoo.sharding
-from recipes.train.checkpoints import guard, moved, resume
+from recipes.train.checkpoints import guard, resume
 from recipes.train.processes import agree
 from recipes.train.processes import mesh as mesh_lib
 from recipes.train.processes.interrupt import Interrupts
@@ -133,7 +133,7 @@ class _Session:
     def metrics_owner(self, job: Job, resume_record: dict | None) -> str | None:
         """The metrics path the run being continued wrote: its checkpoint's, or, for a run killed before its first
         checkpoint, its stale lock's (same run identity, --resume given); where it is now if the run's folder
-        moved (`recipes.train.checkpoints.moved`)."""
+        moved (`recipes.train.checkpoints.resume.same`)."""
         settings = job.settings
         if resume_record is not None:
             said = resume_record
@@ -141,7 +141,7 @@ class _Session:
             said = self.previous
         else:
             return None
-        if settings.metrics and moved.same(said.get("metrics"), settings.metrics, said.get("directory"),
+        if settings.metrics and resume.same(said.get("metrics"), settings.metrics, said.get("directory"),
                                            settings.ckpt_dir):
             return os.path.abspath(settings.metrics)
         return said.get("metrics")

@@ -7,7 +7,7 @@
 - a run killed before its first checkpoint, then the plain command: refused (its metrics file is the killed
   run's), and the killed run's record stays in the lock, so the later `--resume` continues that metrics file;
 - a run folder moved (`mv run1 run2`): the same command resumes in the new place, its metrics file and token file
-  found where they moved (`recipes.train.checkpoints.moved`).
+  found where they moved (`recipes.train.checkpoints.resume.same`).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from recipes.train.checkpoints import moved, resume
+from recipes.train.checkpoints import resume
 from recipes.train.checkpoints.checkpoint import Checkpoints
 from recipes.train.loop import _Session
 from recipes.train.processes.lock import LOCK_NAME, DirLock
@@ -159,6 +159,6 @@ def test_a_token_file_that_moved_with_the_run_is_the_runs_own(tmp_path):
     with pytest.raises(ValueError, match="--data ids.bin is not the file the run in .* read .path: checkpoint"):
         resume.check_resumable(record, resolve(settings), str(new / "ckpt"),
                                {**here, "path": str(tmp_path / "elsewhere.bin")})
-    assert moved.rebased(str(old / "m.jsonl"), str(old / "ckpt"), new / "ckpt") == str(new / "m.jsonl")
-    assert moved.rebased("/logs/m.jsonl", str(old / "ckpt"), old / "ckpt") == "/logs/m.jsonl"
-    assert os.path.isabs(moved.rebased(str(old / "m.jsonl"), str(old / "ckpt"), "rel/ckpt"))
+    assert resume.rebased(str(old / "m.jsonl"), str(old / "ckpt"), new / "ckpt") == str(new / "m.jsonl")
+    assert resume.rebased("/logs/m.jsonl", str(old / "ckpt"), old / "ckpt") == "/logs/m.jsonl"
+    assert os.path.isabs(resume.rebased(str(old / "m.jsonl"), str(old / "ckpt"), "rel/ckpt"))

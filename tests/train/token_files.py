@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from recipes.train.inputs.token_file import DTYPES
+from recipes.train.inputs.text import DTYPES
 
 
 def write_tokens(path: str | os.PathLike, ids, dtype: str = "uint16") -> None:

@@ -124,7 +124,7 @@ class Checkpoints:
                 saved = self.manager.save(step, args=ocp.args.Composite(
                     state=ocp.args.StandardSave(state),
                     record=ocp.args.JsonSave({**record, "step": step, "manifest": MANIFEST,
-                                              "directory": self.directory})))   # (`recipes.train.checkpoints.moved`)
+                                              "directory": self.directory})))   # (`resume.same`)
                 if saved and jax.process_index() == 0:   # the step is complete (every process's files): sum it up
                     write_manifest(folder, step)
                 noise.keep()

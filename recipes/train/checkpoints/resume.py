@@ -5,12 +5,12 @@ checkpoint of this run to resume from.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
 
-from recipes.train.checkpoints import moved
 from recipes.train.checkpoints.checkpoint import Checkpoints
 from recipes.train.inputs import data as data_lib
 from recipes.train.settings.config import RunConfig
@@ -30,6 +30,27 @@ def sources(settings: RunConfig, vocab: int, console: Console) -> tuple[data_lib
         src = held = data_lib.Synthetic(vocab=vocab, batch=settings.batch, seq=settings.seq, seed=settings.seed)
     src = data_lib.Poisoned(src, settings.poison_step) if settings.poison_step is not None else src
     return src, held if settings.eval_every else None
+
+
+# Paths a run recorded, found again after its folder moved (`mv run1 run2`, then the same command in run2).
+#
+# A checkpoint's record and the checkpoint directory's lock hold the directory they were written in (`directory`)
+# beside the absolute paths of the run's files (its --metrics file, its token file). When the checkpoint directory
+# is elsewhere now, a recorded path is also looked for at the same place relative to it (`rebased`): a file inside
+# the folder that moved moved with it, and one outside it stayed where it was. Either place is the run's own.
+def rebased(path: str | None, then: str | None, now: str | os.PathLike) -> str | None:
+    """`path`, recorded when the checkpoint directory was `then`, where it is if it moved with the directory (now
+    `now`); `path` itself when the directory did not move or its old place is not recorded."""
+    if not path or not then or os.path.abspath(then) == os.path.abspath(now):
+        return path
+    return os.path.normpath(os.path.join(os.path.abspath(now), os.path.relpath(path, then)))
+
+
+def same(recorded: str | None, path: str | os.PathLike | None, then: str | None, now: str | os.PathLike) -> bool:
+    """Is `path` the file recorded as `recorded`, where it was or where it moved with the checkpoint directory?"""
+    if recorded is None or path is None:
+        return False
+    return os.path.abspath(path) in {recorded, rebased(recorded, then, now)}
 
 
 # The settings a run's identity holds only off their default: (the default, why a change is refused). Each is refused
@@ -52,7 +73,7 @@ def check_resumable(record: dict, job: Job, directory: str, data: dict | None = 
     if settings.allow_data_change:   # the data's path may change too
         have["data"] = want["data"]
     had = record.get("data")
-    if had and data and moved.same(had.get("path"), data.get("path"), record.get("directory"), directory):
+    if had and data and same(had.get("path"), data.get("path"), record.get("directory"), directory):
         had = {**had, "path": data["path"]}   # the token file moved with the run's folder
     check_data(had, data, settings, directory)
     if "schedule_steps" not in have and "steps" in have:   # a record written before --schedule-steps existed

@@ -20,7 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from recipes.train.inputs import text
-from recipes.train.inputs.token_file import DTYPES, fingerprint  # noqa: F401  (the token file's own facts)
+from recipes.train.inputs.text import DTYPES, fingerprint  # noqa: F401  (the token file's own facts)
 
 
 class Source(Protocol):
