@@ -1,12 +1,14 @@
 """`python -m recipes.train`'s run, as one flow: `run(settings)` resolves the settings once into a
-`recipes.train.settings.job.Job` and passes it down its phases.
+`recipes.train.settings.job.Job` and passes it down its phases, each one call into its room and back:
 
-1. resolve (`recipes.train.settings.job`): names, model config, recipe, device, kernels, mesh, schedule, checked;
-2. take --ckpt-dir (`recipes.train.checkpoints.guard`, `recipes.train.processes.lock`) and catch SIGINT/SIGTERM
-(`recipes.train.processes.interrupt`); 3. open what the run reads (`recipes.train.checkpoints.resume`: checkpoints,
-   data, the step to resume from) and writes (the metrics file, TensorBoard);
-4. compile the step on shapes, show its plan and refuse one that does not fit, build the model sharded
-   (`recipes.train.step.prepare`), restore it;
+1. resolve (`recipes.train.settings.job.resolve`): names, model config, recipe, device and its memory budget, kernels,
+   mesh, schedule, checked;
+2. open what the run reads and writes (`recipes.train.checkpoints.resume.Session.open`): --ckpt-dir checked and
+   locked (`recipes.train.processes.lock`), SIGINT/SIGTERM caught (`recipes.train.processes.interrupt`), the
+   checkpoints, the data, the step to resume from, the metrics file and TensorBoard;
+3. compile the step on shapes, show its plan and refuse one that does not fit, build the model sharded
+   (`recipes.train.step.prepare.prepare`);
+4. restore it (`recipes.train.checkpoints.resume.restore`);
 5. train (`_Loop`): log, evaluate, checkpoint every K steps and at the end, stop on a non-finite step keeping the
    last good checkpoint, or after the step a signal arrived in, with a checkpoint.
 
@@ -18,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import time
 from collections.abc import Callable
 
@@ -29,11 +30,9 @@ from rich.console import Console
 
 import zoo
 import zoo.sharding
-from recipes.train.checkpoints import guard, resume
-from recipes.train.processes import agree
+from recipes.train.checkpoints import resume
 from recipes.train.processes import mesh as mesh_lib
 from recipes.train.processes.interrupt import Interrupts
-from recipes.train.processes.lock import DirLock
 from recipes.train.settings import cli
 from recipes.train.settings.config import RunConfig
 from recipes.train.settings.job import Job, resolve
@@ -80,87 +79,25 @@ def evaluate(eval_fn: Callable, state, held, n: int, mesh) -> dict[str, float]:
 
 def run(settings: RunConfig, console: Console | None = None) -> Result:
     """Train as `settings` say (see the module docstring). With --ckpt-dir, the directory is checked and taken for
-    this run (`recipes.train.processes.lock.DirLock`) before anything else, and given back at the end."""
+    this run (`recipes.train.processes.lock.DirLock`) before anything else is opened, and given back at the end."""
     # Off a terminal (a log file, CI), print wide lines rather than wrapping at 80 columns.
     console = console or cli.console()
     job = resolve(settings)   # bad names, values or mesh: ValueError before anything touches the disk
     with contextlib.ExitStack() as stack:
-        session = _Session(stack, stack.enter_context(Interrupts()))
-        session.take_ckpt_dir(job, console)
-        return _run(job, console, session)
+        return _run(job, console, resume.Session(stack, stack.enter_context(Interrupts())))
 
 
-@dataclasses.dataclass
-class _Session:
-    """What `run` holds for `_run`: resources closed when it returns (the lock, the metrics file, TensorBoard), the
-    signal handlers, and the record of a previous run in the same --ckpt-dir that was killed (its stale lock)."""
-    stack: contextlib.ExitStack
-    interrupts: Interrupts
-    previous: dict | None = None
-    metrics_file: guard.MetricsFile | None = None
-    board: watch.Board | None = None
-
-    def take_ckpt_dir(self, job: Job, console: Console) -> None:
-        """With --ckpt-dir: check it and take its lock (multi-host: one lock for the run, held by process 0; its
-        refusal stops every process). The lock file also names the run and its metrics file: a run killed before
-        its first checkpoint is recognised by the same command with --resume (its metrics file is its own)."""
-        settings = job.settings
-        if not settings.ckpt_dir:
-            return
-        directory = guard.check_ckpt_dir(settings.ckpt_dir)
-        info = {"run": job.identity, "metrics": os.path.abspath(settings.metrics) if settings.metrics else None}
-        lock = agree.decided_by_0("the lock of --ckpt-dir",
-                                  lambda: self.stack.enter_context(DirLock(directory, info=info)),
-                                  settings.coordinator_timeout)
-        if lock is not None and lock.taken_over:
-            console.print(f"took over the stale lock of a run that ended without releasing it "
-                          f"(pid {lock.taken_over.get('pid')}, started {lock.taken_over.get('started')})",
-                          soft_wrap=True)
-            self.previous = lock.taken_over
-
-    def open_outputs(self, job: Job, inputs: resume.Inputs) -> None:
-        """The metrics file (checked: another run's is refused) and TensorBoard, written by process 0."""
-        settings = job.settings
-        if jax.process_index() != 0:
-            return
-        if settings.metrics:
-            self.metrics_file = self.stack.enter_context(guard.check_metrics(
-                settings.metrics, owner=self.metrics_owner(job, inputs.resume_record)))
-        if settings.tensorboard:
-            self.board = self.stack.enter_context(contextlib.closing(watch.Board(
-                settings.tensorboard, run=job.identity, resume=settings.resume)))
-
-    def metrics_owner(self, job: Job, resume_record: dict | None) -> str | None:
-        """The metrics path the run being continued wrote: its checkpoint's, or, for a run killed before its first
-        checkpoint, its stale lock's (same run identity, --resume given); where it is now if the run's folder
-        moved (`recipes.train.checkpoints.resume.same`)."""
-        settings = job.settings
-        if resume_record is not None:
-            said = resume_record
-        elif settings.resume and self.previous and self.previous.get("run") == job.identity:
-            said = self.previous
-        else:
-            return None
-        if settings.metrics and resume.same(said.get("metrics"), settings.metrics, said.get("directory"),
-                                           settings.ckpt_dir):
-            return os.path.abspath(settings.metrics)
-        return said.get("metrics")
-
-
-def _run(job: Job, console: Console, session: _Session) -> Result:
-    """The run in phases: open what it reads (checkpoints, data, the point to resume from) and writes, compile the
-    step on shapes, show and check its plan, build the model, restore it, train, finish."""
-    inputs = resume.open_inputs(job, console)
-    if inputs.resume_step is not None and inputs.resume_step >= job.settings.steps:
+def _run(job: Job, console: Console, session: resume.Session) -> Result:
+    """The run in phases, each one call into its room: open what it reads and writes (`recipes.train.checkpoints`),
+    compile, check and build the step (`recipes.train.step`), restore it, train."""
+    inputs = session.open(job, console)
+    if inputs.finished:
         return _nothing_to_do(job.settings, console, inputs)
-    session.open_outputs(job, inputs)
     # Compile the step on shapes alone (nothing allocated), check that it fits, and only then build the model:
     # the executable compiled here is the one that runs.
-    step = prepare.compile_run(job, console)
-    plan = prepare.show_and_check(job, console, step)
-    model, optimizer = prepare.build_run(job, step.recipe)
-    start = resume.restore(job.settings, console, inputs, model, optimizer)
-    return _Loop(job, console, session, step, plan, inputs, model, optimizer, start).run()
+    built = prepare.prepare(job, console)
+    start = resume.restore(job.settings, console, inputs, built.model, built.optimizer)
+    return _Loop(job, console, session, built, inputs, start).run()
 
 
 def _nothing_to_do(settings: RunConfig, console: Console, inputs: resume.Inputs) -> Result:
@@ -179,9 +116,10 @@ class _Loop:
     """The training loop over the compiled step: the state it carries, the checkpoints it saves, what it logs and
     how it stops (at --steps, on a non-finite step, on a signal, at --stop-after)."""
 
-    def __init__(self, job: Job, console: Console, session: _Session, step: prepare.Step, plan: zoo.plan.Plan,
-                 inputs: resume.Inputs, model, optimizer, start: int):
+    def __init__(self, job: Job, console: Console, session: resume.Session, built: prepare.Built,
+                 inputs: resume.Inputs, start: int):
         settings, device = job.settings, job.device
+        step, plan, model, optimizer = built.step, built.plan, built.model, built.optimizer
         self.settings, self.console, self.session, self.step, self.mesh, self.schedule = (
             settings, console, session, step, job.mesh, job.schedule)
         self.inputs, self.ckpts, self.model, self.optimizer = inputs, inputs.ckpts, model, optimizer

@@ -22,7 +22,7 @@ import pytest
 
 from recipes.train.checkpoints import resume
 from recipes.train.checkpoints.checkpoint import Checkpoints
-from recipes.train.loop import _Session
+from recipes.train.checkpoints.resume import Session
 from recipes.train.processes.lock import LOCK_NAME, DirLock
 from recipes.train.settings.config import RunConfig
 from recipes.train.settings.job import resolve
@@ -98,7 +98,7 @@ def test_a_plain_rerun_after_a_kill_leaves_the_killed_runs_record_for_its_resume
     assert (ckpt / LOCK_NAME).read_text() == left   # the killed run's record is back, as it was
     again = DirLock(ckpt)                           # what --resume then finds: the killed run and its metrics file
     settings = run_settings(ckpt_dir=str(ckpt), metrics=str(metrics), resume=True)
-    session = _Session(stack=None, interrupts=None, previous=again.taken_over)
+    session = Session(stack=None, interrupts=None, previous=again.taken_over)
     assert session.metrics_owner(resolve(settings), None) == str(metrics)
     again.release()
 
@@ -131,7 +131,7 @@ def moved_run(base, tmp_path):
 def test_a_moved_run_folder_keeps_its_metrics_file(base, tmp_path):
     run2 = moved_run(base, tmp_path)
     settings = run_settings(ckpt_dir=str(run2 / "ckpt"), metrics=str(run2 / "m.jsonl"), resume=True)
-    session = _Session(stack=None, interrupts=None)
+    session = Session(stack=None, interrupts=None)
     assert session.metrics_owner(resolve(settings), Checkpoints(run2 / "ckpt").record()) == str(run2 / "m.jsonl")
     other = run_settings(ckpt_dir=str(run2 / "ckpt"), metrics=str(tmp_path / "other.jsonl"), resume=True)
     assert session.metrics_owner(resolve(other), Checkpoints(run2 / "ckpt").record()) == str(base / "m.jsonl")

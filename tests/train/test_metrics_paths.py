@@ -12,7 +12,8 @@ import time
 import pytest
 
 from recipes.train.checkpoints import guard
-from recipes.train.loop import RunConfig, _Session
+from recipes.train.checkpoints.resume import Session
+from recipes.train.loop import RunConfig
 from recipes.train.processes.lock import DirLock
 from recipes.train.settings.job import resolve
 
@@ -116,7 +117,7 @@ def test_a_run_killed_before_its_first_checkpoint_owns_its_metrics_file(tmp_path
     os.close(lock.fd)          # as if killed: the file stays, its flock is gone
     lock.fd = None
     again = DirLock(ckpt)
-    session = _Session(stack=None, interrupts=None, previous=again.taken_over)
+    session = Session(stack=None, interrupts=None, previous=again.taken_over)
     assert session.metrics_owner(resolve(settings), None) == metrics
     other = RunConfig(steps=6, ckpt_dir=str(ckpt), metrics=metrics, resume=True, seed=1)
     assert session.metrics_owner(resolve(other), None) is None

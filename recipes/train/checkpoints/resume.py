@@ -1,18 +1,25 @@
-"""What a run reads before it builds anything: its checkpoints (refusing to overwrite a run or to resume a
-different one), its data (a token file checked and fingerprinted, text tokenized), and the newest intact
-checkpoint of this run to resume from.
+"""What a run reads before it builds anything and what it writes: its checkpoint directory taken (`Session`), its
+checkpoints (refusing to overwrite a run or to resume a different one), its data (a token file checked and
+fingerprinted, text tokenized), the newest intact checkpoint of this run to resume from (restored by `restore`), and
+its metrics file and TensorBoard.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Callable
 from typing import Any
 
+import jax
 from rich.console import Console
 
+from recipes.train.checkpoints import guard
 from recipes.train.checkpoints.checkpoint import Checkpoints
 from recipes.train.inputs import data as data_lib
+from recipes.train.processes import agree
+from recipes.train.processes.interrupt import Interrupts
+from recipes.train.processes.lock import DirLock
 from recipes.train.settings.config import RunConfig
 from recipes.train.settings.job import Job
 from recipes.train.watching import watch
@@ -120,6 +127,7 @@ class Inputs:
     say: Callable
     resume_step: int | None
     resume_record: dict | None
+    finished: bool = False   # resumed a run already at --steps: nothing to do
 
 
 def open_inputs(job: Job, console: Console) -> Inputs:
@@ -139,7 +147,74 @@ def open_inputs(job: Job, console: Console) -> Inputs:
     check = lambda record: check_resumable(record, job, ckpts.directory, data_id)  # noqa: E731
     say = lambda message: console.print(message, soft_wrap=True, markup=False)  # noqa: E731  (whole lines in logs)
     resume_step, resume_record = ckpts.newest_intact(check, say=say) if settings.resume else (None, None)
-    return Inputs(ckpts, source, held, data_id, check, say, resume_step, resume_record)
+    return Inputs(ckpts, source, held, data_id, check, say, resume_step, resume_record,
+                  finished=resume_step is not None and resume_step >= settings.steps)
+
+
+@dataclasses.dataclass
+class Session:
+    """What a run holds while it runs: resources closed when it ends (the lock, the metrics file, TensorBoard), the
+    signal handlers, and the record of a previous run in the same --ckpt-dir that was killed (its stale lock)."""
+    stack: contextlib.ExitStack
+    interrupts: Interrupts
+    previous: dict | None = None
+    metrics_file: guard.MetricsFile | None = None
+    board: watch.Board | None = None
+
+    def open(self, job: Job, console: Console) -> Inputs:
+        """Take --ckpt-dir, open what the run reads (`open_inputs`) and, unless the run is already at --steps,
+        what it writes (`open_outputs`)."""
+        self.take_ckpt_dir(job, console)
+        inputs = open_inputs(job, console)
+        if not inputs.finished:
+            self.open_outputs(job, inputs)
+        return inputs
+
+    def take_ckpt_dir(self, job: Job, console: Console) -> None:
+        """With --ckpt-dir: check it and take its lock (multi-host: one lock for the run, held by process 0; its
+        refusal stops every process). The lock file also names the run and its metrics file: a run killed before
+        its first checkpoint is recognised by the same command with --resume (its metrics file is its own)."""
+        settings = job.settings
+        if not settings.ckpt_dir:
+            return
+        directory = guard.check_ckpt_dir(settings.ckpt_dir)
+        info = {"run": job.identity, "metrics": os.path.abspath(settings.metrics) if settings.metrics else None}
+        lock = agree.decided_by_0("the lock of --ckpt-dir",
+                                  lambda: self.stack.enter_context(DirLock(directory, info=info)),
+                                  settings.coordinator_timeout)
+        if lock is not None and lock.taken_over:
+            console.print(f"took over the stale lock of a run that ended without releasing it "
+                          f"(pid {lock.taken_over.get('pid')}, started {lock.taken_over.get('started')})",
+                          soft_wrap=True)
+            self.previous = lock.taken_over
+
+    def open_outputs(self, job: Job, inputs: Inputs) -> None:
+        """The metrics file (checked: another run's is refused) and TensorBoard, written by process 0."""
+        settings = job.settings
+        if jax.process_index() != 0:
+            return
+        if settings.metrics:
+            self.metrics_file = self.stack.enter_context(guard.check_metrics(
+                settings.metrics, owner=self.metrics_owner(job, inputs.resume_record)))
+        if settings.tensorboard:
+            self.board = self.stack.enter_context(contextlib.closing(watch.Board(
+                settings.tensorboard, run=job.identity, resume=settings.resume)))
+
+    def metrics_owner(self, job: Job, resume_record: dict | None) -> str | None:
+        """The metrics path the run being continued wrote: its checkpoint's, or, for a run killed before its first
+        checkpoint, its stale lock's (same run identity, --resume given); where it is now if the run's folder
+        moved (`same`)."""
+        settings = job.settings
+        if resume_record is not None:
+            said = resume_record
+        elif settings.resume and self.previous and self.previous.get("run") == job.identity:
+            said = self.previous
+        else:
+            return None
+        if settings.metrics and same(said.get("metrics"), settings.metrics, said.get("directory"),
+                                           settings.ckpt_dir):
+            return os.path.abspath(settings.metrics)
+        return said.get("metrics")
 
 
 def restore(settings: RunConfig, console: Console, inputs: Inputs, model, optimizer) -> int:

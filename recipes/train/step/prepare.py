@@ -107,6 +107,25 @@ class Step:
     hint: str | None
 
 
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """The run's step compiled (`Step`), its memory plan, and the model and optimizer built sharded."""
+    step: Step
+    plan: zoo.plan.Plan
+    model: Any
+    optimizer: Any
+
+
+def prepare(job: Job, console: Console) -> Built:
+    """Compile the step on shapes alone (nothing allocated, `compile_run`), show it and refuse one that does not fit
+    (`show_and_check`), and only then build the model (`build_run`): the executable compiled here is the one that
+    runs."""
+    step = compile_run(job, console)
+    plan = show_and_check(job, console, step)
+    model, optimizer = build_run(job, step.recipe)
+    return Built(step, plan, model, optimizer)
+
+
 def compile_run(job: Job, console: Console) -> Step:
     """Compile the step (with a live status line), fitted to the device (`zoo.plan.fit`): --recipe auto the planner's
     choice for this device, --loss-chunk auto the whole sequence where the step fits that way (else the fewest chunks
