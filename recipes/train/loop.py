@@ -35,7 +35,7 @@ from recipes.train.processes import mesh as mesh_lib
 from recipes.train.processes.interrupt import Interrupts
 from recipes.train.settings import cli
 from recipes.train.settings.config import RunConfig
-from recipes.train.settings.job import Job, resolve
+from recipes.train.settings.job import Cadence, Job, resolve
 from recipes.train.step import prepare
 from recipes.train.watching import meter, watch
 from zoo.train_step import eval_loss
@@ -92,21 +92,21 @@ def _run(job: Job, console: Console, session: resume.Session) -> Result:
     compile, check and build the step (`recipes.train.step`), restore it, train."""
     inputs = session.open(job, console)
     if inputs.finished:
-        return _nothing_to_do(job.settings, console, inputs)
+        return _nothing_to_do(job.cadence, console, inputs)
     # Compile the step on shapes alone (nothing allocated), check that it fits, and only then build the model:
     # the executable compiled here is the one that runs.
     built = prepare.prepare(job, console)
-    start = resume.restore(job.settings, console, inputs, built.model, built.optimizer)
+    start = resume.restore(console, inputs, built.model, built.optimizer)
     return _Loop(job, console, session, built, inputs, start).run()
 
 
-def _nothing_to_do(settings: RunConfig, console: Console, inputs: resume.Inputs) -> Result:
+def _nothing_to_do(cadence: Cadence, console: Console, inputs: resume.Inputs) -> Result:
     """--resume of a run already at --steps: say how to train on, build nothing."""
     step = inputs.resume_step
     console.print(f"nothing left to do: the checkpoint in {inputs.ckpts.directory} is at step {step} and "
-                  f"--steps is {settings.steps}. To train on, raise --steps" +
-                  (f" and add --schedule-steps {settings.total_schedule} (the schedule stays as it was; the steps "
-                   f"past it run at its final learning rate, lr/10)" if step >= settings.total_schedule
+                  f"--steps is {cadence.steps}. To train on, raise --steps" +
+                  (f" and add --schedule-steps {cadence.schedule_steps} (the schedule stays as it was; the steps "
+                   f"past it run at its final learning rate, lr/10)" if step >= cadence.schedule_steps
                    else ""), soft_wrap=True)
     inputs.ckpts.close()
     return Result([], [], "nothing_to_do", step)
@@ -118,10 +118,10 @@ class _Loop:
 
     def __init__(self, job: Job, console: Console, session: resume.Session, built: prepare.Built,
                  inputs: resume.Inputs, start: int):
-        settings, device = job.settings, job.device
+        cadence, device = job.cadence, job.device
         step, plan, model, optimizer = built.step, built.plan, built.model, built.optimizer
-        self.settings, self.console, self.session, self.step, self.mesh, self.schedule = (
-            settings, console, session, step, job.mesh, job.schedule)
+        self.cadence, self.console, self.session, self.step, self.mesh, self.schedule = (
+            cadence, console, session, step, job.mesh, job.schedule)
         self.inputs, self.ckpts, self.model, self.optimizer = inputs, inputs.ckpts, model, optimizer
         self.start, self.metrics_file, self.board, self.device, self.plan = (
             start, session.metrics_file, session.board, device, plan)
@@ -132,16 +132,16 @@ class _Loop:
         self.host = (meter.host_bytes(step.compiled, state_on_host=plan.state.host > 0) if device.platform != "cpu"
                      else None)
         console.print(f"compiled the step in {step.seconds:.1f} s" + meter.host_note(self.host, plan, device.platform))
-        self.flops_per_step = (job.family.flops_per_token(job.model_cfg, model, settings.seq) * settings.batch
-                               * settings.seq)
-        self.peak = meter.peak_tflops(device, settings.peak_tflops)[0]
+        self.flops_per_step = (job.family.flops_per_token(job.model_cfg, model, cadence.seq) * cadence.batch
+                               * cadence.seq)
+        self.peak = meter.peak_tflops(device, cadence.peak_tflops)[0]
         predicted = plan.step_time()
         self.planned_step_s = None if predicted is None else predicted["total_s"]
         self.last_ckpt = start if start else None
         _, self.state = nnx.split((model, optimizer))
         self.eval_fn = make_eval(step.graphdef, job.mesh, step.loss_chunk) if inputs.held is not None else None
-        self.progress = watch.Progress(console, settings.steps, start)
-        self.drops = watch.DropWatch(console, settings.max_drop_warn)
+        self.progress = watch.Progress(console, cadence.steps, start)
+        self.drops = watch.DropWatch(console, cadence.max_drop_warn)
         self.t_last, self.n_since = time.perf_counter(), 0
 
     def save(self, step: int) -> None:
@@ -152,7 +152,7 @@ class _Loop:
         self.last_ckpt = step
 
     def run(self) -> Result:
-        settings, session, mesh, source = self.settings, self.session, self.mesh, self.inputs.source
+        cadence, session, mesh, source = self.cadence, self.session, self.mesh, self.inputs.source
         if self.metrics_file:
             self.metrics_file.start_at(self.start)
         if self.board:
@@ -160,10 +160,10 @@ class _Loop:
         result = Result([], [], None, self.last_ckpt)
         session.interrupts.training = True   # from here a signal ends the run after its step, with a checkpoint
         try:
-            batch = mesh_lib.put_batch(source.batch(self.start + 1), mesh) if self.start < settings.steps else None
-            for step in range(self.start + 1, settings.steps + 1):
+            batch = mesh_lib.put_batch(source.batch(self.start + 1), mesh) if self.start < cadence.steps else None
+            for step in range(self.start + 1, cadence.steps + 1):
                 self.state, m = self.step.compiled(self.state, batch)   # dispatched: the device runs the step
-                if step < settings.steps:   # while the host makes and sends the next batch, not while the device idles
+                if step < cadence.steps:   # while the host makes and sends the next batch, not while the device idles
                     batch = mesh_lib.put_batch(source.batch(step + 1), mesh)
                 m = jax.device_get(m)
                 if not m["ok"]:
@@ -171,19 +171,19 @@ class _Loop:
                     result.stopped = "nonfinite"
                     break
                 self._record(step, m, result)
-                if step < settings.steps and session.interrupts.requested():   # at the last step: finish as usual
+                if step < cadence.steps and session.interrupts.requested():   # at the last step: finish as usual
                     _interrupted(self.console, session.interrupts, step,
                                  self.save if self.ckpts is not None else None, self.last_ckpt)
                     result.stopped, result.exit_code = "interrupted", session.interrupts.exit_code
                     break
-                if settings.stop_after is not None and step == settings.stop_after and step < settings.steps:
+                if cadence.stop_after is not None and step == cadence.stop_after and step < cadence.steps:
                     result.stopped = "stop_after"
                     self.console.print(f"--stop-after {step}: stopping as if preempted (last checkpoint: "
                                        f"{self.last_ckpt})")
                     break
             else:
-                if self.ckpts is not None and self.last_ckpt != settings.steps:
-                    self.save(settings.steps)
+                if self.ckpts is not None and self.last_ckpt != cadence.steps:
+                    self.save(cadence.steps)
         finally:
             self._close()
         return self._finish(result)
@@ -191,31 +191,31 @@ class _Loop:
     def _record(self, step: int, m: dict, result: Result) -> None:
         """A good step: count it, log it (every --log-every, the first, the last, at evaluations), checkpoint it
         (every --ckpt-every)."""
-        settings = self.settings
+        cadence = self.cadence
         loss = float(m["loss"])
         self.drops.check(step, m)
         result.steps.append(step)
         result.losses.append(loss)
         self.n_since += 1
-        evaluating = settings.eval_every and step % settings.eval_every == 0
-        if step % settings.log_every == 0 or step == settings.steps or step == self.start + 1 or evaluating:
+        evaluating = cadence.eval_every and step % cadence.eval_every == 0
+        if step % cadence.log_every == 0 or step == cadence.steps or step == self.start + 1 or evaluating:
             self._log(step, m, loss)
         self.progress.advance(step, loss)
-        if self.ckpts is not None and settings.ckpt_every and step % settings.ckpt_every == 0:
+        if self.ckpts is not None and cadence.ckpt_every and step % cadence.ckpt_every == 0:
             self.save(step)
             self.t_last, self.n_since = time.perf_counter(), 0   # checkpoint time is not step time
 
     def _log(self, step: int, m: dict, loss: float) -> None:
         """One row of figures since the last: printed, written to --metrics and TensorBoard; held-out loss on
         evaluation steps."""
-        settings = self.settings
+        cadence = self.cadence
         jax.block_until_ready(self.state)
         now = time.perf_counter()
         dt, self.t_last, n = now - self.t_last, now, self.n_since
         self.n_since = 0
         tflops = self.flops_per_step * n / dt / 1e12 / self.mesh.devices.size   # per device, as its peak
         row = {"step": step, "loss": loss, "aux_loss": float(m["aux_loss"]), "grad_norm": float(m["grad_norm"]),
-               "lr": float(self.schedule(step - 1)), "tokens_per_s": settings.batch * settings.seq * n / dt,
+               "lr": float(self.schedule(step - 1)), "tokens_per_s": cadence.batch * cadence.seq * n / dt,
                "model_tflops": tflops, "mfu": tflops / self.peak if self.peak else None,
                "peak_hbm_bytes": meter.peak_hbm_bytes(self.device), "host_bytes": self.host,
                "dropped": int(m["dropped"]), "drop_fraction": self.drops.fraction(m),
@@ -224,8 +224,8 @@ class _Loop:
                "recipe": str(self.step.recipe), "loss_chunk": self.step.loss_chunk}
         for name in self.model.extra_head_names:   # each extra head's loss, before its weight
             row[f"{name}_loss"] = float(m[f"{name}_loss"])
-        if self.eval_fn is not None and (step % settings.eval_every == 0 or step == settings.steps):
-            row.update(evaluate(self.eval_fn, self.state, self.inputs.held, settings.eval_batches, self.mesh))
+        if self.eval_fn is not None and (step % cadence.eval_every == 0 or step == cadence.steps):
+            row.update(evaluate(self.eval_fn, self.state, self.inputs.held, cadence.eval_batches, self.mesh))
             self.t_last = time.perf_counter()   # evaluation time is not step time
         self.progress.log(row)
         if self.metrics_file:

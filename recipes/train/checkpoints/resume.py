@@ -127,6 +127,7 @@ class Inputs:
     say: Callable
     resume_step: int | None
     resume_record: dict | None
+    resuming: bool = False   # --resume
     finished: bool = False   # resumed a run already at --steps: nothing to do
 
 
@@ -147,7 +148,7 @@ def open_inputs(job: Job, console: Console) -> Inputs:
     check = lambda record: check_resumable(record, job, ckpts.directory, data_id)  # noqa: E731
     say = lambda message: console.print(message, soft_wrap=True, markup=False)  # noqa: E731  (whole lines in logs)
     resume_step, resume_record = ckpts.newest_intact(check, say=say) if settings.resume else (None, None)
-    return Inputs(ckpts, source, held, data_id, check, say, resume_step, resume_record,
+    return Inputs(ckpts, source, held, data_id, check, say, resume_step, resume_record, resuming=settings.resume,
                   finished=resume_step is not None and resume_step >= settings.steps)
 
 
@@ -217,7 +218,7 @@ class Session:
         return said.get("metrics")
 
 
-def restore(settings: RunConfig, console: Console, inputs: Inputs, model, optimizer) -> int:
+def restore(console: Console, inputs: Inputs, model, optimizer) -> int:
     """The step to start after: the newest intact checkpoint's, restored into `model` and `optimizer`; else 0."""
     ckpts = inputs.ckpts
     if ckpts is not None and inputs.resume_step is not None:
@@ -225,6 +226,6 @@ def restore(settings: RunConfig, console: Console, inputs: Inputs, model, optimi
         start, _ = ckpts.newest_intact(inputs.check, model, optimizer, say=inputs.say)
         console.print(f"resumed from {ckpts.directory} at step {start}")
         return start
-    if settings.resume:
+    if inputs.resuming:
         console.print(f"--resume: no checkpoint in {ckpts.directory} yet; starting from step 0")
     return 0

@@ -28,6 +28,28 @@ from zoo.plan.types import GiB
 
 
 @dataclasses.dataclass(frozen=True)
+class Cadence:
+    """The training loop's course, resolved from the settings: where it stops and what it does every so many
+    steps (0: never)."""
+    steps: int                   # --steps: train up to this step
+    schedule_steps: int          # the learning-rate schedule's length (`RunConfig.total_schedule`)
+    batch: int
+    seq: int
+    log_every: int
+    eval_every: int
+    eval_batches: int
+    ckpt_every: int
+    stop_after: int | None       # debug: stop after this step as if preempted
+    max_drop_warn: float
+    peak_tflops: float | None    # --peak-tflops: the device's peak for MFU (None: the datasheet table's)
+
+    @classmethod
+    def of(cls, s: RunConfig) -> Cadence:
+        return cls(s.steps, s.total_schedule, s.batch, s.seq, s.log_every, s.eval_every, s.eval_batches, s.ckpt_every,
+                   s.stop_after, s.max_drop_warn, s.peak_tflops)
+
+
+@dataclasses.dataclass(frozen=True)
 class Job:
     """A run's settings and what they resolve to."""
     settings: RunConfig
@@ -41,6 +63,7 @@ class Job:
     identity: dict[str, Any]     # what a checkpoint must match to be resumed (`RunConfig.identity`)
     schedule: optax.Schedule
     budget: tuple[int | None, str]   # the device bytes the step may use, and where the figure comes from
+    cadence: Cadence             # the training loop's course
 
     @property
     def training(self) -> zoo.plan.Training:
@@ -125,4 +148,5 @@ def resolve(settings: RunConfig) -> Job:
         kernels[kernel] = choice.replace("(asked for", f"({who}", 1)
     mesh = mesh_lib.resolve(settings.mesh, model_cfg, settings.micro_batch)
     schedule = lr_schedule(lr=settings.peak_lr, steps=settings.total_schedule, warmup=settings.total_warmup)
-    return Job(settings, family, model_cfg, recipe_name, recipe, device, kernels, mesh, identity, schedule, memory)
+    return Job(settings, family, model_cfg, recipe_name, recipe, device, kernels, mesh, identity, schedule, memory,
+               Cadence.of(settings))
