@@ -32,10 +32,10 @@ GiB = 1 << 30
 def resolve_auto(cfg, *, batch: int, seq: int, mesh: str | None, hbm_gib: float | None, tflops: float | None,
                  smoke: bool):
     """(the Recipe `zoo.plan.plan(cfg, "auto", ...)` chooses for the SGD step's model state, the record's auto_*
-    fields), its inputs from the device as the main job's `--recipe auto` takes them (recipes.train.auto)."""
+    fields), its inputs from the device as the main job's `--recipe auto` takes them (recipes.train.step.auto)."""
     import dataclasses
 
-    from recipes.train import auto
+    from recipes.train.step import auto
 
     device = jax.devices()[0]
     link = None
@@ -66,7 +66,8 @@ def main():
     ap.add_argument("--auto-hbm", type=float, default=None,
                     help="recipe auto: HBM budget, GiB (default: the device's bytes_limit; 1 with --smoke on the CPU)")
     ap.add_argument("--auto-tflops", type=float, default=None,
-                    help="recipe auto: FLOP rate, TFLOP/s (default: recipes.train.meter's table for the device)")
+                    help="recipe auto: FLOP rate, TFLOP/s (default: recipes.train.watching.meter's table for "
+                         "the device)")
     a = ap.parse_args()
     a.seq = a.seq or (64 if a.smoke else 4096)
     common = dict(param_dtype="bfloat16", dtype="bfloat16", moe_backend=a.backend, capacity_factor=1.25,

@@ -106,7 +106,7 @@ def run_main(a) -> None:
           "host_temp_gib": None if timed[-1]["host_bytes"] is None else round(timed[-1]["host_bytes"] / 2**30, 2),
           "dropped": timed[-1].get("dropped"), "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"],
           "steps": len(rows), "kernels": kernels, **({"auto_choice": chosen} if chosen else {}),
-          # the job's own prediction: its step compiled for the GPU before it launched (recipes.train.fit)
+          # the job's own prediction: its step compiled for the GPU before it launched (recipes.train.step.fit)
           **({"planned_peak_gib": round(rows[0]["planned_peak_bytes"] / 2**30, 2),
               "planned_peak_source": rows[0].get("planned_peak_source")} if rows[0].get("planned_peak_bytes") else {}),
           # what ran and what the job predicted for it before it launched

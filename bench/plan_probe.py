@@ -35,7 +35,7 @@ def main():
     import zoo
     from bench.common import emit
     from recipes.llama3 import RECIPES
-    from recipes.train import meter
+    from recipes.train.watching import meter
     from zoo.plan.peak import allocator_limit
 
     device = jax.devices()[0]

@@ -3,9 +3,9 @@ most 80: a public one carries its `Args:`, `Returns:` and an example, flax's way
 live in docs/, docs/internals.md first), and no docstring or doc page naming a module, function or file that does not
 exist.
 
-What is a name: a dotted path into the project's packages (`zoo.plan.peak.compile_step`, `recipes.train.job.Job`,
-`bench.records.load`), resolved by importing the longest module prefix and reading the rest as attributes (a
-dataclass's fields count); and a path of the repository (`zoo/plan/build.py`, `docs/planner.md`,
+What is a name: a dotted path into the project's packages (`zoo.plan.peak.compile_step`,
+`recipes.train.settings.job.Job`, `bench.records.load`), resolved by importing the longest module prefix and reading the
+rest as attributes (a dataclass's fields count); and a path of the repository (`zoo/plan/build.py`, `docs/planner.md`,
 `bench/results/README.md`), which must exist. A path with a placeholder (`zoo/models/<family>/`) or a glob is left
 alone, and so is docs/changes.md, whose first column names what no longer exists.
 
@@ -107,7 +107,7 @@ def test_no_docstring_or_page_names_what_does_not_exist():
 
 def test_the_reference_check_finds_a_stale_name():
     """The check itself: a name or a path that does not exist is found, one that does is not."""
-    assert resolves("zoo.plan.peak.compile_step") and resolves("recipes.train.job.Job.settings")
+    assert resolves("zoo.plan.peak.compile_step") and resolves("recipes.train.settings.job.Job.settings")
     assert not resolves("zoo.plan.peak.compile_everything") and not resolves("recipes.data.open_data")
     assert PATH.findall("see `recipes/train/loop.py` and zoo/models/<family>/config.py") == ["recipes/train/loop.py"]
 

@@ -6,7 +6,7 @@ as a user types them (`tests/test_docs.py`, `tests/test_examples.py`), the one t
 and pages give (`tests/test_docstrings.py`), and this file (whose probe holds what it
 looks for). Importing the recipe sets (`recipes.llama3`,
 `recipes.registry`, ...) is fine: they are data. The check parses each file with `ast` and looks for
-- an import of `recipes.train` or below (`import recipes.train.cli`, `from recipes.train import loop`,
+- an import of `recipes.train` or below (`import recipes.train.settings.cli`, `from recipes.train import loop`,
   `from recipes import train`), or of the application's test helpers (`tests.train`);
 - the attribute `recipes.train` (reached after `import recipes`);
 - a string naming a module of the application (`"recipes.train"`, `"recipes.train.plan"`: what `-m`,
@@ -116,7 +116,7 @@ def test_the_check_sees_each_way_of_reaching_the_application():
     compared with the docs are not."""
     probe = '''"""A docstring may say `python -m recipes.train` and `from recipes.train import loop`."""
 import subprocess
-import recipes.train.cli
+import recipes.train.settings.cli
 from recipes.train import loop
 from recipes import train, llama3
 from tests.train.cli_runs import cli
@@ -130,7 +130,7 @@ subprocess.run(["python", "-c", "import os; from recipes.train import plan"])
 said = "python -m recipes.train.tokenizer" in "the docs"
 '''
     assert uses_of_the_app(probe) == [
-        "3: import recipes.train.cli", "4: from recipes.train import ...", "5: from recipes import train",
+        "3: import recipes.train.settings.cli", "4: from recipes.train import ...", "5: from recipes import train",
         "6: from tests.train.cli_runs import ...", "10: recipes.train", "11: the module name 'recipes.train.plan'",
         "12: runs 'python -m recipes.train --steps 1'",
         "13: code importing the application 'import os; from recipes.train import plan'"]

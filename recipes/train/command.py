@@ -14,12 +14,12 @@ import os
 import sys
 import traceback
 
-from recipes.train import cli, config, flags
+from recipes.train.settings import cli, config, flags
 
 
 def parser() -> argparse.ArgumentParser:
-    """Every field of the run (`recipes.train.config.RunConfig`) and of the launch (`recipes.train.config.Launch`)
-    as a flag."""
+    """Every field of the run (`recipes.train.settings.config.RunConfig`) and of the launch
+    (`recipes.train.settings.config.Launch`) as a flag."""
     p = cli.ArgumentParser(prog="python -m recipes.train", description=__doc__.split("\n\n")[0],
                            formatter_class=cli.HelpFormatter)
     cli.add_fields(p, config.RunConfig)
@@ -41,13 +41,14 @@ def _main(argv: list[str] | None) -> int:
 
     import jax  # only now: the flags are set
 
-    from recipes.train import agree, loop, mesh
-    from recipes.train.checkpoint import CheckpointError
-    from recipes.train.interrupt import Interrupted
+    from recipes.train import loop
+    from recipes.train.checkpoints.checkpoint import CheckpointError
+    from recipes.train.processes import agree, mesh
+    from recipes.train.processes.interrupt import Interrupted
 
     launch = {f.name for f in dataclasses.fields(config.Launch)}
     kwargs = {k: v for k, v in vars(args).items() if k not in launch}
-    watch = None   # several processes: recipes.train.mesh.PeerWatch
+    watch = None   # several processes: recipes.train.processes.mesh.PeerWatch
     try:
         if mesh.maybe_initialize(args.distributed, args.coordinator_timeout, args.heartbeat_timeout):
             # (before JAX touches a device)
@@ -59,7 +60,8 @@ def _main(argv: list[str] | None) -> int:
         if jax.default_backend() != "cpu":   # the flags are GPU flags: on the CPU they parse and do nothing
             print(f"XLA flag set {args.xla_flags!r}: {' '.join(chosen) or '(none)'}; "
                   f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
-        kwargs["overrides"] = tuple(kwargs["overrides"])   # text: converted by the field's type (recipes.train.cli)
+        # text: converted by the field's type (recipes.train.settings.cli)
+        kwargs["overrides"] = tuple(kwargs["overrides"])
         result = loop.run(config.RunConfig(**kwargs))
     except ValueError as e:       # a bad flag, file or directory: found before training
         print(f"error: {e}", file=sys.stderr)
@@ -70,7 +72,7 @@ def _main(argv: list[str] | None) -> int:
     except (CheckpointError, OSError) as e:   # failed while training: the last checkpoint written is intact
         print(f"error: {e}", file=sys.stderr)
         code = 1
-    except Interrupted as e:   # SIGINT/SIGTERM before training started (recipes.train.interrupt)
+    except Interrupted as e:   # SIGINT/SIGTERM before training started (recipes.train.processes.interrupt)
         print(f"{e}: stopped before training started; nothing to save (exit {e.exit_code})", file=sys.stderr)
         code = e.exit_code
     except Exception as e:

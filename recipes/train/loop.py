@@ -1,12 +1,14 @@
 """`python -m recipes.train`'s run, as one flow: `run(settings)` resolves the settings once into a
-`recipes.train.job.Job` and passes it down its phases.
+`recipes.train.settings.job.Job` and passes it down its phases, each one call into its room and back:
 
-1. resolve (`recipes.train.job`): names, model config, recipe, device, kernels, mesh, schedule, checked;
-2. take --ckpt-dir (`recipes.train.guard`, `recipes.train.lock`) and catch SIGINT/SIGTERM (`recipes.train.interrupt`);
-3. open what the run reads (`recipes.train.resume`: checkpoints, data, the step to resume from) and writes (the
-   metrics file, TensorBoard);
-4. compile the step on shapes, show its plan and refuse one that does not fit, build the model sharded
-   (`recipes.train.prepare`), restore it;
+1. resolve (`recipes.train.settings.job.resolve`): names, model config, recipe, device and its memory budget, kernels,
+   mesh, schedule, checked;
+2. open what the run reads and writes (`recipes.train.checkpoints.resume.Session.open`): --ckpt-dir checked and
+   locked (`recipes.train.processes.lock`), SIGINT/SIGTERM caught (`recipes.train.processes.interrupt`), the
+   checkpoints, the data, the step to resume from, the metrics file and TensorBoard;
+3. compile the step on shapes, show its plan and refuse one that does not fit, build the model sharded
+   (`recipes.train.step.prepare.prepare`);
+4. restore it (`recipes.train.checkpoints.resume.restore`);
 5. train (`_Loop`): log, evaluate, checkpoint every K steps and at the end, stop on a non-finite step keeping the
    last good checkpoint, or after the step a signal arrived in, with a checkpoint.
 
@@ -18,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import time
 from collections.abc import Callable
 
@@ -29,12 +30,14 @@ from rich.console import Console
 
 import zoo
 import zoo.sharding
-from recipes.train import agree, cli, guard, meter, moved, prepare, resume, watch
-from recipes.train import mesh as mesh_lib
-from recipes.train.config import RunConfig
-from recipes.train.interrupt import Interrupts
-from recipes.train.job import Job, resolve
-from recipes.train.lock import DirLock
+from recipes.train.checkpoints import resume
+from recipes.train.processes import mesh as mesh_lib
+from recipes.train.processes.interrupt import Interrupts
+from recipes.train.settings import cli
+from recipes.train.settings.config import RunConfig
+from recipes.train.settings.job import Cadence, Job, resolve
+from recipes.train.step import prepare
+from recipes.train.watching import meter, watch
 from zoo.train_step import eval_loss
 
 __all__ = ["Result", "RunConfig", "run"]
@@ -76,96 +79,34 @@ def evaluate(eval_fn: Callable, state, held, n: int, mesh) -> dict[str, float]:
 
 def run(settings: RunConfig, console: Console | None = None) -> Result:
     """Train as `settings` say (see the module docstring). With --ckpt-dir, the directory is checked and taken for
-    this run (`recipes.train.lock.DirLock`) before anything else, and given back at the end."""
+    this run (`recipes.train.processes.lock.DirLock`) before anything else is opened, and given back at the end."""
     # Off a terminal (a log file, CI), print wide lines rather than wrapping at 80 columns.
     console = console or cli.console()
     job = resolve(settings)   # bad names, values or mesh: ValueError before anything touches the disk
     with contextlib.ExitStack() as stack:
-        session = _Session(stack, stack.enter_context(Interrupts()))
-        session.take_ckpt_dir(job, console)
-        return _run(job, console, session)
+        return _run(job, console, resume.Session(stack, stack.enter_context(Interrupts())))
 
 
-@dataclasses.dataclass
-class _Session:
-    """What `run` holds for `_run`: resources closed when it returns (the lock, the metrics file, TensorBoard), the
-    signal handlers, and the record of a previous run in the same --ckpt-dir that was killed (its stale lock)."""
-    stack: contextlib.ExitStack
-    interrupts: Interrupts
-    previous: dict | None = None
-    metrics_file: guard.MetricsFile | None = None
-    board: watch.Board | None = None
-
-    def take_ckpt_dir(self, job: Job, console: Console) -> None:
-        """With --ckpt-dir: check it and take its lock (multi-host: one lock for the run, held by process 0; its
-        refusal stops every process). The lock file also names the run and its metrics file: a run killed before
-        its first checkpoint is recognised by the same command with --resume (its metrics file is its own)."""
-        settings = job.settings
-        if not settings.ckpt_dir:
-            return
-        directory = guard.check_ckpt_dir(settings.ckpt_dir)
-        info = {"run": job.identity, "metrics": os.path.abspath(settings.metrics) if settings.metrics else None}
-        lock = agree.decided_by_0("the lock of --ckpt-dir",
-                                  lambda: self.stack.enter_context(DirLock(directory, info=info)),
-                                  settings.coordinator_timeout)
-        if lock is not None and lock.taken_over:
-            console.print(f"took over the stale lock of a run that ended without releasing it "
-                          f"(pid {lock.taken_over.get('pid')}, started {lock.taken_over.get('started')})",
-                          soft_wrap=True)
-            self.previous = lock.taken_over
-
-    def open_outputs(self, job: Job, inputs: resume.Inputs) -> None:
-        """The metrics file (checked: another run's is refused) and TensorBoard, written by process 0."""
-        settings = job.settings
-        if jax.process_index() != 0:
-            return
-        if settings.metrics:
-            self.metrics_file = self.stack.enter_context(guard.check_metrics(
-                settings.metrics, owner=self.metrics_owner(job, inputs.resume_record)))
-        if settings.tensorboard:
-            self.board = self.stack.enter_context(contextlib.closing(watch.Board(
-                settings.tensorboard, run=job.identity, resume=settings.resume)))
-
-    def metrics_owner(self, job: Job, resume_record: dict | None) -> str | None:
-        """The metrics path the run being continued wrote: its checkpoint's, or, for a run killed before its first
-        checkpoint, its stale lock's (same run identity, --resume given); where it is now if the run's folder
-        moved (`recipes.train.moved`)."""
-        settings = job.settings
-        if resume_record is not None:
-            said = resume_record
-        elif settings.resume and self.previous and self.previous.get("run") == job.identity:
-            said = self.previous
-        else:
-            return None
-        if settings.metrics and moved.same(said.get("metrics"), settings.metrics, said.get("directory"),
-                                           settings.ckpt_dir):
-            return os.path.abspath(settings.metrics)
-        return said.get("metrics")
-
-
-def _run(job: Job, console: Console, session: _Session) -> Result:
-    """The run in phases: open what it reads (checkpoints, data, the point to resume from) and writes, compile the
-    step on shapes, show and check its plan, build the model, restore it, train, finish."""
-    inputs = resume.open_inputs(job, console)
-    if inputs.resume_step is not None and inputs.resume_step >= job.settings.steps:
-        return _nothing_to_do(job.settings, console, inputs)
-    session.open_outputs(job, inputs)
+def _run(job: Job, console: Console, session: resume.Session) -> Result:
+    """The run in phases, each one call into its room: open what it reads and writes (`recipes.train.checkpoints`),
+    compile, check and build the step (`recipes.train.step`), restore it, train."""
+    inputs = session.open(job, console)
+    if inputs.finished:
+        return _nothing_to_do(job.cadence, console, inputs)
     # Compile the step on shapes alone (nothing allocated), check that it fits, and only then build the model:
     # the executable compiled here is the one that runs.
-    step = prepare.compile_run(job, console)
-    plan = prepare.show_and_check(job, console, step)
-    model, optimizer = prepare.build_run(job, step.recipe)
-    start = resume.restore(job.settings, console, inputs, model, optimizer)
-    return _Loop(job, console, session, step, plan, inputs, model, optimizer, start).run()
+    built = prepare.prepare(job, console)
+    start = resume.restore(console, inputs, built.model, built.optimizer)
+    return _Loop(job, console, session, built, inputs, start).run()
 
 
-def _nothing_to_do(settings: RunConfig, console: Console, inputs: resume.Inputs) -> Result:
+def _nothing_to_do(cadence: Cadence, console: Console, inputs: resume.Inputs) -> Result:
     """--resume of a run already at --steps: say how to train on, build nothing."""
     step = inputs.resume_step
     console.print(f"nothing left to do: the checkpoint in {inputs.ckpts.directory} is at step {step} and "
-                  f"--steps is {settings.steps}. To train on, raise --steps" +
-                  (f" and add --schedule-steps {settings.total_schedule} (the schedule stays as it was; the steps "
-                   f"past it run at its final learning rate, lr/10)" if step >= settings.total_schedule
+                  f"--steps is {cadence.steps}. To train on, raise --steps" +
+                  (f" and add --schedule-steps {cadence.schedule_steps} (the schedule stays as it was; the steps "
+                   f"past it run at its final learning rate, lr/10)" if step >= cadence.schedule_steps
                    else ""), soft_wrap=True)
     inputs.ckpts.close()
     return Result([], [], "nothing_to_do", step)
@@ -175,11 +116,12 @@ class _Loop:
     """The training loop over the compiled step: the state it carries, the checkpoints it saves, what it logs and
     how it stops (at --steps, on a non-finite step, on a signal, at --stop-after)."""
 
-    def __init__(self, job: Job, console: Console, session: _Session, step: prepare.Step, plan: zoo.plan.Plan,
-                 inputs: resume.Inputs, model, optimizer, start: int):
-        settings, device = job.settings, job.device
-        self.settings, self.console, self.session, self.step, self.mesh, self.schedule = (
-            settings, console, session, step, job.mesh, job.schedule)
+    def __init__(self, job: Job, console: Console, session: resume.Session, built: prepare.Built,
+                 inputs: resume.Inputs, start: int):
+        cadence, device = job.cadence, job.device
+        step, plan, model, optimizer = built.step, built.plan, built.model, built.optimizer
+        self.cadence, self.console, self.session, self.step, self.mesh, self.schedule = (
+            cadence, console, session, step, job.mesh, job.schedule)
         self.inputs, self.ckpts, self.model, self.optimizer = inputs, inputs.ckpts, model, optimizer
         self.start, self.metrics_file, self.board, self.device, self.plan = (
             start, session.metrics_file, session.board, device, plan)
@@ -190,16 +132,16 @@ class _Loop:
         self.host = (meter.host_bytes(step.compiled, state_on_host=plan.state.host > 0) if device.platform != "cpu"
                      else None)
         console.print(f"compiled the step in {step.seconds:.1f} s" + meter.host_note(self.host, plan, device.platform))
-        self.flops_per_step = (job.family.flops_per_token(job.model_cfg, model, settings.seq) * settings.batch
-                               * settings.seq)
-        self.peak = meter.peak_tflops(device, settings.peak_tflops)[0]
+        self.flops_per_step = (job.family.flops_per_token(job.model_cfg, model, cadence.seq) * cadence.batch
+                               * cadence.seq)
+        self.peak = meter.peak_tflops(device, cadence.peak_tflops)[0]
         predicted = plan.step_time()
         self.planned_step_s = None if predicted is None else predicted["total_s"]
         self.last_ckpt = start if start else None
         _, self.state = nnx.split((model, optimizer))
         self.eval_fn = make_eval(step.graphdef, job.mesh, step.loss_chunk) if inputs.held is not None else None
-        self.progress = watch.Progress(console, settings.steps, start)
-        self.drops = watch.DropWatch(console, settings.max_drop_warn)
+        self.progress = watch.Progress(console, cadence.steps, start)
+        self.drops = watch.DropWatch(console, cadence.max_drop_warn)
         self.t_last, self.n_since = time.perf_counter(), 0
 
     def save(self, step: int) -> None:
@@ -210,7 +152,7 @@ class _Loop:
         self.last_ckpt = step
 
     def run(self) -> Result:
-        settings, session, mesh, source = self.settings, self.session, self.mesh, self.inputs.source
+        cadence, session, mesh, source = self.cadence, self.session, self.mesh, self.inputs.source
         if self.metrics_file:
             self.metrics_file.start_at(self.start)
         if self.board:
@@ -218,10 +160,10 @@ class _Loop:
         result = Result([], [], None, self.last_ckpt)
         session.interrupts.training = True   # from here a signal ends the run after its step, with a checkpoint
         try:
-            batch = mesh_lib.put_batch(source.batch(self.start + 1), mesh) if self.start < settings.steps else None
-            for step in range(self.start + 1, settings.steps + 1):
+            batch = mesh_lib.put_batch(source.batch(self.start + 1), mesh) if self.start < cadence.steps else None
+            for step in range(self.start + 1, cadence.steps + 1):
                 self.state, m = self.step.compiled(self.state, batch)   # dispatched: the device runs the step
-                if step < settings.steps:   # while the host makes and sends the next batch, not while the device idles
+                if step < cadence.steps:   # while the host makes and sends the next batch, not while the device idles
                     batch = mesh_lib.put_batch(source.batch(step + 1), mesh)
                 m = jax.device_get(m)
                 if not m["ok"]:
@@ -229,19 +171,19 @@ class _Loop:
                     result.stopped = "nonfinite"
                     break
                 self._record(step, m, result)
-                if step < settings.steps and session.interrupts.requested():   # at the last step: finish as usual
+                if step < cadence.steps and session.interrupts.requested():   # at the last step: finish as usual
                     _interrupted(self.console, session.interrupts, step,
                                  self.save if self.ckpts is not None else None, self.last_ckpt)
                     result.stopped, result.exit_code = "interrupted", session.interrupts.exit_code
                     break
-                if settings.stop_after is not None and step == settings.stop_after and step < settings.steps:
+                if cadence.stop_after is not None and step == cadence.stop_after and step < cadence.steps:
                     result.stopped = "stop_after"
                     self.console.print(f"--stop-after {step}: stopping as if preempted (last checkpoint: "
                                        f"{self.last_ckpt})")
                     break
             else:
-                if self.ckpts is not None and self.last_ckpt != settings.steps:
-                    self.save(settings.steps)
+                if self.ckpts is not None and self.last_ckpt != cadence.steps:
+                    self.save(cadence.steps)
         finally:
             self._close()
         return self._finish(result)
@@ -249,31 +191,31 @@ class _Loop:
     def _record(self, step: int, m: dict, result: Result) -> None:
         """A good step: count it, log it (every --log-every, the first, the last, at evaluations), checkpoint it
         (every --ckpt-every)."""
-        settings = self.settings
+        cadence = self.cadence
         loss = float(m["loss"])
         self.drops.check(step, m)
         result.steps.append(step)
         result.losses.append(loss)
         self.n_since += 1
-        evaluating = settings.eval_every and step % settings.eval_every == 0
-        if step % settings.log_every == 0 or step == settings.steps or step == self.start + 1 or evaluating:
+        evaluating = cadence.eval_every and step % cadence.eval_every == 0
+        if step % cadence.log_every == 0 or step == cadence.steps or step == self.start + 1 or evaluating:
             self._log(step, m, loss)
         self.progress.advance(step, loss)
-        if self.ckpts is not None and settings.ckpt_every and step % settings.ckpt_every == 0:
+        if self.ckpts is not None and cadence.ckpt_every and step % cadence.ckpt_every == 0:
             self.save(step)
             self.t_last, self.n_since = time.perf_counter(), 0   # checkpoint time is not step time
 
     def _log(self, step: int, m: dict, loss: float) -> None:
         """One row of figures since the last: printed, written to --metrics and TensorBoard; held-out loss on
         evaluation steps."""
-        settings = self.settings
+        cadence = self.cadence
         jax.block_until_ready(self.state)
         now = time.perf_counter()
         dt, self.t_last, n = now - self.t_last, now, self.n_since
         self.n_since = 0
         tflops = self.flops_per_step * n / dt / 1e12 / self.mesh.devices.size   # per device, as its peak
         row = {"step": step, "loss": loss, "aux_loss": float(m["aux_loss"]), "grad_norm": float(m["grad_norm"]),
-               "lr": float(self.schedule(step - 1)), "tokens_per_s": settings.batch * settings.seq * n / dt,
+               "lr": float(self.schedule(step - 1)), "tokens_per_s": cadence.batch * cadence.seq * n / dt,
                "model_tflops": tflops, "mfu": tflops / self.peak if self.peak else None,
                "peak_hbm_bytes": meter.peak_hbm_bytes(self.device), "host_bytes": self.host,
                "dropped": int(m["dropped"]), "drop_fraction": self.drops.fraction(m),
@@ -282,8 +224,8 @@ class _Loop:
                "recipe": str(self.step.recipe), "loss_chunk": self.step.loss_chunk}
         for name in self.model.extra_head_names:   # each extra head's loss, before its weight
             row[f"{name}_loss"] = float(m[f"{name}_loss"])
-        if self.eval_fn is not None and (step % settings.eval_every == 0 or step == settings.steps):
-            row.update(evaluate(self.eval_fn, self.state, self.inputs.held, settings.eval_batches, self.mesh))
+        if self.eval_fn is not None and (step % cadence.eval_every == 0 or step == cadence.steps):
+            row.update(evaluate(self.eval_fn, self.state, self.inputs.held, cadence.eval_batches, self.mesh))
             self.t_last = time.perf_counter()   # evaluation time is not step time
         self.progress.log(row)
         if self.metrics_file:

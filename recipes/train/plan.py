@@ -9,8 +9,8 @@
     python -m recipes.train.plan --model FAMILY --preset PRESET --recipe auto --max-seq --opt-state host \
         --params host --set param_dtype=bfloat16 --hbm 133 --host 110   # the longest sequence that fits
 
-The model flags are those of `python -m recipes.train` (recipes/train/cli.py); the plan is `zoo.plan` (zoo/plan/).
-Nothing is allocated: the model is built from shapes alone, so any size plans on a laptop.
+The model flags are those of `python -m recipes.train` (recipes/train/settings/cli.py); the plan is `zoo.plan`
+(zoo/plan/). Nothing is allocated: the model is built from shapes alone, so any size plans on a laptop.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ import sys
 import jax
 
 import zoo
-from recipes.train import cli, config, fit
+from recipes.train.settings import cli, config, job
+from recipes.train.step import fit
 from zoo.plan.peak import allocator_limit
 from zoo.plan.types import OPTIMIZERS
 
@@ -60,8 +61,8 @@ def parser() -> argparse.ArgumentParser:
     p.epilog = (f"--preset, --seq and --batch default to the training command's ({config.default('preset')}, "
                 f"{config.default('seq')}, {config.default('batch')}). "
                 "--recipe auto chooses each tag's placement for --hbm (default: the allocator's limit of the device "
-                "present), --flops (default: the datasheet table, recipes/train/meter.py) and --link and --overlap "
-                "(default: the link measured on --device, zoo/plan/links.py).")
+                "present), --flops (default: the datasheet table, recipes/train/watching/meter.py) and --link and "
+                "--overlap (default: the link measured on --device, zoo/plan/links.py).")
     p.add_argument("--shard", type=cli.positive_int, default=1, metavar="N",
                    help="devices the batch and the model state are split over (data parallel + FSDP); must divide "
                         "--batch; figures are then per device, every byte divided by N (see --mesh)")
@@ -98,7 +99,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="also draw every recipe of the family as this plan is made (the same optimizer, --opt-state, "
                         "--params, --grad-accum, mesh and budget): HBM and pinned host bytes per tag as stacked bars, "
-                        "with the HBM budget and the pinned pool (recipes/train/plot.py; needs matplotlib). "
+                        "with the HBM budget and the pinned pool (recipes/train/watching/plot.py; needs matplotlib). "
                         "A directory: "
                         "the chart is written in it as MODEL-PRESET.png; a name without a suffix is written as PNG "
                         "under that exact name")
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_batch is not None:
             ap.error("--plot draws every recipe at one batch and --max-batch searches batches for one recipe: run "
                      "them as two commands (--plot with --batch N draws the recipes at N)")
-        from recipes.train import plot
+        from recipes.train.watching import plot
         try:
             args.plot = plot.check_output(args.plot, f"{args.model}-{args.preset}")   # before anything is planned
         except ValueError as e:
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.batch is None:
         args.batch = config.default("batch")
     if args.recipe == "auto":
-        from recipes.train import meter
+        from recipes.train.watching import meter
         from zoo.plan import links
         kind = args.device or _present_kind()
         measured = links.measured(kind)
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         zoo.plan.render(_in_flags(p), console=cli.console())
         if getattr(args, "hbm_from_allocator", False) or (args.hbm_limit is None
                                                            and allocator_limit(jax.devices()[0])):
-            print(f"HBM budget: the allocator's limit of the GPU present: {fit.allocator_share()}")
+            print(f"HBM budget: the allocator's limit of the GPU present: {job.allocator_share()}")
     if args.plot:
         _plot(ap, args, family, model_cfg, p)
     return 0
@@ -191,7 +192,7 @@ def _in_flags(p: zoo.plan.Plan) -> zoo.plan.Plan:
 
 def _check_state(args, model_cfg) -> None:
     """An --hbm budget the model state alone is over is refused (ValueError) before anything is planned, as the
-    training command refuses its --hbm-limit (`recipes.train.fit.check_state`)."""
+    training command refuses its --hbm-limit (`recipes.train.step.fit.check_state`)."""
     if args.hbm_limit is not None:
         state = zoo.plan.model_state(model_cfg, training=_training(args), parallel=_parallel(args))
         fit.check_state(state, int(args.hbm_limit * 2 ** 30), "--hbm", "--hbm")
@@ -216,7 +217,7 @@ def _plot(ap: argparse.ArgumentParser, args, family, model_cfg, printed: zoo.pla
     Parallelism; no peak: the bars are saved bytes); the printed recipe's bar is the printed plan itself, and a
     recipe --recipe auto chose is drawn beside the family's."""
     from recipes import registry
-    from recipes.train import plot
+    from recipes.train.watching import plot
     try:
         plans, left_out = {}, []
         for name, r in registry.recipes_of(family).items():
@@ -312,7 +313,7 @@ def _found(args, found) -> int:
 
 def _auto_inputs(ap: argparse.ArgumentParser, args, hardware: zoo.plan.Hardware) -> zoo.plan.Hardware:
     """--recipe auto's link and FLOP rate where the flags leave them out: the device's measured link and table."""
-    from recipes.train import meter
+    from recipes.train.watching import meter
     kind = args.device or _present_kind()
     tflops = args.peak_tflops or meter.peak_tflops_of(kind)[0]
     if tflops is None:

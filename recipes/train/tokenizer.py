@@ -3,11 +3,11 @@
     python -m recipes.train.tokenizer --train corpus/ --vocab-size 8000 --out my-tokenizer/
     python -m recipes.train --data corpus/ --tokenizer my-tokenizer/ --set vocab_size=8000
 
-`--train` takes .txt and .jsonl files and directories of them (the documents `--data` reads: recipes/train/text.py). The
-output directory holds `tokenizer.json` (what `--tokenizer DIR` reads; `transformers`' AutoTokenizer reads it too)
-and `tokenizer_config.json` naming the end-of-text token that separates documents (`<|endoftext|>`, id 0). Byte
-level: every byte is in the vocabulary, so any text encodes and decodes back exactly. An existing tokenizer in
-`--out` is never overwritten.
+`--train` takes .txt and .jsonl files and directories of them (the documents `--data` reads:
+recipes/train/inputs/text.py). The output directory holds `tokenizer.json` (what `--tokenizer DIR` reads;
+`transformers`' AutoTokenizer reads it too) and `tokenizer_config.json` naming the end-of-text token that separates
+documents (`<|endoftext|>`, id 0). Byte level: every byte is in the vocabulary, so any text encodes and decodes back
+exactly. An existing tokenizer in `--out` is never overwritten.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from recipes.train import text
+from recipes.train.inputs import text
 
 EOS = "<|endoftext|>"
 MIN_VOCAB = 257   # the 256 bytes and the end-of-text token

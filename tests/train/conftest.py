@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from recipes.train.checkpoint import Checkpoints
+from recipes.train.checkpoints.checkpoint import Checkpoints
 from tests.train.cli_runs import RUN, cli
 
 

@@ -11,7 +11,8 @@ import jax
 
 import zoo
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
-from recipes.train import loop, prepare
+from recipes.train import loop
+from recipes.train.step import prepare
 from tests.plan.mesh_peaks import B, S, check_arguments
 from zoo.plan import Parallelism
 from zoo.plan import peak as peak_lib

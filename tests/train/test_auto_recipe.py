@@ -1,6 +1,6 @@
-"""`--recipe auto` in the main job (recipes.train.auto): the planner's choice for the device, from inputs that say where
-they came from (re-planned while the compiled step does not fit: zoo.plan.fitting, tests/plan/test_fitting.py), and
-refused with a message naming the flag when an input is missing."""
+"""`--recipe auto` in the main job (recipes.train.step.auto): the planner's choice for the device, from inputs that say
+where they came from (re-planned while the compiled step does not fit: zoo.plan.fitting, tests/plan/test_fitting.py),
+and refused with a message naming the flag when an input is missing."""
 from __future__ import annotations
 
 import jax
@@ -8,7 +8,8 @@ import pytest
 
 import zoo
 from recipes import train
-from recipes.train import auto, loop
+from recipes.train import loop
+from recipes.train.step import auto
 from zoo.models.registry import family
 from zoo.plan import links
 

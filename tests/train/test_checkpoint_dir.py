@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from recipes.train import guard
-from recipes.train.checkpoint import Checkpoints
-from recipes.train.lock import LOCK_NAME, DirLock
+from recipes.train.checkpoints import guard
+from recipes.train.checkpoints.checkpoint import Checkpoints
+from recipes.train.processes.lock import LOCK_NAME, DirLock
 from tests.helpers import ROOT, cpu_env
 from tests.train.cli_runs import RUN, copy_ckpt, main
 
@@ -46,7 +46,7 @@ def test_a_failing_checkpoint_write_raises_and_the_process_exits(tmp_path):
 import os, shutil
 from flax import nnx
 import optax
-from recipes.train.checkpoint import Checkpoints, CheckpointError
+from recipes.train.checkpoints.checkpoint import Checkpoints, CheckpointError
 d = {str(tmp_path / 'ckpt')!r}
 ckpts = Checkpoints(d)
 model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))

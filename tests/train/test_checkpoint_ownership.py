@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from recipes.train import loop
-from recipes.train.checkpoint import Checkpoints
+from recipes.train.checkpoints.checkpoint import Checkpoints
 from tests.helpers import ROOT, cpu_env
 
 
@@ -79,7 +79,7 @@ def test_a_failed_write_is_one_message_and_leaves_no_partial_checkpoint(tmp_path
 import resource, signal
 from flax import nnx
 import optax
-from recipes.train.checkpoint import Checkpoints, CheckpointError
+from recipes.train.checkpoints.checkpoint import Checkpoints, CheckpointError
 d = {str(tmp_path / 'ckpt')!r}
 model = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
 opt = nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)

@@ -7,7 +7,7 @@
 - a run killed before its first checkpoint, then the plain command: refused (its metrics file is the killed
   run's), and the killed run's record stays in the lock, so the later `--resume` continues that metrics file;
 - a run folder moved (`mv run1 run2`): the same command resumes in the new place, its metrics file and token file
-  found where they moved (`recipes.train.moved`).
+  found where they moved (`recipes.train.checkpoints.resume.same`).
 """
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ import sys
 
 import pytest
 
-from recipes.train import moved, resume
-from recipes.train.checkpoint import Checkpoints
-from recipes.train.config import RunConfig
-from recipes.train.job import resolve
-from recipes.train.lock import LOCK_NAME, DirLock
-from recipes.train.loop import _Session
+from recipes.train.checkpoints import resume
+from recipes.train.checkpoints.checkpoint import Checkpoints
+from recipes.train.checkpoints.resume import Session
+from recipes.train.processes.lock import LOCK_NAME, DirLock
+from recipes.train.settings.config import RunConfig
+from recipes.train.settings.job import resolve
 from tests.train.cli_runs import RUN, cli, copy_ckpt, main, rows
 
 
@@ -98,7 +98,7 @@ def test_a_plain_rerun_after_a_kill_leaves_the_killed_runs_record_for_its_resume
     assert (ckpt / LOCK_NAME).read_text() == left   # the killed run's record is back, as it was
     again = DirLock(ckpt)                           # what --resume then finds: the killed run and its metrics file
     settings = run_settings(ckpt_dir=str(ckpt), metrics=str(metrics), resume=True)
-    session = _Session(stack=None, interrupts=None, previous=again.taken_over)
+    session = Session(stack=None, interrupts=None, previous=again.taken_over)
     assert session.metrics_owner(resolve(settings), None) == str(metrics)
     again.release()
 
@@ -131,7 +131,7 @@ def moved_run(base, tmp_path):
 def test_a_moved_run_folder_keeps_its_metrics_file(base, tmp_path):
     run2 = moved_run(base, tmp_path)
     settings = run_settings(ckpt_dir=str(run2 / "ckpt"), metrics=str(run2 / "m.jsonl"), resume=True)
-    session = _Session(stack=None, interrupts=None)
+    session = Session(stack=None, interrupts=None)
     assert session.metrics_owner(resolve(settings), Checkpoints(run2 / "ckpt").record()) == str(run2 / "m.jsonl")
     other = run_settings(ckpt_dir=str(run2 / "ckpt"), metrics=str(tmp_path / "other.jsonl"), resume=True)
     assert session.metrics_owner(resolve(other), Checkpoints(run2 / "ckpt").record()) == str(base / "m.jsonl")
@@ -159,6 +159,6 @@ def test_a_token_file_that_moved_with_the_run_is_the_runs_own(tmp_path):
     with pytest.raises(ValueError, match="--data ids.bin is not the file the run in .* read .path: checkpoint"):
         resume.check_resumable(record, resolve(settings), str(new / "ckpt"),
                                {**here, "path": str(tmp_path / "elsewhere.bin")})
-    assert moved.rebased(str(old / "m.jsonl"), str(old / "ckpt"), new / "ckpt") == str(new / "m.jsonl")
-    assert moved.rebased("/logs/m.jsonl", str(old / "ckpt"), old / "ckpt") == "/logs/m.jsonl"
-    assert os.path.isabs(moved.rebased(str(old / "m.jsonl"), str(old / "ckpt"), "rel/ckpt"))
+    assert resume.rebased(str(old / "m.jsonl"), str(old / "ckpt"), new / "ckpt") == str(new / "m.jsonl")
+    assert resume.rebased("/logs/m.jsonl", str(old / "ckpt"), old / "ckpt") == "/logs/m.jsonl"
+    assert os.path.isabs(resume.rebased(str(old / "m.jsonl"), str(old / "ckpt"), "rel/ckpt"))

@@ -1,13 +1,13 @@
-"""`--set FIELD=VALUE` (recipes.train.cli): the text becomes the field's type, for every family's fields (the MTP
-fields of DeepSeek-V3 too); junk, or a field that does not exist, is a ValueError naming the flag, the field and the
+"""`--set FIELD=VALUE` (recipes.train.settings.cli): the text becomes the field's type, for every family's fields (the
+MTP fields of DeepSeek-V3 too); junk, or a field that does not exist, is a ValueError naming the flag, the field and the
 type or the closest field names (a misspelt field given to a preset in Python: tests/models/test_config_fields.py)."""
 from __future__ import annotations
 
 import pytest
 
 import zoo
-from recipes.train import cli
-from recipes.train.cli import parse_field
+from recipes.train.settings import cli
+from recipes.train.settings.cli import parse_field
 
 
 def test_set_values_parse_to_the_field_type():

@@ -9,12 +9,12 @@ import pytest
 from flax import nnx
 
 import zoo
-from recipes.train.checkpoint import Checkpoints
+from recipes.train.checkpoints.checkpoint import Checkpoints
 from tests.train.cli_runs import RUN, cli, copy_ckpt, main
 
 
 def test_set_values_are_converted_by_field_type(tmp_path, capsys):
-    from recipes.train import cli as recipes_cli
+    from recipes.train.settings import cli as recipes_cli
     fam = zoo.models.registry.family("llama3")
 
     def convert(field, text):

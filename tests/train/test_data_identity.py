@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from recipes.train import data as data_lib
-from recipes.train import loop, resume
-from recipes.train.job import resolve
+from recipes.train import loop
+from recipes.train.checkpoints import resume
+from recipes.train.inputs import data as data_lib
+from recipes.train.settings.job import resolve
 from tests.train.token_files import write_tokens
 
 
@@ -69,8 +70,8 @@ def test_token_ids_out_of_range_are_refused(tiny_model, tmp_path):
     ids = np.arange(100) % 30
     ids[57] = 300
     write_tokens(path, ids, "uint16")
-    # Found in the sample read at start (recipes.train.data.TokenFile), before training; else by the batch that reads
-    # it.
+    # Found in the sample read at start (recipes.train.inputs.data.TokenFile), before training; else by the batch that
+    # reads it.
     with pytest.raises(ValueError, match=f"TokenFile '{path}': id 300 at position 57 is outside the model's vocab"):
         data_lib.TokenFile(path, vocab=32, batch=4, seq=90, seed=0, dtype="uint16")
     good = jnp.zeros((1, 4), jnp.int32)

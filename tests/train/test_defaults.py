@@ -1,9 +1,10 @@
-"""The main job's training defaults per preset (recipes.train.defaults): the peak learning rate and the warm-up from
-each family's published runs, the tiny preset's CPU rate, a full-size rate for presets with no published schedule,
+"""The main job's training defaults per preset (recipes.train.settings.defaults): the peak learning rate and the warm-up
+from each family's published runs, the tiny preset's CPU rate, a full-size rate for presets with no published schedule,
 explicit --lr and --warmup winning, and --opt-dtype checked."""
 import pytest
 
-from recipes.train import defaults, loop
+from recipes.train import loop
+from recipes.train.settings import defaults
 
 
 def test_training_defaults_per_preset():

@@ -15,8 +15,8 @@ import time
 import pytest
 
 from recipes import train
-from recipes.train import coordinator, mesh
-from recipes.train.checkpoint import Checkpoints
+from recipes.train.checkpoints.checkpoint import Checkpoints
+from recipes.train.processes import coordinator, mesh
 from tests.helpers import cpu_env, finish
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -99,9 +99,9 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step(tmp_path):
 
 
 def test_the_coordination_service_host_serves_until_told_and_lingers_after_process_0_is_gone():
-    """The host of process 0's coordination service (`recipes.train.coordinator`): it holds the port while it serves and
-    ends when process 0 says `shutdown` (JAX's shutdown at exit). When process 0 is gone without saying it (its
-    stdin closes), it says until when it serves on (`lingering`: a new run on that port waits for it)."""
+    """The host of process 0's coordination service (`recipes.train.processes.coordinator`): it holds the port while it
+    serves and ends when process 0 says `shutdown` (JAX's shutdown at exit). When process 0 is gone without saying it
+    (its stdin closes), it says until when it serves on (`lingering`: a new run on that port waits for it)."""
     port = free_port()
     host = coordinator.start(f"[::]:{port}", 1, heartbeat=5, shutdown=5, grace=600, timeout=60)
     try:

@@ -29,7 +29,7 @@ def test_the_main_job_logs_and_warns_about_dropped_copies(tmp_path):
     assert all(r["dropped"] > 0 and 0 < r["drop_fraction"] < 1 for r in rows)
     assert "capacity dispatch dropped" in console.export_text()
     # the same steps' figures under --max-drop-warn 1.0 (the watch the job builds from it): nothing said
-    from recipes.train.watch import DropWatch
+    from recipes.train.watching.watch import DropWatch
     for threshold, said in ((settings.max_drop_warn, True), (1.0, False)):
         again = Console(record=True, width=200)
         watch = DropWatch(again, threshold=threshold)

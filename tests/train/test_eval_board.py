@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from recipes.train import watch
-from recipes.train.config import RunConfig
+from recipes.train.settings.config import RunConfig
+from recipes.train.watching import watch
 
 
 def test_heldout_needs_eval_every_and_eval_every_needs_a_heldout_share(tmp_path):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from recipes import registry
-from recipes.train import cli
 from recipes.train import plan as plan_cli
+from recipes.train.settings import cli
 from tests.train.cli_runs import RUN, main
 from zoo.models.registry import FAMILIES
 

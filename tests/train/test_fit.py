@@ -1,12 +1,14 @@
-"""Does the step fit (recipes.train.fit, recipes.train.prepare): the main job's compiled step is the one the planner
-compiles (`zoo.plan.plan(peak="compile")`: XLA's memory analysis of both is equal, field by field); a step over the
-budget is refused (exit 2, before a step runs, the plan printed) unless --force, and a budget the model state alone
+"""Does the step fit (recipes.train.step.fit, recipes.train.step.prepare): the main job's compiled step is the one the
+planner compiles (`zoo.plan.plan(peak="compile")`: XLA's memory analysis of both is equal, field by field); a step over
+the budget is refused (exit 2, before a step runs, the plan printed) unless --force, and a budget the model state alone
 is over before anything compiles, as the planner refuses it; a step that fits runs."""
 import pytest
 
 import zoo
 from recipes import train
-from recipes.train import cli, loop, prepare
+from recipes.train import loop
+from recipes.train.settings import cli
+from recipes.train.step import prepare
 from tests.helpers import tiered
 from zoo.plan import peak as peak_lib
 
@@ -81,19 +83,20 @@ def test_a_step_that_fits_is_not_refused(capsys):
 def test_host_bytes_over_the_pool_or_the_ram_are_refused_naming_what_sets_them(monkeypatch):
     """On a GPU (a stand-in: the checks read its platform and memory limit) the offloaded values and the state kept
     on the host are checked against XLA's pinned pool, naming its variable, and against the machine's RAM."""
-    from recipes.train import fit
+    from recipes.train.settings import job
+    from recipes.train.step import fit
     from tests.helpers import fake_gpu
     from zoo.plan.peak import Peak
     gpu = fake_gpu()
     gpu.memory_stats = lambda: {"bytes_limit": 100 * 2 ** 30}
     peak = Peak(bytes=2 ** 30, source="compiled for NVIDIA H200 (gpu)", compiled=True,
                 detail=dict(argument=2 ** 30, output=0, alias=0, temp=0))
-    problems, _ = fit.check(peak, host=70 * 2 ** 30, pool=64 * 2 ** 30, device=gpu, budget=fit.budget(gpu, None),
+    problems, _ = fit.check(peak, host=70 * 2 ** 30, pool=64 * 2 ** 30, device=gpu, budget=job.budget(gpu, None),
                             hbm_limit_gib=None)
     assert len(problems) == 1 and "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" in problems[0]
     monkeypatch.setattr(fit, "ram_bytes", lambda: (60 * 2 ** 30, 50 * 2 ** 30))
-    problems, _ = fit.check(peak, host=70 * 2 ** 30, pool=110 * 2 ** 30, device=gpu, budget=fit.budget(gpu, None),
+    problems, _ = fit.check(peak, host=70 * 2 ** 30, pool=110 * 2 ** 30, device=gpu, budget=job.budget(gpu, None),
                             hbm_limit_gib=None)
     assert len(problems) == 1 and "over this machine's 60.0 GiB of RAM" in problems[0]
-    assert fit.check(peak, host=50 * 2 ** 30, pool=110 * 2 ** 30, device=gpu, budget=fit.budget(gpu, None),
+    assert fit.check(peak, host=50 * 2 ** 30, pool=110 * 2 ** 30, device=gpu, budget=job.budget(gpu, None),
                      hbm_limit_gib=None)[0] == []

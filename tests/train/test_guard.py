@@ -10,9 +10,10 @@ import optax
 import pytest
 from flax import nnx
 
-from recipes.train import guard, loop
-from recipes.train import job as job_lib
-from recipes.train.checkpoint import Checkpoints
+from recipes.train import loop
+from recipes.train.checkpoints import guard
+from recipes.train.checkpoints.checkpoint import Checkpoints
+from recipes.train.settings import job as job_lib
 from tests.train.cli_runs import RUN, main
 
 

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from recipes.train.checkpoint import Checkpoints
-from recipes.train.interrupt import Interrupted, Interrupts
+from recipes.train.checkpoints.checkpoint import Checkpoints
+from recipes.train.processes.interrupt import Interrupted, Interrupts
 from tests.helpers import ROOT, cpu_env
 
 # The step of tests/train/cli_runs.py (its 6-step schedule; the runs here go on past it until signalled), so
@@ -73,12 +73,12 @@ def test_ctrl_c_without_ckpt_dir_says_nothing_was_saved(env):
 
 def test_a_second_ctrl_c_exits_at_once_without_a_traceback():
     """While a first Ctrl-C waits for the step, a second one exits at once with exit code 130 and one line on stderr
-    (the signal handlers of `recipes.train.interrupt`, in a process of their own). No clock: a signal a process sends
-    itself is handled before `os.kill` returns (CPython checks for signals there), so the first is noted by the next
-    line and the second has exited before the line after it, which would fail loudly."""
+    (the signal handlers of `recipes.train.processes.interrupt`, in a process of their own). No clock: a signal a
+    process sends itself is handled before `os.kill` returns (CPython checks for signals there), so the first is noted
+    by the next line and the second has exited before the line after it, which would fail loudly."""
     code = """
 import os, signal, sys
-from recipes.train.interrupt import Interrupts
+from recipes.train.processes.interrupt import Interrupts
 with Interrupts() as interrupts:
     interrupts.training = True
     os.kill(os.getpid(), signal.SIGINT)

@@ -2,7 +2,7 @@
 in pinned host memory, where XLA reports none and the plan's figure stands in (said as such)."""
 import types
 
-from recipes.train import meter
+from recipes.train.watching import meter
 
 
 def compiled_with(host_temps):

@@ -1,6 +1,6 @@
 """--metrics is opened as a user expects and never replaced: regular files created with the
 umask's mode and appended in place, symlinks followed, FIFOs and devices written as streams, ownership taken with
-the open (a lock), strict JSON lines. No JAX compile: `recipes.train.guard.MetricsFile` directly."""
+the open (a lock), strict JSON lines. No JAX compile: `recipes.train.checkpoints.guard.MetricsFile` directly."""
 from __future__ import annotations
 
 import json
@@ -11,10 +11,11 @@ import time
 
 import pytest
 
-from recipes.train import guard
-from recipes.train.job import resolve
-from recipes.train.lock import DirLock
-from recipes.train.loop import RunConfig, _Session
+from recipes.train.checkpoints import guard
+from recipes.train.checkpoints.resume import Session
+from recipes.train.loop import RunConfig
+from recipes.train.processes.lock import DirLock
+from recipes.train.settings.job import resolve
 
 
 def lines(path) -> list[dict]:
@@ -116,7 +117,7 @@ def test_a_run_killed_before_its_first_checkpoint_owns_its_metrics_file(tmp_path
     os.close(lock.fd)          # as if killed: the file stays, its flock is gone
     lock.fd = None
     again = DirLock(ckpt)
-    session = _Session(stack=None, interrupts=None, previous=again.taken_over)
+    session = Session(stack=None, interrupts=None, previous=again.taken_over)
     assert session.metrics_owner(resolve(settings), None) == metrics
     other = RunConfig(steps=6, ckpt_dir=str(ckpt), metrics=metrics, resume=True, seed=1)
     assert session.metrics_owner(resolve(other), None) is None

@@ -34,9 +34,9 @@ import time
 
 import pytest
 
-from recipes.train import coordinator, mesh
-from recipes.train.checkpoint import Checkpoints
-from recipes.train.lock import LOCK_NAME, DirLock
+from recipes.train.checkpoints.checkpoint import Checkpoints
+from recipes.train.processes import coordinator, mesh
+from recipes.train.processes.lock import LOCK_NAME, DirLock
 from tests import helpers
 from tests.helpers import cpu_env, tiered
 from tests.train.test_distributed_startup import free_port
@@ -325,8 +325,8 @@ def test_a_killed_process_stops_the_other_and_resume_continues(tmp_path, referen
 
 def test_a_killed_coordination_service_ends_every_process_with_one_line(tmp_path):
     """SIGKILL to the coordination service's own process (process 0's child) mid-run: JAX's clients would abort
-    both processes from C++ at once; each exits 1 with one line instead, the relay's (`recipes.train.relay`) or,
-    when the other process's exit reset the collective first, the failed collective's."""
+    both processes from C++ at once; each exits 1 with one line instead, the relay's (`recipes.train.processes.relay`)
+    or, when the other process's exit reset the collective first, the failed collective's."""
     port = free_port()
     procs = processes(["--mesh", "fsdp=4", "--steps", 1000, "--heartbeat-timeout", HEARTBEAT], port=port)
     try:

@@ -11,11 +11,12 @@ import pytest
 from flax import nnx
 
 from recipes.registry import default_recipe
-from recipes.train import data as data_lib
-from recipes.train import loop, prepare
-from recipes.train import mesh as mesh_lib
-from recipes.train.cli import family as model_family
-from recipes.train.cli import recipe as model_recipe
+from recipes.train import loop
+from recipes.train.inputs import data as data_lib
+from recipes.train.processes import mesh as mesh_lib
+from recipes.train.settings.cli import family as model_family
+from recipes.train.settings.cli import recipe as model_recipe
+from recipes.train.step import prepare
 from tests.helpers import hlo_type, pinned_host_shapes
 from tests.rounding import assert_same_metrics, assert_same_state
 from zoo.opt_state import OPT_STATE_PLACES
@@ -174,7 +175,7 @@ def test_the_plan_counts_a_micro_batch_and_the_state_where_it_lives():
 
 def test_a_step_that_does_not_fit_is_told_about_the_host_state_and_accumulation():
     """The refusal lists --grad-accum (micro-batches) and, on a GPU, --opt-state host with the bytes it moves."""
-    from recipes.train import fit
+    from recipes.train.step import fit
     with pytest.raises(ValueError, match=r"to fit: --grad-accum 2 \(.*now 2 sequences"):
         loop.run(loop.RunConfig(steps=1, batch=2, seq=SEQ, hbm_limit=0.0017))   # over the state
     state = ModelState(num_params=0, params=0, grads=0, optimizer=2**30, other=0, optimizer_name="adamw")

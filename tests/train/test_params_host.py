@@ -16,12 +16,13 @@ from flax import nnx
 
 import zoo
 from recipes.registry import default_recipe
-from recipes.train import data as data_lib
-from recipes.train import fit, loop, prepare
-from recipes.train import mesh as mesh_lib
+from recipes.train import loop
 from recipes.train import plan as plan_cli
-from recipes.train.cli import family as model_family
-from recipes.train.cli import recipe as model_recipe
+from recipes.train.inputs import data as data_lib
+from recipes.train.processes import mesh as mesh_lib
+from recipes.train.settings.cli import family as model_family
+from recipes.train.settings.cli import recipe as model_recipe
+from recipes.train.step import fit, prepare
 from tests.helpers import hlo_type
 from tests.rounding import assert_same_metrics, assert_same_state
 from tests.train.cli_runs import RUN, main

@@ -10,7 +10,7 @@ pytest.importorskip("matplotlib")
 
 import zoo  # noqa: E402
 from recipes.train import plan as plan_cli  # noqa: E402
-from recipes.train import plot  # noqa: E402
+from recipes.train.watching import plot  # noqa: E402
 
 BASE = ["--model", "llama3", "--preset", "tiny", "--batch", "2", "--seq", "64", "--peak", "none"]
 

@@ -1,6 +1,6 @@
-"""The relay between a process's JAX client and the coordination service (`recipes.train.relay`), on a stand-in
-for the service: a loopback server that answers each new connection with an HTTP/2 SETTINGS frame, as gRPC's does,
-then echoes. Bytes pass both ways; when the service is gone (its port closed), `lost` is called while the client's
+"""The relay between a process's JAX client and the coordination service (`recipes.train.processes.relay`), on a
+stand-in for the service: a loopback server that answers each new connection with an HTTP/2 SETTINGS frame, as gRPC's
+does, then echoes. Bytes pass both ways; when the service is gone (its port closed), `lost` is called while the client's
 connection is still open (JAX would abort on its close); a connection the service closes while it still answers
 new ones is closed on the client's side too, and so is every one once the process is leaving. Each wait is for a
 state (an event, a socket's end), with a deadline against a hang."""
@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from recipes.train import relay
+from recipes.train.processes import relay
 
 FRAME = bytes([0, 0, 0, relay.SETTINGS, 0, 0, 0, 0, 0])   # an empty SETTINGS frame
 DEADLINE = 30.0

@@ -14,8 +14,9 @@ import optax
 import pytest
 from flax import nnx
 
-from recipes.train import loop, resume
-from recipes.train.checkpoint import Checkpoints
+from recipes.train import loop
+from recipes.train.checkpoints import resume
+from recipes.train.checkpoints.checkpoint import Checkpoints
 from tests.helpers import tiered
 from tests.train.cli_runs import RUN, cli, copy_ckpt, main, rows
 

@@ -17,11 +17,11 @@ import pytest
 from flax import nnx
 
 from recipes.registry import default_recipe
-from recipes.train import data as data_lib
-from recipes.train import mesh as mesh_lib
-from recipes.train import prepare
-from recipes.train.cli import family as model_family
-from recipes.train.cli import recipe as model_recipe
+from recipes.train.inputs import data as data_lib
+from recipes.train.processes import mesh as mesh_lib
+from recipes.train.settings.cli import family as model_family
+from recipes.train.settings.cli import recipe as model_recipe
+from recipes.train.step import prepare
 from tests.helpers import hlo_type
 from tests.rounding import assert_same_metrics, assert_same_state
 from zoo import sharding

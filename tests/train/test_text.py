@@ -1,6 +1,6 @@
-"""Text to training (recipes/train/text.py, recipes.train.data.open_data): a tokenizer trained here (no downloads),
-text and JSONL files tokenized once into the token-file format with EOS between documents, cached by content, a held-out
-split, and a short run with --eval-every and --tensorboard."""
+"""Text to training (recipes/train/inputs/text.py, recipes.train.inputs.data.open_data): a tokenizer trained here (no
+downloads), text and JSONL files tokenized once into the token-file format with EOS between documents, cached by
+content, a held-out split, and a short run with --eval-every and --tensorboard."""
 import json
 import os
 
@@ -9,7 +9,7 @@ import pytest
 
 tokenizers = pytest.importorskip("tokenizers")
 
-from recipes.train import data, text  # noqa: E402
+from recipes.train.inputs import data, text  # noqa: E402
 from tests.train.token_files import write_tokens  # noqa: E402
 
 DOCS = ["the cat sat on the mat.\nthe dog sat on the log.\n", "a bird in the hand is worth two in the bush.",
@@ -99,7 +99,7 @@ def test_heldout_split_and_start_up_id_check(tmp_path):
     ids = np.zeros(5000, np.int64)
     ids[4321] = 300
     write_tokens(path, ids)
-    # a file this small is read whole by the start-up sample (recipes.train.data.SAMPLE_CHUNKS x SAMPLE_IDS)
+    # a file this small is read whole by the start-up sample (recipes.train.inputs.data.SAMPLE_CHUNKS x SAMPLE_IDS)
     with pytest.raises(ValueError, match="id 300 at position 4,321 is outside the model's vocabulary of 256"):
         data.TokenFile(path, vocab=256, batch=2, seq=8)
 
@@ -138,7 +138,7 @@ def test_text_that_is_not_utf8_is_refused_naming_file_and_byte_unless_an_encodin
     with pytest.raises(ValueError, match="--text-encoding 'klingon' is not an encoding Python knows"):
         text.prepare(latin, tok_dir, vocab=300, encoding="klingon")
     with pytest.raises(ValueError, match="--text-encoding needs text --data and --tokenizer"):
-        from recipes.train.config import RunConfig
+        from recipes.train.settings.config import RunConfig
         RunConfig(data=str(latin), text_encoding="latin-1")
 
 

@@ -1,5 +1,5 @@
-"""Text that is not what it says (recipes/train/text.py): each case is refused before training with one line naming
-the file (and the line or byte), or read as it is and said once.
+"""Text that is not what it says (recipes/train/inputs/text.py): each case is refused before training with one line
+naming the file (and the line or byte), or read as it is and said once.
 
 - `--text-encoding rot13`: a codec Python knows that is not a text encoding, refused up front.
 - A `.jsonl` line holding a lone surrogate (`"\\ud83d"`): refused naming the file and the line.
@@ -22,7 +22,7 @@ import pytest
 
 pytest.importorskip("tokenizers")
 
-from recipes.train import data, text  # noqa: E402
+from recipes.train.inputs import data, text  # noqa: E402
 from tests.train.test_text import make_tokenizer  # noqa: E402
 
 
@@ -45,7 +45,7 @@ def test_a_codec_that_is_not_a_text_encoding_is_refused_up_front(tok, tmp_path):
         with pytest.raises(ValueError, match=f"--text-encoding '{codec}' is a codec Python knows but not a text "
                                              f"encoding"):
             text.check_encoding(codec)
-    from recipes.train.config import RunConfig
+    from recipes.train.settings.config import RunConfig
     with pytest.raises(ValueError, match="'rot13' is a codec Python knows but not a text encoding"):
         RunConfig(data=str(tmp_path / "a.txt"), tokenizer=str(tok[1]), text_encoding="rot13")
     assert text.check_encoding("UTF16") == "utf-16"

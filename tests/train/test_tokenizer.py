@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("tokenizers")
 
-from recipes.train import data, text  # noqa: E402
 from recipes.train import tokenizer as tokenizer_cli  # noqa: E402
+from recipes.train.inputs import data, text  # noqa: E402
 
 LINES = ["the cat sat on the mat.", "the dog sat on the log.", "a bird in the hand is worth two in the bush.",
          "the quick brown fox jumps over the lazy dog."]

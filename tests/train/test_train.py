@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from recipes.train import data as data_lib
-from recipes.train import flags, loop
-from recipes.train.checkpoint import Checkpoints
-from recipes.train.cli import family as model_family
-from recipes.train.cli import recipe as model_recipe
+from recipes.train import loop
+from recipes.train.checkpoints.checkpoint import Checkpoints
+from recipes.train.inputs import data as data_lib
+from recipes.train.settings import flags
+from recipes.train.settings.cli import family as model_family
+from recipes.train.settings.cli import recipe as model_recipe
 from tests.helpers import assert_unbroken, cpu_env
 from tests.train.token_files import write_tokens
 from zoo.optim import lr_schedule, make_optimizer
@@ -222,7 +223,8 @@ def test_flag_sets_add_to_xla_flags_and_user_flags_win():
 
 def test_the_cli_applies_its_flag_set_before_jax_is_imported():
     code = ("import sys; import recipes.train as t; assert 'jax' not in sys.modules, 'jax imported too early'; "
-            "from recipes.train import flags; flags.apply('overlap'); import os; print(os.environ['XLA_FLAGS'])")
+            "from recipes.train.settings import flags; flags.apply('overlap'); import os; "
+            "print(os.environ['XLA_FLAGS'])")
     out = subprocess.run([sys.executable, "-c", code], env={**_env(), "XLA_FLAGS": ""}, cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -292,7 +294,7 @@ def test_loss_chunk_flag(capsys):
     import argparse
 
     from recipes import train
-    from recipes.train.config import loss_chunk_arg
+    from recipes.train.settings.config import loss_chunk_arg
     assert [loss_chunk_arg(t) for t in ("8", "0", "none", "auto")] == [8, None, None, "auto"]
     with pytest.raises(argparse.ArgumentTypeError, match="--loss-chunk takes a number of positions"):
         loss_chunk_arg("half")

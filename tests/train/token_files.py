@@ -1,4 +1,4 @@
-"""Token files for the tests: ids written in the format `recipes.train.data.TokenFile` reads (flat little-endian
+"""Token files for the tests: ids written in the format `recipes.train.inputs.data.TokenFile` reads (flat little-endian
 uint16 or uint32, no header)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from recipes.train.token_file import DTYPES
+from recipes.train.inputs.text import DTYPES
 
 
 def write_tokens(path: str | os.PathLike, ids, dtype: str = "uint16") -> None:

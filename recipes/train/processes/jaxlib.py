@@ -1,6 +1,7 @@
 """One of jaxlib's distributed constructors, replaced while `jax.distributed.initialize()` runs: how the training
-command hosts the coordination service in a process of its own (`recipes.train.coordinator`) and reaches it through
-a relay (`recipes.train.relay`). jaxlib keeps them in a private module, `jax._src.distributed._jax`."""
+command hosts the coordination service in a process of its own (`recipes.train.processes.coordinator`) and reaches it
+through a relay (`recipes.train.processes.relay`). jaxlib keeps them in a private module,
+`jax._src.distributed._jax`."""
 from __future__ import annotations
 
 import contextlib

@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from recipes.train import mesh
+from recipes.train.processes import mesh
 
 PREFIX = "offload_zoo/agree/"
 

@@ -8,8 +8,8 @@ FLOP rate. On a device each has a default, and every figure says where it came f
 - link: `--link` (GB/s per direction, with `--overlap`, default 0), else the link measured for the device kind
   inside a training step (`zoo.plan.links`: on the H200 with jax 0.11.2, 55.3 GB/s, 63% of the stores and 48% of
   the reloads hidden under compute once the step's copies leave the compute stream).
-- FLOP rate: `--peak-tflops`, else the main job's per-device table (`recipes.train.meter.peak_tflops`: the datasheet
-  bf16 peak).
+- FLOP rate: `--peak-tflops`, else the main job's per-device table (`recipes.train.watching.meter.peak_tflops`: the
+  datasheet bf16 peak).
 
 The planner fills the budget with saved activations and model state beside what it expects XLA's temporaries to
 take; the main job compiles the choice and, while its peak is over the device's limit, plans again with the budget
@@ -22,7 +22,7 @@ import dataclasses
 import jax
 
 import zoo
-from recipes.train import meter
+from recipes.train.watching import meter
 from zoo.plan import links
 from zoo.plan.build import ONE_DEVICE
 from zoo.plan.peak import allocator_limit
@@ -77,7 +77,7 @@ def inputs(device: jax.Device, *, hbm_gib: float | None = None, link_gbps: float
             link_src = f"measured on the {measured.device_kind}, zoo.plan.links"
     rate_tflops, tflops_src = meter.peak_tflops(device, tflops)
     if rate_tflops is None:
-        missing.append(f"a FLOP rate: no datasheet peak is known for {kind!r} (recipes.train.meter); "
+        missing.append(f"a FLOP rate: no datasheet peak is known for {kind!r} (recipes.train.watching.meter); "
                        f"pass --peak-tflops TFLOPS")
     if missing:
         raise ValueError("--recipe auto needs " + "; and ".join(missing))

@@ -1,20 +1,28 @@
-"""What a run reads before it builds anything: its checkpoints (refusing to overwrite a run or to resume a
-different one), its data (a token file checked and fingerprinted, text tokenized), and the newest intact
-checkpoint of this run to resume from.
+"""What a run reads before it builds anything and what it writes: its checkpoint directory taken (`Session`), its
+checkpoints (refusing to overwrite a run or to resume a different one), its data (a token file checked and
+fingerprinted, text tokenized), the newest intact checkpoint of this run to resume from (restored by `restore`), and
+its metrics file and TensorBoard.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
+import jax
 from rich.console import Console
 
-from recipes.train import data as data_lib
-from recipes.train import moved, watch
-from recipes.train.checkpoint import Checkpoints
-from recipes.train.config import RunConfig
-from recipes.train.job import Job
+from recipes.train.checkpoints import guard
+from recipes.train.checkpoints.checkpoint import Checkpoints
+from recipes.train.inputs import data as data_lib
+from recipes.train.processes import agree
+from recipes.train.processes.interrupt import Interrupts
+from recipes.train.processes.lock import DirLock
+from recipes.train.settings.config import RunConfig
+from recipes.train.settings.job import Job
+from recipes.train.watching import watch
 
 
 def sources(settings: RunConfig, vocab: int, console: Console) -> tuple[data_lib.Source, Any]:
@@ -29,6 +37,27 @@ def sources(settings: RunConfig, vocab: int, console: Console) -> tuple[data_lib
         src = held = data_lib.Synthetic(vocab=vocab, batch=settings.batch, seq=settings.seq, seed=settings.seed)
     src = data_lib.Poisoned(src, settings.poison_step) if settings.poison_step is not None else src
     return src, held if settings.eval_every else None
+
+
+# Paths a run recorded, found again after its folder moved (`mv run1 run2`, then the same command in run2).
+#
+# A checkpoint's record and the checkpoint directory's lock hold the directory they were written in (`directory`)
+# beside the absolute paths of the run's files (its --metrics file, its token file). When the checkpoint directory
+# is elsewhere now, a recorded path is also looked for at the same place relative to it (`rebased`): a file inside
+# the folder that moved moved with it, and one outside it stayed where it was. Either place is the run's own.
+def rebased(path: str | None, then: str | None, now: str | os.PathLike) -> str | None:
+    """`path`, recorded when the checkpoint directory was `then`, where it is if it moved with the directory (now
+    `now`); `path` itself when the directory did not move or its old place is not recorded."""
+    if not path or not then or os.path.abspath(then) == os.path.abspath(now):
+        return path
+    return os.path.normpath(os.path.join(os.path.abspath(now), os.path.relpath(path, then)))
+
+
+def same(recorded: str | None, path: str | os.PathLike | None, then: str | None, now: str | os.PathLike) -> bool:
+    """Is `path` the file recorded as `recorded`, where it was or where it moved with the checkpoint directory?"""
+    if recorded is None or path is None:
+        return False
+    return os.path.abspath(path) in {recorded, rebased(recorded, then, now)}
 
 
 # The settings a run's identity holds only off their default: (the default, why a change is refused). Each is refused
@@ -51,7 +80,7 @@ def check_resumable(record: dict, job: Job, directory: str, data: dict | None = 
     if settings.allow_data_change:   # the data's path may change too
         have["data"] = want["data"]
     had = record.get("data")
-    if had and data and moved.same(had.get("path"), data.get("path"), record.get("directory"), directory):
+    if had and data and same(had.get("path"), data.get("path"), record.get("directory"), directory):
         had = {**had, "path": data["path"]}   # the token file moved with the run's folder
     check_data(had, data, settings, directory)
     if "schedule_steps" not in have and "steps" in have:   # a record written before --schedule-steps existed
@@ -76,8 +105,8 @@ def check_resumable(record: dict, job: Job, directory: str, data: dict | None = 
 
 def check_data(have: dict | None, now: dict | None, settings: RunConfig, directory: str) -> None:
     """--resume on a token file other than the one the checkpoint's run read (path, dtype, size or fingerprint,
-    `recipes.train.data.TokenFile.identity`) is refused unless --allow-data-change. Records written before the data was
-    recorded have none: nothing to compare."""
+    `recipes.train.inputs.data.TokenFile.identity`) is refused unless --allow-data-change. Records written before the
+    data was recorded have none: nothing to compare."""
     if have is None or now is None or settings.allow_data_change:
         return
     diff = [f"{k}: checkpoint {have.get(k)!r}, now {v!r}" for k, v in now.items() if have.get(k) != v]
@@ -98,6 +127,8 @@ class Inputs:
     say: Callable
     resume_step: int | None
     resume_record: dict | None
+    resuming: bool = False   # --resume
+    finished: bool = False   # resumed a run already at --steps: nothing to do
 
 
 def open_inputs(job: Job, console: Console) -> Inputs:
@@ -117,10 +148,77 @@ def open_inputs(job: Job, console: Console) -> Inputs:
     check = lambda record: check_resumable(record, job, ckpts.directory, data_id)  # noqa: E731
     say = lambda message: console.print(message, soft_wrap=True, markup=False)  # noqa: E731  (whole lines in logs)
     resume_step, resume_record = ckpts.newest_intact(check, say=say) if settings.resume else (None, None)
-    return Inputs(ckpts, source, held, data_id, check, say, resume_step, resume_record)
+    return Inputs(ckpts, source, held, data_id, check, say, resume_step, resume_record, resuming=settings.resume,
+                  finished=resume_step is not None and resume_step >= settings.steps)
 
 
-def restore(settings: RunConfig, console: Console, inputs: Inputs, model, optimizer) -> int:
+@dataclasses.dataclass
+class Session:
+    """What a run holds while it runs: resources closed when it ends (the lock, the metrics file, TensorBoard), the
+    signal handlers, and the record of a previous run in the same --ckpt-dir that was killed (its stale lock)."""
+    stack: contextlib.ExitStack
+    interrupts: Interrupts
+    previous: dict | None = None
+    metrics_file: guard.MetricsFile | None = None
+    board: watch.Board | None = None
+
+    def open(self, job: Job, console: Console) -> Inputs:
+        """Take --ckpt-dir, open what the run reads (`open_inputs`) and, unless the run is already at --steps,
+        what it writes (`open_outputs`)."""
+        self.take_ckpt_dir(job, console)
+        inputs = open_inputs(job, console)
+        if not inputs.finished:
+            self.open_outputs(job, inputs)
+        return inputs
+
+    def take_ckpt_dir(self, job: Job, console: Console) -> None:
+        """With --ckpt-dir: check it and take its lock (multi-host: one lock for the run, held by process 0; its
+        refusal stops every process). The lock file also names the run and its metrics file: a run killed before
+        its first checkpoint is recognised by the same command with --resume (its metrics file is its own)."""
+        settings = job.settings
+        if not settings.ckpt_dir:
+            return
+        directory = guard.check_ckpt_dir(settings.ckpt_dir)
+        info = {"run": job.identity, "metrics": os.path.abspath(settings.metrics) if settings.metrics else None}
+        lock = agree.decided_by_0("the lock of --ckpt-dir",
+                                  lambda: self.stack.enter_context(DirLock(directory, info=info)),
+                                  settings.coordinator_timeout)
+        if lock is not None and lock.taken_over:
+            console.print(f"took over the stale lock of a run that ended without releasing it "
+                          f"(pid {lock.taken_over.get('pid')}, started {lock.taken_over.get('started')})",
+                          soft_wrap=True)
+            self.previous = lock.taken_over
+
+    def open_outputs(self, job: Job, inputs: Inputs) -> None:
+        """The metrics file (checked: another run's is refused) and TensorBoard, written by process 0."""
+        settings = job.settings
+        if jax.process_index() != 0:
+            return
+        if settings.metrics:
+            self.metrics_file = self.stack.enter_context(guard.check_metrics(
+                settings.metrics, owner=self.metrics_owner(job, inputs.resume_record)))
+        if settings.tensorboard:
+            self.board = self.stack.enter_context(contextlib.closing(watch.Board(
+                settings.tensorboard, run=job.identity, resume=settings.resume)))
+
+    def metrics_owner(self, job: Job, resume_record: dict | None) -> str | None:
+        """The metrics path the run being continued wrote: its checkpoint's, or, for a run killed before its first
+        checkpoint, its stale lock's (same run identity, --resume given); where it is now if the run's folder
+        moved (`same`)."""
+        settings = job.settings
+        if resume_record is not None:
+            said = resume_record
+        elif settings.resume and self.previous and self.previous.get("run") == job.identity:
+            said = self.previous
+        else:
+            return None
+        if settings.metrics and same(said.get("metrics"), settings.metrics, said.get("directory"),
+                                           settings.ckpt_dir):
+            return os.path.abspath(settings.metrics)
+        return said.get("metrics")
+
+
+def restore(console: Console, inputs: Inputs, model, optimizer) -> int:
     """The step to start after: the newest intact checkpoint's, restored into `model` and `optimizer`; else 0."""
     ckpts = inputs.ckpts
     if ckpts is not None and inputs.resume_step is not None:
@@ -128,6 +226,6 @@ def restore(settings: RunConfig, console: Console, inputs: Inputs, model, optimi
         start, _ = ckpts.newest_intact(inputs.check, model, optimizer, say=inputs.say)
         console.print(f"resumed from {ckpts.directory} at step {start}")
         return start
-    if settings.resume:
+    if inputs.resuming:
         console.print(f"--resume: no checkpoint in {ckpts.directory} yet; starting from step 0")
     return 0

@@ -9,6 +9,7 @@ phases of the run (`recipes.train.loop`) take the `Job` it returns; none of them
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -16,13 +17,36 @@ import optax
 
 import zoo
 from recipes import registry as recipe_registry
-from recipes.train import cli, fit
-from recipes.train import mesh as mesh_lib
-from recipes.train.config import RunConfig
+from recipes.train.processes import mesh as mesh_lib
+from recipes.train.settings import cli
+from recipes.train.settings.config import RunConfig
 from zoo.layers.attention_kernel import resolve_impl
 from zoo.models.registry import Family
 from zoo.opt_state import check_params
 from zoo.optim import lr_schedule
+from zoo.plan.types import GiB
+
+
+@dataclasses.dataclass(frozen=True)
+class Cadence:
+    """The training loop's course, resolved from the settings: where it stops and what it does every so many
+    steps (0: never)."""
+    steps: int                   # --steps: train up to this step
+    schedule_steps: int          # the learning-rate schedule's length (`RunConfig.total_schedule`)
+    batch: int
+    seq: int
+    log_every: int
+    eval_every: int
+    eval_batches: int
+    ckpt_every: int
+    stop_after: int | None       # debug: stop after this step as if preempted
+    max_drop_warn: float
+    peak_tflops: float | None    # --peak-tflops: the device's peak for MFU (None: the datasheet table's)
+
+    @classmethod
+    def of(cls, s: RunConfig) -> Cadence:
+        return cls(s.steps, s.total_schedule, s.batch, s.seq, s.log_every, s.eval_every, s.eval_batches, s.ckpt_every,
+                   s.stop_after, s.max_drop_warn, s.peak_tflops)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +63,7 @@ class Job:
     identity: dict[str, Any]     # what a checkpoint must match to be resumed (`RunConfig.identity`)
     schedule: optax.Schedule
     budget: tuple[int | None, str]   # the device bytes the step may use, and where the figure comes from
+    cadence: Cadence             # the training loop's course
 
     @property
     def training(self) -> zoo.plan.Training:
@@ -53,6 +78,49 @@ class Job:
         return zoo.plan.Parallelism(mesh=self.mesh if self.mesh.devices.size > 1 else None)
 
 
+def ram_bytes() -> tuple[int | None, int | None]:
+    """(the machine's RAM, what is available now) in bytes, from /proc/meminfo or sysconf (None if unknown)."""
+    total = avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:2]}
+        total, avail = info.get("MemTotal"), info.get("MemAvailable")
+    except (OSError, ValueError, IndexError):
+        pass
+    if total is None:
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            total = None
+    return total, avail
+
+
+FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
+def allocator_share() -> str:
+    """Which share of the GPU XLA's allocator takes, and how to raise it (the budget's bytes_limit follows it)."""
+    frac = os.environ.get(FRACTION_ENV)
+    now = f"{FRACTION_ENV}={frac}" if frac else f"{FRACTION_ENV} unset: JAX's default, 75% of the GPU"
+    return f"the allocator's share ({now}; {FRACTION_ENV}=.95 raises it)"
+
+
+def budget(device: jax.Device, hbm_limit_gib: float | None) -> tuple[int | None, str]:
+    """(device bytes the step may use, where the figure comes from)."""
+    if hbm_limit_gib is not None:
+        return int(hbm_limit_gib * GiB), "--hbm-limit"
+    limit = zoo.plan.allocator_limit(device)
+    if limit:
+        return int(limit), f"{device.device_kind}'s bytes_limit, {allocator_share()}"
+    if device.platform == "cpu":
+        total, _ = ram_bytes()
+        n = jax.local_device_count()
+        if n > 1 and total:   # fake CPU devices (--xla_force_host_platform_device_count) share the RAM
+            return total // n, f"this machine's RAM shared by {n} CPU devices: the CPU's device memory"
+        return total, "this machine's RAM: the CPU's device memory"
+    return None, f"no memory limit known for {device.device_kind}"
+
+
 def resolve(settings: RunConfig) -> Job:
     """The `Job` of `settings`, checked: bad names, config values, a config the device cannot run (e.g. cuDNN
     attention on a CPU, `--params host` with float32 parameters) and a mesh the model or the batch does not split
@@ -62,7 +130,7 @@ def resolve(settings: RunConfig) -> Job:
     recipe_name = settings.recipe or recipe_registry.default_recipe(family)
     recipe = None if recipe_name == "auto" else cli.recipe(family, recipe_name)
     device = jax.local_devices()[0]
-    budget = fit.budget(device, settings.hbm_limit)
+    memory = budget(device, settings.hbm_limit)
     model_cfg = cli.model_config(family, settings.preset, settings.overrides)
     try:
         model_cfg.check_seq(settings.seq)
@@ -80,4 +148,5 @@ def resolve(settings: RunConfig) -> Job:
         kernels[kernel] = choice.replace("(asked for", f"({who}", 1)
     mesh = mesh_lib.resolve(settings.mesh, model_cfg, settings.micro_batch)
     schedule = lr_schedule(lr=settings.peak_lr, steps=settings.total_schedule, warmup=settings.total_warmup)
-    return Job(settings, family, model_cfg, recipe_name, recipe, device, kernels, mesh, identity, schedule, budget)
+    return Job(settings, family, model_cfg, recipe_name, recipe, device, kernels, mesh, identity, schedule, memory,
+               Cadence.of(settings))

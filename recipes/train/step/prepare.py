@@ -1,4 +1,4 @@
-"""Before the first step, from the resolved run (`recipes.train.job.Job`): its step compiled on shapes (the
+"""Before the first step, from the resolved run (`recipes.train.settings.job.Job`): its step compiled on shapes (the
 executable that runs), what runs said, its memory plan printed and checked to fit, and the model built sharded. A
 step that cannot fit is refused here, before anything is allocated.
 """
@@ -15,9 +15,10 @@ from rich.console import Console
 
 import zoo
 import zoo.sharding
-from recipes.train import auto, fit, meter, watch
-from recipes.train import mesh as mesh_lib
-from recipes.train.job import Job
+from recipes.train.processes import mesh as mesh_lib
+from recipes.train.settings.job import Job
+from recipes.train.step import auto, fit
+from recipes.train.watching import meter, watch
 from zoo import compile_options
 from zoo.models.registry import Family
 from zoo.opt_state import state_shardings
@@ -70,7 +71,7 @@ def compile_for_shapes(job: Job, recipe: zoo.Recipe, loss_chunk="auto"):
 
 def check_fits(job: Job, console: Console, plan: zoo.plan.Plan, step: Step) -> None:
     """Refuse (ValueError: exit 2) a step whose compiled peak exceeds the device's budget, or whose host bytes
-    exceed the pinned pool, before anything is allocated; --force launches it anyway (`recipes.train.fit`)."""
+    exceed the pinned pool, before anything is allocated; --force launches it anyway (`recipes.train.step.fit`)."""
     device, settings = job.device, job.settings
     # the offloaded activations (XLA's host temporaries) and the state kept in pinned host memory
     host = plan.host_total
@@ -106,6 +107,25 @@ class Step:
     hint: str | None
 
 
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """The run's step compiled (`Step`), its memory plan, and the model and optimizer built sharded."""
+    step: Step
+    plan: zoo.plan.Plan
+    model: Any
+    optimizer: Any
+
+
+def prepare(job: Job, console: Console) -> Built:
+    """Compile the step on shapes alone (nothing allocated, `compile_run`), show it and refuse one that does not fit
+    (`show_and_check`), and only then build the model (`build_run`): the executable compiled here is the one that
+    runs."""
+    step = compile_run(job, console)
+    plan = show_and_check(job, console, step)
+    model, optimizer = build_run(job, step.recipe)
+    return Built(step, plan, model, optimizer)
+
+
 def compile_run(job: Job, console: Console) -> Step:
     """Compile the step (with a live status line), fitted to the device (`zoo.plan.fit`): --recipe auto the planner's
     choice for this device, --loss-chunk auto the whole sequence where the step fits that way (else the fewest chunks
@@ -114,7 +134,7 @@ def compile_run(job: Job, console: Console) -> Step:
     settings, device = job.settings, job.device
     what = (f"compiling the training step ({settings.model} {settings.preset}, batch {settings.batch} x seq "
             f"{settings.seq}, recipe {job.recipe_name}) for {device.platform}")
-    fit.check_run_state(job, console)   # a budget the model state alone is over: no compile
+    check_model_state(job, console)   # a budget the model state alone is over: no compile
     # --recipe auto: its inputs (ValueError naming every missing flag) before the compile's status line
     ins = None if job.recipe is not None else auto.inputs(device, hbm_gib=settings.hbm_limit, link_gbps=settings.link,
                                                           overlap=settings.overlap, tflops=settings.peak_tflops)
@@ -138,6 +158,19 @@ def compile_run(job: Job, console: Console) -> Step:
     return Step(fitted.recipe, compiled, graphdef, abstract, time.perf_counter() - t0, fitted.loss_chunk,
                 compile_options.for_step(fitted.recipe, device.platform),
                 compile_options.chunking_hint(fitted.recipe, job.model_cfg.mlp_seq_chunks, device.platform))
+
+
+def check_model_state(job: Job, console: Console) -> None:
+    """The training command's `fit.check_state`, before it compiles: against the run's budget (`Job.budget`), for its
+    optimizer state and master copy where its flags put them; `--force` says so and goes on."""
+    limit, where = job.budget
+    try:
+        fit.check_state(zoo.plan.model_state(job.model_cfg, training=job.training, parallel=job.parallel), limit,
+                        where, "--hbm-limit")
+    except ValueError as e:
+        if not job.settings.force:
+            raise
+        console.print(f"warning: {e}; launching anyway (--force)", soft_wrap=True, markup=False)
 
 
 def show_and_check(job: Job, console: Console, step: Step) -> zoo.plan.Plan:

@@ -9,8 +9,9 @@ The mesh and its rules are `zoo.sharding`'s; around them:
   numbers, before anything compiles).
 - `maybe_initialize(flag)`: `jax.distributed.initialize()` with `--distributed` or `JAX_COORDINATOR_ADDRESS`
   (`JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`), before JAX touches a device; process 0 checks its port first (`check_port`)
-  and hosts the coordination service in a process of its own (`recipes.train.coordinator`), each client reaching it
-  through a relay (`recipes.train.relay`), so a dead process 0 or service ends the others with a message.
+  and hosts the coordination service in a process of its own (`recipes.train.processes.coordinator`), each client
+  reaching it through a relay (`recipes.train.processes.relay`), so a dead process 0 or service ends the others with a
+  message.
 - `PeerWatch(timeout)`: a process that stops, fails or finishes alone ends the others with one line
   (`--heartbeat-timeout`) instead of leaving them waiting in a collective.
 - `put_batch(batch, mesh)`: every process makes the same global batch; each keeps the rows its devices hold
@@ -29,7 +30,7 @@ import time
 import jax
 import numpy as np
 
-from recipes.train import coordinator, relay
+from recipes.train.processes import coordinator, relay
 from zoo import sharding
 
 COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"
@@ -63,9 +64,10 @@ def maybe_initialize(flag: bool, timeout: float = 300.0, heartbeat: float = 60.0
         check_port(os.environ[COORDINATOR_ENV])
     print(f"distributed: {who} waiting up to {timeout:g} s for {where} and every process (--coordinator-timeout)",
           flush=True)
-    # Process 0's coordination service in a process of its own (`recipes.train.coordinator`): it outlives process 0, so
-    # that the others end with a message when process 0 dies, not in a C++ abort; and every client reaches it through
-    # a relay (`recipes.train.relay`) that ends this process with a message when the service itself dies.
+    # Process 0's coordination service in a process of its own (`recipes.train.processes.coordinator`): it outlives
+    # process 0, so that the others end with a message when process 0 dies, not in a C++ abort; and every client reaches
+    # it through a relay (`recipes.train.processes.relay`) that ends this process with a message when the service
+    # itself dies.
     def lost(why: str) -> None:
         end(f"error: {peer_lost(why, _process_id(kwargs))}", 1)
 

@@ -19,8 +19,8 @@ from typing import Protocol
 
 import numpy as np
 
-from recipes.train import text
-from recipes.train.token_file import DTYPES, fingerprint  # noqa: F401  (the token file's own facts)
+from recipes.train.inputs import text
+from recipes.train.inputs.text import DTYPES, fingerprint  # noqa: F401  (the token file's own facts)
 
 
 class Source(Protocol):
@@ -165,7 +165,7 @@ def open_data(path: str | os.PathLike, *, tokenizer: str | None, vocab: int, bat
               dtype: str | None, heldout: float = 0.0, say: Callable[[str], None] = print,
               progress: Callable | None = None, encoding: str | None = None) -> tuple[TokenFile, TokenFile | None]:
     """(training source, held-out source or None) for `--data PATH`: a token file, or text files tokenized
-    with `--tokenizer` (`recipes.train.text.prepare`: once, cached by content; `encoding`: `--text-encoding`).
+    with `--tokenizer` (`recipes.train.inputs.text.prepare`: once, cached by content; `encoding`: `--text-encoding`).
     `heldout`: the fraction of ids kept out of training, at the end of the file."""
     if not 0 <= heldout < 1:
         raise ValueError(f"--heldout must be a fraction in [0, 1), got {heldout}")

@@ -1,70 +1,21 @@
 """Does the compiled step fit? The main job's check before it allocates anything.
 
 The step is compiled on abstract inputs first (`zoo.train_step`: nothing allocated); its peak (arguments +
-outputs - donated + temporaries, `zoo.plan.peak`) is compared with the device's budget: `--hbm-limit GiB` if
-given, else the device's `memory_stats()["bytes_limit"]`, else, on the CPU (whose "device memory" is the
-machine's RAM), the machine's RAM. Host bytes (offloaded residuals) are compared with XLA's pinned host pool.
-A step that cannot fit is refused with the plan and what to change, instead of an out-of-memory traceback;
-`--force` launches it anyway. A budget the model state alone is over (`check_state`) is refused before anything
-compiles, by the training command and the planner alike.
+outputs - donated + temporaries, `zoo.plan.peak`) is compared with the device's budget
+(`recipes.train.settings.job.budget`): `--hbm-limit GiB` if given, else the device's `memory_stats()["bytes_limit"]`,
+else, on the CPU (whose "device memory" is the machine's RAM), the machine's RAM. Host bytes (offloaded residuals) are
+compared with XLA's pinned host pool. A step that cannot fit is refused with the plan and what to change, instead of an
+out-of-memory traceback; `--force` launches it anyway. A budget the model state alone is over (`check_state`) is refused
+before anything compiles, by the training command and the planner alike.
 """
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING
-
 import jax
-from rich.console import Console
 
 import zoo
+from recipes.train.settings.job import FRACTION_ENV, ram_bytes
 from zoo.plan.peak import Peak
-from zoo.plan.types import GiB, ModelState, fmt_bytes
-
-if TYPE_CHECKING:   # the job is resolved with this module's budget (`recipes.train.job` imports it)
-    from recipes.train.job import Job
-
-
-def ram_bytes() -> tuple[int | None, int | None]:
-    """(the machine's RAM, what is available now) in bytes, from /proc/meminfo or sysconf (None if unknown)."""
-    total = avail = None
-    try:
-        with open("/proc/meminfo") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:2]}
-        total, avail = info.get("MemTotal"), info.get("MemAvailable")
-    except (OSError, ValueError, IndexError):
-        pass
-    if total is None:
-        try:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
-            total = None
-    return total, avail
-
-
-FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
-
-
-def allocator_share() -> str:
-    """Which share of the GPU XLA's allocator takes, and how to raise it (the budget's bytes_limit follows it)."""
-    frac = os.environ.get(FRACTION_ENV)
-    now = f"{FRACTION_ENV}={frac}" if frac else f"{FRACTION_ENV} unset: JAX's default, 75% of the GPU"
-    return f"the allocator's share ({now}; {FRACTION_ENV}=.95 raises it)"
-
-
-def budget(device: jax.Device, hbm_limit_gib: float | None) -> tuple[int | None, str]:
-    """(device bytes the step may use, where the figure comes from)."""
-    if hbm_limit_gib is not None:
-        return int(hbm_limit_gib * GiB), "--hbm-limit"
-    limit = zoo.plan.allocator_limit(device)
-    if limit:
-        return int(limit), f"{device.device_kind}'s bytes_limit, {allocator_share()}"
-    if device.platform == "cpu":
-        total, _ = ram_bytes()
-        n = jax.local_device_count()
-        if n > 1 and total:   # fake CPU devices (--xla_force_host_platform_device_count) share the RAM
-            return total // n, f"this machine's RAM shared by {n} CPU devices: the CPU's device memory"
-        return total, "this machine's RAM: the CPU's device memory"
-    return None, f"no memory limit known for {device.device_kind}"
+from zoo.plan.types import ModelState, fmt_bytes
 
 
 def check(peak: Peak, *, host: int, pool: int, device: jax.Device, budget: tuple[int | None, str],
@@ -153,16 +104,3 @@ def check_state(state: ModelState, limit: int | None, where: str, flag: str) -> 
     raise ValueError(f"the model state alone needs {fmt_bytes(state.total)} of device memory per device ({sums}), "
                      f"over the {fmt_bytes(limit)} of {where}: no recipe, batch or sequence length fits it; to fit: "
                      + "; ".join(tips))
-
-
-def check_run_state(job: Job, console: Console) -> None:
-    """The training command's `check_state`, before it compiles: against the run's budget (`Job.budget`), for its
-    optimizer state and master copy where its flags put them; `--force` says so and goes on."""
-    limit, where = job.budget
-    try:
-        check_state(zoo.plan.model_state(job.model_cfg, training=job.training, parallel=job.parallel), limit, where,
-                    "--hbm-limit")
-    except ValueError as e:
-        if not job.settings.force:
-            raise
-        console.print(f"warning: {e}; launching anyway (--force)", soft_wrap=True, markup=False)

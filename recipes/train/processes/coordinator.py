@@ -2,11 +2,11 @@
 
 `jax.distributed.initialize()` runs the coordination service inside process 0; when process 0 dies, every other
 process's JAX client aborts from C++ with no message. Hosted in a process of its own (`start`: `python -m
-recipes.train.coordinator`), the service outlives process 0, so the others end with one line
-(`recipes.train.mesh.PeerWatch`). The host claims its port (`flock` on a pid file: a second process 0 is refused naming
-the first, `serving`), serves until process 0 says `shutdown` or `grace` seconds after it is gone (`lingering`), and
-ignores SIGINT and SIGTERM. `use_hosted` lets `initialize` run with JAX's own service constructor replaced
-(`recipes.train.jaxlib`); with mTLS or recoverability asked for, the service stays in process 0.
+recipes.train.processes.coordinator`), the service outlives process 0, so the others end with one line
+(`recipes.train.processes.mesh.PeerWatch`). The host claims its port (`flock` on a pid file: a second process 0 is
+refused naming the first, `serving`), serves until process 0 says `shutdown` or `grace` seconds after it is gone
+(`lingering`), and ignores SIGINT and SIGTERM. `use_hosted` lets `initialize` run with JAX's own service constructor
+replaced (`recipes.train.processes.jaxlib`); with mTLS or recoverability asked for, the service stays in process 0.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from recipes.train import jaxlib
+from recipes.train.processes import jaxlib
 
 
 class Taken(ValueError):
@@ -57,7 +57,7 @@ def _host(port: int | str) -> tuple[int, float, int] | None:
             pid, until, parent = f.read().split()
         os.kill(int(pid), 0)
         with open(f"/proc/{int(pid)}/cmdline", "rb") as f:
-            if b"recipes.train.coordinator" not in f.read():
+            if b"recipes.train.processes.coordinator" not in f.read():
                 return None
     except (OSError, ValueError):
         return None
@@ -93,9 +93,9 @@ def start(bind: str, count: int, *, heartbeat: int, shutdown: int, grace: float,
     could not start (the port taken since it was checked, ...)."""
     log = _file(bind.rsplit(':', 1)[-1], "log")
     with open(log, "ab") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "recipes.train.coordinator", bind, str(count), str(heartbeat),
-                                 str(shutdown), str(grace)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=err, start_new_session=True,
+        proc = subprocess.Popen([sys.executable, "-m", "recipes.train.processes.coordinator", bind, str(count),
+                                 str(heartbeat), str(shutdown), str(grace)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, start_new_session=True,
                                 env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
                                     os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                     os.environ.get("PYTHONPATH")]))})

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 
 from rich.console import Console
 
-from recipes.train import meter
+from recipes.train.watching import meter
 
 EVERY_S = 30.0   # off a terminal: a "still ..." line this often
 
@@ -67,8 +67,8 @@ def eta(done: int, total: int, seconds: float) -> str:
 
 
 def bytes_bar(console: Console) -> Callable[[int], Callable[[int], None]]:
-    """A progress bar over bytes for `recipes.train.text.prepare` on a terminal: start(total) -> advance(done); the bar
-    closes when done reaches total."""
+    """A progress bar over bytes for `recipes.train.inputs.text.prepare` on a terminal: start(total) -> advance(done);
+    the bar closes when done reaches total."""
     def start(total: int) -> Callable[[int], None]:
         from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
         bar = Progress(TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),

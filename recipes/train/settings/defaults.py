@@ -24,7 +24,7 @@ FULL_SIZE = (3e-4, 2000, "a full-size default: the common 3e-4 peak and 2000 war
 def for_preset(model: str, preset: str):
     """The preset's `zoo.models.registry.TrainDefaults`: what its family publishes for it, else `TINY` for the
     tiny preset, else `FULL_SIZE`. Imports the library (JAX) when called, not when this module is imported."""
-    from recipes.train.cli import family
+    from recipes.train.settings.cli import family
     from zoo.models.registry import TrainDefaults
     published = family(model).train_defaults.get(preset)
     return published if published is not None else TrainDefaults(*(TINY if preset == "tiny" else FULL_SIZE))

@@ -1,6 +1,6 @@
 """What a training run is: `RunConfig`, the one place for each setting's default, help text and checks.
 
-`python -m recipes.train`'s command line is generated from these fields (`recipes.train.cli.add_fields`), and
+`python -m recipes.train`'s command line is generated from these fields (`recipes.train.settings.cli.add_fields`), and
 `python -m recipes.train.plan` takes the shared ones (model, shape, optimizer state, budget, link, mesh) from the same
 fields, so the two commands cannot disagree on a default. Each field's `metadata` holds what argparse needs beyond
 the field's type and default: the flag names, the help, a metavar, choices, a stricter argparse type.
@@ -16,9 +16,9 @@ import json
 import math
 from typing import Any
 
-from recipes.train import defaults, flags
-from recipes.train.cli import INT32_MAX, field_override, positive_int
-from recipes.train.defaults import DEFAULT_MODEL
+from recipes.train.settings import defaults, flags
+from recipes.train.settings.cli import INT32_MAX, field_override, positive_int
+from recipes.train.settings.defaults import DEFAULT_MODEL
 
 OPT_DTYPES = ("float32", "bfloat16")
 
@@ -56,7 +56,7 @@ class RunConfig:
         "against the field's type (repeatable)", "--set", type=field_override, action="append",
         metavar="FIELD=VALUE")
     recipe: str | None = flag(None, "a key of the family's RECIPES (recipes/<family>.py), or auto (the planner's "
-                              "choice for the device; recipes.train.auto); default: the family's study recipe",
+                              "choice for the device; recipes.train.step.auto); default: the family's study recipe",
                               metavar="NAME")
     batch: int = flag(8, "global batch (sequences per step)", type=positive_int)
     seq: int = flag(64, "sequence length (tokens)", type=positive_int)
@@ -66,7 +66,7 @@ class RunConfig:
         "rate, lr/10: resume with a larger --steps and the same --schedule-steps to train on past a finished run",
         metavar="N")
     lr: float | None = flag(None, "peak learning rate (default: 3e-3 for tiny, the published peak of a full-size "
-                            "preset (its family's training defaults), else 3e-4: recipes/train/defaults.py)")
+                            "preset (its family's training defaults), else 3e-4: recipes/train/settings/defaults.py)")
     warmup: int | None = flag(None, "warm-up steps (default: schedule steps // 10, at most the preset's published "
                               "warm-up)")
     opt_dtype: str = flag("float32", "dtype of AdamW's moments, whatever the parameters' dtype", choices=OPT_DTYPES)
@@ -103,9 +103,9 @@ class RunConfig:
     distributed: bool = flag(False, "multi-host: call jax.distributed.initialize() first (automatic when "
                              "JAX_COORDINATOR_ADDRESS is set; JAX_NUM_PROCESSES and JAX_PROCESS_ID name the "
                              "processes; see README)")
-    data: str | None = flag(None, "a token file (flat little-endian uint16/uint32 ids, see recipes/train/data.py), "
-                            "or text: a .txt or .jsonl file or a directory of them, with --tokenizer "
-                            "(recipes/train/text.py); "
+    data: str | None = flag(None, "a token file (flat little-endian uint16/uint32 ids, see "
+                            "recipes/train/inputs/data.py), or text: a .txt or .jsonl file or a directory of them, "
+                            "with --tokenizer (recipes/train/inputs/text.py); "
                             "default: synthetic Markov-chain sequences", metavar="PATH")
     data_dtype: str | None = flag(None, "ids' type in a token file (default: uint16 if the vocabulary fits, else "
                                   "uint32)", choices=("uint16", "uint32"))
@@ -193,7 +193,7 @@ class RunConfig:
         if self.text_encoding and not self.tokenizer:
             raise ValueError("--text-encoding needs text --data and --tokenizer (it says how to read the text)")
         if self.text_encoding:
-            from recipes.train.text import check_encoding
+            from recipes.train.inputs.text import check_encoding
             check_encoding(self.text_encoding)
 
     def _check_eval(self) -> None:
@@ -267,7 +267,7 @@ class Launch:
                                     "stops the others with a message (exit 1); restart all with --resume",
                                     metavar="SECONDS")
     xla_flags: str = flag(flags.DEFAULT, "XLA flag set for overlap, applied before JAX starts "
-                          "(see recipes/train/flags.py)",
+                          "(see recipes/train/settings/flags.py)",
                           choices=tuple(flags.FLAG_SETS))
 
 

@@ -25,7 +25,7 @@ import socket
 import threading
 from collections.abc import Callable
 
-from recipes.train import jaxlib
+from recipes.train.processes import jaxlib
 
 PROBE_TIMEOUT = 10.0   # seconds the service may take to answer a new connection before it counts as gone
 # An HTTP/2 client's connection preface and an empty SETTINGS frame: a gRPC server answers with its SETTINGS frame.

@@ -6,10 +6,10 @@ step reproduces the uninterrupted run exactly.
 
 - Saving is synchronous; a checkpoint is never written from non-finite values; a failed write is one CheckpointError
   naming the directory and the cause, the partial checkpoint removed (the library's logs go to `zoo-library.log` there,
-  `recipes.train.quiet`).
-- Each step ends with its manifest (`recipes.train.manifest`), which `damage(step)` checks before orbax reads the step.
-- Rotation touches only this run's checkpoints; `newest_intact` walks back past damaged steps and, once an older one
-  proves intact, renames each damaged folder `<step>.damaged` (kept, never deleted).
+  `recipes.train.checkpoints.quiet`).
+- Each step ends with its manifest (`recipes.train.checkpoints.manifest`), which `damage(step)` checks before orbax
+reads the step. - Rotation touches only this run's checkpoints; `newest_intact` walks back past damaged steps and, once
+  an older one proves intact, renames each damaged folder `<step>.damaged` (kept, never deleted).
 
 Why each of these: docs/internals.md, "Checkpoints".
 """
@@ -29,9 +29,9 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from recipes.train import guard
-from recipes.train.manifest import MANIFEST, check_manifest, unlisted, write_manifest
-from recipes.train.quiet import collect_quietly, library_log, quiet_stderr
+from recipes.train.checkpoints import guard
+from recipes.train.checkpoints.manifest import MANIFEST, check_manifest, unlisted, write_manifest
+from recipes.train.checkpoints.quiet import collect_quietly, library_log, quiet_stderr
 
 RECORD_FILE = os.path.join("record", "metadata")    # where orbax's JsonSave puts the record, inside a step folder
 ORBAX_COMMIT = "_CHECKPOINT_METADATA"                # orbax's record of a step: its commit time, among others
@@ -124,7 +124,7 @@ class Checkpoints:
                 saved = self.manager.save(step, args=ocp.args.Composite(
                     state=ocp.args.StandardSave(state),
                     record=ocp.args.JsonSave({**record, "step": step, "manifest": MANIFEST,
-                                              "directory": self.directory})))   # (`recipes.train.moved`)
+                                              "directory": self.directory})))   # (`resume.same`)
                 if saved and jax.process_index() == 0:   # the step is complete (every process's files): sum it up
                     write_manifest(folder, step)
                 noise.keep()

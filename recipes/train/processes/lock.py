@@ -9,8 +9,8 @@ directory without a checkpoint step gives the stale record back instead of remov
 killed there and its metrics file, which that run's `--resume` continues. A lock written by another host is never
 taken over (its run may be alive: flock is not reliable across machines on network file systems), nor one that
 does not read as a lock (no one can say whose it is): delete the file by hand.
-Several processes: process 0 takes the lock and tells the others what it decided (`recipes.train.agree.decided_by_0`),
-so that a refusal stops every process with the same line.
+Several processes: process 0 takes the lock and tells the others what it decided
+(`recipes.train.processes.agree.decided_by_0`), so that a refusal stops every process with the same line.
 """
 from __future__ import annotations
 

@@ -7,9 +7,10 @@
   file (and line or byte).
 - The tokenizer: a Hugging Face `tokenizer.json` (or its directory), read by `tokenizers`; documents are encoded without
   special tokens and separated by its end-of-text id.
-- Output: a token file (`recipes/train/data.py`'s format) in a cache keyed by the tokenizer, the end-of-text id, the
-  encoding and every input's name and bytes (`$ZOO_TOKEN_CACHE`, else `~/.cache/offload-zoo/tokens`), written under a
-  temporary name and renamed when complete; a second run tokenizing the same inputs waits for the first (`fcntl.flock`).
+- Output: a token file (`recipes/train/inputs/data.py`'s format) in a cache keyed by the tokenizer, the end-of-text id,
+  the encoding and every input's name and bytes (`$ZOO_TOKEN_CACHE`, else `~/.cache/offload-zoo/tokens`), written under
+  a temporary name and renamed when complete; a second run tokenizing the same inputs waits for the first
+  (`fcntl.flock`).
 
 The cache's files, the end-of-text id's lookup and long documents: docs/internals.md, "Text data".
 """
@@ -29,14 +30,31 @@ from pathlib import Path
 
 import numpy as np
 
-from recipes.train.token_file import DTYPES, fingerprint
-
 SUFFIXES = (".txt", ".jsonl")
 EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]", "<|im_end|>")
 PIECE = 1 << 20            # characters per piece handed to the tokenizer
 BATCH = 64                 # pieces per call of encode_batch (and per progress update)
 FORMAT = "zoo-text-v2"     # part of the cache key: bump when the way tokens are made changes
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")  # hashed into the key
+
+
+# What a token file is: its dtypes (the ids of a `.bin`, little-endian) and the fingerprint that tells one file's
+# contents from another's without reading it all (the training data reader, `recipes.train.inputs.data`, reads them).
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+
+FINGERPRINT_CHUNKS, FINGERPRINT_BYTES = 64, 1 << 16
+
+
+def fingerprint(fd: int, size: int) -> str:
+    """SHA-256 of a file's size and 64 chunks of 64 KiB spread evenly over it (the whole file up to 4 MiB): a
+    token file rewritten, re-tokenized, appended to or cut changes it, and reading it costs milliseconds even
+    for terabytes. An edit confined to the bytes between the chunks is not seen."""
+    h = hashlib.sha256(str(size).encode())
+    n = min(FINGERPRINT_CHUNKS, -(-size // FINGERPRINT_BYTES))
+    for k in range(n):
+        offset = 0 if n == 1 else k * (size - FINGERPRINT_BYTES) // (n - 1)
+        h.update(os.pread(fd, FINGERPRINT_BYTES, max(offset, 0)))
+    return h.hexdigest()[:32]
 
 
 def is_text(path: str | os.PathLike) -> bool:
@@ -455,7 +473,7 @@ def _tokenize(tok, files: list[Path], eos: int, dtype: str, path: Path, advance:
               encoding: str | None = None, say: Callable[[str], None] | None = None) -> tuple[int, list[Path]]:
     """Encode every document of `files` (EOS after each) into the token file `path`: (the number of tokens, the
     files that held no document)."""
-    np_dtype = np.dtype("<u2" if dtype == "uint16" else "<u4")   # the token-file format (recipes/train/data.py)
+    np_dtype = np.dtype("<u2" if dtype == "uint16" else "<u4")   # the token-file format (recipes/train/inputs/data.py)
     n, done = 0, 0
     with open(path, "wb") as out:
         def flush(batch: list[str], ends: list[bool]) -> None:

@@ -1,6 +1,6 @@
 """Command-line pieces shared by `python -m recipes.train` and `python -m recipes.train.plan`: flags generated from a
-dataclass's fields (`add_fields`: `recipes.train.config.RunConfig` holds each default and help text once), the argparse
-types that check them, and the look-ups of the model (`--model FAMILY --preset NAME --set FIELD=VALUE`) and the
+dataclass's fields (`add_fields`: `recipes.train.settings.config.RunConfig` holds each default and help text once), the
+argparse types that check them, and the look-ups of the model (`--model FAMILY --preset NAME --set FIELD=VALUE`) and the
 recipe.
 
 Importing this module imports no JAX (the training command applies its XLA flags first); the functions that
@@ -96,8 +96,8 @@ def field_override(text: str) -> tuple[str, str]:
 def add_fields(p: argparse.ArgumentParser, cls, names: tuple[str, ...] | None = None, **changes: dict) -> None:
     """Add a flag to `p` for each field of the dataclass `cls` (those in `names`, in that order; default: every
     field, in its order) from the field itself: its default, its type (int and float are parsed as such, a bool
-    field is a switch) and its metadata (`recipes.train.config.flag`: the flag names, help, metavar, choices, a checking
-    type). `changes[field]` replaces argparse keywords for one command (e.g. the planner's own help text)."""
+    field is a switch) and its metadata (`recipes.train.settings.config.flag`: the flag names, help, metavar, choices, a
+    checking type). `changes[field]` replaces argparse keywords for one command (e.g. the planner's own help text)."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for name in names or tuple(fields):

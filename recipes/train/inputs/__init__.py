@@ -1,0 +1,2 @@
+"""What a run reads: its training data (`data`: token files, synthetic batches), and text with its tokenizer,
+tokenized once into a token file (`text`, which also says what a token file is)."""
