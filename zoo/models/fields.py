@@ -2,7 +2,7 @@
 names a caller gives against the fields (`check_field_names`: the closest ones named), and the ranges a config's
 `check()` asks for (`check_positive`, `check_non_negative`, `check_positive_float`, `check_divides`). Every message
 names the config class and the field; turning command-line text into values is the application's
-(`recipes.train.cli.parse_field`, with `field_types`, `type_options` and `type_name` from here).
+(`recipes.train.settings.cli.parse_field`, with `field_types`, `type_options` and `type_name` from here).
 """
 from __future__ import annotations
 
