@@ -300,7 +300,13 @@ def doctests():
     return sorted(found.values(), key=lambda t: t.name)
 
 
-@pytest.mark.parametrize("test", doctests(), ids=lambda t: t.name)
+# The layers' and the recipe's examples run in the default set; those that build whole models, plan or compile a step
+# (seconds each) in the slow set.
+FAST_EXAMPLES = ("zoo.layers.", "zoo.recipe.", "zoo.checks.", "zoo.names.", "zoo.tags.")
+
+
+@pytest.mark.parametrize("test", [t if t.name.startswith(FAST_EXAMPLES) else pytest.param(t, marks=pytest.mark.slow)
+                                  for t in doctests()], ids=lambda t: t.name)
 def test_docstring_examples_run(test):
     """Every `>>>` example of the library's docstrings runs and prints what it shows (on the CPU, tiny shapes)."""
     import doctest
