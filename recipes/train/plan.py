@@ -221,7 +221,7 @@ def _plot(ap: argparse.ArgumentParser, args, family, model_cfg, printed: zoo.pla
     try:
         plans, left_out = {}, []
         for name, r in registry.recipes_of(family).items():
-            if r != printed.recipe and not _fits_the_model(model_cfg, r, args.seq):
+            if r != printed.recipe and not _fits_the_model(family, model_cfg, name, r, args.seq):
                 left_out.append(name)   # its tiles or groups do not fit this model or sequence
                 continue
             plans[name] = (printed if r == printed.recipe else
@@ -245,11 +245,14 @@ def _plot(ap: argparse.ArgumentParser, args, family, model_cfg, printed: zoo.pla
           + (f"; {written}" if written else "") + skipped, file=sys.stderr if args.json else sys.stdout)
 
 
-def _fits_the_model(model_cfg, recipe: zoo.Recipe, seq: int) -> bool:
-    """Whether `recipe`'s group divides every main stack of the model of `model_cfg` and its tiles divide `seq`."""
-    model = zoo.plan.measure.abstract_model(model_cfg)
-    layers = [model.stacks()[n].num_layers for n in model.stack_names]
-    return seq % recipe.seq_tiles == 0 and all(n % recipe.group == 0 for n in layers)
+def _fits_the_model(family, model_cfg, name: str, recipe: zoo.Recipe, seq: int) -> bool:
+    """Whether `recipe`'s tiles and groups fit the model of `model_cfg` at `seq` (`cli.check_recipe_fits`, the check
+    the command refuses with)."""
+    try:
+        cli.check_recipe_fits(family, recipe, name, model_cfg, seq)
+    except ValueError:
+        return False
+    return True
 
 
 def _max_batch(ap: argparse.ArgumentParser, args) -> int:
