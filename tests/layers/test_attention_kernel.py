@@ -1,8 +1,10 @@
 """The attention kernel with named residuals (zoo.layers.attention_kernel, zoo.layers.xla_attention): the XLA kernel
 against jax.nn.dot_product_attention (forward and gradients, GQA, a value head dim unlike q's), its gradients
-against finite differences in float64, cuDNN's wrapper logic on a kernel with cuDNN's residual structure (inputs,
-zero-size placeholders, statistics, output), the tags it emits, what a checkpoint policy saves (never [B, H, S, S]),
-and the recipe rule that keeps attention_out and context together."""
+against finite differences in float64, cuDNN's wrapper logic on a kernel with cuDNN's residuals (inputs, zero-size
+placeholders, statistics, output) and on jax's own cuDNN attention traced on the CPU, the tags it emits, what a
+checkpoint policy saves (never [B, H, S, S]), and the recipe rule that keeps attention_out and context together."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,29 +67,31 @@ def test_the_xla_kernel_is_causal_and_returns_the_logsumexp():
 
 
 def _cudnn_like():
-    """A kernel whose VJP holds cuDNN's residual structure: q, k, v, two zero-size placeholders, the statistics
-    [B, H, S, 1] and the output."""
-    @jax.custom_vjp
+    """A kernel whose VJP saves cuDNN's residuals as jax defines them (`_dot_product_attention_fwd_rule`, cited in
+    zoo.layers.attention_kernel): q, k, v, seven placeholders (one shared zeros(0)), the statistics (here [B, H, S, 1])
+    and the output; the scale is not differentiated."""
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
     def kernel(q, k, v, scale):
         return xla_attention.forward(q, k, v, scale)[0]
 
     def fwd(q, k, v, scale):
         out, lse = xla_attention.forward(q, k, v, scale)
-        empty = jnp.zeros(0, q.dtype)
-        return out, (q, k, v, empty, empty, lse[..., None], out, scale)
+        not_used = jnp.zeros(0, q.dtype)
+        return out, (q, k, v, *[not_used] * len(ak.CUDNN_PLACEHOLDERS), lse[..., None], out)
 
-    def bwd(res, g):
-        q, k, v, empty, _, lse, out, scale = res
-        assert empty.shape == (0,)
-        return (*xla_attention.backward(q, k, v, out, lse[..., 0], g, scale), None)
+    def bwd(scale, res, g):
+        q, k, v, *not_used, lse, out = res
+        assert [e.shape for e in not_used] == [(0,)] * len(ak.CUDNN_PLACEHOLDERS)
+        return xla_attention.backward(q, k, v, out, lse[..., 0], g, scale)
 
     kernel.defvjp(fwd, bwd)
-    return lambda q, k, vp, scale: kernel(q, k, vp, scale)
+    return kernel
 
 
 def test_the_wrapper_of_a_kernel_with_its_own_vjp_names_its_residuals_and_hands_them_back():
-    """cuDNN's path on the CPU: the residual leaves are sorted into inputs, placeholders, statistics and output by
-    identity; values are padded to q's head dim for the kernel and the saved output is the un-padded one."""
+    """cuDNN's path on the CPU: the residual leaves are told apart by their position in cuDNN's residuals (inputs,
+    placeholders, statistics, output); values are padded to q's head dim for the kernel and the saved output is the
+    un-padded one."""
     q, k, v, g = inputs()
     out, res, backward = ak._vjp_with_residuals(q, k, v, D ** -0.5, attend=_cudnn_like())
     saved_q, saved_k, saved_v, saved_out, stats, empty = res
@@ -97,6 +101,41 @@ def test_the_wrapper_of_a_kernel_with_its_own_vjp_names_its_residuals_and_hands_
     _, ref_vjp = jax.vjp(reference, q, k, v)
     for got, want in zip(backward(res, g), ref_vjp(g)):
         assert got.shape == want.shape and rel(got, want) < 1e-5
+
+
+def test_jax_cudnn_attention_has_the_residuals_the_wrapper_reads(monkeypatch):
+    """jax's own cuDNN attention, traced on the CPU (its cuDNN version and flash-attention checks stubbed; nothing
+    runs): its residual leaves have the roles read off its definition, the kernel emits both tags, and its gradients
+    trace through cuDNN's backward."""
+    fa = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
+    if not all(hasattr(fa, f) for f in ("check_cudnn_version", "check_is_flash_attention")):
+        pytest.skip("jax's cuDNN attention checks moved")
+    monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(fa, "check_is_flash_attention", lambda *a, **kw: None)
+    q, k, v, _ = inputs(jnp.bfloat16)
+    roles = []
+
+    def forward(q, k, v):
+        vp = jnp.pad(v, [(0, 0)] * 3 + [(0, D - DV)])
+        out, vjp_fn = jax.vjp(lambda q, k, vp: ak._cudnn_attend(q, k, vp, D ** -0.5), q, k, vp)
+        roles.extend(ak._cudnn_roles(jax.tree.leaves(vjp_fn), (q, k, vp), out))
+        return out
+
+    jax.make_jaxpr(forward)(q, k, v)
+    assert roles == [("input", 0), ("input", 1), ("input", 2), ("empty", 0), ("stats", 0), ("out", None)]
+    got = zoo.emitted.emitted(lambda q, k, v: ak.causal_attention(q, k, v, impl="cudnn"), q, k, v)
+    assert {t: (s.shape, s.dtype) for t, s in got.items()} == {
+        "attention_out": ((B, S, H, DV), jnp.bfloat16), "context": ((B, H, S), jnp.float32)}
+    grads = jax.eval_shape(jax.grad(lambda *a: jnp.sum(ak.causal_attention(*a, impl="cudnn").astype(jnp.float32)),
+                                    argnums=(0, 1, 2)), q, k, v)
+    assert [(x.shape, x.dtype) for x in grads] == [(x.shape, x.dtype) for x in (q, k, v)]
+
+
+def test_a_kernel_whose_residuals_are_not_cudnns_is_a_value_error():
+    q, k, v, _ = inputs(dv=D)
+    with pytest.raises(ValueError, match="not cuDNN's"):
+        ak._vjp_with_residuals(q, k, v, D ** -0.5, attend=lambda q, k, v, scale: jax.nn.dot_product_attention(
+            q, k, v, scale=scale, is_causal=True, implementation="xla"))
 
 
 def test_the_kernel_emits_attention_out_and_context():

@@ -129,33 +129,51 @@ def _cudnn_attend(q, k, v, scale):
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="cudnn")
 
 
+# The residuals of cuDNN attention, as jax defines them: `jax.nn.dot_product_attention(implementation="cudnn")` calls
+# `jax._src.cudnn.fused_attention_stablehlo.dot_product_attention`, whose `_dot_product_attention` is a custom_vjp;
+# its forward rule, `_dot_product_attention_fwd_rule` (jax 0.10-0.12), saves
+#     res = (query, key, value, bias, q_seqlen, kv_seqlen, q_offsets, kv_offsets, page_table_k, page_table_v,
+#            activation, fwd_output)
+# with activation = outputs[1], the softmax statistics (float32 [B, H, S]), and fwd_output = outputs[0], the output;
+# a bias, length, offset or page table the call leaves out is one shared `zeros(0)` (`_not_used`). `jax.vjp`'s
+# function holds them as its leaves in that order, that placeholder once.
+CUDNN_INPUTS = ("query", "key", "value")
+CUDNN_PLACEHOLDERS = ("bias", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "page_table_k", "page_table_v")
+CUDNN_SAVED = ("activation", "fwd_output")
+
+
+def _cudnn_roles(leaves, inputs, out) -> list[tuple[str, int | None]]:
+    """Each residual leaf's role in cuDNN attention's residuals (above), by its position: ("input", i) for `inputs[i]`
+    (q, k and the padded v), ("empty", j) for the placeholders, then ("stats", 0) for `activation` and ("out", None)
+    for `fwd_output`. ValueError where the leaves do not have that structure (the inputs the arrays given, the
+    placeholders zero-size, `fwd_output` shaped as the kernel's output `out`)."""
+    n, saved = len(inputs), len(CUDNN_SAVED)
+    head, middle, tail = leaves[:n], leaves[n:len(leaves) - saved], leaves[n:][-saved:]
+    if (len(leaves) < n + saved or len(middle) > len(CUDNN_PLACEHOLDERS)
+            or any(leaf is not x for leaf, x in zip(head, inputs))
+            or any(getattr(leaf, "size", 1) for leaf in middle)
+            or (tail[-1].shape, tail[-1].dtype) != (out.shape, out.dtype)):
+        raise ValueError(f"the attention kernel's backward reads the residuals "
+                         f"{[(x.shape, str(x.dtype)) for x in leaves]}, not cuDNN's "
+                         f"{CUDNN_INPUTS + CUDNN_PLACEHOLDERS + CUDNN_SAVED} (placeholders zero-size, the last its "
+                         f"output {out.shape} {out.dtype}); the zoo cannot name them as its tags")
+    return [("input", i) for i in range(n)] + [("empty", j) for j in range(len(middle))] + [("stats", 0), ("out", None)]
+
+
 def _vjp_with_residuals(q, k, v, scale, attend=_cudnn_attend):
     """A kernel with a VJP of its own (cuDNN's) as (out, residuals, backward(residuals, g) -> (dq, dk, dv)): its
-    forward through `jax.vjp`, the residual leaves that are not q, k, v named (its output attention_out, the other
-    one context), handed back to its own backward. Values are zero-padded to q's head dim (exact) for the kernel."""
+    forward through `jax.vjp`, its residual leaves named by their role in cuDNN's (`_cudnn_roles`: its output
+    attention_out, its softmax statistics context), handed back to its own backward. Values are zero-padded to q's
+    head dim (exact) for the kernel."""
     dv, d = v.shape[-1], q.shape[-1]
     vp = _pad_last(v, d)
     with jax.named_scope(SCOPE):
         out_p, vjp_fn = jax.vjp(lambda q, k, vp: attend(q, k, vp, scale), q, k, vp)
     leaves, tree = jax.tree.flatten(vjp_fn)
     out = name(out_p[..., :dv], "attention_out", BSH)
-    kinds, stats, empty = [], [], []
-    for leaf in leaves:
-        position = next((i for i, x in enumerate((q, k, vp)) if leaf is x), None)
-        if position is not None:
-            kinds.append(("input", position))
-        elif leaf is out_p or (leaf.shape == out_p.shape and leaf.dtype == out_p.dtype):
-            kinds.append(("out", None))   # the kernel's output, as its backward reads it
-        elif not getattr(leaf, "size", 1):   # cuDNN's placeholders for an absent bias or lengths: zeros(0)
-            kinds.append(("empty", len(empty)))
-            empty.append(leaf)
-        else:
-            kinds.append(("stats", len(stats)))
-            stats.append(name(leaf, "context", _stats_axes(leaf, q)))
-    if len(stats) != 1:
-        raise ValueError(f"the attention kernel's backward reads {len(stats)} residuals beside q, k, v and its "
-                         f"output ({[(x.shape, str(x.dtype)) for x in stats]}; expected one: the softmax "
-                         f"statistics); the zoo cannot name them as one tag")
+    kinds = _cudnn_roles(leaves, (q, k, vp), out_p)
+    empty = [leaf for leaf, (kind, _) in zip(leaves, kinds) if kind == "empty"]
+    stats = [name(leaf, "context", _stats_axes(leaf, q)) for leaf, (kind, _) in zip(leaves, kinds) if kind == "stats"]
 
     def backward(res, g):
         q, k, v, out, stats, empty = res
