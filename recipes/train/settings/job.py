@@ -4,7 +4,8 @@ compiled step.
 `resolve(settings)` looks up the model family, its config (the preset and `--set`) and the recipe, takes this
 process's device, its memory budget and the kernels that run there, makes the mesh and the learning-rate schedule,
 and checks them, before anything touches the disk or compiles: bad names and values raise ValueError here. The
-phases of the run (`recipes.train.loop`) take the `Job` it returns; none of them resolves anything again.
+phases of the run (`recipes.train.loop`) take the `Job` it returns, each its group of resolved values (`Data`,
+`Storage`, `Fitting`, `Cadence`, `Job.training`); none of them reads the settings or resolves anything again.
 """
 from __future__ import annotations
 
@@ -174,12 +175,12 @@ def resolve(settings: RunConfig) -> Job:
     """The `Job` of `settings`, checked: bad names, config values, a config the device cannot run (e.g. cuDNN
     attention on a CPU, `--params host` with float32 parameters) and a mesh the model or the batch does not split
     over raise ValueError."""
+    device = jax.local_devices()[0]
+    memory = budget(device, settings.hbm_limit)
     identity = settings.identity()
     family = cli.family(settings.model)
     recipe_name = settings.recipe or recipe_registry.default_recipe(family)
     recipe = None if recipe_name == "auto" else recipe_registry.recipe(family, recipe_name)
-    device = jax.local_devices()[0]
-    memory = budget(device, settings.hbm_limit)
     model_cfg = cli.model_config(family, settings.preset, settings.overrides)
     try:
         model_cfg.check_seq(settings.seq)
