@@ -22,15 +22,16 @@ _NOW = {"agree": "processes.agree", "auto": "step.auto", "checkpoint": "checkpoi
         "quiet": "checkpoints.quiet", "relay": "processes.relay", "resume": "checkpoints.resume",
         "text": "inputs.text", "token_file": "inputs.text", "watch": "watching.watch"}
 _BEFORE_TRAIN = ("agree", "auto", "checkpoint", "cli", "config", "coordinator", "data", "defaults", "fit", "flags",
-                 "guard", "interrupt", "lock", "manifest", "mesh", "meter", "moved", "plot", "prepare", "quiet",
+                 "guard", "interrupt", "lock", "loop", "manifest", "mesh", "meter", "moved", "plot", "prepare", "quiet",
                  "resume", "text", "token_file", "watch")
 renames.MODULES.update({f"recipes.train.{old}": f"recipes.train.{new}" for old, new in _NOW.items()})
-renames.MODULES.update({f"recipes.{old}": f"recipes.train.{_NOW[old]}" for old in _BEFORE_TRAIN})
-renames.MODULES["recipes.loop"] = "recipes.train.loop"
+renames.MODULES.update({f"recipes.{old}": f"recipes.train.{_NOW.get(old, old)}" for old in _BEFORE_TRAIN})
 renames.install_module_finder()
 
 
 def __getattr__(name):
+    if f"{__name__}.{name}" in renames.MODULES:   # a moved module, reached as an attribute: recipes.cli
+        raise AttributeError(f"{__name__}.{name} is now {renames.MODULES[f'{__name__}.{name}']}")
     if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -104,7 +104,7 @@ class Fitting:
 @dataclasses.dataclass(frozen=True)
 class Job:
     """What a run's settings resolve to: every phase of the run reads this, none reads the settings."""
-    model: str                   # --model and --preset, as messages name them ("llama3 tiny")
+    model: str                   # --model and --preset, as the messages name the model
     family: Family
     model_cfg: Any
     recipe_name: str
