@@ -107,7 +107,7 @@ def test_no_docstring_or_page_names_what_does_not_exist():
 
 def test_the_reference_check_finds_a_stale_name():
     """The check itself: a name or a path that does not exist is found, one that does is not."""
-    assert resolves("zoo.plan.peak.compile_step") and resolves("recipes.train.settings.job.Job.settings")
+    assert resolves("zoo.plan.peak.compile_step") and resolves("recipes.train.settings.job.Job.storage")
     assert not resolves("zoo.plan.peak.compile_everything") and not resolves("recipes.data.open_data")
     assert PATH.findall("see `recipes/train/loop.py` and zoo/models/<family>/config.py") == ["recipes/train/loop.py"]
 

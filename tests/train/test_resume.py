@@ -17,6 +17,7 @@ from flax import nnx
 from recipes.train import loop
 from recipes.train.checkpoints import resume
 from recipes.train.checkpoints.checkpoint import Checkpoints
+from recipes.train.settings.job import Cadence, Data, Storage
 from tests.helpers import tiered
 from tests.train.cli_runs import RUN, cli, copy_ckpt, main, rows
 
@@ -191,7 +192,8 @@ def test_resume_across_opt_dtype_or_grad_accum_is_refused_either_way_naming_the_
     under 1)."""
     flag = "--" + key.replace("_", "-")
     settings = loop.RunConfig(batch=4, **{key: now})
-    job = types.SimpleNamespace(settings=settings, identity=settings.identity())
+    job = types.SimpleNamespace(storage=Storage.of(settings), data=Data.of(settings), cadence=Cadence.of(settings),
+                                identity=settings.identity())
     record = {"run": loop.RunConfig(batch=4, **{key: written}).identity()}
     with pytest.raises(ValueError, match=rf"written with {flag} {written}, this run asks for {flag} {now}: .*; "
                                          rf"resume with {flag} {written}$"):

@@ -20,23 +20,21 @@ from recipes.train.inputs import data as data_lib
 from recipes.train.processes import agree
 from recipes.train.processes.interrupt import Interrupts
 from recipes.train.processes.lock import DirLock
-from recipes.train.settings.config import RunConfig
-from recipes.train.settings.job import Job
+from recipes.train.settings.job import Data, Job
 from recipes.train.watching import watch
 
 
-def sources(settings: RunConfig, vocab: int, console: Console) -> tuple[data_lib.Source, Any]:
+def sources(data: Data, vocab: int, batch: int, seq: int, console: Console) -> tuple[data_lib.Source, Any]:
     """(training source, held-out source or None: without --eval-every)."""
-    if settings.data:
-        src, held = data_lib.open_data(settings.data, tokenizer=settings.tokenizer, vocab=vocab, batch=settings.batch,
-                                       seq=settings.seq, seed=settings.seed, dtype=settings.data_dtype,
-                                       heldout=settings.held_out, encoding=settings.text_encoding,
+    if data.path:
+        src, held = data_lib.open_data(data.path, tokenizer=data.tokenizer, vocab=vocab, batch=batch, seq=seq,
+                                       seed=data.seed, dtype=data.dtype, heldout=data.held_out, encoding=data.encoding,
                                        say=lambda m: console.print(m, soft_wrap=True, markup=False),
                                        progress=watch.bytes_bar(console) if console.is_terminal else None)
     else:
-        src = held = data_lib.Synthetic(vocab=vocab, batch=settings.batch, seq=settings.seq, seed=settings.seed)
-    src = data_lib.Poisoned(src, settings.poison_step) if settings.poison_step is not None else src
-    return src, held if settings.eval_every else None
+        src = held = data_lib.Synthetic(vocab=vocab, batch=batch, seq=seq, seed=data.seed)
+    src = data_lib.Poisoned(src, data.poison_step) if data.poison_step is not None else src
+    return src, held if data.evaluate else None
 
 
 # Paths a run recorded, found again after its folder moved (`mv run1 run2`, then the same command in run2).
@@ -75,14 +73,14 @@ CHANGED_SETTINGS = {
 def check_resumable(record: dict, job: Job, directory: str, data: dict | None = None) -> None:
     """ValueError unless the checkpoint's record is of this run: its identity, and the token file it read
     (`check_data`)."""
-    settings, want = job.settings, job.identity
+    storage, want = job.storage, job.identity
     have = dict(record.get("run", {}))
-    if settings.allow_data_change:   # the data's path may change too
+    if storage.allow_data_change:   # the data's path may change too
         have["data"] = want["data"]
     had = record.get("data")
     if had and data and same(had.get("path"), data.get("path"), record.get("directory"), directory):
         had = {**had, "path": data["path"]}   # the token file moved with the run's folder
-    check_data(had, data, settings, directory)
+    check_data(had, data, job.data.path, storage.allow_data_change, directory)
     if "schedule_steps" not in have and "steps" in have:   # a record written before --schedule-steps existed
         have["schedule_steps"] = have.pop("steps")
         have["warmup"] = have["warmup"] if have.get("warmup") is not None else max(1, have["schedule_steps"] // 10)
@@ -94,24 +92,24 @@ def check_resumable(record: dict, job: Job, directory: str, data: dict | None = 
                              f"for {flag} {now}: {why}; resume with {flag} {had}")
     diff = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
     if diff:
-        if set(diff) <= {"schedule_steps", "warmup"} and settings.schedule_steps is None and settings.warmup is None:
+        if set(diff) <= {"schedule_steps", "warmup"} and not storage.schedule_given:
             planned = diff["schedule_steps"][0]
-            raise ValueError(f"--resume --steps {settings.steps}: the run in {directory} was planned for {planned} "
+            raise ValueError(f"--resume --steps {job.cadence.steps}: the run in {directory} was planned for {planned} "
                              f"steps (its learning-rate schedule); to train on past step {planned} at the schedule's "
                              f"final learning rate (lr/10), add --schedule-steps {planned}")
         lines = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
         raise ValueError(f"--resume: the checkpoint in {directory} is of a different run ({lines})")
 
 
-def check_data(have: dict | None, now: dict | None, settings: RunConfig, directory: str) -> None:
+def check_data(have: dict | None, now: dict | None, path: str | None, allowed: bool, directory: str) -> None:
     """--resume on a token file other than the one the checkpoint's run read (path, dtype, size or fingerprint,
     `recipes.train.inputs.data.TokenFile.identity`) is refused unless --allow-data-change. Records written before the
-    data was recorded have none: nothing to compare."""
-    if have is None or now is None or settings.allow_data_change:
+    data was recorded have none: nothing to compare. `path` is --data, `allowed` --allow-data-change."""
+    if have is None or now is None or allowed:
         return
     diff = [f"{k}: checkpoint {have.get(k)!r}, now {v!r}" for k, v in now.items() if have.get(k) != v]
     if diff:
-        raise ValueError(f"--resume: --data {settings.data} is not the file the run in {directory} read "
+        raise ValueError(f"--resume: --data {path} is not the file the run in {directory} read "
                          f"({'; '.join(diff)}); pass --allow-data-change to resume on it anyway")
 
 
@@ -134,22 +132,22 @@ class Inputs:
 def open_inputs(job: Job, console: Console) -> Inputs:
     """Refuse to overwrite a run, or to resume a different one, before spending time on the model; open the data
     (a token file is checked and fingerprinted now) and find the checkpoint to resume from."""
-    settings = job.settings
-    ckpts = Checkpoints(settings.ckpt_dir) if settings.ckpt_dir else None
+    storage, cadence = job.storage, job.cadence
+    ckpts = Checkpoints(storage.ckpt_dir) if storage.ckpt_dir else None
     if ckpts is not None and ckpts.foreign():
         raise ValueError(f"--ckpt-dir {ckpts.directory} holds step-numbered folders that are not checkpoints of this "
                          f"zoo: {', '.join(ckpts.foreign())} (checkpoint rotation and --resume would take them for "
                          f"checkpoints); move them away or choose another --ckpt-dir")
-    source, held = sources(settings, job.model_cfg.vocab_size, console)
-    if ckpts is not None and ckpts.steps() and not settings.resume:
+    source, held = sources(job.data, job.model_cfg.vocab_size, cadence.batch, cadence.seq, console)
+    if ckpts is not None and ckpts.steps() and not storage.resume:
         raise ValueError(f"{ckpts.directory} already holds checkpoints (latest step {ckpts.latest_step()}): "
                          f"pass --resume to continue that run, or choose another --ckpt-dir")
     data_id = source.identity()
     check = lambda record: check_resumable(record, job, ckpts.directory, data_id)  # noqa: E731
     say = lambda message: console.print(message, soft_wrap=True, markup=False)  # noqa: E731  (whole lines in logs)
-    resume_step, resume_record = ckpts.newest_intact(check, say=say) if settings.resume else (None, None)
-    return Inputs(ckpts, source, held, data_id, check, say, resume_step, resume_record, resuming=settings.resume,
-                  finished=resume_step is not None and resume_step >= settings.steps)
+    resume_step, resume_record = ckpts.newest_intact(check, say=say) if storage.resume else (None, None)
+    return Inputs(ckpts, source, held, data_id, check, say, resume_step, resume_record, resuming=storage.resume,
+                  finished=resume_step is not None and resume_step >= cadence.steps)
 
 
 @dataclasses.dataclass
@@ -175,14 +173,14 @@ class Session:
         """With --ckpt-dir: check it and take its lock (multi-host: one lock for the run, held by process 0; its
         refusal stops every process). The lock file also names the run and its metrics file: a run killed before
         its first checkpoint is recognised by the same command with --resume (its metrics file is its own)."""
-        settings = job.settings
-        if not settings.ckpt_dir:
+        storage = job.storage
+        if not storage.ckpt_dir:
             return
-        directory = guard.check_ckpt_dir(settings.ckpt_dir)
-        info = {"run": job.identity, "metrics": os.path.abspath(settings.metrics) if settings.metrics else None}
+        directory = guard.check_ckpt_dir(storage.ckpt_dir)
+        info = {"run": job.identity, "metrics": os.path.abspath(storage.metrics) if storage.metrics else None}
         lock = agree.decided_by_0("the lock of --ckpt-dir",
                                   lambda: self.stack.enter_context(DirLock(directory, info=info)),
-                                  settings.coordinator_timeout)
+                                  storage.coordinator_timeout)
         if lock is not None and lock.taken_over:
             console.print(f"took over the stale lock of a run that ended without releasing it "
                           f"(pid {lock.taken_over.get('pid')}, started {lock.taken_over.get('started')})",
@@ -191,30 +189,29 @@ class Session:
 
     def open_outputs(self, job: Job, inputs: Inputs) -> None:
         """The metrics file (checked: another run's is refused) and TensorBoard, written by process 0."""
-        settings = job.settings
+        storage = job.storage
         if jax.process_index() != 0:
             return
-        if settings.metrics:
+        if storage.metrics:
             self.metrics_file = self.stack.enter_context(guard.check_metrics(
-                settings.metrics, owner=self.metrics_owner(job, inputs.resume_record)))
-        if settings.tensorboard:
+                storage.metrics, owner=self.metrics_owner(job, inputs.resume_record)))
+        if storage.tensorboard:
             self.board = self.stack.enter_context(contextlib.closing(watch.Board(
-                settings.tensorboard, run=job.identity, resume=settings.resume)))
+                storage.tensorboard, run=job.identity, resume=storage.resume)))
 
     def metrics_owner(self, job: Job, resume_record: dict | None) -> str | None:
         """The metrics path the run being continued wrote: its checkpoint's, or, for a run killed before its first
         checkpoint, its stale lock's (same run identity, --resume given); where it is now if the run's folder
         moved (`same`)."""
-        settings = job.settings
+        storage = job.storage
         if resume_record is not None:
             said = resume_record
-        elif settings.resume and self.previous and self.previous.get("run") == job.identity:
+        elif storage.resume and self.previous and self.previous.get("run") == job.identity:
             said = self.previous
         else:
             return None
-        if settings.metrics and same(said.get("metrics"), settings.metrics, said.get("directory"),
-                                           settings.ckpt_dir):
-            return os.path.abspath(settings.metrics)
+        if storage.metrics and same(said.get("metrics"), storage.metrics, said.get("directory"), storage.ckpt_dir):
+            return os.path.abspath(storage.metrics)
         return said.get("metrics")
 
 

@@ -4,7 +4,8 @@ compiled step.
 `resolve(settings)` looks up the model family, its config (the preset and `--set`) and the recipe, takes this
 process's device, its memory budget and the kernels that run there, makes the mesh and the learning-rate schedule,
 and checks them, before anything touches the disk or compiles: bad names and values raise ValueError here. The
-phases of the run (`recipes.train.loop`) take the `Job` it returns; none of them resolves anything again.
+phases of the run (`recipes.train.loop`) take the `Job` it returns, each its group of resolved values (`Data`,
+`Storage`, `Fitting`, `Cadence`, `Job.training`); none of them reads the settings or resolves anything again.
 """
 from __future__ import annotations
 
@@ -50,9 +51,60 @@ class Cadence:
 
 
 @dataclasses.dataclass(frozen=True)
+class Data:
+    """What the run reads, resolved from the settings: a token file or text (None: the synthetic source) and how
+    it is read."""
+    path: str | None             # --data
+    tokenizer: str | None        # text --data: the tokenizer
+    dtype: str | None            # a token file's id type (None: from the vocabulary)
+    held_out: float              # the fraction kept out of training (`RunConfig.held_out`)
+    encoding: str | None         # text --data: the files' encoding
+    seed: int                    # seeds the data's order (and the synthetic source)
+    evaluate: bool               # --eval-every: a held-out source is opened
+    poison_step: int | None      # debug: this step's batch carries NaN loss weights
+
+    @classmethod
+    def of(cls, s: RunConfig) -> Data:
+        return cls(s.data, s.tokenizer, s.data_dtype, s.held_out, s.text_encoding, s.seed, bool(s.eval_every),
+                   s.poison_step)
+
+
+@dataclasses.dataclass(frozen=True)
+class Storage:
+    """What the run keeps and writes, resolved from the settings: its checkpoint directory, whether it resumes, what
+    a resumed run may change, its metrics file and TensorBoard."""
+    ckpt_dir: str | None         # --ckpt-dir (None: no checkpoints)
+    resume: bool                 # --resume
+    allow_data_change: bool      # --allow-data-change
+    schedule_given: bool         # --schedule-steps or --warmup given (else the schedule follows --steps)
+    metrics: str | None          # --metrics
+    tensorboard: str | None      # --tensorboard
+    coordinator_timeout: float   # multi-host: how long process 0's decisions are waited for
+
+    @classmethod
+    def of(cls, s: RunConfig) -> Storage:
+        return cls(s.ckpt_dir, s.resume, s.allow_data_change, s.schedule_steps is not None or s.warmup is not None,
+                   s.metrics, s.tensorboard, s.coordinator_timeout)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fitting:
+    """What the step is fitted against, resolved from the settings: the memory budget asked for, --recipe auto's
+    link and overlap, and whether a step that does not fit launches anyway."""
+    hbm_limit: float | None      # --hbm-limit, in GiB
+    link: float | None           # --link, GB/s
+    overlap: float | None        # --overlap
+    force: bool                  # --force
+
+    @classmethod
+    def of(cls, s: RunConfig) -> Fitting:
+        return cls(s.hbm_limit, s.link, s.overlap, s.force)
+
+
+@dataclasses.dataclass(frozen=True)
 class Job:
-    """A run's settings and what they resolve to."""
-    settings: RunConfig
+    """What a run's settings resolve to: every phase of the run reads this, none reads the settings."""
+    model: str                   # --model and --preset, as the messages name the model
     family: Family
     model_cfg: Any
     recipe_name: str
@@ -63,14 +115,12 @@ class Job:
     identity: dict[str, Any]     # what a checkpoint must match to be resumed (`RunConfig.identity`)
     schedule: optax.Schedule
     budget: tuple[int | None, str]   # the device bytes the step may use, and where the figure comes from
+    training: zoo.plan.Training  # the step as the step and the planner take it
     cadence: Cadence             # the training loop's course
-
-    @property
-    def training(self) -> zoo.plan.Training:
-        """The step the settings describe, as the step and the planner take it."""
-        s = self.settings
-        return zoo.plan.Training(opt_dtype=s.opt_dtype, grad_accum=s.grad_accum, opt_state=s.opt_state,
-                                 params=s.params, loss_chunk=s.loss_chunk, clip=s.clip, weight_decay=s.weight_decay)
+    seed: int                    # seeds the parameters
+    fitting: Fitting             # what the step is fitted against
+    data: Data                   # what the run reads
+    storage: Storage             # what the run keeps and writes
 
     @property
     def parallel(self) -> zoo.plan.Parallelism:
@@ -125,12 +175,12 @@ def resolve(settings: RunConfig) -> Job:
     """The `Job` of `settings`, checked: bad names, config values, a config the device cannot run (e.g. cuDNN
     attention on a CPU, `--params host` with float32 parameters) and a mesh the model or the batch does not split
     over raise ValueError."""
+    device = jax.local_devices()[0]
+    memory = budget(device, settings.hbm_limit)
     identity = settings.identity()
     family = cli.family(settings.model)
     recipe_name = settings.recipe or recipe_registry.default_recipe(family)
-    recipe = None if recipe_name == "auto" else cli.recipe(family, recipe_name)
-    device = jax.local_devices()[0]
-    memory = budget(device, settings.hbm_limit)
+    recipe = None if recipe_name == "auto" else recipe_registry.recipe(family, recipe_name)
     model_cfg = cli.model_config(family, settings.preset, settings.overrides)
     try:
         model_cfg.check_seq(settings.seq)
@@ -148,5 +198,9 @@ def resolve(settings: RunConfig) -> Job:
         kernels[kernel] = choice.replace("(asked for", f"({who}", 1)
     mesh = mesh_lib.resolve(settings.mesh, model_cfg, settings.micro_batch)
     schedule = lr_schedule(lr=settings.peak_lr, steps=settings.total_schedule, warmup=settings.total_warmup)
-    return Job(settings, family, model_cfg, recipe_name, recipe, device, kernels, mesh, identity, schedule, memory,
-               Cadence.of(settings))
+    training = zoo.plan.Training(opt_dtype=settings.opt_dtype, grad_accum=settings.grad_accum,
+                                 opt_state=settings.opt_state, params=settings.params, loss_chunk=settings.loss_chunk,
+                                 clip=settings.clip, weight_decay=settings.weight_decay)
+    return Job(f"{settings.model} {settings.preset}", family, model_cfg, recipe_name, recipe, device, kernels, mesh,
+               identity, schedule, memory, training, Cadence.of(settings), settings.seed, Fitting.of(settings),
+               Data.of(settings), Storage.of(settings))

@@ -42,8 +42,8 @@ def build_sharded(family: Family, model_cfg, recipe: zoo.Recipe, mesh, make_opt:
 def build_run(job: Job, recipe: zoo.Recipe):
     """The run's (model, optimizer), built sharded (`build_sharded`): its optimizer as the settings say, with a
     float32 master copy of the parameters in pinned host memory under --params host."""
-    s, t = job.settings, job.training
-    return build_sharded(job.family, job.model_cfg, recipe, job.mesh, seed=s.seed, opt_state=t.opt_state,
+    t = job.training
+    return build_sharded(job.family, job.model_cfg, recipe, job.mesh, seed=job.seed, opt_state=t.opt_state,
                          params=t.params, make_opt=lambda m: make_optimizer(
                              m, job.schedule, clip=t.clip, weight_decay=t.weight_decay, opt_dtype=t.opt_dtype,
                              master=t.params == "host"))
@@ -53,8 +53,8 @@ def show_memory_plan(job: Job, console: Console, step: Step) -> zoo.plan.Plan:
     """Print the memory plan of the compiled step (`zoo.plan`: its peak with XLA's temporaries, per device under a
     mesh of several devices, with the device's HBM as its budget) and return it."""
     limit = zoo.plan.allocator_limit(job.device)
-    hbm_gib = job.settings.hbm_limit or (limit / 2 ** 30 if limit else None)
-    p = zoo.plan.plan(job.model_cfg, step.recipe, batch=job.settings.batch, seq=job.settings.seq,
+    hbm_gib = job.fitting.hbm_limit or (limit / 2 ** 30 if limit else None)
+    p = zoo.plan.plan(job.model_cfg, step.recipe, batch=job.cadence.batch, seq=job.cadence.seq,
                       compiled=step.compiled, peak="compile", hardware=zoo.plan.Hardware(hbm_gib=hbm_gib),
                       parallel=job.parallel, training=dataclasses.replace(job.training, loss_chunk=step.loss_chunk))
     zoo.plan.render(p, console)
@@ -64,7 +64,7 @@ def show_memory_plan(job: Job, console: Console, step: Step) -> zoo.plan.Plan:
 def compile_for_shapes(job: Job, recipe: zoo.Recipe, loss_chunk="auto"):
     """(compiled step, graphdef, abstract state): the run's step compiled on shapes alone, laid out on its mesh
     (`zoo.train_step.compile_abstract`, the planner's compile too), its loss in chunks of `loss_chunk`."""
-    return compile_abstract(job.family, job.model_cfg, recipe, batch=job.settings.batch, seq=job.settings.seq,
+    return compile_abstract(job.family, job.model_cfg, recipe, batch=job.cadence.batch, seq=job.cadence.seq,
                             training=dataclasses.replace(job.training, loss_chunk=loss_chunk),
                             schedule=job.schedule, mesh=job.mesh)
 
@@ -72,22 +72,22 @@ def compile_for_shapes(job: Job, recipe: zoo.Recipe, loss_chunk="auto"):
 def check_fits(job: Job, console: Console, plan: zoo.plan.Plan, step: Step) -> None:
     """Refuse (ValueError: exit 2) a step whose compiled peak exceeds the device's budget, or whose host bytes
     exceed the pinned pool, before anything is allocated; --force launches it anyway (`recipes.train.step.fit`)."""
-    device, settings = job.device, job.settings
+    device, cadence, fitting = job.device, job.cadence, job.fitting
     # the offloaded activations (XLA's host temporaries) and the state kept in pinned host memory
     host = plan.host_total
     if device.platform != "cpu":
         temps = meter.host_bytes(step.compiled, state_on_host=plan.state.host > 0)
         host = (plan.host_bytes if temps is None else temps) + plan.state.host
     problems, notes = fit.check(plan.peak, host=host or 0, pool=plan.host_pool, device=device, budget=job.budget,
-                                hbm_limit_gib=settings.hbm_limit)
+                                hbm_limit_gib=fitting.hbm_limit)
     for n in notes:
         console.print(n, soft_wrap=True, markup=False)
     if not problems:
         return
     why = "; ".join(problems)
-    tips = fit.advice(job.training, batch=settings.batch, seq=settings.seq, recipe=job.recipe_name, state=plan.state,
+    tips = fit.advice(job.training, batch=cadence.batch, seq=cadence.seq, recipe=job.recipe_name, state=plan.state,
                       gpu=device.platform == "gpu", param_dtype=job.model_cfg.param_dtype)
-    if settings.force:
+    if fitting.force:
         console.print(f"warning: {why}; launching anyway (--force)", soft_wrap=True, markup=False)
         return
     raise ValueError(f"{why}: it would run out of memory. The plan is above; {tips}")
@@ -131,16 +131,16 @@ def compile_run(job: Job, console: Console) -> Step:
     choice for this device, --loss-chunk auto the whole sequence where the step fits that way (else the fewest chunks
     that fit); each choice said."""
     t0 = time.perf_counter()
-    settings, device = job.settings, job.device
-    what = (f"compiling the training step ({settings.model} {settings.preset}, batch {settings.batch} x seq "
-            f"{settings.seq}, recipe {job.recipe_name}) for {device.platform}")
+    cadence, device, fitting = job.cadence, job.device, job.fitting
+    what = (f"compiling the training step ({job.model}, batch {cadence.batch} x seq {cadence.seq}, recipe "
+            f"{job.recipe_name}) for {device.platform}")
     check_model_state(job, console)   # a budget the model state alone is over: no compile
     # --recipe auto: its inputs (ValueError naming every missing flag) before the compile's status line
-    ins = None if job.recipe is not None else auto.inputs(device, hbm_gib=settings.hbm_limit, link_gbps=settings.link,
-                                                          overlap=settings.overlap, tflops=settings.peak_tflops)
+    ins = None if job.recipe is not None else auto.inputs(device, hbm_gib=fitting.hbm_limit, link_gbps=fitting.link,
+                                                          overlap=fitting.overlap, tflops=cadence.peak_tflops)
     limit, _ = job.budget
     with watch.busy(console, what):
-        fitted = zoo.plan.fit(job.model_cfg, job.recipe or "auto", batch=settings.batch, seq=settings.seq,
+        fitted = zoo.plan.fit(job.model_cfg, job.recipe or "auto", batch=cadence.batch, seq=cadence.seq,
                               limit=limit, hardware=ins.hardware() if ins else zoo.plan.Hardware(),
                               training=job.training, parallel=job.parallel,
                               compile=lambda recipe, chunk: compile_for_shapes(job, recipe, chunk))
@@ -149,7 +149,7 @@ def compile_run(job: Job, console: Console) -> Step:
     if job.recipe is None:
         console.print(f"recipe auto for {ins.describe()}: {auto.summary(fitted.recipe)}", soft_wrap=True,
                       markup=False)
-    if settings.loss_chunk == "auto":
+    if job.training.loss_chunk == "auto":
         console.print("loss: " + (f"chunks of {fitted.loss_chunk} positions (--loss-chunk auto: the whole sequence "
                                   f"does not fit)" if fitted.loss_chunk else
                                   "the whole sequence at once (--loss-chunk auto: the step fits that way)"),
@@ -168,7 +168,7 @@ def check_model_state(job: Job, console: Console) -> None:
         fit.check_state(zoo.plan.model_state(job.model_cfg, training=job.training, parallel=job.parallel), limit,
                         where, "--hbm-limit")
     except ValueError as e:
-        if not job.settings.force:
+        if not job.fitting.force:
             raise
         console.print(f"warning: {e}; launching anyway (--force)", soft_wrap=True, markup=False)
 
@@ -176,15 +176,15 @@ def check_model_state(job: Job, console: Console) -> None:
 def show_and_check(job: Job, console: Console, step: Step) -> zoo.plan.Plan:
     """Say what runs (the model, the mesh, the recipe, the XLA options, the kernels), print the memory plan with
     the compiled peak, and refuse a step that does not fit (`check_fits`); the plan."""
-    settings, device = job.settings, job.device
+    cadence, training, device = job.cadence, job.training, job.device
     n_params = zoo.models.count_params(nnx.merge(step.graphdef, step.abstract)[0])
-    accum = (f" ({settings.grad_accum} micro-batches of {settings.micro_batch} per update)"
-             if settings.grad_accum > 1 else "")
-    hosted = [what for what, flag in (("optimizer state", settings.opt_state),
-                                      ("float32 master parameters", settings.params)) if flag == "host"]
+    accum = (f" ({training.grad_accum} micro-batches of {cadence.batch // training.grad_accum} per update)"
+             if training.grad_accum > 1 else "")
+    hosted = [what for what, flag in (("optimizer state", training.opt_state),
+                                      ("float32 master parameters", training.params)) if flag == "host"]
     placed = f"; {' and '.join(hosted)} in pinned host memory between steps" if hosted else ""
-    console.print(f"model {settings.model} {settings.preset}: {n_params:,} parameters; batch {settings.batch} x seq "
-                  f"{settings.seq}{accum}; {settings.steps} steps on {device.platform} ({device.device_kind}){placed}")
+    console.print(f"model {job.model}: {n_params:,} parameters; batch {cadence.batch} x seq {cadence.seq}{accum}; "
+                  f"{cadence.steps} steps on {device.platform} ({device.device_kind}){placed}")
     console.print(f"mesh {mesh_lib.describe(job.mesh)} over {jax.device_count()} device(s), {jax.process_count()} "
                   f"process(es)")
     console.print(f"recipe {step.recipe}")
@@ -198,6 +198,6 @@ def show_and_check(job: Job, console: Console, step: Step) -> zoo.plan.Plan:
         console.print("on the CPU there is no pinned host memory: offload placements compile and run but move "
                       "nothing (use a GPU to see HBM fall)")
     check_fits(job, console, plan, step)
-    peak, peak_src = meter.peak_tflops(device, settings.peak_tflops)
+    peak, peak_src = meter.peak_tflops(device, cadence.peak_tflops)
     console.print(f"MFU against {peak} TFLOP/s ({peak_src})" if peak else f"MFU: {peak_src}")
     return plan
