@@ -290,11 +290,13 @@ SCENARIOS: dict[str, Scenario] = {
         (long_job("auto", 262144, steps=2, est=420, timeout=560),
          probe(("auto",), longest=524288, est=240, timeout=400))),
     "half-million": Scenario(
-        "524,288 tokens on one H200: all 32 layers of the 8B under auto (one step: it fits and trains), then the 8B "
-        "cut to 8 layers under longest_context (the rate of auto's structure at 512K: two steps), the state on the "
-        "host; a step takes minutes: run detached",
-        (long_job("auto", 524288, layers=32, steps=1, est=900, timeout=1200),
-         long_job("longest_context", 524288, layers=8, steps=2, est=480, timeout=620))),
+        "524,288 tokens on one H200, the state on the host: all 32 layers of the 8B under auto (one step: it fits "
+        "and trains, and its rate), then the 8B cut to 8 layers under longest_context (auto's structure at 512K) and "
+        "under long_context (the kernel's pair kept for every layer: attention's forward never runs again), one step "
+        "each from the same weights and tokens (their losses must agree); a step takes minutes: run detached",
+        (long_job("auto", 524288, layers=32, steps=1, est=900, timeout=1100),
+         long_job("longest_context", 524288, layers=8, steps=1, est=260, timeout=400),
+         long_job("long_context", 524288, layers=8, steps=1, est=240, timeout=400))),
     "offload-profile": Scenario(
         "where the offload time goes: the plain-JAX anchor under XLA's overlap options and profiles of the zoo's "
         "step (405B slice, 3 layers, batch 2), two single-GPU queues side by side",
