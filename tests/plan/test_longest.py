@@ -65,3 +65,30 @@ def test_an_estimated_answer_warns_where_the_device_present_would_not_fit_it():
     assert found.seq == 16384 and len(found.warnings) == 1
     assert "estimated for a GPU's kernels" in found.warnings[0] and "peak='compile'" in found.warnings[0]
     assert found.render().splitlines()[-1] == "warning: " + found.warnings[0]
+
+
+@pytest.mark.parametrize("budget_gib, compiled", [(4.5, [4096]), (6.0, [4096, 8192])])
+def test_the_compiled_walk_compiles_no_length_whose_estimate_is_far_over_the_budget(monkeypatch, budget_gib, compiled):
+    """The compiled walk starts where the estimates ended and goes up while lengths fit; a length whose estimate is
+    over a budget by half again (`HOPELESS`) is answered "no" from its estimate, not compiled. Peaks here are
+    1 GiB per 1,024 positions estimated, 0.9 compiled: a budget of 4.5 GiB leaves 8,192 (8 GiB estimated) hopeless,
+    one of 6 GiB compiles it and finds it over."""
+    from types import SimpleNamespace
+
+    from zoo.plan import longest
+
+    calls = []
+
+    def fake_plan(cfg, recipe, *, seq, peak, **_):
+        if peak is not None and peak != "estimate":
+            calls.append(seq)
+        scale = 1.0 if peak in ("estimate", None) else 0.9
+        return SimpleNamespace(peak_bytes=int(scale * seq / 1024 * GiB), host_total=0, recipe="full",
+                               peak_source="estimate" if peak in ("estimate", None) else "compiled for cpu",
+                               state=SimpleNamespace(total=0, host=0))
+
+    monkeypatch.setattr(longest, "plan", fake_plan)
+    found = longest.longest_seq(TINY, zoo.Recipe.full(), hardware=Hardware(hbm_gib=budget_gib), peak="compile",
+                                cap=16384)
+    assert found.seq == 4096 and calls == compiled
+    assert {t.seq: t.fits for t in found.tried}[8192] is False

@@ -4,8 +4,9 @@
                              training=Training(opt_state="host", params="host", opt_dtype="bfloat16"))
     l.seq, l.tried   # the longest that fits (0: none does); each length planned, its peak, host bytes and recipe
 
-Each length is one `zoo.plan.plan` (a recipe, or "auto" per length); a compiled walk starts at the estimates' answer and
-stops at the config's `max_seq_len`.
+Each length is one `zoo.plan.plan` (a recipe, or "auto" per length); a compiled walk starts at the estimates' answer,
+compiles no length whose estimate is over a budget by half again (`HOPELESS`), and stops at the config's
+`max_seq_len`.
 """
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ from zoo.training import STEP
 
 DEFAULT_SEQ_CAP = 1 << 20
 FIRST = 1024   # the shortest sequence a walk tries
+# A length whose estimate is this far over a budget is not compiled: it cannot fit (estimates fall within a few
+# percent of compiled peaks on the GPU, and below them on the CPU), and XLA can spend many minutes trying to fit it.
+HOPELESS = 1.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +97,7 @@ def longest_seq(cfg, recipe: Recipe | str, *, batch: int = 1, hardware: Hardware
     """The longest power-of-two sequence (from `FIRST` up to `cap` and the config's `max_seq_len`) whose step fits
     the budgets, for `recipe` (a Recipe, or "auto": chosen per length) at `batch`. `peak`: as `zoo.plan.plan`'s
     ("auto": compiled on an accelerator, estimated on the CPU). `start`: the first length planned (default: where
-    the estimates' walk ends). ValueError before anything compiles when the model state alone exceeds a budget.
+    the estimates' walk ends; then a length whose estimate is over a budget by half again is not compiled). ValueError before anything compiles when the model state alone exceeds a budget.
 
     Args:
         cfg: the model's config (an `LMConfig`).
@@ -138,7 +142,14 @@ def longest_seq(cfg, recipe: Recipe | str, *, batch: int = 1, hardware: Hardware
     hardware = dataclasses.replace(hardware, hbm_gib=hbm / (1 << 30))
     tried: list[TriedSeq] = []
 
+    def hopeless(seq: int) -> bool:
+        """Its estimate (planned on the walk) is far over a budget: not worth a compile."""
+        return any(t.seq == seq and "estimate" in t.peak_source
+                   and (t.peak_bytes > HOPELESS * hbm or t.host_bytes > HOPELESS * host) for t in tried)
+
     def fits(seq: int, mode: str) -> bool:
+        if mode != "estimate" and hopeless(seq):
+            return False
         p = plan(cfg, recipe, batch=batch, seq=seq, hardware=hardware, training=training, peak=mode)
         ok = p.peak_bytes <= hbm and p.host_total <= host
         tried.append(TriedSeq(seq, int(p.peak_bytes), int(p.host_total), str(p.recipe), p.peak_source, ok))
