@@ -2,7 +2,9 @@
 committed GPU records it must reproduce (within 10% for every recipe of the llama405b and deepseek slices)."""
 from __future__ import annotations
 
+import ast
 import pathlib
+import re
 
 import pytest
 
@@ -144,4 +146,40 @@ def test_qwen3s_measured_rate_predicts_every_recipe_of_its_stack():
         predicted = p.step_time(stacks_only=True)["total_s"]
         if abs(predicted / r["step_s"] - 1) > 0.03:
             off.append(f"{name}: predicted {predicted:.4f} s, measured {r['step_s']:.4f} s")
+    assert not off, off
+
+
+def _recipe_run(run: str) -> zoo.Recipe:
+    """The recipe a main-job record says it ran (`str(Recipe)`, its `recipe_run`): a named one of Llama 3.1's set, or
+    `auto`'s choice read back from its text (checked: it prints as the record says)."""
+    name, _, text = run.partition(": ")
+    if name != "auto":
+        return LLAMA_RECIPES[name]
+    lists = {k: tuple(ast.literal_eval(v)) for k, v in re.findall(r"(offload|device)=(\[[^\]]*\])", text)}
+    tiles, group = re.search(r"in (\d+) sequence tiles", text), re.search(r"kept every (\d+) layers", text)
+    keep = re.search(r"(\[[^\]]*\]) kept while", text)
+    recipe = zoo.Recipe("auto", **lists, seq_tiles=int(tiles[1]) if tiles else 1, group=int(group[1]) if group else 1,
+                        group_keep=tuple(ast.literal_eval(keep[1])) if keep else ())
+    assert str(recipe) == run
+    return recipe
+
+
+def test_every_long_context_record_of_the_main_job_is_predicted_within_5_percent():
+    """The 8B's main job (AdamW, bf16 parameters, their float32 master and bf16 moments on the host) at 128K, 256K and
+    512K, 4 to 32 layers, under auto, full, long_context and longest_context, as the H200 ran it: the planner's step
+    time (attention at its measured rate for the length, `links.ATTENTION_RATES`) within 5% of each measured step."""
+    runs = [r for f in sorted(RESULTS.glob("*.jsonl")) for r in records.load_flat(f)
+            if r["bench"] == "main-job-8b" and r["S"] >= 131072 and r.get("recipe_run") and r.get("step_s")]
+    assert {r["S"] for r in runs} == {131072, 262144, 524288} and len(runs) >= 7
+    training = Training(opt_state="host", params="host", opt_dtype="bfloat16")
+    off = []
+    for r in runs:
+        cfg = zoo.models.LlamaConfig.preset("llama3_1_8b", num_layers=r["L"], param_dtype="bfloat16",
+                                            max_seq_len=r["S"])
+        p = zoo.plan.plan(cfg, _recipe_run(r["recipe_run"]), batch=r["B"], seq=r["S"], peak=None, training=training,
+                          hardware=Hardware(device_kind=H200))
+        predicted = p.step_time()["total_s"]
+        if abs(predicted / r["step_s"] - 1) > 0.05:
+            off.append(f"{r['recipe_run']} at {r['S']} ({r['L']} layers): predicted {predicted:.1f} s, measured "
+                       f"{r['step_s']:.1f} s")
     assert not off, off

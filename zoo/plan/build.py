@@ -136,7 +136,7 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
                 warnings=state_lib.warnings(host + state.host, activation, state, hbm_budget, pool, extra, ram),
                 link_gbps=link_gbps, tflops=hardware.tflops, overlap=overlap, link_source=link_source, peak=pk,
                 model_flops=model_flops, step_tflops=step_tflops, step_overhead=overhead,
-                attention_tflops=None if att is None else att.tflops,
+                attention_tflops=None if att is None else att.tflops_at(seq),
                 attention_forward_tflops=None if att is None else att.forward_tflops,
                 step_rate_source=rate_source, grad_accum=training.grad_accum,
                 loss_chunk=resolve_chunk(training.loss_chunk, ceil_div(micro, shard), seq, cfg.vocab_size))

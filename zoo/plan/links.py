@@ -6,6 +6,7 @@ missing here has no default: pass `--link` (and `--overlap`) and `--peak-tflops`
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from zoo.models.registry import StepRate, family_of
 
@@ -58,21 +59,53 @@ MEASURED: tuple[Link, ...] = (
 class AttentionRate:
     """How fast causal attention runs on a device, in FLOPs counted as `zoo.layers.attention_kernel.attention_flops`
     counts them (half of the square): the forward and backward of a step (three times the forward's count) and a
-    forward re-run in the backward pass. Attention runs slower than the matmuls the step rates were measured on, and
-    at long context it is most of the step."""
+    forward re-run in the backward pass. Attention runs slower than the matmuls the step rates were measured on, at
+    long context it is most of the step, and its backward's rate changes with the sequence length.
+
+    Args:
+        device_kind: matched (case-insensitive substring) against `jax.Device.device_kind`.
+        kernel: the attention kernel measured ("cudnn").
+        tflops: (sequence length, forward + backward TFLOP/s) points, in increasing length: `tflops_at` interpolates
+            them in log2 of the length and holds the first and last past the ends.
+        forward_tflops: a forward re-run in the backward pass (a recipe that does not keep the kernel's residuals).
+        date: when it was measured.
+        source: the records it was fitted to.
+    """
     device_kind: str
     kernel: str
-    tflops: float           # forward + backward (3 x the forward's FLOPs) per second, per device
-    forward_tflops: float   # a forward re-run in the backward pass (a recipe that does not keep its residuals)
+    tflops: tuple[tuple[int, float], ...]
+    forward_tflops: float
     date: str
     source: str
 
+    def tflops_at(self, seq: int) -> float:
+        """The forward + backward rate at `seq` positions (`tflops` interpolated in log2 of the length).
+
+        Args:
+            seq: the sequence length.
+
+        Returns:
+            TFLOP/s per device.
+        """
+        (s0, r0), *rest = self.tflops
+        if seq <= s0:
+            return r0
+        for s1, r1 in rest:
+            if seq <= s1:
+                return r0 + (r1 - r0) * (math.log2(seq) - math.log2(s0)) / (math.log2(s1) - math.log2(s0))
+            s0, r0 = s1, r1
+        return r0
+
 
 ATTENTION_RATES: tuple[AttentionRate, ...] = (
-    AttentionRate("H200", "cudnn", 430.0, 650.0, "2026-12-01",
-                  "bench/results/long-context_2026-12-01.jsonl: the 8B-shaped stack (batch 1, bf16, SGD) at 32K/8, "
-                  "64K/4 and 128K/2 layers, the same matmul FLOPs each: context_offload 1.189 / 1.652 / 2.587 s, "
-                  "full 1.270 / 1.849 / 3.060 s; the family's step rate for the matmuls, the rest fitted"),
+    AttentionRate("H200", "cudnn", ((32768, 418.0), (131072, 446.0), (262144, 414.0), (524288, 390.0)), 620.0,
+                  "2026-12-02",
+                  "fitted to 15 records, every one predicted within 2%: the 8B-shaped stack (batch 1, bf16, SGD) at "
+                  "32K/8, 64K/4 and 128K/2 layers under full, context_offload, minimal and minimal_no_context "
+                  "(bench/results/long-context_2026-12-01.jsonl), and the main job (AdamW, state on the host) at 128K "
+                  "(32 layers under auto and full, 4 under long_context), 256K (32 under auto) and 512K (32 under "
+                  "auto, 8 under longest_context and long_context: bench/results/longest-context_2026-12-02.jsonl, "
+                  "half-million_2026-12-02.jsonl); the family's step rate for the matmuls"),
 )
 
 
