@@ -292,10 +292,16 @@ def _max_seq(ap: argparse.ArgumentParser, args) -> int:
         if recipe == "auto":
             hardware = _auto_inputs(ap, args, hardware)
         found = zoo.plan.longest_seq(model_cfg, recipe, batch=args.batch or 1, hardware=hardware,
-                                     training=_training(args), peak=args.peak, cap=args.max_seq)
+                                     training=_training(args), peak=args.peak, cap=args.max_seq, progress=_tried)
     except ValueError as e:
         ap.error(cli.in_flags(str(e)))
     return _found(args, found)
+
+
+def _tried(t) -> None:
+    """--max-seq's progress on stderr: each length as it is planned (a long step compiles for a minute or more)."""
+    print(f"planned {t.seq}: peak {zoo.plan.fmt_bytes(t.peak_bytes)}, host {zoo.plan.fmt_bytes(t.host_bytes)}, "
+          f"{'fits' if t.fits else 'does not fit'} ({t.peak_source})", file=sys.stderr, flush=True)
 
 
 def _model(args):

@@ -188,8 +188,11 @@ def test_max_seq_prints_the_longest_and_refuses_what_does_not_apply(capsys):
     argv = ["--model", "llama3", "--preset", "tiny", "--set", "num_layers=1", "--recipe", "full", "--hbm", "1000",
             "--max-seq", "4096", "--peak", "estimate"]
     assert plan_cli.main(argv) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("llama3 tiny: longest sequence that fits: 4096 (the longest tried: may fit longer)")
+    printed = capsys.readouterr()
+    assert printed.out.startswith("llama3 tiny: longest sequence that fits: 4096 (the longest tried: may fit longer)")
+    # each length on stderr as it is planned (a long step compiles for minutes before the answer)
+    assert [line.split(":")[0] for line in printed.err.splitlines()] == ["planned 1024", "planned 2048", "planned 4096"]
+    assert printed.err.splitlines()[-1].startswith("planned 4096: peak ") and ", fits (estimate" in printed.err
     with pytest.raises(SystemExit) as e:
         plan_cli.main(argv + ["--max-batch"])
     assert e.value.code == 2 and "give one of them" in capsys.readouterr().err

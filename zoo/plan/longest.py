@@ -11,6 +11,7 @@ compiles no length whose estimate is over a budget by half again (`HOPELESS`), a
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from zoo.plan.build import NO_HARDWARE, plan
 from zoo.plan.capacity import budget
@@ -93,7 +94,7 @@ class Longest:
 
 def longest_seq(cfg, recipe: Recipe | str, *, batch: int = 1, hardware: Hardware = NO_HARDWARE,
                 training: Training = STEP, peak: str = "auto", start: int | None = None,
-                cap: int = DEFAULT_SEQ_CAP) -> Longest:
+                cap: int = DEFAULT_SEQ_CAP, progress: Callable[[TriedSeq], None] | None = None) -> Longest:
     """The longest power-of-two sequence (from `FIRST` up to `cap` and the config's `max_seq_len`) whose step fits
     the budgets, for `recipe` (a Recipe, or "auto": chosen per length) at `batch`. `peak`: as `zoo.plan.plan`'s
     ("auto": compiled on an accelerator, estimated on the CPU). `start`: the first length planned (default: where
@@ -110,6 +111,8 @@ def longest_seq(cfg, recipe: Recipe | str, *, batch: int = 1, hardware: Hardware
         peak: "auto", "compile" or "estimate", as `zoo.plan.plan`'s.
         start: the first length planned, a power of two from `FIRST` (None: where the estimates' walk ends).
         cap: the longest length tried.
+        progress: called with each length's `TriedSeq` as soon as it is planned (a compile of a long step takes a
+            minute or more; the command line prints each one as it comes).
 
     Returns:
         the `Longest`: the longest length that fits, the budgets and each length planned.
@@ -153,6 +156,8 @@ def longest_seq(cfg, recipe: Recipe | str, *, batch: int = 1, hardware: Hardware
         p = plan(cfg, recipe, batch=batch, seq=seq, hardware=hardware, training=training, peak=mode)
         ok = p.peak_bytes <= hbm and p.host_total <= host
         tried.append(TriedSeq(seq, int(p.peak_bytes), int(p.host_total), str(p.recipe), p.peak_source, ok))
+        if progress is not None:
+            progress(tried[-1])
         return ok
 
     def walk(i: int, mode: str) -> int:
