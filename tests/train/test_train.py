@@ -152,8 +152,9 @@ def test_nan_guard_stops_and_keeps_the_last_good_checkpoint(tmp_path, full, cach
     assert losses(tmp_path / "m.jsonl") == full
 
 
-def _model_and_optimizer(family):
-    model = family.build(family.config("tiny"), recipe=model_recipe(family, "qkv_offload"), rngs=nnx.Rngs(0))
+def _model_and_optimizer(family, **overrides):
+    model = family.build(family.config("tiny", **overrides), recipe=model_recipe(family, "qkv_offload"),
+                         rngs=nnx.Rngs(0))
     return model, make_optimizer(model, lr_schedule(lr=3e-3, steps=12, warmup=1), clip=1.0,
                                       weight_decay=0.1)
 
@@ -168,7 +169,7 @@ def test_the_guard_decided_before_the_update_changes_no_number():
                                                                       seq=16).batch(1).items()}
     states = []
     for lr in (schedule, None):
-        model, opt = _model_and_optimizer(fam)
+        model, opt = _model_and_optimizer(fam, num_layers=1)   # one layer: where the guard is decided is per step
         step, _, state = jit_step(model, opt, family_step(fam, lr))
         for _ in range(2):
             state, m = step(state, batch)
