@@ -298,9 +298,9 @@ SCENARIOS: dict[str, Scenario] = {
          long_job("longest_context", 524288, layers=8, steps=1, est=260, timeout=400),
          long_job("long_context", 524288, layers=8, steps=1, est=240, timeout=400))),
     "max-seq": Scenario(
-        "the planner's answer for the longest length up to 1,048,576 that the 8B (32 layers, state on the host) fits on "
-        "one H200: the estimates' walk, then the answer compiled for the GPU (a length whose estimate is far over the "
-        "budget is not compiled); nothing runs",
+        "the planner's answer for the longest length up to 1,048,576 that the 8B (32 layers, state on the host) "
+        "fits on one H200: the estimates' walk, then the answer compiled for the GPU (a length whose estimate is far "
+        "over the budget is not compiled); nothing runs",
         (probe(("auto",), longest=1048576, est=300, timeout=560),)),
     "offload-profile": Scenario(
         "where the offload time goes: the plain-JAX anchor under XLA's overlap options and profiles of the zoo's "

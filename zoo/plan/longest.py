@@ -98,7 +98,8 @@ def longest_seq(cfg, recipe: Recipe | str, *, batch: int = 1, hardware: Hardware
     """The longest power-of-two sequence (from `FIRST` up to `cap` and the config's `max_seq_len`) whose step fits
     the budgets, for `recipe` (a Recipe, or "auto": chosen per length) at `batch`. `peak`: as `zoo.plan.plan`'s
     ("auto": compiled on an accelerator, estimated on the CPU). `start`: the first length planned (default: where
-    the estimates' walk ends; then a length whose estimate is over a budget by half again is not compiled). ValueError before anything compiles when the model state alone exceeds a budget.
+    the estimates' walk ends; then a length whose estimate is over a budget by half again is not compiled).
+    ValueError before anything compiles when the model state alone exceeds a budget.
 
     Args:
         cfg: the model's config (an `LMConfig`).
