@@ -185,9 +185,8 @@ class CostModel:
         Returns:
             Seconds per layer.
         """
-        fwd, overlap = self.forward(s), self.overlap
-        return ((1 - overlap.d2h) * moved_s + overlap.d2h * max(0.0, moved_s - fwd)
-                + (1 - overlap.h2d) * moved_s + overlap.h2d * max(0.0, moved_s - 2 * fwd))
+        fwd = self.forward(s)
+        return self.overlap.exposed(moved_s, fwd, 2 * fwd)
 
     def added(self, tags, moved: dict[str, float]) -> float:
         """Seconds per step that offloading `tags` adds beside the transfers `moved` already chosen.

@@ -35,6 +35,21 @@ class Overlap:
     def __str__(self) -> str:
         return f"{self.d2h:g}" if self.d2h == self.h2d else f"d2h {self.d2h:g} / h2d {self.h2d:g}"
 
+    def exposed(self, move: float, store_window: float, reload_window: float) -> float:
+        """Seconds of a layer's copies that do not hide under its compute: of `move` seconds each way, the share
+        that does not overlap, plus whatever of the overlapped share outlasts its window.
+
+        Args:
+            move: seconds of transfer each way (store and reload).
+            store_window: seconds of compute a store hides under (the layer's forward pass).
+            reload_window: seconds of compute a reload hides under (the layer's backward pass).
+
+        Returns:
+            Seconds added to the step.
+        """
+        return ((1 - self.d2h) * move + self.d2h * max(0.0, move - store_window)
+                + (1 - self.h2d) * move + self.h2d * max(0.0, move - reload_window))
+
 
 @dataclasses.dataclass(frozen=True)
 class Link:

@@ -340,8 +340,7 @@ class Plan:
         k = self.grad_accum
         for s in self.stacks:   # FLOPs are per step (k micro-batches); a micro-batch's copies hide under its own
             fwd, remat, move = s.forward_flops / rate / k, s.remat_flops / rate / k, s.host_bytes_per_layer / link
-            exposed = ((1 - ov.d2h) * move + ov.d2h * max(0.0, move - fwd)
-                       + (1 - ov.h2d) * move + ov.h2d * max(0.0, move - 2 * fwd - remat))
+            exposed = ov.exposed(move, fwd, 2 * fwd + remat)
             out["exposed_transfer_s"] += k * s.num_layers * exposed
         out["exposed_transfer_s"] += 2 * self.state.host / link
         out["total_s"] = sum(out.values())
