@@ -297,6 +297,12 @@ SCENARIOS: dict[str, Scenario] = {
         (long_job("auto", 524288, layers=32, steps=1, est=900, timeout=1100),
          long_job("longest_context", 524288, layers=8, steps=1, est=260, timeout=400),
          long_job("long_context", 524288, layers=8, steps=1, est=240, timeout=400))),
+    "loss-chunks": Scenario(
+        "the loss's chunk length: the 8B's LM head and cross-entropy (forward and backward) at 8K, 128K and 256K "
+        "tokens, the whole sequence and chunks of 64 (the rule's old fallback at 256K), 1,024 (the rule's choice "
+        "where no chunk fits) and 8,192 positions; each record the time and the compiled temporaries",
+        (Job("loss-chunks", ("-m", "bench.loss_chunks"), LHS, 90, 240,
+             ident={"bench": "loss-chunks", "impl": "zoo", "setting": "zoo"}, gpus="0"),)),
     "max-seq": Scenario(
         "the planner's answer for the longest length up to 1,048,576 that the 8B (32 layers, state on the host) "
         "fits on one H200: the estimates' walk, then the answer compiled for the GPU (a length whose estimate is far "

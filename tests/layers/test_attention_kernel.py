@@ -178,3 +178,39 @@ def test_attention_flops_are_causal_half_of_the_square():
     q = jax.ShapeDtypeStruct((B, S, H, D), jnp.bfloat16)
     v = jax.ShapeDtypeStruct((B, S, KV, DV), jnp.bfloat16)
     assert ak.attention_flops(q, v) == (2 * B * S * S * H * D + 2 * B * S * S * H * DV) // 2
+
+
+@pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="runs cuDNN's attention: needs an NVIDIA GPU")
+def test_cudnn_attention_on_a_gpu_names_its_residuals_and_matches_xla():
+    """On a GPU, jax's real cuDNN attention: its residual leaves have the roles the wrapper reads, a policy keeping
+    the kernel's pair saves exactly `attention_out` and `context`, and the output and gradients equal the XLA kernel's
+    within bfloat16's precision (head dim 128, GQA)."""
+    b, s, h, kv, d = 1, 256, 8, 2, 128
+    ks = jax.random.split(jax.random.key(1), 4)
+    q = jax.random.normal(ks[0], (b, s, h, d), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (b, s, kv, d), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (b, s, kv, d), jnp.bfloat16)
+    g = jax.random.normal(ks[3], (b, s, h, d), jnp.bfloat16)
+    roles = []
+
+    def forward(q, k, v):
+        out, vjp_fn = jax.vjp(lambda q, k, v: ak._cudnn_attend(q, k, v, d ** -0.5), q, k, v)
+        roles.extend(ak._cudnn_roles(jax.tree.leaves(vjp_fn), (q, k, v), out))
+        return out
+
+    jax.make_jaxpr(forward)(q, k, v)
+    assert [r for r, _ in roles].count("input") == 3 and ("out", None) in roles and ("stats", 0) in roles
+
+    def loss(impl):
+        return lambda q, k, v: jnp.sum(ak.causal_attention(q, k, v, impl=impl).astype(jnp.float32) * g)
+
+    keep = zoo.Recipe("pair", device=("attention_out", "context"))
+    res = measure.residuals(jax.checkpoint(loss("cudnn"), policy=keep.policy()), q, k, v)
+    assert {r.tag for r in res if r.tag} == {"attention_out", "context"}
+    out_c = jax.jit(lambda q, k, v: ak.causal_attention(q, k, v, impl="cudnn"))(q, k, v).astype(jnp.float32)
+    out_x = jax.jit(lambda q, k, v: ak.causal_attention(q, k, v, impl="xla"))(q, k, v).astype(jnp.float32)
+    assert rel(out_c, out_x) < 2e-2
+    grads_c = jax.jit(jax.grad(loss("cudnn"), argnums=(0, 1, 2)))(q, k, v)
+    grads_x = jax.jit(jax.grad(loss("xla"), argnums=(0, 1, 2)))(q, k, v)
+    for got, want in zip(grads_c, grads_x):
+        assert rel(got.astype(jnp.float32), want.astype(jnp.float32)) < 3e-2
