@@ -17,6 +17,7 @@ from zoo.layers.embed import LMHead
 from zoo.loss import default_chunk, head_loss
 
 DIM, VOCAB = 4096, 128256
+WHOLE_LIMIT = 16 * 2 ** 30   # the whole sequence is tried where its float32 logits are at most this
 
 
 def _time(fn, *args, steps: int) -> float:
@@ -65,9 +66,13 @@ def main():
             chunk = None if c == "whole" else int(c)
             if chunk is not None and (seq % chunk or chunk >= seq):
                 continue
-            if chunk is None and 4 * seq * vocab > 64 * 2 ** 30:   # whole float32 logits over 64 GiB: not tried
-                continue
-            emit(measure(seq, chunk, dim=dim, vocab=vocab, steps=1 if a.smoke else a.steps))
+            if chunk is None and 4 * seq * vocab > WHOLE_LIMIT:   # the whole float32 logits and their gradient
+                continue                                             # would not fit: not tried
+            try:
+                emit(measure(seq, chunk, dim=dim, vocab=vocab, steps=1 if a.smoke else a.steps))
+            except Exception as e:   # an out-of-memory is a result of this length, not the end of the sweep
+                emit(dict(bench="loss-chunks", B=1, S=seq, L=0, chunk=chunk or seq,
+                          error=f"{type(e).__name__}: {str(e)[:300]}"))
 
 
 if __name__ == "__main__":
