@@ -46,8 +46,8 @@ TAKES_SMOKE = ("bench.overlap_slice", "bench.llama_slice", "bench.deepseek_slice
 OPT_STATE_ENV = {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".95", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "80"}
 # The longest contexts: the allocator's share of the GPU raised, and a pinned pool for the state (60 GiB) and the
 # offloaded layer inputs, within the machine's 128 GiB of RAM.
-_LONG_ENV = {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".95", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "110"}
-_HOST_STATE = ("--opt-state", "host", "--opt-dtype", "bfloat16", "--param-dtype", "bfloat16", "--params", "host")
+LONG_ENV = {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".95", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "110"}
+HOST_STATE = ("--opt-state", "host", "--opt-dtype", "bfloat16", "--param-dtype", "bfloat16", "--params", "host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,7 +226,7 @@ def probe(recipes, seq=None, longest=None, est=120, timeout=300) -> Job:
     what = ("--longest", str(longest)) if longest else ("--seq", str(seq))
     return Job(f"plan-probe-{'longest-' if longest else ''}{(longest or seq) // 1024}K-{'-'.join(recipes)}",
                ("-m", "bench.plan_probe", *what, *(a for r in recipes for a in ("--recipe", r))), LHS, est, timeout,
-               env=_LONG_ENV, ident={"bench": "plan-probe", "impl": "zoo", "recipe": recipes[0], "setting": "zoo"},
+               env=LONG_ENV, ident={"bench": "plan-probe", "impl": "zoo", "recipe": recipes[0], "setting": "zoo"},
                gpus="0", smoke_argv=("-m", "bench.plan_probe", "--seq", "256", "--recipe", recipes[0], "--smoke"))
 
 
@@ -237,13 +237,13 @@ def _mesh_size(mesh: str) -> int:
     return n
 
 
-def long_job(recipe, seq, layers=32, steps=3, est=300, timeout=420, extra=()) -> Job:
+def long_job(recipe, seq, layers=32, steps=3, est=300, timeout=420, extra=(), name=None) -> Job:
     """The main job on the 8B preset at `seq` (batch 1), bf16 parameters with their float32 master and AdamW's bf16
     moments in pinned host memory."""
     sets = ("--train-arg=--set=max_seq_len=" + str(seq),) if seq > 131072 else ()
-    return main_job(recipe, ("--layers", str(layers), "--batch", "1", "--seq", str(seq), *_HOST_STATE, *sets, *extra),
+    return main_job(recipe, ("--layers", str(layers), "--batch", "1", "--seq", str(seq), *HOST_STATE, *sets, *extra),
                     steps=steps, est=est, timeout=timeout, gpu="0",
-                    name=f"main-job-8b-L{layers}-S{seq // 1024}K-{recipe}", env=_LONG_ENV)
+                    name=name or f"main-job-8b-L{layers}-S{seq // 1024}K-{recipe}", env=LONG_ENV)
 
 
 # ------------------------------------------------------------------------------------------------ smoke form

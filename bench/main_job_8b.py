@@ -23,6 +23,8 @@ import statistics
 import subprocess
 import sys
 
+from zoo.opt_state import PARAMS_PLACES
+
 MODEL = dict(model="llama3", preset="llama3_1_8b", layers=8, batch=2, seq=8192)
 SMOKE = dict(model="llama3", preset="tiny", layers=2, batch=2, seq=64)
 
@@ -44,8 +46,8 @@ def _args():
                     help="main: dtype of AdamW's moments (recipes.train --opt-dtype)")
     ap.add_argument("--param-dtype", choices=("float32", "bfloat16"), default=None,
                     help="main: the parameters' dtype (default: the preset's, float32)")
-    ap.add_argument("--params", choices=("device", "host"), default="device",
-                    help="main: where the float32 master copy of bf16 parameters lives (recipes.train --params)")
+    ap.add_argument("--params", choices=PARAMS_PLACES, default="device",
+                    help="main: where the parameters live (recipes.train --params)")
     ap.add_argument("--train-arg", action="append", default=[], metavar="ARG",
                     help="main: one more argument for recipes.train (repeat; e.g. --train-arg=--loss-chunk=0)")
     ap.add_argument("--smoke", action="store_true")

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 from bench.jobs import (
+    HOST_STATE,
     LHS,
+    LONG_ENV,
     OPT_STATE_ENV,
     SELECTIVE_MEMCPY,
     STREAM_ANNOTATION,
@@ -303,6 +305,16 @@ SCENARIOS: dict[str, Scenario] = {
         "where no chunk fits) and 8,192 positions; each record the time and the compiled temporaries",
         (Job("loss-chunks", ("-m", "bench.loss_chunks"), LHS, 90, 240,
              ident={"bench": "loss-chunks", "impl": "zoo", "setting": "zoo"}, gpus="0"),)),
+    "streamed-params": Scenario(
+        "the stacks' parameters streamed from pinned host memory a layer at a time (--params stream) beside the same "
+        "run with only the master and the moments there (--params host): the 8B cut to 8 layers at 32K, then all 32 "
+        "layers at 128K under auto (which plans with the HBM streaming frees)",
+        (main_job("auto", ("--layers", "8", "--batch", "1", "--seq", "32768", *HOST_STATE, "--params", "stream"),
+                  steps=4, est=70, timeout=200, gpu="0", name="main-job-8b-L8-S32K-auto-stream", env=LONG_ENV),
+         main_job("auto", ("--layers", "8", "--batch", "1", "--seq", "32768", *HOST_STATE), steps=4, est=70,
+                  timeout=200, gpu="0", name="main-job-8b-L8-S32K-auto-host", env=LONG_ENV),
+         long_job("auto", 131072, steps=2, est=230, timeout=330, extra=("--params", "stream"),
+                  name="main-job-8b-L32-S128K-auto-stream"))),
     "max-seq": Scenario(
         "the planner's answer for the longest length up to 1,048,576 that the 8B (32 layers, state on the host) "
         "fits on one H200: the estimates' walk, then the answer compiled for the GPU (a length whose estimate is far "

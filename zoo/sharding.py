@@ -51,6 +51,18 @@ RULES: dict[str, tuple[tuple[str, Any], ...]] = {
 }
 
 
+def in_host_memory(x) -> bool:
+    """Whether array (or tracer) `x` lives in host memory (pinned or not)."""
+    return jax.typeof(x).memory_space == jax.memory.Space.Host
+
+
+def to_hbm(tree):
+    """`tree` with each array that lives in host memory copied into HBM (`jax.device_put` to the device memory
+    space: under jit one host-to-device copy, whose transpose sends the gradient back to the host); other leaves as
+    they are."""
+    return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device) if in_host_memory(x) else x, tree)
+
+
 def parse_mesh(spec: str | Mapping[str, int] | None, num_devices: int) -> dict[str, int]:
     """"fsdp=2,tp=1,ep=1" or {"fsdp": 2, ...} -> {axis: size} over all of AXES (missing axes are 1; None: every
     device on fsdp). ValueError for an unknown axis, a bad size, or a product other than `num_devices`."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -18,6 +19,7 @@ import optax
 from flax import nnx
 
 from zoo.logical import mesh_axes
+from zoo.sharding import in_host_memory
 from zoo.optim import TxParts, parts_of
 
 CHUNK_BYTES = 256 * 2 ** 20   # the most one chunk of a parameter that is not stacked takes, in its widest dtype
@@ -27,7 +29,40 @@ _KEY = "params"               # the key of the tuple of parameters in the trees 
 
 def on_host(x) -> bool:
     """Whether array (or tracer) `x` lives in host memory."""
-    return jax.typeof(x).memory_space == jax.memory.Space.Host
+    return in_host_memory(x)
+
+
+def _over_slices(x: jax.Array, fn: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """The float32 sum of `fn` over `x`: at once for an array in HBM; for one in host memory, over its slices along
+    the first axis, each brought into HBM in turn (a `jax.lax.fori_loop`), so that HBM never holds it whole."""
+    if not on_host(x):
+        return fn(x).astype(jnp.float32)
+    if x.ndim == 0 or x.shape[0] == 1:
+        return fn(jax.device_put(x, jax.memory.Space.Device)).astype(jnp.float32)
+
+    def body(i, total):
+        piece = jax.device_put(jax.lax.dynamic_slice_in_dim(x, i, 1, 0), jax.memory.Space.Device)
+        return total + fn(piece).astype(jnp.float32)
+    return jax.lax.fori_loop(0, x.shape[0], body, jnp.zeros((), jnp.float32))
+
+
+def global_norm(tree) -> jax.Array:
+    """`optax.global_norm(tree)`, its leaves in host memory read a slice at a time (`_over_slices`); `optax`'s own
+    where every leaf is in HBM."""
+    leaves = jax.tree.leaves(tree)
+    if not any(on_host(x) for x in leaves):
+        return optax.global_norm(tree)
+    return jnp.sqrt(sum(_over_slices(x, lambda a: jnp.sum(jnp.square(a.astype(jnp.float32)))) for x in leaves))
+
+
+def all_finite(tree) -> jax.Array:
+    """Whether every floating-point leaf of `tree` is finite, its leaves in host memory read a slice at a time."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    if not leaves:
+        return jnp.bool_(True)
+    if not any(on_host(x) for x in leaves):
+        return functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(x)) for x in leaves])
+    return sum(_over_slices(x, lambda a: jnp.sum(~jnp.isfinite(a))) for x in leaves) == 0
 
 
 def hosted(optimizer: nnx.Optimizer) -> bool:
@@ -239,7 +274,10 @@ def update(model: nnx.Module, optimizer: nnx.Optimizer, grads, *, ok: jax.Array)
     if len(jax.tree.leaves(grads)) != len(per_param):
         raise ValueError(f"streamed update: {len(jax.tree.leaves(grads))} gradients for {len(per_param)} parameters")
     # The clip's norm, of the gradients the clip sees (zoo.optim.with_master upcasts them first).
-    norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads) if parts.master else grads)
+    if any(on_host(g) for g in jax.tree.leaves(grads)):   # streamed parameters' gradients: read a slice at a time
+        norm = global_norm(grads)
+    else:
+        norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads) if parts.master else grads)
     u = _Update(parts, flags, [v[...] for v in shared], norm, ok)
     new_shared = _shared_after(u, [s[...] for s in per_param[0][2]], jnp.float32 if parts.master else
                                per_param[0][0].dtype)

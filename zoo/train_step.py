@@ -52,7 +52,8 @@ def moe_drops(aux: Any) -> tuple[jax.Array, jax.Array]:
 
 
 def all_finite(tree) -> jax.Array:
-    """Whether every floating-point leaf of `tree` is finite: one fused reduction under jit.
+    """Whether every floating-point leaf of `tree` is finite: one fused reduction under jit (leaves in pinned host
+    memory, `--params stream`, read a slice at a time: `zoo.streamed_update.all_finite`).
 
     Args:
         tree: a pytree of arrays (a model's state, gradients, ...); its integer and boolean leaves are left out.
@@ -69,6 +70,8 @@ def all_finite(tree) -> jax.Array:
         Array(False, dtype=bool)
     """
     leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    if any(streamed_update.on_host(x) for x in leaves):
+        return streamed_update.all_finite(leaves)
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.bool_(True)
 
 
@@ -312,7 +315,7 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax
     loss, lm_loss, extra_losses, aux, grads = loss_and_grads(
         model, batch, aux_loss=aux_loss, grad_accum=grad_accum, loss_chunk=loss_chunk,
         grad_dtype=jnp.float32 if has_master(optimizer) else None)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = streamed_update.global_norm(grads)   # optax.global_norm, host-resident gradients a slice at a time
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     rate = None
     if lr is not None:
@@ -491,7 +494,7 @@ def abstract_step(family, cfg, recipe, *, training: Training = STEP, schedule: o
         model = family.build(cfg, recipe=recipe, rngs=nnx.Rngs(0))
         return model, make_optimizer(model, schedule, clip=training.clip, weight_decay=training.weight_decay,
                                      optimizer=training.optimizer, opt_dtype=training.opt_dtype,
-                                     master=training.params == "host")
+                                     master=training.params != "device")
 
     step_fn = family_step(family, schedule, training.grad_accum, training.loss_chunk)
     if mesh is None and training.opt_state == "device" and training.params == "device":

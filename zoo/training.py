@@ -25,7 +25,9 @@ class Training:
         opt_dtype: the dtype of the optimizer's moments ("float32", "bfloat16").
         grad_accum: the micro-batches per update (their gradients summed in float32; it divides the batch).
         opt_state: where the moments live between steps: "device" (HBM) or "host" (pinned host memory).
-        params: "host" keeps a float32 master copy of 16-bit parameters in pinned host memory; "device": none.
+        params: "host" keeps a float32 master copy of 16-bit parameters in pinned host memory; "stream" also keeps
+            the decoder stacks' 16-bit parameters there, each layer's brought into HBM as the scan reaches it and
+            its gradient sent back (grad_accum 1); "device": none of them.
         loss_chunk: the positions per chunk of the loss's logits: "auto" (by their float32 bytes), None (the
             whole sequence at once) or a divisor of the sequence.
         clip: the global norm the gradients are clipped to (it changes no byte of a plan).
@@ -60,6 +62,12 @@ class Training:
             raise ValueError(f"opt_state={self.opt_state!r}: choose one of {', '.join(OPT_STATE_PLACES)}")
         if self.params not in PARAMS_PLACES:
             raise ValueError(f"params={self.params!r}: choose one of {', '.join(PARAMS_PLACES)}")
+        if self.params == "stream" and self.grad_accum > 1:
+            raise ValueError(f"params='stream' (--params stream) with grad_accum={self.grad_accum} (--grad-accum): "
+                             f"streamed parameters send each "
+                             f"layer's gradient to the host as the backward pass makes it, where micro-batches "
+                             f"cannot add them up; use grad_accum=1 (a longer sequence or a larger batch per step), "
+                             f"or params='host'")
         check_positive("clip", self.clip, float)
         if isinstance(self.weight_decay, bool) or not (isinstance(self.weight_decay, (int, float))
                                                        and math.isfinite(self.weight_decay) and self.weight_decay >= 0):

@@ -36,8 +36,10 @@ SHARED = {
     "opt_dtype": {"choices": (*config.OPT_DTYPES, "float16"), "help": "dtype of the optimizer moments"},
     "opt_state": {"help": "where the optimizer moments live between steps, as `recipes.train --opt-state`: host "
                           "moves them from the HBM figures to pinned host memory"},
-    "params": {"help": "where the parameters' float32 master copy lives, as `recipes.train --params`: host counts a "
-                       "float32 copy of 16-bit parameters (4 bytes a parameter) in pinned host memory, device none"},
+    "params": {"help": "where the parameters live, as `recipes.train --params`: host counts a float32 copy of 16-bit "
+                       "parameters (4 bytes a parameter) in pinned host memory, stream also the decoder stacks' "
+                       "parameters and their gradients (one layer's in HBM at a time, the copies in the step time), "
+                       "device none of them"},
     "grad_accum": {"help": "micro-batches per update, as `recipes.train --grad-accum`: activations are planned for "
                            "batch/K, with float32 gradient sums in the model state"},
     "hbm_limit": {"flags": ("--hbm", "--hbm-limit"), "type": cli.positive_float,

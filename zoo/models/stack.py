@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo import emitted as emitted_lib
+from zoo import sharding
 from zoo import tags as tags_lib
 
 
@@ -52,10 +53,23 @@ def group_body(group: nnx.Module, x: jax.Array, tiles: int = 1, layer_policy=Non
 
 def body_of(group: int, tiles: int, layer_policy=None) -> Callable[[nnx.Module, jax.Array], tuple[jax.Array, Any]]:
     """The plain `(modules, x)` function the scan applies: `layer_body` (`group` 1) or `group_body` (its layers under
-    `layer_policy`), with `tiles`."""
+    `layer_policy`), with `tiles`; the layer's (or group's) variables that live in host memory brought into HBM first
+    (`in_hbm`)."""
     def body(modules: nnx.Module, x: jax.Array) -> tuple[jax.Array, Any]:
+        modules = in_hbm(modules)
         return layer_body(modules, x, tiles) if group == 1 else group_body(modules, x, tiles, layer_policy)
     return body
+
+
+def in_hbm(modules: nnx.Module) -> nnx.Module:
+    """`modules` with its variables that live in pinned host memory (`--params stream`: `zoo.opt_state`) copied into
+    HBM, the others as they are; `modules` itself where none does. Called inside the rematerialized body, it copies a
+    layer's slice in as the scan reaches it and again where the backward pass recomputes the layer, never holding
+    the stack's parameters in HBM; the copy's transpose sends the layer's gradient to the host."""
+    graphdef, state = nnx.split(modules)
+    if not any(sharding.in_host_memory(x) for x in jax.tree.leaves(state)):
+        return modules
+    return nnx.merge(graphdef, sharding.to_hbm(state))
 
 
 def _leading(modules: nnx.Module) -> int:

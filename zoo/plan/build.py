@@ -105,6 +105,7 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
             host_budget=host_budget, link=link_gbps * 1e9, rate=(step_tflops or hardware.tflops) * 1e12,
             overlap=overlap, reserve=lambda lay, r: loss_reserve(cfg, training, micro, seq, shard) + lay.working(r))
     lay = layout(cfg, micro, seq, amesh, shard, recipe.seq_tiles, recipe.group, recipe.resolve().group_keep)
+    state = state.in_groups(recipe.group)
     shapes = lay.shapes
     stacks, extra = [], []
     for s, st in shapes.items():

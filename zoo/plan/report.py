@@ -108,7 +108,9 @@ def _state_rows(p: Plan) -> list[tuple[str, str]]:
     """(what, value) of the saved activations, host memory, recompute and the model state."""
     ms = p.state
     hosted = [f"{what} {fmt_bytes(n)}" for what, n, there in (("optimizer state", ms.optimizer, ms.optimizer_host),
-                                                               ("float32 master", ms.master, ms.master_host)) if there]
+                                                               ("float32 master", ms.master, ms.master_host),
+                                                               ("streamed parameters and gradients",
+                                                                2 * ms.streamed, ms.streamed > 0)) if there]
     rows = [("saved activations in HBM", fmt_bytes(p.activation_bytes)),
             ("host memory (pinned)", f"{fmt_bytes(p.host_total)} of a {fmt_bytes(p.host_pool)} pool"
              + (f" (activations {fmt_bytes(p.host_bytes)}, {', '.join(hosted)})" if ms.host else "")),
@@ -122,6 +124,10 @@ def _state_rows(p: Plan) -> list[tuple[str, str]]:
     if ms.master:
         rows.append(("float32 master copy" + (", in pinned host memory between steps: not HBM" if ms.master_host
                                                else ""), fmt_bytes(ms.master)))
+    if ms.streamed:
+        rows.append(("of which the stacks' parameters and gradients, in pinned host memory (streamed a layer at a "
+                     "time): not HBM", fmt_bytes(2 * ms.streamed)))
+        rows.append(("HBM for the layers in flight (their parameters and gradients)", fmt_bytes(ms.streamed_window)))
     if ms.other:
         rows.append(("other variables", fmt_bytes(ms.other)))
     return rows

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zoo import opt_state as opt_state_lib
 from zoo.dtypes import dtype_of
 from zoo.plan.measure import nbytes as sds_nbytes
 from zoo.plan.types import OPTIMIZERS, POOL_DEFAULT_GIB, POOL_ENV, GiB, ModelState, ceil_div, fmt_bytes
@@ -32,14 +33,25 @@ def model_state(model, shard: int, optimizer: str, opt_dtype: str) -> ModelState
 
 
 def placed(state: ModelState, model, grad_accum: int, opt_state: str, params: str = "device") -> ModelState:
-    """`state` with the float32 gradient sums of gradient accumulation and, with `params="host"`, the float32
-    master copy of the parameters in pinned host memory (each per device: the parameters' bytes at 4 bytes a
-    parameter), and the moments where they live."""
+    """`state` with the float32 gradient sums of gradient accumulation and, with `params` "host" or "stream", the
+    float32 master copy of the parameters in pinned host memory (each per device: the parameters' bytes at 4 bytes a
+    parameter), the moments where they live, and with "stream" the stacks' parameters and gradients on the host,
+    one layer's of them in HBM at a time (`zoo.opt_state.streamed`; a recipe's group multiplies it:
+    `ModelState.in_groups`)."""
     leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
-    ratio = 4 * sum(math.prod(p.shape) for p in leaves) / max(sum(sds_nbytes(p) for p in leaves), 1)
+    total = max(sum(sds_nbytes(p) for p in leaves), 1)
+    ratio = 4 * sum(math.prod(p.shape) for p in leaves) / total
     f32 = int(state.params * ratio)
+    streamed = window = 0
+    if params == "stream":
+        stacked = [v for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)) if opt_state_lib.streamed(v)]
+        share = sum(sds_nbytes(v) for v in stacked) / total
+        streamed = int(state.params * share)
+        # one layer's parameters and their gradients: its slice of each stack (an upper bound with several stacks)
+        window = int(2 * sum(sds_nbytes(v) / v.shape[0] for v in stacked) * state.params / total)
     return dataclasses.replace(state, accum=f32 if grad_accum > 1 else 0, optimizer_host=opt_state == "host",
-                               master=f32 if params == "host" else 0, master_host=params == "host")
+                               master=f32 if params != "device" else 0, master_host=params != "device",
+                               streamed=streamed, streamed_window=window)
 
 
 def host_pool_bytes() -> tuple[int, str | None]:

@@ -178,6 +178,10 @@ class ModelState:
             out and `host` counts them).
         master: the float32 master copy's bytes (0 without one).
         master_host: whether the master copy lives in pinned host memory.
+        streamed: the bytes of the decoder stacks' parameters that live in pinned host memory (`--params stream`;
+            0 otherwise): their gradients go there too, so `total` leaves both out and `host` counts both.
+        streamed_window: HBM that streaming holds through the step: the parameters and gradients of the layers one
+            rematerialized body runs at a time (0 without streaming).
 
     Examples:
         >>> import zoo
@@ -197,17 +201,25 @@ class ModelState:
     optimizer_host: bool = False
     master: int = 0
     master_host: bool = False
+    streamed: int = 0
+    streamed_window: int = 0
 
     @property
     def total(self) -> int:
         """HBM held by the model state between steps and through the step."""
-        return (self.params + self.grads + self.accum + self.other + (0 if self.optimizer_host else self.optimizer)
-                + (0 if self.master_host else self.master))
+        return (self.params + self.grads - 2 * self.streamed + self.streamed_window + self.accum + self.other
+                + (0 if self.optimizer_host else self.optimizer) + (0 if self.master_host else self.master))
 
     @property
     def host(self) -> int:
-        """Pinned host memory held by the model state (the moments and the master, where they live there)."""
-        return (self.optimizer if self.optimizer_host else 0) + (self.master if self.master_host else 0)
+        """Pinned host memory held by the model state (the moments and the master, where they live there; the
+        streamed parameters and their gradients)."""
+        return ((self.optimizer if self.optimizer_host else 0) + (self.master if self.master_host else 0)
+                + 2 * self.streamed)
+
+    def in_groups(self, group: int) -> ModelState:
+        """This state with the streaming window of a recipe that rematerializes `group` layers at a time."""
+        return dataclasses.replace(self, streamed_window=self.streamed_window * group)
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "total": self.total, "host": self.host}
@@ -343,6 +355,16 @@ class Plan:
             exposed = ov.exposed(move, fwd, 2 * fwd + remat)
             out["exposed_transfer_s"] += k * s.num_layers * exposed
         out["exposed_transfer_s"] += 2 * self.state.host / link
+        layers = sum(s.num_layers for s in self.stacks)
+        if self.state.streamed and layers:
+            # streamed parameters: each layer's slice comes in for its forward pass and again for the backward pass's
+            # recompute, and its gradient goes out during the backward pass, each copy under its pass's compute
+            move = self.state.streamed / layers / link
+            for s in self.stacks:
+                fwd, remat = s.forward_flops / rate / k, s.remat_flops / rate / k
+                back = 2 * fwd + remat
+                again = (1 - ov.h2d) * move + ov.h2d * max(0.0, move - back)
+                out["exposed_transfer_s"] += k * s.num_layers * (ov.exposed(move, back, fwd) + again)
         out["total_s"] = sum(out.values())
         out["rate_tflops"] = tflops
         return out

@@ -46,7 +46,7 @@ def build_run(job: Job, recipe: zoo.Recipe):
     return build_sharded(job.family, job.model_cfg, recipe, job.mesh, seed=job.seed, opt_state=t.opt_state,
                          params=t.params, make_opt=lambda m: make_optimizer(
                              m, job.schedule, clip=t.clip, weight_decay=t.weight_decay, opt_dtype=t.opt_dtype,
-                             master=t.params == "host"))
+                             master=t.params != "device"))
 
 
 def show_memory_plan(job: Job, console: Console, step: Step) -> zoo.plan.Plan:
