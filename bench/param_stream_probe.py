@@ -10,7 +10,7 @@ import json
 import subprocess
 import sys
 
-VARIANTS = ("xs_remat", "xs_plain", "xs_remat_host_out", "zoo_tiny")
+VARIANTS = ("xs_remat", "xs_remat_norm", "zoo_grads", "zoo_grads_norm", "zoo_tiny")
 
 
 def run_variant(name: str) -> dict:
@@ -22,6 +22,31 @@ def run_variant(name: str) -> dict:
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
     host = NamedSharding(mesh, PartitionSpec(), memory_kind="pinned_host")
     dev = NamedSharding(mesh, PartitionSpec(), memory_kind="device")
+    if name.startswith("zoo_grads"):
+        from flax import nnx
+
+        import zoo
+        from zoo import streamed_update
+        from zoo.models.registry import family
+        from zoo.optim import lr_schedule, make_optimizer
+        from zoo.train_step import abstract_step, loss_and_grads
+        from zoo.training import Training
+        fam = family("llama3")
+        cfg = zoo.models.LlamaConfig.preset("tiny", param_dtype="bfloat16", dtype="bfloat16")
+        t = Training(opt_state="host", params="stream", opt_dtype="bfloat16")
+        _, graphdef, state = abstract_step(fam, cfg, zoo.Recipe.full(), training=t)
+        model = fam.build(cfg, recipe=zoo.Recipe.full(), rngs=nnx.Rngs(0))
+        opt = make_optimizer(model, lr_schedule(lr=1e-4, steps=100, warmup=10), clip=1.0, weight_decay=0.1,
+                             opt_dtype="bfloat16", master=True)
+        concrete = jax.tree.map(lambda c, a: jax.device_put(c, a.sharding), nnx.split((model, opt))[1], state)
+        batch = {"tokens": jnp.zeros((2, 17), jnp.int32), "weights": jnp.ones((2, 16))}
+
+        def f(state, batch):
+            m, _ = nnx.merge(graphdef, state)
+            loss, _, _, _, grads = loss_and_grads(m, batch, aux_loss=lambda c, a: 0.0)
+            return (loss, streamed_update.global_norm(grads)) if name.endswith("norm") else (loss, grads)
+        out = jax.jit(f)(concrete, batch)
+        return dict(loss=float(out[0]))
     if name == "zoo_tiny":
         from flax import nnx
 
@@ -52,8 +77,10 @@ def run_variant(name: str) -> dict:
         c, _ = jax.lax.scan(lambda c, wl: (f(wl, c), None), c, ws)
         return jnp.sum(c.astype(jnp.float32) ** 2)
 
-    kw = dict(out_shardings=host) if name.endswith("host_out") else {}
-    g = jax.jit(jax.grad(model), **kw)(w, x)
+    if name.endswith("norm"):   # the host gradient made in the program, read back a slice at a time
+        from zoo.streamed_update import global_norm
+        return dict(norm=float(jax.jit(lambda w, x: global_norm(jax.grad(model)(w, x)))(w, x)))
+    g = jax.jit(jax.grad(model))(w, x)
     return dict(grad_memory=str(g.sharding.memory_kind), grad_sum=float(jnp.sum(jax.device_put(g, dev)
                                                                               .astype(jnp.float32))))
 

@@ -1,5 +1,5 @@
 """Run by tests/test_sharding.py in a subprocess with 8 fake CPU devices:
-`python -m tests.sharded_steps llama|deepseek`.
+`python -m tests.sharded_steps llama|deepseek|stream`.
 
 For each mesh: the model is created sharded (`zoo.sharding.create`), every parameter's sharding is checked against
 the rules (and against Flax's own nnx resolution of the same rules), one float32 training step's loss and gradients
@@ -195,6 +195,25 @@ def deepseek():
                                              "tensor<8x64x40xf32>": "[ep,fsdp,]"}, all_to_all=True), ref)
 
 
+def stream():
+    """--params stream under fsdp=8: the step's loss and updated state as on one device with the same placement;
+    the stacks' parameters stay in pinned host memory, split over fsdp like the rules split them in HBM."""
+    from tests.test_params_stream import _arrays, _step
+    from zoo.opt_state import HOST
+    want, want_metrics = _step("llama3", "stream", rows=8)
+    mesh = sharding.make_mesh("fsdp=8")
+    got, metrics = _step("llama3", "stream", mesh=mesh, rows=8)
+    err = max_rel_err(_arrays(got), _arrays(want))
+    print(f"stream fsdp=8: loss {float(metrics['loss']):.7f} (one device {float(want_metrics['loss']):.7f}), "
+          f"max state rel. error {err:.2e}")
+    assert abs(float(metrics["loss"]) - float(want_metrics["loss"])) <= TOL * abs(float(want_metrics["loss"]))
+    assert err < TOL, err
+    hosted = [(jax.tree_util.keystr(p), x.sharding) for p, x in jax.tree_util.tree_flatten_with_path(got[0])[0]
+              if x.sharding.memory_kind == HOST]
+    assert hosted and all("['layers']['layers']" in k for k, _ in hosted), hosted
+    assert any("fsdp" in str(s.spec) for _, s in hosted), hosted   # split over the devices' host memories
+
+
 def dataclass_replace(cfg, **kw):
     import dataclasses
     return dataclasses.replace(cfg, **kw)
@@ -202,5 +221,5 @@ def dataclass_replace(cfg, **kw):
 
 if __name__ == "__main__":
     assert jax.device_count() == 8, jax.devices()
-    {"llama": llama, "deepseek": deepseek}[sys.argv[1]]()
+    {"llama": llama, "deepseek": deepseek, "stream": stream}[sys.argv[1]]()
     print("OK")

@@ -197,3 +197,11 @@ def test_deepseek_sharded_training_step_equals_one_device():
     """fsdp=4 x tp=2 (ragged_dot), ep=8 and fsdp=2 x ep=4 (capacity, experts over ep) under mla_moe_offload: loss,
     gradients and the global expert load as on one device; the offloaded MoE buffers are sharded experts->ep."""
     print(run_8("deepseek"))
+
+
+@pytest.mark.slow   # the default set streams on one device (tests/test_params_stream.py)
+@pytest.mark.multidevice
+def test_streamed_parameters_under_fsdp_equal_one_device():
+    """--params stream under fsdp=8: loss and state as on one device, the stacks' parameters sharded in pinned host
+    memory (tests/sharded_steps.py stream)."""
+    print(run_8("stream"))
