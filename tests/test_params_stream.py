@@ -3,7 +3,8 @@ parameters in pinned host memory, each layer's slice brought into HBM inside the
 the pinned_host memory kind: a step gives the numbers of the same step with the parameters in HBM (`--params host`:
 the same master and moments on the host), for every family; the stacks' parameters stay on the host and nothing
 else moves there; the gradients' norm and finiteness read host leaves a slice at a time; the planner counts the
-streamed bytes and their copies; the refusals. A sharded mesh: `tests/sharded_steps.py stream` (8 fake devices, `tests/test_sharding.py`)."""
+streamed bytes and their copies; the refusals. A sharded mesh: `tests/sharded_steps.py stream` (8 fake devices,
+run by `tests/test_sharding.py`)."""
 from __future__ import annotations
 
 import dataclasses

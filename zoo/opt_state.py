@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
 from flax import nnx
 
 from zoo.optim import MASTER

@@ -19,8 +19,8 @@ import optax
 from flax import nnx
 
 from zoo.logical import mesh_axes
-from zoo.sharding import in_host_memory
 from zoo.optim import TxParts, parts_of
+from zoo.sharding import in_host_memory
 
 CHUNK_BYTES = 256 * 2 ** 20   # the most one chunk of a parameter that is not stacked takes, in its widest dtype
 LAYERS = "layers"             # the logical name of a stack's leading axis (zoo.models.stack)
