@@ -237,13 +237,13 @@ def _mesh_size(mesh: str) -> int:
     return n
 
 
-def long_job(recipe, seq, layers=32, steps=3, est=300, timeout=420, extra=(), name=None) -> Job:
+def long_job(recipe, seq, layers=32, steps=3, est=300, timeout=420, extra=(), name=None, env=None) -> Job:
     """The main job on the 8B preset at `seq` (batch 1), bf16 parameters with their float32 master and AdamW's bf16
     moments in pinned host memory."""
     sets = ("--train-arg=--set=max_seq_len=" + str(seq),) if seq > 131072 else ()
     return main_job(recipe, ("--layers", str(layers), "--batch", "1", "--seq", str(seq), *HOST_STATE, *sets, *extra),
                     steps=steps, est=est, timeout=timeout, gpu="0",
-                    name=name or f"main-job-8b-L{layers}-S{seq // 1024}K-{recipe}", env=LONG_ENV)
+                    name=name or f"main-job-8b-L{layers}-S{seq // 1024}K-{recipe}", env=env or LONG_ENV)
 
 
 # ------------------------------------------------------------------------------------------------ smoke form

@@ -10,7 +10,111 @@ import json
 import subprocess
 import sys
 
-VARIANTS = ("xs_remat", "xs_remat_norm", "zoo_grads", "zoo_grads_norm", "zoo_tiny")
+VARIANTS = ("zoo_update_out_sgd", "zoo_update_out_devmoments", "zoo_update_out")
+
+
+def _update_variant(name: str, host, dev) -> dict:
+    """A scan over host-resident weights (each layer's slice copied into HBM), its gradient, then an SGD update of a
+    float32 master and the bf16 weights a layer at a time in a `fori_loop` (each slice into HBM and back), all in
+    pinned host memory: `u_host_grads` as the zoo's step does it (the gradient made on the host by the scan);
+    `u_grads_hbm` with the gradient moved into HBM whole first; `u_params_to_hbm` writing the new weights to HBM
+    instead; `u_grads_given` with the gradient an argument (made by another program)."""
+    import jax
+    import jax.numpy as jnp
+    layers, dim = 4, 256
+    w = jax.device_put(jnp.full((layers, dim, dim), 0.01, jnp.bfloat16), host)
+    master = jax.device_put(jnp.full((layers, dim, dim), 0.01, jnp.float32), host)
+    x = jax.device_put(jnp.ones((8, dim), jnp.bfloat16), dev)
+    to_dev, to_host = jax.memory.Space.Device, jax.memory.Space.Host
+
+    def loss(ws, c):
+        layer = jax.checkpoint(lambda wl, c: jnp.tanh(c @ jax.device_put(wl, to_dev)))
+        c, _ = jax.lax.scan(lambda c, wl: (layer(wl, c), None), c, ws)
+        return jnp.sum(c.astype(jnp.float32) ** 2)
+
+    def update(w, master, g):
+        if name == "u_grads_hbm":
+            g = jax.device_put(g, to_dev)
+        out_w = jnp.zeros(w.shape, w.dtype) if name == "u_params_to_hbm" else w
+
+        def body(i, carry):
+            w, m = carry
+            gi = jax.lax.dynamic_slice_in_dim(g, i, 1, 0)
+            gi = jax.device_put(gi, to_dev) if gi.aval.memory_space == jax.memory.Space.Host else gi
+            mi = jax.device_put(jax.lax.dynamic_slice_in_dim(m, i, 1, 0), to_dev) - 0.1 * gi.astype(jnp.float32)
+            wi = mi.astype(jnp.bfloat16)
+            if name != "u_params_to_hbm":
+                wi = jax.device_put(wi, to_host)
+            return (jax.lax.dynamic_update_slice_in_dim(w, wi, i, 0),
+                    jax.lax.dynamic_update_slice_in_dim(m, jax.device_put(mi, to_host), i, 0))
+        return jax.lax.fori_loop(0, layers, body, (out_w, master))
+
+    if name == "u_grads_given":
+        g = jax.jit(jax.grad(loss))(w, x)
+        new_w, new_m = jax.jit(update)(w, master, g)
+    else:
+        new_w, new_m = jax.jit(lambda w, m, x: update(w, m, jax.grad(loss)(w, x)))(w, master, x)
+    total = float(jnp.sum(jax.device_put(new_w, dev).astype(jnp.float32)))
+    return dict(w=total, w_memory=str(new_w.sharding.memory_kind))
+
+
+def _zoo_variant(name: str) -> dict:
+    """A part of the zoo's training step on a tiny Llama (bf16 parameters and activations) with --params stream:
+    the loss and gradients (`zoo_grads`), with their norm (`zoo_grads_norm`), the parameters' finiteness
+    (`zoo_finite`), the gradients and the streamed update (`zoo_update`), the whole step (`zoo_step`)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import zoo
+    from zoo import streamed_update
+    from zoo.models.registry import family
+    from zoo.optim import lr_schedule, make_optimizer
+    from zoo.train_step import abstract_step, all_finite, loss_and_grads
+    from zoo.training import Training
+    fam = family("llama3")
+    cfg = zoo.models.LlamaConfig.preset("tiny", param_dtype="bfloat16", dtype="bfloat16")
+    schedule = lr_schedule(lr=1e-4, steps=100, warmup=10)
+    optimizer = "sgd" if name.endswith("sgd") else "adamw"
+    t = Training(opt_state="device" if name.endswith("devmoments") else "host", params="stream",
+                 opt_dtype="bfloat16", optimizer=optimizer)
+    step, graphdef, state = abstract_step(fam, cfg, zoo.Recipe.full(), training=t, schedule=schedule)
+    model = fam.build(cfg, recipe=zoo.Recipe.full(), rngs=nnx.Rngs(0))
+    opt = make_optimizer(model, schedule, clip=1.0, weight_decay=0.1, opt_dtype="bfloat16", master=True,
+                         optimizer=optimizer)
+    concrete = jax.tree.map(lambda c, a: jax.device_put(c, a.sharding), nnx.split((model, opt))[1], state)
+    batch = {"tokens": jnp.zeros((2, 17), jnp.int32), "weights": jnp.ones((2, 16))}
+    if name == "zoo_step":
+        return dict(loss=float(step(concrete, batch)[1]["loss"]))
+    if name == "zoo_step_nofinite":   # the step with the parameters' finiteness after the update not checked
+        import zoo.train_step as ts
+        ts.all_finite = lambda tree: jnp.bool_(True)
+        step, _, _ = abstract_step(fam, cfg, zoo.Recipe.full(), training=t, schedule=schedule)
+        return dict(loss=float(step(concrete, batch)[1]["loss"]))
+    shardings = jax.tree.map(lambda x: x.sharding, concrete)
+
+    def g(state, batch):
+        m, o = nnx.merge(graphdef, state)
+        _, _, _, _, grads = loss_and_grads(m, batch, aux_loss=lambda c, a: 0.0)
+        streamed_update.update(m, o, grads, ok=jnp.bool_(True))
+        finite = all_finite(nnx.state(m)) if name == "zoo_update_finite" else jnp.bool_(True)
+        return nnx.state((m, o)), finite
+    if name.startswith("zoo_update_"):
+        donate = (0,) if name != "zoo_update_out" else ()
+        new, finite = jax.jit(g, donate_argnums=donate, out_shardings=(shardings, None))(concrete, batch)
+        return dict(finite=bool(finite), leaves=len(jax.tree.leaves(new)))
+
+    def f(state, batch):
+        m, o = nnx.merge(graphdef, state)
+        if name == "zoo_finite":
+            return all_finite(nnx.state(m))
+        loss, _, _, _, grads = loss_and_grads(m, batch, aux_loss=lambda c, a: 0.0)
+        if name == "zoo_update":
+            streamed_update.update(m, o, grads, ok=jnp.bool_(True))
+            return loss
+        return streamed_update.global_norm(grads) if name.endswith("norm") else loss
+    return dict(out=float(jax.jit(f)(concrete, batch)))
+
 
 
 def run_variant(name: str) -> dict:
@@ -22,49 +126,10 @@ def run_variant(name: str) -> dict:
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
     host = NamedSharding(mesh, PartitionSpec(), memory_kind="pinned_host")
     dev = NamedSharding(mesh, PartitionSpec(), memory_kind="device")
-    if name.startswith("zoo_grads"):
-        from flax import nnx
-
-        import zoo
-        from zoo import streamed_update
-        from zoo.models.registry import family
-        from zoo.optim import lr_schedule, make_optimizer
-        from zoo.train_step import abstract_step, loss_and_grads
-        from zoo.training import Training
-        fam = family("llama3")
-        cfg = zoo.models.LlamaConfig.preset("tiny", param_dtype="bfloat16", dtype="bfloat16")
-        t = Training(opt_state="host", params="stream", opt_dtype="bfloat16")
-        _, graphdef, state = abstract_step(fam, cfg, zoo.Recipe.full(), training=t)
-        model = fam.build(cfg, recipe=zoo.Recipe.full(), rngs=nnx.Rngs(0))
-        opt = make_optimizer(model, lr_schedule(lr=1e-4, steps=100, warmup=10), clip=1.0, weight_decay=0.1,
-                             opt_dtype="bfloat16", master=True)
-        concrete = jax.tree.map(lambda c, a: jax.device_put(c, a.sharding), nnx.split((model, opt))[1], state)
-        batch = {"tokens": jnp.zeros((2, 17), jnp.int32), "weights": jnp.ones((2, 16))}
-
-        def f(state, batch):
-            m, _ = nnx.merge(graphdef, state)
-            loss, _, _, _, grads = loss_and_grads(m, batch, aux_loss=lambda c, a: 0.0)
-            return (loss, streamed_update.global_norm(grads)) if name.endswith("norm") else (loss, grads)
-        out = jax.jit(f)(concrete, batch)
-        return dict(loss=float(out[0]))
-    if name == "zoo_tiny":
-        from flax import nnx
-
-        import zoo
-        from zoo.models.registry import family
-        from zoo.optim import lr_schedule, make_optimizer
-        from zoo.train_step import abstract_step
-        from zoo.training import Training
-        fam, cfg = family("llama3"), zoo.models.LlamaConfig.preset("tiny", param_dtype="bfloat16")
-        t = Training(opt_state="host", params="stream", opt_dtype="bfloat16")
-        step, _, state = abstract_step(fam, cfg, zoo.Recipe.full(), training=t)
-        model = fam.build(cfg, recipe=zoo.Recipe.full(), rngs=nnx.Rngs(0))
-        opt = make_optimizer(model, lr_schedule(lr=1e-4, steps=100, warmup=10), clip=1.0, weight_decay=0.1,
-                             opt_dtype="bfloat16", master=True)
-        concrete = jax.tree.map(lambda c, a: jax.device_put(c, a.sharding), nnx.split((model, opt))[1], state)
-        batch = {"tokens": jnp.zeros((2, 17), jnp.int32), "weights": jnp.ones((2, 16))}
-        _, metrics = step(concrete, batch)
-        return dict(loss=float(metrics["loss"]))
+    if name.startswith("zoo"):
+        return _zoo_variant(name)
+    if name.startswith("u_"):
+        return _update_variant(name, host, dev)
     layers, dim = 4, 256
     w = jax.device_put(jnp.full((layers, dim, dim), 0.01, jnp.bfloat16), host)
     x = jax.device_put(jnp.ones((8, dim), jnp.bfloat16), dev)

@@ -73,17 +73,20 @@ def test_the_state_is_what_the_placements_sort(placed):
 @pytest.mark.parametrize("opt_state", OPT_STATE_PLACES)
 def test_the_moments_and_the_master_move_to_pinned_host_memory_independently(placed, opt_state, params):
     """`state_shardings(..., opt_state=, params=)`: the moments are in pinned host memory exactly when opt_state is
-    "host", the master exactly when params is "host"; the bf16 parameters and the step counters stay in device
-    memory whatever both say; every sharding keeps its mesh and spec (only the memory kind changes), and "device"
-    for both is the shardings unchanged."""
+    "host", the master exactly when params is "host" or "stream"; the bf16 parameters stay in device memory but
+    for the stacks' under "stream", and the step counters whatever both say; every sharding keeps its mesh and spec
+    (only the memory kind changes), and "device" for both is the shardings unchanged."""
     state, flat, shardings = placed
     out = state_shardings(state, shardings, opt_state=opt_state, params=params)
     assert jax.tree.structure(out) == jax.tree.structure(shardings)
-    want = {"param": "device", "counter": "device", "moment": opt_state, "master": params}
+    want = {"param": "device", "counter": "device", "moment": opt_state,
+            "master": "device" if params == "device" else "host"}
     for (path, x), before, after in zip(flat, jax.tree.leaves(shardings), jax.tree.leaves(out)):
         kind = _kind(path, x)
-        assert after.memory_kind == (HOST if want[kind] == "host" else "device"), (jax.tree_util.keystr(path), kind)
-        assert on_host(after) is (want[kind] == "host")
+        stacked = kind == "param" and params == "stream" and "['layers']['layers']" in jax.tree_util.keystr(path)
+        where = "host" if stacked else want[kind]
+        assert after.memory_kind == (HOST if where == "host" else "device"), (jax.tree_util.keystr(path), kind)
+        assert on_host(after) is (where == "host")
         assert after.mesh == before.mesh and after.spec == before.spec
     if opt_state == params == "device":
         assert out is shardings
@@ -105,7 +108,7 @@ def test_places_are_checked_naming_the_flag_the_value_and_the_choices(placed):
     check_places(opt_state="host", params="host")
     with pytest.raises(ValueError, match="--opt-state must be one of device, host, got 'disk'"):
         check_places(opt_state="disk")
-    with pytest.raises(ValueError, match="--params must be one of device, host, got 'hbm'"):
+    with pytest.raises(ValueError, match="--params must be one of device, host, stream, got 'hbm'"):
         check_places(params="hbm")
     with pytest.raises(ValueError, match="--opt-state must be one of device, host, got 'cpu'"):
         state_shardings(state, shardings, opt_state="cpu")
@@ -118,7 +121,7 @@ def test_the_master_on_the_host_needs_16_bit_parameters():
     check_params("device", "float32")
     with pytest.raises(ValueError, match=r"param_dtype=float32\): there is no separate master"):
         check_params("host", "float32")
-    with pytest.raises(ValueError, match="--params must be one of device, host, got 'disk'"):
+    with pytest.raises(ValueError, match="--params must be one of device, host, stream, got 'disk'"):
         check_params("disk", "bfloat16")
 
 

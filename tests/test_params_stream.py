@@ -167,3 +167,15 @@ def test_only_the_stacks_parameters_are_placed_on_the_host():
         elif is_master(path):
             assert s.memory_kind == HOST, where
 
+
+
+def test_streaming_on_a_gpu_is_refused_before_compiling_unless_asked_for(monkeypatch):
+    """XLA's GPU compiler crashes on the streamed step (docs/long-context.md): one line naming the variable that
+    compiles it anyway; the CPU and the other placements are never refused."""
+    monkeypatch.delenv(zoo.opt_state.STREAM_ON_GPU_ENV, raising=False)
+    with pytest.raises(ValueError, match=r"--params stream: XLA's GPU compiler crashes.*ZOO_STREAM_ON_GPU=1"):
+        zoo.opt_state.check_stream_platform("stream", "gpu")
+    zoo.opt_state.check_stream_platform("stream", "cpu")
+    zoo.opt_state.check_stream_platform("host", "gpu")
+    monkeypatch.setenv(zoo.opt_state.STREAM_ON_GPU_ENV, "1")
+    zoo.opt_state.check_stream_platform("stream", "gpu")

@@ -133,7 +133,7 @@ def test_params_host_with_float32_parameters_is_refused_before_compiling(capsys)
     with pytest.raises(SystemExit) as e:
         plan_cli.main(["--params", "host", "--seq", "16", "--peak", "none"])
     assert e.value.code == 2 and "the parameters are float32" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="--params must be one of device, host, got 'disk'"):
+    with pytest.raises(ValueError, match="--params must be one of device, host, stream, got 'disk'"):
         loop.RunConfig(params="disk")
 
 
