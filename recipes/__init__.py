@@ -26,10 +26,6 @@ _BEFORE_TRAIN = ("agree", "auto", "checkpoint", "cli", "config", "coordinator", 
                  "resume", "text", "token_file", "watch")
 renames.MODULES.update({f"recipes.train.{old}": f"recipes.train.{new}" for old, new in _NOW.items()})
 renames.MODULES.update({f"recipes.{old}": f"recipes.train.{_NOW.get(old, old)}" for old in _BEFORE_TRAIN})
-# Names the training application's modules handed on to the room of their phase.
-renames.ATTRIBUTES["recipes.train.loop"] = {"make_eval": "recipes.train.step.prepare.make_eval"}
-renames.ATTRIBUTES["recipes.train.step.prepare"] = {"check_fits": "recipes.train.step.fit.check_fits",
-                                                    "check_model_state": "recipes.train.step.fit.check_model_state"}
 renames.install_module_finder()
 
 

@@ -26,7 +26,10 @@ from zoo.opt_state import state_shardings
 from zoo.optim import make_optimizer
 from zoo.train_step import compile_abstract, eval_loss
 
-__getattr__ = renames.attributes(__name__)   # the fit checks moved to recipes.train.step.fit (docs/changes.md)
+# the fit checks, moved to recipes.train.step.fit, for one release (docs/changes.md)
+renames.ATTRIBUTES[__name__] = {"check_fits": "recipes.train.step.fit.check_fits",
+                                "check_model_state": "recipes.train.step.fit.check_model_state"}
+__getattr__ = renames.attributes(__name__)
 
 
 def build_sharded(family: Family, model_cfg, recipe: zoo.Recipe, mesh, make_opt: Callable, *, seed: int,
