@@ -6,8 +6,8 @@
 2. open what the run reads and writes (`recipes.train.checkpoints.resume.Session.open`): --ckpt-dir checked and
    locked (`recipes.train.processes.lock`), SIGINT/SIGTERM caught (`recipes.train.processes.interrupt`), the
    checkpoints, the data, the step to resume from, the metrics file and TensorBoard;
-3. compile the step on shapes, show its plan and refuse one that does not fit, build the model sharded
-   (`recipes.train.step.prepare.prepare`);
+3. compile the step on shapes, show its plan and refuse one that does not fit, build the model sharded, and find
+   what each step is measured against and the held-out loss (`recipes.train.step.prepare.prepare`);
 4. restore it (`recipes.train.checkpoints.resume.restore`);
 5. train (`_Loop`): log, evaluate, checkpoint every K steps and at the end, stop on a non-finite step keeping the
    last good checkpoint, or after the step a signal arrived in, with a checkpoint.
@@ -28,19 +28,20 @@ import numpy as np
 from flax import nnx
 from rich.console import Console
 
-import zoo
-import zoo.sharding
 from recipes.train.checkpoints import resume
 from recipes.train.processes import mesh as mesh_lib
 from recipes.train.processes.interrupt import Interrupts
 from recipes.train.settings import cli
 from recipes.train.settings.config import RunConfig
-from recipes.train.settings.job import Cadence, Job, resolve
+from recipes.train.settings.job import Job, resolve
 from recipes.train.step import prepare
 from recipes.train.watching import meter, watch
-from zoo.train_step import eval_loss
+from zoo import renames
 
 __all__ = ["Result", "RunConfig", "run"]
+# names handed on to the room of their phase, for one release (docs/changes.md)
+renames.ATTRIBUTES[__name__] = {"make_eval": "recipes.train.step.prepare.make_eval"}
+__getattr__ = renames.attributes(__name__)
 
 
 @dataclasses.dataclass
@@ -54,21 +55,6 @@ class Result:
     exit_code: int = 0           # what the command exits with: 1 after a non-finite step, 128 + signal if interrupted
 
 
-def make_eval(graphdef, mesh, loss_chunk="auto") -> Callable:
-    """(state, batch) -> the held-out batch's mean next-token loss: the model's forward pass alone, its loss over
-    chunks of `loss_chunk` positions as the step's (`zoo.train_step.eval_loss`), jitted (traced under the mesh's
-    rules, as the step)."""
-    @jax.jit
-    def loss(state, batch):
-        model, _ = nnx.merge(graphdef, state)
-        return eval_loss(model, batch, loss_chunk)
-
-    def run(state, batch):
-        with zoo.sharding.use(mesh):
-            return loss(state, batch)
-    return run
-
-
 def evaluate(eval_fn: Callable, state, held, n: int, mesh) -> dict[str, float]:
     """Held-out loss (the mean over `n` batches, at most the split once over) and its perplexity."""
     n = min(n, held.eval_batches()) if hasattr(held, "eval_batches") else n
@@ -78,38 +64,22 @@ def evaluate(eval_fn: Callable, state, held, n: int, mesh) -> dict[str, float]:
 
 
 def run(settings: RunConfig, console: Console | None = None) -> Result:
-    """Train as `settings` say (see the module docstring). With --ckpt-dir, the directory is checked and taken for
-    this run (`recipes.train.processes.lock.DirLock`) before anything else is opened, and given back at the end."""
+    """Train as `settings` say, in phases, each one call into its room (see the module docstring). With --ckpt-dir,
+    the directory is checked and taken for this run (`recipes.train.processes.lock.DirLock`) before anything else is
+    opened, and given back at the end."""
     # Off a terminal (a log file, CI), print wide lines rather than wrapping at 80 columns.
     console = console or cli.console()
     job = resolve(settings)   # bad names, values or mesh: ValueError before anything touches the disk
     with contextlib.ExitStack() as stack:
-        return _run(job, console, resume.Session(stack, stack.enter_context(Interrupts())))
-
-
-def _run(job: Job, console: Console, session: resume.Session) -> Result:
-    """The run in phases, each one call into its room: open what it reads and writes (`recipes.train.checkpoints`),
-    compile, check and build the step (`recipes.train.step`), restore it, train."""
-    inputs = session.open(job, console)
-    if inputs.finished:
-        return _nothing_to_do(job.cadence, console, inputs)
-    # Compile the step on shapes alone (nothing allocated), check that it fits, and only then build the model:
-    # the executable compiled here is the one that runs.
-    built = prepare.prepare(job, console)
-    start = resume.restore(console, inputs, built.model, built.optimizer)
-    return _Loop(job, console, session, built, inputs, start).run()
-
-
-def _nothing_to_do(cadence: Cadence, console: Console, inputs: resume.Inputs) -> Result:
-    """--resume of a run already at --steps: say how to train on, build nothing."""
-    step = inputs.resume_step
-    console.print(f"nothing left to do: the checkpoint in {inputs.ckpts.directory} is at step {step} and "
-                  f"--steps is {cadence.steps}. To train on, raise --steps" +
-                  (f" and add --schedule-steps {cadence.schedule_steps} (the schedule stays as it was; the steps "
-                   f"past it run at its final learning rate, lr/10)" if step >= cadence.schedule_steps
-                   else ""), soft_wrap=True)
-    inputs.ckpts.close()
-    return Result([], [], "nothing_to_do", step)
+        session = resume.Session(stack, stack.enter_context(Interrupts()))
+        inputs = session.open(job, console)
+        if inputs.finished:   # --resume of a run already at --steps: said, nothing built
+            return Result([], [], "nothing_to_do", inputs.resume_step)
+        # Compile the step on shapes alone (nothing allocated), check that it fits, and only then build the model:
+        # the executable compiled here is the one that runs.
+        built = prepare.prepare(job, console)
+        start = resume.restore(console, inputs, built.model, built.optimizer)
+        return _Loop(job, console, session, built, inputs, start).run()
 
 
 class _Loop:
@@ -129,17 +99,12 @@ class _Loop:
         self.record = {"run": job.identity, "recipe": job.recipe_name,
                        "metrics": self.metrics_file.path if self.metrics_file else None, "data": inputs.data_id,
                        "mesh": mesh_lib.describe(job.mesh)}
-        self.host = (meter.host_bytes(step.compiled, state_on_host=plan.state.host > 0) if device.platform != "cpu"
-                     else None)
-        console.print(f"compiled the step in {step.seconds:.1f} s" + meter.host_note(self.host, plan, device.platform))
-        self.flops_per_step = (job.family.flops_per_token(job.model_cfg, model, cadence.seq) * cadence.batch
-                               * cadence.seq)
-        self.peak = meter.peak_tflops(device, cadence.peak_tflops)[0]
+        self.host, self.flops_per_step, self.peak = built.host, built.flops_per_step, built.peak_tflops
         predicted = plan.step_time()
         self.planned_step_s = None if predicted is None else predicted["total_s"]
         self.last_ckpt = start if start else None
         _, self.state = nnx.split((model, optimizer))
-        self.eval_fn = make_eval(step.graphdef, job.mesh, step.loss_chunk) if inputs.held is not None else None
+        self.eval_fn = built.eval_fn if inputs.held is not None else None
         self.progress = watch.Progress(console, cadence.steps, start)
         self.drops = watch.DropWatch(console, cadence.max_drop_warn)
         self.t_last, self.n_since = time.perf_counter(), 0

@@ -20,7 +20,7 @@ from recipes.train.inputs import data as data_lib
 from recipes.train.processes import agree
 from recipes.train.processes.interrupt import Interrupts
 from recipes.train.processes.lock import DirLock
-from recipes.train.settings.job import Data, Job
+from recipes.train.settings.job import Cadence, Data, Job
 from recipes.train.watching import watch
 
 
@@ -161,11 +161,13 @@ class Session:
     board: watch.Board | None = None
 
     def open(self, job: Job, console: Console) -> Inputs:
-        """Take --ckpt-dir, open what the run reads (`open_inputs`) and, unless the run is already at --steps,
-        what it writes (`open_outputs`)."""
+        """Take --ckpt-dir, open what the run reads (`open_inputs`) and, unless the run is already at --steps
+        (`nothing_to_do` says so), what it writes (`open_outputs`)."""
         self.take_ckpt_dir(job, console)
         inputs = open_inputs(job, console)
-        if not inputs.finished:
+        if inputs.finished:
+            nothing_to_do(job.cadence, console, inputs)
+        else:
             self.open_outputs(job, inputs)
         return inputs
 
@@ -193,8 +195,8 @@ class Session:
         if jax.process_index() != 0:
             return
         if storage.metrics:
-            self.metrics_file = self.stack.enter_context(guard.check_metrics(
-                storage.metrics, owner=self.metrics_owner(job, inputs.resume_record)))
+            owner = self.metrics_owner(job, inputs.resume_record)
+            self.metrics_file = self.stack.enter_context(guard.check_metrics(storage.metrics, owner=owner))
         if storage.tensorboard:
             self.board = self.stack.enter_context(contextlib.closing(watch.Board(
                 storage.tensorboard, run=job.identity, resume=storage.resume)))
@@ -213,6 +215,17 @@ class Session:
         if storage.metrics and same(said.get("metrics"), storage.metrics, said.get("directory"), storage.ckpt_dir):
             return os.path.abspath(storage.metrics)
         return said.get("metrics")
+
+
+def nothing_to_do(cadence: Cadence, console: Console, inputs: Inputs) -> None:
+    """--resume of a run already at --steps: say how to train on, and close the checkpoints (nothing is built)."""
+    step = inputs.resume_step
+    console.print(f"nothing left to do: the checkpoint in {inputs.ckpts.directory} is at step {step} and "
+                  f"--steps is {cadence.steps}. To train on, raise --steps" +
+                  (f" and add --schedule-steps {cadence.schedule_steps} (the schedule stays as it was; the steps "
+                   f"past it run at its final learning rate, lr/10)" if step >= cadence.schedule_steps
+                   else ""), soft_wrap=True)
+    inputs.ckpts.close()
 
 
 def restore(console: Console, inputs: Inputs, model, optimizer) -> int:

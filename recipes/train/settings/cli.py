@@ -1,10 +1,10 @@
 """Command-line pieces shared by `python -m recipes.train` and `python -m recipes.train.plan`: flags generated from a
 dataclass's fields (`add_fields`: `recipes.train.settings.config.RunConfig` holds each default and help text once), the
 argparse types that check them, and the look-ups of the model (`--model FAMILY --preset NAME --set FIELD=VALUE`) and the
-recipe.
+recipe (`model_and_recipe`: both, checked to fit each other).
 
 Importing this module imports no JAX (the training command applies its XLA flags first); the functions that
-read the model table (`family`, `model_config`, `recipe`) import it when called.
+read the model table (`family`, `model_config`, `recipe`, `model_and_recipe`) import it when called.
 """
 from __future__ import annotations
 
@@ -184,6 +184,24 @@ def model_config(fam, preset: str, overrides=()):
         return fam.config(preset, **values)
     except ValueError as e:
         raise ValueError(f"--set: {e}" if values else str(e)) from None
+
+
+def model_and_recipe(model: str, preset: str, overrides, recipe_name: str | None, seq: int):
+    """(family, model config, recipe name, recipe) of `--model`, `--preset`, `--set` and `--recipe` (None: the
+    family's default; "auto": no recipe yet, it is chosen once the step's shapes are known), looked up and checked
+    to fit each other at `--seq` (`check_recipe_fits`): ValueError naming the flag and the fix."""
+    from recipes import registry
+    fam = family(model)
+    recipe_name = recipe_name or registry.default_recipe(fam)
+    chosen = None if recipe_name == "auto" else registry.recipe(fam, recipe_name)
+    model_cfg = model_config(fam, preset, overrides)
+    try:
+        model_cfg.check_seq(seq)
+    except ValueError as e:
+        raise ValueError(f"--seq {seq}: {e}") from None
+    if chosen is not None:
+        check_recipe_fits(fam, chosen, recipe_name, model_cfg, seq)
+    return fam, model_cfg, recipe_name, chosen
 
 
 def recipe(fam, name: str | None):

@@ -17,7 +17,6 @@ import jax
 import optax
 
 import zoo
-from recipes import registry as recipe_registry
 from recipes.train.processes import mesh as mesh_lib
 from recipes.train.settings import cli
 from recipes.train.settings.config import RunConfig
@@ -178,16 +177,8 @@ def resolve(settings: RunConfig) -> Job:
     device = jax.local_devices()[0]
     memory = budget(device, settings.hbm_limit)
     identity = settings.identity()
-    family = cli.family(settings.model)
-    recipe_name = settings.recipe or recipe_registry.default_recipe(family)
-    recipe = None if recipe_name == "auto" else recipe_registry.recipe(family, recipe_name)
-    model_cfg = cli.model_config(family, settings.preset, settings.overrides)
-    try:
-        model_cfg.check_seq(settings.seq)
-    except ValueError as e:
-        raise ValueError(f"--seq {settings.seq}: {e}") from None
-    if recipe is not None:
-        cli.check_recipe_fits(family, recipe, recipe_name, model_cfg, settings.seq)
+    family, model_cfg, recipe_name, recipe = cli.model_and_recipe(settings.model, settings.preset, settings.overrides,
+                                                                  settings.recipe, settings.seq)
     check_params(settings.params, model_cfg.param_dtype)
     check_stream_platform(settings.params, device.platform)
     # What runs on the device: the attention kernel and, for a mixture of experts, the grouped matmul. A choice the

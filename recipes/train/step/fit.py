@@ -6,14 +6,16 @@ outputs - donated + temporaries, `zoo.plan.peak`) is compared with the device's 
 else, on the CPU (whose "device memory" is the machine's RAM), the machine's RAM. Host bytes (offloaded residuals) are
 compared with XLA's pinned host pool. A step that cannot fit is refused with the plan and what to change, instead of an
 out-of-memory traceback; `--force` launches it anyway. A budget the model state alone is over (`check_state`) is refused
-before anything compiles, by the training command and the planner alike.
+before anything compiles, by the training command and the planner alike. `check_model_state` and `check_fits` are the
+training command's, on its resolved run (`recipes.train.settings.job.Job`).
 """
 from __future__ import annotations
 
 import jax
+from rich.console import Console
 
 import zoo
-from recipes.train.settings.job import FRACTION_ENV, ram_bytes
+from recipes.train.settings.job import FRACTION_ENV, Job, ram_bytes
 from zoo.plan.peak import Peak
 from zoo.plan.types import ModelState, fmt_bytes
 
@@ -104,3 +106,40 @@ def check_state(state: ModelState, limit: int | None, where: str, flag: str) -> 
     raise ValueError(f"the model state alone needs {fmt_bytes(state.total)} of device memory per device ({sums}), "
                      f"over the {fmt_bytes(limit)} of {where}: no recipe, batch or sequence length fits it; to fit: "
                      + "; ".join(tips))
+
+
+def check_model_state(job: Job, console: Console) -> None:
+    """The training command's `check_state`, before it compiles: against the run's budget (`Job.budget`), for its
+    optimizer state and master copy where its flags put them; `--force` says so and goes on."""
+    limit, where = job.budget
+    try:
+        check_state(zoo.plan.model_state(job.model_cfg, training=job.training, parallel=job.parallel), limit, where,
+                    "--hbm-limit")
+    except ValueError as e:
+        if not job.fitting.force:
+            raise
+        console.print(f"warning: {e}; launching anyway (--force)", soft_wrap=True, markup=False)
+
+
+def check_fits(job: Job, console: Console, plan: zoo.plan.Plan, temps: int | None) -> None:
+    """Refuse (ValueError: exit 2) a step whose compiled peak exceeds the device's budget, or whose host bytes
+    exceed the pinned pool, before anything is allocated; --force launches it anyway.
+    `temps`: the compiled step's host temporaries (`meter.host_bytes`; None on the CPU or where XLA does not say)."""
+    device, cadence, fitting = job.device, job.cadence, job.fitting
+    # the offloaded activations (XLA's host temporaries) and the state kept in pinned host memory
+    host = plan.host_total
+    if device.platform != "cpu":
+        host = (plan.host_bytes if temps is None else temps) + plan.state.host
+    problems, notes = check(plan.peak, host=host or 0, pool=plan.host_pool, device=device, budget=job.budget,
+                            hbm_limit_gib=fitting.hbm_limit)
+    for n in notes:
+        console.print(n, soft_wrap=True, markup=False)
+    if not problems:
+        return
+    why = "; ".join(problems)
+    tips = advice(job.training, batch=cadence.batch, seq=cadence.seq, recipe=job.recipe_name, state=plan.state,
+                  gpu=device.platform == "gpu", param_dtype=job.model_cfg.param_dtype)
+    if fitting.force:
+        console.print(f"warning: {why}; launching anyway (--force)", soft_wrap=True, markup=False)
+        return
+    raise ValueError(f"{why}: it would run out of memory. The plan is above; {tips}")

@@ -1,6 +1,7 @@
 """Before the first step, from the resolved run (`recipes.train.settings.job.Job`): its step compiled on shapes (the
-executable that runs), what runs said, its memory plan printed and checked to fit, and the model built sharded. A
-step that cannot fit is refused here, before anything is allocated.
+executable that runs), what runs said, its memory plan printed and checked to fit, the model built sharded, and what
+the loop measures each step against (the step's host bytes, the device's peak, the model's FLOPs) and its held-out
+loss, found once. A step that cannot fit is refused here, before anything is allocated.
 """
 from __future__ import annotations
 
@@ -19,11 +20,16 @@ from recipes.train.processes import mesh as mesh_lib
 from recipes.train.settings.job import Job
 from recipes.train.step import auto, fit
 from recipes.train.watching import meter, watch
-from zoo import compile_options
+from zoo import compile_options, renames
 from zoo.models.registry import Family
 from zoo.opt_state import state_shardings
 from zoo.optim import make_optimizer
-from zoo.train_step import compile_abstract
+from zoo.train_step import compile_abstract, eval_loss
+
+# the fit checks, moved to recipes.train.step.fit, for one release (docs/changes.md)
+renames.ATTRIBUTES[__name__] = {"check_fits": "recipes.train.step.fit.check_fits",
+                                "check_model_state": "recipes.train.step.fit.check_model_state"}
+__getattr__ = renames.attributes(__name__)
 
 
 def build_sharded(family: Family, model_cfg, recipe: zoo.Recipe, mesh, make_opt: Callable, *, seed: int,
@@ -69,30 +75,6 @@ def compile_for_shapes(job: Job, recipe: zoo.Recipe, loss_chunk="auto"):
                             schedule=job.schedule, mesh=job.mesh)
 
 
-def check_fits(job: Job, console: Console, plan: zoo.plan.Plan, step: Step) -> None:
-    """Refuse (ValueError: exit 2) a step whose compiled peak exceeds the device's budget, or whose host bytes
-    exceed the pinned pool, before anything is allocated; --force launches it anyway (`recipes.train.step.fit`)."""
-    device, cadence, fitting = job.device, job.cadence, job.fitting
-    # the offloaded activations (XLA's host temporaries) and the state kept in pinned host memory
-    host = plan.host_total
-    if device.platform != "cpu":
-        temps = meter.host_bytes(step.compiled, state_on_host=plan.state.host > 0)
-        host = (plan.host_bytes if temps is None else temps) + plan.state.host
-    problems, notes = fit.check(plan.peak, host=host or 0, pool=plan.host_pool, device=device, budget=job.budget,
-                                hbm_limit_gib=fitting.hbm_limit)
-    for n in notes:
-        console.print(n, soft_wrap=True, markup=False)
-    if not problems:
-        return
-    why = "; ".join(problems)
-    tips = fit.advice(job.training, batch=cadence.batch, seq=cadence.seq, recipe=job.recipe_name, state=plan.state,
-                      gpu=device.platform == "gpu", param_dtype=job.model_cfg.param_dtype)
-    if fitting.force:
-        console.print(f"warning: {why}; launching anyway (--force)", soft_wrap=True, markup=False)
-        return
-    raise ValueError(f"{why}: it would run out of memory. The plan is above; {tips}")
-
-
 @dataclasses.dataclass(frozen=True)
 class Step:
     """The run's step compiled on shapes (`compile_for_shapes`): the recipe, the loss's chunk length (None:
@@ -109,21 +91,44 @@ class Step:
 
 @dataclasses.dataclass(frozen=True)
 class Built:
-    """The run's step compiled (`Step`), its memory plan, and the model and optimizer built sharded."""
+    """The run's step compiled (`Step`), its memory plan, the model and optimizer built sharded, and what the loop
+    reads beside them, found once here."""
     step: Step
     plan: zoo.plan.Plan
     model: Any
     optimizer: Any
+    host: int | None             # the step's host bytes as XLA compiled them (`meter.host_bytes`; None on the CPU)
+    peak_tflops: float | None    # the device's peak for MFU (--peak-tflops or the datasheet's; None: unknown)
+    flops_per_step: float        # the model's FLOPs in one step (`Family.flops_per_token`)
+    eval_fn: Callable | None     # the held-out loss (`make_eval`; None: no --eval-every)
+
+
+def make_eval(graphdef, mesh, loss_chunk="auto") -> Callable:
+    """(state, batch) -> the held-out batch's mean next-token loss: the model's forward pass alone, its loss over
+    chunks of `loss_chunk` positions as the step's (`zoo.train_step.eval_loss`), jitted (traced under the mesh's
+    rules, as the step)."""
+    @jax.jit
+    def loss(state, batch):
+        model, _ = nnx.merge(graphdef, state)
+        return eval_loss(model, batch, loss_chunk)
+
+    def run(state, batch):
+        with zoo.sharding.use(mesh):
+            return loss(state, batch)
+    return run
 
 
 def prepare(job: Job, console: Console) -> Built:
     """Compile the step on shapes alone (nothing allocated, `compile_run`), show it and refuse one that does not fit
     (`show_and_check`), and only then build the model (`build_run`): the executable compiled here is the one that
-    runs."""
+    runs, and what it is measured against is found here once."""
     step = compile_run(job, console)
-    plan = show_and_check(job, console, step)
+    plan, host, peak = show_and_check(job, console, step)
     model, optimizer = build_run(job, step.recipe)
-    return Built(step, plan, model, optimizer)
+    cadence = job.cadence
+    flops = job.family.flops_per_token(job.model_cfg, model, cadence.seq) * cadence.batch * cadence.seq
+    eval_fn = make_eval(step.graphdef, job.mesh, step.loss_chunk) if job.data.evaluate else None
+    return Built(step, plan, model, optimizer, host, peak, flops, eval_fn)
 
 
 def compile_run(job: Job, console: Console) -> Step:
@@ -134,7 +139,7 @@ def compile_run(job: Job, console: Console) -> Step:
     cadence, device, fitting = job.cadence, job.device, job.fitting
     what = (f"compiling the training step ({job.model}, batch {cadence.batch} x seq {cadence.seq}, recipe "
             f"{job.recipe_name}) for {device.platform}")
-    check_model_state(job, console)   # a budget the model state alone is over: no compile
+    fit.check_model_state(job, console)   # a budget the model state alone is over: no compile
     # --recipe auto: its inputs (ValueError naming every missing flag) before the compile's status line
     ins = None if job.recipe is not None else auto.inputs(device, hbm_gib=fitting.hbm_limit, link_gbps=fitting.link,
                                                           overlap=fitting.overlap, tflops=cadence.peak_tflops)
@@ -160,22 +165,10 @@ def compile_run(job: Job, console: Console) -> Step:
                 compile_options.chunking_hint(fitted.recipe, job.model_cfg.mlp_seq_chunks, device.platform))
 
 
-def check_model_state(job: Job, console: Console) -> None:
-    """The training command's `fit.check_state`, before it compiles: against the run's budget (`Job.budget`), for its
-    optimizer state and master copy where its flags put them; `--force` says so and goes on."""
-    limit, where = job.budget
-    try:
-        fit.check_state(zoo.plan.model_state(job.model_cfg, training=job.training, parallel=job.parallel), limit,
-                        where, "--hbm-limit")
-    except ValueError as e:
-        if not job.fitting.force:
-            raise
-        console.print(f"warning: {e}; launching anyway (--force)", soft_wrap=True, markup=False)
-
-
-def show_and_check(job: Job, console: Console, step: Step) -> zoo.plan.Plan:
+def show_and_check(job: Job, console: Console, step: Step) -> tuple[zoo.plan.Plan, int | None, float | None]:
     """Say what runs (the model, the mesh, the recipe, the XLA options, the kernels), print the memory plan with
-    the compiled peak, and refuse a step that does not fit (`check_fits`); the plan."""
+    the compiled peak, and refuse a step that does not fit (`recipes.train.step.fit.check_fits`); (the plan, the
+    step's host bytes as compiled: None on the CPU, the device's peak TFLOP/s)."""
     cadence, training, device = job.cadence, job.training, job.device
     n_params = zoo.models.count_params(nnx.merge(step.graphdef, step.abstract)[0])
     accum = (f" ({training.grad_accum} micro-batches of {cadence.batch // training.grad_accum} per update)"
@@ -197,7 +190,12 @@ def show_and_check(job: Job, console: Console, step: Step) -> zoo.plan.Plan:
     if device.platform == "cpu" and step.recipe.offload:
         console.print("on the CPU there is no pinned host memory: offload placements compile and run but move "
                       "nothing (use a GPU to see HBM fall)")
-    check_fits(job, console, plan, step)
+    # what the loop measures each step against: the step's host bytes as compiled (not on the CPU: nothing moves)
+    # and the device's peak
+    host = meter.host_bytes(step.compiled, state_on_host=plan.state.host > 0) if device.platform != "cpu" else None
     peak, peak_src = meter.peak_tflops(device, cadence.peak_tflops)
+    compiled = f"compiled the step in {step.seconds:.1f} s" + meter.host_note(host, plan, device.platform)
+    fit.check_fits(job, console, plan, host)
     console.print(f"MFU against {peak} TFLOP/s ({peak_src})" if peak else f"MFU: {peak_src}")
-    return plan
+    console.print(compiled)
+    return plan, host, peak
