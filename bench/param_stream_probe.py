@@ -1,8 +1,10 @@
-"""Which forms of a scan over parameters that live in pinned host memory XLA compiles and runs on this device: the
-stacked weights as the scan's operand (`xs`), each layer's slice copied
-into HBM (`jax.device_put`) inside a rematerialized body or a plain one, the gradient left to land where jax puts it
-or asked for on the host. Each variant runs in its own process (a crash is a result: its return code).
-`python -m bench.param_stream_probe [--dump DIR]` (one JSON line per variant)."""
+"""Which parts of a training step over parameters that live in pinned host memory (`--params stream`) XLA compiles and
+runs on this device: plain-JAX forms (`xs_*`: a scan over host-resident stacked weights, each slice copied into HBM
+in a rematerialized body, the gradient landing on the host, its norm; `u_*`: then an update of host weights from that
+gradient a layer at a time) and the zoo's own pieces on a tiny Llama (`zoo_*`: gradients, their norm, finiteness,
+the streamed update, the whole step). Each variant runs in its own process: a crash is a result (its return code).
+`python -m bench.param_stream_probe [--only REGEX] [--dump DIR]` (one JSON line per variant; docs/long-context.md,
+"Parameters streamed from the host", has the H200's answers)."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +12,9 @@ import json
 import subprocess
 import sys
 
-VARIANTS = ("zoo_update_out_sgd", "zoo_update_out_devmoments", "zoo_update_out")
+VARIANTS = ("xs_remat", "xs_remat_norm", "u_host_grads", "u_grads_hbm", "u_params_to_hbm", "u_grads_given",
+            "zoo_grads", "zoo_grads_norm", "zoo_finite", "zoo_update_out", "zoo_update_out_sgd",
+            "zoo_update_out_devmoments", "zoo_update_donate", "zoo_update_finite", "zoo_step_nofinite", "zoo_step")
 
 
 def _update_variant(name: str, host, dev) -> dict:
@@ -61,7 +65,9 @@ def _update_variant(name: str, host, dev) -> dict:
 def _zoo_variant(name: str) -> dict:
     """A part of the zoo's training step on a tiny Llama (bf16 parameters and activations) with --params stream:
     the loss and gradients (`zoo_grads`), with their norm (`zoo_grads_norm`), the parameters' finiteness
-    (`zoo_finite`), the gradients and the streamed update (`zoo_update`), the whole step (`zoo_step`)."""
+    (`zoo_finite`), the gradients and the streamed update with its new state returned (`zoo_update_out`; `_sgd`,
+    `_devmoments`: SGD, AdamW's moments in HBM; `_donate`: the state donated; `_finite`: the new parameters'
+    finiteness too), the whole step (`zoo_step`; `_nofinite`: without that check)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -109,9 +115,6 @@ def _zoo_variant(name: str) -> dict:
         if name == "zoo_finite":
             return all_finite(nnx.state(m))
         loss, _, _, _, grads = loss_and_grads(m, batch, aux_loss=lambda c, a: 0.0)
-        if name == "zoo_update":
-            streamed_update.update(m, o, grads, ok=jnp.bool_(True))
-            return loss
         return streamed_update.global_norm(grads) if name.endswith("norm") else loss
     return dict(out=float(jax.jit(f)(concrete, batch)))
 
@@ -154,13 +157,15 @@ def main():
     ap = argparse.ArgumentParser(description="which forms of a host-resident parameter scan compile and run")
     ap.add_argument("--variant", help="run one variant in this process")
     ap.add_argument("--dump", help="XLA dump folder for each variant (--xla_dump_to DIR/VARIANT)")
+    ap.add_argument("--only", help="a regex over the variants' names")
     ap.add_argument("--smoke", action="store_true", help="the same on any device")
     a = ap.parse_args()
     if a.variant:
         print(json.dumps(dict(variant=a.variant, **run_variant(a.variant))), flush=True)
         return
     import os
-    for v in VARIANTS:
+    import re
+    for v in [v for v in VARIANTS if a.only is None or re.search(a.only, v)]:
         env = dict(os.environ)
         if a.dump:
             env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_dump_to={a.dump}/{v} --xla_dump_hlo_as_text"
