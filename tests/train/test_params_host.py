@@ -153,3 +153,25 @@ def test_a_run_with_the_master_on_the_host_resumes_exactly(tmp_path):
         assert np.array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="written with --params host, this run asks for --params device"):
         loop.run(loop.RunConfig(ckpt_dir=ckpt, resume=True, **{**kw, "params": "device"}))
+
+
+@pytest.mark.slow   # the full set; tests/test_params_stream.py checks a streamed step against --params host
+def test_a_streamed_run_resumes_exactly_and_equals_the_master_on_the_host(tmp_path):
+    """--params stream (the stacks' bf16 parameters in pinned host memory too), stopped after step 2 and resumed,
+    gives the losses and final parameters of the uninterrupted streamed run bit for bit (the checkpoint saves the
+    streamed parameters from host memory and restores them there), and those of --params host to XLA's rounding
+    (the clip's norm is summed in another order)."""
+    kw = dict(steps=4, batch=2, seq=SEQ, log_every=1, lr=1e-2, warmup=0, overrides=BF16)
+    host = loop.run(loop.RunConfig(params="host", **kw))
+    whole = loop.run(loop.RunConfig(params="stream", **kw))
+    ckpt = str(tmp_path / "ckpt")
+    first = loop.run(loop.RunConfig(ckpt_dir=ckpt, ckpt_every=1, stop_after=2, params="stream", **kw))
+    rest = loop.run(loop.RunConfig(ckpt_dir=ckpt, resume=True, params="stream", **kw))
+    assert rest.steps == [3, 4] and first.losses + rest.losses == whole.losses
+    for a, b in zip(jax.tree.leaves(nnx.state(whole.model)), jax.tree.leaves(nnx.state(rest.model))):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(whole.losses, host.losses, rtol=1e-5)
+    assert_same_state(nnx.state(host.model), nnx.state(whole.model))
+    stacked = [x for p, x in jax.tree_util.tree_flatten_with_path(nnx.state(rest.model, nnx.Param))[0]
+               if "['layers']['layers']" in jax.tree_util.keystr(p)]
+    assert stacked and all(x.sharding.memory_kind == HOST for x in stacked)
