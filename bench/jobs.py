@@ -34,7 +34,7 @@ SELECTIVE_MEMCPY = "--xla_gpu_experimental_enable_selective_memcpy_overlap=true"
 BENCHES = ("bench.overlap_slice", "bench.llama_slice", "bench.deepseek_slice", "bench.main_job_8b",
            "bench.capacity_sweep", "bench.step_cost", "bench.stream_probe", "bench.tokamax_tiles",
            "bench.profile_step", "bench.loss_curve", "bench.stack_depth", "bench.ctx_slice", "bench.plan_probe",
-           "bench.loss_chunks",
+           "bench.loss_chunks", "bench.param_stream_probe",
            "recipes.train")
 ANCHORS = ("bench.baselines.plain_jax_llama", "bench.baselines.plain_jax_llama_fsdp",
            "bench.baselines.plain_jax_deepseek", "plain_jax_llama_ctx.py")

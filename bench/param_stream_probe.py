@@ -165,6 +165,8 @@ def main():
         return
     import os
     import re
+
+    from bench.common import emit
     for v in [v for v in VARIANTS if a.only is None or re.search(a.only, v)]:
         env = dict(os.environ)
         if a.dump:
@@ -172,8 +174,8 @@ def main():
         p = subprocess.run([sys.executable, "-m", "bench.param_stream_probe", "--variant", v], env=env,
                            capture_output=True, text=True, timeout=300)
         out = p.stdout.strip().splitlines()
-        print(json.dumps(dict(variant=v, rc=p.returncode, out=out[-1] if out else None,
-                              err=p.stderr.strip().splitlines()[-3:] if p.returncode else None)), flush=True)
+        emit(dict(bench="param-stream-probe", variant=v, rc=p.returncode, out=out[-1] if out else None,
+                  err=p.stderr.strip().splitlines()[-3:] if p.returncode else None))
 
 
 if __name__ == "__main__":

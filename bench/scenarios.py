@@ -317,6 +317,11 @@ SCENARIOS: dict[str, Scenario] = {
                   timeout=200, gpu="0", name="main-job-8b-L8-S32K-auto-host", env=LONG_ENV),
          long_job("auto", 131072, steps=2, est=230, timeout=330, extra=("--params", "stream"),
                   name="main-job-8b-L32-S128K-auto-stream", env=STREAM_ENV))),
+    "param-stream-probe": Scenario(
+        "which parts of a step over parameters in pinned host memory (--params stream) XLA compiles and runs here: "
+        "plain-JAX forms and the zoo's own pieces, each in its own process (a crash is its return code)",
+        (Job("param-stream-probe", ("-m", "bench.param_stream_probe"), LHS, 120, 400,
+             ident={"bench": "param-stream-probe", "impl": "zoo", "setting": "zoo"}, gpus="0"),)),
     "max-seq": Scenario(
         "the planner's answer for the longest length up to 1,048,576 that the 8B (32 layers, state on the host) "
         "fits on one H200: the estimates' walk, then the answer compiled for the GPU (a length whose estimate is far "
