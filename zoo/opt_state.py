@@ -40,8 +40,14 @@ def is_master(path) -> bool:
 
 
 def streamed(var) -> bool:
-    """Whether Variable `var` is one `--params stream` keeps in pinned host memory: a parameter of a decoder stack
-    (its logical axes begin with the stack's `layers` axis)."""
+    """Whether `--params stream` keeps a Variable in pinned host memory.
+
+    Args:
+        var: an `nnx.Variable` (abstract or concrete) with its sharding metadata.
+
+    Returns:
+        True for a parameter of a decoder stack (an `nnx.Param` whose logical axes begin with `layers`).
+    """
     names = tuple(var.get_metadata().get("out_sharding") or ())
     return isinstance(var, nnx.Param) and names[:1] == (LAYERS,)
 
@@ -102,10 +108,19 @@ def check_params(params: str, param_dtype: str) -> None:
 
 
 def check_stream_platform(params: str, platform: str) -> None:
-    """ValueError for `--params stream` on a GPU (unless `STREAM_ON_GPU_ENV` is 1): with jax 0.11.2 XLA's GPU compiler
-    crashes on the streamed training step (a segmentation fault, no message), though each of its parts compiles and
-    runs there (`bench/param_stream_probe.py`; docs/long-context.md, "Parameters streamed from the host"). Refused
-    here, before anything compiles, so a run ends with this line instead of a crashed process."""
+    """Refuse `--params stream` on a GPU before anything compiles (unless `STREAM_ON_GPU_ENV` is 1).
+
+    With jax 0.11.2 XLA's GPU compiler crashes on the streamed training step (a segmentation fault, no message),
+    though each of its parts compiles and runs there (`bench/param_stream_probe.py`; docs/long-context.md,
+    "Parameters streamed from the host"): a run ends with this line instead of a crashed process.
+
+    Args:
+        params: the parameters' place (`--params`).
+        platform: the platform the step compiles for ("cpu", "gpu", ...).
+
+    Raises:
+        ValueError: "stream" on "gpu", naming the variable that compiles it anyway.
+    """
     if params == "stream" and platform == "gpu" and os.environ.get(STREAM_ON_GPU_ENV) != "1":
         raise ValueError(f"--params stream: XLA's GPU compiler crashes compiling the streamed step (jax "
                          f"{jax.__version__}: docs/long-context.md, 'Parameters streamed from the host'); it runs on "

@@ -52,14 +52,29 @@ RULES: dict[str, tuple[tuple[str, Any], ...]] = {
 
 
 def in_host_memory(x) -> bool:
-    """Whether array (or tracer) `x` lives in host memory (pinned or not)."""
+    """Whether an array lives in host memory (pinned or not).
+
+    Args:
+        x: an array or a tracer.
+
+    Returns:
+        True for host memory, False for the device's.
+    """
     return jax.typeof(x).memory_space == jax.memory.Space.Host
 
 
 def to_hbm(tree):
-    """`tree` with each array that lives in host memory copied into HBM (`jax.device_put` to the device memory
-    space: under jit one host-to-device copy, whose transpose sends the gradient back to the host); other leaves as
-    they are."""
+    """Copy the arrays of a tree that live in host memory into HBM.
+
+    Under jit each is one host-to-device copy (`jax.device_put` to the device memory space), whose transpose sends
+    the gradient back to the host.
+
+    Args:
+        tree: a pytree of arrays.
+
+    Returns:
+        `tree` with those arrays in HBM and the other leaves as they are.
+    """
     return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device) if in_host_memory(x) else x, tree)
 
 

@@ -47,8 +47,15 @@ def _over_slices(x: jax.Array, fn: Callable[[jax.Array], jax.Array]) -> jax.Arra
 
 
 def global_norm(tree) -> jax.Array:
-    """`optax.global_norm(tree)`, its leaves in host memory read a slice at a time (`_over_slices`); `optax`'s own
-    where every leaf is in HBM."""
+    """The global L2 norm of a tree, its leaves in host memory read a slice at a time.
+
+    Args:
+        tree: a pytree of arrays (gradients); a leaf in host memory is read along its first axis, one slice in HBM
+            at a time, and summed in float32.
+
+    Returns:
+        a float32 scalar: `optax.global_norm(tree)` itself where every leaf is in HBM.
+    """
     leaves = jax.tree.leaves(tree)
     if not any(on_host(x) for x in leaves):
         return optax.global_norm(tree)
@@ -56,7 +63,14 @@ def global_norm(tree) -> jax.Array:
 
 
 def all_finite(tree) -> jax.Array:
-    """Whether every floating-point leaf of `tree` is finite, its leaves in host memory read a slice at a time."""
+    """Whether every floating-point leaf of a tree is finite, its leaves in host memory read a slice at a time.
+
+    Args:
+        tree: a pytree of arrays; integer and boolean leaves are left out.
+
+    Returns:
+        a boolean scalar (True for a tree without floating-point leaves).
+    """
     leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
     if not leaves:
         return jnp.bool_(True)

@@ -62,10 +62,18 @@ def body_of(group: int, tiles: int, layer_policy=None) -> Callable[[nnx.Module, 
 
 
 def in_hbm(modules: nnx.Module) -> nnx.Module:
-    """`modules` with its variables that live in pinned host memory (`--params stream`: `zoo.opt_state`) copied into
-    HBM, the others as they are; `modules` itself where none does. Called inside the rematerialized body, it copies a
-    layer's slice in as the scan reaches it and again where the backward pass recomputes the layer, never holding
-    the stack's parameters in HBM; the copy's transpose sends the layer's gradient to the host."""
+    """Bring a layer's (or group's) variables that live in pinned host memory into HBM.
+
+    Called inside the rematerialized body, it copies a layer's slice in as the scan reaches it and again where the
+    backward pass recomputes the layer, so HBM never holds the stack's parameters (`--params stream`:
+    `zoo.opt_state`); the copy's transpose sends the layer's gradient to the host.
+
+    Args:
+        modules: a layer, or a group of layers, as the scan's body receives it.
+
+    Returns:
+        `modules` with those variables in HBM, the others as they are; `modules` itself where none is on the host.
+    """
     graphdef, state = nnx.split(modules)
     if not any(sharding.in_host_memory(x) for x in jax.tree.leaves(state)):
         return modules
