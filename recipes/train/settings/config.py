@@ -19,7 +19,6 @@ from typing import Any
 from recipes.train.settings import defaults, flags
 from recipes.train.settings.cli import INT32_MAX, field_override, positive_int
 from recipes.train.settings.defaults import DEFAULT_MODEL
-from zoo.opt_state import PARAMS_PLACES
 
 OPT_DTYPES = ("float32", "bfloat16")
 
@@ -73,14 +72,14 @@ class RunConfig:
     opt_dtype: str = flag("float32", "dtype of AdamW's moments, whatever the parameters' dtype", choices=OPT_DTYPES)
     opt_state: str = flag("device", "where the optimizer's moments live between steps: device (HBM) or host (pinned "
                           "host memory; each step streams them into HBM for the update and back, a layer slice at a "
-                          "time)", choices=("device", "host"))
+                          "time)", choices=("device", "host"))   # zoo.opt_state.OPT_STATE_PLACES (no JAX here)
     params: str = flag("device", "where the parameters live: device (the parameters in HBM, in their dtype, and "
                        "nothing else), host (a float32 master copy of 16-bit parameters in pinned host memory: the "
                        "update is computed on it and the parameters in HBM are its rounding) or stream (the master "
                        "and the decoder stacks' 16-bit parameters in pinned host memory: each layer's slice is "
                        "brought into HBM as the scan reaches it and its gradient goes back as the backward pass makes "
                        "it; --grad-accum 1); host and stream need --set param_dtype=bfloat16",
-                       choices=PARAMS_PLACES)
+                       choices=("device", "host", "stream"))   # zoo.opt_state.PARAMS_PLACES
     grad_accum: int = flag(1, "micro-batches per optimizer update: --batch is the global batch, split into K "
                            "micro-batches of batch/K sequences whose gradients are summed (in float32) before one "
                            "update; K must divide --batch. Activation memory is a micro-batch's", type=positive_int,
