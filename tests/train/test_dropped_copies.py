@@ -23,7 +23,8 @@ def test_the_main_job_logs_and_warns_about_dropped_copies(tmp_path):
     out = tmp_path / "m.jsonl"
     console = Console(record=True, width=200)
     settings = loop.RunConfig(model="deepseek_v3", preset="tiny", steps=2, batch=2, seq=16, log_every=1,
-                              metrics=str(out), overrides=(("moe_backend", "capacity"), ("capacity_factor", 0.5)))
+                              metrics=str(out), overrides=(("moe_backend", "capacity"), ("capacity_factor", 0.5),
+                                                         ("num_layers", 1), ("first_dense_layers", 0)))
     loop.run(settings, console=console)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert all(r["dropped"] > 0 and 0 < r["drop_fraction"] < 1 for r in rows)

@@ -13,7 +13,7 @@ import pytest
 import zoo
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
 from recipes.train import plan as plan_cli
-from tests.helpers import ROOT, assert_unbroken, cpu_env
+from tests.helpers import ROOT, assert_unbroken
 from zoo.models import registry
 from zoo.plan import Training
 
@@ -53,18 +53,20 @@ def test_cli_table_renders_whole_into_a_file(tmp_path):
                     "warning: host memory 70.9 GiB is over XLA's pinned host pool ... before launch, or offload less")
 
 
-def test_cli_auto_and_bad_input():
-    tiny = ("-m", "recipes.train.plan", "--model", "llama3", "--preset", "tiny", "--batch", "2", "--seq", "8")
-    r = _run(*tiny, "--recipe", "auto", "--hbm", "1", "--link", "55", "--flops", "800", env={"COLUMNS": "200"})
-    assert r.returncode == 0, r.stderr
-    assert "chosen:" in r.stdout and "kept in HBM" in r.stdout
+def test_cli_auto_and_bad_input(capsys, monkeypatch):
+    """--recipe auto through the command line (in this process: what it prints is all it does)."""
+    monkeypatch.setenv("COLUMNS", "200")
+    tiny = ["--model", "llama3", "--preset", "tiny", "--batch", "2", "--seq", "8"]
+    assert plan_cli.main(tiny + ["--recipe", "auto", "--hbm", "1", "--link", "55", "--flops", "800"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen:" in out and "kept in HBM" in out
     # Planning for a device kind with a measured link and a datasheet rate needs only the budget, as the main job's
     # --recipe auto (the flags' other spellings are the main job's: --hbm-limit, --peak-tflops).
-    r = _run(*tiny, "--recipe", "auto", "--device", "H200", "--hbm-limit", "1", env={"COLUMNS": "200"})
-    assert r.returncode == 0, r.stderr
+    assert plan_cli.main(tiny + ["--recipe", "auto", "--device", "H200", "--hbm-limit", "1"]) == 0
+    out = capsys.readouterr().out
     # recompute priced at the Llama step's measured rate on the H200 (the family's step_rates), not the datasheet's
     rate = zoo.plan.links.step_rate("H200", LLAMA_TINY).tflops
-    assert "chosen:" in r.stdout and "55.3 GB/s" in r.stdout and f"{rate:g} TFLOP/s executed" in r.stdout
+    assert "chosen:" in out and "55.3 GB/s" in out and f"{rate:g} TFLOP/s executed" in out
 
 
 @pytest.mark.parametrize("args, needles", [
@@ -95,11 +97,10 @@ def test_cli_errors_name_the_flags(args, needles, capsys):
         assert needle in err, (needle, err)
 
 
-def test_cli_set_values_take_the_field_type():
-    r = _run("-m", "recipes.train.plan", "--model", "llama3", "--preset", "tiny", "--batch", "2", "--seq", "8",
-             "--recipe", "full", "--set", "tie_embeddings=false", "--set", "num_layers=3", "--json")
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+def test_cli_set_values_take_the_field_type(capsys):
+    assert plan_cli.main(["--model", "llama3", "--preset", "tiny", "--batch", "2", "--seq", "8", "--recipe", "full",
+                          "--set", "tie_embeddings=false", "--set", "num_layers=3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
     assert out["stacks"][0]["num_layers"] == 3
     three = dataclasses.replace(LLAMA_TINY, num_layers=3)
     untied, tied = (zoo.plan.plan(dataclasses.replace(three, tie_embeddings=t), LLAMA_RECIPES["full"], batch=2,
@@ -149,21 +150,18 @@ def test_the_plan_command_line_reports_the_peak_and_the_measured_link(capsys, mo
 
 
 # -- --mesh (zoo.plan.plan(parallel=Parallelism(mesh=...)): tests/plan/test_mesh_plan.py) ------------------------
-def test_cli_mesh_prints_per_device_json_and_refuses_shard_with_mesh():
-    env = cpu_env()
-    base = [sys.executable, "-m", "recipes.train.plan", "--model", "llama3", "--preset", "tiny",
-            "--recipe", "qkv_offload", "--batch", "8", "--seq", "16"]
-    out = subprocess.run(base + ["--mesh", "fsdp=8", "--json"], env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr
-    got = json.loads(out.stdout)
+def test_cli_mesh_prints_per_device_json_and_refuses_shard_with_mesh(capsys):
+    """The plan of a mesh needs no devices (planned from shapes: this process's one CPU device plans fsdp=8)."""
+    base = ["--model", "llama3", "--preset", "tiny", "--recipe", "qkv_offload", "--batch", "8", "--seq", "16"]
+    assert plan_cli.main(base + ["--mesh", "fsdp=8", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
     want = zoo.plan.plan(LLAMA_TINY, LLAMA_RECIPES["qkv_offload"], batch=8, seq=16).to_dict()
     assert got["mesh"] == "dp=1,fsdp=8,tp=1,ep=1"
     assert got["model_state"]["params"] * 8 == want["model_state"]["params"]
     assert got["totals"]["host_bytes"] * 8 == want["totals"]["host_bytes"]
-    out = subprocess.run(base + ["--mesh", "fsdp=8", "--shard", "8"], env=env, cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 2 and "not both" in out.stderr
+    with pytest.raises(SystemExit) as e:
+        plan_cli.main(base + ["--mesh", "fsdp=8", "--shard", "8"])
+    assert e.value.code == 2 and "not both" in capsys.readouterr().err
 
 
 # -- the families added as packages (their plans: tests/models/qwen3*/) -------------------------------------------

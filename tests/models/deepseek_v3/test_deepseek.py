@@ -93,7 +93,8 @@ def test_gradients_equal_under_every_recipe(model, tokens, reference, name):
     assert max_rel_err(got, ref) < 1e-5
 
 
-@pytest.mark.parametrize("name", [n for n in PLAIN if RECIPES[n].special is None])
+# the placement tests: the default set keeps the study's offload recipe (docs/testing.md: the others are slow)
+@pytest.mark.parametrize("name", tiered([n for n in PLAIN if RECIPES[n].special is None], fast=("mla_moe_offload",)))
 def test_residuals_are_placed_as_the_recipe_says_in_each_stack(model, tokens, name):
     recipe = RECIPES[name]
     model.set_recipe(recipe)
@@ -109,7 +110,8 @@ def test_residuals_are_placed_as_the_recipe_says_in_each_stack(model, tokens, na
     assert collections.Counter(r.shape for r in res if r.host) == want_host
 
 
-@pytest.mark.parametrize("name", [n for n in PLAIN if RECIPES[n].offload] + ["save_mla_moe"])  # every offload recipe
+@pytest.mark.parametrize("name", tiered([n for n in PLAIN if RECIPES[n].offload] + ["save_mla_moe"],  # every offload
+                                        fast=("mla_moe_offload",)))
 def test_cuda_lowering_places_offloaded_tags_in_pinned_host(model, tokens, name):
     recipe = RECIPES[name]
     model.set_recipe(recipe)

@@ -95,7 +95,10 @@ def test_gradients_equal_under_every_recipe(model, tokens, reference, name):
     assert max_rel_err(got, ref) < 1e-5
 
 
-@pytest.mark.parametrize("name", [n for n in PLAIN if RECIPES[n].special is None])
+# the placement tests: the default set keeps the offload recipe naming the most tags and one that saves in HBM; the
+# other recipes are further cases of the same check (slow set; docs/testing.md)
+@pytest.mark.parametrize("name", tiered([n for n in PLAIN if RECIPES[n].special is None],
+                                        fast=("minimal_offload", "minimal")))
 def test_residuals_are_placed_as_the_recipe_says(model, tokens, name):
     recipe = RECIPES[name]
     model.set_recipe(recipe)
@@ -114,7 +117,8 @@ def test_residuals_are_placed_as_the_recipe_says(model, tokens, name):
             assert device[(CFG.num_layers,) + shapes[t].shape] >= 1, t
 
 
-@pytest.mark.parametrize("name", [n for n in PLAIN if RECIPES[n].offload] + ["save_qkv"])  # every offload recipe
+@pytest.mark.parametrize("name", tiered([n for n in PLAIN if RECIPES[n].offload] + ["save_qkv"],   # every offload
+                                        fast=("minimal_offload", "save_qkv")))
 def test_cuda_lowering_places_offloaded_tags_in_pinned_host(model, tokens, name):
     recipe = RECIPES[name]
     model.set_recipe(recipe)
