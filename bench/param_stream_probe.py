@@ -14,7 +14,13 @@ import sys
 
 VARIANTS = ("xs_remat", "xs_remat_norm", "u_host_grads", "u_grads_hbm", "u_params_to_hbm", "u_grads_given",
             "zoo_grads", "zoo_grads_norm", "zoo_finite", "zoo_update_out", "zoo_update_out_sgd",
-            "zoo_update_out_devmoments", "zoo_update_donate", "zoo_update_finite", "zoo_step_nofinite", "zoo_step")
+            "zoo_update_out_devmoments", "zoo_update_donate", "zoo_update_finite", "zoo_step_nofinite", "zoo_step",
+            "zoo_update_out_noguard", "zoo_update_out_stacked", "zoo_update_out_unstacked", "zoo_update_out_unrolled",
+            "zoo_update_out_params", "zoo_update_out_noclip")
+# XLA flag sets each variant can also run under (--flags NAME,...): which compiler or runtime feature a crash needs
+FLAG_SETS = {"none": "", "nocmdbuf": "--xla_gpu_enable_command_buffer=", "nolhs":
+             "--xla_gpu_enable_latency_hiding_scheduler=false", "noautotune": "--xla_gpu_autotune_level=0",
+             "nodoublebuf": "--xla_gpu_enable_while_loop_double_buffering=false"}
 
 
 def _update_variant(name: str, host, dev) -> dict:
@@ -67,7 +73,10 @@ def _zoo_variant(name: str) -> dict:
     the loss and gradients (`zoo_grads`), with their norm (`zoo_grads_norm`), the parameters' finiteness
     (`zoo_finite`), the gradients and the streamed update with its new state returned (`zoo_update_out`; `_sgd`,
     `_devmoments`: SGD, AdamW's moments in HBM; `_donate`: the state donated; `_finite`: the new parameters'
-    finiteness too), the whole step (`zoo_step`; `_nofinite`: without that check)."""
+    finiteness too), the whole step (`zoo_step`; `_nofinite`: without that check). Bisecting `zoo_update_out`:
+    `_noguard` without the NaN guard's select, `_stacked` / `_unstacked` updating only the parameters in host memory
+    / in HBM, `_unrolled` with the chunk loops unrolled in Python, `_params` returning the parameters alone (not the
+    optimizer's state), `_noclip` without the clip."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -98,16 +107,20 @@ def _zoo_variant(name: str) -> dict:
         step, _, _ = abstract_step(fam, cfg, zoo.Recipe.full(), training=t, schedule=schedule)
         return dict(loss=float(step(concrete, batch)[1]["loss"]))
     shardings = jax.tree.map(lambda x: x.sharding, concrete)
+    _bisect(name, streamed_update)
 
     def g(state, batch):
         m, o = nnx.merge(graphdef, state)
         _, _, _, _, grads = loss_and_grads(m, batch, aux_loss=lambda c, a: 0.0)
         streamed_update.update(m, o, grads, ok=jnp.bool_(True))
         finite = all_finite(nnx.state(m)) if name == "zoo_update_finite" else jnp.bool_(True)
-        return nnx.state((m, o)), finite
+        return (nnx.state(m) if name.endswith("_params") else nnx.state((m, o))), finite
     if name.startswith("zoo_update_"):
-        donate = (0,) if name != "zoo_update_out" else ()
-        new, finite = jax.jit(g, donate_argnums=donate, out_shardings=(shardings, None))(concrete, batch)
+        donate = (0,) if name in ("zoo_update_donate", "zoo_update_finite") else ()
+        out = (nnx.state(nnx.merge(graphdef, shardings)[0]) if name.endswith("_params") else shardings, None)
+        compiled = jax.jit(g, donate_argnums=donate, out_shardings=out).lower(concrete, batch).compile()
+        print("compiled", flush=True)
+        new, finite = compiled(concrete, batch)
         return dict(finite=bool(finite), leaves=len(jax.tree.leaves(new)))
 
     def f(state, batch):
@@ -118,6 +131,29 @@ def _zoo_variant(name: str) -> dict:
         return streamed_update.global_norm(grads) if name.endswith("norm") else loss
     return dict(out=float(jax.jit(f)(concrete, batch)))
 
+
+def _bisect(name: str, su) -> None:
+    """Patch `zoo.streamed_update` (module `su`) in this process as variant `name` asks (`_zoo_variant`)."""
+    import jax
+    import jax.numpy as jnp
+    if name.endswith("_noguard"):
+        chunks = su._update_chunks
+        su._update_chunks = lambda u, *a: chunks(u._replace(ok=jnp.bool_(True)), *a)
+    if name.endswith("_noclip"):
+        su._clip = lambda g, norm, max_norm: g
+    if name.endswith(("_stacked", "_unstacked")):
+        groups, host = su._groups, name.endswith("_stacked") and not name.endswith("_unstacked")
+        def kept(per_param, grads):
+            chosen = {n: [leaf for leaf in leaves if su.on_host(leaf.param[...]) == host]
+                      for n, leaves in groups(per_param, grads).items()}
+            return {n: leaves for n, leaves in chosen.items() if leaves}
+        su._groups = kept
+    if name.endswith("_unrolled"):
+        def fori_loop(lo, hi, body, carry):
+            for i in range(lo, hi):
+                carry = body(i, carry)
+            return carry
+        jax.lax.fori_loop = fori_loop
 
 
 def run_variant(name: str) -> dict:
@@ -159,6 +195,10 @@ def main():
     ap.add_argument("--dump", help="XLA dump folder for each variant (--xla_dump_to DIR/VARIANT)")
     ap.add_argument("--only", help="a regex over the variants' names")
     ap.add_argument("--smoke", action="store_true", help="the same on any device")
+    ap.add_argument("--flags", default="none", help=f"comma-separated XLA flag sets to run each variant under "
+                    f"({', '.join(FLAG_SETS)})")
+    ap.add_argument("--gdb", action="store_true", help="run a crashing variant again under cuda-gdb for the native "
+                    "stack of the crash")
     a = ap.parse_args()
     if a.variant:
         print(json.dumps(dict(variant=a.variant, **run_variant(a.variant))), flush=True)
@@ -167,15 +207,29 @@ def main():
     import re
 
     from bench.common import emit
-    for v in [v for v in VARIANTS if a.only is None or re.search(a.only, v)]:
-        env = dict(os.environ)
-        if a.dump:
-            env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_dump_to={a.dump}/{v} --xla_dump_hlo_as_text"
-        p = subprocess.run([sys.executable, "-m", "bench.param_stream_probe", "--variant", v], env=env,
-                           capture_output=True, text=True, timeout=300)
-        out = p.stdout.strip().splitlines()
-        emit(dict(bench="param-stream-probe", variant=v, rc=p.returncode, out=out[-1] if out else None,
-                  err=p.stderr.strip().splitlines()[-3:] if p.returncode else None))
+    for fs in a.flags.split(","):
+        for v in [v for v in VARIANTS if a.only is None or re.search(a.only, v)]:
+            env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+            env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FLAG_SETS[fs]}".strip()
+            if a.dump:
+                env["XLA_FLAGS"] += (f" --xla_dump_to={a.dump}/{v}-{fs} --xla_dump_hlo_as_text "
+                                     "--xla_dump_hlo_pass_re=.*")
+            cmd = [sys.executable, "-X", "faulthandler", "-m", "bench.param_stream_probe", "--variant", v]
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+            out = p.stdout.strip().splitlines()
+            rec = dict(bench="param-stream-probe", variant=v, flag_set=fs, rc=p.returncode,
+                       out=out[-1] if out else None, err=p.stderr.strip().splitlines()[-12:] if p.returncode else None)
+            if p.returncode and a.dump:   # the passes dumped last: the crash came in or after the newest
+                files = sorted(os.scandir(f"{a.dump}/{v}-{fs}"), key=lambda e: e.stat().st_mtime_ns)
+                rec["last_passes"] = [e.name for e in files[-6:]]
+            if p.returncode and a.gdb:
+                try:
+                    g = subprocess.run(["cuda-gdb", "-batch", "-ex", "run", "-ex", "bt 40", "--args", *cmd], env=env,
+                                       capture_output=True, text=True, timeout=300)
+                    rec["native_stack"] = [ln for ln in g.stdout.splitlines() if ln.startswith("#")][:40]
+                except (OSError, subprocess.TimeoutExpired) as e:
+                    rec["native_stack"] = [f"cuda-gdb: {e}"]
+            emit(rec)
 
 
 if __name__ == "__main__":

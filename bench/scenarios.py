@@ -33,6 +33,7 @@ _PROF = ("--hlo", "--profile", "{work}/trace")
 STREAM_ENV = {**LONG_ENV, "ZOO_STREAM_ON_GPU": "1"}   # compile --params stream for the GPU (zoo.opt_state)
 _CH = {n: ("--mlp-chunks", str(n)) for n in (2, 4, 8)}
 _PGLE = ("--pgle",)
+_PROBE = {"bench": "param-stream-probe", "impl": "zoo", "setting": "zoo"}
 _CAPACITY_START = {"full": 16, "save_mla_moe": 8, "mla_moe_offload": 8, "lowrank_wa_offload": 8}
 _EP2 = ("--mesh", "ep=2", "--experts", "32")
 _TILES = "{out}/tiles.json"
@@ -322,6 +323,17 @@ SCENARIOS: dict[str, Scenario] = {
         "plain-JAX forms and the zoo's own pieces, each in its own process (a crash is its return code)",
         (Job("param-stream-probe", ("-m", "bench.param_stream_probe"), LHS, 120, 400,
              ident={"bench": "param-stream-probe", "impl": "zoo", "setting": "zoo"}, gpus="0"),)),
+    "param-stream-bisect": Scenario(
+        "where XLA's GPU compiler fails on the zoo's streamed update (--params stream): the update with its new state "
+        "returned, less one part at a time (the NaN guard's select, the clip, the host or HBM parameters, the chunk "
+        "loop, the optimizer's state), then whole under XLA flag sets that turn one feature off each; a crash's "
+        "last compiler passes and native stack",
+        (Job("param-stream-parts", ("-m", "bench.param_stream_probe", "--only",
+                                    "zoo_update_out_(noguard|stacked|unstacked|unrolled|params|noclip)$"), LHS, 150,
+             280, ident=_PROBE, gpus="0"),
+         Job("param-stream-flags", ("-m", "bench.param_stream_probe", "--only", "zoo_update_out$", "--flags",
+                                    "none,nocmdbuf,nolhs,noautotune,nodoublebuf", "--dump", "/tmp/zoo-probe-dump",
+                                    "--gdb"), LHS, 150, 280, ident=_PROBE, gpus="0"))),
     "max-seq": Scenario(
         "the planner's answer for the longest length up to 1,048,576 that the 8B (32 layers, state on the host) "
         "fits on one H200: the estimates' walk, then the answer compiled for the GPU (a length whose estimate is far "
