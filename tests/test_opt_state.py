@@ -5,7 +5,6 @@ exactly the moments and/or the master to pinned host memory and changes nothing 
 the value and the choices; `is_master` finds the master's paths."""
 from __future__ import annotations
 
-import dataclasses
 import jax
 import jax.numpy as jnp
 import optax
@@ -114,13 +113,6 @@ def test_places_are_checked_naming_the_flag_the_value_and_the_choices(placed):
     with pytest.raises(ValueError, match="--opt-state must be one of device, host, got 'cpu'"):
         state_shardings(state, shardings, opt_state="cpu")
 
-
-def test_the_training_commands_flags_offer_exactly_these_places():
-    """recipes.train's --opt-state and --params (written out there: its settings import no JAX) offer the places
-    this module checks, no more and no fewer."""
-    from recipes.train.settings.config import RunConfig
-    choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(RunConfig) if "choices" in f.metadata}
-    assert choices["opt_state"] == OPT_STATE_PLACES and choices["params"] == PARAMS_PLACES
 
 
 def test_the_master_on_the_host_needs_16_bit_parameters():

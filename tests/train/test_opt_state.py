@@ -2,6 +2,7 @@
 pinned host memory between steps. Tiny Llama, a few steps on the CPU."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -19,7 +20,7 @@ from recipes.train.settings.cli import recipe as model_recipe
 from recipes.train.step import prepare
 from tests.helpers import hlo_type, pinned_host_shapes
 from tests.rounding import assert_same_metrics, assert_same_state
-from zoo.opt_state import OPT_STATE_PLACES
+from zoo.opt_state import OPT_STATE_PLACES, PARAMS_PLACES
 from zoo.optim import lr_schedule, make_optimizer
 from zoo.plan import ModelState, Training
 from zoo.train_step import abstract_batch, abstract_step, check_grad_accum, family_step, jit_step
@@ -207,3 +208,11 @@ def test_deepseek_micro_batches_route_and_balance_as_the_whole_batch():
 def _graphdef(fam):
     # abstract: only the structure is needed to read a step's state
     return nnx.split(nnx.eval_shape(lambda: _setup(fam)[:2]))[0]
+
+
+def test_the_training_commands_flags_offer_exactly_the_librarys_places():
+    """--opt-state and --params (written out in the settings, which import no JAX) offer zoo.opt_state's places, no
+    more and no fewer."""
+    from recipes.train.settings.config import RunConfig
+    choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(RunConfig) if "choices" in f.metadata}
+    assert choices["opt_state"] == OPT_STATE_PLACES and choices["params"] == PARAMS_PLACES
