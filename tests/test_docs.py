@@ -136,10 +136,13 @@ def slow(block: Block) -> bool:
     """Marked `slow` (pytest -m "not slow" leaves them out): a process of its own on 8 fake devices, a training
     command without a transcript (a compile each), a session, the DeepSeek-V3 tour (eager calls of the tiny
     model), the plans of the 8B at 524,288 positions and its automatic recipe under a tight budget (a search of
-    tiles and groups)."""
+    tiles and groups), a planner command that searches (`--recipe auto`, `--max-batch`) or plans every recipe
+    (`--plot`)."""
     heavy = ("deepseek_v3(", "seq=524288", 'plan(cfg, "auto"')
+    searches = ("--recipe auto", "--max-batch", "--plot")
     return (kind(block) in ("mesh", "example", "session") or (kind(block) == "train" and not commands(block)[1])
-            or (block.lang == "python" and any(h in block.text for h in heavy)))
+            or (block.lang == "python" and any(h in block.text for h in heavy))
+            or (kind(block) == "plan" and any(h in block.text for h in searches)))
 
 
 def params(kinds: tuple[str, ...]) -> list:

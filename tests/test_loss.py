@@ -42,7 +42,7 @@ def _losses_and_grads(model, fam, batch, *chunks, grad_accum=1):
 
 
 # fast: Llama's two heads and DeepSeek-V3's MTP; the rest in the full set (-m 'slow or not slow')
-FAST = {("llama3", False), ("llama3", True), ("deepseek_v3", False)}
+FAST = {("llama3", False), ("llama3", True)}
 CASES = [pytest.param(n, t, id=f"{n}-{'tied' if t else 'untied'}",
                       marks=[] if (n, t) in FAST else [pytest.mark.slow])
          for n in FAMILIES for t in (False, True)]

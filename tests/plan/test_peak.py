@@ -64,6 +64,7 @@ def test_optimizer_state_dtype_is_kept_across_steps(param, moments):
 STUDY_405B = dict(batch=256, seq=8192, parallel=Parallelism(shard=128))
 
 
+@pytest.mark.slow
 def test_auto_offloads_only_what_pays_when_copies_do_not_overlap(monkeypatch):
     """With overlap 1 (copies hidden under compute) the 405B's q, k, v are offloaded at 55 GB/s; with overlap 0
     (XLA on the H200: copies serialised on the compute stream) each would add its link time to the step, far more

@@ -289,6 +289,7 @@ def test_auto_keeps_on_device_what_fits_and_respects_a_host_budget():
     assert no_host.recipe.offload == () and no_host.host_bytes == 0
 
 
+@pytest.mark.slow
 def test_auto_recipe_builds_and_trains_the_tiny_model():
     """The chosen recipe is one JAX honours (placements read back from the residuals), and the model trains under
     it: a few Adam steps on one batch lower the loss."""

@@ -74,6 +74,7 @@ def _measured():
             and r.get("mechanism", "xla") == "xla" and r["bench"] in ("llama405b-slice", "deepseek-slice")]
 
 
+@pytest.mark.slow
 def test_the_predicted_step_time_is_within_ten_percent_of_every_measured_recipe():
     """Every zoo record of both slices under the zoo's own setting (command buffers off where the recipe offloads),
     on the H200: predicted from the recipe's FLOPs, its recompute, the measured rates and the measured overlap.

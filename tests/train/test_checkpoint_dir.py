@@ -65,6 +65,7 @@ ckpts.close()
     assert f"CheckpointError: writing checkpoint step 2 to {tmp_path / 'ckpt'} failed" in out.stdout, out.stdout
 
 
+@pytest.mark.slow
 def test_one_run_per_checkpoint_directory(base, tmp_path, capsys):
     ckpt = copy_ckpt(base, tmp_path)
     with DirLock(ckpt):                       # this process plays the first run

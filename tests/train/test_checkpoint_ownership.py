@@ -22,6 +22,7 @@ def small():
     return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
 
 
+@pytest.mark.slow
 def test_rotation_keeps_other_runs_checkpoints(tmp_path):
     """keep-2 rotation deletes this run's older steps only: a checkpoint of another run in the same directory (its
     record names another run) survives every save."""

@@ -29,6 +29,7 @@ from recipes.train.settings.job import resolve
 from tests.train.cli_runs import RUN, cli, copy_ckpt, main, rows
 
 
+@pytest.mark.slow
 def test_a_stray_file_in_a_step_is_noted_once_and_ignored(base, tmp_path):
     ckpt = copy_ckpt(base, tmp_path)
     (ckpt / "6" / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")

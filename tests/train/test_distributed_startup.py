@@ -75,6 +75,7 @@ def test_a_missing_coordinator_times_out_with_a_message():
     assert out.stderr.startswith("error: no coordinator at 127.0.0.1:") and out.stderr.count("\n") == 1, out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.multidevice   # two processes: scheduled first
 def test_sigterm_to_one_process_stops_both_after_the_same_step(tmp_path):
     """Two processes on a loopback coordinator; SIGTERM reaches process 1 only. Both stop after the same step

@@ -1,6 +1,7 @@
 """Dropped copies (capacity dispatch) in the main job: summed over every MoE stack, logged per step in the metrics,
 and warned about above --max-drop-warn."""
 import jax.numpy as jnp
+import pytest
 
 from zoo.layers.moe import MoEAux
 
@@ -14,6 +15,7 @@ def test_moe_drops_sums_every_moe_stack():
     assert tuple(map(int, moe_drops({"layers": {}}))) == (0, 0)
 
 
+@pytest.mark.slow
 def test_the_main_job_logs_and_warns_about_dropped_copies(tmp_path):
     import json
 

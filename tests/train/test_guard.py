@@ -51,6 +51,7 @@ def test_the_nan_guard_checks_the_updated_parameters(tiny_model, tmp_path, capsy
     assert rc == 2 and "--lr must be a finite number > 0, got nan" in err and "compiled" not in out
 
 
+@pytest.mark.slow
 def test_an_update_that_overflows_past_the_guard_is_never_saved(tmp_path, capsys, monkeypatch):
     """The guard is decided before the update (finite loss, gradient norm and learning rate); an update that still
     makes parameters non-finite (here an optimizer that multiplies its updates by infinity from step 4) has been

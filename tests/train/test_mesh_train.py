@@ -83,6 +83,7 @@ def test_deepseek_fsdp_x_ep_logs_the_losses_of_one_device(tmp_path):
     assert_close(got["fsdp=2,ep=4"], got["fsdp=1"])
 
 
+@pytest.mark.slow
 def test_checkpoint_written_under_fsdp4_resumes_under_fsdp2_tp2(tmp_path, llama_one_device):
     run = LLAMA + ["--ckpt-dir", tmp_path / "ckpt", "--ckpt-every", 2, "--metrics", tmp_path / "m.jsonl"]
     out = train(run + ["--mesh", "fsdp=4", "--stop-after", 2], 4)

@@ -276,7 +276,8 @@ def test_the_processes_agree_on_the_command_and_on_the_checkpoint_lock(tmp_path)
             stderr.count("\n") == 1, stderr
 
 
-@pytest.mark.parametrize("killed", tiered([0, 1], fast=(0,)))
+@pytest.mark.slow
+@pytest.mark.parametrize("killed", [0, 1])
 def test_a_killed_process_stops_the_other_and_resume_continues(tmp_path, reference, killed):
     """SIGKILL to one process mid-run (0: the coordinator, whose service lives on in its host process) ends the
     other with one line and exit 1, no C++ abort; one process on another mesh resumes what the two wrote."""

@@ -134,6 +134,7 @@ def test_cuda_lowering_takes_and_gives_the_moments_in_pinned_host_memory():
     assert sum(pinned_host_shapes(text).values()) >= 2 * n_params   # each moment sent back to the host
 
 
+@pytest.mark.slow
 def test_a_run_with_the_state_on_the_host_resumes_exactly(tmp_path):
     """The main job with --opt-state host, stopped after step 2 and resumed, gives the losses of the same run
     uninterrupted bit for bit (the same program): the checkpoint saves the moments from host memory and restores

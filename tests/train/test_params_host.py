@@ -104,6 +104,7 @@ def test_the_plan_counts_the_master_where_it_lives():
     assert "--params host" not in fit.advice(Training(params="host"), **kw)
 
 
+@pytest.mark.slow
 def test_the_planner_compiles_the_step_with_the_master_on_the_host():
     """Lowered for CUDA (no GPU needed), the step's arguments and results in pinned host memory are exactly the
     master's float32 arrays, one per parameter; the planner's compiled peak with params="host" is that of the

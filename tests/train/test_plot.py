@@ -15,6 +15,7 @@ from recipes.train.watching import plot  # noqa: E402
 BASE = ["--model", "llama3", "--preset", "tiny", "--batch", "2", "--seq", "64", "--peak", "none"]
 
 
+@pytest.mark.slow
 def test_the_chart_is_written_where_the_command_says(tmp_path, capsys):
     folder = tmp_path / "charts"
     folder.mkdir()

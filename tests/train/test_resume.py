@@ -130,6 +130,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact(base, tmp_p
     assert sorted(got) == [5, 6, 7, 8] and {k: got[k]["loss"] for k in (5, 6)} == {k: want[k]["loss"] for k in (5, 6)}
 
 
+@pytest.mark.slow
 def test_nothing_is_renamed_when_no_checkpoint_restores(tmp_path):
     """A failure every checkpoint shares (here: a model that no longer matches them) is not damage: the error lists
     each step's reason and no folder is renamed."""
@@ -143,6 +144,7 @@ def test_nothing_is_renamed_when_no_checkpoint_restores(tmp_path):
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["1", "2"]
 
 
+@pytest.mark.slow
 def test_a_resumed_run_continues_its_metrics_file_and_never_truncates_another(base, tmp_path, capsys):
     other = tmp_path / "other.jsonl"
     shutil.copy(base / "m.jsonl", other)
@@ -167,6 +169,7 @@ def test_a_resumed_run_continues_its_metrics_file_and_never_truncates_another(ba
         {k: r["loss"] for k, r in rows(base / "m.jsonl").items()}
 
 
+@pytest.mark.slow
 def test_resume_past_the_planned_steps_keeps_the_schedule(base, tmp_path, capsys):
     ckpt = copy_ckpt(base, tmp_path)
     rc, out, err = main(RUN + ["--ckpt-dir", ckpt, "--resume"], capsys)          # finished: nothing to do

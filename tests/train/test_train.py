@@ -159,6 +159,7 @@ def _model_and_optimizer(family, **overrides):
                                       weight_decay=0.1)
 
 
+@pytest.mark.slow
 def test_the_guard_decided_before_the_update_changes_no_number():
     """`lr=` (the schedule) decides the NaN guard before the update so that the select fuses into it; on finite
     steps the state and metrics must equal those of the guard decided after the update, bit for bit."""

@@ -36,6 +36,7 @@ def _rel(a, b) -> float:
     return max(float(jnp.max(jnp.abs(x - y)) / (jnp.max(jnp.abs(y)) + 1e-30)) for x, y in zip(a, b))
 
 
+@pytest.mark.slow
 def test_grad_accum_is_the_mean_of_micro_batch_steps():
     """K micro-batches compute the mean of K one-micro-batch steps (each with its own balance loss), to float32
     rounding."""
