@@ -61,9 +61,9 @@ def _update_variant(name: str, host, dev) -> dict:
 
     if name == "u_grads_given":
         g = jax.jit(jax.grad(loss))(w, x)
-        new_w, new_m = jax.jit(update)(w, master, g)
+        new_w, _ = jax.jit(update)(w, master, g)
     else:
-        new_w, new_m = jax.jit(lambda w, m, x: update(w, m, jax.grad(loss)(w, x)))(w, master, x)
+        new_w, _ = jax.jit(lambda w, m, x: update(w, m, jax.grad(loss)(w, x)))(w, master, x)
     total = float(jnp.sum(jax.device_put(new_w, dev).astype(jnp.float32)))
     return dict(w=total, w_memory=str(new_w.sharding.memory_kind))
 
