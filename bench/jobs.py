@@ -220,6 +220,13 @@ def stream_probe(variant, flags="", label="plain") -> Job:
                            "{work}/trace"))
 
 
+def module_job(name, module, *args, bench=None, est=90, timeout=240) -> Job:
+    """A bench module of the zoo's own (`-m MODULE ARGS`) on GPU 0 under the latency-hiding scheduler; its records
+    are named `bench` (default: `name`)."""
+    return Job(name, ("-m", module, *args), LHS, est, timeout,
+               ident={"bench": bench or name, "impl": "zoo", "setting": "zoo"}, gpus="0")
+
+
 def probe(recipes, seq=None, longest=None, est=120, timeout=300) -> Job:
     """bench.plan_probe: the 8B's step (32 layers, batch 1, state on the host) compiled for the GPU at `seq` under
     each recipe of `recipes`, or zoo.plan.longest_seq's answer up to `longest`; nothing runs."""

@@ -22,6 +22,7 @@ from bench.jobs import (
     llama,
     long_job,
     main_job,
+    module_job,
     probe,
     profile,
     sgd_twin,
@@ -33,7 +34,6 @@ _PROF = ("--hlo", "--profile", "{work}/trace")
 STREAM_ENV = {**LONG_ENV, "ZOO_STREAM_ON_GPU": "1"}   # compile --params stream for the GPU (zoo.opt_state)
 _CH = {n: ("--mlp-chunks", str(n)) for n in (2, 4, 8)}
 _PGLE = ("--pgle",)
-_PROBE = {"bench": "param-stream-probe", "impl": "zoo", "setting": "zoo"}
 _CAPACITY_START = {"full": 16, "save_mla_moe": 8, "mla_moe_offload": 8, "lowrank_wa_offload": 8}
 _EP2 = ("--mesh", "ep=2", "--experts", "32")
 _TILES = "{out}/tiles.json"
@@ -305,8 +305,7 @@ SCENARIOS: dict[str, Scenario] = {
         "the loss's chunk length: the 8B's LM head and cross-entropy (forward and backward) at 8K, 128K and 256K "
         "tokens, the whole sequence and chunks of 64 (the rule's old fallback at 256K), 1,024 (the rule's choice "
         "where no chunk fits) and 8,192 positions; each record the time and the compiled temporaries",
-        (Job("loss-chunks", ("-m", "bench.loss_chunks"), LHS, 90, 240,
-             ident={"bench": "loss-chunks", "impl": "zoo", "setting": "zoo"}, gpus="0"),)),
+        (module_job("loss-chunks", "bench.loss_chunks", est=90, timeout=240),)),
     "streamed-params": Scenario(
         "the stacks' parameters streamed from pinned host memory a layer at a time (--params stream) beside the same "
         "run with only the master and the moments there (--params host): the 8B cut to 8 layers at 32K, then all 32 "
@@ -321,19 +320,18 @@ SCENARIOS: dict[str, Scenario] = {
     "param-stream-probe": Scenario(
         "which parts of a step over parameters in pinned host memory (--params stream) XLA compiles and runs here: "
         "plain-JAX forms and the zoo's own pieces, each in its own process (a crash is its return code)",
-        (Job("param-stream-probe", ("-m", "bench.param_stream_probe"), LHS, 120, 400,
-             ident={"bench": "param-stream-probe", "impl": "zoo", "setting": "zoo"}, gpus="0"),)),
+        (module_job("param-stream-probe", "bench.param_stream_probe", est=120, timeout=400),)),
     "param-stream-bisect": Scenario(
         "where XLA's GPU compiler fails on the zoo's streamed update (--params stream): the update with its new state "
         "returned, less one part at a time (the NaN guard's select, the clip, the host or HBM parameters, the chunk "
         "loop, the optimizer's state), then whole under XLA flag sets that turn one feature off each; a crash's "
         "last compiler passes and native stack",
-        (Job("param-stream-parts", ("-m", "bench.param_stream_probe", "--only",
-                                    "zoo_update_out_(noguard|stacked|unstacked|unrolled|params|noclip)$"), LHS, 150,
-             280, ident=_PROBE, gpus="0"),
-         Job("param-stream-flags", ("-m", "bench.param_stream_probe", "--only", "zoo_update_out$", "--flags",
-                                    "none,nocmdbuf,nolhs,noautotune,nodoublebuf", "--dump", "/tmp/zoo-probe-dump",
-                                    "--gdb"), LHS, 150, 280, ident=_PROBE, gpus="0"))),
+        (module_job("param-stream-parts", "bench.param_stream_probe", "--only",
+                    "zoo_update_out_(noguard|stacked|unstacked|unrolled|params|noclip)$", bench="param-stream-probe",
+                    est=150, timeout=280),
+         module_job("param-stream-flags", "bench.param_stream_probe", "--only", "zoo_update_out$", "--flags",
+                    "none,nocmdbuf,nolhs,noautotune,nodoublebuf", "--dump", "/tmp/zoo-probe-dump", "--gdb",
+                    bench="param-stream-probe", est=150, timeout=280))),
     "max-seq": Scenario(
         "the planner's answer for the longest length up to 1,048,576 that the 8B (32 layers, state on the host) "
         "fits on one H200: the estimates' walk, then the answer compiled for the GPU (a length whose estimate is far "
