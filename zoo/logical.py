@@ -16,6 +16,32 @@ from flax.linen import logical_to_mesh_axes
 from flax.typing import LogicalRules
 from jax.sharding import PartitionSpec
 
+LAYERS = "layers"   # the logical name of a stack's leading axis (zoo.models.stack)
+
+
+def axis_names(var) -> tuple:
+    """The logical axis names a Variable's sharding metadata gives its axes.
+
+    Args:
+        var: an `nnx.Variable`, abstract or concrete.
+
+    Returns:
+        a tuple of names (None for an axis without one); empty for a Variable without sharding metadata.
+    """
+    return tuple(var.get_metadata().get("out_sharding") or ())
+
+
+def stacked(var) -> bool:
+    """Whether a Variable is stacked over a decoder stack's layers.
+
+    Args:
+        var: an `nnx.Variable`, abstract or concrete.
+
+    Returns:
+        True where its first logical axis is `LAYERS`.
+    """
+    return axis_names(var)[:1] == (LAYERS,)
+
 
 def active() -> bool:
     """True while a mesh and logical-axis rules are both active, outside `shard_map` (inside it every value is one

@@ -13,9 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zoo.logical import stacked
 from zoo.optim import MASTER
-
-LAYERS = "layers"   # the logical name of a stack's leading axis (zoo.models.stack): what --params stream places
 
 # Where a part of the state lives between steps: in HBM, or in pinned host memory (`state_shardings`).
 OPT_STATE_PLACES = ("device", "host")   # the optimizer's moments (--opt-state)
@@ -48,8 +47,7 @@ def streamed(var) -> bool:
     Returns:
         True for a parameter of a decoder stack (an `nnx.Param` whose logical axes begin with `layers`).
     """
-    names = tuple(var.get_metadata().get("out_sharding") or ())
-    return isinstance(var, nnx.Param) and names[:1] == (LAYERS,)
+    return isinstance(var, nnx.Param) and stacked(var)
 
 
 def _streamed_prefixes(state) -> tuple[str, ...]:

@@ -18,12 +18,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from zoo.logical import mesh_axes
+from zoo.logical import axis_names, mesh_axes, stacked
 from zoo.optim import TxParts, parts_of
 from zoo.sharding import in_host_memory
 
 CHUNK_BYTES = 256 * 2 ** 20   # the most one chunk of a parameter that is not stacked takes, in its widest dtype
-LAYERS = "layers"             # the logical name of a stack's leading axis (zoo.models.stack)
 _KEY = "params"               # the key of the tuple of parameters in the trees the elementwise transform runs on
 
 
@@ -147,8 +146,8 @@ def chunking(param: nnx.Variable, itemsize: int) -> tuple[int, int]:
     bytes an element) along its first axis the active sharding rules leave whole (a chunk is then a local slice
     on every device); a 0-d or 1-d one, or one with every axis split, whole."""
     shape = param.shape
-    names = tuple(param.get_metadata().get("out_sharding") or ())
-    if names[:1] == (LAYERS,):
+    names = axis_names(param)
+    if stacked(param):
         return 0, shape[0]
     whole = [a for a in range(len(shape)) if a >= len(names) or names[a] is None or not mesh_axes(names[a])]
     if len(shape) < 2 or not whole:

@@ -18,6 +18,7 @@ from flax import nnx
 from zoo import emitted as emitted_lib
 from zoo import sharding
 from zoo import tags as tags_lib
+from zoo.logical import LAYERS
 
 
 def _run(layer: nnx.Module, x: jax.Array, tiles: int = 1) -> tuple[jax.Array, Any]:
@@ -107,7 +108,7 @@ def _emitted(graphdef, treedef, leaves: tuple, x: jax.ShapeDtypeStruct, tiles: i
 def stacked_modules(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs) -> nnx.Module:
     """`n` modules `make(rngs)` builds, as one module whose variables have a leading `layers` axis of size n."""
     @nnx.split_rngs(splits=n)
-    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
     def create(rngs: nnx.Rngs) -> nnx.Module:
         return make(rngs)
 
