@@ -23,6 +23,25 @@ FLAG_SETS = {"none": "", "nocmdbuf": "--xla_gpu_enable_command_buffer=", "nolhs"
              "nodoublebuf": "--xla_gpu_enable_while_loop_double_buffering=false"}
 
 
+def _host_scan(host, dev, remat: bool = True):
+    """(w, x, loss): 4 bf16 [256, 256] weights in host memory (`host`), an [8, 256] input in HBM (`dev`), and
+    loss(ws, x): a scan over the weights whose layer (rematerialized unless `remat` is False) copies its slice into
+    HBM, then the float32 sum of squares of the output."""
+    import jax
+    import jax.numpy as jnp
+    w = jax.device_put(jnp.full((4, 256, 256), 0.01, jnp.bfloat16), host)
+    x = jax.device_put(jnp.ones((8, 256), jnp.bfloat16), dev)
+
+    def layer(wl, c):
+        return jnp.tanh(c @ jax.device_put(wl, jax.memory.Space.Device))
+
+    def loss(ws, c):
+        f = jax.checkpoint(layer) if remat else layer
+        c, _ = jax.lax.scan(lambda c, wl: (f(wl, c), None), c, ws)
+        return jnp.sum(c.astype(jnp.float32) ** 2)
+    return w, x, loss
+
+
 def _update_variant(name: str, host, dev) -> dict:
     """A scan over host-resident weights (each layer's slice copied into HBM), its gradient, then an SGD update of a
     float32 master and the bf16 weights a layer at a time in a `fori_loop` (each slice into HBM and back), all in
@@ -31,16 +50,10 @@ def _update_variant(name: str, host, dev) -> dict:
     instead; `u_grads_given` with the gradient an argument (made by another program)."""
     import jax
     import jax.numpy as jnp
-    layers, dim = 4, 256
-    w = jax.device_put(jnp.full((layers, dim, dim), 0.01, jnp.bfloat16), host)
-    master = jax.device_put(jnp.full((layers, dim, dim), 0.01, jnp.float32), host)
-    x = jax.device_put(jnp.ones((8, dim), jnp.bfloat16), dev)
+    w, x, loss = _host_scan(host, dev)
+    layers = w.shape[0]
+    master = jax.device_put(jnp.full(w.shape, 0.01, jnp.float32), host)
     to_dev, to_host = jax.memory.Space.Device, jax.memory.Space.Host
-
-    def loss(ws, c):
-        layer = jax.checkpoint(lambda wl, c: jnp.tanh(c @ jax.device_put(wl, to_dev)))
-        c, _ = jax.lax.scan(lambda c, wl: (layer(wl, c), None), c, ws)
-        return jnp.sum(c.astype(jnp.float32) ** 2)
 
     def update(w, master, g):
         if name == "u_grads_hbm":
@@ -169,17 +182,7 @@ def run_variant(name: str) -> dict:
         return _zoo_variant(name)
     if name.startswith("u_"):
         return _update_variant(name, host, dev)
-    layers, dim = 4, 256
-    w = jax.device_put(jnp.full((layers, dim, dim), 0.01, jnp.bfloat16), host)
-    x = jax.device_put(jnp.ones((8, dim), jnp.bfloat16), dev)
-
-    def layer(wl, c):
-        return jnp.tanh(c @ jax.device_put(wl, jax.memory.Space.Device))
-
-    def model(ws, c):
-        f = layer if name == "xs_plain" else jax.checkpoint(layer)
-        c, _ = jax.lax.scan(lambda c, wl: (f(wl, c), None), c, ws)
-        return jnp.sum(c.astype(jnp.float32) ** 2)
+    w, x, model = _host_scan(host, dev, remat=name != "xs_plain")
 
     if name.endswith("norm"):   # the host gradient made in the program, read back a slice at a time
         from zoo.streamed_update import global_norm
