@@ -89,7 +89,7 @@ def test_a_streamed_step_is_the_step_with_the_parameters_in_hbm():
     """Llama under two-level groups (group 2, the kernel's pair kept within groups) with the layer input offloaded:
     loss and every updated array (bf16 parameters, float32 master, bf16 moments) as under --params host; the
     stacks' parameters live in pinned host memory after the step, and every other leaf where it was."""
-    _check_same_step("llama3", zoo.Recipe.full())
+    _check_same_step("llama3", GROUPED)
 
 
 @pytest.mark.slow   # the default set streams Llama's
