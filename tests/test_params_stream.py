@@ -168,7 +168,6 @@ def test_only_the_stacks_parameters_are_placed_on_the_host():
             assert s.memory_kind == HOST, where
 
 
-
 def test_streaming_on_a_gpu_is_refused_before_compiling_unless_asked_for(monkeypatch):
     """XLA's GPU compiler crashes on the streamed step (docs/long-context.md): one line naming the variable that
     compiles it anyway; the CPU and the other placements are never refused."""
