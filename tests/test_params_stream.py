@@ -178,3 +178,33 @@ def test_streaming_on_a_gpu_is_refused_before_compiling_unless_asked_for(monkeyp
     zoo.opt_state.check_stream_platform("host", "gpu")
     monkeypatch.setenv(zoo.opt_state.STREAM_ON_GPU_ENV, "1")
     zoo.opt_state.check_stream_platform("stream", "gpu")
+
+
+def test_a_users_own_step_runs_over_parameters_in_host_memory():
+    """A user's functional step (`nnx.split` of the parameters and the rest around `jax.jit`, their own loss and
+    `jax.value_and_grad`) over Llama with its stacks' parameters placed in pinned host memory by
+    `zoo.opt_state.streamed`: the loss and gradients of the same step with every parameter in HBM (the layers bring
+    their slices in themselves), and each streamed parameter's gradient made in pinned host memory."""
+    fam, cfg = _config("llama3")
+    model = fam.build(cfg, recipe=GROUPED, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    mesh = sharding.make_mesh(None, jax.devices()[:1])
+    host = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind=HOST)
+    placed = jax.tree.map(lambda v: v.replace(jax.device_put(v[...], host)) if zoo.opt_state.streamed(v) else v,
+                          params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, cfg.vocab_size, dtype=jnp.int32)
+
+    @jax.jit
+    def loss_and_grads(params, rest, tokens):
+        def loss(params):
+            logits = nnx.merge(graphdef, params, rest)(tokens[:, :-1]).astype(jnp.float32)
+            return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
+        return jax.value_and_grad(loss)(params)
+
+    want_loss, want = loss_and_grads(params, rest, tokens)
+    got_loss, got = loss_and_grads(placed, rest, tokens)
+    assert float(got_loss) == float(want_loss)
+    assert max_rel_err(_arrays(got), _arrays(want)) <= 1e-5
+    on_host = {k for k, kind in _kinds(got).items() if kind == HOST}
+    assert on_host == {k for k, kind in _kinds(placed).items() if kind == HOST} and on_host, _kinds(got)
+    assert all("layers" in k for k in on_host)
