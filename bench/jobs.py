@@ -34,13 +34,13 @@ SELECTIVE_MEMCPY = "--xla_gpu_experimental_enable_selective_memcpy_overlap=true"
 BENCHES = ("bench.overlap_slice", "bench.llama_slice", "bench.deepseek_slice", "bench.main_job_8b",
            "bench.capacity_sweep", "bench.step_cost", "bench.stream_probe", "bench.tokamax_tiles",
            "bench.profile_step", "bench.loss_curve", "bench.stack_depth", "bench.ctx_slice", "bench.plan_probe",
-           "bench.loss_chunks", "bench.param_stream_probe",
+           "bench.loss_chunks", "bench.param_stream_probe", "bench.split_carry_probe",
            "recipes.train")
 ANCHORS = ("bench.baselines.plain_jax_llama", "bench.baselines.plain_jax_llama_fsdp",
            "bench.baselines.plain_jax_deepseek", "plain_jax_llama_ctx.py")
 TAKES_SMOKE = ("bench.overlap_slice", "bench.llama_slice", "bench.deepseek_slice", "bench.main_job_8b",
                "bench.plan_probe", "bench.ctx_slice", "bench.capacity_sweep", "bench.step_cost", "bench.loss_curve",
-               "bench.stack_depth", "bench.loss_chunks")
+               "bench.stack_depth", "bench.loss_chunks", "bench.split_carry_probe")
 
 # The optimizer-state runs: the allocator's share of the GPU raised, an 80 GiB pinned pool.
 OPT_STATE_ENV = {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".95", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "80"}

@@ -332,6 +332,12 @@ SCENARIOS: dict[str, Scenario] = {
          module_job("param-stream-flags", "bench.param_stream_probe", "--only", "zoo_update_out$", "--flags",
                     "none,nocmdbuf,nolhs,noautotune,nodoublebuf", "--dump", "/tmp/zoo-probe-dump", "--gdb",
                     bench="param-stream-probe", est=150, timeout=280))),
+    "split-carry": Scenario(
+        "what one stack run as two scans (a placement per part, as a split of the layer inputs between HBM and the "
+        "host would need) costs XLA: the compiled gradient's temporaries, 32 layers of 2 GiB of bf16 weights as one "
+        "scan, as two scans over slices of the stacked weights, and as two scans reading each layer out of the whole "
+        "stack; nothing runs",
+        (module_job("split-carry", "bench.split_carry_probe", est=40, timeout=200),)),
     "max-seq": Scenario(
         "the planner's answer for the longest length up to 1,048,576 that the 8B (32 layers, state on the host) "
         "fits on one H200: the estimates' walk, then the answer compiled for the GPU (a length whose estimate is far "
