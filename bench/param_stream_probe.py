@@ -16,11 +16,13 @@ VARIANTS = ("xs_remat", "xs_remat_norm", "u_host_grads", "u_grads_hbm", "u_param
             "zoo_grads", "zoo_grads_norm", "zoo_finite", "zoo_update_out", "zoo_update_out_sgd",
             "zoo_update_out_devmoments", "zoo_update_donate", "zoo_update_finite", "zoo_step_nofinite", "zoo_step",
             "zoo_update_out_noguard", "zoo_update_out_stacked", "zoo_update_out_unstacked", "zoo_update_out_unrolled",
-            "zoo_update_out_params", "zoo_update_out_noclip")
+            "zoo_update_out_params", "zoo_update_out_noclip", "zoo_update_given", "zoo_update_given_sgd",
+            "zoo_update_out_oneleaf", "zoo_update_out_onechunk")
 # XLA flag sets each variant can also run under (--flags NAME,...): which compiler or runtime feature a crash needs
 FLAG_SETS = {"none": "", "nocmdbuf": "--xla_gpu_enable_command_buffer=", "nolhs":
              "--xla_gpu_enable_latency_hiding_scheduler=false", "noautotune": "--xla_gpu_autotune_level=0",
-             "nodoublebuf": "--xla_gpu_enable_while_loop_double_buffering=false"}
+             "nodoublebuf": "--xla_gpu_enable_while_loop_double_buffering=false",
+             "nolegalize": "--xla_disable_hlo_passes=host-offload-legalize"}
 
 
 def _host_scan(host, dev, remat: bool = True):
@@ -88,8 +90,10 @@ def _zoo_variant(name: str) -> dict:
     `_devmoments`: SGD, AdamW's moments in HBM; `_donate`: the state donated; `_finite`: the new parameters'
     finiteness too), the whole step (`zoo_step`; `_nofinite`: without that check). Bisecting `zoo_update_out`:
     `_noguard` without the NaN guard's select, `_stacked` / `_unstacked` updating only the parameters in host memory
-    / in HBM, `_unrolled` with the chunk loops unrolled in Python, `_params` returning the parameters alone (not the
-    optimizer's state), `_noclip` without the clip."""
+    / in HBM, `_oneleaf` only the first parameter in host memory, `_onechunk` every parameter in one chunk (no chunk
+    loop), `_unrolled` with the chunk loops unrolled in Python, `_params` returning the parameters alone (not the
+    optimizer's state), `_noclip` without the clip. `zoo_update_given` (`_sgd`): the gradients made by one program
+    and the streamed update run by another, the gradients its argument."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -128,6 +132,20 @@ def _zoo_variant(name: str) -> dict:
         streamed_update.update(m, o, grads, ok=jnp.bool_(True))
         finite = all_finite(nnx.state(m)) if name == "zoo_update_finite" else jnp.bool_(True)
         return (nnx.state(m) if name.endswith("_params") else nnx.state((m, o))), finite
+    if name.startswith("zoo_update_given"):
+        def grads_of(state, batch):
+            m, _ = nnx.merge(graphdef, state)
+            return loss_and_grads(m, batch, aux_loss=lambda c, a: 0.0)[-1]
+
+        def update(state, grads):
+            m, o = nnx.merge(graphdef, state)
+            streamed_update.update(m, o, grads, ok=jnp.bool_(True))
+            return nnx.state((m, o))
+        grads = jax.jit(grads_of)(concrete, batch)
+        print("gradients made", flush=True)
+        compiled = jax.jit(update, out_shardings=shardings).lower(concrete, grads).compile()
+        print("compiled", flush=True)
+        return dict(leaves=len(jax.tree.leaves(compiled(concrete, grads))))
     if name.startswith("zoo_update_"):
         donate = (0,) if name in ("zoo_update_donate", "zoo_update_finite") else ()
         out = (nnx.state(nnx.merge(graphdef, shardings)[0]) if name.endswith("_params") else shardings, None)
@@ -154,6 +172,16 @@ def _bisect(name: str, su) -> None:
         su._update_chunks = lambda u, *a: chunks(u._replace(ok=jnp.bool_(True)), *a)
     if name.endswith("_noclip"):
         su._clip = lambda g, norm, max_norm: g
+    if name.endswith("_onechunk"):
+        su.chunking = lambda param, itemsize: (0, 1)
+    if name.endswith("_oneleaf"):
+        groups = su._groups
+
+        def first(per_param, grads):
+            leaf = next(leaf for leaves in groups(per_param, grads).values() for leaf in leaves
+                        if su.on_host(leaf.param[...]))
+            return {leaf.chunks: [leaf]}
+        su._groups = first
     if name.endswith(("_stacked", "_unstacked")):
         groups, host = su._groups, name.endswith("_stacked") and not name.endswith("_unstacked")
         def kept(per_param, grads):
@@ -212,7 +240,8 @@ def main():
     from bench.common import emit
     for fs in a.flags.split(","):
         for v in [v for v in VARIANTS if a.only is None or re.search(a.only, v)]:
-            env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+            # the zoo refuses --params stream on a GPU unless asked (zoo.opt_state.check_stream_platform): asked here
+            env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", ZOO_STREAM_ON_GPU="1")
             env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FLAG_SETS[fs]}".strip()
             if a.dump:
                 env["XLA_FLAGS"] += (f" --xla_dump_to={a.dump}/{v}-{fs} --xla_dump_hlo_as_text "

@@ -322,16 +322,15 @@ SCENARIOS: dict[str, Scenario] = {
         "plain-JAX forms and the zoo's own pieces, each in its own process (a crash is its return code)",
         (module_job("param-stream-probe", "bench.param_stream_probe", est=120, timeout=400),)),
     "param-stream-bisect": Scenario(
-        "where XLA's GPU compiler fails on the zoo's streamed update (--params stream): the update with its new state "
-        "returned, less one part at a time (the NaN guard's select, the clip, the host or HBM parameters, the chunk "
-        "loop, the optimizer's state), then whole under XLA flag sets that turn one feature off each; a crash's "
-        "last compiler passes and native stack",
+        "where XLA's GPU compiler fails on the zoo's streamed update (--params stream; it crashes in "
+        "HostOffloadLegalize, whatever part is left out and whichever of command buffers, the latency-hiding "
+        "scheduler, autotuning and loop double buffering is off): the update as a program of its own (the gradients "
+        "its argument), on one parameter, in one chunk, and the update and the step with that pass off",
         (module_job("param-stream-parts", "bench.param_stream_probe", "--only",
-                    "zoo_update_out_(noguard|stacked|unstacked|unrolled|params|noclip)$", bench="param-stream-probe",
-                    est=150, timeout=280),
-         module_job("param-stream-flags", "bench.param_stream_probe", "--only", "zoo_update_out$", "--flags",
-                    "none,nocmdbuf,nolhs,noautotune,nodoublebuf", "--dump", "/tmp/zoo-probe-dump", "--gdb",
-                    bench="param-stream-probe", est=150, timeout=280))),
+                    "zoo_update_(given|given_sgd|out_oneleaf|out_onechunk)$", bench="param-stream-probe",
+                    est=100, timeout=240),
+         module_job("param-stream-flags", "bench.param_stream_probe", "--only", "zoo_(update_out|step)$", "--flags",
+                    "nolegalize", bench="param-stream-probe", est=60, timeout=200))),
     "split-carry": Scenario(
         "what one stack run as two scans (a placement per part, as a split of the layer inputs between HBM and the "
         "host would need) costs XLA: the compiled gradient's temporaries, 32 layers of 2 GiB of bf16 weights as one "
