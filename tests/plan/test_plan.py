@@ -20,7 +20,7 @@ import zoo
 from recipes.deepseek_v3 import RECIPES as DS_RECIPES
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
 from recipes.registry import recipes_of
-from tests.helpers import assert_unbroken, cpu_env, fake_gpu, plain
+from tests.helpers import assert_unbroken, cpu_env, fake_gpu, plain, tiered
 from zoo.models import registry
 from zoo.plan import Hardware, Parallelism, Training, measure
 from zoo.plan import build as planner
@@ -260,7 +260,7 @@ def roomy_pool(monkeypatch):
 STUDY_405B = dict(batch=256, seq=8192, parallel=Parallelism(shard=128))  # batch 2 per device, FSDP over 128 GPUs
 
 
-@pytest.mark.parametrize("link", [450, 55])
+@pytest.mark.parametrize("link", tiered([450, 55], fast=(55,)))
 def test_auto_offloads_qkv_of_405b_at_the_study_link_and_on_pcie(link, roomy_pool):
     p = zoo.plan.plan(L405, "auto", hardware=Hardware(hbm_gib=_tight_budget(L405, **STUDY_405B), link_gbps=link,
                                                       overlap=1, tflops=800), **STUDY_405B)
