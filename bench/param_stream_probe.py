@@ -17,7 +17,8 @@ VARIANTS = ("xs_remat", "xs_remat_norm", "u_host_grads", "u_grads_hbm", "u_param
             "zoo_update_out_devmoments", "zoo_update_donate", "zoo_update_finite", "zoo_step_nofinite", "zoo_step",
             "zoo_update_out_noguard", "zoo_update_out_stacked", "zoo_update_out_unstacked", "zoo_update_out_unrolled",
             "zoo_update_out_params", "zoo_update_out_noclip", "zoo_update_given", "zoo_update_given_sgd",
-            "zoo_update_out_oneleaf", "zoo_update_out_onechunk")
+            "zoo_update_out_oneleaf", "zoo_update_out_onechunk", "zoo_update_out_barrier", "zoo_step_barrier",
+            "u_host_grads_4d", "u_host_grads_adam")
 # XLA flag sets each variant can also run under (--flags NAME,...): which compiler or runtime feature a crash needs
 FLAG_SETS = {"none": "", "nocmdbuf": "--xla_gpu_enable_command_buffer=", "nolhs":
              "--xla_gpu_enable_latency_hiding_scheduler=false", "noautotune": "--xla_gpu_autotune_level=0",
@@ -25,17 +26,21 @@ FLAG_SETS = {"none": "", "nocmdbuf": "--xla_gpu_enable_command_buffer=", "nolhs"
              "nolegalize": "--xla_disable_hlo_passes=host-offload-legalize"}
 
 
-def _host_scan(host, dev, remat: bool = True):
-    """(w, x, loss): 4 bf16 [256, 256] weights in host memory (`host`), an [8, 256] input in HBM (`dev`), and
-    loss(ws, x): a scan over the weights whose layer (rematerialized unless `remat` is False) copies its slice into
-    HBM, then the float32 sum of squares of the output."""
+def _host_scan(host, dev, remat: bool = True, heads: bool = False):
+    """(w, x, loss): 4 bf16 [256, 256] weights in host memory (`host`; `heads`: [256, 4, 64], read by an einsum over
+    heads as an attention projection is), an [8, 256] input in HBM (`dev`), and loss(ws, x): a scan over the weights
+    whose layer (rematerialized unless `remat` is False) copies its slice into HBM, then the float32 sum of squares
+    of the output."""
     import jax
     import jax.numpy as jnp
-    w = jax.device_put(jnp.full((4, 256, 256), 0.01, jnp.bfloat16), host)
+    w = jax.device_put(jnp.full((4, 256, 4, 64) if heads else (4, 256, 256), 0.01, jnp.bfloat16), host)
     x = jax.device_put(jnp.ones((8, 256), jnp.bfloat16), dev)
 
     def layer(wl, c):
-        return jnp.tanh(c @ jax.device_put(wl, jax.memory.Space.Device))
+        wl = jax.device_put(wl, jax.memory.Space.Device)
+        if heads:
+            return jnp.tanh(jnp.einsum("sd,dhk->shk", c, wl).reshape(c.shape))
+        return jnp.tanh(c @ wl)
 
     def loss(ws, c):
         f = jax.checkpoint(layer) if remat else layer
@@ -49,13 +54,23 @@ def _update_variant(name: str, host, dev) -> dict:
     float32 master and the bf16 weights a layer at a time in a `fori_loop` (each slice into HBM and back), all in
     pinned host memory: `u_host_grads` as the zoo's step does it (the gradient made on the host by the scan);
     `u_grads_hbm` with the gradient moved into HBM whole first; `u_params_to_hbm` writing the new weights to HBM
-    instead; `u_grads_given` with the gradient an argument (made by another program)."""
+    instead; `u_grads_given` with the gradient an argument (made by another program); `u_host_grads_4d` with
+    weights [256, 4, 64] read by an einsum over heads; `u_host_grads_adam` with two moments on the host beside the
+    master (an Adam-like update)."""
     import jax
     import jax.numpy as jnp
-    w, x, loss = _host_scan(host, dev)
+    w, x, loss = _host_scan(host, dev, heads=name.endswith("_4d"))
     layers = w.shape[0]
     master = jax.device_put(jnp.full(w.shape, 0.01, jnp.float32), host)
+    moments = [jax.device_put(jnp.zeros(w.shape, jnp.bfloat16), host) for _ in range(2)]
+    adam = name.endswith("_adam")
     to_dev, to_host = jax.memory.Space.Device, jax.memory.Space.Host
+
+    def take(a, i):
+        return jax.device_put(jax.lax.dynamic_slice_in_dim(a, i, 1, 0), to_dev)
+
+    def give(a, v, i):
+        return jax.lax.dynamic_update_slice_in_dim(a, jax.device_put(v.astype(a.dtype), to_host), i, 0)
 
     def update(w, master, g):
         if name == "u_grads_hbm":
@@ -63,16 +78,21 @@ def _update_variant(name: str, host, dev) -> dict:
         out_w = jnp.zeros(w.shape, w.dtype) if name == "u_params_to_hbm" else w
 
         def body(i, carry):
-            w, m = carry
+            w, m, (mu, nu) = carry
             gi = jax.lax.dynamic_slice_in_dim(g, i, 1, 0)
             gi = jax.device_put(gi, to_dev) if gi.aval.memory_space == jax.memory.Space.Host else gi
-            mi = jax.device_put(jax.lax.dynamic_slice_in_dim(m, i, 1, 0), to_dev) - 0.1 * gi.astype(jnp.float32)
+            gi = gi.astype(jnp.float32)
+            if adam:
+                mui, nui = 0.9 * take(mu, i) + 0.1 * gi, 0.99 * take(nu, i) + 0.01 * gi * gi
+                mu, nu = give(mu, mui, i), give(nu, nui, i)
+                gi = mui / (jnp.sqrt(nui) + 1e-8)
+            mi = take(m, i) - 0.1 * gi
             wi = mi.astype(jnp.bfloat16)
             if name != "u_params_to_hbm":
                 wi = jax.device_put(wi, to_host)
             return (jax.lax.dynamic_update_slice_in_dim(w, wi, i, 0),
-                    jax.lax.dynamic_update_slice_in_dim(m, jax.device_put(mi, to_host), i, 0))
-        return jax.lax.fori_loop(0, layers, body, (out_w, master))
+                    jax.lax.dynamic_update_slice_in_dim(m, jax.device_put(mi, to_host), i, 0), (mu, nu))
+        return jax.lax.fori_loop(0, layers, body, (out_w, master, tuple(moments)))[:2]
 
     if name == "u_grads_given":
         g = jax.jit(jax.grad(loss))(w, x)
@@ -92,8 +112,9 @@ def _zoo_variant(name: str) -> dict:
     `_noguard` without the NaN guard's select, `_stacked` / `_unstacked` updating only the parameters in host memory
     / in HBM, `_oneleaf` only the first parameter in host memory, `_onechunk` every parameter in one chunk (no chunk
     loop), `_unrolled` with the chunk loops unrolled in Python, `_params` returning the parameters alone (not the
-    optimizer's state), `_noclip` without the clip. `zoo_update_given` (`_sgd`): the gradients made by one program
-    and the streamed update run by another, the gradients its argument."""
+    optimizer's state), `_noclip` without the clip, `_barrier` (and `zoo_step_barrier`) with every copy between
+    memories inside the program followed by an optimization barrier. `zoo_update_given` (`_sgd`): the gradients made
+    by one program and the streamed update run by another, the gradients its argument."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -116,7 +137,8 @@ def _zoo_variant(name: str) -> dict:
                          optimizer=optimizer)
     concrete = jax.tree.map(lambda c, a: jax.device_put(c, a.sharding), nnx.split((model, opt))[1], state)
     batch = {"tokens": jnp.zeros((2, 17), jnp.int32), "weights": jnp.ones((2, 16))}
-    if name == "zoo_step":
+    if name in ("zoo_step", "zoo_step_barrier"):
+        _bisect(name, streamed_update)
         return dict(loss=float(step(concrete, batch)[1]["loss"]))
     if name == "zoo_step_nofinite":   # the step with the parameters' finiteness after the update not checked
         import zoo.train_step as ts
@@ -172,6 +194,13 @@ def _bisect(name: str, su) -> None:
         su._update_chunks = lambda u, *a: chunks(u._replace(ok=jnp.bool_(True)), *a)
     if name.endswith("_noclip"):
         su._clip = lambda g, norm, max_norm: g
+    if name.endswith("_barrier"):   # every copy between memories inside the program behind an optimization barrier
+        put = jax.device_put
+
+        def barrier_put(x, device=None, **kw):
+            y = put(x, device, **kw)
+            return jax.lax.optimization_barrier(y) if isinstance(device, jax.memory.Space) else y
+        jax.device_put = barrier_put
     if name.endswith("_onechunk"):
         su.chunking = lambda param, itemsize: (0, 1)
     if name.endswith("_oneleaf"):

@@ -325,10 +325,12 @@ SCENARIOS: dict[str, Scenario] = {
         "where XLA's GPU compiler fails on the zoo's streamed update (--params stream; it crashes in "
         "HostOffloadLegalize, whatever part is left out and whichever of command buffers, the latency-hiding "
         "scheduler, autotuning and loop double buffering is off): the update as a program of its own (the gradients "
-        "its argument), on one parameter, in one chunk, and the update and the step with that pass off",
+        "its argument), on one parameter, in one chunk, with every copy behind an optimization barrier, the plain-JAX "
+        "update with attention-shaped weights and with Adam's moments on the host, and the update and the step with "
+        "that pass off",
         (module_job("param-stream-parts", "bench.param_stream_probe", "--only",
-                    "zoo_update_(given|given_sgd|out_oneleaf|out_onechunk)$", bench="param-stream-probe",
-                    est=100, timeout=240),
+                    "^(zoo_update_(given|given_sgd|out_oneleaf|out_onechunk|out_barrier)|zoo_step_barrier|"
+                    "u_host_grads(_4d|_adam)?)$", bench="param-stream-probe", est=200, timeout=300),
          module_job("param-stream-flags", "bench.param_stream_probe", "--only", "zoo_(update_out|step)$", "--flags",
                     "nolegalize", bench="param-stream-probe", est=60, timeout=200))),
     "split-carry": Scenario(
