@@ -6,8 +6,9 @@ nothing allocated. Why it lives in the library: docs/internals.md, "The training
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import einops
 import jax
@@ -21,10 +22,11 @@ from zoo.loss import check_chunk, head_loss, next_token_loss, resolve_chunk
 from zoo.opt_state import check_stream_platform, state_shardings
 from zoo.optim import has_master, lr_schedule, make_optimizer
 from zoo.training import STEP, Training
+from zoo.two_programs import TwoPrograms
 
-__all__ = ["abstract_batch", "abstract_step", "all_finite", "check_grad_accum", "check_loss_chunk",
-           "compile_abstract", "eval_loss", "family_step", "jit_step", "loss_and_grads", "micro_batches", "moe_drops",
-           "next_token_loss", "train_step"]
+__all__ = ["FamilyStep", "Gradients", "abstract_batch", "abstract_step", "all_finite", "check_grad_accum",
+           "check_loss_chunk", "compile_abstract", "eval_loss", "family_step", "jit_step", "loss_and_grads",
+           "micro_batches", "moe_drops", "next_token_loss", "step_gradients", "step_update", "train_step"]
 
 # The loss's chunk length by default: `zoo.loss.default_chunk` of the micro-batch's shape and the vocabulary.
 DEFAULT_LOSS_CHUNK = "auto"
@@ -311,10 +313,92 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax
         >>> bool(metrics["ok"]), int(optimizer.step[...])
         (True, 1)
     """
+    return step_update(model, optimizer, step_gradients(model, optimizer, batch, aux_loss=aux_loss,
+                                                        grad_accum=grad_accum, loss_chunk=loss_chunk),
+                       after_update=after_update, lr=lr)
+
+
+class Gradients(NamedTuple):
+    """What `train_step`'s first half (`step_gradients`) hands its second (`step_update`): the total, next-token
+    and extra heads' losses, the model's aux and the gradients (an `nnx.State` of the parameters).
+
+    Examples:
+        >>> from zoo.train_step import Gradients
+        >>> Gradients._fields
+        ('loss', 'lm_loss', 'extra_losses', 'aux', 'grads')
+    """
+    loss: jax.Array
+    lm_loss: jax.Array
+    extra_losses: dict
+    aux: Any
+    grads: Any
+
+
+def step_gradients(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax.Array], *,
+                   aux_loss: Callable = lambda cfg, aux: 0.0, grad_accum: int = 1,
+                   loss_chunk=DEFAULT_LOSS_CHUNK) -> Gradients:
+    """`train_step`'s first half: the losses and gradients of `batch` (`loss_and_grads`; float32 sums of
+    micro-batches where the optimizer keeps a float32 master). Changes nothing.
+
+    Args:
+        model: a `zoo.models.CausalLM`.
+        optimizer: its `nnx.Optimizer` (whether it keeps a float32 master sets the gradients' dtype).
+        batch: {"tokens": [B, S+1] int32, "weights": [B, S] float}.
+        aux_loss: aux_loss(config, aux) -> the auxiliary loss added to the total.
+        grad_accum: the micro-batches per update, a divisor of B.
+        loss_chunk: the positions the head and the cross-entropy run at a time (`loss_and_grads`').
+
+    Returns:
+        the `Gradients`.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import zoo
+        >>> from zoo.optim import lr_schedule, make_optimizer
+        >>> from zoo.train_step import step_gradients
+        >>> model = zoo.models.llama3(zoo.models.LlamaConfig.preset("tiny"), rngs=nnx.Rngs(0))
+        >>> optimizer = make_optimizer(model, lr_schedule(lr=1e-3, steps=10, warmup=1), clip=1.0, weight_decay=0.0)
+        >>> batch = {"tokens": jnp.zeros((2, 9), jnp.int32), "weights": jnp.ones((2, 8))}
+        >>> nnx.eval_shape(step_gradients, model, optimizer, batch).loss
+        ShapeDtypeStruct(shape=(), dtype=float32)
+    """
     # An optimizer with a float32 master copy takes --grad-accum's float32 sums as they are.
-    loss, lm_loss, extra_losses, aux, grads = loss_and_grads(
-        model, batch, aux_loss=aux_loss, grad_accum=grad_accum, loss_chunk=loss_chunk,
-        grad_dtype=jnp.float32 if has_master(optimizer) else None)
+    return Gradients(*loss_and_grads(model, batch, aux_loss=aux_loss, grad_accum=grad_accum, loss_chunk=loss_chunk,
+                                     grad_dtype=jnp.float32 if has_master(optimizer) else None))
+
+
+def step_update(model: nnx.Module, optimizer: nnx.Optimizer, g: Gradients, *,
+                after_update: Callable = lambda model, aux: None,
+                lr: optax.Schedule | None = None) -> dict[str, jax.Array]:
+    """`train_step`'s second half: the update from `g` (`step_gradients`'), in place, behind the NaN guard; returns
+    the step's metrics (`train_step`'s).
+
+    Args:
+        model: the model `g` was made for, updated in place.
+        optimizer: its `nnx.Optimizer`, updated in place.
+        g: the losses, aux and gradients of the batch.
+        after_update: after_update(model, aux), run after the optimizer's update.
+        lr: the learning-rate schedule (`train_step`'s).
+
+    Returns:
+        {metric name: scalar}, `train_step`'s metrics.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import zoo
+        >>> from zoo.optim import lr_schedule, make_optimizer
+        >>> from zoo.train_step import step_gradients, step_update
+        >>> model = zoo.models.llama3(zoo.models.LlamaConfig.preset("tiny"), rngs=nnx.Rngs(0))
+        >>> schedule = lr_schedule(lr=1e-3, steps=10, warmup=1)
+        >>> optimizer = make_optimizer(model, schedule, clip=1.0, weight_decay=0.0)
+        >>> batch = {"tokens": jnp.zeros((2, 9), jnp.int32), "weights": jnp.ones((2, 8))}
+        >>> step = lambda m, o, b: step_update(m, o, step_gradients(m, o, b), lr=schedule)
+        >>> nnx.eval_shape(step, model, optimizer, batch)["ok"]
+        ShapeDtypeStruct(shape=(), dtype=bool)
+    """
+    loss, lm_loss, extra_losses, aux, grads = g
     grad_norm = streamed_update.global_norm(grads)   # optax.global_norm, host-resident gradients a slice at a time
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     rate = None
@@ -372,7 +456,7 @@ def family_step(family, lr: optax.Schedule | None = None, grad_accum: int = 1,
             `zoo.loss.default_chunk`), None or 0 (the whole sequence), or a divisor of S.
 
     Returns:
-        step(model, optimizer, batch) -> metrics, for `jit_step`.
+        a `FamilyStep`: step(model, optimizer, batch) -> metrics, for `jit_step`.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -388,22 +472,81 @@ def family_step(family, lr: optax.Schedule | None = None, grad_accum: int = 1,
         >>> nnx.eval_shape(step, model, optimizer, batch)["loss"]
         ShapeDtypeStruct(shape=(), dtype=float32)
     """
-    return lambda m, o, b: train_step(m, o, b, aux_loss=family.aux_loss, after_update=family.after_update, lr=lr,
-                                      grad_accum=grad_accum, loss_chunk=loss_chunk)
+    return FamilyStep(family, lr, grad_accum, loss_chunk)
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyStep:
+    """`train_step` with a family's auxiliary loss and post-update hook (`family_step`'s): called as
+    step(model, optimizer, batch) -> metrics, and in its two halves, `gradients` then `update`, for a step run as two
+    programs (`jit_step(..., two_programs=True)`).
+
+    Args:
+        family: the model's `zoo.models.registry.Family`.
+        lr: the learning-rate schedule (`train_step`'s `lr`).
+        grad_accum: the micro-batches per update.
+        loss_chunk: the positions the head and the cross-entropy run at a time.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import zoo
+        >>> from zoo.optim import lr_schedule, make_optimizer
+        >>> from zoo.models.registry import family
+        >>> from zoo.train_step import family_step
+        >>> model = zoo.models.llama3(zoo.models.LlamaConfig.preset("tiny"), rngs=nnx.Rngs(0))
+        >>> schedule = lr_schedule(lr=1e-3, steps=10, warmup=1)
+        >>> optimizer = make_optimizer(model, schedule, clip=1.0, weight_decay=0.0)
+        >>> batch = {"tokens": jnp.zeros((2, 9), jnp.int32), "weights": jnp.ones((2, 8))}
+        >>> step = family_step(family("llama3"), schedule)
+        >>> halves = lambda m, o, b: step.update(m, o, step.gradients(m, o, b))
+        >>> nnx.eval_shape(halves, model, optimizer, batch)["loss"]
+        ShapeDtypeStruct(shape=(), dtype=float32)
+    """
+    family: Any
+    lr: optax.Schedule | None = None
+    grad_accum: int = 1
+    loss_chunk: Any = DEFAULT_LOSS_CHUNK
+
+    def gradients(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax.Array]) -> Gradients:
+        """`step_gradients` with the family's auxiliary loss."""
+        return step_gradients(model, optimizer, batch, aux_loss=self.family.aux_loss, grad_accum=self.grad_accum,
+                              loss_chunk=self.loss_chunk)
+
+    def update(self, model: nnx.Module, optimizer: nnx.Optimizer, g: Gradients) -> dict[str, jax.Array]:
+        """`step_update` with the family's post-update hook."""
+        return step_update(model, optimizer, g, after_update=self.family.after_update, lr=self.lr)
+
+    def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: dict[str, jax.Array]):
+        """The whole step, `train_step`: both halves in one trace.
+
+        Args:
+            model: a `zoo.models.CausalLM`, updated in place.
+            optimizer: its `nnx.Optimizer`, updated in place.
+            batch: {"tokens": [B, S+1] int32, "weights": [B, S] float}.
+
+        Returns:
+            {metric name: scalar}, `train_step`'s metrics.
+        """
+        return self.update(model, optimizer, self.gradients(model, optimizer, batch))
 
 
 # -- under jit ----------------------------------------------------------------------------------------------------
-def jit_step(model: nnx.Module, optimizer: nnx.Optimizer, step_fn: Callable, *, keep_shardings: bool = False):
+def jit_step(model: nnx.Module, optimizer: nnx.Optimizer, step_fn: Callable, *, keep_shardings: bool = False,
+             two_programs: bool = False):
     """(jitted step over (state, batch) -> (state, metrics), graphdef, state); the state is donated. With
     `keep_shardings`, the new state is laid out as the old one (the state's leaves must carry shardings). State in
     host memory between steps enters and leaves the step as host arrays; a `step_fn` other than `train_step` must
-    handle them itself.
+    handle them itself. With `two_programs`, the gradients and the update are two jitted programs run one after
+    the other (`zoo.two_programs.TwoPrograms`, as `--params stream` runs).
 
     Args:
         model: the model, split (with `optimizer`) into the graphdef and the state.
         optimizer: its `nnx.Optimizer`.
-        step_fn: step_fn(model, optimizer, batch) -> metrics, updating both in place (`family_step`'s).
+        step_fn: step_fn(model, optimizer, batch) -> metrics, updating both in place (`family_step`'s); with
+            `two_programs`, a `FamilyStep` (its `gradients` and `update` halves).
         keep_shardings: lay the new state out as the old one.
+        two_programs: run the step as two programs.
 
     Returns:
         (step, graphdef, state): step(state, batch) -> (new state, metrics), jitted with `state` donated;
@@ -435,7 +578,22 @@ def jit_step(model: nnx.Module, optimizer: nnx.Optimizer, step_fn: Callable, *, 
         return nnx.state((model, optimizer)), metrics
 
     kwargs = {"out_shardings": (shardings, None)} if keep_shardings else {}
-    return jax.jit(step, donate_argnums=0, **kwargs), graphdef, state
+    if not two_programs:
+        return jax.jit(step, donate_argnums=0, **kwargs), graphdef, state
+    if not isinstance(step_fn, FamilyStep):
+        raise ValueError(f"jit_step(two_programs=True) runs a step's gradients and update as two programs: step_fn "
+                         f"must be a zoo.train_step.FamilyStep (family_step's), got {type(step_fn).__name__}")
+
+    def gradients(state, batch):
+        model, optimizer = nnx.merge(graphdef, state)
+        return step_fn.gradients(model, optimizer, batch)
+
+    def update(state, g):
+        model, optimizer = nnx.merge(graphdef, state)
+        metrics = step_fn.update(model, optimizer, g)
+        return nnx.state((model, optimizer)), metrics
+
+    return TwoPrograms(jax.jit(gradients), jax.jit(update, donate_argnums=0, **kwargs)), graphdef, state
 
 
 def abstract_batch(batch: int, seq: int) -> dict[str, jax.ShapeDtypeStruct]:
@@ -511,7 +669,8 @@ def abstract_step(family, cfg, recipe, *, training: Training = STEP, schedule: o
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
                          state_shardings(state, placed, opt_state=training.opt_state, params=training.params))
     model, opt = nnx.merge(graphdef, state)
-    return jit_step(model, opt, step_fn, keep_shardings=True)
+    # Streamed parameters: the gradients and the update as two programs (XLA's GPU compiler crashes on them as one)
+    return jit_step(model, opt, step_fn, keep_shardings=True, two_programs=training.params == "stream")
 
 
 @renames.keywords(**MOVED)
