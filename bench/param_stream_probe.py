@@ -269,8 +269,7 @@ def main():
     from bench.common import emit
     for fs in a.flags.split(","):
         for v in [v for v in VARIANTS if a.only is None or re.search(a.only, v)]:
-            # the zoo refuses --params stream on a GPU unless asked (zoo.opt_state.check_stream_platform): asked here
-            env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", ZOO_STREAM_ON_GPU="1")
+            env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
             env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FLAG_SETS[fs]}".strip()
             if a.dump:
                 env["XLA_FLAGS"] += (f" --xla_dump_to={a.dump}/{v}-{fs} --xla_dump_hlo_as_text "

@@ -31,7 +31,6 @@ from bench.jobs import (
 )
 
 _PROF = ("--hlo", "--profile", "{work}/trace")
-STREAM_ENV = {**LONG_ENV, "ZOO_STREAM_ON_GPU": "1"}   # compile --params stream for the GPU (zoo.opt_state)
 _CH = {n: ("--mlp-chunks", str(n)) for n in (2, 4, 8)}
 _PGLE = ("--pgle",)
 _CAPACITY_START = {"full": 16, "save_mla_moe": 8, "mla_moe_offload": 8, "lowrank_wa_offload": 8}
@@ -309,14 +308,14 @@ SCENARIOS: dict[str, Scenario] = {
     "streamed-params": Scenario(
         "the stacks' parameters streamed from pinned host memory a layer at a time (--params stream) beside the same "
         "run with only the master and the moments there (--params host): the 8B cut to 8 layers at 32K, then all 32 "
-        "layers at 128K under auto (which plans with the HBM streaming frees); with jax 0.11.2 XLA's GPU compiler "
-        "crashes on the streamed step (bench.param_stream_probe finds where)",
+        "layers at 128K under auto (which plans with the HBM streaming frees); the streamed step runs as two programs "
+        "(zoo.two_programs)",
         (main_job("auto", ("--layers", "8", "--batch", "1", "--seq", "32768", *HOST_STATE, "--params", "stream"),
-                  steps=4, est=70, timeout=200, gpu="0", name="main-job-8b-L8-S32K-auto-stream", env=STREAM_ENV),
+                  steps=4, est=70, timeout=200, gpu="0", name="main-job-8b-L8-S32K-auto-stream", env=LONG_ENV),
          main_job("auto", ("--layers", "8", "--batch", "1", "--seq", "32768", *HOST_STATE), steps=4, est=70,
                   timeout=200, gpu="0", name="main-job-8b-L8-S32K-auto-host", env=LONG_ENV),
          long_job("auto", 131072, steps=2, est=230, timeout=330, extra=("--params", "stream"),
-                  name="main-job-8b-L32-S128K-auto-stream", env=STREAM_ENV))),
+                  name="main-job-8b-L32-S128K-auto-stream", env=LONG_ENV))),
     "param-stream-probe": Scenario(
         "which parts of a step over parameters in pinned host memory (--params stream) XLA compiles and runs here: "
         "plain-JAX forms and the zoo's own pieces, each in its own process (a crash is its return code)",

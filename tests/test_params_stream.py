@@ -168,18 +168,6 @@ def test_only_the_stacks_parameters_are_placed_on_the_host():
             assert s.memory_kind == HOST, where
 
 
-def test_streaming_on_a_gpu_is_refused_before_compiling_unless_asked_for(monkeypatch):
-    """XLA's GPU compiler crashes on the streamed step (docs/long-context.md): one line naming the variable that
-    compiles it anyway; the CPU and the other placements are never refused."""
-    monkeypatch.delenv(zoo.opt_state.STREAM_ON_GPU_ENV, raising=False)
-    with pytest.raises(ValueError, match=r"--params stream: XLA's GPU compiler crashes.*ZOO_STREAM_ON_GPU=1"):
-        zoo.opt_state.check_stream_platform("stream", "gpu")
-    zoo.opt_state.check_stream_platform("stream", "cpu")
-    zoo.opt_state.check_stream_platform("host", "gpu")
-    monkeypatch.setenv(zoo.opt_state.STREAM_ON_GPU_ENV, "1")
-    zoo.opt_state.check_stream_platform("stream", "gpu")
-
-
 def test_a_users_own_step_runs_over_parameters_in_host_memory():
     """A user's functional step (`nnx.split` of the parameters and the rest around `jax.jit`, their own loss and
     `jax.value_and_grad`) over Llama with its stacks' parameters placed in pinned host memory by

@@ -7,8 +7,6 @@ makes it. The step (`zoo.train_step.train_step`) updates host-resident leaves st
 a time (`zoo.streamed_update`); they enter and leave the jitted step as host arrays."""
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -20,8 +18,6 @@ from zoo.optim import MASTER
 OPT_STATE_PLACES = ("device", "host")   # the optimizer's moments (--opt-state)
 PARAMS_PLACES = ("device", "host", "stream")   # the float32 master copy (host, stream), the stacks' parameters (stream)
 HOST = "pinned_host"   # the memory kind of host-resident state (page-locked: the copies run as DMA)
-# Set to 1 to compile --params stream for a GPU anyway (`check_stream_platform`).
-STREAM_ON_GPU_ENV = "ZOO_STREAM_ON_GPU"
 
 
 def check_places(*, opt_state: str = "device", params: str = "device") -> None:
@@ -103,26 +99,6 @@ def check_params(params: str, param_dtype: str) -> None:
                          f"but the parameters are float32 (param_dtype=float32): there is no separate master. Add "
                          f"--set param_dtype=bfloat16 ({where}, their float32 master on the host), or leave "
                          f"--params device")
-
-
-def check_stream_platform(params: str, platform: str) -> None:
-    """Refuse `--params stream` on a GPU before anything compiles (unless `STREAM_ON_GPU_ENV` is 1).
-
-    With jax 0.11.2 XLA's GPU compiler crashes on the streamed training step (a segmentation fault, no message),
-    though each of its parts compiles and runs there (`bench/param_stream_probe.py`; docs/long-context.md,
-    "Parameters streamed from the host"): a run ends with this line instead of a crashed process.
-
-    Args:
-        params: the parameters' place (`--params`).
-        platform: the platform the step compiles for ("cpu", "gpu", ...).
-
-    Raises:
-        ValueError: "stream" on "gpu", naming the variable that compiles it anyway.
-    """
-    if params == "stream" and platform == "gpu" and os.environ.get(STREAM_ON_GPU_ENV) != "1":
-        raise ValueError(f"--params stream: XLA's GPU compiler crashes compiling the streamed step (jax "
-                         f"{jax.__version__}: docs/long-context.md, 'Parameters streamed from the host'); it runs on "
-                         f"the CPU. Use --params host here, or set {STREAM_ON_GPU_ENV}=1 to compile it anyway")
 
 
 def on_host(s) -> bool:

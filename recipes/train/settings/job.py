@@ -22,7 +22,7 @@ from recipes.train.settings import cli
 from recipes.train.settings.config import RunConfig
 from zoo.layers.attention_kernel import resolve_impl
 from zoo.models.registry import Family
-from zoo.opt_state import check_params, check_stream_platform
+from zoo.opt_state import check_params
 from zoo.optim import lr_schedule
 from zoo.plan.types import GiB
 
@@ -180,7 +180,6 @@ def resolve(settings: RunConfig) -> Job:
     family, model_cfg, recipe_name, recipe = cli.model_and_recipe(settings.model, settings.preset, settings.overrides,
                                                                   settings.recipe, settings.seq)
     check_params(settings.params, model_cfg.param_dtype)
-    check_stream_platform(settings.params, device.platform)
     # What runs on the device: the attention kernel and, for a mixture of experts, the grouped matmul. A choice the
     # device cannot run raises; an explicit one is said to be the user's --set or the preset's.
     kernels = {"attention": str(resolve_impl(model_cfg, device))}
