@@ -1,8 +1,9 @@
 """The training step the main job runs and the planner compiles: one function, so the planner's peak is the job's.
 
-`train_step(model, optimizer, batch)` is an ordinary function of NNX objects (loss, gradients, update, NaN guard);
-`jit_step` jits it over split state; `abstract_step` builds it on shapes alone and `compile_abstract` compiles it,
-nothing allocated. Why it lives in the library: docs/internals.md, "The training step".
+`train_step(model, optimizer, batch)` is an ordinary function of NNX objects (loss, gradients, update, NaN guard) in
+two halves (`step_gradients`, `step_update`); `jit_step` jits it over split state, as one program or, for parameters
+streamed from the host, as two (`zoo.two_programs`); `abstract_step` builds it on shapes alone and `compile_abstract`
+compiles it, nothing allocated. Why it lives in the library: docs/internals.md, "The training step".
 """
 from __future__ import annotations
 
