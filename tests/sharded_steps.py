@@ -196,8 +196,10 @@ def deepseek():
 
 
 def stream():
-    """--params stream under fsdp=8: the step's loss and updated state as on one device with the same placement;
-    the stacks' parameters stay in pinned host memory, split over fsdp like the rules split them in HBM."""
+    """--params stream under fsdp=8: the step's loss and updated state as on one device with the same placement (the
+    state to a few ulp, `tests/rounding.py`); the stacks' parameters stay in pinned host memory, split over fsdp like
+    the rules split them in HBM."""
+    from tests.rounding import assert_same_state
     from tests.test_params_stream import _arrays, _step
     from zoo.opt_state import HOST
     want, want_metrics = _step("llama3", "stream", rows=8)
@@ -207,7 +209,8 @@ def stream():
     print(f"stream fsdp=8: loss {float(metrics['loss']):.7f} (one device {float(want_metrics['loss']):.7f}), "
           f"max state rel. error {err:.2e}")
     assert abs(float(metrics["loss"]) - float(want_metrics["loss"])) <= TOL * abs(float(want_metrics["loss"]))
-    assert err < TOL, err
+    # The sharded reductions add in another order: jax 0.12's CPU build rounds some bf16 parameters an ulp apart
+    assert_same_state(want, got)
     hosted = [(jax.tree_util.keystr(p), x.sharding) for p, x in jax.tree_util.tree_flatten_with_path(got[0])[0]
               if x.sharding.memory_kind == HOST]
     assert hosted and all("['layers']['layers']" in k for k, _ in hosted), hosted
