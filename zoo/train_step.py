@@ -573,28 +573,22 @@ def jit_step(model: nnx.Module, optimizer: nnx.Optimizer, step_fn: Callable, *, 
     graphdef, state = nnx.split((model, optimizer))
     shardings = jax.tree.map(lambda x: x.sharding, state) if keep_shardings else None
 
-    def step(state, batch):
-        model, optimizer = nnx.merge(graphdef, state)
-        metrics = step_fn(model, optimizer, batch)
-        return nnx.state((model, optimizer)), metrics
+    def over_state(fn):   # fn(model, optimizer, x) as a function of the split state: (state, x) -> (state, out)
+        def run(state, x):
+            model, optimizer = nnx.merge(graphdef, state)
+            out = fn(model, optimizer, x)
+            return nnx.state((model, optimizer)), out
+        return run
 
     kwargs = {"out_shardings": (shardings, None)} if keep_shardings else {}
     if not two_programs:
-        return jax.jit(step, donate_argnums=0, **kwargs), graphdef, state
+        return jax.jit(over_state(step_fn), donate_argnums=0, **kwargs), graphdef, state
     if not isinstance(step_fn, FamilyStep):
         raise ValueError(f"jit_step(two_programs=True) runs a step's gradients and update as two programs: step_fn "
                          f"must be a zoo.train_step.FamilyStep (family_step's), got {type(step_fn).__name__}")
-
-    def gradients(state, batch):
-        model, optimizer = nnx.merge(graphdef, state)
-        return step_fn.gradients(model, optimizer, batch)
-
-    def update(state, g):
-        model, optimizer = nnx.merge(graphdef, state)
-        metrics = step_fn.update(model, optimizer, g)
-        return nnx.state((model, optimizer)), metrics
-
-    return TwoPrograms(jax.jit(gradients), jax.jit(update, donate_argnums=0, **kwargs)), graphdef, state
+    gradients = over_state(step_fn.gradients)   # changes nothing: only its output leaves the first program
+    return (TwoPrograms(jax.jit(lambda state, batch: gradients(state, batch)[1]),
+                        jax.jit(over_state(step_fn.update), donate_argnums=0, **kwargs)), graphdef, state)
 
 
 def abstract_batch(batch: int, seq: int) -> dict[str, jax.ShapeDtypeStruct]:

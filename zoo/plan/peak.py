@@ -15,6 +15,7 @@ from zoo.models.registry import family_of
 from zoo.plan.types import ceil_div
 from zoo.train_step import DEFAULT_LOSS_CHUNK, compile_abstract
 from zoo.training import STEP, Training
+from zoo.two_programs import peak_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +80,7 @@ def from_compiled(compiled, device: jax.Device | None = None, mesh=None) -> Peak
               "host_alias_size_in_bytes", "generated_code_size_in_bytes", "peak_memory_in_bytes")
     detail = {f.removesuffix("_size_in_bytes").removesuffix("_in_bytes"): int(getattr(ma, f, 0) or 0)
               for f in fields}
-    peak = detail["argument"] + detail["output"] - detail["alias"] + detail["temp"]
+    peak = peak_bytes(ma)
     if device is None:
         device = (mesh.devices.flat[0] if isinstance(mesh, jax.sharding.Mesh) else jax.devices()[0])
     where = device_label(device)
