@@ -1,6 +1,8 @@
 """The attention kernel per device and config: auto takes cuDNN on a GPU for GQA and MLA, falls back with a warning
 where cuDNN cannot serve, an explicit choice wins or is a ValueError, and a built model says what each layer runs.
 (The main job's refusal of cuDNN on the CPU is the application's: tests/train/test_attention_choice_cli.py.)"""
+import re
+
 import jax
 import pytest
 from flax import nnx
@@ -46,3 +48,26 @@ def test_a_built_model_says_which_attention_each_layer_runs():
     assert sorted(got) == ["dense_layers/layers/attn", "moe_layers/layers/attn"]
     assert {c.impl for c in got.values()} == {"xla"}
 
+
+
+def test_mosaic_cudnn_runs_only_when_asked_for_and_refuses_by_name_what_it_cannot_serve(monkeypatch):
+    """"mosaic_cudnn" (tokamax's Mosaic GPU forward, cuDNN's backward) is never auto's choice; asked for, it runs on a
+    Hopper GPU with tokamax for head dims 64 and 128, and is otherwise one ValueError naming the reason."""
+    llama = zoo.models.LlamaConfig.preset("llama3_1_8b", attention_impl="mosaic_cudnn")
+    ds = zoo.models.DeepSeekV3Config.preset("deepseek_v3_671b", attention_impl="mosaic_cudnn")
+    monkeypatch.setattr(attention_kernel, "_mosaic_module", lambda: object())   # tokamax "installed"
+    assert str(attention_kernel.resolve_impl(llama, fake_gpu())) == "mosaic_cudnn (asked for)"
+    assert attention_kernel.resolve_impl(zoo.models.LlamaConfig.preset("llama3_1_8b"), fake_gpu()).impl == "cudnn"
+    refusals = {"cuDNN runs only on NVIDIA GPUs": (llama, CPU),
+                "its forward is written for Hopper (compute capability 9.0), and the device's is 8.0":
+                    (llama, fake_gpu(cc="8.0", kind="NVIDIA A100")),
+                "its forward takes head dims (64, 128), and the kernel's head dim is 192": (ds, fake_gpu())}
+    for why, (cfg, device) in refusals.items():
+        with pytest.raises(ValueError, match=re.escape("attention_impl='mosaic_cudnn' cannot run here: " + why)):
+            attention_kernel.resolve_impl(cfg, device)
+
+    def missing():
+        raise ImportError("No module named 'tokamax'")
+    monkeypatch.setattr(attention_kernel, "_mosaic_module", missing)
+    with pytest.raises(ValueError, match=r"tokamax is not installed \(No module named 'tokamax'; pip install tokamax"):
+        attention_kernel.resolve_impl(llama, fake_gpu())

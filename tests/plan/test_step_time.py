@@ -3,6 +3,7 @@ committed GPU records it must reproduce (within 10% for every recipe of the llam
 from __future__ import annotations
 
 import ast
+import dataclasses
 import pathlib
 import re
 
@@ -13,6 +14,7 @@ from bench import records
 from recipes.deepseek_v3 import RECIPES as DS_RECIPES
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
 from recipes.qwen3 import RECIPES as QWEN3_RECIPES
+from zoo.layers.attention_kernel import causal_attention_flops
 from zoo.models.registry import family
 from zoo.plan import Hardware, Training, links
 
@@ -168,15 +170,17 @@ def _recipe_run(run: str) -> zoo.Recipe:
 def test_every_long_context_record_of_the_main_job_is_predicted_within_5_percent():
     """The 8B's main job (AdamW, bf16 parameters, their float32 master and bf16 moments on the host) at 128K, 256K and
     512K, 4 to 32 layers, under auto, full, long_context and longest_context, as the H200 ran it: the planner's step
-    time (attention at its measured rate for the length, `links.ATTENTION_RATES`) within 5% of each measured step."""
+    time (attention at its kernel's measured rate for the length, `links.ATTENTION_RATES`) within 5% of each measured
+    step."""
     runs = [r for f in sorted(RESULTS.glob("*.jsonl")) for r in records.load_flat(f)
             if r["bench"] == "main-job-8b" and (r["S"] or 0) >= 131072 and r.get("recipe_run") and r.get("step_s")]
     assert {r["S"] for r in runs} == {131072, 262144, 524288} and len(runs) >= 7
     training = Training(opt_state="host", params="host", opt_dtype="bfloat16")
     off = []
     for r in runs:
+        kernel = "mosaic_cudnn" if any("mosaic_cudnn" in k for k in r.get("kernels") or ()) else None
         cfg = zoo.models.LlamaConfig.preset("llama3_1_8b", num_layers=r["L"], param_dtype="bfloat16",
-                                            max_seq_len=r["S"])
+                                            max_seq_len=r["S"], attention_impl=kernel)
         p = zoo.plan.plan(cfg, _recipe_run(r["recipe_run"]), batch=r["B"], seq=r["S"], peak=None, training=training,
                           hardware=Hardware(device_kind=H200))
         predicted = p.step_time()["total_s"]
@@ -184,3 +188,24 @@ def test_every_long_context_record_of_the_main_job_is_predicted_within_5_percent
             off.append(f"{r['recipe_run']} at {r['S']} ({r['L']} layers): predicted {predicted:.1f} s, measured "
                        f"{r['step_s']:.1f} s")
     assert not off, off
+
+
+def test_the_planner_prices_attention_at_the_configured_kernels_rate(monkeypatch):
+    """A config asking for "mosaic_cudnn" plans on the CPU (the abstract model needs no GPU) with that kernel's entry
+    of `links.ATTENTION_RATES`: given twice cuDNN's rates, its step's compute is cuDNN's less half of attention's."""
+    cudnn = links.attention_rate(H200, "cudnn")
+    assert links.attention_rate(H200, "mosaic_cudnn").kernel == "mosaic_cudnn"
+    fast = dataclasses.replace(cudnn, kernel="mosaic_cudnn", tflops=tuple((s, 2 * r) for s, r in cudnn.tflops))
+    monkeypatch.setattr(links, "ATTENTION_RATES", (cudnn, fast))
+    seq, layers = 131072, 2
+
+    def compute_s(kernel):
+        cfg = zoo.models.LlamaConfig.preset("llama3_1_8b", num_layers=layers, param_dtype="bfloat16",
+                                            attention_impl=kernel)
+        p = zoo.plan.plan(cfg, LLAMA_RECIPES["long_context"], batch=1, seq=seq, peak=None,
+                          training=Training(opt_state="host", params="host", opt_dtype="bfloat16"),
+                          hardware=Hardware(device_kind=H200))
+        return p.step_time()["compute_s"]
+
+    attention_s = 3 * layers * causal_attention_flops(1, seq, 32, 128, 128) / (cudnn.tflops_at(seq) * 1e12)
+    assert compute_s("mosaic_cudnn") == pytest.approx(compute_s("cudnn") - attention_s / 2, rel=1e-6)

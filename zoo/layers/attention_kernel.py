@@ -2,9 +2,10 @@
 
 Besides q, k and v, the backward reads the kernel's output and softmax statistics, named here inside a `jax.custom_vjp`
 as ``attention_out`` [B, S, H, dv] and ``context`` [B, H, S] float32: a recipe that keeps both runs no attention forward
-in the backward pass (one without the other saves nothing; `zoo.recipe` refuses it). Two kernels, chosen per device
-(`choose_impl`): ``cudnn`` and ``xla`` (`zoo.layers.xla_attention`). The planner counts attention's FLOPs from its
-shapes (`attention_flops`). What cuDNN takes: docs/internals.md, "The attention kernel".
+in the backward pass (one without the other saves nothing; `zoo.recipe` refuses it). Three kernels (`choose_impl`):
+``cudnn``, ``xla`` (`zoo.layers.xla_attention`), and ``mosaic_cudnn``, asked for by name: tokamax's Mosaic GPU
+forward with cuDNN's backward, on Hopper. The planner counts attention's FLOPs from its shapes (`attention_flops`).
+What each takes: docs/internals.md, "The attention kernel".
 """
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ from zoo.layers import xla_attention
 from zoo.sharding import BSH
 from zoo.tags import name
 
-Implementation = Literal["xla", "cudnn"] | None
-IMPLEMENTATIONS = (None, "xla", "cudnn")
+Implementation = Literal["xla", "cudnn", "mosaic_cudnn"] | None
+IMPLEMENTATIONS = (None, "xla", "cudnn", "mosaic_cudnn")
+# Head dims tokamax's Mosaic GPU attention forward takes here (its shared-memory tiles; MLA's 192 is left to cuDNN).
+_MOSAIC_HEAD_DIMS = (64, 128)
 _CUDNN_DTYPES = ("bfloat16", "float16")
 # The name scope of the kernel's own computation (forward and backward): jaxpr FLOP counts skip it, and the planner
 # counts attention from its shapes instead (a cuDNN custom call has no matmul in the jaxpr to count).
@@ -63,18 +66,60 @@ def _cudnn_refusal(dtype, head_dim: int, device: jax.Device) -> str | None:
     return None
 
 
+def _mosaic_module():
+    """tokamax's Mosaic GPU attention module (imported from its source path: `tokamax.ops.gpu` would also import its
+    Triton kernels, which need jax_triton)."""
+    from tokamax._src.ops.attention import pallas_mosaic_gpu
+    return pallas_mosaic_gpu
+
+
+def _mosaic_refusal(dtype, head_dim: int, device: jax.Device) -> str | None:
+    """None if `mosaic_cudnn` (tokamax's Mosaic GPU forward, cuDNN's backward) takes this case on `device`."""
+    refusal = _cudnn_refusal(dtype, head_dim, device)
+    if refusal:
+        return refusal
+    cc = str(getattr(device, "compute_capability", ""))
+    if cc != "9.0":
+        return f"its forward is written for Hopper (compute capability 9.0), and the device's is {cc or 'unknown'}"
+    if head_dim not in _MOSAIC_HEAD_DIMS:
+        return f"its forward takes head dims {_MOSAIC_HEAD_DIMS}, and the kernel's head dim is {head_dim}"
+    try:
+        _mosaic_module()
+    except ImportError as e:
+        return f"tokamax is not installed ({e}; pip install tokamax)"
+    return None
+
+
 def choose_impl(requested: Implementation, *, dtype, head_dim: int,
                 device: jax.Device | None = None) -> AttentionChoice:
     """Which attention runs for `requested` (None: auto) with activations of `dtype` and the kernel's `head_dim`
     on `device` (default: the first device). Layers call it once, when they are built.
 
-    An explicit "cudnn" that cuDNN cannot take is a ValueError; auto on a GPU that cannot use cuDNN warns that the
-    XLA kernel runs (slower than cuDNN's; its residuals are still linear in the sequence length)."""
+    Auto takes cuDNN's kernel on a GPU that can run it and the XLA kernel elsewhere; "mosaic_cudnn" runs only when
+    asked for (its forward is not partitioned by XLA's sharding: one device's attention per call). An explicit kernel
+    that cannot run here is a ValueError naming why; auto on a GPU that cannot use cuDNN warns that the XLA kernel
+    runs (slower than cuDNN's; its residuals are still linear in the sequence length).
+
+    Args:
+        requested: None (auto), "xla", "cudnn" or "mosaic_cudnn".
+        dtype: the activations' dtype.
+        head_dim: the kernel's head dim (the larger of the query's and the value's).
+        device: the device it runs on (default: the first).
+
+    Returns:
+        the `AttentionChoice`.
+    """
     if requested not in IMPLEMENTATIONS:
         raise ValueError(f"attention_impl must be one of {IMPLEMENTATIONS}, got {requested!r}")
     device = device or jax.devices()[0]
     if requested == "xla":
         return AttentionChoice("xla", "asked for")
+    if requested == "mosaic_cudnn":
+        refusal = _mosaic_refusal(dtype, head_dim, device)
+        if refusal:
+            raise ValueError(f"attention_impl='mosaic_cudnn' cannot run here: {refusal}. Use attention_impl=None "
+                             f"(auto) or 'cudnn'")
+        return AttentionChoice("mosaic_cudnn", "asked for")
     refusal = _cudnn_refusal(dtype, head_dim, device)
     if requested == "cudnn":
         if refusal:
@@ -189,6 +234,35 @@ def _vjp_with_residuals(q, k, v, scale, attend=_cudnn_attend):
     return out, (q, k, v, out, tuple(stats), tuple(empty)), backward
 
 
+def _mosaic_cudnn_with_residuals(q, k, v, scale):
+    """tokamax's Mosaic GPU forward, cuDNN's backward, as (out, residuals, backward): the forward's softmax residuals
+    (the row max m and sum l) become cuDNN's statistics, the log-sum-exp m + log l, named ``context``; the backward
+    traces cuDNN's own VJP (whose forward XLA then drops, its outputs unused) and hands it the Mosaic forward's output
+    and statistics in place of its own (`_cudnn_roles`)."""
+    dv, d = v.shape[-1], q.shape[-1]
+    vp = _pad_last(v, d)
+    with jax.named_scope(SCOPE):
+        out_p, (row_max, row_sum) = _mosaic_module().PallasMosaicGpuFlashAttention()(
+            q, k, vp, is_causal=True, logits_scale=scale, return_residuals=True)
+        lse = row_max + jnp.log(row_sum)
+    out = name(out_p[..., :dv], "attention_out", BSH)
+    stats = name(lse, "context", STATS_AXES)
+
+    def backward(res, g):
+        q, k, v, out, stats = res
+        vp, outp = _pad_last(v, d), _pad_last(out, d)
+        with jax.named_scope(SCOPE):
+            _, vjp_fn = jax.vjp(lambda q, k, vp: _cudnn_attend(q, k, vp, scale), q, k, vp)
+            leaves, tree = jax.tree.flatten(vjp_fn)
+            kinds = _cudnn_roles(leaves, (q, k, vp), outp)
+            given = {"stats": lambda x: stats.reshape(x.shape).astype(x.dtype), "out": lambda x: outp}
+            leaves = [given.get(kind, lambda x: x)(x) for x, (kind, _) in zip(leaves, kinds)]
+            dq, dk, dvp = jax.tree.unflatten(tree, leaves)(_pad_last(g, d))
+        return dq, dk, dvp[..., :dv]
+
+    return out, (q, k, v, out, stats), backward
+
+
 def _xla_with_residuals(q, k, v, scale):
     with jax.named_scope(SCOPE):
         out, lse = xla_attention.forward(q, k, v, scale)
@@ -203,7 +277,7 @@ def _xla_with_residuals(q, k, v, scale):
     return out, (q, k, v, out, lse), backward
 
 
-_KERNELS = {"cudnn": _vjp_with_residuals, "xla": _xla_with_residuals}
+_KERNELS = {"cudnn": _vjp_with_residuals, "xla": _xla_with_residuals, "mosaic_cudnn": _mosaic_cudnn_with_residuals}
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str | None = None,
@@ -215,8 +289,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str | No
         q: [B, S, H, dq].
         k: [B, S, Hkv, dq] (Hkv divides H).
         v: [B, S, Hkv, dv].
-        impl: the kernel, "xla" or "cudnn" (the zoo's layers pass what `choose_impl` chose when they were built;
-            None chooses for the first device now).
+        impl: the kernel, "xla", "cudnn" or "mosaic_cudnn" (the zoo's layers pass what `choose_impl` chose when
+            they were built; None chooses for the first device now).
         scale: the softmax scale (default dq ** -0.5).
 
     Returns:
@@ -236,7 +310,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str | No
     if impl is None:
         impl = choose_impl(None, dtype=q.dtype, head_dim=max(q.shape[-1], v.shape[-1])).impl
     if impl not in _KERNELS:
-        raise ValueError(f"causal_attention: impl must be 'xla' or 'cudnn' (see choose_impl), got {impl!r}")
+        raise ValueError(f"causal_attention: impl must be one of {tuple(_KERNELS)} (see choose_impl), got {impl!r}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     kernel = _KERNELS[impl]
     backward_of = {}

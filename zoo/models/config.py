@@ -14,7 +14,7 @@ from zoo.layers.moe import BACKENDS, EP_DISPATCHES, backend_choice, resolve_back
 from zoo.models.fields import check_field_names, check_non_negative, check_positive, check_positive_float, check_types
 from zoo.names import did_you_mean
 
-ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
+ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn", "mosaic_cudnn")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -30,7 +30,9 @@ class LMConfig:
         tie_embeddings: whether the LM head shares the embedding table.
         dtype: the activations' dtype ("bfloat16", "float32", ...).
         param_dtype: the parameters' dtype.
-        attention_impl: the attention kernel: None (chosen for the device), "xla" or "cudnn".
+        attention_impl: the attention kernel: None (chosen for the device: cuDNN's where it runs, else XLA's),
+            "xla", "cudnn", or "mosaic_cudnn" (tokamax's Mosaic GPU forward with cuDNN's backward: Hopper, head
+            dim 64 or 128, one device; `zoo.layers.attention_kernel.choose_impl`).
         mlp_seq_chunks: the dense MLP in this many sequence chunks (`zoo.layers.MLP`'s `seq_chunks`).
         max_seq_len: the longest sequence the model takes (a published context); None: any.
 
@@ -47,7 +49,7 @@ class LMConfig:
     tie_embeddings: bool = False
     dtype: str = "bfloat16"            # activations
     param_dtype: str = "float32"       # parameters
-    attention_impl: str | None = None  # None: XLA (any device); "cudnn": cuDNN flash attention (GPU, bf16)
+    attention_impl: str | None = None  # None: chosen for the device; "xla", "cudnn", "mosaic_cudnn"
     mlp_seq_chunks: int = 1            # the dense MLP in this many sequence chunks (zoo.layers.mlp: earlier copies)
     max_seq_len: int | None = None     # the longest sequence the model takes (a published context); None: any
     # {preset name: {field: value}}: the published sizes and a tiny one, as a table (a subclass sets its own)

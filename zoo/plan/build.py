@@ -74,7 +74,8 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
     """
     if isinstance(cfg, nnx.Module) and hasattr(cfg, "config"):
         cfg = cfg.config
-    if getattr(cfg, "attention_impl", None) == "cudnn":
+    kernel = getattr(cfg, "attention_impl", None)
+    if kernel in links.GPU_KERNELS:   # planned from shapes: the abstract model needs no GPU
         cfg = dataclasses.replace(cfg, attention_impl=None)
     amesh, shard = _split(cfg, batch, seq, parallel, training)
     check_params(training.params, getattr(cfg, "param_dtype", None))   # a bad cfg is refused below, by name
@@ -87,7 +88,8 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
     is_auto = _check_recipe(recipe, hardware, link_gbps, kind)
     model = abstract_model(cfg)
     step_tflops, overhead, rate_source = step_rate_of(kind, cfg, hardware.step_tflops)
-    att = links.attention_rate(kind) if hardware.step_tflops is None else None
+    att = links.attention_rate(kind, kernel if kernel in links.GPU_KERNELS else "cudnn") \
+        if hardware.step_tflops is None else None
     model_flops = family_of(cfg).flops_per_token(cfg, model, seq) * batch * seq / shard
     if not is_auto:
         model.check_recipe(recipe)  # raises if the recipe names a tag no stack emits

@@ -79,7 +79,7 @@ class AttentionRate:
 
     Args:
         device_kind: matched (case-insensitive substring) against `jax.Device.device_kind`.
-        kernel: the attention kernel measured ("cudnn").
+        kernel: the attention kernel measured ("cudnn" or "mosaic_cudnn").
         tflops: (sequence length, forward + backward TFLOP/s) points, in increasing length: `tflops_at` interpolates
             them in log2 of the length and holds the first and last past the ends.
         forward_tflops: a forward re-run in the backward pass (a recipe that does not keep the kernel's residuals).
@@ -112,15 +112,23 @@ class AttentionRate:
         return r0
 
 
+GPU_KERNELS = ("cudnn", "mosaic_cudnn")   # the attention kernels with a measured rate (zoo.layers.attention_kernel)
+# cuDNN's rates in the main job, fitted to its records (below): lower than cuDNN's alone (460 TFLOP/s at 128K, 450 at
+# 512K: bench/results/attention-rates_2026-12-03.jsonl), the rest of the step's time beside attention included.
+_CUDNN_IN_STEP_H200 = ((32768, 418.0), (131072, 446.0), (262144, 414.0), (524288, 390.0))
 ATTENTION_RATES: tuple[AttentionRate, ...] = (
-    AttentionRate("H200", "cudnn", ((32768, 418.0), (131072, 446.0), (262144, 414.0), (524288, 390.0)), 620.0,
-                  "2026-12-02",
+    AttentionRate("H200", "cudnn", _CUDNN_IN_STEP_H200, 620.0, "2026-12-02",
                   "fitted to 15 records, every one predicted within 2%: the 8B-shaped stack (batch 1, bf16, SGD) at "
                   "32K/8, 64K/4 and 128K/2 layers under full, context_offload, minimal and minimal_no_context "
                   "(bench/results/long-context_2026-12-01.jsonl), and the main job (AdamW, state on the host) at 128K "
                   "(32 layers under auto and full, 4 under long_context), 256K (32 under auto) and 512K (32 under "
                   "auto, 8 under longest_context and long_context: bench/results/longest-context_2026-12-02.jsonl, "
                   "half-million_2026-12-02.jsonl); the family's step rate for the matmuls"),
+    AttentionRate("H200", "mosaic_cudnn", _CUDNN_IN_STEP_H200, 620.0, "2026-12-03",
+                  "cuDNN's rates in the step: the main job's one record with this kernel (524,288 tokens, 8 layers, "
+                  "long_context: 156.0 s, bench/results/half-million-rate_2026-12-03.jsonl) ran at cuDNN's pace, "
+                  "though alone, through the same layer, it runs 4% (128K) to 9% (512K) faster than cuDNN's "
+                  "(bench/results/attention-rates_2026-12-03.jsonl)"),
 )
 
 
