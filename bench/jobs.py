@@ -35,12 +35,13 @@ BENCHES = ("bench.overlap_slice", "bench.llama_slice", "bench.deepseek_slice", "
            "bench.capacity_sweep", "bench.step_cost", "bench.stream_probe", "bench.tokamax_tiles",
            "bench.profile_step", "bench.loss_curve", "bench.stack_depth", "bench.ctx_slice", "bench.plan_probe",
            "bench.loss_chunks", "bench.param_stream_probe", "bench.split_carry_probe",
-           "recipes.train")
+           "bench.attention_rates", "recipes.train")
 ANCHORS = ("bench.baselines.plain_jax_llama", "bench.baselines.plain_jax_llama_fsdp",
            "bench.baselines.plain_jax_deepseek", "plain_jax_llama_ctx.py")
 TAKES_SMOKE = ("bench.overlap_slice", "bench.llama_slice", "bench.deepseek_slice", "bench.main_job_8b",
                "bench.plan_probe", "bench.ctx_slice", "bench.capacity_sweep", "bench.step_cost", "bench.loss_curve",
-               "bench.stack_depth", "bench.loss_chunks", "bench.split_carry_probe")
+               "bench.stack_depth", "bench.loss_chunks", "bench.split_carry_probe",
+               "bench.attention_rates")
 
 # The optimizer-state runs: the allocator's share of the GPU raised, an 80 GiB pinned pool.
 OPT_STATE_ENV = {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".95", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "80"}

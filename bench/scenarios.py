@@ -300,6 +300,15 @@ SCENARIOS: dict[str, Scenario] = {
         (long_job("auto", 524288, layers=32, steps=1, est=900, timeout=1100),
          long_job("longest_context", 524288, layers=8, steps=1, est=260, timeout=400),
          long_job("long_context", 524288, layers=8, steps=1, est=240, timeout=400))),
+    "half-million-rate": Scenario(
+        "the rate at 524,288 tokens past the first step: the 8B cut to 8 layers under long_context (the kernel's pair "
+        "kept: attention's forward runs once), two steps from the same weights and tokens (the record times the "
+        "second), with cuDNN's attention and with mosaic_cudnn (tokamax's Mosaic GPU forward, cuDNN's backward); "
+        "a step takes minutes: run detached",
+        (long_job("long_context", 524288, layers=8, steps=2, est=330, timeout=480,
+                  extra=("--train-arg=--set=attention_impl=mosaic_cudnn",),
+                  name="main-job-8b-L8-S512K-long_context-mosaic_cudnn"),
+         long_job("long_context", 524288, layers=8, steps=2, est=350, timeout=480))),
     "loss-chunks": Scenario(
         "the loss's chunk length: the 8B's LM head and cross-entropy (forward and backward) at 8K, 128K and 256K "
         "tokens, the whole sequence and chunks of 64 (the rule's old fallback at 256K), 1,024 (the rule's choice "
@@ -338,6 +347,15 @@ SCENARIOS: dict[str, Scenario] = {
         "scan, as two scans over slices of the stacked weights, and as two scans reading each layer out of the whole "
         "stack; nothing runs",
         (module_job("split-carry", "bench.split_carry_probe", est=40, timeout=200),)),
+    "attention-rates": Scenario(
+        "causal attention's own forward and backward rate, shaped as the 8B's layer (batch 1, 32 query and 8 key/value "
+        "heads of 128), at 32K to 512K positions: cuDNN's kernel through jax.nn and through the zoo's layer, "
+        "tokamax's Mosaic GPU and Triton kernels (from the wheels in .whl), and the zoo's mosaic_cudnn (Mosaic's "
+        "forward with cuDNN's backward)",
+        (module_job("attention-rates-cudnn-mosaic", "bench.attention_rates", "--impl", "cudnn", "--impl", "zoo",
+                    "--impl", "mosaic", "--impl", "zoo_mosaic_cudnn", bench="attention-rates", est=400, timeout=560),
+         module_job("attention-rates-triton", "bench.attention_rates", "--impl", "triton", "--seq", "32768", "--seq",
+                    "131072", bench="attention-rates", est=40, timeout=120))),
     "max-seq": Scenario(
         "the planner's answer for the longest length up to 1,048,576 that the 8B (32 layers, state on the host) "
         "fits on one H200: the estimates' walk, then the answer compiled for the GPU (a length whose estimate is far "
