@@ -3,8 +3,10 @@
     XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true \
         python -m bench.profile_step minimal_offload --shape 405b --layers 3 --out /tmp/prof
 
-Same step as bench/llama_slice.py (SGD, bf16, cuDNN attention on a GPU). After 2 warm-up steps, `--steps` steps
-run under `jax.profiler.trace`; `bench.trace_summary` then reads the trace: per stream busy time, the host copies
+Same step as bench/llama_slice.py (SGD, bf16, cuDNN attention on a GPU); with `--loss-chunk`, its loss is the
+training step's (`zoo.train_step.eval_loss`: the head and the cross-entropy in chunks of that many positions, or
+"auto"), which long sequences need. After `--warmup` steps (default 2), `--steps` steps run under
+`jax.profiler.trace`; `bench.trace_summary` then reads the trace: per stream busy time, the host copies
 (bytes, time, bandwidth while copying, overlap with compute) and the compute stream's idle time per step.
 Prints one JSON line (the summary under "profile").
 """
@@ -21,6 +23,7 @@ from bench import trace_summary
 from bench.common import emit, sgd_step_fn
 from recipes.registry import recipes_of
 from zoo.models.registry import family
+from zoo.train_step import eval_loss
 
 FAMILY = family("llama3")
 RECIPES = recipes_of(FAMILY)
@@ -36,16 +39,29 @@ def main():
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=2, help="steps inside the trace")
     ap.add_argument("--out", default="/tmp/zoo-profile", help="profiler log directory")
+    ap.add_argument("--warmup", type=int, default=2, help="steps before the trace")
+    ap.add_argument("--top", type=int, default=4, help="kernels listed per stream (by their total time)")
+    ap.add_argument("--loss-chunk", help="the training step's loss in chunks of this many positions (or auto)")
     a = ap.parse_args()
     on_gpu = jax.devices()[0].platform == "gpu"
-    cfg = FAMILY.config(SHAPES[a.shape], num_layers=a.layers, param_dtype="bfloat16", dtype="bfloat16",
-                        attention_impl="cudnn" if on_gpu else "xla")
+    preset = SHAPES[a.shape]
+    longest = FAMILY.config(preset).max_seq_len   # None: no limit
+    cfg = FAMILY.config(preset, num_layers=a.layers, param_dtype="bfloat16", dtype="bfloat16",
+                        attention_impl="cudnn" if on_gpu else "xla",
+                        max_seq_len=longest and max(a.seq, longest))
     model = FAMILY.build(cfg, recipe=RECIPES[a.recipe], rngs=nnx.Rngs(0))
-    tokens = jax.random.randint(jax.random.key(1), (a.batch, a.seq), 0, cfg.vocab_size, jnp.int32)
+    tokens = jax.random.randint(jax.random.key(1), (a.batch, a.seq + bool(a.loss_chunk)), 0, cfg.vocab_size,
+                                jnp.int32)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     del model
-    compiled = sgd_step_fn(graphdef).lower(params, rest, tokens).compile()
-    for _ in range(2):
+    if a.loss_chunk:
+        chunk = a.loss_chunk if a.loss_chunk == "auto" else int(a.loss_chunk)
+        tokens = {"tokens": tokens, "weights": jnp.ones((a.batch, a.seq), jnp.float32)}
+        step = chunked_sgd_step(graphdef, chunk)
+    else:
+        step = sgd_step_fn(graphdef)
+    compiled = step.lower(params, rest, tokens).compile()
+    for _ in range(a.warmup):
         (loss, _), params = compiled(params, rest, tokens)
     loss.block_until_ready()
     t = time.perf_counter()
@@ -54,9 +70,19 @@ def main():
             (loss, _), params = compiled(params, rest, tokens)
         loss.block_until_ready()
     traced_s = time.perf_counter() - t
-    summary = trace_summary.summarise(trace_summary._load(a.out), a.steps)
+    summary = trace_summary.summarise(trace_summary._load(a.out), a.steps, top=a.top)
     emit(dict(bench="profile", impl="zoo", recipe=a.recipe, shape=a.shape, B=a.batch, S=a.seq, L=a.layers,
               traced_step_s=round(traced_s / a.steps, 4), profile=summary))
+
+
+def chunked_sgd_step(graphdef, chunk, lr: float = 1e-4):
+    """sgd_step_fn's step with the training step's loss (`eval_loss`: the head and cross-entropy in chunks)."""
+    def step(params, rest, batch):
+        loss, grads = jax.value_and_grad(
+            lambda p: eval_loss(nnx.merge(graphdef, p, rest, copy=True), batch, chunk))(params)
+        params = jax.tree.map(lambda p, g: (p - lr * g.astype(p.dtype)).astype(p.dtype), params, grads)
+        return (loss, jnp.zeros((), jnp.int32)), params
+    return jax.jit(step, donate_argnums=(0,))
 
 
 if __name__ == "__main__":

@@ -72,7 +72,9 @@ def copy_direction(name: str, args: dict) -> str | None:
     return None
 
 
-def summarise(trace: dict, steps: int = 1) -> dict:
+def summarise(trace: dict, steps: int = 1, top: int = 4) -> dict:
+    """Per device stream: busy and compute ms and the `top` kernels by total time; per copy direction: events,
+    bytes, busy ms, bandwidth while copying and the share overlapped with compute; the traced window."""
     names: dict[int, str] = {}
     threads: dict[tuple[int, int], str] = {}
     for e in trace["traceEvents"]:
@@ -115,7 +117,7 @@ def summarise(trace: dict, steps: int = 1) -> dict:
         out["streams"].append({"device": names[key[0]], "stream": threads.get(key, str(key[1])), "events": len(evs),
                                "busy_ms": round(_length(busy[key]) / 1e3, 2),
                                "compute_ms": round(_length(compute_iv[key]) / 1e3, 2),
-                               "top": [(n, round(t / 1e3, 2)) for n, t in by_name.most_common(4)]})
+                               "top": [(n, round(t / 1e3, 2)) for n, t in by_name.most_common(top)]})
     span = window[1] - window[0] if window[1] > window[0] else 0.0
     out["window_ms"] = round(span / 1e3, 2)
     out["window_ms_per_step"] = round(span / 1e3 / steps, 2)
