@@ -107,6 +107,7 @@ class _Loop:
         self.eval_fn = built.eval_fn if inputs.held is not None else None
         self.progress = watch.Progress(console, cadence.steps, start)
         self.drops = watch.DropWatch(console, cadence.max_drop_warn)
+        self.trace = watch.StepTrace(cadence.profile, min(start + 2, cadence.steps), console)
         self.t_last, self.n_since = time.perf_counter(), 0
 
     def save(self, step: int) -> None:
@@ -127,10 +128,12 @@ class _Loop:
         try:
             batch = mesh_lib.put_batch(source.batch(self.start + 1), mesh) if self.start < cadence.steps else None
             for step in range(self.start + 1, cadence.steps + 1):
+                self.trace.begin(step)
                 self.state, m = self.step.compiled(self.state, batch)   # dispatched: the device runs the step
                 if step < cadence.steps:   # while the host makes and sends the next batch, not while the device idles
                     batch = mesh_lib.put_batch(source.batch(step + 1), mesh)
                 m = jax.device_get(m)
+                self.trace.end(step)
                 if not m["ok"]:
                     self._stop_nonfinite(step, m)
                     result.stopped = "nonfinite"
@@ -220,8 +223,10 @@ class _Loop:
         self.console.print(f"[bold red]step {step}: {cause}; {what} and the run stops. {where}.[/]", soft_wrap=True)
 
     def _close(self) -> None:
-        """Whatever happened: the progress bar, the drop summary, the metrics file, TensorBoard, the checkpoints."""
+        """Whatever happened: the progress bar, the drop summary, the trace, the metrics file, TensorBoard, the
+        checkpoints."""
         self.progress.stop()
+        self.trace.close()
         self.drops.summary()
         if self.metrics_file:
             self.metrics_file.close()

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 from typing import Any
 
 from recipes.train.settings import defaults, flags
@@ -130,6 +131,9 @@ class RunConfig:
                                    "host bytes, drops; pip install -e \".[watch]\"); one run per directory: "
                                    "another run's event files there are refused, --resume continues its own",
                                    metavar="DIR")
+    profile: str | None = flag(None, "write a profiler trace of one step here: the run's second (its first when it "
+                               "runs one); TensorBoard's profile plugin (xprof) or Perfetto reads it, and the traced "
+                               "step's own time includes the tracing", metavar="DIR")
     metrics: str | None = flag(None, "write one JSON line per logged step", metavar="PATH")
     log_every: int = flag(10, "print (and write to --metrics) every K steps")
     ckpt_dir: str | None = flag(None, "orbax checkpoints here", metavar="DIR")
@@ -191,6 +195,8 @@ class RunConfig:
         if not 0 <= self.held_out < 1:
             raise ValueError(f"--heldout must be a fraction in [0, 1), got {self.heldout}")
         self._check_eval()
+        if self.profile and os.path.exists(self.profile) and not os.path.isdir(self.profile):
+            raise ValueError(f"--profile {self.profile} is a file: give a directory for the trace")
         if self.tokenizer and not self.data:
             raise ValueError("--tokenizer needs --data (text files to tokenize)")
         if self.text_encoding and not self.tokenizer:

@@ -42,11 +42,12 @@ class Cadence:
     stop_after: int | None       # debug: stop after this step as if preempted
     max_drop_warn: float
     peak_tflops: float | None    # --peak-tflops: the device's peak for MFU (None: the datasheet table's)
+    profile: str | None          # --profile: a profiler trace of one step goes here
 
     @classmethod
     def of(cls, s: RunConfig) -> Cadence:
         return cls(s.steps, s.total_schedule, s.batch, s.seq, s.log_every, s.eval_every, s.eval_batches, s.ckpt_every,
-                   s.stop_after, s.max_drop_warn, s.peak_tflops)
+                   s.stop_after, s.max_drop_warn, s.peak_tflops, s.profile)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,7 @@ and TensorBoard scalars (`--tensorboard DIR`).
 - `Progress(console, total, start)`: the training progress: a rich bar on a terminal, and a plain line per logged
   step always (loss, grad norm, tok/s, TFLOP/s, MFU, HBM, host bytes, ETA, held-out loss).
 - `DropWatch(console, threshold)`: capacity dispatch's dropped token copies, warned about once and summed up.
+- `StepTrace(directory, step, console)`: `--profile DIR`, a `jax.profiler` trace of that one step.
 - `Board(directory)`: scalars through tensorboardX (a pure-Python event writer, no TensorFlow; `pip install -e
   ".[watch]"`); `tensorboard --logdir DIR` shows them. One run per directory (a resumed run continues its own).
 """
@@ -251,3 +252,37 @@ class Progress:
         if self.bar is not None:
             self.bar.stop()
             self.bar = None
+
+
+class StepTrace:
+    """A `jax.profiler` trace of one training step (`--profile DIR`): started as the step is dispatched, stopped once
+    its metrics are back, so it holds the whole step. TensorBoard's profile plugin (xprof) or Perfetto reads it.
+
+    Args:
+        directory: where the trace goes (None: no trace).
+        step: the step traced.
+        console: where the trace's place is said once it is written.
+    """
+
+    def __init__(self, directory: str | None, step: int, console: Console):
+        self.directory, self.step, self.console, self.on = directory, step, console, False
+
+    def begin(self, step: int) -> None:
+        """Start the trace if `step` is the one traced."""
+        if self.directory and step == self.step:
+            import jax
+            jax.profiler.start_trace(self.directory)
+            self.on = True
+
+    def end(self, step: int) -> None:
+        """Stop the trace after `step` (its metrics read back), and say where it is."""
+        if self.on:
+            self.close()
+            self.console.print(f"profile of step {step}: {self.directory}", soft_wrap=True, markup=False)
+
+    def close(self) -> None:
+        """Stop a trace still running (a run that ends inside the traced step)."""
+        if self.on:
+            import jax
+            self.on = False
+            jax.profiler.stop_trace()
