@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 
+from bench import trace_summary
 from zoo.opt_state import PARAMS_PLACES
 
 MODEL = dict(model="llama3", preset="llama3_1_8b", layers=8, batch=2, seq=8192)
@@ -50,6 +51,9 @@ def _args():
                     help="main: where the parameters live (recipes.train --params)")
     ap.add_argument("--train-arg", action="append", default=[], metavar="ARG",
                     help="main: one more argument for recipes.train (repeat; e.g. --train-arg=--loss-chunk=0)")
+    ap.add_argument("--profile", action="store_true",
+                    help="main: trace the run's second step (recipes.train --profile) and put the trace's summary "
+                         "(bench.trace_summary) in the record")
     ap.add_argument("--smoke", action="store_true")
     return ap.parse_args()
 
@@ -64,12 +68,13 @@ def run_main(a) -> None:
     m = _shape(a)
     os.makedirs(a.workdir, exist_ok=True)
     metrics, log = os.path.join(a.workdir, "metrics.jsonl"), os.path.join(a.workdir, "train.log")
+    trace = os.path.join(a.workdir, "trace")
     cmd = [sys.executable, "-m", "recipes.train", "--model", m["model"], "--preset", m["preset"],
            "--set", f"num_layers={m['layers']}", "--recipe", a.recipe, "--steps", str(a.steps),
            "--batch", str(m["batch"]), "--seq", str(m["seq"]), "--log-every", "1", "--metrics", metrics,
            "--opt-state", a.opt_state, "--grad-accum", str(a.grad_accum), "--opt-dtype", a.opt_dtype,
            "--params", a.params, *(("--set", f"param_dtype={a.param_dtype}") if a.param_dtype else ()),
-           *a.train_arg]
+           *(("--profile", trace) if a.profile else ()), *a.train_arg]
     if a.smoke and a.recipe == "auto":   # the CPU has no memory limit, measured link or FLOP table
         cmd += ["--hbm-limit", "1", "--link", "10", "--peak-tflops", "1"]
     # The parent plans and records on the CPU: the GPU stays the child's.
@@ -115,7 +120,8 @@ def run_main(a) -> None:
           "recipe_run": rows[0].get("recipe"), "loss_chunk": rows[0].get("loss_chunk"),
           "planned_step_s": rows[0].get("planned_step_s"),
           **({"planned_host_gib": round(rows[0]["planned_host_bytes"] / 2**30, 2)}
-             if rows[0].get("planned_host_bytes") is not None else {})})
+             if rows[0].get("planned_host_bytes") is not None else {}),
+          **({"profile": trace_summary.summarise(trace_summary._load(trace), 1, top=16)} if a.profile else {})})
 
 
 def run_sgd(a) -> None:

@@ -309,6 +309,12 @@ SCENARIOS: dict[str, Scenario] = {
                   extra=("--train-arg=--set=attention_impl=mosaic_cudnn",),
                   name="main-job-8b-L8-S512K-long_context-mosaic_cudnn"),
          long_job("long_context", 524288, layers=8, steps=2, est=350, timeout=480))),
+    "half-million-trace": Scenario(
+        "where the main job's step at 524,288 tokens goes: the 8B cut to 8 layers under long_context with cuDNN's "
+        "attention, two steps, the second traced (recipes.train --profile) and timed, its trace summed per kernel "
+        "in the record (the stack alone, SGD, ran 16.4 s a layer; the main job 156 s for 8)",
+        (long_job("long_context", 524288, layers=8, steps=2, est=350, timeout=560, extra=("--profile",),
+                  name="main-job-8b-L8-S512K-long_context-trace"),)),
     "loss-chunks": Scenario(
         "the loss's chunk length: the 8B's LM head and cross-entropy (forward and backward) at 8K, 128K and 256K "
         "tokens, the whole sequence and chunks of 64 (the rule's old fallback at 256K), 1,024 (the rule's choice "
