@@ -34,6 +34,16 @@ def attend_fn(impl: str):
     return lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
 
 
+def forward_and_backward(attend):
+    """jit of (q, k, v, g) -> (attend's output, its (dq, dk, dv) for the output's cotangent g)."""
+    import jax
+
+    def run(q, k, v, g):
+        out, vjp = jax.vjp(attend, q, k, v)
+        return out, vjp(g)
+    return jax.jit(run)
+
+
 def _seconds(fn, args, budget_s: float) -> float:
     """Seconds per call of compiled `fn` on `args`: one call to warm up, then as many as fit in `budget_s` (at least
     one), timed together."""
@@ -69,20 +79,13 @@ def measure(impl: str, seq: int, heads: int = 32, kv_heads: int = 8, head_dim: i
         k = jax.random.normal(keys[1], (1, seq, kv_heads, head_dim), jnp.bfloat16)
         v = jax.random.normal(keys[2], (1, seq, kv_heads, head_dim), jnp.bfloat16)
         g = jax.random.normal(keys[3], (1, seq, heads, head_dim), jnp.bfloat16)
-        fwd = jax.jit(attend)
-
-        @jax.jit
-        def fwd_bwd(q, k, v, g):
-            out, vjp = jax.vjp(attend, q, k, v)
-            return out, vjp(g)
-
+        fwd, fwd_bwd = jax.jit(attend), forward_and_backward(attend)
         t_fwd = _seconds(fwd, (q, k, v), budget_s)
         t_all = _seconds(fwd_bwd, (q, k, v, g), budget_s)
         rec.update(step_s=t_all, tflops=round(3 * flops / t_all / 1e12, 1), fwd_s=t_fwd,
                    fwd_tflops=round(flops / t_fwd / 1e12, 1), device=jax.devices()[0].device_kind)
         if seq <= CHECK_UP_TO:
-            ref_attend = attend_fn("cudnn" if jax.default_backend() == "gpu" else "xla")
-            ref = jax.jit(lambda q, k, v, g: (lambda o, f: (o, f(g)))(*jax.vjp(ref_attend, q, k, v)))(q, k, v, g)
+            ref = forward_and_backward(attend_fn("cudnn" if jax.default_backend() == "gpu" else "xla"))(q, k, v, g)
             got = fwd_bwd(q, k, v, g)
             diffs = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))),
                                  got, ref)

@@ -22,7 +22,7 @@ from flax import nnx
 from bench import records
 from zoo.layers import moe
 from zoo.models.lm import extra_logits_key
-from zoo.train_step import next_token_loss
+from zoo.train_step import eval_loss, next_token_loss
 
 
 def matmul_params(model) -> int:
@@ -41,9 +41,15 @@ def llama_step_flops(cfg, model, batch: int, seq: int) -> float:
     return 3 * (2 * batch * seq * matmul_params(model) + attention)
 
 
-def sgd_step_fn(graphdef, lr: float = 1e-4, param_shardings=None):
+def sgd_step_fn(graphdef, lr: float = 1e-4, param_shardings=None, loss_chunk=None):
     """A plain SGD step (as the plain-JAX anchors do): memory is params + grads + activations. With
-    `param_shardings`, the updated parameters keep them (a sharded step is called again on its own output)."""
+    `param_shardings`, the updated parameters keep them (a sharded step is called again on its own output). With
+    `loss_chunk`, the step takes the training step's batch ({"tokens": [B, S+1], "weights": [B, S]}) and its loss
+    (`zoo.train_step.eval_loss`: the head and the cross-entropy in chunks of that many positions, or "auto"), which
+    long sequences need; its second output is then 0."""
+
+    def chunked_loss_fn(params, rest, batch):
+        return eval_loss(nnx.merge(graphdef, params, rest, copy=True), batch, loss_chunk), jnp.zeros((), jnp.int32)
 
     def loss_fn(params, rest, tokens):
         model = nnx.merge(graphdef, params, rest, copy=True)  # copy: non-Param variables (routing bias) under scan
@@ -58,7 +64,8 @@ def sgd_step_fn(graphdef, lr: float = 1e-4, param_shardings=None):
         return loss, dropped_copies(aux)
 
     def step(params, rest, tokens):
-        (loss, dropped), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, tokens)
+        (loss, dropped), grads = jax.value_and_grad(chunked_loss_fn if loss_chunk else loss_fn, has_aux=True)(
+            params, rest, tokens)
         params = jax.tree.map(lambda p, g: (p - lr * g.astype(p.dtype)).astype(p.dtype), params, grads)
         return (loss, dropped), params
 

@@ -23,7 +23,6 @@ from bench import trace_summary
 from bench.common import emit, sgd_step_fn
 from recipes.registry import recipes_of
 from zoo.models.registry import family
-from zoo.train_step import eval_loss
 
 FAMILY = family("llama3")
 RECIPES = recipes_of(FAMILY)
@@ -54,13 +53,10 @@ def main():
                                 jnp.int32)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     del model
-    if a.loss_chunk:
-        chunk = a.loss_chunk if a.loss_chunk == "auto" else int(a.loss_chunk)
+    chunk = a.loss_chunk if a.loss_chunk in (None, "auto") else int(a.loss_chunk)
+    if chunk:
         tokens = {"tokens": tokens, "weights": jnp.ones((a.batch, a.seq), jnp.float32)}
-        step = chunked_sgd_step(graphdef, chunk)
-    else:
-        step = sgd_step_fn(graphdef)
-    compiled = step.lower(params, rest, tokens).compile()
+    compiled = sgd_step_fn(graphdef, loss_chunk=chunk).lower(params, rest, tokens).compile()
     for _ in range(a.warmup):
         (loss, _), params = compiled(params, rest, tokens)
     loss.block_until_ready()
@@ -73,16 +69,6 @@ def main():
     summary = trace_summary.summarise(trace_summary._load(a.out), a.steps, top=a.top)
     emit(dict(bench="profile", impl="zoo", recipe=a.recipe, shape=a.shape, B=a.batch, S=a.seq, L=a.layers,
               traced_step_s=round(traced_s / a.steps, 4), profile=summary))
-
-
-def chunked_sgd_step(graphdef, chunk, lr: float = 1e-4):
-    """sgd_step_fn's step with the training step's loss (`eval_loss`: the head and cross-entropy in chunks)."""
-    def step(params, rest, batch):
-        loss, grads = jax.value_and_grad(
-            lambda p: eval_loss(nnx.merge(graphdef, p, rest, copy=True), batch, chunk))(params)
-        params = jax.tree.map(lambda p, g: (p - lr * g.astype(p.dtype)).astype(p.dtype), params, grads)
-        return (loss, jnp.zeros((), jnp.int32)), params
-    return jax.jit(step, donate_argnums=(0,))
 
 
 if __name__ == "__main__":

@@ -10,11 +10,10 @@ from typing import Any, ClassVar
 
 from zoo import checks
 from zoo.dtypes import DTYPES, dtype_of
+from zoo.layers.attention_kernel import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from zoo.layers.moe import BACKENDS, EP_DISPATCHES, backend_choice, resolve_backend
 from zoo.models.fields import check_field_names, check_non_negative, check_positive, check_positive_float, check_types
 from zoo.names import did_you_mean
-
-ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn", "mosaic_cudnn")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
