@@ -112,7 +112,8 @@ def run_main(a) -> None:
           "mfu_datasheet": timed[-1]["mfu"], "peak_gib": round(max(peak) / 2**30, 2) if peak else None,
           "host_temp_gib": None if timed[-1]["host_bytes"] is None else round(timed[-1]["host_bytes"] / 2**30, 2),
           "dropped": timed[-1].get("dropped"), "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"],
-          "steps": len(rows), "kernels": kernels, **({"auto_choice": chosen} if chosen else {}),
+          "steps": len(rows), "step_s_each": [round(m["batch"] * m["seq"] / r["tokens_per_s"], 3) for r in rows],
+          "kernels": kernels, **({"auto_choice": chosen} if chosen else {}),
           # the job's own prediction: its step compiled for the GPU before it launched (recipes.train.step.fit)
           **({"planned_peak_gib": round(rows[0]["planned_peak_bytes"] / 2**30, 2),
               "planned_peak_source": rows[0].get("planned_peak_source")} if rows[0].get("planned_peak_bytes") else {}),

@@ -12,9 +12,11 @@ at a time where the ratio matters); a scenario with a job on several GPUs runs a
 starts only if its estimate fits before the deadline. `NCCL_NVLS_ENABLE=0` for every job (NVLink multicast off).
 
 Writes OUT_DIR/results.jsonl (every record of every job in the schema of `bench.records`, with the job's `job`,
-`scenario`, `setting`, `gpu_index`, `wall_s` in its extras), OUT_DIR/logs/JOB.log, OUT_DIR/work/JOB/ (a job's own
-files: the main job's train.log and metrics) and OUT_DIR/summary.md (`bench.report`). `--smoke`: the same jobs on
-tiny shapes on the CPU (fake devices for a mesh), which checks the scenario and the benches, not the figures.
+`scenario`, `setting`, `gpu_index`, `wall_s` and, on a GPU, `gpu_clocks` in its extras), OUT_DIR/logs/JOB.log and
+JOB.smi.csv (the GPU's clock and power every 2 s while the job ran, summed by `bench.gpu_clocks`), OUT_DIR/work/JOB/
+(a job's own files: the main job's train.log and metrics) and OUT_DIR/summary.md (`bench.report`). `--smoke`: the
+same jobs on tiny shapes on the CPU (fake devices for a mesh), which checks the scenario and the benches, not the
+figures.
 `--list`: the jobs, not run.
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ import sys
 import threading
 import time
 
-from bench import records
+from bench import gpu_clocks, records
 from bench.jobs import ANCHOR_FLAGS, ANCHORS, AUTOTUNE_CACHE, BENCHES, Job, smoke
 from bench.scenarios import SCENARIOS
 
@@ -109,18 +111,20 @@ def run_job(job: Job, gpu: str | None, out: str, remaining: float, *, anchor_dir
         env["CUDA_VISIBLE_DEVICES"] = gpu
     argv = [sys.executable] + [_fill(x, job, anchor_dir, out) for x in job.argv]
     t = time.time()
-    try:
-        p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=min(job.timeout_s, remaining))
-        stdout, text, rc = p.stdout, p.stdout + p.stderr, p.returncode
-    except subprocess.TimeoutExpired as e:
-        dec = lambda x: x.decode(errors="replace") if isinstance(x, bytes) else (x or "")  # noqa: E731
-        stdout, text, rc = "", dec(e.stdout) + dec(e.stderr), "timeout"
+    with gpu_clocks.Sampler(gpu, os.path.join(out, "logs", job.name + ".smi.csv")) as clocks:
+        try:
+            p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=min(job.timeout_s, remaining))
+            stdout, text, rc = p.stdout, p.stdout + p.stderr, p.returncode
+        except subprocess.TimeoutExpired as e:
+            dec = lambda x: x.decode(errors="replace") if isinstance(x, bytes) else (x or "")  # noqa: E731
+            stdout, text, rc = "", dec(e.stdout) + dec(e.stderr), "timeout"
     wall = round(time.time() - t, 1)
     with open(os.path.join(out, "logs", job.name + ".log"), "w") as f:
         f.write(" ".join(argv) + "\n" + "\n".join(text.splitlines()[-150:]))
     recs = _records(job, rc, stdout, text, records_path, smoke_run, flags)
     ident = {k: _fill(v, job, anchor_dir, out) if isinstance(v, str) else v for k, v in job.ident.items()}
-    return [records.normalize({**ident, **records.flat(r), "job": job.name, "gpu_index": gpu, "wall_s": wall},
+    clock = {"gpu_clocks": summary} if (summary := clocks.summary()) else {}   # the GPU's clock and power draw
+    return [records.normalize({**ident, **records.flat(r), "job": job.name, "gpu_index": gpu, "wall_s": wall, **clock},
                               **_record_defaults(job)) for r in recs]
 
 

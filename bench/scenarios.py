@@ -310,11 +310,13 @@ SCENARIOS: dict[str, Scenario] = {
                   name="main-job-8b-L8-S512K-long_context-mosaic_cudnn"),
          long_job("long_context", 524288, layers=8, steps=2, est=350, timeout=480))),
     "half-million-trace": Scenario(
-        "where the main job's step at 524,288 tokens goes: the 8B cut to 8 layers under long_context with cuDNN's "
-        "attention, two steps, the second traced (recipes.train --profile) and timed, its trace summed per kernel "
-        "in the record (the stack alone, SGD, ran 16.4 s a layer; the main job 156 s for 8)",
-        (long_job("long_context", 524288, layers=8, steps=2, est=350, timeout=560, extra=("--profile",),
-                  name="main-job-8b-L8-S512K-long_context-trace"),)),
+        "where mosaic_cudnn's step at 524,288 tokens goes: the 8B cut to 8 layers under long_context with "
+        "mosaic_cudnn, two steps, the second traced (recipes.train --profile) and timed, its trace summed per kernel "
+        "in the record (does cuDNN's forward still run inside the backward? cuDNN's own step: 134.3 s, this kernel's "
+        "156.0 s); every step's time in step_s_each",
+        (long_job("long_context", 524288, layers=8, steps=2, est=400, timeout=560,
+                  extra=("--profile", "--train-arg=--set=attention_impl=mosaic_cudnn"),
+                  name="main-job-8b-L8-S512K-long_context-mosaic_cudnn-trace"),)),
     "loss-chunks": Scenario(
         "the loss's chunk length: the 8B's LM head and cross-entropy (forward and backward) at 8K, 128K and 256K "
         "tokens, the whole sequence and chunks of 64 (the rule's old fallback at 256K), 1,024 (the rule's choice "

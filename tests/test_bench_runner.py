@@ -134,3 +134,31 @@ def test_every_bench_module_is_reached_from_a_scenario():
     modules = {".".join(p.relative_to(ROOT).with_suffix("").parts) for p in (ROOT / "bench").rglob("*.py")
                if p.name != "__init__.py" and "shims" not in p.parts}
     assert modules - reached == set(), "bench modules no scenario reaches: delete them or run them from a scenario"
+
+
+SMI_BY_HAND = ("timestamp, clocks.current.sm [MHz], clocks.current.memory [MHz], power.draw [W], temperature.gpu, "
+               "clocks_event_reasons.active\n") + """\
+2026/12/03 13:22:02.358, 345 MHz, 3201 MHz, 79.63 W, 35, 0x0000000000000001
+2026/12/03 13:22:35.369, 1650 MHz, 3201 MHz, 648.98 W, 46, 0x0000000000000004
+2026/12/03 13:22:47.371, 1980 MHz, 3201 MHz, 498.37 W, 47, 0x0000000000000000
+2026/12/03 13:22:50.371, 1600 MHz, 3201 MHz, 690.00 W, 47, 0x0000000000000004
+"""
+SMI_SAMPLED = """timestamp, clocks.sm [MHz], power.draw [W], power.limit [W], clocks_throttle_reasons.active
+2026/12/03 13:22:02.358, 345 MHz, 79.63 W, 700.00 W, 0x0000000000000001
+2026/12/03 13:22:05.358, [N/A], [N/A], 700.00 W, [N/A]
+"""
+
+
+def test_the_gpu_clock_summary_counts_loaded_samples_and_the_power_cap(tmp_path):
+    """bench.gpu_clocks.summarise: under load (over 300 W) the mean SM clock, the mean draw and the share of samples
+    held at the power cap (bit 0x4), from a log written by hand (its own column names) or by the sampler; a log with
+    no loaded sample says only its counts."""
+    from bench import gpu_clocks
+    (tmp_path / "a.csv").write_text(SMI_BY_HAND)
+    assert gpu_clocks.summarise(str(tmp_path / "a.csv")) == {
+        "samples": 4, "loaded": 3, "sm_mhz": round((1650 + 1980 + 1600) / 3, 1),
+        "power_w": round((648.98 + 498.37 + 690.0) / 3, 1), "power_capped": round(2 / 3, 3)}
+    (tmp_path / "b.csv").write_text(SMI_SAMPLED)
+    assert gpu_clocks.summarise(str(tmp_path / "b.csv")) == {"samples": 2, "loaded": 0}
+    (tmp_path / "c.csv").write_text("")
+    assert gpu_clocks.summarise(str(tmp_path / "c.csv")) is None

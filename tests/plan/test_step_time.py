@@ -170,11 +170,13 @@ def _recipe_run(run: str) -> zoo.Recipe:
 def test_every_long_context_record_of_the_main_job_is_predicted_within_5_percent():
     """The 8B's main job (AdamW, bf16 parameters, their float32 master and bf16 moments on the host) at 128K, 256K and
     512K, 4 to 32 layers, under auto, full, long_context and longest_context, as the H200 ran it: the planner's step
-    time (attention at its kernel's measured rate for the length, `links.ATTENTION_RATES`) within 5% of each measured
-    step."""
+    time (attention at its kernel's measured rate for the length, `links.ATTENTION_RATES`) within 5% of each step
+    timed past the first. A record of the first step alone (its runtime setup included: 15 to 22 s more at 512K
+    than the second) takes at least the predicted step."""
     runs = [r for f in sorted(RESULTS.glob("*.jsonl")) for r in records.load_flat(f)
             if r["bench"] == "main-job-8b" and (r["S"] or 0) >= 131072 and r.get("recipe_run") and r.get("step_s")]
-    assert {r["S"] for r in runs} == {131072, 262144, 524288} and len(runs) >= 7
+    steady = [r for r in runs if r["steps"] > 1]
+    assert {r["S"] for r in steady} == {131072, 262144, 524288} and len(steady) >= 7
     training = Training(opt_state="host", params="host", opt_dtype="bfloat16")
     off = []
     for r in runs:
@@ -184,9 +186,9 @@ def test_every_long_context_record_of_the_main_job_is_predicted_within_5_percent
         p = zoo.plan.plan(cfg, _recipe_run(r["recipe_run"]), batch=r["B"], seq=r["S"], peak=None, training=training,
                           hardware=Hardware(device_kind=H200))
         predicted = p.step_time()["total_s"]
-        if abs(predicted / r["step_s"] - 1) > 0.05:
-            off.append(f"{r['recipe_run']} at {r['S']} ({r['L']} layers): predicted {predicted:.1f} s, measured "
-                       f"{r['step_s']:.1f} s")
+        if abs(predicted / r["step_s"] - 1) > 0.05 if r["steps"] > 1 else r["step_s"] < predicted:
+            off.append(f"{r['recipe_run']} at {r['S']} ({r['L']} layers, {r['steps']} steps): predicted "
+                       f"{predicted:.1f} s, measured {r['step_s']:.1f} s")
     assert not off, off
 
 
