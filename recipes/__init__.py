@@ -19,12 +19,16 @@ _NOW = {"agree": "processes.agree", "auto": "step.auto", "checkpoint": "checkpoi
         "guard": "checkpoints.guard", "interrupt": "processes.interrupt", "jaxlib": "processes.jaxlib",
         "job": "settings.job", "lock": "processes.lock", "manifest": "checkpoints.manifest", "mesh": "processes.mesh",
         "meter": "watching.meter", "moved": "checkpoints.resume", "plot": "watching.plot", "prepare": "step.prepare",
-        "quiet": "checkpoints.quiet", "relay": "processes.relay", "resume": "checkpoints.resume",
+        "quiet": "checkpoints.checkpoint", "relay": "processes.relay", "resume": "checkpoints.resume",
         "text": "inputs.text", "token_file": "inputs.text", "watch": "watching.watch"}
 _BEFORE_TRAIN = ("agree", "auto", "checkpoint", "cli", "config", "coordinator", "data", "defaults", "fit", "flags",
                  "guard", "interrupt", "lock", "loop", "manifest", "mesh", "meter", "moved", "plot", "prepare", "quiet",
                  "resume", "text", "token_file", "watch")
+# Modules of `recipes.train`'s rooms folded into the module of the same room that was their only user: an import of
+# one fails naming the module that holds its names now, for one release (docs/changes.md).
+_FOLDED = {"checkpoints.quiet": "checkpoints.checkpoint"}
 renames.MODULES.update({f"recipes.train.{old}": f"recipes.train.{new}" for old, new in _NOW.items()})
+renames.MODULES.update({f"recipes.train.{old}": f"recipes.train.{new}" for old, new in _FOLDED.items()})
 renames.MODULES.update({f"recipes.{old}": f"recipes.train.{_NOW.get(old, old)}" for old in _BEFORE_TRAIN})
 renames.install_module_finder()
 
