@@ -13,7 +13,7 @@ from zoo import renames  # imports nothing of JAX
 # The training application's modules as they were named before it became the package `recipes.train` (in
 # `recipes/`), and before `recipes.train` was in rooms (flat): an import of one fails naming its module now, for one
 # release (docs/changes.md).
-_NOW = {"agree": "processes.agree", "auto": "step.auto", "checkpoint": "checkpoints.checkpoint",
+_NOW = {"agree": "processes.agree", "auto": "step.fit", "checkpoint": "checkpoints.checkpoint",
         "cli": "settings.cli", "config": "settings.config", "coordinator": "processes.coordinator",
         "data": "inputs.data", "defaults": "settings.defaults", "fit": "step.fit", "flags": "settings.flags",
         "guard": "checkpoints.guard", "interrupt": "processes.interrupt", "jaxlib": "processes.jaxlib",
@@ -26,7 +26,7 @@ _BEFORE_TRAIN = ("agree", "auto", "checkpoint", "cli", "config", "coordinator", 
                  "resume", "text", "token_file", "watch")
 # Modules of `recipes.train`'s rooms folded into the module of the same room that was their only user: an import of
 # one fails naming the module that holds its names now, for one release (docs/changes.md).
-_FOLDED = {"checkpoints.quiet": "checkpoints.checkpoint"}
+_FOLDED = {"checkpoints.quiet": "checkpoints.checkpoint", "step.auto": "step.fit"}
 renames.MODULES.update({f"recipes.train.{old}": f"recipes.train.{new}" for old, new in _NOW.items()})
 renames.MODULES.update({f"recipes.train.{old}": f"recipes.train.{new}" for old, new in _FOLDED.items()})
 renames.MODULES.update({f"recipes.{old}": f"recipes.train.{_NOW.get(old, old)}" for old in _BEFORE_TRAIN})

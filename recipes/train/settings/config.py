@@ -57,7 +57,7 @@ class RunConfig:
         "against the field's type (repeatable)", "--set", type=field_override, action="append",
         metavar="FIELD=VALUE")
     recipe: str | None = flag(None, "a key of the family's RECIPES (recipes/<family>.py), or auto (the planner's "
-                              "choice for the device; recipes.train.step.auto); default: the family's study recipe",
+                              "choice for the device; recipes.train.step.fit); default: the family's study recipe",
                               metavar="NAME")
     batch: int = flag(8, "global batch (sequences per step)", type=positive_int)
     seq: int = flag(64, "sequence length (tokens)", type=positive_int)

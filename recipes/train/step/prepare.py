@@ -18,7 +18,7 @@ import zoo
 import zoo.sharding
 from recipes.train.processes import mesh as mesh_lib
 from recipes.train.settings.job import Job
-from recipes.train.step import auto, fit
+from recipes.train.step import fit
 from recipes.train.watching import meter, watch
 from zoo import compile_options, renames
 from zoo.models.registry import Family
@@ -141,8 +141,8 @@ def compile_run(job: Job, console: Console) -> Step:
             f"{job.recipe_name}) for {device.platform}")
     fit.check_model_state(job, console)   # a budget the model state alone is over: no compile
     # --recipe auto: its inputs (ValueError naming every missing flag) before the compile's status line
-    ins = None if job.recipe is not None else auto.inputs(device, hbm_gib=fitting.hbm_limit, link_gbps=fitting.link,
-                                                          overlap=fitting.overlap, tflops=cadence.peak_tflops)
+    ins = None if job.recipe is not None else fit.inputs(device, hbm_gib=fitting.hbm_limit, link_gbps=fitting.link,
+                                                         overlap=fitting.overlap, tflops=cadence.peak_tflops)
     limit, _ = job.budget
     with watch.busy(console, what):
         fitted = zoo.plan.fit(job.model_cfg, job.recipe or "auto", batch=cadence.batch, seq=cadence.seq,
@@ -152,7 +152,7 @@ def compile_run(job: Job, console: Console) -> Step:
     for note in fitted.notes:
         console.print(note, soft_wrap=True, markup=False)
     if job.recipe is None:
-        console.print(f"recipe auto for {ins.describe()}: {auto.summary(fitted.recipe)}", soft_wrap=True,
+        console.print(f"recipe auto for {ins.describe()}: {fit.summary(fitted.recipe)}", soft_wrap=True,
                       markup=False)
     if job.training.loss_chunk == "auto":
         console.print("loss: " + (f"chunks of {fitted.loss_chunk} positions (--loss-chunk auto: the whole sequence "
