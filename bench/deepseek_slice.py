@@ -32,18 +32,18 @@ GiB = 1 << 30
 def resolve_auto(cfg, *, batch: int, seq: int, mesh: str | None, hbm_gib: float | None, tflops: float | None,
                  smoke: bool):
     """(the Recipe `zoo.plan.plan(cfg, "auto", ...)` chooses for the SGD step's model state, the record's auto_*
-    fields), its inputs from the device as the main job's `--recipe auto` takes them (recipes.train.step.auto)."""
+    fields), its inputs from the device as the main job's `--recipe auto` takes them (recipes.train.step.fit)."""
     import dataclasses
 
-    from recipes.train.step import auto
+    from recipes.train.step import fit
 
     device = jax.devices()[0]
     link = None
     if smoke and device.platform == "cpu":   # the CPU has no memory limit, no measured link and no FLOP table
         hbm_gib, link, tflops = hbm_gib or 1.0, 10.0, tflops or 1.0
-    ins = auto.inputs(device, hbm_gib=hbm_gib, link_gbps=link, tflops=tflops)
-    recipe = auto.choose(cfg, ins, batch=batch, seq=seq, training=zoo.plan.Training(optimizer="sgd"),
-                         parallel=zoo.plan.Parallelism(mesh=mesh))
+    ins = fit.inputs(device, hbm_gib=hbm_gib, link_gbps=link, tflops=tflops)
+    recipe = fit.choose(cfg, ins, batch=batch, seq=seq, training=zoo.plan.Training(optimizer="sgd"),
+                        parallel=zoo.plan.Parallelism(mesh=mesh))
     return recipe, dict(auto_device=list(recipe.device), auto_offload=list(recipe.offload),
                         **{f"auto_{k}": v for k, v in dataclasses.asdict(ins).items()})
 

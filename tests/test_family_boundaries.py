@@ -3,7 +3,7 @@
 Generic means every module of the library (`zoo/`) and the application (`recipes/`) but a family's own files: its
 package `zoo/models/<package>/` and its recipe set `recipes/<family name>.py`. Besides those, a family may be named
 only where it is registered: its import line in `zoo/models/__init__.py`, and the application's default family
-(`DEFAULT_MODEL` in `recipes/train/settings/defaults.py`). The check reads the whole text of a module (code, strings,
+(`DEFAULT_MODEL` in `recipes/train/settings/config.py`). The check reads the whole text of a module (code, strings,
 docstrings and comments): a docstring that says "as DeepSeek-V3 does" is a family's knowledge in a generic place
 just as an `if type(cfg).__name__ == ...` is. Tests, docs and the benchmarks (which measure named models) are not
 generic modules.
@@ -56,7 +56,7 @@ def family_files() -> set[pathlib.Path]:
 
 def registration_lines(path: pathlib.Path, root: pathlib.Path) -> set[int]:
     """The lines of the registration modules that may name a family: `zoo/models/__init__.py`'s imports of a family
-    package and its `__all__` (the names those imports export), `recipes/train/settings/defaults.py`'s
+    package and its `__all__` (the names those imports export), `recipes/train/settings/config.py`'s
     `DEFAULT_MODEL = ...`."""
     rel = path.relative_to(root).as_posix()
     tree = ast.parse(path.read_text())
@@ -69,7 +69,7 @@ def registration_lines(path: pathlib.Path, root: pathlib.Path) -> set[int]:
         if rel == "zoo/models/__init__.py" and isinstance(node, ast.Assign) and [
                 getattr(t, "id", None) for t in node.targets] == ["__all__"]:
             lines |= set(range(node.lineno, node.end_lineno + 1))
-        if rel == "recipes/train/settings/defaults.py" and isinstance(node, ast.Assign) and [
+        if rel == "recipes/train/settings/config.py" and isinstance(node, ast.Assign) and [
                 getattr(t, "id", None) for t in node.targets] == ["DEFAULT_MODEL"]:
             lines |= set(range(node.lineno, node.end_lineno + 1))
     return lines

@@ -2,12 +2,13 @@
 `recipes.train.settings.job.Job` and passes it down its phases, each one call into its room and back:
 
 1. resolve (`recipes.train.settings.job.resolve`): names, model config, recipe, device and its memory budget, kernels,
-   mesh, schedule, checked;
+   mesh, learning rate and warm-up, checked;
 2. open what the run reads and writes (`recipes.train.checkpoints.resume.Session.open`): --ckpt-dir checked and
    locked (`recipes.train.processes.lock`), SIGINT/SIGTERM caught (`recipes.train.processes.interrupt`), the
    checkpoints, the data, the step to resume from, the metrics file and TensorBoard;
-3. compile the step on shapes, show its plan and refuse one that does not fit, build the model sharded, and find
-   what each step is measured against and the held-out loss (`recipes.train.step.prepare.prepare`);
+3. build the learning-rate schedule, compile the step on shapes, show its plan and refuse one that does not fit, build
+   the model sharded, and find what each step is measured against and the held-out loss
+   (`recipes.train.step.prepare.prepare`);
 4. restore it (`recipes.train.checkpoints.resume.restore`);
 5. train (`_Loop`): log, evaluate, checkpoint every K steps and at the end, stop on a non-finite step keeping the
    last good checkpoint, or after the step a signal arrived in, with a checkpoint.
@@ -91,7 +92,7 @@ class _Loop:
         cadence, device = job.cadence, job.device
         step, plan, model, optimizer = built.step, built.plan, built.model, built.optimizer
         self.cadence, self.console, self.session, self.step, self.mesh, self.schedule = (
-            cadence, console, session, step, job.mesh, job.schedule)
+            cadence, console, session, step, job.mesh, built.schedule)
         self.inputs, self.ckpts, self.model, self.optimizer = inputs, inputs.ckpts, model, optimizer
         self.start, self.metrics_file, self.board, self.device, self.plan = (
             start, session.metrics_file, session.board, device, plan)

@@ -1,4 +1,4 @@
-"""`--recipe auto` in the main job (recipes.train.step.auto): the planner's choice for the device, from inputs that say
+"""`--recipe auto` in the main job (recipes.train.step.fit): the planner's choice for the device, from inputs that say
 where they came from (re-planned while the compiled step does not fit: zoo.plan.fitting, tests/plan/test_fitting.py),
 and refused with a message naming the flag when an input is missing."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import zoo
 from recipes import train
 from recipes.train import loop
-from recipes.train.step import auto
+from recipes.train.step import fit
 from zoo.models.registry import family
 from zoo.plan import links
 
@@ -19,22 +19,22 @@ LLAMA = family("llama3")
 
 def test_inputs_say_where_they_come_from_and_name_the_missing_flag():
     cpu = jax.devices()[0]
-    ins = auto.inputs(cpu, hbm_gib=2.0, link_gbps=20.0, tflops=3.0)
+    ins = fit.inputs(cpu, hbm_gib=2.0, link_gbps=20.0, tflops=3.0)
     assert (ins.hbm_gib, ins.link_gbps, ins.overlap, ins.tflops) == (2.0, 20.0, links.Overlap(0.0, 0.0), 3.0)
     assert "--hbm-limit" in ins.describe() and "--link" in ins.describe() and "--peak-tflops" in ins.describe()
     with pytest.raises(ValueError, match="needs an HBM budget: .* pass --hbm-limit"):
-        auto.inputs(cpu, link_gbps=20.0, tflops=3.0)
+        fit.inputs(cpu, link_gbps=20.0, tflops=3.0)
     with pytest.raises(ValueError, match="needs a host link: none is measured for .*pass --link"):
-        auto.inputs(cpu, hbm_gib=2.0, tflops=3.0)
+        fit.inputs(cpu, hbm_gib=2.0, tflops=3.0)
     with pytest.raises(ValueError, match="needs a FLOP rate"):
-        auto.inputs(cpu, hbm_gib=2.0, link_gbps=20.0)
+        fit.inputs(cpu, hbm_gib=2.0, link_gbps=20.0)
 
 
 def test_a_smaller_budget_keeps_less_in_hbm():
     """The choice follows the budget: with less HBM the planner keeps fewer tags on the device."""
     cfg = LLAMA.config("tiny", num_layers=2)
-    roomy = auto.choose(cfg, auto.Inputs(8.0, "t", 10.0, 0.0, "t", 1.0, "t"), batch=8, seq=64)
-    tight = auto.choose(cfg, auto.Inputs(0.0025, "t", 10.0, 0.0, "t", 1.0, "t"), batch=8, seq=64)
+    roomy = fit.choose(cfg, fit.Inputs(8.0, "t", 10.0, 0.0, "t", 1.0, "t"), batch=8, seq=64)
+    tight = fit.choose(cfg, fit.Inputs(0.0025, "t", 10.0, 0.0, "t", 1.0, "t"), batch=8, seq=64)
     assert isinstance(roomy, zoo.Recipe) and set(tight.device) < set(roomy.device)
 
 
@@ -67,4 +67,4 @@ def test_recipe_auto_on_the_cpu_names_every_missing_input_at_once(capsys):
     assert all(flag in err for flag in ("--hbm-limit", "--link", "--peak-tflops")), err
     with pytest.raises(ValueError, match="--hbm-limit GIB; and a host link: .*--link GBPS; and a FLOP rate: .*"
                                          "--peak-tflops TFLOPS"):
-        auto.inputs(jax.devices()[0])
+        fit.inputs(jax.devices()[0])

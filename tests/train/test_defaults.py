@@ -1,10 +1,10 @@
-"""The main job's training defaults per preset (recipes.train.settings.defaults): the peak learning rate and the warm-up
+"""The main job's training defaults per preset (recipes.train.settings.config): the peak learning rate and the warm-up
 from each family's published runs, the tiny preset's CPU rate, a full-size rate for presets with no published schedule,
 explicit --lr and --warmup winning, and --opt-dtype checked."""
 import pytest
 
 from recipes.train import loop
-from recipes.train.settings import defaults
+from recipes.train.settings import config
 
 
 def test_training_defaults_per_preset():
@@ -20,9 +20,9 @@ def test_training_defaults_per_preset():
     assert loop.RunConfig(preset="llama3_1_8b", lr=1e-3, warmup=3).peak_lr == 1e-3   # explicit wins
     assert loop.RunConfig(preset="llama3_1_8b", lr=1e-3, warmup=3).total_warmup == 3
     assert loop.RunConfig(preset="llama3_1_8b").identity()["lr"] == 3e-4
-    assert defaults.for_preset("llama3", "some_new_preset").lr == defaults.FULL_SIZE[0]
+    assert config.for_preset("llama3", "some_new_preset").lr == config.FULL_SIZE[0]
     # a family's published schedules are its own: a preset of one family is not another's
-    assert loop.RunConfig(model="qwen3", preset="qwen3_8b").peak_lr == defaults.FULL_SIZE[0]
-    assert defaults.for_preset("deepseek_v3", "tiny").lr == 3e-3
+    assert loop.RunConfig(model="qwen3", preset="qwen3_8b").peak_lr == config.FULL_SIZE[0]
+    assert config.for_preset("deepseek_v3", "tiny").lr == 3e-3
     with pytest.raises(ValueError, match="--opt-dtype"):
         loop.RunConfig(opt_dtype="int8")

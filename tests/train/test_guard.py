@@ -13,7 +13,7 @@ from flax import nnx
 from recipes.train import loop
 from recipes.train.checkpoints import guard
 from recipes.train.checkpoints.checkpoint import Checkpoints
-from recipes.train.settings import job as job_lib
+from recipes.train.step import prepare
 from tests.train.cli_runs import RUN, main
 
 
@@ -29,7 +29,7 @@ def test_the_nan_guard_checks_the_updated_parameters(tiny_model, tmp_path, capsy
     """From step 4 the learning rate is NaN while the loss and gradient stay finite: the guard sees the updated
     parameters, does not apply the step, says why, and the last good checkpoint (step 3) is written and finite.
     Then a checkpoint of non-finite values is refused outright."""
-    monkeypatch.setattr(job_lib, "lr_schedule", lambda **kw: (lambda count: jnp.where(count < 3, 1e-3, jnp.nan)))
+    monkeypatch.setattr(prepare, "lr_schedule", lambda **kw: (lambda count: jnp.where(count < 3, 1e-3, jnp.nan)))
     ckpt = tmp_path / "run"
     result = loop.run(loop.RunConfig(steps=6, batch=2, seq=16, overrides=(("num_layers", 1),), ckpt_dir=str(ckpt),
                                      ckpt_every=2))

@@ -1,7 +1,7 @@
 """What a run reads before it builds anything and what it writes: its checkpoint directory taken (`Session`), its
-checkpoints (refusing to overwrite a run or to resume a different one), its data (a token file checked and
-fingerprinted, text tokenized), the newest intact checkpoint of this run to resume from (restored by `restore`), and
-its metrics file and TensorBoard.
+checkpoints (refusing to overwrite a run or to resume a different one), its data (opened in the inputs room,
+`recipes.train.inputs.data.sources`: a token file checked and fingerprinted, text tokenized), the newest intact
+checkpoint of this run to resume from (restored by `restore`), and its metrics file and TensorBoard.
 """
 from __future__ import annotations
 
@@ -20,21 +20,13 @@ from recipes.train.inputs import data as data_lib
 from recipes.train.processes import agree
 from recipes.train.processes.interrupt import Interrupts
 from recipes.train.processes.lock import DirLock
-from recipes.train.settings.job import Cadence, Data, Job
+from recipes.train.settings.job import Cadence, Job
 from recipes.train.watching import watch
+from zoo import renames
 
-
-def sources(data: Data, vocab: int, batch: int, seq: int, console: Console) -> tuple[data_lib.Source, Any]:
-    """(training source, held-out source or None: without --eval-every)."""
-    if data.path:
-        src, held = data_lib.open_data(data.path, tokenizer=data.tokenizer, vocab=vocab, batch=batch, seq=seq,
-                                       seed=data.seed, dtype=data.dtype, heldout=data.held_out, encoding=data.encoding,
-                                       say=lambda m: console.print(m, soft_wrap=True, markup=False),
-                                       progress=watch.bytes_bar(console) if console.is_terminal else None)
-    else:
-        src = held = data_lib.Synthetic(vocab=vocab, batch=batch, seq=seq, seed=data.seed)
-    src = data_lib.Poisoned(src, data.poison_step) if data.poison_step is not None else src
-    return src, held if data.evaluate else None
+# `sources` opens what a run reads, in the inputs room now, for one release (docs/changes.md)
+renames.ATTRIBUTES[__name__] = {"sources": "recipes.train.inputs.data.sources"}
+__getattr__ = renames.attributes(__name__)
 
 
 # Paths a run recorded, found again after its folder moved (`mv run1 run2`, then the same command in run2).
@@ -138,7 +130,7 @@ def open_inputs(job: Job, console: Console) -> Inputs:
         raise ValueError(f"--ckpt-dir {ckpts.directory} holds step-numbered folders that are not checkpoints of this "
                          f"zoo: {', '.join(ckpts.foreign())} (checkpoint rotation and --resume would take them for "
                          f"checkpoints); move them away or choose another --ckpt-dir")
-    source, held = sources(job.data, job.model_cfg.vocab_size, cadence.batch, cadence.seq, console)
+    source, held = data_lib.sources(job.data, job.model_cfg.vocab_size, cadence.batch, cadence.seq, console)
     if ckpts is not None and ckpts.steps() and not storage.resume:
         raise ValueError(f"{ckpts.directory} already holds checkpoints (latest step {ckpts.latest_step()}): "
                          f"pass --resume to continue that run, or choose another --ckpt-dir")

@@ -6,6 +6,7 @@ A batch is a dict of NumPy arrays: `tokens` int32 [batch, seq + 1] (the model re
 (sequences from a fixed random Markov chain a model can learn) and `TokenFile` (a file of token ids, read with
 `os.pread`; text files with a tokenizer become one, `open_data`). `source.eval_batch(i)` is the i-th held-out batch
 (`--eval-every`): a token file's last `heldout` fraction of ids, or synthetic streams no training step uses.
+`sources(job.data, ...)` opens what a run reads, as its resolved settings say.
 
 Token-file format: a flat array of token ids, little-endian `uint16` or `uint32`, no header (NumPy's
 `ids.astype("<u2").tofile(path)`); documents are concatenated (put an end-of-text id between them), and each batch row
@@ -15,12 +16,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
+from rich.console import Console
 
 from recipes.train.inputs import text
 from recipes.train.inputs.text import DTYPES, fingerprint  # noqa: F401  (the token file's own facts)
+from recipes.train.settings.job import Data
+from recipes.train.watching import watch
 
 
 class Source(Protocol):
@@ -211,3 +215,18 @@ class Poisoned:
         if step == self.step:
             b = {**b, "weights": np.full_like(b["weights"], np.nan)}
         return b
+
+
+def sources(data: Data, vocab: int, batch: int, seq: int, console: Console) -> tuple[Source, Any]:
+    """(training source, held-out source or None: without --eval-every) of a run's resolved data settings (`Data`):
+    its token file or text (`open_data`, with a progress bar on a terminal), else the synthetic source; poisoned at
+    --poison-step."""
+    if data.path:
+        src, held = open_data(data.path, tokenizer=data.tokenizer, vocab=vocab, batch=batch, seq=seq, seed=data.seed,
+                              dtype=data.dtype, heldout=data.held_out, encoding=data.encoding,
+                              say=lambda m: console.print(m, soft_wrap=True, markup=False),
+                              progress=watch.bytes_bar(console) if console.is_terminal else None)
+    else:
+        src = held = Synthetic(vocab=vocab, batch=batch, seq=seq, seed=data.seed)
+    src = Poisoned(src, data.poison_step) if data.poison_step is not None else src
+    return src, held if data.evaluate else None

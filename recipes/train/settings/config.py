@@ -5,8 +5,16 @@
 fields, so the two commands cannot disagree on a default. Each field's `metadata` holds what argparse needs beyond
 the field's type and default: the flag names, the help, a metavar, choices, a stricter argparse type.
 
+Training defaults per preset (the first section below, `for_preset` and `warmup`): the peak learning rate and the
+warm-up, from the published runs; `--lr` and `--warmup` given on the command line always win.
+
+Dtypes (the configs' own defaults, kept): parameters in float32, activations in bf16 (`dtype`), softmax/norm
+statistics and the loss in float32, AdamW moments in float32 (`--opt-dtype`): the usual mixed precision.
+`--opt-dtype bfloat16` halves the optimizer state (moments kept in bf16 "without observable degradation" in a
+published 671B run).
+
 Importing this module imports no JAX (the training command applies its XLA flags before JAX starts); a RunConfig's
-checks that need the library import it when a config is made.
+checks that need the library import it when a config is made, and so do the training defaults.
 """
 from __future__ import annotations
 
@@ -17,9 +25,8 @@ import math
 import os
 from typing import Any
 
-from recipes.train.settings import defaults, flags
-from recipes.train.settings.cli import INT32_MAX, field_override, positive_int
-from recipes.train.settings.defaults import DEFAULT_MODEL
+from recipes.train.settings import flags
+from recipes.train.settings.cli import INT32_MAX, family, field_override, positive_int
 
 OPT_DTYPES = ("float32", "bfloat16")
 
@@ -45,6 +52,34 @@ def loss_chunk_arg(text: str) -> int | str | None:
                                          f"got {text!r}") from None
 
 
+# -- training defaults per preset -------------------------------------------------------------------------------
+# A family declares the published schedules of its presets (`zoo.models.registry.Family.train_defaults`, in its
+# package). The tiny preset keeps the CPU demo's 3e-3 (a 100k parameter model learns in 60 steps); a full-size preset
+# with no published schedule gets 3e-4 and a 2000-step warm-up (the common peak and warm-up of published 7-8B runs):
+# the tiny rate made an 8B run's loss rise (12.27 -> 14.53, issue 11). The warm-up is a tenth of the schedule (at
+# least one step), capped at the published warm-up, so a short run warms up briefly and a long one as the paper did.
+DEFAULT_MODEL = "llama3"  # --model's default: the family of the README's main job
+
+# (peak learning rate, warm-up cap, where from) of a preset its family publishes no schedule for
+TINY = (3e-3, None, "the CPU demo (README's main job)")
+FULL_SIZE = (3e-4, 2000, "a full-size default: the common 3e-4 peak and 2000 warm-up steps of published 7-8B runs")
+
+
+def for_preset(model: str, preset: str):
+    """The preset's `zoo.models.registry.TrainDefaults`: what its family publishes for it, else `TINY` for the
+    tiny preset, else `FULL_SIZE`. Imports the library (JAX) when called, not when this module is imported."""
+    from zoo.models.registry import TrainDefaults
+    published = family(model).train_defaults.get(preset)
+    return published if published is not None else TrainDefaults(*(TINY if preset == "tiny" else FULL_SIZE))
+
+
+def warmup(model: str, preset: str, schedule_steps: int) -> int:
+    """A tenth of the schedule, at least 1, at most the published warm-up."""
+    steps = max(1, schedule_steps // 10)
+    cap = for_preset(model, preset).warmup_cap
+    return steps if cap is None else min(steps, cap)
+
+
 # -- the run ----------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
@@ -57,7 +92,7 @@ class RunConfig:
         "against the field's type (repeatable)", "--set", type=field_override, action="append",
         metavar="FIELD=VALUE")
     recipe: str | None = flag(None, "a key of the family's RECIPES (recipes/<family>.py), or auto (the planner's "
-                              "choice for the device; recipes.train.step.auto); default: the family's study recipe",
+                              "choice for the device; recipes.train.step.fit); default: the family's study recipe",
                               metavar="NAME")
     batch: int = flag(8, "global batch (sequences per step)", type=positive_int)
     seq: int = flag(64, "sequence length (tokens)", type=positive_int)
@@ -67,7 +102,7 @@ class RunConfig:
         "rate, lr/10: resume with a larger --steps and the same --schedule-steps to train on past a finished run",
         metavar="N")
     lr: float | None = flag(None, "peak learning rate (default: 3e-3 for tiny, the published peak of a full-size "
-                            "preset (its family's training defaults), else 3e-4: recipes/train/settings/defaults.py)")
+                            "preset (its family's training defaults), else 3e-4: recipes/train/settings/config.py)")
     warmup: int | None = flag(None, "warm-up steps (default: schedule steps // 10, at most the preset's published "
                               "warm-up)")
     opt_dtype: str = flag("float32", "dtype of AdamW's moments, whatever the parameters' dtype", choices=OPT_DTYPES)
@@ -239,11 +274,11 @@ class RunConfig:
 
     @property
     def total_warmup(self) -> int:
-        return self.warmup if self.warmup is not None else defaults.warmup(self.model, self.preset, self.total_schedule)
+        return self.warmup if self.warmup is not None else warmup(self.model, self.preset, self.total_schedule)
 
     @property
     def peak_lr(self) -> float:
-        return self.lr if self.lr is not None else defaults.for_preset(self.model, self.preset).lr
+        return self.lr if self.lr is not None else for_preset(self.model, self.preset).lr
 
     def identity(self) -> dict[str, Any]:
         """What a checkpoint must match to be resumed: everything that changes the numbers (not --steps, where to

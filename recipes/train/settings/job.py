@@ -2,10 +2,11 @@
 compiled step.
 
 `resolve(settings)` looks up the model family, its config (the preset and `--set`) and the recipe, takes this
-process's device, its memory budget and the kernels that run there, makes the mesh and the learning-rate schedule,
-and checks them, before anything touches the disk or compiles: bad names and values raise ValueError here. The
-phases of the run (`recipes.train.loop`) take the `Job` it returns, each its group of resolved values (`Data`,
-`Storage`, `Fitting`, `Cadence`, `Job.training`); none of them reads the settings or resolves anything again.
+process's device, its memory budget and the kernels that run there, makes the mesh, takes the peak learning rate and
+the warm-up (plain values: the schedule itself is built beside the optimizer, `recipes.train.step.prepare`), and
+checks them, before anything touches the disk or compiles: bad names and values raise ValueError here. The phases of
+the run (`recipes.train.loop`) take the `Job` it returns, each its group of resolved values (`Data`, `Storage`,
+`Fitting`, `Cadence`, `Job.training`); none of them reads the settings or resolves anything again.
 """
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import os
 from typing import Any
 
 import jax
-import optax
 
 import zoo
 from recipes.train.processes import mesh as mesh_lib
@@ -23,7 +23,6 @@ from recipes.train.settings.config import RunConfig
 from zoo.layers.attention_kernel import resolve_impl
 from zoo.models.registry import Family
 from zoo.opt_state import check_params
-from zoo.optim import lr_schedule
 from zoo.plan.types import GiB
 
 
@@ -113,7 +112,8 @@ class Job:
     kernels: dict[str, str]      # what runs on the device: the attention kernel, a MoE's grouped matmul
     mesh: jax.sharding.Mesh      # over every device of every process; each micro-batch splits over its data axes
     identity: dict[str, Any]     # what a checkpoint must match to be resumed (`RunConfig.identity`)
-    schedule: optax.Schedule
+    lr: float                    # the schedule's peak learning rate (`RunConfig.peak_lr`: --lr, else the preset's)
+    warmup: int                  # its warm-up steps (`RunConfig.total_warmup`); length: `Cadence.schedule_steps`
     budget: tuple[int | None, str]   # the device bytes the step may use, and where the figure comes from
     training: zoo.plan.Training  # the step as the step and the planner take it
     cadence: Cadence             # the training loop's course
@@ -189,10 +189,9 @@ def resolve(settings: RunConfig) -> Job:
         who = f"--set {field}" if field in dict(settings.overrides) else f"the preset's {field}"
         kernels[kernel] = choice.replace("(asked for", f"({who}", 1)
     mesh = mesh_lib.resolve(settings.mesh, model_cfg, settings.micro_batch)
-    schedule = lr_schedule(lr=settings.peak_lr, steps=settings.total_schedule, warmup=settings.total_warmup)
     training = zoo.plan.Training(opt_dtype=settings.opt_dtype, grad_accum=settings.grad_accum,
                                  opt_state=settings.opt_state, params=settings.params, loss_chunk=settings.loss_chunk,
                                  clip=settings.clip, weight_decay=settings.weight_decay)
     return Job(f"{settings.model} {settings.preset}", family, model_cfg, recipe_name, recipe, device, kernels, mesh,
-               identity, schedule, memory, training, Cadence.of(settings), settings.seed, Fitting.of(settings),
-               Data.of(settings), Storage.of(settings))
+               identity, settings.peak_lr, settings.total_warmup, memory, training, Cadence.of(settings),
+               settings.seed, Fitting.of(settings), Data.of(settings), Storage.of(settings))

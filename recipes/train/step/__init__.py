@@ -1,2 +1,2 @@
-"""The step: compiled on shapes, shown and checked, then built (`prepare`); whether it fits the device (`fit`);
-`--recipe auto`'s inputs (`auto`)."""
+"""The step: compiled on shapes, shown and checked, then built (`prepare`); whether it fits the device, and `--recipe
+auto`'s inputs taken from the device (`fit`)."""

@@ -1,25 +1,36 @@
-"""Does the compiled step fit? The main job's check before it allocates anything.
+"""Fitting the step to the device: the main job's checks before it allocates anything (the first section below), and
+`--recipe auto`'s inputs taken from the device (the second).
 
-The step is compiled on abstract inputs first (`zoo.train_step`: nothing allocated); its peak (arguments +
-outputs - donated + temporaries, `zoo.plan.peak`) is compared with the device's budget
+Does the compiled step fit? The step is compiled on abstract inputs first (`zoo.train_step`: nothing allocated); its
+peak (arguments + outputs - donated + temporaries, `zoo.plan.peak`) is compared with the device's budget
 (`recipes.train.settings.job.budget`): `--hbm-limit GiB` if given, else the device's `memory_stats()["bytes_limit"]`,
 else, on the CPU (whose "device memory" is the machine's RAM), the machine's RAM. Host bytes (offloaded residuals) are
 compared with XLA's pinned host pool. A step that cannot fit is refused with the plan and what to change, instead of an
 out-of-memory traceback; `--force` launches it anyway. A budget the model state alone is over (`check_state`) is refused
 before anything compiles, by the training command and the planner alike. `check_model_state` and `check_fits` are the
 training command's, on its resolved run (`recipes.train.settings.job.Job`).
+
+`--recipe auto` on a device: what `zoo.plan.plan(model_cfg, "auto", ...)` needs (an HBM budget, a host link and a FLOP
+rate), each given by its flag or taken from the device (`inputs`; the second section says from where).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 from rich.console import Console
 
 import zoo
 from recipes.train.settings.job import FRACTION_ENV, Job, ram_bytes
-from zoo.plan.peak import Peak
-from zoo.plan.types import ModelState, fmt_bytes
+from recipes.train.watching import meter
+from zoo.plan import links
+from zoo.plan.build import ONE_DEVICE
+from zoo.plan.peak import Peak, allocator_limit
+from zoo.plan.types import GiB, ModelState, fmt_bytes
+from zoo.training import STEP
 
 
+# -- does the compiled step fit? -----------------------------------------------------------------------------------
 def check(peak: Peak, *, host: int, pool: int, device: jax.Device, budget: tuple[int | None, str],
           hbm_limit_gib: float | None) -> tuple[list[str], list[str]]:
     """(problems that refuse the launch, notes to print); `budget`: the run's (`budget`, `Job.budget`)."""
@@ -143,3 +154,89 @@ def check_fits(job: Job, console: Console, plan: zoo.plan.Plan, temps: int | Non
         console.print(f"warning: {why}; launching anyway (--force)", soft_wrap=True, markup=False)
         return
     raise ValueError(f"{why}: it would run out of memory. The plan is above; {tips}")
+
+# -- --recipe auto's inputs, taken from the device -----------------------------------------------------------------
+# What `zoo.plan.plan(model_cfg, "auto", ...)` needs on a device: the planner's automatic recipe (`zoo.plan.auto`)
+# needs an HBM budget, a host link (rate and overlap) and a FLOP rate. On a device each has a default, and every
+# figure says where it came from (`inputs`):
+#
+# - HBM: `--hbm-limit`, else the device's allocator limit (`memory_stats()["bytes_limit"]`); a device without one
+#   (the CPU) needs `--hbm-limit`.
+# - link: `--link` (GB/s per direction, with `--overlap`, default 0), else the link measured for the device kind
+#   inside a training step (`zoo.plan.links`: on the H200 with jax 0.11.2, 55.3 GB/s, 63% of the stores and 48% of
+#   the reloads hidden under compute once the step's copies leave the compute stream).
+# - FLOP rate: `--peak-tflops`, else the main job's per-device table (`recipes.train.watching.meter.peak_tflops`: the
+#   datasheet bf16 peak).
+#
+# The planner fills the budget with saved activations and model state beside what it expects XLA's temporaries to
+# take; the main job compiles the choice and, while its peak is over the device's limit, plans again with the budget
+# lowered by the excess (`zoo.plan.fit`): the recipe that runs is one whose compiled peak fits.
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """What the planner's automatic recipe is chosen for on this device (`inputs`): the HBM budget, the host link and
+    its overlap, the FLOP rate, each with where it came from (a flag, the device, a measurement, a table)."""
+    hbm_gib: float
+    hbm_source: str
+    link_gbps: float
+    overlap: links.Overlap
+    link_source: str
+    tflops: float
+    tflops_source: str
+
+    def hardware(self, hbm_gib: float | None = None) -> zoo.plan.Hardware:
+        """These inputs as the planner's `Hardware` (the HBM budget `hbm_gib` if given)."""
+        return zoo.plan.Hardware(hbm_gib=self.hbm_gib if hbm_gib is None else hbm_gib, link_gbps=self.link_gbps,
+                                 overlap=self.overlap, tflops=self.tflops)
+
+    def describe(self) -> str:
+        """The inputs in one line, each with its source (the main job prints it beside the recipe chosen)."""
+        return (f"HBM {self.hbm_gib:.1f} GiB ({self.hbm_source}), link {self.link_gbps:g} GB/s with overlap "
+                f"{self.overlap} ({self.link_source}), {self.tflops:g} TFLOP/s ({self.tflops_source})")
+
+
+def inputs(device: jax.Device, *, hbm_gib: float | None = None, link_gbps: float | None = None,
+           overlap: float | None = None, tflops: float | None = None) -> Inputs:
+    """The automatic recipe's inputs for `device`, each given or taken from the device. Where neither is possible
+    (the CPU: all three), one ValueError names every missing input and its flag at once."""
+    kind = device.device_kind
+    missing = []
+    if hbm_gib is not None:
+        hbm, hbm_src = hbm_gib, "--hbm-limit"
+    else:
+        limit = allocator_limit(device)
+        hbm, hbm_src = (limit or 0) / GiB, f"{kind}'s bytes_limit"
+        if not limit:
+            missing.append(f"an HBM budget: {kind} reports no memory limit; pass --hbm-limit GIB")
+    if link_gbps is not None:
+        rate, ovl, link_src = link_gbps, links.Overlap.of(0.0 if overlap is None else overlap), "--link"
+    else:
+        measured = links.measured(kind)
+        if measured is None:
+            rate, ovl, link_src = 0.0, links.Overlap.of(0.0), ""
+            missing.append(f"a host link: none is measured for {kind!r} (zoo.plan.links: "
+                           f"{', '.join(m.device_kind for m in links.MEASURED)}); pass --link GBPS")
+        else:
+            rate, ovl = measured.rate_gbps, measured.overlap if overlap is None else links.Overlap.of(overlap)
+            link_src = f"measured on the {measured.device_kind}, zoo.plan.links"
+    rate_tflops, tflops_src = meter.peak_tflops(device, tflops)
+    if rate_tflops is None:
+        missing.append(f"a FLOP rate: no datasheet peak is known for {kind!r} (recipes.train.watching.meter); "
+                       f"pass --peak-tflops TFLOPS")
+    if missing:
+        raise ValueError("--recipe auto needs " + "; and ".join(missing))
+    return Inputs(hbm, hbm_src, rate, ovl, link_src, rate_tflops, tflops_src)
+
+
+def choose(model_cfg, ins: Inputs, *, batch: int, seq: int, training: zoo.plan.Training = STEP,
+           parallel: zoo.plan.Parallelism = ONE_DEVICE) -> zoo.Recipe:
+    """The recipe `zoo.plan` chooses for the model config `model_cfg` at [batch, seq] with `ins`."""
+    return zoo.plan.plan(model_cfg, "auto", batch=batch, seq=seq, hardware=ins.hardware(), parallel=parallel,
+                         training=training, peak=None).recipe
+
+
+def summary(recipe: zoo.Recipe) -> str:
+    """The chosen recipe in words: the tags kept in HBM, those offloaded, and that the rest are recomputed."""
+    names = recipe.resolve()
+    kept = ", ".join(names.device) or "none"
+    sent = ", ".join(names.offload) or "none"
+    return f"keeps [{kept}] in HBM, offloads [{sent}], recomputes every other tag"

@@ -1,7 +1,8 @@
-"""Before the first step, from the resolved run (`recipes.train.settings.job.Job`): its step compiled on shapes (the
-executable that runs), what runs said, its memory plan printed and checked to fit, the model built sharded, and what
-the loop measures each step against (the step's host bytes, the device's peak, the model's FLOPs) and its held-out
-loss, found once. A step that cannot fit is refused here, before anything is allocated.
+"""Before the first step, from the resolved run (`recipes.train.settings.job.Job`): its learning-rate schedule built
+(read by the step and the optimizer), its step compiled on shapes (the executable that runs), what runs said, its
+memory plan printed and checked to fit, the model built sharded, and what the loop measures each step against (the
+step's host bytes, the device's peak, the model's FLOPs) and its held-out loss, found once. A step that cannot fit is
+refused here, before anything is allocated.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import optax
 from flax import nnx
 from rich.console import Console
 
@@ -18,12 +20,12 @@ import zoo
 import zoo.sharding
 from recipes.train.processes import mesh as mesh_lib
 from recipes.train.settings.job import Job
-from recipes.train.step import auto, fit
+from recipes.train.step import fit
 from recipes.train.watching import meter, watch
 from zoo import compile_options, renames
 from zoo.models.registry import Family
 from zoo.opt_state import state_shardings
-from zoo.optim import make_optimizer
+from zoo.optim import lr_schedule, make_optimizer
 from zoo.train_step import compile_abstract, eval_loss
 
 # the fit checks, moved to recipes.train.step.fit, for one release (docs/changes.md)
@@ -45,13 +47,22 @@ def build_sharded(family: Family, model_cfg, recipe: zoo.Recipe, mesh, make_opt:
                                                                                    params=params))
 
 
-def build_run(job: Job, recipe: zoo.Recipe):
-    """The run's (model, optimizer), built sharded (`build_sharded`): its optimizer as the settings say, with a
-    float32 master copy of the parameters in pinned host memory under --params host."""
+def make_schedule(job: Job) -> optax.Schedule:
+    """The run's learning-rate schedule (`zoo.optim.lr_schedule`: warm-up to the peak `Job.lr` over `Job.warmup`
+    steps, then cosine decay to lr/10 over `Cadence.schedule_steps`), built in this phase beside the optimizer that
+    reads it: the step compiled (`compile_for_shapes`) and the optimizer built (`build_run`) read it, and the loop
+    logs it (`Built.schedule`)."""
+    return lr_schedule(lr=job.lr, steps=job.cadence.schedule_steps, warmup=job.warmup)
+
+
+def build_run(job: Job, recipe: zoo.Recipe, schedule: optax.Schedule):
+    """The run's (model, optimizer), built sharded (`build_sharded`): its optimizer as the settings say, on the
+    learning-rate `schedule` (`make_schedule`), with a float32 master copy of the parameters in pinned host memory
+    under --params host."""
     t = job.training
     return build_sharded(job.family, job.model_cfg, recipe, job.mesh, seed=job.seed, opt_state=t.opt_state,
                          params=t.params, make_opt=lambda m: make_optimizer(
-                             m, job.schedule, clip=t.clip, weight_decay=t.weight_decay, opt_dtype=t.opt_dtype,
+                             m, schedule, clip=t.clip, weight_decay=t.weight_decay, opt_dtype=t.opt_dtype,
                              master=t.params != "device"))
 
 
@@ -67,12 +78,13 @@ def show_memory_plan(job: Job, console: Console, step: Step) -> zoo.plan.Plan:
     return p
 
 
-def compile_for_shapes(job: Job, recipe: zoo.Recipe, loss_chunk="auto"):
+def compile_for_shapes(job: Job, recipe: zoo.Recipe, schedule: optax.Schedule, loss_chunk="auto"):
     """(compiled step, graphdef, abstract state): the run's step compiled on shapes alone, laid out on its mesh
-    (`zoo.train_step.compile_abstract`, the planner's compile too), its loss in chunks of `loss_chunk`."""
+    (`zoo.train_step.compile_abstract`, the planner's compile too), on the learning-rate `schedule`
+    (`make_schedule`), its loss in chunks of `loss_chunk`."""
     return compile_abstract(job.family, job.model_cfg, recipe, batch=job.cadence.batch, seq=job.cadence.seq,
                             training=dataclasses.replace(job.training, loss_chunk=loss_chunk),
-                            schedule=job.schedule, mesh=job.mesh)
+                            schedule=schedule, mesh=job.mesh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +109,7 @@ class Built:
     plan: zoo.plan.Plan
     model: Any
     optimizer: Any
+    schedule: optax.Schedule     # the learning-rate schedule the step and the optimizer read (`make_schedule`)
     host: int | None             # the step's host bytes as XLA compiled them (`meter.host_bytes`; None on the CPU)
     peak_tflops: float | None    # the device's peak for MFU (--peak-tflops or the datasheet's; None: unknown)
     flops_per_step: float        # the model's FLOPs in one step (`Family.flops_per_token`)
@@ -119,40 +132,42 @@ def make_eval(graphdef, mesh, loss_chunk="auto") -> Callable:
 
 
 def prepare(job: Job, console: Console) -> Built:
-    """Compile the step on shapes alone (nothing allocated, `compile_run`), show it and refuse one that does not fit
-    (`show_and_check`), and only then build the model (`build_run`): the executable compiled here is the one that
-    runs, and what it is measured against is found here once."""
-    step = compile_run(job, console)
+    """Build the learning-rate schedule (`make_schedule`), compile the step on shapes alone (nothing allocated,
+    `compile_run`), show it and refuse one that does not fit (`show_and_check`), and only then build the model
+    (`build_run`): the executable compiled here is the one that runs, and what it is measured against is found here
+    once."""
+    schedule = make_schedule(job)
+    step = compile_run(job, console, schedule)
     plan, host, peak = show_and_check(job, console, step)
-    model, optimizer = build_run(job, step.recipe)
+    model, optimizer = build_run(job, step.recipe, schedule)
     cadence = job.cadence
     flops = job.family.flops_per_token(job.model_cfg, model, cadence.seq) * cadence.batch * cadence.seq
     eval_fn = make_eval(step.graphdef, job.mesh, step.loss_chunk) if job.data.evaluate else None
-    return Built(step, plan, model, optimizer, host, peak, flops, eval_fn)
+    return Built(step, plan, model, optimizer, schedule, host, peak, flops, eval_fn)
 
 
-def compile_run(job: Job, console: Console) -> Step:
-    """Compile the step (with a live status line), fitted to the device (`zoo.plan.fit`): --recipe auto the planner's
-    choice for this device, --loss-chunk auto the whole sequence where the step fits that way (else the fewest chunks
-    that fit); each choice said."""
+def compile_run(job: Job, console: Console, schedule: optax.Schedule) -> Step:
+    """Compile the step on the learning-rate `schedule` (with a live status line), fitted to the device
+    (`zoo.plan.fit`): --recipe auto the planner's choice for this device, --loss-chunk auto the whole sequence where
+    the step fits that way (else the fewest chunks that fit); each choice said."""
     t0 = time.perf_counter()
     cadence, device, fitting = job.cadence, job.device, job.fitting
     what = (f"compiling the training step ({job.model}, batch {cadence.batch} x seq {cadence.seq}, recipe "
             f"{job.recipe_name}) for {device.platform}")
     fit.check_model_state(job, console)   # a budget the model state alone is over: no compile
     # --recipe auto: its inputs (ValueError naming every missing flag) before the compile's status line
-    ins = None if job.recipe is not None else auto.inputs(device, hbm_gib=fitting.hbm_limit, link_gbps=fitting.link,
-                                                          overlap=fitting.overlap, tflops=cadence.peak_tflops)
+    ins = None if job.recipe is not None else fit.inputs(device, hbm_gib=fitting.hbm_limit, link_gbps=fitting.link,
+                                                         overlap=fitting.overlap, tflops=cadence.peak_tflops)
     limit, _ = job.budget
     with watch.busy(console, what):
         fitted = zoo.plan.fit(job.model_cfg, job.recipe or "auto", batch=cadence.batch, seq=cadence.seq,
                               limit=limit, hardware=ins.hardware() if ins else zoo.plan.Hardware(),
                               training=job.training, parallel=job.parallel,
-                              compile=lambda recipe, chunk: compile_for_shapes(job, recipe, chunk))
+                              compile=lambda recipe, chunk: compile_for_shapes(job, recipe, schedule, chunk))
     for note in fitted.notes:
         console.print(note, soft_wrap=True, markup=False)
     if job.recipe is None:
-        console.print(f"recipe auto for {ins.describe()}: {auto.summary(fitted.recipe)}", soft_wrap=True,
+        console.print(f"recipe auto for {ins.describe()}: {fit.summary(fitted.recipe)}", soft_wrap=True,
                       markup=False)
     if job.training.loss_chunk == "auto":
         console.print("loss: " + (f"chunks of {fitted.loss_chunk} positions (--loss-chunk auto: the whole sequence "
