@@ -7,17 +7,15 @@ The plain-JAX baselines are `bench.baselines` (impl "anchor" in the records); AN
 where a job given as `{anchor}/SCRIPT` finds its script. Each job runs in its own process
 (XLA reads its flags once) with a timeout; a setting is the process's `XLA_FLAGS` plus the compile options of the
 zoo's step (`BENCH_OPTIONS`; `zoo`: the library's own choice, `zoo.compile_options`). Jobs compared with each other
-run on the same GPU, in sequence (two GPUs of one machine may share a PCIe switch, so only one queue offloads a lot
-at a time where the ratio matters); a scenario with a job on several GPUs runs all its jobs in one queue. A job
-starts only if its estimate fits before the deadline. `NCCL_NVLS_ENABLE=0` for every job (NVLink multicast off).
+run on the same GPU, in sequence (GPUs of one machine may share a PCIe switch); a scenario with a job on several GPUs
+runs all its jobs in one queue. A job starts only if its estimate fits before the deadline. `NCCL_NVLS_ENABLE=0`.
 
 Writes OUT_DIR/results.jsonl (every record of every job in the schema of `bench.records`, with the job's `job`,
 `scenario`, `setting`, `gpu_index`, `wall_s` and, on a GPU, `gpu_clocks` in its extras), OUT_DIR/logs/JOB.log and
 JOB.smi.csv (the GPU's clock and power every 2 s while the job ran, summed by `bench.gpu_clocks`), OUT_DIR/work/JOB/
 (a job's own files: the main job's train.log and metrics) and OUT_DIR/summary.md (`bench.report`). `--smoke`: the
 same jobs on tiny shapes on the CPU (fake devices for a mesh), which checks the scenario and the benches, not the
-figures.
-`--list`: the jobs, not run.
+figures. `--list`: the jobs, not run.
 """
 from __future__ import annotations
 
