@@ -279,7 +279,9 @@ def test_auto_recomputes_what_a_slow_link_cannot_hide(roomy_pool):
     assert "key_proj" in p.recipe.offload  # 32 MiB per layer still hides at 1 GB/s
 
 
-def test_auto_keeps_on_device_what_fits_and_respects_a_host_budget():
+def test_auto_keeps_on_device_what_fits_and_respects_a_host_budget(monkeypatch):
+    """auto keeps everything in HBM where it fits, and offloads nothing past a host budget. Where XLA's pinned pool
+    is what stopped it (a host budget over the pool does nothing), the plan says to raise the pool's variable."""
     roomy = zoo.plan.plan(L405, "auto", hardware=Hardware(hbm_gib=10_000, link_gbps=55, overlap=1, tflops=800),
                           **STUDY_405B)
     needed = {t.tag for t in roomy.stacks[0].tags if t.residual}
@@ -287,6 +289,13 @@ def test_auto_keeps_on_device_what_fits_and_respects_a_host_budget():
     no_host = zoo.plan.plan(L405, "auto", hardware=Hardware(hbm_gib=_tight_budget(L405, **STUDY_405B), link_gbps=450,
                                                             overlap=1, tflops=800, host_gib=1), **STUDY_405B)
     assert no_host.recipe.offload == () and no_host.host_bytes == 0
+    assert not any(zoo.plan.POOL_ENV in w for w in no_host.warnings)   # the budget given bound it, not the pool
+    monkeypatch.setenv(zoo.plan.POOL_ENV, "1")
+    pool_bound = zoo.plan.plan(L405, "auto", hardware=Hardware(
+        hbm_gib=_tight_budget(L405, **STUDY_405B), link_gbps=450, overlap=1, tflops=800, host_gib=100), **STUDY_405B)
+    assert pool_bound.recipe.offload == () and pool_bound.host_bytes == 0
+    said = [w for w in pool_bound.warnings if zoo.plan.POOL_ENV in w]
+    assert len(said) == 1 and "pool holds (1.0 GiB" in said[0] and "host budget of 100 GiB is over it" in said[0]
 
 
 @pytest.mark.slow
