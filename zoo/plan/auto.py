@@ -9,7 +9,7 @@ from __future__ import annotations
 from zoo.plan.costs import Transfer
 from zoo.plan.placer import Choice, Decision, choose
 from zoo.plan.types import ModelState, fmt_bytes, fmt_flops
-from zoo.recipe import TOGETHER, Recipe
+from zoo.recipe import TOGETHER
 
 # Sequence tiles: the most of these that leaves each tile this many positions or more (smaller tiles run small
 # matmuls, and more of them save no more: a tile's tensors are already small beside a layer's).
@@ -32,15 +32,16 @@ def structures(model, seq: int) -> list[tuple[int, int, tuple[str, ...]]]:
 
 def choose_structure(layout_of, *, candidates, state: ModelState, shard: int, hbm_budget: int,
                      host_budget: int | None, link: float, rate: float, overlap, reserve
-                     ) -> tuple[Recipe, dict[str, str]]:
-    """The recipe the placer chooses (`zoo.plan.placer.choose`: the structure (tiles, group) of `candidates` that
-    costs least, recompute and exposed copies in seconds per step, among those whose placement fits the budgets; the
-    first candidate's (one tile, no groups) where none fits), and why each tag landed where it did (`notes`).
+                     ) -> tuple[Choice, dict[str, str]]:
+    """What the placer chooses (`zoo.plan.placer.choose`: the structure (tiles, group) of `candidates` that costs
+    least, recompute and exposed copies in seconds per step, among those whose placement fits the budgets; the first
+    candidate's (one tile, no groups) where none fits), as its `Choice` (`.recipe`), and why each tag landed where it
+    did (`notes`).
     `layout_of(tiles, group, keep)`: the planner's `Layout`; `reserve(layout, recipe)`: HBM the step needs beside the
     plan's saved bytes (the loss's logits, one group's backward)."""
     best = choose(layout_of, candidates=candidates, state=state, shard=shard, hbm_budget=hbm_budget,
                   host_budget=host_budget, link=link, rate=rate, overlap=overlap, reserve=reserve)
-    return best.recipe, notes(best)
+    return best, notes(best)
 
 
 def notes(choice: Choice) -> dict[str, str]:
@@ -74,8 +75,8 @@ def _note(d: Decision, tag: str) -> str:
         note = (f"offloaded: {fmt_bytes(d.size)} does not fit in HBM ({fmt_bytes(max(d.left, 0))} left); "
                 f"{_transfer_words(d.transfer)}; {_gain(d.size, d.value)}")
     else:
-        reason = (_transfer_words(d.transfer) if not d.transfer.pays
-                  else f"the host budget is full ({fmt_bytes(d.host_used)} used)")
+        reason = (f"the host budget is full ({fmt_bytes(d.host_used)} used)" if d.host_full
+                  else _transfer_words(d.transfer))
         note = (f"recomputed: {fmt_bytes(d.size)} does not fit in HBM ({fmt_bytes(max(d.left, 0))} left) "
                 f"and {reason}")
     others = ", ".join(o for o in d.tags if o != tag)
@@ -96,7 +97,7 @@ def _carry_note(d: Decision) -> str:
     if d.why == "carry offloaded":
         return f"scan carry offloaded: does not fit in HBM; its transfers add {1e3 * d.transfer.added:.1f} ms per step"
     return "scan carry kept in HBM although over budget: it cannot be recomputed and " + (
-        _transfer_words(d.transfer) if not d.transfer.pays else "the host budget is full")
+        "the host budget is full" if d.host_full else _transfer_words(d.transfer))
 
 
 def _gain(size: int, value: float) -> str:

@@ -98,14 +98,16 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
     pool, pool_warning = state_lib.host_pool_bytes()
 
     notes: dict[str, str] = {}
+    host_full = False   # auto left a tag out of host memory that would have paid to offload
     if is_auto:
         # recompute is priced at the step's measured rate where one is known, else at the given FLOP rate
         host_budget = state_lib.host_budget(hardware.host_gib, pool, ram) - state.host
-        recipe, notes = auto.choose_structure(
+        choice, notes = auto.choose_structure(
             lambda tiles, group, keep: layout(cfg, micro, seq, amesh, shard, tiles, group, keep),
             candidates=auto.structures(model, seq), state=state, shard=shard, hbm_budget=hbm_budget,
             host_budget=host_budget, link=link_gbps * 1e9, rate=(step_tflops or hardware.tflops) * 1e12,
             overlap=overlap, reserve=lambda lay, r: loss_reserve(cfg, training, micro, seq, shard) + lay.working(r))
+        recipe, host_full = choice.recipe, choice.host_full
     lay = layout(cfg, micro, seq, amesh, shard, recipe.seq_tiles, recipe.group, recipe.resolve().group_keep)
     state = state.in_groups(recipe.group)
     shapes = lay.shapes
@@ -118,8 +120,8 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
     activation = sum(sp.device_bytes for sp in stacks)
     host = sum(sp.host_bytes for sp in stacks)
     extra += [pool_warning] if pool_warning else []
-    if is_auto and any("host budget is full" in words for words in notes.values()):
-        extra += _pool_bound(hardware.host_gib, pool, ram, state.host)
+    if host_full:
+        extra += state_lib.pool_bound(hardware.host_gib, pool, ram, state.host)
     if recipe.special == "none":
         extra.append("recipe 'none' keeps every intermediate JAX saves, untagged ones included (attention "
                      "probabilities on the XLA path): counted from JAX's own list of residuals")
@@ -356,13 +358,3 @@ def auto_recipe(cfg, *, batch: int, seq: int, hardware: Hardware, **kwargs) -> R
     """
     return plan(cfg, "auto", batch=batch, seq=seq, hardware=hardware, **kwargs).recipe
 
-
-def _pool_bound(host_gib: float | None, pool: int, ram: int | None, state_host: int) -> list[str]:
-    """A line where `--recipe auto` found the host budget full and XLA's pinned pool is what bounds it (not the
-    RAM, not a smaller `host_gib`): the pool's variable raises it, and a larger `host_gib` alone does nothing."""
-    if any(b is not None and b < pool for b in (ram, None if host_gib is None else int(host_gib * GiB))):
-        return []
-    over = f" (a host budget of {host_gib:g} GiB is over it)" if host_gib is not None and host_gib * GiB > pool else ""
-    return [f"--recipe auto had more to offload than XLA's pinned host pool holds ({fmt_bytes(pool)}, of which the "
-            f"state takes {fmt_bytes(state_host)}){over}: raise {state_lib.POOL_ENV} (an integer, GiB) before launch "
-            f"to let it offload more"]

@@ -59,6 +59,12 @@ class Decision:
     tiled: bool = False
     how: Literal["", "together", "pair"] = ""
 
+    @property
+    def host_full(self) -> bool:
+        """Whether the host budget is what stopped it: recomputed (or the carry kept over the HBM budget) although
+        its transfer pays."""
+        return self.why in ("recomputed", "carry over") and self.transfer is not None and self.transfer.pays
+
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
@@ -76,6 +82,11 @@ class Choice:
     fits: bool
     pressed: bool
     decisions: tuple[Decision, ...]
+
+    @property
+    def host_full(self) -> bool:
+        """Whether the host budget stopped some tag from being offloaded (`Decision.host_full`)."""
+        return any(d.host_full for d in self.decisions)
 
 
 def choose(layout_of, *, candidates, state: ModelState, shard: int, hbm_budget: int, host_budget: int | None,

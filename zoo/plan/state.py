@@ -96,6 +96,28 @@ def host_budget(host_gib: float | None, pool: int, ram: int | None) -> int:
     return min(b for b in (pool, ram, None if host_gib is None else int(host_gib * GiB)) if b is not None)
 
 
+def pool_bound(host_gib: float | None, pool: int, ram: int | None, state_host: int) -> list[str]:
+    """For a plan whose `--recipe auto` found the host budget full: a line where XLA's pinned pool is what bounds that
+    budget (`host_budget`: not the RAM, not a smaller `host_gib`), naming the pool's variable (a larger `host_gib`
+    alone does nothing); else nothing.
+
+    Args:
+        host_gib: the host budget asked for, GiB (None: none).
+        pool: XLA's pinned pool, bytes (`host_pool_bytes`).
+        ram: the machine's RAM, bytes (None: not this machine's, or unknown).
+        state_host: the model state's bytes in the pool.
+
+    Returns:
+        [the line] or [].
+    """
+    if host_budget(host_gib, pool, ram) < pool:
+        return []
+    over = f" (a host budget of {host_gib:g} GiB is over it)" if host_gib is not None and host_gib * GiB > pool else ""
+    return [f"--recipe auto had more to offload than XLA's pinned host pool holds ({fmt_bytes(pool)}, of which the "
+            f"state takes {fmt_bytes(state_host)}){over}: raise {POOL_ENV} (an integer, GiB) before launch to let "
+            f"it offload more"]
+
+
 def warnings(p_host: int, activation: int, state: ModelState, hbm_budget: int | None, pool: int,
               extra: list[str], ram: int | None = None) -> tuple[str, ...]:
     """`extra`, then host bytes over the pinned pool or the RAM (`ram`: None where the machine planned for is not
