@@ -122,7 +122,7 @@ def run_main(a) -> None:
           "planned_step_s": rows[0].get("planned_step_s"),
           **({"planned_host_gib": round(rows[0]["planned_host_bytes"] / 2**30, 2)}
              if rows[0].get("planned_host_bytes") is not None else {}),
-          **({"profile": trace_summary.summarise(trace_summary._load(trace), 1, top=16)} if a.profile else {})})
+          **({"profile": trace_summary.summarise(trace_summary.load(trace), 1, top=16)} if a.profile else {})})
 
 
 def run_sgd(a) -> None:

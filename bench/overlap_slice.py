@@ -149,7 +149,7 @@ def main():
                     (loss, dropped), params = compiled(params, rest, tokens)
                 loss.block_until_ready()
             out["traced_step_s"] = round((time.perf_counter() - t) / 2, 4)
-            trace = trace_summary._load(a.profile)
+            trace = trace_summary.load(a.profile)
             p = trace_summary.summarise(trace, 2)
             out["gaps"] = trace_summary.gaps(trace, 2)
             out["profile"] = {k: p.get(k) for k in ("window_ms_per_step", "compute_stream", "compute_busy_ms_per_step",

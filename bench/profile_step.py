@@ -66,7 +66,7 @@ def main():
             (loss, _), params = compiled(params, rest, tokens)
         loss.block_until_ready()
     traced_s = time.perf_counter() - t
-    summary = trace_summary.summarise(trace_summary._load(a.out), a.steps, top=a.top)
+    summary = trace_summary.summarise(trace_summary.load(a.out), a.steps, top=a.top)
     emit(dict(bench="profile", impl="zoo", recipe=a.recipe, shape=a.shape, B=a.batch, S=a.seq, L=a.layers,
               traced_step_s=round(traced_s / a.steps, 4), profile=summary))
 

@@ -78,7 +78,7 @@ def main():
             times.append(time.perf_counter() - t)
         with jax.profiler.trace(a.out):
             f(x, w).block_until_ready()
-        p = trace_summary.summarise(trace_summary._load(a.out), 1)
+        p = trace_summary.summarise(trace_summary.load(a.out), 1)
         return dict(step_s=round(statistics.median(times), 5), copy_start_in_hlo="copy-start" in text,
                     S5_in_hlo="S(5)" in text, profile={k: p.get(k) for k in (
                         "window_ms_per_step", "compute_stream", "compute_busy_ms_per_step",

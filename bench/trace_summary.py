@@ -21,7 +21,13 @@ import re
 _BYTES = re.compile(r"(?:num_bytes|bytes|size)[\"']?\s*[:=]\s*(\d+)", re.IGNORECASE)
 
 
-def _load(path: str) -> dict:
+def load(path: str) -> dict:
+    """A trace's events as JSON: the file at `path`, or the newest `*.trace.json.gz` under a folder `path` (what
+    `jax.profiler` writes).
+
+    Args:
+        path: a `.trace.json.gz` file or a folder holding one.
+    """
     if os.path.isdir(path):
         files = sorted(glob.glob(os.path.join(path, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
         if not files:
@@ -207,7 +213,7 @@ def main():
     ap.add_argument("--steps", type=int, default=1, help="steps inside the traced window (figures per step)")
     ap.add_argument("--gaps", action="store_true", help="where the copies stay exposed (see `gaps`)")
     a = ap.parse_args()
-    trace = _load(a.path)
+    trace = load(a.path)
     print(json.dumps(gaps(trace, a.steps) if a.gaps else summarise(trace, a.steps), indent=1))
 
 
