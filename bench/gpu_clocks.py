@@ -64,8 +64,15 @@ def _number(text: str) -> float | None:
 
 def summarise(path: str) -> dict | None:
     """What one nvidia-smi CSV log says of the job: how many samples, how many under load (over `LOADED_W`), and
-    under load the mean SM clock (MHz), the mean draw (W) and the share of samples held at the power cap. None for
-    a log with no sample."""
+    under load the mean SM clock (MHz), the mean draw (W) and the share of samples held at the power cap.
+
+    Args:
+        path: the CSV log (`Sampler`'s, or one written by hand with `--format=csv`: its header names the columns).
+
+    Returns:
+        {"samples", "loaded", and where any sample was under load "sm_mhz", "power_w", "power_capped"}; None for a
+        log with no sample.
+    """
     with open(path, newline="") as f:
         rows = [r for r in csv.reader(f) if r]
     if len(rows) < 2:

@@ -37,8 +37,23 @@ def choose_structure(layout_of, *, candidates, state: ModelState, shard: int, hb
     least, recompute and exposed copies in seconds per step, among those whose placement fits the budgets; the first
     candidate's (one tile, no groups) where none fits), as its `Choice` (`.recipe`), and why each tag landed where it
     did (`notes`).
-    `layout_of(tiles, group, keep)`: the planner's `Layout`; `reserve(layout, recipe)`: HBM the step needs beside the
-    plan's saved bytes (the loss's logits, one group's backward)."""
+
+    Args:
+        layout_of: `layout_of(tiles, group, keep)`: the planner's `Layout` of a structure.
+        candidates: the structures to try, (tiles, group, keep) each, simplest first (`structures`).
+        state: the model state (in HBM whatever the placement).
+        shard: devices the batch and the tags are split over.
+        hbm_budget: the HBM budget per device, bytes.
+        host_budget: the host memory offloaded tags may take per device, bytes (None: unbounded).
+        link: the host link, bytes per second per direction.
+        rate: the FLOP rate recompute is priced at, FLOP/s.
+        overlap: the fraction of copy time hidden under compute (a number, a (d2h, h2d) pair or an `Overlap`).
+        reserve: `reserve(layout, recipe)`: HBM the step needs beside the plan's saved bytes (the loss's logits, one
+            group's backward).
+
+    Returns:
+        (the placer's `Choice`, {tag: why it landed where it did}).
+    """
     best = choose(layout_of, candidates=candidates, state=state, shard=shard, hbm_budget=hbm_budget,
                   host_budget=host_budget, link=link, rate=rate, overlap=overlap, reserve=reserve)
     return best, notes(best)
