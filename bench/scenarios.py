@@ -317,6 +317,15 @@ SCENARIOS: dict[str, Scenario] = {
         (long_job("long_context", 524288, layers=8, steps=2, est=400, timeout=560,
                   extra=("--profile", "--train-arg=--set=attention_impl=mosaic_cudnn"),
                   name="main-job-8b-L8-S512K-long_context-mosaic_cudnn-trace"),)),
+    "longest-context-128k-trace": Scenario(
+        "where the 8B's 128K step goes: all 32 layers under auto, two steps, the second traced and summed per kernel "
+        "in the record; the plain-JAX long-context anchor's 128K slice (context offloaded); then the default 8K main "
+        "job (auto) beside its plain-JAX anchor",
+        (long_job("auto", 131072, steps=2, est=200, timeout=330, extra=("--profile",),
+                  name="main-job-8b-L32-S128K-auto-trace"),
+         anchor_ctx("ctx_offload", 131072, 2),
+         main_job("auto", est=90, timeout=200, gpu="0"),
+         anchor("minimal", shape="8b", layers=8, est=50, gpu="0"))),
     "loss-chunks": Scenario(
         "the loss's chunk length: the 8B's LM head and cross-entropy (forward and backward) at 8K, 128K and 256K "
         "tokens, the whole sequence and chunks of 64 (the rule's old fallback at 256K), 1,024 (the rule's choice "

@@ -40,10 +40,15 @@ def busy(console: Console, what: str, every_s: float = EVERY_S) -> Iterator[None
         return
     console.print(f"{what} ...", soft_wrap=True, markup=False)
     t0, done = time.perf_counter(), threading.Event()
+    # The stream the console writes to now: the heartbeat thread writes there, not to whatever `sys.stdout` is when
+    # it wakes, since the work it watches may redirect stdout meanwhile (zoo.plan.measure reads JAX's printed
+    # residuals through `contextlib.redirect_stdout`, and a line of ours there would be read as one of JAX's).
+    stream = console.file
 
     def tick() -> None:
         while not done.wait(every_s):
-            console.print(f"... still {what}: {time.perf_counter() - t0:.0f} s", soft_wrap=True, markup=False)
+            stream.write(f"... still {what}: {time.perf_counter() - t0:.0f} s\n")
+            stream.flush()
 
     thread = threading.Thread(target=tick, daemon=True)
     thread.start()
