@@ -122,7 +122,13 @@ def run_main(a) -> None:
           "planned_step_s": rows[0].get("planned_step_s"),
           **({"planned_host_gib": round(rows[0]["planned_host_bytes"] / 2**30, 2)}
              if rows[0].get("planned_host_bytes") is not None else {}),
-          **({"profile": trace_summary.summarise(trace_summary.load(trace), 1, top=16)} if a.profile else {})})
+          **(_profile(trace) if a.profile else {})})
+
+
+def _profile(trace: str) -> dict:
+    """The traced step's summary per kernel and copy direction, and where the compute stream waited."""
+    t = trace_summary.load(trace)
+    return {"profile": trace_summary.summarise(t, 1, top=16), "profile_gaps": trace_summary.gaps(t, 1, bins=48)}
 
 
 def run_sgd(a) -> None:

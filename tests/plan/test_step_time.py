@@ -172,9 +172,11 @@ def test_every_long_context_record_of_the_main_job_is_predicted_within_5_percent
     512K, 4 to 32 layers, under auto, full, long_context and longest_context, as the H200 ran it: the planner's step
     time (attention at its kernel's measured rate for the length, `links.ATTENTION_RATES`) within 5% of each step
     timed past the first. A record of the first step alone (its runtime setup included: 15 to 22 s more at 512K
-    than the second) takes at least the predicted step."""
+    than the second) takes at least the predicted step. A traced step (`profile` in the record) is not a step the
+    planner predicts: the profiler's cost grows with the kernels a step runs (3.5 to 4.3 s at 128K, 32 layers)."""
     runs = [r for f in sorted(RESULTS.glob("*.jsonl")) for r in records.load_flat(f)
-            if r["bench"] == "main-job-8b" and (r["S"] or 0) >= 131072 and r.get("recipe_run") and r.get("step_s")]
+            if r["bench"] == "main-job-8b" and (r["S"] or 0) >= 131072 and r.get("recipe_run") and r.get("step_s")
+            and not r.get("profile")]
     steady = [r for r in runs if r["steps"] > 1]
     assert {r["S"] for r in steady} == {131072, 262144, 524288} and len(steady) >= 7
     training = Training(opt_state="host", params="host", opt_dtype="bfloat16")

@@ -115,16 +115,17 @@ class AttentionRate:
 GPU_KERNELS = ("cudnn", "mosaic_cudnn")   # the attention kernels with a measured rate (zoo.layers.attention_kernel)
 # cuDNN's rates in the main job, fitted to its records past the first step (below): at 128K and 256K lower than cuDNN's
 # alone (460 and 454 TFLOP/s: bench/results/attention-rates_2026-12-03.jsonl), the rest of the step's time beside
-# attention included; at 512K, where attention is most of the step, cuDNN's own 450.
-_CUDNN_IN_STEP_H200 = ((32768, 418.0), (131072, 446.0), (262144, 414.0), (524288, 450.0))
+# attention included (3% at 128K, 2% at 256K); at 512K, where attention is most of the step, cuDNN's own 450.
+_CUDNN_IN_STEP_H200 = ((32768, 418.0), (131072, 446.0), (262144, 445.0), (524288, 450.0))
 ATTENTION_RATES: tuple[AttentionRate, ...] = (
     AttentionRate("H200", "cudnn", _CUDNN_IN_STEP_H200, 620.0, "2026-12-03",
-                  "fitted to 14 records, every one predicted within 5%: the 8B-shaped stack (batch 1, bf16, SGD) at "
+                  "fitted to 15 records, every one predicted within 5%: the 8B-shaped stack (batch 1, bf16, SGD) at "
                   "32K/8, 64K/4 and 128K/2 layers under full, context_offload, minimal and minimal_no_context "
                   "(bench/results/long-context_2026-12-01.jsonl), and the main job (AdamW, state on the host) past "
                   "its first step at 128K (32 layers under auto and full, 4 under long_context), 256K (32 under "
-                  "auto) and 512K (8 under long_context, 134.3 s and 137.5 s traced: "
-                  "bench/results/longest-context_2026-12-02.jsonl, half-million-rate_2026-12-03.jsonl, "
+                  "auto, 148.9 s with the loss in chunks of 1,024) and 512K (8 under long_context, 134.3 s and "
+                  "137.5 s traced: bench/results/longest-context_2026-12-02.jsonl, "
+                  "longest-context-256k_2026-12-03.jsonl, half-million-rate_2026-12-03.jsonl, "
                   "half-million-trace_2026-12-03.jsonl); the family's step rate for the matmuls"),
     AttentionRate("H200", "mosaic_cudnn", ((524288, 384.0),), 620.0, "2026-12-03",
                   "the main job's one record with this kernel past its first step (524,288 tokens, 8 layers, "
