@@ -11,6 +11,8 @@ import functools
 import io
 import math
 import re
+import sys
+import threading
 from typing import Any
 
 import jax
@@ -52,11 +54,34 @@ class Residual:
         return int(jnp.dtype(self.dtype).itemsize) * math.prod(self.shape)  # math.prod: no int32 overflow
 
 
+class _ThisThreadOnly(io.TextIOBase):
+    """stdout while JAX prints its residuals: this thread's lines into `text`, every other thread's (a progress
+    line, a user's logging) on to the stream that was stdout before."""
+
+    def __init__(self, text: io.StringIO, before):
+        self.text, self.before, self.thread = text, before, threading.current_thread()
+
+    def write(self, s: str) -> int:
+        return (self.text if threading.current_thread() is self.thread else self.before).write(s)
+
+    def flush(self) -> None:
+        self.before.flush()
+
+
 def saved_residuals(fn, *args) -> list[tuple[tuple[int, ...], Any, bool, str]]:
     """(shape, dtype, on the host, source) of each residual JAX saves for `fn(*args)`, read through the public
-    `jax.ad_checkpoint.print_saved_residuals` (jax 0.10-0.11 keep `saved_residuals` itself private)."""
+    `jax.ad_checkpoint.print_saved_residuals` (jax 0.10-0.11 keep `saved_residuals` itself private); what other
+    threads print meanwhile goes where it would have gone.
+
+    Args:
+        fn: the function JAX differentiates (a scalar function, as `jax.grad` takes it).
+        *args: its arguments (arrays or `jax.ShapeDtypeStruct`s: nothing runs).
+
+    Returns:
+        One (shape, dtype, on the host, where it comes from) per residual, in JAX's order.
+    """
     text = io.StringIO()
-    with contextlib.redirect_stdout(text):
+    with contextlib.redirect_stdout(_ThisThreadOnly(text, sys.stdout)):
         jax.ad_checkpoint.print_saved_residuals(fn, *args)
     out = []
     for line in text.getvalue().splitlines():
