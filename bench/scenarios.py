@@ -326,6 +326,15 @@ SCENARIOS: dict[str, Scenario] = {
          anchor_ctx("ctx_offload", 131072, 2),
          main_job("auto", est=90, timeout=200, gpu="0"),
          anchor("minimal", shape="8b", layers=8, est=50, gpu="0"))),
+    "longest-context-128k-moments": Scenario(
+        "the 8B's 128K step with AdamW's bf16 moments in HBM and only the float32 master on the host (the update's "
+        "tail moves half the bytes; the plan offloads attention_out and context to make room), two steps, the "
+        "second traced, beside the same step with the whole state on the host",
+        (main_job("auto", ("--layers", "32", "--batch", "1", "--seq", "131072", "--opt-state", "device",
+                           "--opt-dtype", "bfloat16", "--param-dtype", "bfloat16", "--params", "host", "--profile"),
+                  steps=2, est=220, timeout=330, gpu="0", name="main-job-8b-L32-S128K-auto-moments-hbm-trace",
+                  env=LONG_ENV),
+         long_job("auto", 131072, steps=3, est=260, timeout=330))),
     "loss-chunks": Scenario(
         "the loss's chunk length: the 8B's LM head and cross-entropy (forward and backward) at 8K, 128K and 256K "
         "tokens, the whole sequence and chunks of 64 (the rule's old fallback at 256K), 1,024 (the rule's choice "
