@@ -296,6 +296,9 @@ def test_auto_keeps_on_device_what_fits_and_respects_a_host_budget(monkeypatch):
     assert pool_bound.recipe.offload == () and pool_bound.host_bytes == 0
     said = [w for w in pool_bound.warnings if zoo.plan.POOL_ENV in w]
     assert len(said) == 1 and "pool holds (1.0 GiB" in said[0] and "host budget of 100 GiB is over it" in said[0]
+    both = zoo.plan.plan(L405, "auto", hardware=Hardware(       # --host as small as the pool: raising it alone is idle
+        hbm_gib=_tight_budget(L405, **STUDY_405B), link_gbps=450, overlap=1, tflops=800, host_gib=1), **STUDY_405B)
+    assert both.recipe.offload == () and not any(zoo.plan.POOL_ENV in w for w in both.warnings)
 
 
 @pytest.mark.slow

@@ -97,9 +97,10 @@ def host_budget(host_gib: float | None, pool: int, ram: int | None) -> int:
 
 
 def pool_bound(host_gib: float | None, pool: int, ram: int | None, state_host: int) -> list[str]:
-    """For a plan whose `--recipe auto` found the host budget full: a line where XLA's pinned pool is what bounds that
-    budget (`host_budget`: not the RAM, not a smaller `host_gib`), naming the pool's variable (a larger `host_gib`
-    alone does nothing); else nothing.
+    """For a plan whose `--recipe auto` found the host budget full: a line where XLA's pinned pool alone is what
+    bounds that budget (`host_budget`: the RAM and `host_gib` are both larger), naming the pool's variable (a larger
+    `host_gib` alone does nothing); else nothing (where `host_gib` or the RAM is as small, raising the pool alone
+    would do nothing either).
 
     Args:
         host_gib: the host budget asked for, GiB (None: none).
@@ -110,7 +111,7 @@ def pool_bound(host_gib: float | None, pool: int, ram: int | None, state_host: i
     Returns:
         [the line] or [].
     """
-    if host_budget(host_gib, pool, ram) < pool:
+    if any(b is not None and b <= pool for b in (ram, None if host_gib is None else int(host_gib * GiB))):
         return []
     over = f" (a host budget of {host_gib:g} GiB is over it)" if host_gib is not None and host_gib * GiB > pool else ""
     return [f"--recipe auto had more to offload than XLA's pinned host pool holds ({fmt_bytes(pool)}, of which the "
