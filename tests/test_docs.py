@@ -576,7 +576,7 @@ def test_the_renames_table_is_read():
 # -- flags, choices and GPU outputs --------------------------------------------------------------------------------
 # Flags of other programs the docs name, by flag: the program.
 OTHER_FLAGS = {"--strict": "mkdocs build", "--site-dir": "mkdocs build", "--dist": "pytest-xdist",
-               "--logdir": "tensorboard", "--collect-only": "pytest"}
+               "--logdir": "tensorboard", "--collect-only": "pytest", "--gaps": "python -m bench.trace_summary"}
 # Pages about the benchmarks: their flags are the bench scripts' (bench/), not the commands'.
 BENCH_PAGES = ("docs/benchmarks/", "docs/offload-profile.md")
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)(?![\w])")
