@@ -179,11 +179,12 @@ def anchor_ctx(policy, seq, layers, est=40, timeout=150, gpu="0") -> Job:
                anchor={"bench": "llama3-ctx-slice", "S": seq, "backend": "none"}, gpus=gpu)
 
 
-def main_job(recipe, extra=(), steps=12, est=110, timeout=200, gpu=None, name=None, env=None) -> Job:
-    """bench.main_job_8b main: `python -m recipes.train` on the 8B preset cut to 8 layers, AdamW."""
+def main_job(recipe, extra=(), steps=12, est=110, timeout=200, gpu=None, name=None, env=None, flags=LHS) -> Job:
+    """bench.main_job_8b main: `python -m recipes.train` on the 8B preset cut to 8 layers, AdamW (`flags`: its
+    XLA_FLAGS)."""
     return Job(name or f"main-job-8b-{recipe}",
                ("-m", "bench.main_job_8b", "main", "--recipe", recipe, "--steps", str(steps), "--workdir", "{work}",
-                "--timeout", str(timeout - 20), *extra), LHS, est, timeout, env=env or {},
+                "--timeout", str(timeout - 20), *extra), flags, est, timeout, env=env or {},
                ident={"bench": "main-job-8b", "impl": "zoo", "program": "main-job", "recipe": recipe, "setting": "zoo",
                       "log": "{work}/train.log"}, gpus=gpu)
 
@@ -245,13 +246,13 @@ def _mesh_size(mesh: str) -> int:
     return n
 
 
-def long_job(recipe, seq, layers=32, steps=3, est=300, timeout=420, extra=(), name=None, env=None) -> Job:
+def long_job(recipe, seq, layers=32, steps=3, est=300, timeout=420, extra=(), name=None, env=None, flags=LHS) -> Job:
     """The main job on the 8B preset at `seq` (batch 1), bf16 parameters with their float32 master and AdamW's bf16
     moments in pinned host memory."""
     sets = ("--train-arg=--set=max_seq_len=" + str(seq),) if seq > 131072 else ()
     return main_job(recipe, ("--layers", str(layers), "--batch", "1", "--seq", str(seq), *HOST_STATE, *sets, *extra),
                     steps=steps, est=est, timeout=timeout, gpu="0",
-                    name=name or f"main-job-8b-L{layers}-S{seq // 1024}K-{recipe}", env=env or LONG_ENV)
+                    name=name or f"main-job-8b-L{layers}-S{seq // 1024}K-{recipe}", env=env or LONG_ENV, flags=flags)
 
 
 # ------------------------------------------------------------------------------------------------ smoke form

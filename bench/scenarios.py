@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from bench.jobs import (
+    DOUBLE_BUFFER,
     HOST_STATE,
     LHS,
     LONG_ENV,
@@ -329,12 +330,15 @@ SCENARIOS: dict[str, Scenario] = {
     "longest-context-128k-moments": Scenario(
         "the 8B's 128K step with AdamW's bf16 moments in HBM and only the float32 master on the host (the update's "
         "tail moves half the bytes; the plan offloads attention_out and context to make room), two steps, the "
-        "second traced, beside the same step with the whole state on the host",
+        "second traced, beside the same step with the whole state on the host, and that step traced under XLA's "
+        "while-loop double buffering (can each layer's offloaded inputs arrive during the layer before?)",
         (main_job("auto", ("--layers", "32", "--batch", "1", "--seq", "131072", "--opt-state", "device",
                            "--opt-dtype", "bfloat16", "--param-dtype", "bfloat16", "--params", "host", "--profile"),
                   steps=2, est=220, timeout=330, gpu="0", name="main-job-8b-L32-S128K-auto-moments-hbm-trace",
                   env=LONG_ENV),
-         long_job("auto", 131072, steps=3, est=260, timeout=330))),
+         long_job("auto", 131072, steps=3, est=260, timeout=330),
+         long_job("auto", 131072, steps=2, est=220, timeout=330, extra=("--profile",), flags=f"{LHS} {DOUBLE_BUFFER}",
+                  name="main-job-8b-L32-S128K-auto-double-buffer-trace"))),
     "loss-chunks": Scenario(
         "the loss's chunk length: the 8B's LM head and cross-entropy (forward and backward) at 8K, 128K and 256K "
         "tokens, the whole sequence and chunks of 64 (the rule's old fallback at 256K), 1,024 (the rule's choice "
