@@ -357,4 +357,3 @@ def auto_recipe(cfg, *, batch: int, seq: int, hardware: Hardware, **kwargs) -> R
         ('auto', 1)
     """
     return plan(cfg, "auto", batch=batch, seq=seq, hardware=hardware, **kwargs).recipe
-

@@ -93,7 +93,12 @@ def machine_ram_bytes() -> int | None:
 def host_budget(host_gib: float | None, pool: int, ram: int | None) -> int:
     """Pinned host bytes a plan may use: XLA's pool, the machine's RAM (None: unknown, e.g. planning for another
     machine) and `host_gib` (given), whichever is least."""
-    return min(b for b in (pool, ram, None if host_gib is None else int(host_gib * GiB)) if b is not None)
+    return min((pool, *_other_limits(host_gib, ram)))
+
+
+def _other_limits(host_gib: float | None, ram: int | None) -> list[int]:
+    """The host budget's limits beside XLA's pool, in bytes: the RAM and `host_gib`, those that are known."""
+    return [b for b in (ram, None if host_gib is None else int(host_gib * GiB)) if b is not None]
 
 
 def pool_bound(host_gib: float | None, pool: int, ram: int | None, state_host: int) -> list[str]:
@@ -111,9 +116,9 @@ def pool_bound(host_gib: float | None, pool: int, ram: int | None, state_host: i
     Returns:
         [the line] or [].
     """
-    if any(b is not None and b <= pool for b in (ram, None if host_gib is None else int(host_gib * GiB))):
+    if any(b <= pool for b in _other_limits(host_gib, ram)):
         return []
-    over = f" (a host budget of {host_gib:g} GiB is over it)" if host_gib is not None and host_gib * GiB > pool else ""
+    over = f" (a host budget of {host_gib:g} GiB is over it)" if host_gib is not None else ""
     return [f"--recipe auto had more to offload than XLA's pinned host pool holds ({fmt_bytes(pool)}, of which the "
             f"state takes {fmt_bytes(state_host)}){over}: raise {POOL_ENV} (an integer, GiB) before launch to let "
             f"it offload more"]
