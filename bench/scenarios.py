@@ -328,15 +328,16 @@ SCENARIOS: dict[str, Scenario] = {
          main_job("auto", est=90, timeout=200, gpu="0"),
          anchor("minimal", shape="8b", layers=8, est=50, gpu="0"))),
     "longest-context-128k-moments": Scenario(
-        "the 8B's 128K step with AdamW's bf16 moments in HBM and only the float32 master on the host (the update's "
-        "tail moves half the bytes; the plan offloads attention_out and context to make room), two steps, the "
-        "second traced, beside the same step with the whole state on the host, and that step traced under XLA's "
-        "while-loop double buffering (can each layer's offloaded inputs arrive during the layer before?)",
-        (main_job("auto", ("--layers", "32", "--batch", "1", "--seq", "131072", "--opt-state", "device",
-                           "--opt-dtype", "bfloat16", "--param-dtype", "bfloat16", "--params", "host", "--profile"),
-                  steps=2, est=220, timeout=330, gpu="0", name="main-job-8b-L32-S128K-auto-moments-hbm-trace",
+        "the 8B's 128K step under auto, three steps each: with the whole state in pinned host memory (the update "
+        "streamed a layer at a time, pipelined), and with AdamW's bf16 moments in HBM and only the float32 master on "
+        "the host (the update moves half the bytes; the plan offloads attention_out and context to make room); then "
+        "the first step traced under XLA's while-loop double buffering (can each layer's offloaded inputs arrive "
+        "during the layer before?)",
+        (long_job("auto", 131072, steps=3, est=260, timeout=330),
+         main_job("auto", ("--layers", "32", "--batch", "1", "--seq", "131072", "--opt-state", "device",
+                           "--opt-dtype", "bfloat16", "--param-dtype", "bfloat16", "--params", "host"),
+                  steps=3, est=260, timeout=330, gpu="0", name="main-job-8b-L32-S128K-auto-moments-hbm",
                   env=LONG_ENV),
-         long_job("auto", 131072, steps=3, est=260, timeout=330),
          long_job("auto", 131072, steps=2, est=220, timeout=330, extra=("--profile",), flags=f"{LHS} {DOUBLE_BUFFER}",
                   name="main-job-8b-L32-S128K-auto-double-buffer-trace"))),
     "loss-chunks": Scenario(
