@@ -2,8 +2,8 @@
 host`, `--params host`: `zoo.opt_state`).
 
 The clip's norm is computed once over the gradients; then each parameter's arrays are cut into equal chunks (`chunking`)
-and the parameters with as many chunks are updated in one software-pipelined `jax.lax.fori_loop`: while chunk i of
-each is updated (the NaN guard's select included), chunk i + 1 comes into HBM and chunk i - 1 goes back in place. HBM holds a few chunks, never the state; the
+and the parameters with as many chunks are updated in one `jax.lax.fori_loop` that brings chunk i of each into HBM,
+updates it (the NaN guard's select included) and writes it back in place. HBM holds a few chunks, never the state; the
 numbers are the unstreamed update's up to an ulp (docs/internals.md, "The streamed update").
 """
 from __future__ import annotations
@@ -221,47 +221,32 @@ def _give(x: jax.Array, chunk: jax.Array, axis: int, start) -> jax.Array:
     return chunk if chunk.shape == x.shape else jax.lax.dynamic_update_slice_in_dim(x, chunk, start, axis)
 
 
-def _read(leaves: list[_Leaf], carry: list, i) -> tuple[list, ...]:
-    """Chunk `i` of each of a group's arrays, in HBM: (gradients, parameters, masters (None where there are none),
-    per-parameter states), the arrays read from `carry` (per parameter: its parameter, master or None, states)."""
-    takes = [functools.partial(_take, axis=leaf.axis, start=i * (leaf.grad.shape[leaf.axis] // leaf.chunks),
-                               size=leaf.grad.shape[leaf.axis] // leaf.chunks) for leaf in leaves]
-    return ([take(leaf.grad) for take, leaf in zip(takes, leaves)],
-            [take(p) for take, (p, _, _) in zip(takes, carry)],
-            [None if w is None else take(w) for take, (_, w, _) in zip(takes, carry)],
-            [[take(s) for s in states] for take, (_, _, states) in zip(takes, carry)])
-
-
-def _write(leaves: list[_Leaf], carry: list, new: tuple[list, list, list], i) -> list:
-    """`carry` with chunk `i` of each array replaced by `new` (`_update_chunks`' (parameters, masters, states)),
-    each written back into its array's memory in place."""
-    gives = [functools.partial(_give, axis=leaf.axis, start=i * (leaf.grad.shape[leaf.axis] // leaf.chunks))
-             for leaf in leaves]
+def _chunk_step(u: _Update, leaves: list[_Leaf], i, carry: list) -> list:
+    """`carry` (per parameter of a group: its parameter, master or None, states) with chunk `i` of each parameter
+    updated (`_update_chunks`) and written back."""
+    takes, gives = [], []
+    for leaf in leaves:
+        size = leaf.grad.shape[leaf.axis] // leaf.chunks
+        takes.append(functools.partial(_take, axis=leaf.axis, start=i * size, size=size))
+        gives.append(functools.partial(_give, axis=leaf.axis, start=i * size))
+    new = _update_chunks(u, [take(leaf.grad) for take, leaf in zip(takes, leaves)],
+                         [take(p) for take, (p, _, _) in zip(takes, carry)],
+                         [None if w is None else take(w) for take, (_, w, _) in zip(takes, carry)],
+                         [[take(s) for s in states] for take, (_, _, states) in zip(takes, carry)])
     return [(give(p, new_p), None if w is None else give(w, new_w), [give(s, c) for s, c in zip(states, new_s)])
             for give, (p, w, states), new_p, new_w, new_s in zip(gives, carry, *new)]
 
 
 def _run(u: _Update, leaves: list[_Leaf], n: int) -> None:
-    """Update a group of parameters (`leaves`, each in `n` chunks) in place, their arrays (host arrays included,
-    written in place) the carry of a software-pipelined `jax.lax.fori_loop`: iteration i brings chunk i + 1 into
-    HBM, updates chunk i (brought in by the iteration before) and writes chunk i - 1 (updated by the iteration
-    before) back. The three depend on nothing in common, so the copies to HBM, the update and the copies back
-    overlap (for state in pinned host memory, PCIe carries both directions at once) rather than run one after
-    the other. HBM holds three chunks of each array. For `n` = 1, at once."""
+    """Update a group of parameters (`leaves`, each in `n` chunks) in place: chunk by chunk in a
+    `jax.lax.fori_loop` whose carry is their arrays (host arrays included, written in place), or at once for
+    `n` = 1."""
+    def body(i, carry):
+        return _chunk_step(u, leaves, i, carry)
+
     carry = [(leaf.param[...], None if leaf.master is None else leaf.master[...], [s[...] for s in leaf.states])
              for leaf in leaves]
-    if n == 1:
-        carry = _write(leaves, carry, _update_chunks(u, *_read(leaves, carry, 0)), 0)
-    else:
-        def body(i, c):
-            arrays, ready, done = c
-            return (_write(leaves, arrays, done, i - 1), _read(leaves, arrays, i + 1),
-                    _update_chunks(u, *ready))
-
-        first = _update_chunks(u, *_read(leaves, carry, 0))
-        carry, ready, done = jax.lax.fori_loop(1, n - 1, body, (carry, _read(leaves, carry, 1), first))
-        last = _update_chunks(u, *ready)
-        carry = _write(leaves, _write(leaves, carry, done, n - 2), last, n - 1)
+    carry = body(0, carry) if n == 1 else jax.lax.fori_loop(0, n, body, carry)
     for leaf, (p, master, states) in zip(leaves, carry):
         leaf.param[...] = p
         if leaf.master is not None:
