@@ -336,7 +336,7 @@ SCENARIOS: dict[str, Scenario] = {
         (long_job("auto", 131072, steps=3, est=260, timeout=330),
          main_job("auto", ("--layers", "32", "--batch", "1", "--seq", "131072", "--opt-state", "device",
                            "--opt-dtype", "bfloat16", "--param-dtype", "bfloat16", "--params", "host"),
-                  steps=3, est=260, timeout=330, gpu="0", name="main-job-8b-L32-S128K-auto-moments-hbm",
+                  steps=3, est=420, timeout=540, gpu="0", name="main-job-8b-L32-S128K-auto-moments-hbm",
                   env=LONG_ENV),
          long_job("auto", 131072, steps=2, est=220, timeout=330, extra=("--profile",), flags=f"{LHS} {DOUBLE_BUFFER}",
                   name="main-job-8b-L32-S128K-auto-double-buffer-trace"))),
