@@ -34,8 +34,8 @@ def choose_structure(layout_of, *, candidates, state: ModelState, shard: int, hb
                      host_budget: int | None, link: float, rate: float, overlap, reserve
                      ) -> tuple[Choice, dict[str, str]]:
     """What the placer chooses (`zoo.plan.placer.choose`: the structure (tiles, group) of `candidates` that costs
-    least, recompute and exposed copies in seconds per step, among those whose placement fits the budgets; the
-    one that needs the least HBM where none fits), as its `Choice` (`.recipe`), and why each tag landed where it
+    least, recompute and exposed copies in seconds per step, among those whose placement fits the budgets; the first
+    candidate's (one tile, no groups) where none fits), as its `Choice` (`.recipe`), and why each tag landed where it
     did (`notes`).
 
     Args:

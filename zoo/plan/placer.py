@@ -6,8 +6,7 @@ or recomputed), placed greedily on the figures of the cost model (`zoo.plan.cost
 The rule `choose` picks the best by: structures are tried in the order given (simplest first), each with the scan
 carry placed in HBM first, then again with it offloaded first. The first one tried is the best until another does
 better: one that fits the HBM budget replaces a best that does not fit, and a best that fits only by costing less
-than `1 - TIE` of its seconds per step, less a millisecond (a larger structure must pay for itself); while none fits,
-the one that needs the least HBM is the best (the nearest to fitting, which the plan then reports). Once the best
+than `1 - TIE` of its seconds per step, less a millisecond (a larger structure must pay for itself). Once the best
 fits and kept every tag that saves recompute in HBM (none was pressed for room), the rest are not tried: more tiles or
 layers per group could only add recompute.
 """
@@ -108,7 +107,7 @@ def choose(layout_of, *, candidates, state: ModelState, shard: int, hbm_budget: 
             backward).
 
     Returns:
-        The best `Choice`; where none fits, the one that needs the least HBM (the nearest to fitting).
+        The best `Choice`; where none fits, the first candidate's (one tile, no groups).
     """
     best, layouts = None, {}
     for (tiles, group, keep), carry_out in itertools.product(candidates, (False, True)):
@@ -135,8 +134,7 @@ def choose(layout_of, *, candidates, state: ModelState, shard: int, hbm_budget: 
             continue   # the carry cannot go to the host: the first pass covered this structure
         costs = model.of(placer.placement)
         choice = Choice(recipe, costs, costs.hbm <= hbm_budget, placer.pressed, tuple(placer.decisions))
-        if best is None or (choice.fits and (not best.fits or _cheaper(choice.costs, best.costs))) or (
-                not choice.fits and not best.fits and choice.costs.hbm < best.costs.hbm):
+        if best is None or (choice.fits and (not best.fits or _cheaper(choice.costs, best.costs))):
             best = choice
     return best
 
