@@ -221,117 +221,33 @@ def _give(x: jax.Array, chunk: jax.Array, axis: int, start) -> jax.Array:
     return chunk if chunk.shape == x.shape else jax.lax.dynamic_update_slice_in_dim(x, chunk, start, axis)
 
 
-class _Arrays(NamedTuple):
-    """A group's arrays as one flat list (per parameter: its parameter, its master if any, its per-parameter
-    states), with what a chunk of each is: the axis and the chunk's size along it, and the two halves the
-    pipelined loop moves in turn (`halves`)."""
-    flat: list
-    layout: list            # per parameter: (has a master, number of states)
-    axes: list[int]
-    sizes: list[int]
-
-    @classmethod
-    def of(cls, leaves: list[_Leaf], carry: list) -> _Arrays:
-        flat, layout, axes, sizes = [], [], [], []
-        for leaf, (p, w, states) in zip(leaves, carry):
-            arrays = [p, *([w] if w is not None else []), *states]
-            layout.append((w is not None, len(states)))
-            flat += arrays
-            axes += [leaf.axis] * len(arrays)
-            sizes += [leaf.grad.shape[leaf.axis] // leaf.chunks] * len(arrays)
-        return cls(flat, layout, axes, sizes)
-
-    def nest(self, xs: list) -> tuple[list, list, list]:
-        """(parameters, masters (None where there are none), states per parameter) of a flat list like `flat`."""
-        it, params, masters, states = iter(xs), [], [], []
-        for has_master, k in self.layout:
-            params.append(next(it))
-            masters.append(next(it) if has_master else None)
-            states.append([next(it) for _ in range(k)])
-        return params, masters, states
-
-    def carry(self) -> list:
-        return list(zip(*self.nest(self.flat)))
-
-    def halves(self) -> tuple[list[int], list[int]]:
-        """Two lists of indices into `flat`: the arrays in host memory split into halves of about equal bytes (the
-        largest first, each to the lighter half), the others in the first."""
-        first, second, loads = [], [], [0, 0]
-        host = sorted((a for a, x in enumerate(self.flat) if on_host(x)),
-                      key=lambda a: -math.prod(self.flat[a].shape) * jnp.dtype(self.flat[a].dtype).itemsize)
-        for a in host:
-            half = 0 if loads[0] <= loads[1] else 1
-            (first, second)[half].append(a)
-            loads[half] += math.prod(self.flat[a].shape) * jnp.dtype(self.flat[a].dtype).itemsize
-        first += [a for a in range(len(self.flat)) if not on_host(self.flat[a])]
-        return first, second
-
-
-def _read(arrays: _Arrays, flat: list, which, i) -> list:
-    """Chunk `i` of the arrays `which` (indices) of `flat`, in HBM."""
-    return [_take(flat[a], arrays.axes[a], i * arrays.sizes[a], arrays.sizes[a]) for a in which]
-
-
-def _write(arrays: _Arrays, flat: list, which, chunks: list, i) -> list:
-    """`flat` with chunk `i` of the arrays `which` (indices) replaced by `chunks` (theirs: a list like `flat`)."""
-    flat = list(flat)
-    for a in which:
-        flat[a] = _give(flat[a], chunks[a], arrays.axes[a], i * arrays.sizes[a])
-    return flat
-
-
-def _grads(leaves: list[_Leaf], i) -> list:
-    """Chunk `i` of each parameter's gradient, in HBM."""
-    return [_take(leaf.grad, leaf.axis, i * (leaf.grad.shape[leaf.axis] // leaf.chunks),
-                  leaf.grad.shape[leaf.axis] // leaf.chunks) for leaf in leaves]
-
-
-def _updated(u: _Update, arrays: _Arrays, grads: list, chunks: list) -> list:
-    """`_update_chunks` of one chunk of each array (`chunks`, a list like `arrays.flat`) and gradient: the new
-    chunks, a list like `arrays.flat`."""
-    params, masters, states = _update_chunks(u, grads, *arrays.nest(chunks))
-    return [x for p, w, s in zip(params, masters, states) for x in (p, *([w] if w is not None else []), *s)]
+def _chunk_step(u: _Update, leaves: list[_Leaf], i, carry: list) -> list:
+    """`carry` (per parameter of a group: its parameter, master or None, states) with chunk `i` of each parameter
+    updated (`_update_chunks`) and written back."""
+    takes, gives = [], []
+    for leaf in leaves:
+        size = leaf.grad.shape[leaf.axis] // leaf.chunks
+        takes.append(functools.partial(_take, axis=leaf.axis, start=i * size, size=size))
+        gives.append(functools.partial(_give, axis=leaf.axis, start=i * size))
+    new = _update_chunks(u, [take(leaf.grad) for take, leaf in zip(takes, leaves)],
+                         [take(p) for take, (p, _, _) in zip(takes, carry)],
+                         [None if w is None else take(w) for take, (_, w, _) in zip(takes, carry)],
+                         [[take(s) for s in states] for take, (_, _, states) in zip(takes, carry)])
+    return [(give(p, new_p), None if w is None else give(w, new_w), [give(s, c) for s, c in zip(states, new_s)])
+            for give, (p, w, states), new_p, new_w, new_s in zip(gives, carry, *new)]
 
 
 def _run(u: _Update, leaves: list[_Leaf], n: int) -> None:
-    """Update a group of parameters (`leaves`, each in `n` chunks) in place, their arrays (host arrays included,
-    written in place) the carry of a software-pipelined `jax.lax.fori_loop`.
+    """Update a group of parameters (`leaves`, each in `n` chunks) in place: chunk by chunk in a
+    `jax.lax.fori_loop` whose carry is their arrays (host arrays included, written in place), or at once for
+    `n` = 1."""
+    def body(i, carry):
+        return _chunk_step(u, leaves, i, carry)
 
-    Iteration i updates chunk i (brought into HBM by the iteration before), brings chunk i + 1 in and writes chunk
-    i - 1 (updated by the iteration before) back, the host arrays in two halves of about equal bytes (`_Arrays.halves`):
-    the first half's chunk i + 1 comes in while the second's chunk i - 1 goes out, then the first's goes out while
-    the second's comes in. Each array's read and write are ordered by data (the first half's writes wait for its
-    reads through an optimization barrier; the second half's reads slice its written arrays), so XLA never holds a
-    second copy of a host array, while the two directions of the host link and the update overlap. HBM holds three
-    chunks of each array. For `n` = 1, at once."""
     carry = [(leaf.param[...], None if leaf.master is None else leaf.master[...], [s[...] for s in leaf.states])
              for leaf in leaves]
-    arrays = _Arrays.of(leaves, carry)
-    every = range(len(arrays.flat))
-    if n == 1:
-        flat = _write(arrays, arrays.flat, every, _updated(u, arrays, _grads(leaves, 0),
-                                                           _read(arrays, arrays.flat, every, 0)), 0)
-    else:
-        first, second = arrays.halves()
-
-        def body(i, c):
-            flat, (grads, ready), done = c
-            # the first half's next chunks come in while the second half's done chunks go out
-            next_grads, came = _grads(leaves, i + 1), _read(arrays, flat, first, i + 1)
-            flat = _write(arrays, flat, second, done, i - 1)
-            # then the reverse, each array's read and write in that array's order
-            kept, came = jax.lax.optimization_barrier(([flat[a] for a in first], came))
-            flat = _write(arrays, [dict(zip(first, kept)).get(a, x) for a, x in enumerate(flat)], first, done, i - 1)
-            nxt = dict(zip(first, came)) | dict(zip(second, _read(arrays, flat, second, i + 1)))
-            return flat, (next_grads, [nxt[a] for a in every]), _updated(u, arrays, grads, ready)
-
-        done = _updated(u, arrays, _grads(leaves, 0), _read(arrays, arrays.flat, every, 0))
-        ready = (_grads(leaves, 1), _read(arrays, arrays.flat, every, 1))
-        flat, (grads, chunks), done = jax.lax.fori_loop(1, n - 1, body, (arrays.flat, ready, done))
-        last = _updated(u, arrays, grads, chunks)
-        flat, _ = jax.lax.optimization_barrier((flat, chunks))   # every read before the writes
-        flat = _write(arrays, _write(arrays, flat, every, done, n - 2), every, last, n - 1)
-    for leaf, (p, master, states) in zip(leaves, arrays._replace(flat=flat).carry()):
+    carry = body(0, carry) if n == 1 else jax.lax.fori_loop(0, n, body, carry)
+    for leaf, (p, master, states) in zip(leaves, carry):
         leaf.param[...] = p
         if leaf.master is not None:
             leaf.master[...] = master
