@@ -329,10 +329,10 @@ SCENARIOS: dict[str, Scenario] = {
          anchor("minimal", shape="8b", layers=8, est=50, gpu="0"))),
     "longest-context-128k-moments": Scenario(
         "the 8B's 128K step under auto, three steps each: with the whole state in pinned host memory (the update "
-        "streamed a layer at a time, pipelined), and with AdamW's bf16 moments in HBM and only the float32 master on "
-        "the host (the update moves half the bytes; the plan offloads attention_out and context to make room); then "
-        "the first step traced under XLA's while-loop double buffering (can each layer's offloaded inputs arrive "
-        "during the layer before?)",
+        "streamed a layer at a time), and with AdamW's bf16 moments in HBM and only the float32 master on the host "
+        "(the update moves half the bytes; the plan offloads more activations to make room); then two steps, the "
+        "second traced, under XLA's while-loop double buffering (can each layer's offloaded inputs arrive during "
+        "the layer before?)",
         (long_job("auto", 131072, steps=3, est=260, timeout=330),
          main_job("auto", ("--layers", "32", "--batch", "1", "--seq", "131072", "--opt-state", "device",
                            "--opt-dtype", "bfloat16", "--param-dtype", "bfloat16", "--params", "host"),
