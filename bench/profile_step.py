@@ -13,6 +13,8 @@ Prints one JSON line (the summary under "profile").
 from __future__ import annotations
 
 import argparse
+import collections
+import re
 import time
 
 import jax
@@ -41,12 +43,14 @@ def main():
     ap.add_argument("--warmup", type=int, default=2, help="steps before the trace")
     ap.add_argument("--top", type=int, default=4, help="kernels listed per stream (by their total time)")
     ap.add_argument("--loss-chunk", help="the training step's loss in chunks of this many positions (or auto)")
+    ap.add_argument("--attention", default="cudnn", choices=("cudnn", "mosaic_cudnn"),
+                    help="the attention kernel on a GPU (the CPU runs the XLA kernel)")
     a = ap.parse_args()
     on_gpu = jax.devices()[0].platform == "gpu"
     preset = SHAPES[a.shape]
     longest = FAMILY.config(preset).max_seq_len   # None: no limit
     cfg = FAMILY.config(preset, num_layers=a.layers, param_dtype="bfloat16", dtype="bfloat16",
-                        attention_impl="cudnn" if on_gpu else "xla",
+                        attention_impl=a.attention if on_gpu else "xla",
                         max_seq_len=longest and max(a.seq, longest))
     model = FAMILY.build(cfg, recipe=RECIPES[a.recipe], rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(1), (a.batch, a.seq + bool(a.loss_chunk)), 0, cfg.vocab_size,
@@ -57,9 +61,13 @@ def main():
     if chunk:
         tokens = {"tokens": tokens, "weights": jnp.ones((a.batch, a.seq), jnp.float32)}
     compiled = sgd_step_fn(graphdef, loss_chunk=chunk).lower(params, rest, tokens).compile()
+    census = custom_calls(compiled.as_text())
+    untraced = []
     for _ in range(a.warmup):
+        t = time.perf_counter()
         (loss, _), params = compiled(params, rest, tokens)
-    loss.block_until_ready()
+        loss.block_until_ready()
+        untraced.append(round(time.perf_counter() - t, 4))
     t = time.perf_counter()
     with jax.profiler.trace(a.out):
         for _ in range(a.steps):
@@ -68,7 +76,14 @@ def main():
     traced_s = time.perf_counter() - t
     summary = trace_summary.summarise(trace_summary.load(a.out), a.steps, top=a.top)
     emit(dict(bench="profile", impl="zoo", recipe=a.recipe, shape=a.shape, B=a.batch, S=a.seq, L=a.layers,
-              traced_step_s=round(traced_s / a.steps, 4), profile=summary))
+              attention=cfg.attention_impl, untraced_step_s=untraced, traced_step_s=round(traced_s / a.steps, 4),
+              custom_calls=census, profile=summary))
+
+
+def custom_calls(hlo_text: str) -> dict[str, int]:
+    """How many custom calls of each target the compiled program's text holds (a loop's body counted once): which
+    kernels the step runs besides XLA's own, e.g. two attention forwards where one was expected."""
+    return dict(collections.Counter(re.findall(r'custom_call_target="([^"]+)"', hlo_text)))
 
 
 if __name__ == "__main__":

@@ -327,6 +327,17 @@ SCENARIOS: dict[str, Scenario] = {
          anchor_ctx("ctx_offload", 131072, 2),
          main_job("auto", est=90, timeout=200, gpu="0"),
          anchor("minimal", shape="8b", layers=8, est=50, gpu="0"))),
+    "attention-in-step": Scenario(
+        "how many attention forwards a layer's step runs, by kernel: the 8B's stack cut to 4 layers at 131,072 "
+        "tokens under long_context (the kernel's pair kept, groups of 2), SGD, the loss in chunks, with cuDNN's "
+        "attention and with mosaic_cudnn; each record the compiled step's custom calls and one traced step summed "
+        "per kernel; then the default 8K main job (auto) traced, beside its plain-JAX anchor",
+        (profile("long_context", shape="8b", layers=4, batch=1, seq=131072, attention="cudnn", loss_chunk="auto",
+                 gpu="0", est=100, timeout=200, env=LONG_ENV),
+         profile("long_context", shape="8b", layers=4, batch=1, seq=131072, attention="mosaic_cudnn",
+                 loss_chunk="auto", gpu="0", est=100, timeout=200, env=LONG_ENV),
+         main_job("auto", ("--profile",), steps=6, est=100, timeout=200, gpu="0", name="main-job-8b-auto-trace"),
+         anchor("minimal", shape="8b", layers=8, est=50, gpu="0"))),
     "longest-context-128k-moments": Scenario(
         "the 8B's 128K step under auto, three steps each: with the whole state in pinned host memory (the update "
         "streamed a layer at a time), and with AdamW's bf16 moments in HBM and only the float32 master on the host "
