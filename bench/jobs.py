@@ -263,6 +263,7 @@ def long_job(recipe, seq, layers=32, steps=3, est=300, timeout=420, extra=(), na
 
 # ------------------------------------------------------------------------------------------------ smoke form
 
+_SMOKE_LOSS_CHUNK = "--train-arg=--loss-chunk=16"   # a chunk length that divides the smoke form's 64 positions
 _SMOKE_VALUES = {"--layers": "2", "--steps": "2", "--experts": "16", "--start": "1", "--timeout": "240", "--seq": "64"}
 
 
@@ -273,6 +274,7 @@ def smoke(job: Job) -> Job:
     env = dict(job.env)
     if job.smoke_argv is None and job.program in TAKES_SMOKE:
         argv = [_SMOKE_VALUES.get(argv[i - 1], x) if i else x for i, x in enumerate(argv)]
+        argv = [_SMOKE_LOSS_CHUNK if x.startswith(_SMOKE_LOSS_CHUNK.rsplit("=", 1)[0] + "=") else x for x in argv]
         argv.append("--smoke")
         if job.program == "bench.overlap_slice":
             argv = [x for i, x in enumerate(argv) if x != "--profile" and argv[i - 1] != "--profile"]

@@ -338,6 +338,13 @@ SCENARIOS: dict[str, Scenario] = {
                  loss_chunk="auto", gpu="0", est=100, timeout=200, env=LONG_ENV),
          main_job("auto", ("--profile",), steps=6, est=100, timeout=200, gpu="0", name="main-job-8b-auto-trace"),
          anchor("minimal", shape="8b", layers=8, est=50, gpu="0"))),
+    "longest-context-128k-chunks": Scenario(
+        "the 8B's 128K step under auto with the loss in chunks of 8,192 positions (as fast as longer chunks, 24 GiB "
+        "less HBM than 32,768, which the plan can give to activations), three steps, beside the same step with the "
+        "loss's chunks chosen by the step's rule",
+        (long_job("auto", 131072, steps=3, est=260, timeout=330, extra=("--train-arg=--loss-chunk=8192",),
+                  name="main-job-8b-L32-S128K-auto-chunk8192"),
+         long_job("auto", 131072, steps=3, est=260, timeout=330))),
     "longest-context-128k-moments": Scenario(
         "the 8B's 128K step under auto, three steps each: with the whole state in pinned host memory (the update "
         "streamed a layer at a time), and with AdamW's bf16 moments in HBM and only the float32 master on the host "
