@@ -205,14 +205,15 @@ def capacity(recipe, start, est=240, timeout=300, gpu=None) -> Job:
 
 
 def profile(recipe, flags="lhs", gpu=None, est=120, timeout=170, shape="405b", layers=3, batch=2, seq=8192,
-            attention="cudnn", loss_chunk=None, env=None) -> Job:
+            attention="cudnn", loss_chunk=None, env=None, passes=None) -> Job:
     """bench.profile_step: a profiled step of a Llama slice (default: the 405B's, 3 layers, batch 2, seq 8192) under
-    `attention`, the trace's summary and the compiled step's custom calls."""
+    `attention`, the trace's summary and the compiled step's custom calls (with `passes`: compiled only, the passes
+    after which the count of that custom call changed)."""
     shaped = (shape, layers, batch, seq) != ("405b", 3, 2, 8192)
     name = (f"profile-{shape}-L{layers}-S{seq // 1024}K-{recipe}-{attention}" if shaped or attention != "cudnn"
-            else f"profile-405b-{recipe}-{flags}")
+            else f"profile-405b-{recipe}-{flags}") + ("-passes" if passes else "")
     size = ("--layers", str(layers), "--batch", str(batch), "--seq", str(seq), "--attention", attention,
-            *(("--loss-chunk", str(loss_chunk)) if loss_chunk else ()))
+            *(("--loss-chunk", str(loss_chunk)) if loss_chunk else ()), *(("--passes", passes) if passes else ()))
     return Job(name, ("-m", "bench.profile_step", recipe, "--shape", shape, *size, "--out", "{work}/trace"),
                ANCHOR_FLAGS[flags], est, timeout, env=env or {},
                ident={"bench": "profile", "impl": "zoo", "recipe": recipe, "setting": flags}, gpus=gpu,

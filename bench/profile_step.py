@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import glob
+import os
 import re
 import time
 
@@ -45,7 +47,14 @@ def main():
     ap.add_argument("--loss-chunk", help="the training step's loss in chunks of this many positions (or auto)")
     ap.add_argument("--attention", default="cudnn", choices=("cudnn", "mosaic_cudnn"),
                     help="the attention kernel on a GPU (the CPU runs the XLA kernel)")
+    ap.add_argument("--passes", metavar="TARGET",
+                    help="compile only, with XLA's module dumped after every pass: report each pass after which "
+                         "the number of TARGET custom calls (or of every target, with 'all') changed")
     a = ap.parse_args()
+    dump = os.path.join(a.out, "hlo-passes") if a.passes else None
+    if dump:   # read when the backend starts (the first jax.devices() below)
+        os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text "
+                                   f"--xla_dump_hlo_pass_re=.* --xla_dump_hlo_module_re=jit_step").strip()
     on_gpu = jax.devices()[0].platform == "gpu"
     preset = SHAPES[a.shape]
     longest = FAMILY.config(preset).max_seq_len   # None: no limit
@@ -62,6 +71,10 @@ def main():
         tokens = {"tokens": tokens, "weights": jnp.ones((a.batch, a.seq), jnp.float32)}
     compiled = sgd_step_fn(graphdef, loss_chunk=chunk).lower(params, rest, tokens).compile()
     census = custom_calls(compiled.as_text())
+    if dump:
+        emit(dict(bench="profile", impl="zoo", recipe=a.recipe, shape=a.shape, B=a.batch, S=a.seq, L=a.layers,
+                  attention=cfg.attention_impl, custom_calls=census, passes=pass_changes(dump, a.passes)))
+        return
     untraced = []
     for _ in range(a.warmup):
         t = time.perf_counter()
@@ -78,6 +91,22 @@ def main():
     emit(dict(bench="profile", impl="zoo", recipe=a.recipe, shape=a.shape, B=a.batch, S=a.seq, L=a.layers,
               attention=cfg.attention_impl, untraced_step_s=untraced, traced_step_s=round(traced_s / a.steps, 4),
               custom_calls=census, profile=summary))
+
+
+def pass_changes(dump: str, target: str) -> list[dict]:
+    """From a dump of the module after every pass (`--xla_dump_hlo_pass_re=.*`, files numbered in pass order), each
+    pass after which the count of `target` custom calls (every target: "all") differs from the pass before."""
+    files = sorted(glob.glob(os.path.join(dump, "*jit_step*.after_*.txt")),
+                   key=lambda f: int(re.search(r"\.(\d{4})\.", os.path.basename(f)).group(1)))
+    changes, last = [], None
+    for f in files:
+        census = custom_calls(open(f).read())
+        now = census if target == "all" else census.get(target, 0)
+        if now != last:
+            changes.append({"after": os.path.basename(f).split(".after_")[-1][:-4], "file": os.path.basename(f),
+                            "count": now})
+            last = now
+    return changes
 
 
 def custom_calls(hlo_text: str) -> dict[str, int]:

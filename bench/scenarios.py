@@ -338,6 +338,15 @@ SCENARIOS: dict[str, Scenario] = {
                  loss_chunk="auto", gpu="0", est=100, timeout=200, env=LONG_ENV),
          main_job("auto", ("--profile",), steps=6, est=100, timeout=200, gpu="0", name="main-job-8b-auto-trace"),
          anchor("minimal", shape="8b", layers=8, est=50, gpu="0"))),
+    "mosaic-once": Scenario(
+        "mosaic_cudnn's forward once per layer: the 8B's stack cut to 4 layers at 131,072 tokens under long_context "
+        "(as attention-in-step, where XLA's compiled step ran tokamax's Mosaic forward twice per layer), profiled "
+        "with its outputs behind an optimization barrier, then compiled only with XLA's module dumped after every "
+        "pass, each pass after which the count of Mosaic GPU calls changed in the record",
+        (profile("long_context", shape="8b", layers=4, batch=1, seq=131072, attention="mosaic_cudnn",
+                 loss_chunk="auto", gpu="0", est=100, timeout=200, env=LONG_ENV),
+         profile("long_context", shape="8b", layers=4, batch=1, seq=131072, attention="mosaic_cudnn",
+                 loss_chunk="auto", gpu="0", est=120, timeout=240, env=LONG_ENV, passes="mosaic_gpu_v2"))),
     "longest-context-128k-chunks": Scenario(
         "the 8B's 128K step under auto with the loss in chunks of 8,192 positions (as fast as longer chunks, 24 GiB "
         "less HBM than 32,768, which the plan can give to activations), three steps, beside the same step with the "

@@ -244,6 +244,8 @@ def _mosaic_cudnn_with_residuals(q, k, v, scale):
     with jax.named_scope(SCOPE):
         out_p, (row_max, row_sum) = _mosaic_module().PallasMosaicGpuFlashAttention()(
             q, k, vp, is_causal=True, logits_scale=scale, return_residuals=True)
+        # one kernel run per layer: behind a barrier XLA cannot run the kernel again where its outputs are read
+        out_p, row_max, row_sum = jax.lax.optimization_barrier((out_p, row_max, row_sum))
         lse = row_max + jnp.log(row_sum)
     out = name(out_p[..., :dv], "attention_out", BSH)
     stats = name(lse, "context", STATS_AXES)
