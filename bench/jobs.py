@@ -275,7 +275,8 @@ def smoke(job: Job) -> Job:
     env = dict(job.env)
     if job.smoke_argv is None and job.program in TAKES_SMOKE:
         argv = [_SMOKE_VALUES.get(argv[i - 1], x) if i else x for i, x in enumerate(argv)]
-        argv = [_SMOKE_LOSS_CHUNK if x.startswith(_SMOKE_LOSS_CHUNK.rsplit("=", 1)[0] + "=") else x for x in argv]
+        argv = [_SMOKE_LOSS_CHUNK if x.startswith(_SMOKE_LOSS_CHUNK.rsplit("=", 1)[0] + "=") else x for x in argv
+                if not x.startswith("--train-arg=--set=attention_impl=")]   # a GPU kernel: the CPU runs its own
         argv.append("--smoke")
         if job.program == "bench.overlap_slice":
             argv = [x for i, x in enumerate(argv) if x != "--profile" and argv[i - 1] != "--profile"]

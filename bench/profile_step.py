@@ -96,8 +96,9 @@ def main():
 def pass_changes(dump: str, target: str) -> list[dict]:
     """From a dump of the module after every pass (`--xla_dump_hlo_pass_re=.*`, files numbered in pass order), each
     pass after which the count of `target` custom calls (every target: "all") differs from the pass before."""
-    files = sorted(glob.glob(os.path.join(dump, "*jit_step*.after_*.txt")),
-                   key=lambda f: int(re.search(r"\.(\d{4})\.", os.path.basename(f)).group(1)))
+    numbered = ((re.search(r"jit_step\.(\d+)\.", os.path.basename(f)), f)
+                for f in glob.glob(os.path.join(dump, "*jit_step*.after_*.txt")))
+    files = [f for m, f in sorted(((m, f) for m, f in numbered if m), key=lambda mf: int(mf[0].group(1)))]
     changes, last = [], None
     for f in files:
         census = custom_calls(open(f).read())

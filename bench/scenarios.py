@@ -38,6 +38,7 @@ _CAPACITY_START = {"full": 16, "save_mla_moe": 8, "mla_moe_offload": 8, "lowrank
 _EP2 = ("--mesh", "ep=2", "--experts", "32")
 _TILES = "{out}/tiles.json"
 _NO_TILES = "{out}/no-tiles.json"
+_MOSAIC = "--train-arg=--set=attention_impl=mosaic_cudnn"
 _NO_TILES_FILE = {_NO_TILES: "{}"}   # an empty tile table: tokamax's own configuration (zoo.layers.grouped_matmul)
 
 
@@ -347,6 +348,17 @@ SCENARIOS: dict[str, Scenario] = {
                  loss_chunk="auto", gpu="0", est=100, timeout=200, env=LONG_ENV),
          profile("long_context", shape="8b", layers=4, batch=1, seq=131072, attention="mosaic_cudnn",
                  loss_chunk="auto", gpu="0", est=120, timeout=240, env=LONG_ENV, passes="mosaic_gpu_v2"))),
+    "longest-context-mosaic": Scenario(
+        "the 8B's long-context steps under auto with mosaic_cudnn (tokamax's Mosaic GPU forward, cuDNN's backward, "
+        "the forward's outputs behind an optimization barrier so it runs once per layer): 262,144 tokens, two steps "
+        "(a step takes minutes); 131,072 tokens, three steps, with the loss's chunks as the rule chooses and in "
+        "chunks of 8,192",
+        (long_job("auto", 262144, steps=2, est=420, timeout=560, extra=(_MOSAIC,),
+                  name="main-job-8b-L32-S256K-auto-mosaic_cudnn"),
+         long_job("auto", 131072, steps=3, est=260, timeout=330, extra=(_MOSAIC,),
+                  name="main-job-8b-L32-S128K-auto-mosaic_cudnn"),
+         long_job("auto", 131072, steps=3, est=260, timeout=330, extra=(_MOSAIC, "--train-arg=--loss-chunk=8192"),
+                  name="main-job-8b-L32-S128K-auto-mosaic_cudnn-chunk8192"))),
     "longest-context-128k-chunks": Scenario(
         "the 8B's 128K step under auto with the loss in chunks of 8,192 positions (as fast as longer chunks, 24 GiB "
         "less HBM than 32,768, which the plan can give to activations), three steps, beside the same step with the "
