@@ -328,6 +328,10 @@ SCENARIOS: dict[str, Scenario] = {
          anchor_ctx("ctx_offload", 131072, 2),
          main_job("auto", est=90, timeout=200, gpu="0"),
          anchor("minimal", shape="8b", layers=8, est=50, gpu="0"))),
+    "main-job-8k": Scenario(
+        "the default 8K main job (the 8B cut to 8 layers, batch 2, AdamW, --recipe auto) beside its plain-JAX anchor "
+        "(8 layers, SGD), in one call",
+        (main_job("auto", est=90, timeout=200, gpu="0"), anchor("minimal", shape="8b", layers=8, est=50, gpu="0"))),
     "attention-in-step": Scenario(
         "how many attention forwards a layer's step runs, by kernel: the 8B's stack cut to 4 layers at 131,072 "
         "tokens under long_context (the kernel's pair kept, groups of 2), SGD, the loss in chunks, with cuDNN's "
