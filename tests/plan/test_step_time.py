@@ -167,6 +167,20 @@ def _recipe_run(run: str) -> zoo.Recipe:
     return recipe
 
 
+# Scenarios whose mosaic_cudnn steps ran tokamax's forward twice per layer (XLA ran the kernel again where its outputs
+# were read, until zoo.layers.attention_kernel put them behind a barrier; bench/results/attention-in-step_2026-12-03
+# .jsonl counts the calls): records of a step the library no longer runs.
+TWO_MOSAIC_FORWARDS = ("half-million-rate", "half-million-trace")
+
+
+def _two_mosaic_forwards(record: dict) -> bool:
+    return record.get("scenario") in TWO_MOSAIC_FORWARDS and _kernel(record) == "mosaic_cudnn"
+
+
+def _kernel(record: dict) -> str | None:
+    return "mosaic_cudnn" if any("mosaic_cudnn" in k for k in record.get("kernels") or ()) else None
+
+
 def test_every_long_context_record_of_the_main_job_is_predicted_within_5_percent():
     """The 8B's main job (AdamW, bf16 parameters, their float32 master and bf16 moments on the host) at 128K, 256K and
     512K, 4 to 32 layers, under auto, full, long_context and longest_context, as the H200 ran it: the planner's step
@@ -176,13 +190,13 @@ def test_every_long_context_record_of_the_main_job_is_predicted_within_5_percent
     planner predicts: the profiler's cost grows with the kernels a step runs (3.5 to 4.3 s at 128K, 32 layers)."""
     runs = [r for f in sorted(RESULTS.glob("*.jsonl")) for r in records.load_flat(f)
             if r["bench"] == "main-job-8b" and (r["S"] or 0) >= 131072 and r.get("recipe_run") and r.get("step_s")
-            and not r.get("profile")]
+            and not r.get("profile") and not _two_mosaic_forwards(r)]
     steady = [r for r in runs if r["steps"] > 1]
     assert {r["S"] for r in steady} == {131072, 262144, 524288} and len(steady) >= 7
     training = Training(opt_state="host", params="host", opt_dtype="bfloat16")
     off = []
     for r in runs:
-        kernel = "mosaic_cudnn" if any("mosaic_cudnn" in k for k in r.get("kernels") or ()) else None
+        kernel = _kernel(r)
         cfg = zoo.models.LlamaConfig.preset("llama3_1_8b", num_layers=r["L"], param_dtype="bfloat16",
                                             max_seq_len=r["S"], attention_impl=kernel)
         p = zoo.plan.plan(cfg, _recipe_run(r["recipe_run"]), batch=r["B"], seq=r["S"], peak=None, training=training,

@@ -117,6 +117,9 @@ GPU_KERNELS = ("cudnn", "mosaic_cudnn")   # the attention kernels with a measure
 # alone (460 and 454 TFLOP/s: bench/results/attention-rates_2026-12-03.jsonl), the rest of the step's time beside
 # attention included (3% at 128K, 2% at 256K); at 512K, where attention is most of the step, cuDNN's own 450.
 _CUDNN_IN_STEP_H200 = ((32768, 418.0), (131072, 446.0), (262144, 445.0), (524288, 450.0))
+# mosaic_cudnn's: 463 TFLOP/s measured in the step at 128K (4.0% over cuDNN's, as alone: 482.4 against 463.2); at
+# 32K, 256K and 512K cuDNN's in-step rate times the ratio alone (472.7 / 463.1; about 1.065; 487.9 / 448.1).
+_MOSAIC_IN_STEP_H200 = ((32768, 427.0), (131072, 463.0), (262144, 474.0), (524288, 490.0))
 ATTENTION_RATES: tuple[AttentionRate, ...] = (
     AttentionRate("H200", "cudnn", _CUDNN_IN_STEP_H200, 620.0, "2026-12-03",
                   "fitted to 15 records, every one predicted within 5%: the 8B-shaped stack (batch 1, bf16, SGD) at "
@@ -127,12 +130,11 @@ ATTENTION_RATES: tuple[AttentionRate, ...] = (
                   "137.5 s traced: bench/results/longest-context_2026-12-02.jsonl, "
                   "longest-context-256k_2026-12-03.jsonl, half-million-rate_2026-12-03.jsonl, "
                   "half-million-trace_2026-12-03.jsonl); the family's step rate for the matmuls"),
-    AttentionRate("H200", "mosaic_cudnn", ((524288, 384.0),), 620.0, "2026-12-03",
-                  "the main job's one record with this kernel past its first step (524,288 tokens, 8 layers, "
-                  "long_context: 156.0 s, bench/results/half-million-rate_2026-12-03.jsonl), slower in the step than "
-                  "cuDNN's 134.3 s though alone, through the same layer, it runs 4% (128K) to 9% (512K) faster "
-                  "(bench/results/attention-rates_2026-12-03.jsonl); not measured in the step at other lengths, "
-                  "where the same rate is assumed"),
+    AttentionRate("H200", "mosaic_cudnn", _MOSAIC_IN_STEP_H200, 620.0, "2026-12-03",
+                  "at 128K the 8B-shaped stack in the step (4 layers under long_context, SGD: 5.99 s against cuDNN's "
+                  "6.13 s, bench/results/mosaic-once_2026-12-03.jsonl), the rest of the step as cuDNN's fit leaves "
+                  "it; at other lengths cuDNN's rate in the step times the two kernels' measured ratio alone, through "
+                  "the same layer (bench/results/attention-rates_2026-12-03.jsonl; 256K between 128K's and 512K's)"),
 )
 
 
