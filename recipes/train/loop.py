@@ -119,9 +119,6 @@ class _Loop:
         self.last_ckpt = step
 
     def run(self) -> Result:
-        """The steps from `start` + 1 to --steps. A step's figures (its log row, the metrics file, the progress bar)
-        are written while the device runs the next step, unless that step needs the state as it was after this one
-        (a checkpoint or an evaluation) or is the last: the device never waits for the console."""
         cadence, session, mesh, source = self.cadence, self.session, self.mesh, self.inputs.source
         if self.metrics_file:
             self.metrics_file.start_at(self.start)
@@ -129,40 +126,26 @@ class _Loop:
             self.board.start_at(self.start)
         result = Result([], [], None, self.last_ckpt)
         session.interrupts.training = True   # from here a signal ends the run after its step, with a checkpoint
-        later = None   # (step, figures, when its figures arrived): recorded once the next step is dispatched
-
-        def record_later():
-            nonlocal later
-            if later is not None:
-                self._record(*later, result)
-                later = None
-
         try:
             batch = mesh_lib.put_batch(source.batch(self.start + 1), mesh) if self.start < cadence.steps else None
             for step in range(self.start + 1, cadence.steps + 1):
                 self.trace.begin(step)
                 self.state, m = self.step.compiled(self.state, batch)   # dispatched: the device runs the step
-                record_later()   # the last step's figures, while the device runs this one
                 if step < cadence.steps:   # while the host makes and sends the next batch, not while the device idles
                     batch = mesh_lib.put_batch(source.batch(step + 1), mesh)
                 m = jax.device_get(m)
-                arrived = time.perf_counter()
                 self.trace.end(step)
                 if not m["ok"]:
                     self._stop_nonfinite(step, m)
                     result.stopped = "nonfinite"
                     break
-                later = (step, m, arrived)
-                if step == cadence.steps or self._reads_state(step):
-                    record_later()
+                self._record(step, m, result)
                 if step < cadence.steps and session.interrupts.requested():   # at the last step: finish as usual
-                    record_later()
                     _interrupted(self.console, session.interrupts, step,
                                  self.save if self.ckpts is not None else None, self.last_ckpt)
                     result.stopped, result.exit_code = "interrupted", session.interrupts.exit_code
                     break
                 if cadence.stop_after is not None and step == cadence.stop_after and step < cadence.steps:
-                    record_later()
                     result.stopped = "stop_after"
                     self.console.print(f"--stop-after {step}: stopping as if preempted (last checkpoint: "
                                        f"{self.last_ckpt})")
@@ -171,21 +154,12 @@ class _Loop:
                 if self.ckpts is not None and self.last_ckpt != cadence.steps:
                     self.save(cadence.steps)
         finally:
-            record_later()
             self._close()
         return self._finish(result)
 
-    def _reads_state(self, step: int) -> bool:
-        """Whether recording `step` reads the state it left (a checkpoint, an evaluation): then it is recorded before
-        the next step is dispatched, which donates that state."""
-        cadence = self.cadence
-        checkpoint = self.ckpts is not None and cadence.ckpt_every and step % cadence.ckpt_every == 0
-        evaluating = self.eval_fn is not None and cadence.eval_every and step % cadence.eval_every == 0
-        return bool(checkpoint or evaluating)
-
-    def _record(self, step: int, m: dict, arrived: float, result: Result) -> None:
-        """A good step, whose figures arrived at `arrived` (perf_counter): count it, log it (every --log-every, the
-        first, the last, at evaluations), checkpoint it (every --ckpt-every)."""
+    def _record(self, step: int, m: dict, result: Result) -> None:
+        """A good step: count it, log it (every --log-every, the first, the last, at evaluations), checkpoint it
+        (every --ckpt-every)."""
         cadence = self.cadence
         loss = float(m["loss"])
         self.drops.check(step, m)
@@ -194,17 +168,19 @@ class _Loop:
         self.n_since += 1
         evaluating = cadence.eval_every and step % cadence.eval_every == 0
         if step % cadence.log_every == 0 or step == cadence.steps or step == self.start + 1 or evaluating:
-            self._log(step, m, loss, arrived)
+            self._log(step, m, loss)
         self.progress.advance(step, loss)
         if self.ckpts is not None and cadence.ckpt_every and step % cadence.ckpt_every == 0:
             self.save(step)
             self.t_last, self.n_since = time.perf_counter(), 0   # checkpoint time is not step time
 
-    def _log(self, step: int, m: dict, loss: float, arrived: float) -> None:
-        """One row of figures since the last, timed to when this step's figures `arrived`: printed, written to
-        --metrics and TensorBoard; held-out loss on evaluation steps."""
+    def _log(self, step: int, m: dict, loss: float) -> None:
+        """One row of figures since the last: printed, written to --metrics and TensorBoard; held-out loss on
+        evaluation steps."""
         cadence = self.cadence
-        dt, self.t_last, n = arrived - self.t_last, arrived, self.n_since
+        jax.block_until_ready(self.state)
+        now = time.perf_counter()
+        dt, self.t_last, n = now - self.t_last, now, self.n_since
         self.n_since = 0
         tflops = self.flops_per_step * n / dt / 1e12 / self.mesh.devices.size   # per device, as its peak
         row = {"step": step, "loss": loss, "aux_loss": float(m["aux_loss"]), "grad_norm": float(m["grad_norm"]),

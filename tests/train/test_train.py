@@ -307,36 +307,3 @@ def test_loss_chunk_flag(capsys):
     assert train.main(["--xla-flags", "none", "--steps", "2", "--batch", "2", "--seq", "16", "--log-every", "1",
                        "--loss-chunk", "4"]) == 0
     assert "step      2" in capsys.readouterr().out
-
-
-def test_a_steps_figures_are_recorded_while_the_next_step_runs(tmp_path, monkeypatch):
-    """The loop dispatches step k + 1 before it records step k (the log row, the metrics file, the progress bar), so
-    the device does not wait for the console between steps; a checkpoint step and the last are recorded before
-    anything else is dispatched (the next step donates the state they read)."""
-    events = []
-    init, record = loop._Loop.__init__, loop._Loop._record
-
-    class Dispatches:
-        def __init__(self, step):
-            self.step = step
-
-        def __getattr__(self, name):
-            return getattr(self.step, name)
-
-        def compiled(self, *args):
-            events.append("dispatch")
-            return self.step.compiled(*args)
-
-    def init_counting(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.step = Dispatches(self.step)
-
-    monkeypatch.setattr(loop._Loop, "__init__", init_counting)
-    monkeypatch.setattr(loop._Loop, "_record", lambda self, step, *a: (events.append(f"record {step}"),
-                                                                        record(self, step, *a)))
-    result = loop.run(loop.RunConfig(steps=5, batch=2, seq=32, log_every=1, ckpt_dir=str(tmp_path / "ckpt"),
-                                     ckpt_every=2, metrics=str(tmp_path / "m.jsonl")))
-    assert result.steps == [1, 2, 3, 4, 5] and result.last_checkpoint == 5
-    assert events == ["dispatch", "dispatch", "record 1", "record 2", "dispatch", "dispatch", "record 3", "record 4",
-                      "dispatch", "record 5"]
-    assert [json.loads(line)["step"] for line in open(tmp_path / "m.jsonl")] == [1, 2, 3, 4, 5]
