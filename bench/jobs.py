@@ -264,7 +264,8 @@ def long_job(recipe, seq, layers=32, steps=3, est=300, timeout=420, extra=(), na
 
 # ------------------------------------------------------------------------------------------------ smoke form
 
-_SMOKE_LOSS_CHUNK = "--train-arg=--loss-chunk=16"   # a chunk length that divides the smoke form's 64 positions
+_LOSS_CHUNK_ARG = "--train-arg=--loss-chunk="   # its smoke form: 16, a chunk length that divides 64 positions
+_KERNEL_ARG = "--train-arg=--set=attention_impl="   # a GPU kernel: left out of the smoke form (the CPU runs its own)
 _SMOKE_VALUES = {"--layers": "2", "--steps": "2", "--experts": "16", "--start": "1", "--timeout": "240", "--seq": "64"}
 
 
@@ -275,8 +276,8 @@ def smoke(job: Job) -> Job:
     env = dict(job.env)
     if job.smoke_argv is None and job.program in TAKES_SMOKE:
         argv = [_SMOKE_VALUES.get(argv[i - 1], x) if i else x for i, x in enumerate(argv)]
-        argv = [_SMOKE_LOSS_CHUNK if x.startswith(_SMOKE_LOSS_CHUNK.rsplit("=", 1)[0] + "=") else x for x in argv
-                if not x.startswith("--train-arg=--set=attention_impl=")]   # a GPU kernel: the CPU runs its own
+        argv = [f"{_LOSS_CHUNK_ARG}16" if x.startswith(_LOSS_CHUNK_ARG) else x for x in argv
+                if not x.startswith(_KERNEL_ARG)]
         argv.append("--smoke")
         if job.program == "bench.overlap_slice":
             argv = [x for i, x in enumerate(argv) if x != "--profile" and argv[i - 1] != "--profile"]
