@@ -332,6 +332,13 @@ SCENARIOS: dict[str, Scenario] = {
         "the default 8K main job (the 8B cut to 8 layers, batch 2, AdamW, --recipe auto) beside its plain-JAX anchor "
         "(8 layers, SGD), in one call",
         (main_job("auto", est=90, timeout=200, gpu="0"), anchor("minimal", shape="8b", layers=8, est=50, gpu="0"))),
+    "main-job-8k-kernels": Scenario(
+        "the default 8K main job (the 8B cut to 8 layers, batch 2, AdamW, --recipe auto) with each attention kernel: "
+        "cuDNN's (what auto takes) and mosaic_cudnn (tokamax's Mosaic GPU forward, cuDNN's backward), beside the "
+        "plain-JAX anchor (8 layers, SGD), in one call",
+        (main_job("auto", est=90, timeout=200, gpu="0"),
+         main_job("auto", (_MOSAIC,), est=90, timeout=200, gpu="0", name="main-job-8b-auto-mosaic_cudnn"),
+         anchor("minimal", shape="8b", layers=8, est=50, gpu="0"))),
     "attention-in-step": Scenario(
         "how many attention forwards a layer's step runs, by kernel: the 8B's stack cut to 4 layers at 131,072 "
         "tokens under long_context (the kernel's pair kept, groups of 2), SGD, the loss in chunks, with cuDNN's "
