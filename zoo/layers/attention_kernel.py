@@ -3,8 +3,8 @@
 Besides q, k and v, the backward reads the kernel's output and softmax statistics, named here inside a `jax.custom_vjp`
 as ``attention_out`` [B, S, H, dv] and ``context`` [B, H, S] float32: a recipe that keeps both runs no attention forward
 in the backward pass (one without the other saves nothing; `zoo.recipe` refuses it). Three kernels (`choose_impl`):
-``cudnn``, ``xla`` (`zoo.layers.xla_attention`), and ``mosaic_cudnn``, asked for by name: tokamax's Mosaic GPU
-forward with cuDNN's backward, on Hopper. The planner counts attention's FLOPs from its shapes (`attention_flops`).
+``cudnn``, ``xla`` (`zoo.layers.xla_attention`), and ``mosaic_cudnn``: tokamax's Mosaic GPU forward with cuDNN's
+backward, on Hopper, which auto takes on one device where tokamax is installed. The planner counts attention's FLOPs from its shapes (`attention_flops`).
 What each takes: docs/internals.md, "The attention kernel".
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ class AttentionChoice:
     """Which attention kernel a layer runs, and why (what `choose_impl` returns; `str()` gives both).
 
     Args:
-        impl: "xla" or "cudnn".
+        impl: "xla", "cudnn" or "mosaic_cudnn".
         reason: why (asked for, or what "auto" found on the device).
 
     Examples:
@@ -45,7 +45,7 @@ class AttentionChoice:
         >>> str(choose_impl("xla", dtype="float32", head_dim=64))
         'xla (asked for)'
     """
-    impl: str          # "xla" or "cudnn": what runs
+    impl: str          # "xla", "cudnn" or "mosaic_cudnn": what runs
     reason: str
 
     def __str__(self) -> str:
@@ -95,8 +95,8 @@ def choose_impl(requested: Implementation, *, dtype, head_dim: int,
     """Which attention runs for `requested` (None: auto) with activations of `dtype` and the kernel's `head_dim`
     on `device` (default: the first device). Layers call it once, when they are built.
 
-    Auto takes cuDNN's kernel on a GPU that can run it and the XLA kernel elsewhere; "mosaic_cudnn" runs only when
-    asked for (its forward is not partitioned by XLA's sharding: one device's attention per call). An explicit kernel
+    Auto takes "mosaic_cudnn" where it runs and the run has one device (its forward is not partitioned by XLA's
+    sharding), else cuDNN's kernel on a GPU that can run it, else the XLA kernel. An explicit kernel
     that cannot run here is a ValueError naming why; auto on a GPU that cannot use cuDNN warns that the XLA kernel
     runs (slower than cuDNN's; its residuals are still linear in the sequence length).
 
@@ -127,6 +127,9 @@ def choose_impl(requested: Implementation, *, dtype, head_dim: int,
                              f"or 'xla'")
         return AttentionChoice("cudnn", "asked for")
     if refusal is None:
+        if jax.device_count() == 1 and _mosaic_refusal(dtype, head_dim, device) is None:
+            return AttentionChoice("mosaic_cudnn", f"auto: tokamax's Mosaic GPU forward and cuDNN's backward on "
+                                                   f"{device.device_kind}, one device")
         return AttentionChoice("cudnn", f"auto: cuDNN flash attention on {device.device_kind}")
     if device.platform == "gpu":
         warnings.warn(f"attention: the XLA kernel on {device.device_kind} (slower than cuDNN flash attention; its "
