@@ -311,6 +311,11 @@ SCENARIOS: dict[str, Scenario] = {
                   extra=("--train-arg=--set=attention_impl=mosaic_cudnn",),
                   name="main-job-8b-L8-S512K-long_context-mosaic_cudnn"),
          long_job("long_context", 524288, layers=8, steps=2, est=350, timeout=480))),
+    "half-million-mosaic": Scenario(
+        "the 8B cut to 8 layers at 524,288 tokens under longest_context (the 32-layer auto step's structure: groups of "
+        "4, each group's input on the host, the kernel's pair kept while a group's backward runs), two steps, with "
+        "the attention kernel auto takes (mosaic_cudnn where tokamax is installed on one Hopper device)",
+        (long_job("longest_context", 524288, layers=8, steps=2, est=430, timeout=570),)),
     "half-million-trace": Scenario(
         "where mosaic_cudnn's step at 524,288 tokens goes: the 8B cut to 8 layers under long_context with "
         "mosaic_cudnn, two steps, the second traced (recipes.train --profile) and timed, its trace summed per kernel "
