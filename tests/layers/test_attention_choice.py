@@ -1,5 +1,6 @@
 """The attention kernel per device and config: auto takes mosaic_cudnn on one Hopper device with tokamax and cuDNN on
-another GPU, for GQA and MLA, falls back with a warning where cuDNN cannot serve, an explicit choice wins or is a ValueError, and a built model says what each layer runs.
+another GPU, for GQA and MLA, falls back with a warning where cuDNN cannot serve, an explicit choice wins or is a
+ValueError, and a built model says what each layer runs.
 (The main job's refusal of cuDNN on the CPU is the application's: tests/train/test_attention_choice_cli.py.)"""
 import re
 

@@ -4,8 +4,8 @@ Besides q, k and v, the backward reads the kernel's output and softmax statistic
 as ``attention_out`` [B, S, H, dv] and ``context`` [B, H, S] float32: a recipe that keeps both runs no attention forward
 in the backward pass (one without the other saves nothing; `zoo.recipe` refuses it). Three kernels (`choose_impl`):
 ``cudnn``, ``xla`` (`zoo.layers.xla_attention`), and ``mosaic_cudnn``: tokamax's Mosaic GPU forward with cuDNN's
-backward, on Hopper, which auto takes on one device where tokamax is installed. The planner counts attention's FLOPs from its shapes (`attention_flops`).
-What each takes: docs/internals.md, "The attention kernel".
+backward, on Hopper, which auto takes on one device where tokamax is installed. The planner counts attention's FLOPs
+from its shapes (`attention_flops`). What each takes: docs/internals.md, "The attention kernel".
 """
 from __future__ import annotations
 

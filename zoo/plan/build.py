@@ -83,7 +83,8 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
     micro = batch // training.grad_accum
     target = peak_target(peak, compiled, device=hardware.device_kind, mesh=parallel.mesh, amesh=amesh, shard=shard)
     kind, here, present = device_target(hardware.device_kind)
-    if kernel is None and hasattr(cfg, "attention_impl") and here and present.platform == "gpu":   # the kernel auto takes on this GPU prices attention
+    if kernel is None and hasattr(cfg, "attention_impl") and here and present.platform == "gpu":
+        # attention at the rate of the kernel auto takes on this GPU
         kernel = resolve_impl(cfg, present).impl
     # this machine's RAM bounds the pinned host memory of its own accelerator (not another machine's; the CPU has none)
     ram = state_lib.machine_ram_bytes() if here and present.platform != "cpu" else None
