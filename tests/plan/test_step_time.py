@@ -8,15 +8,18 @@ import pathlib
 import re
 
 import pytest
+from rich.console import Console
 
 import zoo
 from bench import records
 from recipes.deepseek_v3 import RECIPES as DS_RECIPES
 from recipes.llama3 import RECIPES as LLAMA_RECIPES
 from recipes.qwen3 import RECIPES as QWEN3_RECIPES
+from tests.helpers import fake_gpu
+from zoo.layers import attention_kernel
 from zoo.layers.attention_kernel import causal_attention_flops
 from zoo.models.registry import family
-from zoo.plan import Hardware, Training, links
+from zoo.plan import Hardware, Training, build, links
 
 RESULTS = pathlib.Path(__file__).parents[2] / "bench" / "results"
 RECORDS = tuple(RESULTS / f for f in ("offload-pays_2026-12-01.jsonl", "offload-chunks_2026-12-01.jsonl",
@@ -227,3 +230,25 @@ def test_the_planner_prices_attention_at_the_configured_kernels_rate(monkeypatch
 
     attention_s = 3 * layers * causal_attention_flops(1, seq, 32, 128, 128) / (cudnn.tflops_at(seq) * 1e12)
     assert compute_s("mosaic_cudnn") == pytest.approx(compute_s("cudnn") - attention_s / 2, rel=1e-6)
+
+
+def test_the_planner_prices_attention_at_the_rate_of_the_kernel_auto_takes_on_its_own_gpu(monkeypatch):
+    """With attention_impl=None the plan for the GPU it runs on prices attention at the rate of the kernel auto takes
+    there (`zoo.layers.attention_kernel.choose_impl`: mosaic_cudnn on one Hopper device with tokamax), names that
+    kernel, and says it in the step-time row; planned for another machine's device it takes cuDNN's rate."""
+    monkeypatch.setattr(attention_kernel, "_mosaic_module", lambda: object())   # tokamax "installed"
+    monkeypatch.setattr(attention_kernel.jax, "device_count", lambda: 1)
+    cfg = zoo.models.LlamaConfig.preset("llama3_1_8b", num_layers=2, param_dtype="bfloat16")
+
+    def planned(here: bool):
+        monkeypatch.setattr(build, "device_target", lambda kind: (H200, here, fake_gpu()))
+        return zoo.plan.plan(cfg, LLAMA_RECIPES["long_context"], batch=1, seq=131072, peak=None,
+                             training=Training(opt_state="host", params="host", opt_dtype="bfloat16"),
+                             hardware=Hardware(device_kind=H200))
+    mine, other = planned(here=True), planned(here=False)
+    assert (mine.attention_kernel, other.attention_kernel) == ("mosaic_cudnn", "cudnn")
+    assert mine.attention_tflops == links.attention_rate(H200, "mosaic_cudnn").tflops_at(131072)
+    assert mine.step_time()["total_s"] < other.step_time()["total_s"]
+    console = Console(record=True, width=400)
+    zoo.plan.render(mine, console)
+    assert "attention (mosaic_cudnn) at 463 TFLOP/s" in console.export_text()

@@ -149,6 +149,7 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
                 model_flops=model_flops, step_tflops=step_tflops, step_overhead=overhead,
                 attention_tflops=None if att is None else att.tflops_at(seq),
                 attention_forward_tflops=None if att is None else att.forward_tflops,
+                attention_kernel=None if att is None else att.kernel,
                 step_rate_source=rate_source, grad_accum=training.grad_accum,
                 loss_chunk=resolve_chunk(training.loss_chunk, ceil_div(micro, shard), seq, cfg.vocab_size))
 

@@ -156,7 +156,9 @@ def _peak_rows(p: Plan) -> list[tuple[str, str]]:
     est = p.step_time()
     if est is not None:
         link = "" if p.link_gbps is None else f", {p.link_gbps:g} GB/s, overlap {p.overlap}"
-        rows.append((f"predicted step time at {est['rate_tflops']:g} TFLOP/s executed{link}",
+        att = ("" if p.attention_tflops is None else
+               f", attention ({p.attention_kernel}) at {p.attention_tflops:g} TFLOP/s")
+        rows.append((f"predicted step time at {est['rate_tflops']:g} TFLOP/s executed{att}{link}",
                      f"{est['total_s'] * 1e3:,.1f} ms (compute {est['compute_s'] * 1e3:,.1f}, recompute "
                      f"{est['remat_s'] * 1e3:,.1f}, exposed copies {est['exposed_transfer_s'] * 1e3:,.1f})"))
     return rows

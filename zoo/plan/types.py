@@ -254,6 +254,8 @@ class Plan:
         step_overhead: the step's non-FLOP work, as a fraction of its model FLOPs' time.
         attention_tflops: causal attention's forward and backward rate (`zoo.plan.links`).
         attention_forward_tflops: its forward re-run's rate.
+        attention_kernel: the attention kernel whose measured rates these are ("cudnn", "mosaic_cudnn"; None: none
+            measured, attention at the step's rate).
         step_rate_source: where `step_tflops` comes from.
         grad_accum: micro-batches per update (activations are a micro-batch's: batch / grad_accum).
         loss_chunk: the positions per chunk of the loss the plan counts (None: the whole sequence).
@@ -288,6 +290,7 @@ class Plan:
     step_overhead: float = 0.0
     attention_tflops: float | None = None
     attention_forward_tflops: float | None = None
+    attention_kernel: str | None = None
     step_rate_source: str | None = None
     grad_accum: int = 1
     loss_chunk: int | None = None
@@ -384,6 +387,6 @@ class Plan:
                     hbm_budget=self.hbm_budget, host_pool=self.host_pool, link_gbps=self.link_gbps,
                     tflops=self.tflops, overlap=dataclasses.asdict(self.overlap), link_source=self.link_source,
                     model_flops=self.model_flops, step_tflops=self.step_tflops, step_overhead=self.step_overhead,
-                    step_rate_source=self.step_rate_source,
-                    step_time=self.step_time(), peak_bytes=self.peak_bytes, peak_source=self.peak_source,
+                    step_rate_source=self.step_rate_source, attention_tflops=self.attention_tflops,
+                    attention_kernel=self.attention_kernel, step_time=self.step_time(), peak_bytes=self.peak_bytes, peak_source=self.peak_source,
                     peak=None if self.peak is None else self.peak.to_dict(), warnings=list(self.warnings))
