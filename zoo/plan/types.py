@@ -388,5 +388,6 @@ class Plan:
                     tflops=self.tflops, overlap=dataclasses.asdict(self.overlap), link_source=self.link_source,
                     model_flops=self.model_flops, step_tflops=self.step_tflops, step_overhead=self.step_overhead,
                     step_rate_source=self.step_rate_source, attention_tflops=self.attention_tflops,
-                    attention_kernel=self.attention_kernel, step_time=self.step_time(), peak_bytes=self.peak_bytes, peak_source=self.peak_source,
+                    attention_kernel=self.attention_kernel, step_time=self.step_time(), peak_bytes=self.peak_bytes,
+                    peak_source=self.peak_source,
                     peak=None if self.peak is None else self.peak.to_dict(), warnings=list(self.warnings))
