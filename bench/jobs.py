@@ -189,9 +189,12 @@ def main_job(recipe, extra=(), steps=12, est=110, timeout=200, gpu=None, name=No
                       "log": "{work}/train.log"}, gpus=gpu)
 
 
-def sgd_twin(recipe, est=60, timeout=90, gpu=None) -> Job:
-    """bench.main_job_8b sgd: the same model under the benches' SGD step (bf16 parameters, no clipping)."""
-    return Job(f"sgd-8b-{recipe}", ("-m", "bench.main_job_8b", "sgd", "--recipe", recipe), LHS, est, timeout,
+def sgd_twin(recipe, est=60, timeout=90, gpu=None, layers=None) -> Job:
+    """bench.main_job_8b sgd: the same model under the benches' SGD step (bf16 parameters, no clipping), with
+    `layers` of the preset's (None: the bench's 8)."""
+    cut = () if layers is None else ("--layers", str(layers))
+    return Job(f"sgd-8b-{recipe}" + (f"-L{layers}" if layers else ""),
+               ("-m", "bench.main_job_8b", "sgd", "--recipe", recipe, *cut), LHS, est, timeout,
                ident={"bench": "main-job-8b", "impl": "zoo", "program": "sgd-bench", "recipe": recipe,
                       "setting": "zoo"}, gpus=gpu)
 

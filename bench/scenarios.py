@@ -344,6 +344,15 @@ SCENARIOS: dict[str, Scenario] = {
         (main_job("auto", est=90, timeout=200, gpu="0"),
          main_job("auto", (_MOSAIC,), est=90, timeout=200, gpu="0", name="main-job-8b-auto-mosaic_cudnn"),
          anchor("minimal", shape="8b", layers=8, est=50, gpu="0"))),
+    "main-job-8k-per-layer": Scenario(
+        "the 8K layer, like with like: the step-time difference of 8 and 4 layers (batch 2, seq 8192) for the zoo's "
+        "8B under the benches' SGD step (bf16 parameters, minimal: every matmul output kept, as the anchor's "
+        "policy), for the plain-JAX anchor under minimal, and for the main job (AdamW, --recipe auto), in one call",
+        (sgd_twin("minimal", gpu="0", layers=4), sgd_twin("minimal", gpu="0", layers=8),
+         anchor("minimal", shape="8b", layers=4, est=40, gpu="0"),
+         anchor("minimal", shape="8b", layers=8, est=50, gpu="0"),
+         main_job("auto", ("--layers", "4"), est=70, timeout=160, gpu="0", name="main-job-8b-L4-auto"),
+         main_job("auto", est=90, timeout=200, gpu="0"))),
     "attention-in-step": Scenario(
         "how many attention forwards a layer's step runs, by kernel: the 8B's stack cut to 4 layers at 131,072 "
         "tokens under long_context (the kernel's pair kept, groups of 2), SGD, the loss in chunks, with cuDNN's "
