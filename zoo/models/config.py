@@ -29,9 +29,10 @@ class LMConfig:
         tie_embeddings: whether the LM head shares the embedding table.
         dtype: the activations' dtype ("bfloat16", "float32", ...).
         param_dtype: the parameters' dtype.
-        attention_impl: the attention kernel: None (chosen for the device: cuDNN's where it runs, else XLA's),
-            "xla", "cudnn", or "mosaic_cudnn" (tokamax's Mosaic GPU forward with cuDNN's backward: Hopper, head
-            dim 64 or 128, one device; `zoo.layers.attention_kernel.choose_impl`).
+        attention_impl: the attention kernel: None (chosen for the device: "mosaic_cudnn" on one Hopper device
+            with tokamax installed, else cuDNN's where it runs, else XLA's), "xla", "cudnn", or "mosaic_cudnn"
+            (tokamax's Mosaic GPU forward with cuDNN's backward: Hopper, head dim 64 or 128;
+            `zoo.layers.attention_kernel.choose_impl`).
         mlp_seq_chunks: the dense MLP in this many sequence chunks (`zoo.layers.MLP`'s `seq_chunks`).
         max_seq_len: the longest sequence the model takes (a published context); None: any.
 
