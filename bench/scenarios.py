@@ -338,10 +338,11 @@ SCENARIOS: dict[str, Scenario] = {
         "(8 layers, SGD), in one call",
         (main_job("auto", est=90, timeout=200, gpu="0"), anchor("minimal", shape="8b", layers=8, est=50, gpu="0"))),
     "main-job-8k-kernels": Scenario(
-        "the default 8K main job (the 8B cut to 8 layers, batch 2, AdamW, --recipe auto) with each attention kernel: "
-        "cuDNN's (what auto takes) and mosaic_cudnn (tokamax's Mosaic GPU forward, cuDNN's backward), beside the "
+        "the default 8K main job (the 8B cut to 8 layers, batch 2, AdamW, --recipe auto) with each attention kernel "
+        "asked for by name: cuDNN's and mosaic_cudnn (tokamax's Mosaic GPU forward, cuDNN's backward), beside the "
         "plain-JAX anchor (8 layers, SGD), in one call",
-        (main_job("auto", est=90, timeout=200, gpu="0"),
+        (main_job("auto", ("--train-arg=--set=attention_impl=cudnn",), est=90, timeout=200, gpu="0",
+                  name="main-job-8b-auto-cudnn"),
          main_job("auto", (_MOSAIC,), est=90, timeout=200, gpu="0", name="main-job-8b-auto-mosaic_cudnn"),
          anchor("minimal", shape="8b", layers=8, est=50, gpu="0"))),
     "main-job-8k-per-layer": Scenario(
