@@ -239,13 +239,15 @@ def module_job(name, module, *args, bench=None, est=90, timeout=240) -> Job:
                ident={"bench": bench or name, "impl": "zoo", "setting": "zoo"}, gpus="0")
 
 
-def probe(recipes, seq=None, longest=None, est=120, timeout=300) -> Job:
+def probe(recipes, seq=None, longest=None, est=120, timeout=300, extra=(), env=None, name=None) -> Job:
     """bench.plan_probe: the 8B's step (32 layers, batch 1, state on the host) compiled for the GPU at `seq` under
-    each recipe of `recipes`, or zoo.plan.longest_seq's answer up to `longest`; nothing runs."""
+    each recipe of `recipes`, or zoo.plan.longest_seq's answer up to `longest`; nothing runs. `extra`: more of
+    plan_probe's flags (`--params stream`, `--attention-tiles N`)."""
     what = ("--longest", str(longest)) if longest else ("--seq", str(seq))
-    return Job(f"plan-probe-{'longest-' if longest else ''}{(longest or seq) // 1024}K-{'-'.join(recipes)}",
-               ("-m", "bench.plan_probe", *what, *(a for r in recipes for a in ("--recipe", r))), LHS, est, timeout,
-               env=LONG_ENV, ident={"bench": "plan-probe", "impl": "zoo", "recipe": recipes[0], "setting": "zoo"},
+    return Job(name or f"plan-probe-{'longest-' if longest else ''}{(longest or seq) // 1024}K-{'-'.join(recipes)}",
+               ("-m", "bench.plan_probe", *what, *(a for r in recipes for a in ("--recipe", r)), *extra), LHS, est,
+               timeout, env=env or LONG_ENV,
+               ident={"bench": "plan-probe", "impl": "zoo", "recipe": recipes[0], "setting": "zoo"},
                gpus="0", smoke_argv=("-m", "bench.plan_probe", "--seq", "256", "--recipe", recipes[0], "--smoke"))
 
 

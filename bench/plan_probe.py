@@ -5,6 +5,7 @@ length: the compiled peak HBM and host bytes beside the planner's estimate and p
 
     python -m bench.plan_probe --seq 262144 --recipe long_context --recipe auto   # one record each
     python -m bench.plan_probe --longest 524288 --recipe auto                      # zoo.plan.longest_seq's answer
+    python -m bench.plan_probe --seq 1048576 --params stream --attention-tiles 16  # a million, streamed, query tiles
 
 `--smoke`: the tiny preset on the CPU (checks the script only).
 """
@@ -22,6 +23,11 @@ def _args():
     ap.add_argument("--longest", type=int, default=None, metavar="CAP",
                     help="instead: the longest power-of-two length up to CAP that fits (zoo.plan.longest_seq)")
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--params", choices=("host", "stream"), default="host",
+                    help="the parameters' float32 master on the host (host), or also the bf16 parameters streamed a "
+                         "layer at a time (stream)")
+    ap.add_argument("--attention-tiles", type=int, default=1, metavar="N",
+                    help="attention over N query tiles (the config's attention_tiles)")
     ap.add_argument("--smoke", action="store_true")
     return ap.parse_args()
 
@@ -41,14 +47,16 @@ def main():
     device = jax.devices()[0]
     seqs = a.seq or ([256] if a.smoke else [262144])
     cfg = zoo.models.LlamaConfig.preset("tiny" if a.smoke else "llama3_1_8b", num_layers=2 if a.smoke else a.layers,
-                                        param_dtype="bfloat16", max_seq_len=max(seqs + [a.longest or 0]))
+                                        param_dtype="bfloat16", max_seq_len=max(seqs + [a.longest or 0]),
+                                        attention_tiles=a.attention_tiles)
     limit = allocator_limit(device)
     hbm_gib = limit / 2**30 if limit else 1.0
     hardware = zoo.plan.Hardware(hbm_gib=hbm_gib, tflops=meter.peak_tflops(device, None)[0] or 1.0,
                                  **({"link_gbps": 10.0} if device.platform == "cpu" else {}))
-    training = zoo.plan.Training(opt_dtype="bfloat16", opt_state="host", params="host", loss_chunk="auto")
+    training = zoo.plan.Training(opt_dtype="bfloat16", opt_state="host", params=a.params, loss_chunk="auto")
     ident = dict(bench="plan-probe", impl="zoo", backend=None, B=1, L=cfg.num_layers, optimizer="adamw",
-                 opt_state="host", params="host", opt_dtype="bfloat16", param_dtype="bfloat16")
+                 opt_state="host", params=a.params, opt_dtype="bfloat16", param_dtype="bfloat16",
+                 attention_tiles=a.attention_tiles)
     if a.longest:
         for name in a.recipe or ["auto"]:
             recipe = "auto" if name == "auto" else RECIPES[name]
@@ -70,7 +78,7 @@ def main():
                            est.host_total / 2**30, 2))
             try:
                 p = zoo.plan.plan(cfg, est.recipe, batch=1, seq=seq, hardware=hardware,
-                                  training=zoo.plan.Training(opt_dtype="bfloat16", opt_state="host", params="host",
+                                  training=zoo.plan.Training(opt_dtype="bfloat16", opt_state="host", params=a.params,
                                                              loss_chunk=est.loss_chunk), peak="compile")
                 d = p.peak.detail
                 row.update(planned_peak_gib=round(p.peak_bytes / 2**30, 2), planned_peak_source=p.peak_source,

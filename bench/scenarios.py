@@ -302,6 +302,21 @@ SCENARIOS: dict[str, Scenario] = {
         (long_job("auto", 524288, layers=32, steps=1, est=900, timeout=1100),
          long_job("longest_context", 524288, layers=8, steps=1, est=260, timeout=400),
          long_job("long_context", 524288, layers=8, steps=1, est=240, timeout=400))),
+    "million-compile": Scenario(
+        "1,048,576 tokens compiled for one H200, nothing run: all 32 layers of the 8B, batch 1, AdamW's state and the "
+        "float32 master on the host, the bf16 parameters streamed a layer at a time (--params stream), attention "
+        "over 16 query tiles (attention_tiles), under auto (groups of 8, each group's input on the host); the "
+        "compiled peak HBM and host bytes beside the plan's, and the plan's step time",
+        (probe(("auto",), seq=1048576, est=420, timeout=580, extra=("--params", "stream", "--attention-tiles", "16"),
+               env={**LONG_ENV, "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "120"}, name="plan-probe-1024K-auto-stream-qt16"),
+         )),
+    "query-tiles-128k": Scenario(
+        "attention over query tiles on the GPU: the 8B cut to 4 layers at 131,072 tokens under full remat, two steps "
+        "each from the same weights and tokens, with attention whole and over 8 query tiles (their losses must "
+        "agree; the tiles' step runs attention's forward once more per layer)",
+        (long_job("full", 131072, layers=4, steps=2, est=120, timeout=240),
+         long_job("full", 131072, layers=4, steps=2, est=130, timeout=240,
+                  extra=("--train-arg=--set=attention_tiles=8",), name="main-job-8b-L4-S128K-full-qt8"))),
     "half-million-rate": Scenario(
         "the rate at 524,288 tokens past the first step: the 8B cut to 8 layers under long_context (the kernel's pair "
         "kept: attention's forward runs once), two steps from the same weights and tokens (the record times the "

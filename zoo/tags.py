@@ -55,6 +55,13 @@ TAGS: dict[str, Tag] = {t.name: t for t in _TAGS}
 NAMES: tuple[str, ...] = tuple(TAGS)
 
 
+def seq_axis(tag: str) -> int:
+    """The sequence axis of a tag's tensor, from its symbolic shape ("[B,H,S]" -> 2); 1 where S is not an axis of
+    its own (the routed experts' dispatched rows)."""
+    axes = TAGS[tag].shape.strip("[]").split(",")
+    return axes.index("S") if "S" in axes else 1
+
+
 def vocabulary() -> str:
     """The vocabulary as text, for error messages and `--help`."""
     return ", ".join(NAMES)

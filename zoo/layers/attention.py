@@ -13,9 +13,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zoo.checks import check_positive
 from zoo.layers.attention_kernel import AttentionChoice, Implementation, causal_attention, choose_impl
 from zoo.layers.linear import projection
 from zoo.layers.norm import RMSNorm
+from zoo.layers.prefix_attention import prefix_attention
 from zoo.layers.rope import Rope
 from zoo.layers.tagged import TaggedLayer
 from zoo.sharding import BSD, BSH, BSK
@@ -68,6 +70,8 @@ class Attention(_ChosenKernel):
         implementation: the attention kernel, "xla", "cudnn" or None (chosen for the first device, once, when the
             layer is built: `attention_choice()` says which and why).
         qk_norm_eps: None for no q/k norm, else the eps of the per-head RMSNorm of q and of k.
+        query_tiles: a block runs this attention over this many tiles of queries, one at a time, each against the
+            keys up to it (`zoo.layers.query_tiles`: one tile's queries and outputs in memory at once); 1: whole.
         rngs: the random generators of the kernels' initialization.
 
     Emits:
@@ -87,8 +91,9 @@ class Attention(_ChosenKernel):
 
     def __init__(self, *, dim: int, num_heads: int, num_kv_heads: int, head_dim: int, rope: Rope,
                  dtype=jnp.float32, param_dtype=jnp.float32, implementation: Implementation = None,
-                 qk_norm_eps: float | None = None, rngs: nnx.Rngs):
-        self.dim, self.dtype = dim, dtype
+                 qk_norm_eps: float | None = None, query_tiles: int = 1, rngs: nnx.Rngs):
+        check_positive("query_tiles", query_tiles, optional=False)
+        self.dim, self.dtype, self.query_tiles = dim, dtype, query_tiles
         common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         q_axes, kv_axes = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
         self.q_proj = projection("bsd,dhk->bshk", (dim, num_heads, head_dim), q_axes, n_in=1, **common)
@@ -119,10 +124,32 @@ class Attention(_ChosenKernel):
     def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The per-position part: x [B,S,D] -> q, k, v before RoPE (q and k after their norms). A block may run it
         over sequence tiles (`zoo.layers.tiles`); the tensors are named whole, by `attend`."""
-        q, k = self.q_proj(x), self.k_proj(x)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return q, k, self.v_proj(x)
+        return (self.project_q(x), *self.project_kv(x))
+
+    def project_q(self, x: jax.Array) -> jax.Array:
+        """x [B,S,D] -> q [B,S,H,d] before RoPE (after the q norm where there is one)."""
+        q = self.q_proj(x)
+        return q if self.q_norm is None else self.q_norm(q)
+
+    def project_kv(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [B,S,D] -> k, v [B,S,Hkv,d], k before RoPE (after the k norm where there is one)."""
+        k = self.k_proj(x)
+        return (k if self.k_norm is None else self.k_norm(k)), self.v_proj(x)
+
+    def named_kv(self, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """RoPE on k at positions 0..S-1; k named `key_proj`, v `value_proj`."""
+        k = name(self.rope(k, positions_for(k)), "key_proj", BSK)
+        return k, name(v, "value_proj", BSK)
+
+    def attend_tile(self, q: jax.Array, k: jax.Array, v: jax.Array, k_prefix: jax.Array, v_prefix: jax.Array
+                    ) -> jax.Array:
+        """One query tile (`zoo.layers.query_tiles`): RoPE on the tile's q [B,T,H,d] at its positions (after the
+        prefix's P), named `query_proj`; causal attention against the tile's own keys and values [B,T,Hkv,d] and
+        every one of the prefix's [B,P,Hkv,d] (already named, `named_kv`); the output projection, `out_proj`."""
+        start = k_prefix.shape[1]
+        q = name(self.rope(q, start + positions_for(q)), "query_proj", BSH)
+        out = prefix_attention(q, k, v, k_prefix, v_prefix, impl=self.kernel.impl)   # names attention_out, context
+        return name(self.o_proj(out), "out_proj", BSD)
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         """RoPE on q and k, the three named, causal attention (which names its output and statistics), the output

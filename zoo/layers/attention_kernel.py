@@ -173,8 +173,8 @@ def _stats_axes(leaf: jax.Array, q: jax.Array) -> tuple[str | None, ...]:
     return tuple(axes)
 
 
-def _cudnn_attend(q, k, v, scale):
-    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="cudnn")
+def _cudnn_attend(q, k, v, scale, causal: bool = True):
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="cudnn")
 
 
 # The residuals of cuDNN attention, as jax defines them: `jax.nn.dot_product_attention(implementation="cudnn")` calls
@@ -245,11 +245,7 @@ def _mosaic_cudnn_with_residuals(q, k, v, scale):
     dv, d = v.shape[-1], q.shape[-1]
     vp = _pad_last(v, d)
     with jax.named_scope(SCOPE):
-        out_p, (row_max, row_sum) = _mosaic_module().PallasMosaicGpuFlashAttention()(
-            q, k, vp, is_causal=True, logits_scale=scale, return_residuals=True)
-        # one kernel run per layer: behind a barrier XLA cannot run the kernel again where its outputs are read
-        out_p, row_max, row_sum = jax.lax.optimization_barrier((out_p, row_max, row_sum))
-        lse = row_max + jnp.log(row_sum)
+        out_p, lse = _mosaic_forward(q, k, vp, scale, True)
     out = name(out_p[..., :dv], "attention_out", BSH)
     stats = name(lse, "context", STATS_AXES)
 
@@ -257,15 +253,69 @@ def _mosaic_cudnn_with_residuals(q, k, v, scale):
         q, k, v, out, stats = res
         vp, outp = _pad_last(v, d), _pad_last(out, d)
         with jax.named_scope(SCOPE):
-            _, vjp_fn = jax.vjp(lambda q, k, vp: _cudnn_attend(q, k, vp, scale), q, k, vp)
-            leaves, tree = jax.tree.flatten(vjp_fn)
-            kinds = _cudnn_roles(leaves, (q, k, vp), outp)
-            given = {"stats": lambda x: stats.reshape(x.shape).astype(x.dtype), "out": lambda x: outp}
-            leaves = [given.get(kind, lambda x: x)(x) for x, (kind, _) in zip(leaves, kinds)]
-            dq, dk, dvp = jax.tree.unflatten(tree, leaves)(_pad_last(g, d))
+            dq, dk, dvp = _cudnn_backward_given(q, k, vp, outp, stats, _pad_last(g, d), scale)
         return dq, dk, dvp[..., :dv]
 
     return out, (q, k, v, out, stats), backward
+
+
+def _cudnn_backward_given(q, k, v, out, stats, g, scale, causal: bool = True):
+    """cuDNN's backward of attention over (q, k, v) for the cotangent g, handed `out` and `stats` (the log-sum-exp
+    [B, H, Sq]) in place of its own forward's: it traces cuDNN's VJP, whose forward XLA then drops (its outputs
+    unused), and swaps those two residuals (`_cudnn_roles`)."""
+    _, vjp_fn = jax.vjp(lambda q, k, v: _cudnn_attend(q, k, v, scale, causal), q, k, v)
+    leaves, tree = jax.tree.flatten(vjp_fn)
+    kinds = _cudnn_roles(leaves, (q, k, v), out)
+    given = {"stats": lambda x: stats.reshape(x.shape).astype(x.dtype), "out": lambda x: out}
+    leaves = [given.get(kind, lambda x: x)(x) for x, (kind, _) in zip(leaves, kinds)]
+    return jax.tree.unflatten(tree, leaves)(g)
+
+
+def _lse_shape(q: jax.Array) -> tuple[int, int, int]:
+    b, s, h, _ = q.shape
+    return (b, h, s)
+
+
+def _cudnn_forward(q, k, v, scale, causal):
+    out, vjp_fn = jax.vjp(lambda q, k, v: _cudnn_attend(q, k, v, scale, causal), q, k, v)
+    leaves, _ = jax.tree.flatten(vjp_fn)
+    stats = next(x for x, (kind, _) in zip(leaves, _cudnn_roles(leaves, (q, k, v), out)) if kind == "stats")
+    return out, stats.reshape(_lse_shape(q)).astype(jnp.float32)
+
+
+def _mosaic_forward(q, k, v, scale, causal):
+    """tokamax's Mosaic GPU forward: (out, lse), lse = the row max + log of the row sum (cuDNN's statistics)."""
+    out, (row_max, row_sum) = _mosaic_module().PallasMosaicGpuFlashAttention()(
+        q, k, v, is_causal=causal, logits_scale=scale, return_residuals=True)
+    # one kernel run per call: behind a barrier XLA cannot run the kernel again where its outputs are read
+    out, row_max, row_sum = jax.lax.optimization_barrier((out, row_max, row_sum))
+    return out, (row_max + jnp.log(row_sum)).reshape(_lse_shape(q)).astype(jnp.float32)
+
+
+def _xla_forward(q, k, v, scale, causal):
+    return xla_attention.forward(q, k, v, scale, causal)
+
+
+# Each kernel's forward, (q, k, v, scale, causal) -> (out, lse [B, H, Sq] float32), and its backward,
+# (q, k, v, out, lse, g, scale, causal) -> (dq, dk, dv) from a given output and log-sum-exp.
+_PART_FORWARD = {"xla": _xla_forward, "cudnn": _cudnn_forward, "mosaic_cudnn": _mosaic_forward}
+_PART_BACKWARD = {"xla": xla_attention.backward, "cudnn": _cudnn_backward_given, "mosaic_cudnn": _cudnn_backward_given}
+
+
+def attention_part(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, scale: float, *, causal: bool
+                   ) -> tuple[jax.Array, jax.Array]:
+    """One kernel call with its statistics: (out [B, Sq, H, d], lse [B, H, Sq] float32) of softmax(q k^T * scale) v
+    over keys [B, Sk, Hkv, d], causal (Sq = Sk) or not. `impl`: "xla", "cudnn" or "mosaic_cudnn" (its Mosaic
+    forward). The parts of a softmax split over key blocks merge by their log-sum-exps (`zoo.layers.prefix_attention`).
+    """
+    return _PART_FORWARD[impl](q, k, v, scale, causal)
+
+
+def attention_part_backward(impl: str, q, k, v, out, lse, g, scale: float, *, causal: bool):
+    """(dq, dk, dv) of one kernel call (`attention_part`) for the output cotangent g, given `out` and `lse` of the
+    whole softmax this call's keys are a part of (FlashAttention's backward reads only those: p = exp(s - lse) and
+    the rows' sum of g * out), so a softmax split over key blocks differentiates block by block."""
+    return _PART_BACKWARD[impl](q, k, v, out, lse, g, scale, causal)
 
 
 def _xla_with_residuals(q, k, v, scale):

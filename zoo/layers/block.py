@@ -2,12 +2,14 @@
 
 A family's decoder layer builds `attn_norm`, `attn`, `mlp_norm` and `mlp` (and sets `moe` when `mlp` returns
 `(y, aux)`); the block applies them. `tiles` (a recipe's `seq_tiles`) runs the per-position parts over sequence
-tiles (`zoo.layers.tiles`): the attention's norm with its q, k, v projections, and the dense FFN.
+tiles (`zoo.layers.tiles`): the attention's norm with its q, k, v projections, and the dense FFN. An attention with
+`query_tiles` above 1 runs over tiles of queries (`zoo.layers.query_tiles`).
 """
 from __future__ import annotations
 
 import jax
 
+from zoo.layers.query_tiles import over_query_tiles
 from zoo.layers.tagged import TaggedLayer
 from zoo.layers.tiles import tiled
 
@@ -61,7 +63,10 @@ class PreNormBlock(TaggedLayer):
         Returns:
             [B, S, D]; with `moe`, (that, the MLP's aux).
         """
-        if hasattr(self.attn, "project"):
+        query_tiles = getattr(self.attn, "query_tiles", 1)
+        if query_tiles > 1:
+            x = x + over_query_tiles(self.attn_norm, self.attn, x, query_tiles=query_tiles, seq_tiles=tiles)
+        elif hasattr(self.attn, "project"):
             x = x + self.attn.attend(*tiled(_project, (self.attn_norm, self.attn), x, tiles))
         else:
             x = x + self.attn(tiled(_apply, self.attn_norm, x, tiles))

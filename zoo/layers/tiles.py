@@ -29,6 +29,23 @@ def _widen(x):
     return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4 else x
 
 
+def rematerialized(fn: Callable[..., Any], module: Any, *, prevent_cse: bool = True) -> Callable[..., Any]:
+    """`fn(module, *args)` as a function of `args` alone under `jax.checkpoint` with nothing saved: its backward
+    recomputes it from its arguments. The module's parameters enter as arguments of the checkpoint (16-bit ones in
+    float32, so a gradient summed over several calls is rounded once); `prevent_cse=False` inside a loop (as JAX
+    advises)."""
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    dtypes = jax.tree.map(lambda p: p.dtype, params)
+    wide = jax.tree.map(_widen, params)
+
+    def one(wide, rest, *args):
+        m = nnx.merge(graphdef, jax.tree.map(lambda p, d: p.astype(d), wide, dtypes), rest)
+        return fn(m, *args)
+
+    body = jax.checkpoint(one, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=prevent_cse)
+    return lambda *args: body(wide, rest, *args)
+
+
 def tiled(fn: Callable[[Any, jax.Array], Any], module: Any, x: jax.Array, tiles: int) -> Any:
     """`fn(module, x)` over `tiles` sequence tiles of x [B, S, ...] (axis 1), one at a time, each rematerialized on
     its own. `fn` must treat positions independently and return [B, S, ...] arrays (a pytree of them), which are
@@ -37,16 +54,8 @@ def tiled(fn: Callable[[Any, jax.Array], Any], module: Any, x: jax.Array, tiles:
     if tiles == 1:
         return fn(module, x)
     check_tiles(tiles, x.shape[1])
-    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-    dtypes = jax.tree.map(lambda p: p.dtype, params)
-    wide = jax.tree.map(_widen, params)
-
-    def one(wide, rest, xt):
-        m = nnx.merge(graphdef, jax.tree.map(lambda p, d: p.astype(d), wide, dtypes), rest)
-        return fn(m, xt)
-
-    body = jax.checkpoint(one, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+    body = rematerialized(fn, module, prevent_cse=False)
     xs = einops.rearrange(x, "b (n t) ... -> n b t ...", n=tiles)
     with jax.named_scope(TILE_SCOPE):   # how the tag reader and the loop guard know the loop
-        _, ys = jax.lax.scan(lambda carry, xt: (carry, body(wide, rest, xt)), None, xs)
+        _, ys = jax.lax.scan(lambda carry, xt: (carry, body(xt)), None, xs)
     return jax.tree.map(lambda y: einops.rearrange(y, "n b t ... -> b (n t) ..."), ys)

@@ -1,6 +1,8 @@
-"""Causal grouped-query attention in plain JAX whose residuals are its output and log-sum-exp (FlashAttention-2's
-backward, Dao 2023, without the tiling): the backward recomputes p = exp(s - lse), so nothing of size [B, H, S, S] is
-saved. Logits, softmax and statistics are float32; query head h attends with key/value head h // (H // Hkv).
+"""Grouped-query attention in plain JAX whose residuals are its output and log-sum-exp (FlashAttention-2's backward,
+Dao 2023, without the tiling): the backward recomputes p = exp(s - lse), so nothing of size [B, H, Sq, Sk] is saved.
+Causal (query i sees keys 0..i, Sq = Sk) by default; `causal=False` lets every query see every key (a query tile
+against the keys before it, `zoo.layers.prefix_attention`). Logits, softmax and statistics are float32; query head h
+attends with key/value head h // (H // Hkv).
 """
 from __future__ import annotations
 
@@ -17,32 +19,36 @@ def _stat_dtype(dtype):
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def _logits(q, k, scale):
-    """Scaled, causally masked logits [B, Hkv, G, S, S] in float32 (float64 for float64 inputs)."""
+def _logits(q, k, scale, causal: bool = True):
+    """Scaled logits [B, Hkv, G, Sq, Sk] in float32 (float64 for float64 inputs), causally masked if `causal`."""
     qg = _grouped(q, k.shape[2])
     dt = _stat_dtype(q.dtype)
     s = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=dt) * jnp.asarray(scale, dt)
+    if not causal:
+        return s
     n = q.shape[1]
-    causal = jnp.tril(jnp.ones((n, n), dtype=bool))
-    return jnp.where(causal, s, jnp.finfo(dt).min)
+    mask = jnp.tril(jnp.ones((n, n), dtype=bool))
+    return jnp.where(mask, s, jnp.finfo(dt).min)
 
 
-def forward(q: jax.Array, k: jax.Array, v: jax.Array, scale: float) -> tuple[jax.Array, jax.Array]:
-    """(out [B, S, H, dv] in q's dtype, lse [B, H, S] in float32)."""
+def forward(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, causal: bool = True
+            ) -> tuple[jax.Array, jax.Array]:
+    """(out [B, Sq, H, dv] in q's dtype, lse [B, H, Sq] in float32)."""
     b, n, h, _ = q.shape
-    s = _logits(q, k, scale)
+    s = _logits(q, k, scale, causal)
     lse = jax.nn.logsumexp(s, axis=-1)                                  # [B, Hkv, G, S]
     p = jnp.exp(s - lse[..., None]).astype(v.dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", p, v).reshape(b, n, h, v.shape[-1]).astype(q.dtype)
     return out, lse.reshape(b, h, n)
 
 
-def backward(q, k, v, out, lse, g, scale: float):
-    """(dq, dk, dv) of `forward` for the output cotangent g [B, S, H, dv], from the saved out and lse."""
+def backward(q, k, v, out, lse, g, scale: float, causal: bool = True):
+    """(dq, dk, dv) of `forward` for the output cotangent g [B, Sq, H, dv], from the saved out and lse (or another
+    forward's: the output and log-sum-exp of the whole softmax this call's keys are a part of)."""
     b, n, h, dq_dim = q.shape
     kv = k.shape[2]
     dt = _stat_dtype(q.dtype)
-    s = _logits(q, k, scale)
+    s = _logits(q, k, scale, causal)
     p = jnp.exp(s - lse.reshape(b, kv, h // kv, n)[..., None])          # [B, Hkv, G, S, S]
     gg = _grouped(g, kv)                                                # [B, S, Hkv, G, dv]
     dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(v.dtype), gg, preferred_element_type=dt)

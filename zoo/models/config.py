@@ -34,6 +34,9 @@ class LMConfig:
             (tokamax's Mosaic GPU forward with cuDNN's backward: Hopper, head dim 64 or 128;
             `zoo.layers.attention_kernel.choose_impl`).
         mlp_seq_chunks: the dense MLP in this many sequence chunks (`zoo.layers.MLP`'s `seq_chunks`).
+        attention_tiles: each layer's attention over this many tiles of queries, one at a time, each against the
+            keys up to it (`zoo.layers.query_tiles`), so a layer's backward holds one tile's queries and outputs; it
+            divides the sequence. 1: the whole sequence at once. Grouped-query attention only.
         max_seq_len: the longest sequence the model takes (a published context); None: any.
 
     Examples:
@@ -51,13 +54,14 @@ class LMConfig:
     param_dtype: str = "float32"       # parameters
     attention_impl: str | None = None  # None: chosen for the device; "xla", "cudnn", "mosaic_cudnn"
     mlp_seq_chunks: int = 1            # the dense MLP in this many sequence chunks (zoo.layers.mlp: earlier copies)
+    attention_tiles: int = 1           # attention over this many query tiles (zoo.layers.query_tiles)
     max_seq_len: int | None = None     # the longest sequence the model takes (a published context); None: any
     # {preset name: {field: value}}: the published sizes and a tiny one, as a table (a subclass sets its own)
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
 
     def __post_init__(self):
         check_types(self)
-        check_positive(self, "vocab_size", "dim", "num_layers", "mlp_seq_chunks")
+        check_positive(self, "vocab_size", "dim", "num_layers", "mlp_seq_chunks", "attention_tiles")
         if self.max_seq_len is not None:
             check_positive(self, "max_seq_len")
         check_positive_float(self, "norm_eps")
@@ -74,6 +78,9 @@ class LMConfig:
     def check_seq(self, seq: int) -> None:
         """ValueError unless `seq` is a positive int within `max_seq_len` (the positions the model was made for)."""
         checks.check_positive("the sequence length", seq, optional=False)
+        if seq % self.attention_tiles:
+            raise ValueError(f"{type(self).__name__}.attention_tiles={self.attention_tiles} does not divide the "
+                             f"sequence length {seq}: attention runs over tiles of queries of equal length")
         if self.max_seq_len is not None and seq > self.max_seq_len:
             raise ValueError(f"sequence length {seq} is longer than {type(self).__name__}.max_seq_len="
                              f"{self.max_seq_len} (the context its positions were made for); raise it with "

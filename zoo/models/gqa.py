@@ -70,4 +70,5 @@ def attention(cfg, *, rngs: nnx.Rngs, qk_norm_eps: float | None = None) -> Atten
     q and of k), in the config's dtypes, on the kernel it asks for."""
     return Attention(dim=cfg.dim, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                      rope=cfg.rope(), implementation=cfg.attention_impl, qk_norm_eps=qk_norm_eps,
+                     query_tiles=cfg.attention_tiles,
                      dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, rngs=rngs)

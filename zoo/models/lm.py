@@ -42,7 +42,8 @@ class StackTags:
         num_layers: the stack's layers.
         tags: per layer, {tag: shape and dtype}.
         tiled: the tags made inside sequence tiles (`zoo.layers.tiles`: kept in HBM tile by tile, or recomputed;
-            never offloaded).
+            never offloaded) or query tiles.
+        query_tiled: the tags made one query tile at a time (`zoo.layers.query_tiles`: always recomputed).
 
     Examples:
         >>> import jax
@@ -53,6 +54,7 @@ class StackTags:
     num_layers: int
     tags: dict[str, jax.ShapeDtypeStruct]
     tiled: frozenset[str] = frozenset()
+    query_tiled: frozenset[str] = frozenset()
 
 
 class CausalLM(nnx.Module):
@@ -119,17 +121,27 @@ class CausalLM(nnx.Module):
         if not isinstance(recipe, Recipe):
             raise ValueError(f"recipe must be a zoo.Recipe, got {type(recipe).__name__}")
         where = type(self).__name__
-        shapes = self.tag_shapes(_CHECK_BATCH, _CHECK_SEQ * recipe.seq_tiles, tiles=recipe.seq_tiles)
+        query_tiles = self.config.attention_tiles
+        shapes = self.tag_shapes(_CHECK_BATCH, _CHECK_SEQ * math.lcm(recipe.seq_tiles, query_tiles),
+                                 tiles=recipe.seq_tiles)
         recipe.check_emitted({t for st in shapes.values() for t in st.tags}, where=where)
         for name in self.stack_names:
             getattr(self, name).check_group(recipe.group, f"{where}.{name}")
         offloaded = set(recipe.resolve().offload)
-        tiled = sorted({t for st in shapes.values() for t in st.tiled} & offloaded)
+        tiled = sorted({t for st in shapes.values() for t in st.tiled - st.query_tiled} & offloaded)
         if tiled:
             raise ValueError(f"Recipe {recipe.name!r} offloads {tiled}, which seq_tiles={recipe.seq_tiles} makes "
                              f"inside sequence tiles: a tiled tag is kept in HBM (tile by tile) or recomputed, not "
                              f"offloaded (offload inside nested loops is known to break); keep it on the device, "
                              f"recompute it, or set seq_tiles=1")
+        if query_tiles > 1:
+            resolved = recipe.resolve()
+            made = {t for st in shapes.values() for t in st.query_tiled}
+            kept = sorted(made & set(resolved.offload + resolved.device + resolved.group_keep))
+            if kept:
+                raise ValueError(f"Recipe {recipe.name!r} keeps or offloads {kept}, which attention_tiles="
+                                 f"{query_tiles} makes one query tile at a time and recomputes tile by tile "
+                                 f"(zoo.layers.query_tiles); leave them out of the recipe, or set attention_tiles=1")
 
     def stack_group(self, name: str, group: int) -> int:
         """Layers per rematerialized group of the stack `name` under a recipe's `group`: `group` for a main stack,
@@ -154,7 +166,8 @@ class CausalLM(nnx.Module):
         out = {}
         for n, s in self.stacks().items():
             x = s.abstract_input(batch, seq)
-            out[n] = StackTags(s.num_layers, s.tag_shapes(x, tiles), s.tiled_tags(x, tiles))
+            in_query = s.tiled_tags(x, 1) if self.config.attention_tiles > 1 else frozenset()
+            out[n] = StackTags(s.num_layers, s.tag_shapes(x, tiles), s.tiled_tags(x, tiles), in_query)
         return out
 
     # -- the forward pass ---------------------------------------------------------------------------------

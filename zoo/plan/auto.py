@@ -15,18 +15,19 @@ from zoo.recipe import TOGETHER
 # matmuls, and more of them save no more: a tile's tensors are already small beside a layer's).
 MIN_TILE = 8192
 TILES = (4, 8, 16, 32)
-GROUPS = (1, 2, 4)
+GROUPS = (1, 2, 4, 8)
 
 
 def structures(model, seq: int) -> list[tuple[int, int, tuple[str, ...]]]:
     """The (sequence tiles, layers per group, tags a group's layers keep while its backward runs) `choose_structure`
     tries for `model` at `seq`: one tile, and the most of `TILES` that divides the sequence into tiles of at least
     `MIN_TILE` positions; each of `GROUPS` that divides every main stack's layers, its layers keeping the attention
-    kernel's residuals (one attention forward fewer) or nothing."""
+    kernel's residuals (one attention forward fewer) or nothing (nothing when the model makes them one query tile
+    at a time, `attention_tiles`)."""
     tiles = [1] + [t for t in TILES if seq % t == 0 and seq // t >= MIN_TILE][-1:]
     layers = [model.stacks()[n].num_layers for n in model.stack_names]
     groups = [g for g in GROUPS if all(n % g == 0 and n // g >= 1 for n in layers)]
-    keeps = [tuple(t for g in TOGETHER for t in g), ()]
+    keeps = [()] if model.config.attention_tiles > 1 else [tuple(t for g in TOGETHER for t in g), ()]
     return [(t, g, k) for g in groups for k in (keeps if g > 1 else [()]) for t in tiles]
 
 
@@ -84,6 +85,8 @@ def _note(d: Decision, tag: str) -> str:
     if d.why == "kept":
         tile = " (tile by tile)" if d.tiled else ""
         note = f"kept in HBM{tile}: {fmt_bytes(d.size)} fits ({fmt_bytes(d.left)} left); " + _gain(d.size, d.value)
+    elif d.why == "query tiles":
+        note = "recomputed tile by tile: made one query tile at a time (attention_tiles), never kept or offloaded"
     elif d.why == "tiled":
         note = f"recomputed tile by tile: {fmt_bytes(d.size)} does not fit in HBM and a tiled tag is not offloaded"
     elif d.why == "offloaded":

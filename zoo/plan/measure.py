@@ -282,6 +282,7 @@ class LayerCost:
         stack = model.stacks()[stack_name]
         self.group, self.keep = group, frozenset(keep)
         self._stack, self._tiles = stack, tiles
+        self._query_tiles = model.config.attention_tiles
         fn, state = stack.layer_fn(group=group, tiles=tiles)
         self.args, self._treedef = jax.tree.flatten((state, stack.abstract_input(batch, seq)))
         closed = self._trace(fn)
@@ -335,11 +336,12 @@ class LayerCost:
     def _attention_again(self, saved) -> int:
         """Attention's forward FLOPs run again when the tags `saved` are kept: once unless both of the kernel's
         residuals are kept (zoo.recipe.TOGETHER); in a group, once more in each layer's own backward unless the
-        layers keep them (`keep`) while the group's backward runs."""
+        layers keep them (`keep`) while the group's backward runs; under query tiles (`attention_tiles`), once more
+        in each tile's own backward."""
         again = 0 if ATTENTION_RESIDUALS <= saved else self.attention_flops
         if self.group > 1 and not ATTENTION_RESIDUALS <= saved | self.keep:
             again += self.attention_flops
-        return again
+        return again + (self.attention_flops if self._query_tiles > 1 else 0)
 
     @staticmethod
     def _kept(recipe: Recipe, emitted) -> frozenset[str]:
@@ -347,7 +349,9 @@ class LayerCost:
 
     def recipe_attention_flops(self, recipe: Recipe, emitted) -> int:
         """Of `recipe_flops`, attention's forward run again (0 where the recipe keeps the kernel's residuals)."""
-        return 0 if recipe.special == "none" else self._attention_again(self._kept(recipe, emitted))
+        if recipe.special == "none":
+            return self.attention_flops if self._query_tiles > 1 else 0
+        return self._attention_again(self._kept(recipe, emitted))
 
     def recipe_flops(self, recipe: Recipe, emitted) -> int:
         """Forward FLOPs the backward pass re-runs under `recipe`."""
@@ -379,8 +383,9 @@ def working_bytes(model, stack_name: str, batch: int, seq: int, recipe: Recipe, 
     differentiated as it is recomputed: the recipe's sequence tiles rematerialized on their own) less the tags the
     recipe keeps and its input (the plan counts those); in a group (two-level checkpoints), also the inputs of its
     other layers and what each keeps while the group's backward runs (`group_keep`); plus the cotangents of its
-    largest tensors: twice the largest residual and, for attention, its q, k, v, output and their gradients, and one
-    sequence tile's tagged tensors and their cotangents."""
+    largest tensors: twice the largest residual and, for attention, its q, k, v, output and their gradients (one
+    query tile's q and output under `attention_tiles`), and one sequence tile's (and query tile's) tagged tensors and
+    their cotangents."""
     stack = model.stacks()[stack_name]
     x = stack.abstract_input(batch, seq)
     kept = {t for t in tags_lib.NAMES if recipe.placement(t) != "remat"}
@@ -391,8 +396,12 @@ def working_bytes(model, stack_name: str, batch: int, seq: int, recipe: Recipe, 
         held, more = _remade(fn, state, x, kept)
         res, remade = res + held, remade + more
     tags = stack.tag_shapes(x, recipe.seq_tiles)
-    attention = sum(nbytes(tags[t]) for t in ("query_proj", "key_proj", "value_proj", "attention_out") if t in tags)
+    query_tiles = model.config.attention_tiles
+    in_query = stack.tiled_tags(x, 1) if query_tiles > 1 else frozenset()   # made one query tile at a time
+    kernel = ("query_proj", "key_proj", "value_proj", "attention_out")
+    attention = sum(nbytes(tags[t]) // (query_tiles if t in in_query else 1) for t in kernel if t in tags)
     largest = max((r.nbytes for r in res), default=0)
     # one tile's own tensors and their cotangents, while its backward step runs
-    tile = 2 * sum(nbytes(tags[t]) for t in stack.tiled_tags(x, recipe.seq_tiles)) // recipe.seq_tiles
+    tile = 2 * sum(nbytes(tags[t]) for t in stack.tiled_tags(x, recipe.seq_tiles) - in_query) // recipe.seq_tiles
+    tile += 2 * sum(nbytes(tags[t]) for t in in_query - set(kernel)) // query_tiles
     return remade + 2 * largest + 2 * attention + tile

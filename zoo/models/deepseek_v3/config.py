@@ -95,6 +95,9 @@ class DeepSeekV3Config(MoEConfig):
                              f"num_layers={self.num_layers}")
         check_routing(num_experts=self.num_experts, k=self.num_experts_per_tok, n_group=self.n_group,
                       topk_group=self.topk_group, where=name)
+        if self.attention_tiles != 1:
+            raise ValueError(f"{name}.attention_tiles={self.attention_tiles}: MLA attention has no query tiles "
+                             f"(grouped-query attention has, zoo.layers.query_tiles); leave it at 1")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"{name}.qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
 

@@ -1,0 +1,130 @@
+"""Attention over query tiles (zoo.layers.prefix_attention, zoo.layers.query_tiles, a config's attention_tiles): a
+tile against the keys before it equals those rows of whole causal attention, forward and gradients (float32, 1e-5),
+with the XLA kernel here and cuDNN's and mosaic_cudnn's parts on a GPU; a model over query tiles has the untiled
+model's logits and gradients and the same tag shapes, its per-tile tags marked as such; what a layer's backward
+keeps falls; the refusals (a tile count that does not divide the sequence, MLA, a recipe keeping a per-tile tag)."""
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import zoo
+from zoo.layers import causal_attention
+from zoo.layers.attention_kernel import attention_part
+from zoo.layers.prefix_attention import merge, prefix_attention
+from zoo.plan import measure
+
+B, S, H, KV, D = 2, 16, 4, 2, 8
+
+
+@pytest.fixture(autouse=True)
+def exact_float32_matmuls():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+def qkv(dtype=jnp.float32, s=S):
+    ks = jax.random.split(jax.random.key(0), 4)
+    return (jax.random.normal(ks[0], (B, s, H, D), dtype), jax.random.normal(ks[1], (B, s, KV, D), dtype),
+            jax.random.normal(ks[2], (B, s, KV, D), dtype), jax.random.normal(ks[3], (B, s, H, D), dtype))
+
+
+def tiles_of(impl, tiles):
+    def attend(q, k, v):
+        n = q.shape[1] // tiles
+        return jnp.concatenate([prefix_attention(q[:, t * n:(t + 1) * n], k[:, t * n:(t + 1) * n],
+                                                 v[:, t * n:(t + 1) * n], k[:, :t * n], v[:, :t * n], impl=impl)
+                                for t in range(tiles)], axis=1)
+    return attend
+
+
+def rel(a, b):
+    return float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
+
+
+def check_against_whole(impl, dtype, tol, s=S, tiles=4):
+    q, k, v, g = qkv(dtype, s)
+    out, vjp = jax.vjp(tiles_of(impl, tiles), q, k, v)
+    ref, ref_vjp = jax.vjp(lambda *a: causal_attention(*a, impl=impl), q, k, v)
+    assert out.shape == ref.shape and rel(out, ref) < tol
+    for got, want in zip(vjp(g), ref_vjp(g)):
+        assert got.shape == want.shape and rel(got, want) < tol
+
+
+@pytest.mark.parametrize("tiles", [2, 4])
+def test_query_tiles_equal_whole_causal_attention_forward_and_gradients(tiles):
+    check_against_whole("xla", jnp.float32, 1e-5, tiles=tiles)
+
+
+def test_merge_of_two_key_blocks_is_the_softmax_over_both():
+    q, k, v, _ = qkv()
+    half = S // 2
+    parts = [attention_part("xla", q, k[:, a:b], v[:, a:b], D ** -0.5, causal=False) for a, b in ((0, half),
+                                                                                                  (half, S))]
+    out, lse = merge(*parts[0], *parts[1])
+    whole, whole_lse = attention_part("xla", q, k, v, D ** -0.5, causal=False)
+    assert rel(out, whole) < 1e-6 and rel(lse, whole_lse) < 1e-6
+
+
+gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's and tokamax's kernels need a GPU")
+
+
+@gpu
+@pytest.mark.parametrize("impl", ["cudnn", "mosaic_cudnn"])
+def test_gpu_kernels_over_query_tiles_equal_the_whole_kernel(impl):
+    if impl == "mosaic_cudnn":
+        pytest.importorskip("tokamax")
+    check_against_whole(impl, jnp.bfloat16, 2e-2, s=1024)
+
+
+def tiny(**overrides):
+    return zoo.models.LlamaConfig.preset("tiny", **overrides)
+
+
+def test_a_model_over_query_tiles_has_the_whole_models_logits_and_gradients():
+    whole, tiled = (zoo.models.llama3(tiny(attention_tiles=n), rngs=nnx.Rngs(0)) for n in (1, 4))
+    tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 256)
+
+    def loss(m):
+        return jnp.mean(m(tokens) ** 2)
+
+    assert rel(tiled(tokens), whole(tokens)) < 1e-5
+    grads = jax.tree.leaves(nnx.grad(loss)(tiled)), jax.tree.leaves(nnx.grad(loss)(whole))
+    assert all(rel(a, b) < 1e-5 for a, b in zip(*grads))
+
+
+def test_tags_keep_their_whole_shapes_and_the_per_tile_ones_are_marked():
+    whole = zoo.models.llama3(tiny(), rngs=nnx.Rngs(0)).tag_shapes(1, 32)["layers"]
+    tiled = zoo.models.llama3(tiny(attention_tiles=4), rngs=nnx.Rngs(0)).tag_shapes(1, 32)["layers"]
+    assert {t: s.shape for t, s in tiled.tags.items()} == {t: s.shape for t, s in whole.tags.items()}
+    assert tiled.query_tiled == {"query_proj", "attention_out", "context", "out_proj"}
+    assert whole.query_tiled == frozenset()
+
+
+def test_a_layers_backward_keeps_one_tiles_queries_not_the_sequences():
+    """What one layer's recompute keeps for its backward pass (JAX's list of residuals): whole, the sequence's
+    queries and attention output; over query tiles, nothing of that shape (each tile remakes its own), and fewer
+    bytes in all."""
+    whole_q = (1, 64, 4, 16)
+    kept = {}
+    for n in (1, 4):
+        model = zoo.models.llama3(tiny(attention_tiles=n, num_layers=1), rngs=nnx.Rngs(0))
+        fn, state = model.layers.layer_fn()
+        kept[n] = measure.residuals(lambda s, x: measure.sum_outputs(fn(s, x)), state,
+                                    model.layers.abstract_input(1, 64))
+    assert any(r.shape == whole_q for r in kept[1])
+    assert not any(r.shape == whole_q for r in kept[4])
+    assert sum(r.nbytes for r in kept[4]) < sum(r.nbytes for r in kept[1])
+
+
+def test_the_refusals_name_the_field():
+    with pytest.raises(ValueError, match="attention_tiles=4 does not divide the sequence length 30"):
+        tiny(attention_tiles=4).check_seq(30)
+    with pytest.raises(ValueError, match="attention_tiles must be a positive int"):
+        tiny(attention_tiles=0)
+    with pytest.raises(ValueError, match="MLA attention has no query tiles"):
+        zoo.models.DeepSeekV3Config.preset("tiny", attention_tiles=2)
+    model = zoo.models.llama3(tiny(attention_tiles=2), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"keeps or offloads \['attention_out', 'context'\].*attention_tiles=2"):
+        model.set_recipe(zoo.Recipe("pair", device=("attention_out", "context")))
+    model.set_recipe(zoo.Recipe("kv", offload=("key_proj", "value_proj")))   # made whole: may be offloaded

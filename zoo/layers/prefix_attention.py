@@ -1,0 +1,91 @@
+"""Causal attention of one query tile against the keys up to it (blockwise attention, Liu and Abbeel 2023; the merge
+of FlashAttention's split softmax): the tile's queries see its own keys causally and every key before the tile.
+
+The two parts are two kernel calls, the diagonal block (causal) and the prefix (unmasked), each returning its output
+and log-sum-exp; they merge by the log-sum-exps into the tile's output and statistics, named ``attention_out`` and
+``context`` as `zoo.layers.attention_kernel.causal_attention` names them. The backward hands each part's kernel the
+merged output and statistics (all FlashAttention's backward reads besides q, k, v), so the tile's gradient is the
+sum of the parts' and no [T, P] matrix is ever kept. A model runs its attention this way over query tiles
+(`zoo.layers.query_tiles`) so that only one tile's queries, outputs and their gradients exist at a time.
+"""
+from __future__ import annotations
+
+import einops
+import jax
+import jax.numpy as jnp
+
+from zoo.layers.attention_kernel import (SCOPE, STATS_AXES, attention_part, attention_part_backward,
+                                         causal_attention)
+from zoo.sharding import BSH
+from zoo.tags import name
+
+
+def merge(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The softmax over two key blocks from each block's own: (out [B, T, H, d], lse [B, H, T] float32), each
+    output weighted by exp(its lse - the joint lse)."""
+    lse = jnp.logaddexp(lse_a, lse_b)
+
+    def weighted(out, part):
+        w = einops.rearrange(jnp.exp(part - lse), "b h t -> b t h 1")
+        return out.astype(jnp.float32) * w
+
+    return (weighted(out_a, lse_a) + weighted(out_b, lse_b)).astype(out_a.dtype), lse
+
+
+def prefix_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_prefix: jax.Array, v_prefix: jax.Array, *,
+                     impl: str, scale: float | None = None) -> jax.Array:
+    """Causal attention of a query tile that follows `k_prefix`'s positions: softmax over the prefix's keys (all
+    visible) and the tile's own (causal), with grouped-query heads.
+
+    Args:
+        q: the tile's queries [B, T, H, d].
+        k: the tile's keys [B, T, Hkv, d] (Hkv divides H).
+        v: the tile's values [B, T, Hkv, d].
+        k_prefix: the keys of the P positions before the tile [B, P, Hkv, d] (P may be 0).
+        v_prefix: their values [B, P, Hkv, d].
+        impl: the kernel, "xla", "cudnn" or "mosaic_cudnn" (`zoo.layers.attention_kernel.choose_impl`).
+        scale: the softmax scale (default d ** -0.5).
+
+    Returns:
+        [B, T, H, d] in q's dtype: rows of `causal_attention` over the whole sequence.
+
+    Emits:
+        `attention_out` (the tile's output) and `context` (its float32 log-sum-exp [B, H, T]), the merged softmax's,
+        inside a `jax.custom_vjp`.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from zoo.layers import causal_attention
+        >>> from zoo.layers.prefix_attention import prefix_attention
+        >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 8, 2, 4))
+        >>> whole = causal_attention(q, k, v, impl="xla")
+        >>> tile = prefix_attention(q[:, 4:], k[:, 4:], v[:, 4:], k[:, :4], v[:, :4], impl="xla")
+        >>> bool(jnp.allclose(tile, whole[:, 4:], atol=1e-5))
+        True
+    """
+    if k_prefix.shape[1] == 0:
+        return causal_attention(q, k, v, impl=impl, scale=scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+
+    def forward(q, k, v, kp, vp):
+        with jax.named_scope(SCOPE):
+            out, lse = merge(*attention_part(impl, q, k, v, scale, causal=True),
+                             *attention_part(impl, q, kp, vp, scale, causal=False))
+        out = name(out, "attention_out", BSH)
+        lse = name(lse, "context", STATS_AXES)
+        return out, (q, k, v, kp, vp, out, lse)
+
+    def backward(res, g):
+        q, k, v, kp, vp, out, lse = res
+        with jax.named_scope(SCOPE):
+            dq, dk, dv = attention_part_backward(impl, q, k, v, out, lse, g, scale, causal=True)
+            dq_prefix, dkp, dvp = attention_part_backward(impl, q, kp, vp, out, lse, g, scale, causal=False)
+        dq = (dq.astype(jnp.float32) + dq_prefix.astype(jnp.float32)).astype(q.dtype)
+        return dq, dk, dv, dkp, dvp
+
+    @jax.custom_vjp
+    def attend(q, k, v, kp, vp):
+        return forward(q, k, v, kp, vp)[0]   # the forward rule's names, for an abstract trace
+
+    attend.defvjp(forward, backward)
+    return attend(q, k, v, k_prefix, v_prefix)
