@@ -19,7 +19,8 @@ from zoo.jaxprs import sub_jaxprs
 def join_chunks(tag: str, a: jax.ShapeDtypeStruct, b: jax.ShapeDtypeStruct, axis: int) -> jax.ShapeDtypeStruct:
     """A tag emitted more than once in one layer names one tensor made in sequence chunks (e.g. `MLP(seq_chunks=n)`,
     query tiles): the chunks must agree on everything but the sequence axis (`axis`: 1 of [B, S, ...], the tag's
-    `zoo.tags.seq_axis`), and the tag's shape is their concatenation. Anything else is two tensors under one name: a ValueError."""
+    `zoo.tags.seq_axis`), and the tag's shape is their concatenation. Anything else is two tensors under one name: a
+    ValueError."""
     same = (a.dtype == b.dtype and len(a.shape) == len(b.shape) > axis
             and a.shape[:axis] + a.shape[axis + 1:] == b.shape[:axis] + b.shape[axis + 1:])
     if not same:

@@ -110,7 +110,7 @@ def test_a_layers_backward_keeps_one_tiles_queries_not_the_sequences():
     for n in (1, 4):
         model = zoo.models.llama3(tiny(attention_tiles=n, num_layers=1), rngs=nnx.Rngs(0))
         fn, state = model.layers.layer_fn()
-        kept[n] = measure.residuals(lambda s, x: measure.sum_outputs(fn(s, x)), state,
+        kept[n] = measure.residuals(lambda s, x, fn=fn: measure.sum_outputs(fn(s, x)), state,
                                     model.layers.abstract_input(1, 64))
     assert any(r.shape == whole_q for r in kept[1])
     assert not any(r.shape == whole_q for r in kept[4])
