@@ -307,7 +307,7 @@ SCENARIOS: dict[str, Scenario] = {
         "float32 master on the host, the bf16 parameters streamed a layer at a time (--params stream), attention "
         "over 16 query tiles (attention_tiles), under auto (groups of 8, each group's input on the host); the "
         "compiled peak HBM and host bytes beside the plan's, and the plan's step time",
-        (probe(("auto",), seq=1048576, est=420, timeout=580, extra=("--params", "stream", "--attention-tiles", "16"),
+        (probe(("auto",), seq=1048576, est=360, timeout=580, extra=("--params", "stream", "--attention-tiles", "16"),
                env={**LONG_ENV, "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "120"}, name="plan-probe-1024K-auto-stream-qt16"),
          )),
     "query-tiles-128k": Scenario(
