@@ -19,7 +19,11 @@ import time
 def _args():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq", type=int, action="append", default=[], help="a length to compile (repeat)")
-    ap.add_argument("--recipe", action="append", default=[], help="a Llama recipe name or auto (repeat)")
+    ap.add_argument("--recipe", action="append", default=[],
+                    help="a Llama recipe name, auto, or carry:TILES:GROUP (the layer input of every GROUP-th layer "
+                         "offloaded, everything else recomputed, TILES sequence tiles: what auto chooses at 1M) "
+                         "(repeat)")
+    ap.add_argument("--attention-impl", default=None, help="the config's attention_impl (default: auto's choice)")
     ap.add_argument("--longest", type=int, default=None, metavar="CAP",
                     help="instead: the longest power-of-two length up to CAP that fits (zoo.plan.longest_seq)")
     ap.add_argument("--layers", type=int, default=32)
@@ -30,6 +34,15 @@ def _args():
                     help="attention over N query tiles (the config's attention_tiles)")
     ap.add_argument("--smoke", action="store_true")
     return ap.parse_args()
+
+
+def _recipe(name: str, recipes):
+    """auto, a recipe of the set, or carry:TILES:GROUP."""
+    if name.startswith("carry:"):
+        import zoo
+        _, tiles, group = name.split(":")
+        return zoo.Recipe(name, offload=("decoder_layer_input",), seq_tiles=int(tiles), group=int(group))
+    return "auto" if name == "auto" else recipes[name]
 
 
 def main():
@@ -48,7 +61,7 @@ def main():
     seqs = a.seq or ([256] if a.smoke else [262144])
     cfg = zoo.models.LlamaConfig.preset("tiny" if a.smoke else "llama3_1_8b", num_layers=2 if a.smoke else a.layers,
                                         param_dtype="bfloat16", max_seq_len=max(seqs + [a.longest or 0]),
-                                        attention_tiles=a.attention_tiles)
+                                        attention_tiles=a.attention_tiles, attention_impl=a.attention_impl)
     limit = allocator_limit(device)
     hbm_gib = limit / 2**30 if limit else 1.0
     hardware = zoo.plan.Hardware(hbm_gib=hbm_gib, tflops=meter.peak_tflops(device, None)[0] or 1.0,
@@ -68,7 +81,7 @@ def main():
         return
     for seq in seqs:
         for name in a.recipe or ["auto"]:
-            recipe = "auto" if name == "auto" else RECIPES[name]
+            recipe = _recipe(name, RECIPES)
             t0 = time.perf_counter()
             est = zoo.plan.plan(cfg, recipe, batch=1, seq=seq, hardware=hardware, training=training, peak="estimate")
             row = dict(ident, recipe=name, S=seq, step_s=None, tflops=None, peak_gib=None, dropped=0,
