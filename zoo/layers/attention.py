@@ -141,14 +141,13 @@ class Attention(_ChosenKernel):
         k = name(self.rope(k, positions_for(k)), "key_proj", BSK)
         return k, name(v, "value_proj", BSK)
 
-    def attend_tile(self, q: jax.Array, k: jax.Array, v: jax.Array, k_prefix: jax.Array, v_prefix: jax.Array
-                    ) -> jax.Array:
-        """One query tile (`zoo.layers.query_tiles`): RoPE on the tile's q [B,T,H,d] at its positions (after the
-        prefix's P), named `query_proj`; causal attention against the tile's own keys and values [B,T,Hkv,d] and
-        every one of the prefix's [B,P,Hkv,d] (already named, `named_kv`); the output projection, `out_proj`."""
-        start = k_prefix.shape[1]
+    def attend_tile(self, q: jax.Array, k: jax.Array, v: jax.Array, k_all: jax.Array, v_all: jax.Array,
+                    start: jax.Array | int) -> jax.Array:
+        """One query tile (`zoo.layers.query_tiles`) at positions start .. start + T - 1: RoPE on its q [B,T,H,d],
+        named `query_proj`; causal attention against its own keys and values [B,T,Hkv,d] and the first `start` of
+        the sequence's (already named, `named_kv`); the output projection, `out_proj`."""
         q = name(self.rope(q, start + positions_for(q)), "query_proj", BSH)
-        out = prefix_attention(q, k, v, k_prefix, v_prefix, impl=self.kernel.impl)   # names attention_out, context
+        out = prefix_attention(q, k, v, k_all, v_all, start, impl=self.kernel.impl)   # names attention_out, context
         return name(self.o_proj(out), "out_proj", BSD)
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:

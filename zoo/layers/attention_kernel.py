@@ -173,8 +173,10 @@ def _stats_axes(leaf: jax.Array, q: jax.Array) -> tuple[str | None, ...]:
     return tuple(axes)
 
 
-def _cudnn_attend(q, k, v, scale, causal: bool = True):
-    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="cudnn")
+def _cudnn_attend(q, k, v, scale, causal: bool = True, kv_len=None):
+    lengths = None if kv_len is None else jnp.full((q.shape[0],), kv_len, jnp.int32)
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, key_value_seq_lengths=lengths,
+                                        implementation="cudnn")
 
 
 # The residuals of cuDNN attention, as jax defines them: `jax.nn.dot_product_attention(implementation="cudnn")` calls
@@ -190,16 +192,28 @@ CUDNN_PLACEHOLDERS = ("bias", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets"
 CUDNN_SAVED = ("activation", "fwd_output")
 
 
+def _same_array(leaf, x) -> bool:
+    """The input itself (traced), or, outside a trace, an array of its shape and dtype."""
+    return leaf is x or (getattr(leaf, "shape", None) == x.shape and getattr(leaf, "dtype", None) == x.dtype)
+
+
+def _placeholder_or_length(leaf, batch: int) -> bool:
+    """A left-out argument's zero-size placeholder, or a sequence-length array (int32 [B])."""
+    shape = getattr(leaf, "shape", None)
+    return getattr(leaf, "size", 1) == 0 or (shape == (batch,) and leaf.dtype == jnp.int32)
+
+
 def _cudnn_roles(leaves, inputs, out) -> list[tuple[str, int | None]]:
     """Each residual leaf's role in cuDNN attention's residuals (above), by its position: ("input", i) for `inputs[i]`
-    (q, k and the padded v), ("empty", j) for the placeholders, then ("stats", 0) for `activation` and ("out", None)
-    for `fwd_output`. ValueError where the leaves do not have that structure (the inputs the arrays given, the
-    placeholders zero-size, `fwd_output` shaped as the kernel's output `out`)."""
+    (q, k and the padded v), ("empty", j) for the placeholders (and sequence lengths, where given), then
+    ("stats", 0) for `activation` and ("out", None) for `fwd_output`. ValueError where the leaves do not have that
+    structure (the inputs the arrays given, the placeholders zero-size or int32 [B] lengths, `fwd_output` shaped as
+    the kernel's output `out`)."""
     n, saved = len(inputs), len(CUDNN_SAVED)
     head, middle, tail = leaves[:n], leaves[n:len(leaves) - saved], leaves[n:][-saved:]
     if (len(leaves) < n + saved or len(middle) > len(CUDNN_PLACEHOLDERS)
-            or any(leaf is not x for leaf, x in zip(head, inputs))
-            or any(getattr(leaf, "size", 1) for leaf in middle)
+            or not all(_same_array(leaf, x) for leaf, x in zip(head, inputs))
+            or not all(_placeholder_or_length(leaf, inputs[0].shape[0]) for leaf in middle)
             or (tail[-1].shape, tail[-1].dtype) != (out.shape, out.dtype)):
         raise ValueError(f"the attention kernel's backward reads the residuals "
                          f"{[(x.shape, str(x.dtype)) for x in leaves]}, not cuDNN's "
@@ -259,11 +273,11 @@ def _mosaic_cudnn_with_residuals(q, k, v, scale):
     return out, (q, k, v, out, stats), backward
 
 
-def _cudnn_backward_given(q, k, v, out, stats, g, scale, causal: bool = True):
+def _cudnn_backward_given(q, k, v, out, stats, g, scale, causal: bool = True, kv_len=None):
     """cuDNN's backward of attention over (q, k, v) for the cotangent g, handed `out` and `stats` (the log-sum-exp
     [B, H, Sq]) in place of its own forward's: it traces cuDNN's VJP, whose forward XLA then drops (its outputs
     unused), and swaps those two residuals (`_cudnn_roles`)."""
-    _, vjp_fn = jax.vjp(lambda q, k, v: _cudnn_attend(q, k, v, scale, causal), q, k, v)
+    _, vjp_fn = jax.vjp(lambda q, k, v: _cudnn_attend(q, k, v, scale, causal, kv_len), q, k, v)
     leaves, tree = jax.tree.flatten(vjp_fn)
     kinds = _cudnn_roles(leaves, (q, k, v), out)
     given = {"stats": lambda x: stats.reshape(x.shape).astype(x.dtype), "out": lambda x: out}
@@ -276,15 +290,18 @@ def _lse_shape(q: jax.Array) -> tuple[int, int, int]:
     return (b, h, s)
 
 
-def _cudnn_forward(q, k, v, scale, causal):
-    out, vjp_fn = jax.vjp(lambda q, k, v: _cudnn_attend(q, k, v, scale, causal), q, k, v)
+def _cudnn_forward(q, k, v, scale, causal, kv_len=None):
+    out, vjp_fn = jax.vjp(lambda q, k, v: _cudnn_attend(q, k, v, scale, causal, kv_len), q, k, v)
     leaves, _ = jax.tree.flatten(vjp_fn)
     stats = next(x for x, (kind, _) in zip(leaves, _cudnn_roles(leaves, (q, k, v), out)) if kind == "stats")
     return out, stats.reshape(_lse_shape(q)).astype(jnp.float32)
 
 
-def _mosaic_forward(q, k, v, scale, causal):
-    """tokamax's Mosaic GPU forward: (out, lse), lse = the row max + log of the row sum (cuDNN's statistics)."""
+def _mosaic_forward(q, k, v, scale, causal, kv_len=None):
+    """tokamax's Mosaic GPU forward: (out, lse), lse = the row max + log of the row sum (cuDNN's statistics). Given a
+    key length (which it does not take), cuDNN's forward."""
+    if kv_len is not None:
+        return _cudnn_forward(q, k, v, scale, causal, kv_len)
     out, (row_max, row_sum) = _mosaic_module().PallasMosaicGpuFlashAttention()(
         q, k, v, is_causal=causal, logits_scale=scale, return_residuals=True)
     # one kernel run per call: behind a barrier XLA cannot run the kernel again where its outputs are read
@@ -292,30 +309,32 @@ def _mosaic_forward(q, k, v, scale, causal):
     return out, (row_max + jnp.log(row_sum)).reshape(_lse_shape(q)).astype(jnp.float32)
 
 
-def _xla_forward(q, k, v, scale, causal):
-    return xla_attention.forward(q, k, v, scale, causal)
+def _xla_forward(q, k, v, scale, causal, kv_len=None):
+    return xla_attention.forward(q, k, v, scale, causal, kv_len)
 
 
-# Each kernel's forward, (q, k, v, scale, causal) -> (out, lse [B, H, Sq] float32), and its backward,
-# (q, k, v, out, lse, g, scale, causal) -> (dq, dk, dv) from a given output and log-sum-exp.
+# Each kernel's forward, (q, k, v, scale, causal, kv_len) -> (out, lse [B, H, Sq] float32), and its backward,
+# (q, k, v, out, lse, g, scale, causal, kv_len) -> (dq, dk, dv) from a given output and log-sum-exp.
 _PART_FORWARD = {"xla": _xla_forward, "cudnn": _cudnn_forward, "mosaic_cudnn": _mosaic_forward}
 _PART_BACKWARD = {"xla": xla_attention.backward, "cudnn": _cudnn_backward_given, "mosaic_cudnn": _cudnn_backward_given}
 
 
-def attention_part(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, scale: float, *, causal: bool
-                   ) -> tuple[jax.Array, jax.Array]:
+def attention_part(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, scale: float, *, causal: bool,
+                   kv_len: jax.Array | int | None = None) -> tuple[jax.Array, jax.Array]:
     """One kernel call with its statistics: (out [B, Sq, H, d], lse [B, H, Sq] float32) of softmax(q k^T * scale) v
-    over keys [B, Sk, Hkv, d], causal (Sq = Sk) or not. `impl`: "xla", "cudnn" or "mosaic_cudnn" (its Mosaic
-    forward). The parts of a softmax split over key blocks merge by their log-sum-exps (`zoo.layers.prefix_attention`).
-    """
-    return _PART_FORWARD[impl](q, k, v, scale, causal)
+    over keys [B, Sk, Hkv, d], causal (Sq = Sk) or over the first `kv_len` keys (None: all; a traced int32 may
+    do: cuDNN's padding mask skips the rest). `impl`: "xla", "cudnn" or "mosaic_cudnn" (its Mosaic forward; cuDNN's
+    given `kv_len`). The parts of a softmax split over key blocks merge by their log-sum-exps
+    (`zoo.layers.prefix_attention`); rows that see no key are not defined."""
+    return _PART_FORWARD[impl](q, k, v, scale, causal, kv_len)
 
 
-def attention_part_backward(impl: str, q, k, v, out, lse, g, scale: float, *, causal: bool):
+def attention_part_backward(impl: str, q, k, v, out, lse, g, scale: float, *, causal: bool, kv_len=None):
     """(dq, dk, dv) of one kernel call (`attention_part`) for the output cotangent g, given `out` and `lse` of the
     whole softmax this call's keys are a part of (FlashAttention's backward reads only those: p = exp(s - lse) and
-    the rows' sum of g * out), so a softmax split over key blocks differentiates block by block."""
-    return _PART_BACKWARD[impl](q, k, v, out, lse, g, scale, causal)
+    the rows' sum of g * out), so a softmax split over key blocks differentiates block by block. With `kv_len`, dk
+    and dv past it are not defined."""
+    return _PART_BACKWARD[impl](q, k, v, out, lse, g, scale, causal, kv_len)
 
 
 def _xla_with_residuals(q, k, v, scale):

@@ -1,6 +1,6 @@
 """Attention over query tiles: a block's attention (its norm, q projection, attention and output projection) run one
-tile of queries at a time, each tile against the keys up to it (`zoo.layers.prefix_attention`), each rematerialized
-on its own. The keys and values of the whole sequence are made first (they are what every tile reads); a tile's
+tile of queries at a time, in a loop, each tile against the keys up to it (`zoo.layers.prefix_attention`), each
+rematerialized on its own. The keys and values of the whole sequence are made first (they are what every tile reads); a tile's
 queries, attention output, statistics and output projection, and their gradients, exist one tile at a time. So a
 layer's backward pass holds its input, keys, values and their gradients, not the whole sequence's queries and
 outputs: what lets a layer's backward at a million positions fit beside the rest of a step.
@@ -10,14 +10,14 @@ planner (`zoo.emitted` joins the tiles) and are recomputed tile by tile: a recip
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
+import einops
 import jax
 import jax.numpy as jnp
 
 from zoo.layers.tiles import check_tiles, rematerialized, tiled
-from zoo.loop_guard import QUERY_TILE_SCOPE
+from zoo.loop_guard import QUERY_TILE_SCOPE, TILE_SCOPE
 
 
 def _keys_values(parts, x):
@@ -25,18 +25,14 @@ def _keys_values(parts, x):
     return attn.project_kv(norm(x))
 
 
-def _tile(parts, x, k, v, *, start: int, size: int):
-    """One tile of `size` queries from `start`: the whole x, k and v come in (the same arrays for every tile, so the
-    checkpoint saves no slice of them), the tile's slices are taken here."""
+def _tile(parts, x, k, v, start, k_all, v_all):
     norm, attn = parts
-    here = slice(start, start + size)
     with jax.named_scope(QUERY_TILE_SCOPE):   # how the tag reader knows the tags made in a query tile
-        q = attn.project_q(norm(x[:, here]))
-        return attn.attend_tile(q, k[:, here], v[:, here], k[:, :start], v[:, :start])
+        return attn.attend_tile(attn.project_q(norm(x)), k, v, k_all, v_all, start)
 
 
 def over_query_tiles(norm: Any, attn: Any, x: jax.Array, *, query_tiles: int, seq_tiles: int = 1) -> jax.Array:
-    """`attn(norm(x))` (its output projection) computed over `query_tiles` tiles of queries.
+    """`attn(norm(x))` (its output projection) computed over `query_tiles` tiles of queries, in a loop.
 
     Args:
         norm: the block's attention norm (an NNX module, [B, S, D] -> [B, S, D]).
@@ -50,7 +46,10 @@ def over_query_tiles(norm: Any, attn: Any, x: jax.Array, *, query_tiles: int, se
     """
     check_tiles(query_tiles, x.shape[1], what="attention_tiles")
     k, v = attn.named_kv(*tiled(_keys_values, (norm, attn), x, seq_tiles))
-    size = x.shape[1] // query_tiles
-    outs = [rematerialized(functools.partial(_tile, start=t * size, size=size), (norm, attn))(x, k, v)
-            for t in range(query_tiles)]
-    return jnp.concatenate(outs, axis=1)
+    n = query_tiles
+    starts = jnp.arange(n, dtype=jnp.int32) * (x.shape[1] // n)
+    xs = [einops.rearrange(a, "b (n t) ... -> n b t ...", n=n) for a in (x, k, v)] + [starts]
+    body = rematerialized(_tile, (norm, attn), prevent_cse=False)
+    with jax.named_scope(TILE_SCOPE):   # the loop of tiles, as the tag reader and the loop guard know it
+        _, ys = jax.lax.scan(lambda carry, xs: (carry, body(*xs, k, v)), None, xs)
+    return einops.rearrange(ys, "n b t ... -> b (n t) ...")

@@ -19,36 +19,38 @@ def _stat_dtype(dtype):
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def _logits(q, k, scale, causal: bool = True):
-    """Scaled logits [B, Hkv, G, Sq, Sk] in float32 (float64 for float64 inputs), causally masked if `causal`."""
+def _logits(q, k, scale, causal: bool = True, kv_len=None):
+    """Scaled logits [B, Hkv, G, Sq, Sk] in float32 (float64 for float64 inputs), causally masked if `causal`, else
+    the keys from `kv_len` on masked (None: none)."""
     qg = _grouped(q, k.shape[2])
     dt = _stat_dtype(q.dtype)
     s = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=dt) * jnp.asarray(scale, dt)
     if not causal:
-        return s
+        return s if kv_len is None else jnp.where(jnp.arange(k.shape[1]) < kv_len, s, jnp.finfo(dt).min)
     n = q.shape[1]
     mask = jnp.tril(jnp.ones((n, n), dtype=bool))
     return jnp.where(mask, s, jnp.finfo(dt).min)
 
 
-def forward(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, causal: bool = True
+def forward(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, causal: bool = True, kv_len=None
             ) -> tuple[jax.Array, jax.Array]:
-    """(out [B, Sq, H, dv] in q's dtype, lse [B, H, Sq] in float32)."""
+    """(out [B, Sq, H, dv] in q's dtype, lse [B, H, Sq] in float32). Not `causal`: the first `kv_len` keys seen
+    (None: all)."""
     b, n, h, _ = q.shape
-    s = _logits(q, k, scale, causal)
+    s = _logits(q, k, scale, causal, kv_len)
     lse = jax.nn.logsumexp(s, axis=-1)                                  # [B, Hkv, G, S]
     p = jnp.exp(s - lse[..., None]).astype(v.dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", p, v).reshape(b, n, h, v.shape[-1]).astype(q.dtype)
     return out, lse.reshape(b, h, n)
 
 
-def backward(q, k, v, out, lse, g, scale: float, causal: bool = True):
+def backward(q, k, v, out, lse, g, scale: float, causal: bool = True, kv_len=None):
     """(dq, dk, dv) of `forward` for the output cotangent g [B, Sq, H, dv], from the saved out and lse (or another
     forward's: the output and log-sum-exp of the whole softmax this call's keys are a part of)."""
     b, n, h, dq_dim = q.shape
     kv = k.shape[2]
     dt = _stat_dtype(q.dtype)
-    s = _logits(q, k, scale, causal)
+    s = _logits(q, k, scale, causal, kv_len)
     p = jnp.exp(s - lse.reshape(b, kv, h // kv, n)[..., None])          # [B, Hkv, G, S, S]
     gg = _grouped(g, kv)                                                # [B, S, Hkv, G, dv]
     dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(v.dtype), gg, preferred_element_type=dt)
