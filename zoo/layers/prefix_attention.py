@@ -15,7 +15,7 @@ import einops
 import jax
 import jax.numpy as jnp
 
-from zoo.layers.attention_kernel import SCOPE, STATS_AXES, attention_part, attention_part_backward, causal_attention
+from zoo.layers.attention_kernel import SCOPE, STATS_AXES, attention_part, attention_part_backward
 from zoo.sharding import BSH
 from zoo.tags import name
 
