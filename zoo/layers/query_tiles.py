@@ -2,7 +2,8 @@
 tile of queries at a time, in a loop, each tile against the keys up to it (`zoo.layers.prefix_attention`), each
 rematerialized on its own. The keys and values of the whole sequence are made first (they are what every tile
 reads); a tile's queries, attention output, statistics and output projection, and their gradients, exist one tile at
-a time. So a layer's backward pass holds its input, keys, values and their gradients, not the whole sequence's queries and
+a time. So a
+layer's backward pass holds its input, keys, values and their gradients, not the whole sequence's queries and
 outputs: what lets a layer's backward at a million positions fit beside the rest of a step.
 
 The tags made inside a tile (`query_proj`, `attention_out`, `context`, `out_proj`) keep their whole shape for the
@@ -10,9 +11,9 @@ planner (`zoo.emitted` joins the tiles) and are recomputed tile by tile: a recip
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
+import einops
 import jax
 import jax.numpy as jnp
 
@@ -25,13 +26,10 @@ def _keys_values(parts, x):
     return attn.project_kv(norm(x))
 
 
-def _tile(parts, x, k, v, start, *, size: int):
-    """The tile of `size` queries from `start` (traced): its rows of x, k and v sliced here, from the whole arrays
-    (the same for every tile, so the loop keeps no per-tile copy of them)."""
+def _tile(parts, x, k, v, start, k_all, v_all):
     norm, attn = parts
-    rows = [jax.lax.dynamic_slice_in_dim(a, start, size, axis=1) for a in (x, k, v)]
     with jax.named_scope(QUERY_TILE_SCOPE):   # how the tag reader knows the tags made in a query tile
-        return attn.attend_tile(attn.project_q(norm(rows[0])), rows[1], rows[2], k, v, start)
+        return attn.attend_tile(attn.project_q(norm(x)), k, v, k_all, v_all, start)
 
 
 def over_query_tiles(norm: Any, attn: Any, x: jax.Array, *, query_tiles: int, seq_tiles: int = 1) -> jax.Array:
@@ -49,13 +47,10 @@ def over_query_tiles(norm: Any, attn: Any, x: jax.Array, *, query_tiles: int, se
     """
     check_tiles(query_tiles, x.shape[1], what="attention_tiles")
     k, v = attn.named_kv(*tiled(_keys_values, (norm, attn), x, seq_tiles))
-    size = x.shape[1] // query_tiles
-    body = rematerialized(functools.partial(_tile, size=size), (norm, attn), prevent_cse=False)
-
-    def step(out, start):   # each tile's output written into the sequence's, in place
-        return jax.lax.dynamic_update_slice_in_dim(out, body(x, k, v, start), start, axis=1), None
-
-    starts = jnp.arange(query_tiles, dtype=jnp.int32) * size
+    n = query_tiles
+    starts = jnp.arange(n, dtype=jnp.int32) * (x.shape[1] // n)
+    xs = [einops.rearrange(a, "b (n t) ... -> n b t ...", n=n) for a in (x, k, v)] + [starts]
+    body = rematerialized(_tile, (norm, attn), prevent_cse=False)
     with jax.named_scope(TILE_SCOPE):   # the loop of tiles, as the tag reader and the loop guard know it
-        out, _ = jax.lax.scan(step, jnp.zeros(x.shape, attn.dtype), starts)
-    return out
+        _, ys = jax.lax.scan(lambda carry, xs: (carry, body(*xs, k, v)), None, xs)
+    return einops.rearrange(ys, "n b t ... -> b (n t) ...")
