@@ -308,7 +308,7 @@ SCENARIOS: dict[str, Scenario] = {
         "over 16 query tiles (attention_tiles) with cuDNN's kernel, under auto's structure at that length (groups of "
         "8, each group's input on the host, 32 sequence tiles, every other tag recomputed); the compiled peak HBM and "
         "host bytes beside the plan's, and the plan's step time",
-        (probe(("carry:32:8",), seq=1048576, est=300, timeout=560,
+        (probe(("carry:32:8",), seq=1048576, est=90, timeout=400,
                extra=("--params", "stream", "--attention-tiles", "16", "--attention-impl", "cudnn"),
                env={**LONG_ENV, "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "120"},
                name="plan-probe-1024K-carry8-stream-qt16"),

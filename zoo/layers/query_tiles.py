@@ -2,9 +2,8 @@
 tile of queries at a time, in a loop, each tile against the keys up to it (`zoo.layers.prefix_attention`), each
 rematerialized on its own. The keys and values of the whole sequence are made first (they are what every tile
 reads); a tile's queries, attention output, statistics and output projection, and their gradients, exist one tile at
-a time. So a
-layer's backward pass holds its input, keys, values and their gradients, not the whole sequence's queries and
-outputs: what lets a layer's backward at a million positions fit beside the rest of a step.
+a time. So a layer's backward pass holds its input, keys, values and their gradients, not the whole sequence's
+queries and outputs. The price: attention's forward runs once more per layer (in each tile's own backward).
 
 The tags made inside a tile (`query_proj`, `attention_out`, `context`, `out_proj`) keep their whole shape for the
 planner (`zoo.emitted` joins the tiles) and are recomputed tile by tile: a recipe may not keep or offload them.
