@@ -1,20 +1,14 @@
-"""Attention over query tiles (zoo.layers.prefix_attention, zoo.layers.query_tiles, a config's attention_tiles): a
-tile against the keys before it equals those rows of whole causal attention, forward and gradients (float32, 1e-5),
-with the XLA kernel here and cuDNN's and mosaic_cudnn's parts on a GPU; a model over query tiles has the untiled
-model's logits and gradients and the same tag shapes, its per-tile tags marked as such; what a layer's backward
-keeps falls; the refusals (a tile count that does not divide the sequence, MLA, a recipe keeping a per-tile tag)."""
+"""A model over query tiles (zoo.layers.query_tiles, a config's attention_tiles): the untiled model's logits and
+gradients (float32, 1e-5) and the same tag shapes, its per-tile tags marked as such; what a layer's recompute keeps
+for its backward holds no whole-sequence queries; the refusals (a tile count that does not divide the sequence, MLA,
+a recipe keeping a per-tile tag)."""
 import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
 
 import zoo
-from zoo.layers import causal_attention
-from zoo.layers.attention_kernel import attention_part
-from zoo.layers.prefix_attention import merge, prefix_attention
 from zoo.plan import measure
-
-B, S, H, KV, D = 2, 16, 4, 2, 8
 
 
 @pytest.fixture(autouse=True)
@@ -23,90 +17,8 @@ def exact_float32_matmuls():
         yield
 
 
-def qkv(dtype=jnp.float32, s=S, d=D):
-    ks = jax.random.split(jax.random.key(0), 4)
-    return (jax.random.normal(ks[0], (B, s, H, d), dtype), jax.random.normal(ks[1], (B, s, KV, d), dtype),
-            jax.random.normal(ks[2], (B, s, KV, d), dtype), jax.random.normal(ks[3], (B, s, H, d), dtype))
-
-
-def tiles_of(impl, tiles):
-    @jax.jit
-    def attend(q, k, v):
-        n = q.shape[1] // tiles
-        return jnp.concatenate([prefix_attention(q[:, t * n:(t + 1) * n], k[:, t * n:(t + 1) * n],
-                                                 v[:, t * n:(t + 1) * n], k, v, t * n, impl=impl)
-                                for t in range(tiles)], axis=1)
-    return attend
-
-
-def test_one_program_serves_every_tile_its_start_traced():
-    q, k, v, g = qkv()
-    n = S // 4
-    one = jax.jit(lambda q, k, v, start: prefix_attention(q, k, v, *kv_all, start, impl="xla"))
-    kv_all = (k, v)
-    ref = causal_attention(q, k, v, impl="xla")
-    for t in range(4):
-        here = slice(t * n, (t + 1) * n)
-        assert rel(one(q[:, here], k[:, here], v[:, here], jnp.int32(t * n)), ref[:, here]) < 1e-6
-
-
 def rel(a, b):
     return float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
-
-
-def check_against_whole(impl, dtype, tol, s=S, tiles=4, d=D):
-    q, k, v, g = qkv(dtype, s, d)
-    out, vjp = jax.vjp(tiles_of(impl, tiles), q, k, v)
-    ref, ref_vjp = jax.vjp(jax.jit(lambda *a: causal_attention(*a, impl=impl)), q, k, v)
-    assert out.shape == ref.shape and rel(out, ref) < tol
-    for got, want in zip(vjp(g), ref_vjp(g)):
-        assert got.shape == want.shape and rel(got, want) < tol
-
-
-@pytest.mark.parametrize("tiles", [2, 4])
-def test_query_tiles_equal_whole_causal_attention_forward_and_gradients(tiles):
-    check_against_whole("xla", jnp.float32, 1e-5, tiles=tiles)
-
-
-def test_merge_of_two_key_blocks_is_the_softmax_over_both():
-    q, k, v, _ = qkv()
-    half = S // 2
-    parts = [attention_part("xla", q, k[:, a:b], v[:, a:b], D ** -0.5, causal=False) for a, b in ((0, half),
-                                                                                                  (half, S))]
-    out, lse = merge(*parts[0], *parts[1])
-    whole, whole_lse = attention_part("xla", q, k, v, D ** -0.5, causal=False)
-    assert rel(out, whole) < 1e-6 and rel(lse, whole_lse) < 1e-6
-
-
-def test_cudnns_prefix_part_traces_with_a_traced_key_length(monkeypatch):
-    """jax's cuDNN attention, traced on the CPU (its version and flash-attention checks stubbed; nothing runs): a
-    tile's gradient through both parts, the prefix's with a traced key length (cuDNN's padding mask), has the
-    inputs' shapes, and the kernel's residuals (the lengths among them) are read as cuDNN's."""
-    fa = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
-    if not all(hasattr(fa, f) for f in ("check_cudnn_version", "check_is_flash_attention")):
-        pytest.skip("jax's cuDNN attention checks moved")
-    monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
-    monkeypatch.setattr(fa, "check_is_flash_attention", lambda *a, **kw: None)
-    sds = jax.ShapeDtypeStruct
-    tile, whole = (sds((1, 64, H, 64), jnp.bfloat16), sds((1, 64, KV, 64), jnp.bfloat16),
-                   sds((1, 64, KV, 64), jnp.bfloat16)), (sds((1, 256, KV, 64), jnp.bfloat16),) * 2
-
-    def loss(q, k, v, ka, va, start):
-        return jnp.sum(prefix_attention(q, k, v, ka, va, start, impl="cudnn").astype(jnp.float32))
-
-    grads = jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *tile, *whole, sds((), jnp.int32))
-    assert [(x.shape, x.dtype) for x in grads] == [(x.shape, x.dtype) for x in tile + whole]
-
-
-gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's and tokamax's kernels need a GPU")
-
-
-@gpu
-@pytest.mark.parametrize("impl", ["cudnn", "mosaic_cudnn"])
-def test_gpu_kernels_over_query_tiles_equal_the_whole_kernel(impl):
-    if impl == "mosaic_cudnn":
-        pytest.importorskip("tokamax")
-    check_against_whole(impl, jnp.bfloat16, 2e-2, s=1024, d=128)   # the head dims the GPU kernels take
 
 
 def tiny(**overrides):

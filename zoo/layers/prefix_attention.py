@@ -57,8 +57,7 @@ def prefix_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_all: jax.Array,
 
     Examples:
         >>> import jax, jax.numpy as jnp
-        >>> from zoo.layers import causal_attention
-        >>> from zoo.layers.prefix_attention import prefix_attention
+        >>> from zoo.layers import causal_attention, prefix_attention
         >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 8, 2, 4))
         >>> whole = causal_attention(q, k, v, impl="xla")
         >>> tile = prefix_attention(q[:, 4:], k[:, 4:], v[:, 4:], k, v, 4, impl="xla")
