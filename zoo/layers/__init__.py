@@ -10,8 +10,8 @@ from zoo.layers.norm import RMSNorm
 from zoo.layers.prefix_attention import prefix_attention
 from zoo.layers.rope import Rope, WavelengthScaling, YarnScaling
 
-__all__ = ["Attention", "causal_attention", "prefix_attention", "Embed", "LMHead", "MLP", "RMSNorm", "Rope", "WavelengthScaling",
-           "YarnScaling"]
+__all__ = ["Attention", "causal_attention", "prefix_attention", "Embed", "LMHead", "MLP", "RMSNorm", "Rope",
+           "WavelengthScaling", "YarnScaling"]
 __all__ += ["MLA", "MoE", "MoEAux", "GroupLimitedRouter", "SoftmaxRouter", "RoutingBias"]
 
 __getattr__ = renames.attributes(__name__)   # renamed classes (docs/changes.md)
