@@ -7,8 +7,8 @@ from zoo.layers.mla import MLA
 from zoo.layers.mlp import MLP
 from zoo.layers.moe import GroupLimitedRouter, MoE, MoEAux, RoutingBias, SoftmaxRouter
 from zoo.layers.norm import RMSNorm
-from zoo.layers.prefix_attention import prefix_attention
 from zoo.layers.rope import Rope, WavelengthScaling, YarnScaling
+from zoo.layers.tile_attention import prefix_attention
 
 __all__ = ["Attention", "causal_attention", "prefix_attention", "Embed", "LMHead", "MLP", "RMSNorm", "Rope",
            "WavelengthScaling", "YarnScaling"]

@@ -17,9 +17,9 @@ from zoo.checks import check_positive
 from zoo.layers.attention_kernel import AttentionChoice, Implementation, causal_attention, choose_impl
 from zoo.layers.linear import projection
 from zoo.layers.norm import RMSNorm
-from zoo.layers.prefix_attention import prefix_attention
 from zoo.layers.rope import Rope
 from zoo.layers.tagged import TaggedLayer
+from zoo.layers.tile_attention import prefix_attention
 from zoo.sharding import BSD, BSH, BSK
 from zoo.tags import name
 

@@ -325,7 +325,7 @@ def attention_part(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, scale: f
     over keys [B, Sk, Hkv, d], causal (Sq = Sk) or over the first `kv_len` keys (None: all; a traced int32 may
     do: cuDNN's padding mask skips the rest). `impl`: "xla", "cudnn" or "mosaic_cudnn" (its Mosaic forward; cuDNN's
     given `kv_len`). The parts of a softmax split over key blocks merge by their log-sum-exps
-    (`zoo.layers.prefix_attention`); rows that see no key are not defined."""
+    (`zoo.layers.tile_attention`); rows that see no key are not defined."""
     return _PART_FORWARD[impl](q, k, v, scale, causal, kv_len)
 
 

@@ -1,5 +1,5 @@
 """Attention over query tiles: a block's attention (its norm, q projection, attention and output projection) run one
-tile of queries at a time, in a loop, each tile against the keys up to it (`zoo.layers.prefix_attention`), each
+tile of queries at a time, in a loop, each tile against the keys up to it (`zoo.layers.tile_attention`), each
 rematerialized on its own. The keys and values of the whole sequence are made first (they are what every tile
 reads); a tile's queries, attention output, statistics and output projection, and their gradients, exist one tile at
 a time. So a layer's backward pass holds its input, keys, values and their gradients, not the whole sequence's

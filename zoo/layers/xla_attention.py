@@ -1,7 +1,7 @@
 """Grouped-query attention in plain JAX whose residuals are its output and log-sum-exp (FlashAttention-2's backward,
 Dao 2023, without the tiling): the backward recomputes p = exp(s - lse), so nothing of size [B, H, Sq, Sk] is saved.
 Causal (query i sees keys 0..i, Sq = Sk) by default; `causal=False` lets every query see every key (a query tile
-against the keys before it, `zoo.layers.prefix_attention`). Logits, softmax and statistics are float32; query head h
+against the keys before it, `zoo.layers.tile_attention`). Logits, softmax and statistics are float32; query head h
 attends with key/value head h // (H // Hkv).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A query tile's causal attention against the keys up to it (zoo.layers.prefix_attention): tiles equal the rows of
+"""A query tile's causal attention against the keys up to it (zoo.layers.tile_attention): tiles equal the rows of
 whole causal attention, forward and gradients (float32, 1e-5), with the XLA kernel here and cuDNN's and
 mosaic_cudnn's on a GPU; one program serves every tile (its start traced); two key blocks merge into the softmax over
 both; cuDNN's part with a traced key length traces (on the CPU, its checks stubbed)."""
@@ -8,7 +8,7 @@ import pytest
 
 from zoo.layers import causal_attention
 from zoo.layers.attention_kernel import attention_part
-from zoo.layers.prefix_attention import merge, prefix_attention
+from zoo.layers.tile_attention import merge, prefix_attention
 
 B, S, H, KV, D = 2, 16, 4, 2, 8
 
