@@ -72,3 +72,19 @@ def test_the_refusals_name_the_field():
     with pytest.raises(ValueError, match=r"keeps or offloads \['attention_out', 'context'\].*attention_tiles=2"):
         model.set_recipe(zoo.Recipe("pair", device=("attention_out", "context")))
     model.set_recipe(zoo.Recipe("kv", offload=("key_proj", "value_proj")))   # made whole: may be offloaded
+
+
+def test_auto_recomputes_the_tags_made_in_query_tiles_and_says_why():
+    """With room for everything, auto keeps the keys and values in HBM, but never a tag made in a query tile (JAX
+    saves none of them: each tile remakes its own), whose note says so; and no structure auto tries keeps the
+    kernel's pair while a group's backward runs."""
+    from zoo.plan import Hardware
+    from zoo.plan.auto import structures
+    cfg = tiny(attention_tiles=2)
+    p = zoo.plan.plan(cfg, "auto", batch=1, seq=64, hardware=Hardware(hbm_gib=1000, link_gbps=55, tflops=100))
+    tags = {t.tag: t for s in p.stacks for t in s.tags}
+    for name in ("query_proj", "attention_out", "context", "out_proj"):
+        assert tags[name].placement == "remat" and "tile by tile" in tags[name].note, tags[name]
+    assert tags["key_proj"].placement == "device"
+    model = zoo.models.llama3(cfg, rngs=nnx.Rngs(0))
+    assert all(keep == () for _, _, keep in structures(model, 65536))

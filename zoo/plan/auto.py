@@ -85,8 +85,6 @@ def _note(d: Decision, tag: str) -> str:
     if d.why == "kept":
         tile = " (tile by tile)" if d.tiled else ""
         note = f"kept in HBM{tile}: {fmt_bytes(d.size)} fits ({fmt_bytes(d.left)} left); " + _gain(d.size, d.value)
-    elif d.why == "query tiles":
-        note = "recomputed tile by tile: made one query tile at a time (attention_tiles), never kept or offloaded"
     elif d.why == "tiled":
         note = f"recomputed tile by tile: {fmt_bytes(d.size)} does not fit in HBM and a tiled tag is not offloaded"
     elif d.why == "offloaded":

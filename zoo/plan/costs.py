@@ -148,17 +148,6 @@ class CostModel:
         """
         return any(t in getattr(self.shapes[s], "tiled", ()) for s in self.shapes for t in tags)
 
-    def in_query_tiles(self, tags) -> bool:
-        """Whether any of `tags` is made one query tile at a time (`attention_tiles`: always recomputed).
-
-        Args:
-            tags: tag names.
-
-        Returns:
-            True if one is.
-        """
-        return any(t in getattr(self.shapes[s], "query_tiled", ()) for s in self.shapes for t in tags)
-
     def forward(self, s: str) -> float:
         """Seconds of forward per layer of stack `s` (the window a transfer hides under).
 

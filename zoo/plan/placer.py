@@ -29,7 +29,7 @@ TIE = 0.005   # candidates are tried simplest first; a later one wins only if th
 # (no room, and offloading does not pay or the host budget is full); recomputed as it saves nothing alone. The scan
 # carry: offloaded first (to leave HBM to tags that save recompute); kept in HBM as it fits; offloaded as it does not;
 # kept in HBM over the budget (it cannot be recomputed, and cannot be offloaded).
-Why = Literal["kept", "tiled", "query tiles", "offloaded", "recomputed", "useless",
+Why = Literal["kept", "tiled", "offloaded", "recomputed", "useless",
               "carry first", "carry kept", "carry offloaded", "carry over"]
 
 
@@ -186,16 +186,14 @@ class _Placer:
 
     def place(self, unit, value: float, how: Literal["", "together", "pair"] = "") -> None:
         """Keep `unit` in HBM if it fits, else offload it if that pays and fits the host budget (never a tag made
-        inside sequence tiles), else recompute it; a tag made one query tile at a time is always recomputed."""
+        inside sequence tiles), else recompute it."""
         unit = tuple(unit)
         size = self.model.total(unit)
         fits = size <= self.hbm_left
         self.pressed |= not fits
         tiled = self.model.tiled(unit)
         common = dict(size=size, left=self.hbm_left, value=value, host_used=self.host_used, tiled=tiled, how=how)
-        if self.model.in_query_tiles(unit):
-            self._decide(Decision(unit, "query tiles", **common))
-        elif fits:
+        if fits:
             self._keep(unit, size)
             self._decide(Decision(unit, "kept", **common))
         elif tiled:
