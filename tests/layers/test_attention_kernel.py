@@ -146,6 +146,17 @@ def test_a_kernel_whose_residuals_are_not_cudnns_is_a_value_error():
             q, k, v, scale=scale, is_causal=True, implementation="xla"))
 
 
+def test_cudnns_residuals_are_read_outside_a_trace_and_with_sequence_lengths():
+    """Called eagerly, jax.vjp's residuals are arrays equal to the inputs, not the inputs themselves; given key
+    lengths, the placeholders include int32 [B] lengths. Both are cuDNN's residuals; a wrong shape is not."""
+    q, k, v, _ = inputs(jnp.bfloat16, dv=D)
+    out, stats, lengths = jnp.zeros_like(q), jnp.zeros((B, H, S), jnp.float32), jnp.full((B,), S, jnp.int32)
+    leaves = [jnp.array(q), jnp.array(k), jnp.array(v), lengths, lengths, jnp.zeros(0, q.dtype), stats, out]
+    assert ak._cudnn_roles(leaves, (q, k, v), out)[-2:] == [("stats", 0), ("out", None)]
+    with pytest.raises(ValueError, match="not cuDNN's"):
+        ak._cudnn_roles([q[:, :1]] + leaves[1:], (q, k, v), out)
+
+
 def test_the_kernel_emits_attention_out_and_context():
     q, k, v, _ = inputs()
     got = zoo.emitted.emitted(lambda q, k, v: ak.causal_attention(q, k, v, impl="xla"), q, k, v)
