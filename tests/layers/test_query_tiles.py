@@ -25,16 +25,34 @@ def tiny(**overrides):
     return zoo.models.LlamaConfig.preset("tiny", **overrides)
 
 
-def test_a_model_over_query_tiles_has_the_whole_models_logits_and_gradients():
-    whole, tiled = (zoo.models.llama3(tiny(attention_tiles=n), rngs=nnx.Rngs(0)) for n in (1, 4))
-    tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 256)
+def query_tiled_families():
+    """The families whose attention runs over query tiles (each but those whose config refuses attention_tiles): the
+    first in the default set, the others under `slow`."""
+    from zoo.models import registry
+    out = []
+    for name, fam in sorted(registry.FAMILIES.items()):
+        try:
+            fam.config_cls.preset("tiny", attention_tiles=2)
+        except ValueError:
+            continue
+        out.append(name if not out else pytest.param(name, marks=pytest.mark.slow))
+    return out
 
-    def loss(m):
-        return jnp.mean(m(tokens) ** 2)
 
-    assert rel(tiled(tokens), whole(tokens)) < 1e-5
-    grads = jax.tree.leaves(nnx.grad(loss)(tiled)), jax.tree.leaves(nnx.grad(loss)(whole))
-    assert all(rel(a, b) < 1e-5 for a, b in zip(*grads))
+@pytest.mark.parametrize("family", query_tiled_families())
+def test_a_model_over_query_tiles_has_the_whole_models_logits_and_gradients(family):
+    from zoo.models import registry
+    fam = registry.family(family)
+    whole, tiled = (fam.build(fam.config_cls.preset("tiny", attention_tiles=n), rngs=nnx.Rngs(0)) for n in (1, 4))
+    tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, whole.config.vocab_size)
+
+    @nnx.jit
+    def logits_and_grads(m):
+        return m(tokens), nnx.grad(lambda m: jnp.mean(m(tokens) ** 2))(m)
+
+    (got, got_grads), (want, want_grads) = logits_and_grads(tiled), logits_and_grads(whole)
+    assert rel(got, want) < 1e-5
+    assert all(rel(a, b) < 1e-5 for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)))
 
 
 def test_tags_keep_their_whole_shapes_and_the_per_tile_ones_are_marked():

@@ -127,25 +127,59 @@ class Attention(_ChosenKernel):
         return (self.project_q(x), *self.project_kv(x))
 
     def project_q(self, x: jax.Array) -> jax.Array:
-        """x [B,S,D] -> q [B,S,H,d] before RoPE (after the q norm where there is one)."""
+        """The queries before RoPE (after the q norm where there is one).
+
+        Args:
+            x: [B, S, D], the normed input.
+
+        Returns:
+            q [B, S, H, d].
+        """
         q = self.q_proj(x)
         return q if self.q_norm is None else self.q_norm(q)
 
     def project_kv(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """x [B,S,D] -> k, v [B,S,Hkv,d], k before RoPE (after the k norm where there is one)."""
+        """The keys (before RoPE, after the k norm where there is one) and the values.
+
+        Args:
+            x: [B, S, D], the normed input.
+
+        Returns:
+            (k, v), each [B, S, Hkv, d].
+        """
         k = self.k_proj(x)
         return (k if self.k_norm is None else self.k_norm(k)), self.v_proj(x)
 
     def named_kv(self, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """RoPE on k at positions 0..S-1; k named `key_proj`, v `value_proj`."""
+        """RoPE on the keys at positions 0..S-1, and both named.
+
+        Args:
+            k: [B, S, Hkv, d] from `project_kv`.
+            v: [B, S, Hkv, d] from `project_kv`.
+
+        Returns:
+            (k after RoPE, v), named `key_proj` and `value_proj`.
+        """
         k = name(self.rope(k, positions_for(k)), "key_proj", BSK)
         return k, name(v, "value_proj", BSK)
 
     def attend_tile(self, q: jax.Array, k: jax.Array, v: jax.Array, k_all: jax.Array, v_all: jax.Array,
                     start: jax.Array | int) -> jax.Array:
-        """One query tile (`zoo.layers.query_tiles`) at positions start .. start + T - 1: RoPE on its q [B,T,H,d],
-        named `query_proj`; causal attention against its own keys and values [B,T,Hkv,d] and the first `start` of
-        the sequence's (already named, `named_kv`); the output projection, `out_proj`."""
+        """One query tile (`zoo.layers.query_tiles`) at positions start .. start + T - 1: RoPE on its queries, named
+        `query_proj`; causal attention against its own keys and the sequence's before it
+        (`zoo.layers.prefix_attention`, which names `attention_out` and `context`); the output projection, `out_proj`.
+
+        Args:
+            q: the tile's queries [B, T, H, d] from `project_q`.
+            k: the tile's keys [B, T, Hkv, d] (after RoPE: `named_kv`).
+            v: the tile's values [B, T, Hkv, d].
+            k_all: the whole sequence's keys [B, S, Hkv, d] (after RoPE).
+            v_all: the whole sequence's values [B, S, Hkv, d].
+            start: the tile's first position (an int or a traced int32 scalar).
+
+        Returns:
+            [B, T, D] in `dtype`.
+        """
         q = name(self.rope(q, start + positions_for(q)), "query_proj", BSH)
         out = prefix_attention(q, k, v, k_all, v_all, start, impl=self.kernel.impl)   # names attention_out, context
         return name(self.o_proj(out), "out_proj", BSD)

@@ -21,8 +21,17 @@ from zoo.tags import name
 
 
 def merge(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The softmax over two key blocks from each block's own: (out [B, T, H, d], lse [B, H, T] float32), each
-    output weighted by exp(its lse - the joint lse)."""
+    """The softmax over two key blocks from each block's own: each output weighted by exp(its lse - the joint lse).
+
+    Args:
+        out_a: the first block's output [B, T, H, d].
+        lse_a: its log-sum-exp [B, H, T] (float32; -inf for a row that saw no key).
+        out_b: the second block's output [B, T, H, d].
+        lse_b: its log-sum-exp [B, H, T].
+
+    Returns:
+        (out [B, T, H, d] in out_a's dtype, lse [B, H, T] float32) of the softmax over both blocks.
+    """
     lse = jnp.logaddexp(lse_a, lse_b)
 
     def weighted(out, part):
