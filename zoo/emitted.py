@@ -17,8 +17,8 @@ from zoo.jaxprs import sub_jaxprs
 
 
 def join_chunks(tag: str, a: jax.ShapeDtypeStruct, b: jax.ShapeDtypeStruct, axis: int) -> jax.ShapeDtypeStruct:
-    """A tag emitted more than once in one layer names one tensor made in sequence chunks (e.g. `MLP(seq_chunks=n)`,
-    query tiles): the chunks must agree on everything but the sequence axis (`axis`: 1 of [B, S, ...], the tag's
+    """A tag emitted more than once in one layer names one tensor made in sequence chunks (e.g. `MLP(seq_chunks=n)`):
+    the chunks must agree on everything but the sequence axis (`axis`: 1 of [B, S, ...], the tag's
     `zoo.tags.seq_axis`), and the tag's shape is their concatenation. Anything else is two tensors under one name: a
     ValueError."""
     same = (a.dtype == b.dtype and len(a.shape) == len(b.shape) > axis
@@ -29,29 +29,25 @@ def join_chunks(tag: str, a: jax.ShapeDtypeStruct, b: jax.ShapeDtypeStruct, axis
     return jax.ShapeDtypeStruct(a.shape[:axis] + (a.shape[axis] + b.shape[axis],) + a.shape[axis + 1:], a.dtype)
 
 
-def _collect(jaxpr, found: dict[str, jax.ShapeDtypeStruct], tiled: set[str], tiles: int = 1,
-             query_tile: bool = False) -> None:
+def _collect(jaxpr, found: dict[str, jax.ShapeDtypeStruct], tiled: set[str], tiles: int = 1) -> None:
     for eqn in jaxpr.eqns:
-        # made in one query tile (zoo.layers.query_tiles): the scope, or an equation inside one that has it
-        in_tile = query_tile or loop_guard.QUERY_TILE_SCOPE in str(getattr(eqn.source_info, "name_stack", ""))
         if eqn.primitive.name == "name":
             aval = eqn.outvars[0].aval
             shape, tag = tuple(aval.shape), eqn.params["name"]
             axis = tags_lib.seq_axis(tag)
-            if tiles > 1:   # one tile of a tensor made in sequence tiles: the tensor is `tiles` of them
+            if tiles > 1:   # one tile of a tensor made in tiles (of the sequence or of queries): `tiles` of them
                 shape = shape[:axis] + (shape[axis] * tiles,) + shape[axis + 1:]
-            if tiles > 1 or in_tile:
                 tiled.add(tag)
             sds = jax.ShapeDtypeStruct(shape, aval.dtype)
-            found[tag] = join_chunks(tag, found[tag], sds, axis) if tag in found else sds   # query tiles join here
+            found[tag] = join_chunks(tag, found[tag], sds, axis) if tag in found else sds
         elif loop_guard.is_tile_loop(eqn):
             for sub in sub_jaxprs(eqn.params):
-                _collect(sub, found, tiled, tiles * eqn.params["length"], in_tile)
+                _collect(sub, found, tiled, tiles * eqn.params["length"])
         elif loop_guard.is_loop(eqn):
             loop_guard.check_loop(eqn)   # a loop holding no tag or offload has no tag to collect: not entered
         else:
             for sub in sub_jaxprs(eqn.params):
-                _collect(sub, found, tiled, tiles, in_tile)
+                _collect(sub, found, tiled, tiles)
 
 
 def emitted(fn: Callable[..., Any], *args: Any) -> dict[str, jax.ShapeDtypeStruct]:

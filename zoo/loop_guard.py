@@ -11,7 +11,6 @@ from zoo.jaxprs import sub_jaxprs
 
 LOOPS = ("scan", "while")   # the loop primitives (fori_loop lowers to one of them)
 TILE_SCOPE = "zoo_seq_tiles"   # the name scope of the sequence-tile loop (zoo.layers.tiles)
-QUERY_TILE_SCOPE = "zoo_query_tiles"   # the name scope of one query tile (zoo.layers.query_tiles): no loop
 
 
 def is_loop(eqn) -> bool:

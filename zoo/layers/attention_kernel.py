@@ -309,13 +309,9 @@ def _mosaic_forward(q, k, v, scale, causal, kv_len=None):
     return out, (row_max + jnp.log(row_sum)).reshape(_lse_shape(q)).astype(jnp.float32)
 
 
-def _xla_forward(q, k, v, scale, causal, kv_len=None):
-    return xla_attention.forward(q, k, v, scale, causal, kv_len)
-
-
 # Each kernel's forward, (q, k, v, scale, causal, kv_len) -> (out, lse [B, H, Sq] float32), and its backward,
 # (q, k, v, out, lse, g, scale, causal, kv_len) -> (dq, dk, dv) from a given output and log-sum-exp.
-_PART_FORWARD = {"xla": _xla_forward, "cudnn": _cudnn_forward, "mosaic_cudnn": _mosaic_forward}
+_PART_FORWARD = {"xla": xla_attention.forward, "cudnn": _cudnn_forward, "mosaic_cudnn": _mosaic_forward}
 _PART_BACKWARD = {"xla": xla_attention.backward, "cudnn": _cudnn_backward_given, "mosaic_cudnn": _cudnn_backward_given}
 
 

@@ -6,7 +6,8 @@ a time. So a layer's backward pass holds its input, keys, values and their gradi
 queries and outputs. The price: attention's forward runs once more per layer (in each tile's own backward).
 
 The tags made inside a tile (`query_proj`, `attention_out`, `context`, `out_proj`) keep their whole shape for the
-planner (`zoo.emitted` joins the tiles) and are recomputed tile by tile: a recipe may not keep or offload them.
+planner (`zoo.emitted` reads this loop as it reads the sequence tiles') and are recomputed tile by tile: a recipe
+may not keep or offload them.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from zoo.layers.tiles import check_tiles, rematerialized, tiled
-from zoo.loop_guard import QUERY_TILE_SCOPE, TILE_SCOPE
+from zoo.loop_guard import TILE_SCOPE
 
 
 def _keys_values(parts, x):
@@ -27,8 +28,7 @@ def _keys_values(parts, x):
 
 def _tile(parts, x, k, v, start, k_all, v_all):
     norm, attn = parts
-    with jax.named_scope(QUERY_TILE_SCOPE):   # how the tag reader knows the tags made in a query tile
-        return attn.attend_tile(attn.project_q(norm(x)), k, v, k_all, v_all, start)
+    return attn.attend_tile(attn.project_q(norm(x)), k, v, k_all, v_all, start)
 
 
 def over_query_tiles(norm: Any, attn: Any, x: jax.Array, *, query_tiles: int, seq_tiles: int = 1) -> jax.Array:

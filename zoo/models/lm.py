@@ -127,7 +127,8 @@ class CausalLM(nnx.Module):
         recipe.check_emitted({t for st in shapes.values() for t in st.tags}, where=where)
         for name in self.stack_names:
             getattr(self, name).check_group(recipe.group, f"{where}.{name}")
-        offloaded = set(recipe.resolve().offload)
+        resolved = recipe.resolve()
+        offloaded = set(resolved.offload)
         tiled = sorted({t for st in shapes.values() for t in st.tiled - st.query_tiled} & offloaded)
         if tiled:
             raise ValueError(f"Recipe {recipe.name!r} offloads {tiled}, which seq_tiles={recipe.seq_tiles} makes "
@@ -135,7 +136,6 @@ class CausalLM(nnx.Module):
                              f"offloaded (offload inside nested loops is known to break); keep it on the device, "
                              f"recompute it, or set seq_tiles=1")
         if query_tiles > 1:
-            resolved = recipe.resolve()
             made = {t for st in shapes.values() for t in st.query_tiled}
             kept = sorted(made & set(resolved.offload + resolved.device + resolved.group_keep))
             if kept:

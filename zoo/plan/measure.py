@@ -395,13 +395,12 @@ def working_bytes(model, stack_name: str, batch: int, seq: int, recipe: Recipe, 
         fn, state = stack.layer_fn(group=group, tiles=recipe.seq_tiles, layer_policy=recipe.layer_policy())
         held, more = _remade(fn, state, x, kept)
         res, remade = res + held, remade + more
-    tags = stack.tag_shapes(x, recipe.seq_tiles)
-    query_tiles = model.config.attention_tiles
-    in_query = stack.tiled_tags(x, 1) if query_tiles > 1 else frozenset()   # made one query tile at a time
+    made = model.tag_shapes(batch, seq, recipe.seq_tiles)[stack_name]
+    tags, in_query, query_tiles = made.tags, made.query_tiled, model.config.attention_tiles
     kernel = ("query_proj", "key_proj", "value_proj", "attention_out")
     attention = sum(nbytes(tags[t]) // (query_tiles if t in in_query else 1) for t in kernel if t in tags)
     largest = max((r.nbytes for r in res), default=0)
     # one tile's own tensors and their cotangents, while its backward step runs
-    tile = 2 * sum(nbytes(tags[t]) for t in stack.tiled_tags(x, recipe.seq_tiles) - in_query) // recipe.seq_tiles
+    tile = 2 * sum(nbytes(tags[t]) for t in made.tiled - in_query) // recipe.seq_tiles
     tile += 2 * sum(nbytes(tags[t]) for t in in_query - set(kernel)) // query_tiles
     return remade + 2 * largest + 2 * attention + tile
