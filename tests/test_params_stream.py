@@ -30,18 +30,20 @@ SCHEDULE = lr_schedule(lr=1e-3, steps=100, warmup=1)
 FAMILIES = ("llama3", "qwen3", "deepseek_v3", "qwen3_moe")
 
 
-def _config(name: str):
-    """(family, its tiny config with bf16 parameters); Llama's the two-layer model of tests/tiny_lm.py."""
+def _config(name: str, **fields):
+    """(family, its tiny config with bf16 parameters and `fields` replaced); Llama's the two-layer model of
+    tests/tiny_lm.py."""
     fam = family(name)
-    return fam, tiny_lm.config("bfloat16") if name == "llama3" else dataclasses.replace(fam.config("tiny"),
-                                                                                         param_dtype="bfloat16")
+    cfg = tiny_lm.config("bfloat16") if name == "llama3" else dataclasses.replace(fam.config("tiny"),
+                                                                                   param_dtype="bfloat16")
+    return fam, dataclasses.replace(cfg, **fields)
 
 
-def _step(name: str, params: str, recipe=None, mesh=None, rows: int = 2):
+def _step(name: str, params: str, recipe=None, mesh=None, rows: int = 2, **fields):
     """(new state, metrics) of one AdamW step of family `name`'s tiny preset (bf16 parameters, float32 master and
-    bf16 moments on the host) with the parameters placed by `params`, from the same weights and tokens (`rows`
-    sequences), on `mesh` (None: one device)."""
-    fam, cfg = _config(name)
+    bf16 moments on the host; `fields` replaced in its config) with the parameters placed by `params`, from the same
+    weights and tokens (`rows` sequences), on `mesh` (None: one device)."""
+    fam, cfg = _config(name, **fields)
     recipe = recipe or zoo.Recipe.full()
     training = Training(opt_state="host", params=params, opt_dtype="bfloat16", weight_decay=0.1)
     step, _, state = abstract_step(fam, cfg, recipe, training=training, schedule=SCHEDULE, mesh=mesh)
@@ -68,9 +70,9 @@ def _kinds(state) -> dict[str, str]:
 GROUPED = zoo.Recipe("grouped", offload=("decoder_layer_input",), group=2, group_keep=("attention_out", "context"))
 
 
-def _check_same_step(name: str, recipe=None):
-    host_state, host_metrics = _step(name, "host", recipe)
-    new, metrics = _step(name, "stream", recipe)
+def _check_same_step(name: str, recipe=None, **fields):
+    host_state, host_metrics = _step(name, "host", recipe, **fields)
+    new, metrics = _step(name, "stream", recipe, **fields)
     assert float(metrics["loss"]) == float(host_metrics["loss"]) and bool(metrics["ok"])
     assert abs(float(metrics["grad_norm"]) - float(host_metrics["grad_norm"])) <= 1e-2 * float(
         host_metrics["grad_norm"])   # float32 sums of squares here, the gradients' own dtype in optax's
@@ -90,6 +92,13 @@ def test_a_streamed_step_is_the_step_with_the_parameters_in_hbm():
     loss and every updated array (bf16 parameters, float32 master, bf16 moments) as under --params host; the
     stacks' parameters live in pinned host memory after the step, and every other leaf where it was."""
     _check_same_step("llama3", GROUPED)
+
+
+@pytest.mark.slow
+def test_query_tiles_stream_to_the_same_numbers():
+    """Llama with attention over 4 query tiles, its layer input offloaded in groups of 2: the streamed step is the
+    step with the parameters in HBM."""
+    _check_same_step("llama3", zoo.Recipe("carry", offload=("decoder_layer_input",), group=2), attention_tiles=4)
 
 
 @pytest.mark.slow   # the default set streams Llama's

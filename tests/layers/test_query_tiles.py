@@ -106,3 +106,25 @@ def test_auto_recomputes_the_tags_made_in_query_tiles_and_says_why():
     assert tags["key_proj"].placement == "device"
     model = zoo.models.llama3(cfg, rngs=nnx.Rngs(0))
     assert all(keep == () for _, _, keep in structures(model, 65536))
+
+
+def test_a_users_functional_step_over_query_tiles_has_recipe_nones_gradients():
+    """A user's own step (parameters split from the rest around `jax.jit`) with query tiles, under a recipe that
+    recomputes (the layer input offloaded, groups of 2, sequence tiles), has the gradients of the untiled model
+    under `none` (float32, 1e-5)."""
+    tokens = jax.random.randint(jax.random.key(2), (2, 32), 0, 256)
+
+    def grads(cfg, recipe):
+        model = zoo.models.llama3(cfg, rngs=nnx.Rngs(0))
+        model.set_recipe(recipe)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        @jax.jit
+        def step(params, rest):
+            return jax.grad(lambda p: jnp.mean(nnx.merge(graphdef, p, rest)(tokens) ** 2))(params)
+        return jax.tree.leaves(step(params, rest))
+
+    structured = zoo.Recipe("carry", offload=("decoder_layer_input",), seq_tiles=2, group=2)
+    got = grads(tiny(attention_tiles=4), structured)
+    want = grads(tiny(), zoo.Recipe.none())
+    assert all(rel(a, b) < 1e-5 for a, b in zip(got, want))
