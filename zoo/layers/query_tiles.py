@@ -11,9 +11,9 @@ may not keep or offload them.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-import einops
 import jax
 import jax.numpy as jnp
 
@@ -26,9 +26,12 @@ def _keys_values(parts, x):
     return attn.project_kv(norm(x))
 
 
-def _tile(parts, x, k, v, start, k_all, v_all):
+def _tile(parts, x, k, v, start, *, size: int):
+    """The tile of `size` queries from `start` (traced): its rows of x, k and v sliced here from the whole arrays,
+    which are the same for every tile, so the loop keeps no per-tile copy of them."""
     norm, attn = parts
-    return attn.attend_tile(attn.project_q(norm(x)), k, v, k_all, v_all, start)
+    rows = [jax.lax.dynamic_slice_in_dim(a, start, size, axis=1) for a in (x, k, v)]
+    return attn.attend_tile(attn.project_q(norm(rows[0])), rows[1], rows[2], k, v, start)
 
 
 def over_query_tiles(norm: Any, attn: Any, x: jax.Array, *, query_tiles: int, seq_tiles: int = 1) -> jax.Array:
@@ -46,10 +49,13 @@ def over_query_tiles(norm: Any, attn: Any, x: jax.Array, *, query_tiles: int, se
     """
     check_tiles(query_tiles, x.shape[1], what="attention_tiles")
     k, v = attn.named_kv(*tiled(_keys_values, (norm, attn), x, seq_tiles))
-    n = query_tiles
-    starts = jnp.arange(n, dtype=jnp.int32) * (x.shape[1] // n)
-    xs = [einops.rearrange(a, "b (n t) ... -> n b t ...", n=n) for a in (x, k, v)] + [starts]
-    body = rematerialized(_tile, (norm, attn), prevent_cse=False)
+    size = x.shape[1] // query_tiles
+    body = rematerialized(functools.partial(_tile, size=size), (norm, attn), prevent_cse=False)
+
+    def step(out, start):   # each tile's output written into the sequence's, in place
+        return jax.lax.dynamic_update_slice_in_dim(out, body(x, k, v, start), start, axis=1), None
+
+    starts = jnp.arange(query_tiles, dtype=jnp.int32) * size
     with jax.named_scope(TILE_SCOPE):   # the loop of tiles, as the tag reader and the loop guard know it
-        _, ys = jax.lax.scan(lambda carry, xs: (carry, body(*xs, k, v)), None, xs)
-    return einops.rearrange(ys, "n b t ... -> b (n t) ...")
+        out, _ = jax.lax.scan(step, jnp.zeros(x.shape, attn.dtype), starts)
+    return out

@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import einops
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -48,14 +47,27 @@ def rematerialized(fn: Callable[..., Any], module: Any, *, prevent_cse: bool = T
 
 def tiled(fn: Callable[[Any, jax.Array], Any], module: Any, x: jax.Array, tiles: int) -> Any:
     """`fn(module, x)` over `tiles` sequence tiles of x [B, S, ...] (axis 1), one at a time, each rematerialized on
-    its own. `fn` must treat positions independently and return [B, S, ...] arrays (a pytree of them), which are
-    concatenated over the tiles. `module`: the NNX module(s) `fn` reads, whose parameters the loop takes as
-    arguments (their gradient summed over the tiles in float32)."""
+    its own. `fn` must treat positions independently and return [B, S, ...] arrays (a pytree of them). Each tile's
+    rows of x are sliced inside the loop and its outputs written into the whole outputs in place, so the loop keeps
+    no per-tile copy of x. `module`: the NNX module(s) `fn` reads, whose parameters the loop takes as arguments
+    (their gradient summed over the tiles in float32)."""
     if tiles == 1:
         return fn(module, x)
     check_tiles(tiles, x.shape[1])
-    body = rematerialized(fn, module, prevent_cse=False)
-    xs = einops.rearrange(x, "b (n t) ... -> n b t ...", n=tiles)
+    size = x.shape[1] // tiles
+
+    def one(m, x, start):
+        return fn(m, jax.lax.dynamic_slice_in_dim(x, start, size, axis=1))
+
+    body = rematerialized(one, module, prevent_cse=False)
+    whole = jax.tree.map(lambda t: jnp.zeros(t.shape[:1] + (x.shape[1],) + t.shape[2:], t.dtype),
+                         jax.eval_shape(body, x, jnp.int32(0)))
+
+    def step(out, start):
+        return jax.tree.map(lambda o, t: jax.lax.dynamic_update_slice_in_dim(o, t, start, axis=1),
+                            out, body(x, start)), None
+
+    starts = jnp.arange(tiles, dtype=jnp.int32) * size
     with jax.named_scope(TILE_SCOPE):   # how the tag reader and the loop guard know the loop
-        _, ys = jax.lax.scan(lambda carry, xt: (carry, body(xt)), None, xs)
-    return jax.tree.map(lambda y: einops.rearrange(y, "n b t ... -> b (n t) ..."), ys)
+        out, _ = jax.lax.scan(step, whole, starts)
+    return out
