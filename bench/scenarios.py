@@ -316,7 +316,7 @@ SCENARIOS: dict[str, Scenario] = {
     "longest-context-128k-2": Scenario(
         "all 32 layers of the 8B at 128K under auto, two steps (the record times the second): the shortest check of "
         "the long-context step against its records",
-        (long_job("auto", 131072, steps=2, est=170, timeout=240, name="main-job-8b-L32-S128K-auto-2"),)),
+        (long_job("auto", 131072, steps=2, est=330, timeout=450, name="main-job-8b-L32-S128K-auto-2"),)),
     "query-tiles-128k": Scenario(
         "attention over query tiles on the GPU: the 8B cut to 4 layers at 131,072 tokens under full remat, two steps "
         "each from the same weights and tokens, with attention whole and over 8 query tiles (their losses must "
