@@ -1,6 +1,6 @@
 """A model over query tiles (zoo.layers.query_tiles, a config's attention_tiles): the untiled model's logits and
 gradients (float32, 1e-5) and the same tag shapes, its per-tile tags marked as such; what a layer's recompute keeps
-for its backward holds no whole-sequence queries; the refusals (a tile count that does not divide the sequence, MLA,
+for its backward holds no whole-sequence queries; the loop makes no stacked copy of the sequence; the refusals (a tile count that does not divide the sequence, MLA,
 a recipe keeping a per-tile tag)."""
 import jax
 import jax.numpy as jnp
@@ -77,6 +77,22 @@ def test_a_layers_backward_keeps_one_tiles_queries_not_the_sequences():
     assert any(r.shape == whole_q for r in kept[1])
     assert not any(r.shape == whole_q for r in kept[4])
     assert sum(r.nbytes for r in kept[4]) < sum(r.nbytes for r in kept[1])
+
+
+def test_the_loop_makes_no_stacked_copy_of_the_sequence():
+    """Forward and backward of a model over 4 query tiles under `full`: no value is shaped as the layer input,
+    queries or keys stacked by tile ([4, B, S / 4, ...]): each tile slices its rows inside the loop and writes its
+    output in place, and its backward remakes the tile. (Under `none`, which saves every residual, the loop keeps
+    each tile's.)"""
+    from recipes.llama3 import RECIPES
+    from tests.layers.test_tiles import shapes_in
+    model = zoo.models.llama3(tiny(attention_tiles=4, num_layers=1), rngs=nnx.Rngs(0))
+    model.set_recipe(RECIPES["full"])
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tokens = jnp.zeros((2, 64), jnp.int32)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda p: jnp.mean(nnx.merge(graphdef, p, rest)(tokens) ** 2)))(params).jaxpr
+    stacked = [s for s in shapes_in(jaxpr) if s[:3] == (4, 2, 16)]
+    assert stacked == []
 
 
 def test_the_refusals_name_the_field():

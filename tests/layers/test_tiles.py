@@ -1,8 +1,8 @@
 """Sequence tiles (zoo.layers.tiles) as a unit: a tiled per-position part computes the untiled function and its
 gradients (float32, relative 1e-5; float64 against finite differences), its tags keep their full shapes and are
 reported as tiled, 16-bit parameters enter the loop in float32 (their gradient summed in float32), a tile's
-intermediates exist one at a time (the compiled backward holds less), and a tile count that does not divide the
-sequence is a ValueError."""
+intermediates exist one at a time (the compiled backward holds less), the loop makes no stacked copy of the sequence
+(each tile is sliced and written in place), and a tile count that does not divide the sequence is a ValueError."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +13,7 @@ from jax.test_util import check_grads
 from tests.helpers import max_rel_err
 from tests.layers.random_layers import random_layer
 from zoo.emitted import read_tags
+from zoo.jaxprs import sub_jaxprs
 from zoo.layers import MLP, RMSNorm
 from zoo.layers.tiles import check_tiles, tiled
 
@@ -98,6 +99,29 @@ def test_a_tile_holds_less_than_the_whole_in_the_compiled_backward():
         compiled = jax.jit(jax.grad(fn, argnums=(0, 1))).lower(params, x).compile()
         return compiled.memory_analysis().temp_size_in_bytes
     assert temp(8) < 0.6 * temp(1)
+
+
+def shapes_in(jaxpr) -> set[tuple[int, ...]]:
+    """Every value's shape in a jaxpr and the jaxprs inside it (loop bodies, checkpoints)."""
+    out = {tuple(v.aval.shape) for e in jaxpr.eqns for v in e.outvars}
+    for e in jaxpr.eqns:
+        for sub in sub_jaxprs(e.params):
+            out |= shapes_in(sub)
+    return out
+
+
+def test_the_loop_makes_no_stacked_copy_of_the_sequence():
+    """Forward and backward: the loop scans the tiles' starts and hands back the whole output, and no value is shaped
+    as the sequence stacked by tile ([tiles, B, S / tiles, D]): each tile's rows are sliced inside the loop and its
+    output written into the whole one in place, and the backward adds each tile's cotangent in place."""
+    module, x = parts(), inputs()
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    forward = jax.make_jaxpr(lambda p, x: tiled(ffn, nnx.merge(graphdef, p, rest), x, TILES))(params, x).jaxpr
+    (scan,) = [e for e in forward.eqns if e.primitive.name == "scan"]
+    assert (TILES,) in [v.aval.shape for v in scan.invars if v.aval.dtype == jnp.int32]   # the starts
+    assert [v.aval.shape for v in scan.outvars] == [(B, S, D)]
+    backward = jax.make_jaxpr(lambda p, x: grads(nnx.merge(graphdef, p, rest), x, TILES))(params, x).jaxpr
+    assert (TILES, B, S // TILES, D) not in shapes_in(forward) | shapes_in(backward)
 
 
 def test_a_tile_count_that_does_not_divide_the_sequence_is_refused():
