@@ -150,8 +150,9 @@ def test_group_keep_is_refused_without_groups_and_named_in_the_recipe():
 def test_two_level_groups_compile_to_fewer_temporaries_than_one_level():
     """The structure the stack keeps is the one that measures lower: 8 layers of width 1,024 at 1,024 positions in
     groups of 4, differentiated and compiled for the CPU; each layer rematerialized inside its group (two levels) takes
-    fewer of XLA's temporaries than the layers run plainly inside the group (one level), under a recipe keeping the
-    kernel's pair and under `full`."""
+    under 60% of XLA's temporaries of the layers run plainly inside the group (one level), under a recipe keeping the
+    kernel's pair and under `full`. (With CSE allowed between the group's recompute and each layer's, XLA merges them
+    and the two levels keep 95% of one level's.)"""
     cfg = zoo.models.LlamaConfig.preset("tiny", num_layers=8, dim=1024, num_heads=8, num_kv_heads=2, head_dim=128,
                                         mlp_dim=4096, dtype="float32", param_dtype="float32")
     stack = nnx.eval_shape(lambda: zoo.models.llama3(cfg, rngs=nnx.Rngs(0))).layers
@@ -169,4 +170,4 @@ def test_two_level_groups_compile_to_fewer_temporaries_than_one_level():
         return compiled.memory_analysis().temp_size_in_bytes
 
     for recipe in (zoo.Recipe("ctx", device=CONTEXT, group=4), zoo.Recipe.full(group=4)):
-        assert temporaries(recipe, recipe.layer_policy()) < temporaries(recipe, None), recipe.name
+        assert temporaries(recipe, recipe.layer_policy()) < 0.6 * temporaries(recipe, None), recipe.name

@@ -40,11 +40,13 @@ def group_body(group: nnx.Module, x: jax.Array, tiles: int = 1, layer_policy=Non
 
     The group's backward pass recomputes the group's forward keeping each layer's input and what `layer_policy`
     saves, then each layer's backward recomputes that layer alone: it holds k inputs and one layer's residuals, not k
-    layers' residuals (JAX saves an inner checkpoint's inputs as residuals of the outer one)."""
+    layers' residuals (JAX saves an inner checkpoint's inputs as residuals of the outer one). The layers' checkpoints
+    prevent CSE: the group's recompute and a layer's own are the same expressions within one loop iteration, and
+    XLA would merge them, keeping the group's intermediates alive until each layer's backward."""
     x = tags_lib.name(x, "decoder_layer_input", ("batch", "seq", "embed"))
     run = functools.partial(_run, tiles=tiles)
     if layer_policy is not None:
-        run = remat(lambda layer, x: _run(layer, x, tiles), layer_policy)
+        run = remat(lambda layer, x: _run(layer, x, tiles), layer_policy, scanned=False)
     auxes = []
     for i in range(_leading(group)):
         x, aux = run(module_at(group, i), x)
@@ -93,8 +95,9 @@ def grouped(modules: nnx.Module, k: int) -> nnx.Module:
 
 def remat(fn: Callable, policy, *, scanned: bool = True) -> Callable:
     """`fn` rematerialized under the checkpoint `policy`: the one remat wrapper of the zoo (the stack and the planner's
-    measures, zoo.plan.measure, use it). `prevent_cse=False` inside a scan (CSE cannot undo the remat there); True
-    outside."""
+    measures, zoo.plan.measure, use it). `scanned`: `fn` is a scan's whole body, whose recompute CSE cannot merge with
+    its forward (they run in different iterations), so `prevent_cse=False`; anything else, a checkpoint nested inside
+    a body included, prevents CSE."""
     return nnx.remat(fn, policy=policy, prevent_cse=not scanned)
 
 
