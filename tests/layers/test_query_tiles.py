@@ -1,7 +1,7 @@
 """A model over query tiles (zoo.layers.query_tiles, a config's attention_tiles): the untiled model's logits and
 gradients (float32, 1e-5) and the same tag shapes, its per-tile tags marked as such; what a layer's recompute keeps
-for its backward holds no whole-sequence queries; the loop makes no stacked copy of the sequence; the refusals (a tile count that does not divide the sequence, MLA,
-a recipe keeping a per-tile tag)."""
+for its backward holds no whole-sequence queries; the loop makes no stacked copy of the sequence; the refusals (a
+tile count that does not divide the sequence, MLA, a recipe keeping a per-tile tag)."""
 import jax
 import jax.numpy as jnp
 import pytest
