@@ -2,7 +2,10 @@
 gradients (float32, relative 1e-5; float64 against finite differences), its tags keep their full shapes and are
 reported as tiled, 16-bit parameters enter the loop in float32 (their gradient summed in float32), a tile's
 intermediates exist one at a time (the compiled backward holds less), the loop makes no stacked copy of the sequence
-(each tile is sliced and written in place), and a tile count that does not divide the sequence is a ValueError."""
+(each tile is sliced and written in place) nor, compiled, a copy of one at each step, and a tile count that does not
+divide the sequence is a ValueError."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -122,6 +125,33 @@ def test_the_loop_makes_no_stacked_copy_of_the_sequence():
     assert [v.aval.shape for v in scan.outvars] == [(B, S, D)]
     backward = jax.make_jaxpr(lambda p, x: grads(nnx.merge(graphdef, p, rest), x, TILES))(params, x).jaxpr
     assert (TILES, B, S // TILES, D) not in shapes_in(forward) | shapes_in(backward)
+
+
+def copies_in_loops(hlo: str, shape: str) -> int:
+    """How many `copy` instructions of `shape` (HLO text, e.g. f32[1,4096,64]) the while loops' bodies of a compiled
+    module hold: each runs once per loop step."""
+    bodies = set(re.findall(r"\bbody=%?([\w.\-]+)", hlo))
+    count, inside = 0, False
+    for line in hlo.splitlines():
+        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+            inside = line.split()[0].lstrip("%") in bodies
+        elif inside and f"= {shape}" in line and " copy(" in line:
+            count += 1
+    return count
+
+
+def test_the_backward_loop_copies_no_sequence_sized_array_per_step():
+    """Compiled on the CPU, the gradient's loops make no copy of a whole-sequence array at each step: the outputs are
+    written as a sum with the padded tile (`write_tile`), whose transpose leaves the carried cotangent as it is."""
+    d, s = 64, 4096
+    module = random_layer(lambda: (RMSNorm(d), MLP(dim=d, hidden=128, rngs=nnx.Rngs(0))))
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    fn = jax.checkpoint(lambda p, x: jnp.sum(tiled(ffn, nnx.merge(graphdef, p, rest), x, 8) ** 2),
+                        policy=jax.checkpoint_policies.nothing_saveable)
+    hlo = jax.jit(jax.grad(fn, argnums=(0, 1))).lower(params, jax.ShapeDtypeStruct((1, s, d), jnp.float32)
+                                                      ).compile().as_text()
+    assert "while(" in hlo
+    assert copies_in_loops(hlo, f"f32[1,{s},{d}]") == 0
 
 
 def test_a_tile_count_that_does_not_divide_the_sequence_is_refused():

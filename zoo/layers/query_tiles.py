@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zoo.layers.tiles import check_tiles, rematerialized, tiled
+from zoo.layers.tiles import check_tiles, rematerialized, tiled, write_tile
 from zoo.loop_guard import TILE_SCOPE
 
 
@@ -53,7 +53,7 @@ def over_query_tiles(norm: Any, attn: Any, x: jax.Array, *, query_tiles: int, se
     body = rematerialized(functools.partial(_tile, size=size), (norm, attn), prevent_cse=False)
 
     def step(out, start):   # each tile's output written into the sequence's, in place
-        return jax.lax.dynamic_update_slice_in_dim(out, body(x, k, v, start), start, axis=1), None
+        return write_tile(out, body(x, k, v, start), start), None
 
     starts = jnp.arange(query_tiles, dtype=jnp.int32) * size
     with jax.named_scope(TILE_SCOPE):   # the loop of tiles, as the tag reader and the loop guard know it

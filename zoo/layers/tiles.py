@@ -45,12 +45,22 @@ def rematerialized(fn: Callable[..., Any], module: Any, *, prevent_cse: bool = T
     return lambda *args: body(wide, rest, *args)
 
 
+def write_tile(out: jax.Array, tile: jax.Array, start: jax.Array) -> jax.Array:
+    """`out` [B, S, ...] with `tile` [B, T, ...] written at rows `start` (traced) of axis 1, where `out` holds zeros.
+
+    Written as `out` plus the tile padded with zeros, which XLA performs in place (a dynamic-update-slice of the
+    rows' sum). The transpose of the sum hands the loop's cotangent on untouched; the transpose of a
+    dynamic-update-slice would zero the tile's rows in it, and XLA copies the whole carried cotangent every step to
+    do so."""
+    return out + jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(out), tile, start, axis=1)
+
+
 def tiled(fn: Callable[[Any, jax.Array], Any], module: Any, x: jax.Array, tiles: int) -> Any:
     """`fn(module, x)` over `tiles` sequence tiles of x [B, S, ...] (axis 1), one at a time, each rematerialized on
     its own. `fn` must treat positions independently and return [B, S, ...] arrays (a pytree of them). Each tile's
-    rows of x are sliced inside the loop and its outputs written into the whole outputs in place, so the loop keeps
-    no per-tile copy of x. `module`: the NNX module(s) `fn` reads, whose parameters the loop takes as arguments
-    (their gradient summed over the tiles in float32)."""
+    rows of x are sliced inside the loop and its outputs written into the whole outputs in place (`write_tile`),
+    so the loop keeps no per-tile copy of x. `module`: the NNX module(s) `fn` reads, whose parameters the loop takes
+    as arguments (their gradient summed over the tiles in float32)."""
     if tiles == 1:
         return fn(module, x)
     check_tiles(tiles, x.shape[1])
@@ -64,8 +74,7 @@ def tiled(fn: Callable[[Any, jax.Array], Any], module: Any, x: jax.Array, tiles:
                          jax.eval_shape(body, x, jnp.int32(0)))
 
     def step(out, start):
-        return jax.tree.map(lambda o, t: jax.lax.dynamic_update_slice_in_dim(o, t, start, axis=1),
-                            out, body(x, start)), None
+        return jax.tree.map(lambda o, t: write_tile(o, t, start), out, body(x, start)), None
 
     starts = jnp.arange(tiles, dtype=jnp.int32) * size
     with jax.named_scope(TILE_SCOPE):   # how the tag reader and the loop guard know the loop
