@@ -46,12 +46,21 @@ def rematerialized(fn: Callable[..., Any], module: Any, *, prevent_cse: bool = T
 
 
 def write_tile(out: jax.Array, tile: jax.Array, start: jax.Array) -> jax.Array:
-    """`out` [B, S, ...] with `tile` [B, T, ...] written at rows `start` (traced) of axis 1, where `out` holds zeros.
+    """`out` with `tile` written at rows `start` of axis 1, where `out` holds zeros.
 
     Written as `out` plus the tile padded with zeros, which XLA performs in place (a dynamic-update-slice of the
     rows' sum). The transpose of the sum hands the loop's cotangent on untouched; the transpose of a
     dynamic-update-slice would zero the tile's rows in it, and XLA copies the whole carried cotangent every step to
-    do so."""
+    do so.
+
+    Args:
+        out: [B, S, ...], zeros at the tile's rows.
+        tile: [B, T, ...], T <= S.
+        start: the first row (an int32 scalar, traced in a loop).
+
+    Returns:
+        [B, S, ...]: `out` with rows `start` to `start + T` equal to `tile`.
+    """
     return out + jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(out), tile, start, axis=1)
 
 
