@@ -142,7 +142,8 @@ def copies_in_loops(hlo: str, shape: str) -> int:
 
 def test_the_backward_loop_copies_no_sequence_sized_array_per_step():
     """Compiled on the CPU, the gradient's loops make no copy of a whole-sequence array at each step: the outputs are
-    written as a sum with the padded tile (`write_tile`), whose transpose leaves the carried cotangent as it is."""
+    written by `write_tile`, whose backward leaves the carried cotangent as it is (JAX's transpose of the write
+    zeroes the tile's rows in it, and XLA copied the cotangent twice a step to do so)."""
     d, s = 64, 4096
     module = random_layer(lambda: (RMSNorm(d), MLP(dim=d, hidden=128, rngs=nnx.Rngs(0))))
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)

@@ -5,6 +5,7 @@ parameters enter in float32, so their summed gradient is rounded once.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -46,12 +47,13 @@ def rematerialized(fn: Callable[..., Any], module: Any, *, prevent_cse: bool = T
 
 
 def write_tile(out: jax.Array, tile: jax.Array, start: jax.Array) -> jax.Array:
-    """`out` with `tile` written at rows `start` of axis 1, where `out` holds zeros.
+    """`out` with `tile` written at rows `start` of axis 1, where `out` holds zeros that no input of the
+    differentiated function made (a loop's output, filled tile by tile from zeros).
 
-    Written as `out` plus the tile padded with zeros, which XLA performs in place (a dynamic-update-slice of the
-    rows' sum). The transpose of the sum hands the loop's cotangent on untouched; the transpose of a
-    dynamic-update-slice would zero the tile's rows in it, and XLA copies the whole carried cotangent every step to
-    do so.
+    The forward pass is XLA's in-place dynamic-update-slice. The backward pass hands the output's cotangent on
+    untouched and the tile's rows of it to `tile`. (JAX's own transpose of a dynamic-update-slice zeroes the tile's
+    rows in the carried cotangent, which XLA does by copying the whole cotangent at every step of the loop; the rows
+    it would zero only reach the zeros the loop started from.)
 
     Args:
         out: [B, S, ...], zeros at the tile's rows.
@@ -61,7 +63,23 @@ def write_tile(out: jax.Array, tile: jax.Array, start: jax.Array) -> jax.Array:
     Returns:
         [B, S, ...]: `out` with rows `start` to `start + T` equal to `tile`.
     """
-    return out + jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(out), tile, start, axis=1)
+    return _write_tile(tile.shape[1], out, tile, start)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _write_tile(size, out, tile, start):
+    return jax.lax.dynamic_update_slice_in_dim(out, tile, start, axis=1)
+
+
+def _write_tile_fwd(size, out, tile, start):
+    return _write_tile(size, out, tile, start), start
+
+
+def _write_tile_bwd(size, start, ct):
+    return ct, jax.lax.dynamic_slice_in_dim(ct, start, size, axis=1), None
+
+
+_write_tile.defvjp(_write_tile_fwd, _write_tile_bwd)
 
 
 def tiled(fn: Callable[[Any, jax.Array], Any], module: Any, x: jax.Array, tiles: int) -> Any:
