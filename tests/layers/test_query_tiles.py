@@ -84,10 +84,9 @@ def test_the_loop_makes_no_stacked_copy_of_the_sequence():
     queries or keys stacked by tile ([4, B, S / 4, ...]): each tile slices its rows inside the loop and writes its
     output in place, and its backward remakes the tile. (Under `none`, which saves every residual, the loop keeps
     each tile's.)"""
-    from recipes.llama3 import RECIPES
     from tests.layers.test_tiles import shapes_in
     model = zoo.models.llama3(tiny(attention_tiles=4, num_layers=1), rngs=nnx.Rngs(0))
-    model.set_recipe(RECIPES["full"])
+    model.set_recipe(zoo.Recipe.full())
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tokens = jnp.zeros((2, 64), jnp.int32)
     jaxpr = jax.make_jaxpr(jax.grad(lambda p: jnp.mean(nnx.merge(graphdef, p, rest)(tokens) ** 2)))(params).jaxpr

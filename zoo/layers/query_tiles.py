@@ -15,10 +15,8 @@ import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
-from zoo.layers.tiles import check_tiles, rematerialized, tiled, write_tile
-from zoo.loop_guard import TILE_SCOPE
+from zoo.layers.tiles import check_tiles, rematerialized, tile_loop, tiled
 
 
 def _keys_values(parts, x):
@@ -51,11 +49,4 @@ def over_query_tiles(norm: Any, attn: Any, x: jax.Array, *, query_tiles: int, se
     k, v = attn.named_kv(*tiled(_keys_values, (norm, attn), x, seq_tiles))
     size = x.shape[1] // query_tiles
     body = rematerialized(functools.partial(_tile, size=size), (norm, attn), prevent_cse=False)
-
-    def step(out, start):   # each tile's output written into the sequence's, in place
-        return write_tile(out, body(x, k, v, start), start), None
-
-    starts = jnp.arange(query_tiles, dtype=jnp.int32) * size
-    with jax.named_scope(TILE_SCOPE):   # the loop of tiles, as the tag reader and the loop guard know it
-        out, _ = jax.lax.scan(step, jnp.zeros(x.shape, attn.dtype), starts)
-    return out
+    return tile_loop(lambda start: body(x, k, v, start), x.shape[1], query_tiles)

@@ -82,10 +82,37 @@ def _write_tile_bwd(size, start, ct):
 _write_tile.defvjp(_write_tile_fwd, _write_tile_bwd)
 
 
+def tile_loop(body: Callable[[jax.Array], Any], seq: int, tiles: int) -> Any:
+    """`body(start)` for each of `tiles` tiles of a sequence of `seq` positions, one after another in one loop (the
+    loop the tag reader and the loop guard know), each tile's outputs [B, seq / tiles, ...] written in place into the
+    whole outputs [B, seq, ...] (`write_tile`).
+
+    Args:
+        body: the tile starting at row `start` (an int32 scalar, traced) to its outputs, a pytree of [B, T, ...]
+            arrays; it slices what it reads itself, so the loop keeps no per-tile copy of the sequence.
+        seq: the sequence length; `tiles` divides it.
+        tiles: how many tiles.
+
+    Returns:
+        The whole outputs, [B, seq, ...] each.
+    """
+    size = seq // tiles
+    whole = jax.tree.map(lambda t: jnp.zeros(t.shape[:1] + (seq,) + t.shape[2:], t.dtype),
+                         jax.eval_shape(body, jnp.int32(0)))
+
+    def step(out, start):
+        return jax.tree.map(lambda o, t: write_tile(o, t, start), out, body(start)), None
+
+    starts = jnp.arange(tiles, dtype=jnp.int32) * size
+    with jax.named_scope(TILE_SCOPE):   # how the tag reader and the loop guard know the loop
+        out, _ = jax.lax.scan(step, whole, starts)
+    return out
+
+
 def tiled(fn: Callable[[Any, jax.Array], Any], module: Any, x: jax.Array, tiles: int) -> Any:
     """`fn(module, x)` over `tiles` sequence tiles of x [B, S, ...] (axis 1), one at a time, each rematerialized on
     its own. `fn` must treat positions independently and return [B, S, ...] arrays (a pytree of them). Each tile's
-    rows of x are sliced inside the loop and its outputs written into the whole outputs in place (`write_tile`),
+    rows of x are sliced inside the loop and its outputs written into the whole outputs in place (`tile_loop`),
     so the loop keeps no per-tile copy of x. `module`: the NNX module(s) `fn` reads, whose parameters the loop takes
     as arguments (their gradient summed over the tiles in float32)."""
     if tiles == 1:
@@ -97,13 +124,4 @@ def tiled(fn: Callable[[Any, jax.Array], Any], module: Any, x: jax.Array, tiles:
         return fn(m, jax.lax.dynamic_slice_in_dim(x, start, size, axis=1))
 
     body = rematerialized(one, module, prevent_cse=False)
-    whole = jax.tree.map(lambda t: jnp.zeros(t.shape[:1] + (x.shape[1],) + t.shape[2:], t.dtype),
-                         jax.eval_shape(body, x, jnp.int32(0)))
-
-    def step(out, start):
-        return jax.tree.map(lambda o, t: write_tile(o, t, start), out, body(x, start)), None
-
-    starts = jnp.arange(tiles, dtype=jnp.int32) * size
-    with jax.named_scope(TILE_SCOPE):   # how the tag reader and the loop guard know the loop
-        out, _ = jax.lax.scan(step, whole, starts)
-    return out
+    return tile_loop(lambda start: body(x, start), x.shape[1], tiles)
