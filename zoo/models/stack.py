@@ -95,9 +95,18 @@ def grouped(modules: nnx.Module, k: int) -> nnx.Module:
 
 def remat(fn: Callable, policy, *, scanned: bool = True) -> Callable:
     """`fn` rematerialized under the checkpoint `policy`: the one remat wrapper of the zoo (the stack and the planner's
-    measures, zoo.plan.measure, use it). `scanned`: `fn` is a scan's whole body, whose recompute CSE cannot merge with
-    its forward (they run in different iterations), so `prevent_cse=False`; anything else, a checkpoint nested inside
-    a body included, prevents CSE."""
+    measures, zoo.plan.measure, use it).
+
+    Args:
+        fn: the function to rematerialize (an NNX module is its first argument).
+        policy: the JAX checkpoint policy: what the backward pass may keep instead of recomputing.
+        scanned: `fn` is a scan's whole body, whose recompute CSE cannot merge with its forward (they run in
+            different iterations), so `prevent_cse=False`. Anything else, a checkpoint nested inside a body
+            included, prevents CSE.
+
+    Returns:
+        `fn` under `nnx.remat`.
+    """
     return nnx.remat(fn, policy=policy, prevent_cse=not scanned)
 
 
