@@ -102,7 +102,7 @@ def test_head_loss_matches_next_token_loss_and_its_weight_gradient():
 
 
 @pytest.mark.parametrize("chunk, match", [
-    (-1, "must be a positive integer.*got -1"),
+    (-1, "must be a positive int.*got -1"),
     (5, "--loss-chunk 5 does not divide the sequence length 16"),
     (32, "--loss-chunk 32 does not divide the sequence length 16"),
     (2.0, "got 2.0"),

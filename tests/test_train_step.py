@@ -204,7 +204,7 @@ def test_grad_accum_must_be_a_positive_divisor_of_the_batch():
     with pytest.raises(ValueError, match="--grad-accum 3 must divide --batch 4"):
         check_grad_accum(4, 3)
     for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match=f"--grad-accum must be a positive integer, got {bad!r}"):
+        with pytest.raises(ValueError, match=f"--grad-accum must be a positive int, got {bad!r}"):
             check_grad_accum(4, bad)
 
 
@@ -224,7 +224,7 @@ def test_the_loss_chunk_must_divide_the_sequence(model):
     with pytest.raises(ValueError, match="--loss-chunk 3 does not divide the sequence length 8"):
         check_loss_chunk(8, 3)
     for bad in (-2, 2.0, True, "4"):
-        with pytest.raises(ValueError, match="--loss-chunk must be a positive integer"):
+        with pytest.raises(ValueError, match="--loss-chunk must be a positive int"):
             check_loss_chunk(8, bad)
     m = _fresh(model)
     with pytest.raises(ValueError, match="--loss-chunk 3 does not divide the sequence length 8"):

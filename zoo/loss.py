@@ -13,6 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from zoo.checks import check_positive
+
 # The whole sequence's float32 logits at most this large by default (`default_chunk`), else chunks of at most
 # CHUNK_BYTES.
 WHOLE_BYTES = 8 * 2 ** 30
@@ -41,9 +43,7 @@ def check_chunk(seq: int, chunk: Any, *, what: str = "loss_chunk") -> None:
     """ValueError unless `chunk` is None (the whole sequence at once) or a positive integer dividing `seq`."""
     if chunk is None:
         return
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"{what} must be a positive integer (positions of the sequence per chunk of the loss) or "
-                         f"None (unchunked), got {chunk!r}")
+    check_positive(what, chunk, hint=" (positions of the sequence per chunk of the loss) or None (unchunked)")
     if seq % chunk:
         raise ValueError(f"{what} {chunk} does not divide the sequence length {seq}: the loss runs over "
                          f"{seq} / {what} chunks of equal length")

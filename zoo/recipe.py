@@ -15,6 +15,7 @@ from typing import Literal
 import jax
 
 from zoo import tags as tags_lib
+from zoo.checks import check_positive
 
 Placement = Literal["device", "offload", "remat"]
 # The only destination JAX moves to host memory. Any other string (e.g. "host") silently keeps the value on the
@@ -117,9 +118,7 @@ class Recipe:
         if self.special is not None and (self.offload or self.device):
             raise ValueError(f"Recipe {self.name!r}: the special recipe {self.special!r} takes no tags")
         for field in ("seq_tiles", "group"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Recipe {self.name!r}: {field} must be a positive int, got {value!r}")
+            check_positive(f"Recipe {self.name!r}: {field}", getattr(self, field), optional=False)
         if self.group_keep and self.group == 1:
             raise ValueError(f"Recipe {self.name!r}: group_keep={self.group_keep!r} needs layer groups (group > 1): it "
                              f"says what a group's backward pass keeps while it runs")

@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 
 from zoo import compile_options, renames, sharding, streamed_update
+from zoo.checks import check_positive
 from zoo.layers import moe
 from zoo.loss import check_chunk, head_loss, next_token_loss, resolve_chunk
 from zoo.opt_state import state_shardings
@@ -96,8 +97,7 @@ def check_grad_accum(batch: int, grad_accum: int) -> None:
         ...
         ValueError: --grad-accum 3 must divide --batch 8 ...
     """
-    if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
-        raise ValueError(f"--grad-accum must be a positive integer, got {grad_accum!r}")
+    check_positive("--grad-accum", grad_accum, optional=False)
     if batch % grad_accum:
         raise ValueError(f"--grad-accum {grad_accum} must divide --batch {batch} (the global batch is split into "
                          f"{grad_accum} micro-batches of batch / grad-accum sequences)")

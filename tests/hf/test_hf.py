@@ -255,7 +255,7 @@ BAD = {
                                             "Qwen3ForCausalLM, whose model_type is 'qwen3', but model_type='llama': "
                                             "transformers goes by model_type and would build LlamaForCausalLM"),
     "no positions": (lambda p: edit_config(p, max_position_embeddings=0),
-                     "^config.json: max_position_embeddings=0 must be a positive integer$"),
+                     "^config.json: max_position_embeddings must be a positive int, got 0$"),
     "bad config value": (lambda p: edit_config(p, num_key_value_heads=2), "num_kv_heads=2 must divide"),
 }
 

@@ -73,7 +73,7 @@ def test_two_micro_batches_make_the_update_of_the_whole_batch():
 def test_grad_accum_must_divide_the_batch():
     with pytest.raises(ValueError, match="--grad-accum 3 must divide --batch 4"):
         check_grad_accum(4, 3)
-    with pytest.raises(ValueError, match="--grad-accum must be a positive integer"):
+    with pytest.raises(ValueError, match="--grad-accum must be a positive int"):
         check_grad_accum(4, 0)
     with pytest.raises(ValueError, match="--grad-accum 3 must divide --batch 8"):
         loop.RunConfig(batch=8, grad_accum=3)

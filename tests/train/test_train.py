@@ -302,7 +302,7 @@ def test_loss_chunk_flag(capsys):
         loss_chunk_arg("half")
     with pytest.raises(ValueError, match="--loss-chunk 5 does not divide the sequence length 64"):
         loop.RunConfig(loss_chunk=5)
-    with pytest.raises(ValueError, match="--loss-chunk must be a positive integer.*got -2"):
+    with pytest.raises(ValueError, match="--loss-chunk must be a positive int.*got -2"):
         loop.RunConfig(loss_chunk=-2)
     assert train.main(["--xla-flags", "none", "--steps", "2", "--batch", "2", "--seq", "16", "--log-every", "1",
                        "--loss-chunk", "4"]) == 0

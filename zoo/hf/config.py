@@ -8,6 +8,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from zoo.checks import check_positive
 from zoo.dtypes import DTYPES
 
 # -- shared helpers ---------------------------------------------------------------------------------------
@@ -44,8 +45,7 @@ def check_types(hf: dict, *, ints: tuple[str, ...] = (), floats: tuple[str, ...]
             if hf.get(field) is not None and not ok(hf[field]):
                 raise ValueError(f"config.json: {field}={hf[field]!r} must be {what}")
     for field in INT_FIELDS:
-        if hf.get(field) is not None and hf[field] < 1:
-            raise ValueError(f"config.json: {field}={hf[field]!r} must be a positive integer")
+        check_positive(f"config.json: {field}", hf.get(field))
     names = hf.get("architectures")
     if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
         raise ValueError(f"config.json: architectures={names!r} must be a list of names (architectures)")
