@@ -20,9 +20,9 @@ def _args():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq", type=int, action="append", default=[], help="a length to compile (repeat)")
     ap.add_argument("--recipe", action="append", default=[],
-                    help="a Llama recipe name, auto, or carry:TILES:GROUP (the layer input of every GROUP-th layer "
-                         "offloaded, everything else recomputed, TILES sequence tiles: what auto chooses at 1M) "
-                         "(repeat)")
+                    help="a Llama recipe name, auto, or carry:TILES:GROUP[:SUBGROUP] (the layer input of every "
+                         "GROUP-th layer offloaded, everything else recomputed, TILES sequence tiles: what auto "
+                         "chooses at 1M; SUBGROUP: layers per subgroup, three-level checkpoints) (repeat)")
     ap.add_argument("--attention-impl", default=None, help="the config's attention_impl (default: auto's choice)")
     ap.add_argument("--longest", type=int, default=None, metavar="CAP",
                     help="instead: the longest power-of-two length up to CAP that fits (zoo.plan.longest_seq)")
@@ -37,11 +37,12 @@ def _args():
 
 
 def _recipe(name: str, recipes):
-    """auto, a recipe of the set, or carry:TILES:GROUP."""
+    """auto, a recipe of the set, or carry:TILES:GROUP[:SUBGROUP]."""
     if name.startswith("carry:"):
         import zoo
-        _, tiles, group = name.split(":")
-        return zoo.Recipe(name, offload=("decoder_layer_input",), seq_tiles=int(tiles), group=int(group))
+        tiles, group, *sub = (int(n) for n in name.split(":")[1:])
+        return zoo.Recipe(name, offload=("decoder_layer_input",), seq_tiles=tiles, group=group,
+                          subgroup=sub[0] if sub else 1)
     return "auto" if name == "auto" else recipes[name]
 
 

@@ -81,7 +81,7 @@ def test_a_recipe_is_the_value_it_was_made_as():
     assert written.offload == ("*_proj",) and not hasattr(written, "patterns")
     assert {f.name: getattr(written, f.name) for f in dataclasses.fields(written)} == dict(
         name="x", offload=("*_proj",), device=(), special=None, description="every projection", seq_tiles=1, group=1,
-        group_keep=())
+        group_keep=(), subgroup=1)
     renamed = dataclasses.replace(written, name="y")
     assert renamed.offload == written.offload and renamed.resolve().offload == written.resolve().offload
     assert renamed != written and dataclasses.replace(renamed, name="x") == written

@@ -62,7 +62,8 @@ class Recipe:
     (`device`), copied to pinned host memory and back (`offload`), or recomputed (every tag the recipe does not
     name). It compiles to a JAX checkpoint policy (`policy()`), and the zoo's stacks also apply its structure: sequence
     tiles (Arctic Long Sequence Training's tiled compute) and layer groups (sublinear checkpointing, Chen et al.
-    2016, two levels deep). A value: it holds what was written (tag names or `fnmatch` patterns) and nothing else.
+    2016, two levels deep, or three with subgroups). A value: it holds what was written (tag names or `fnmatch`
+    patterns) and nothing else.
 
     Args:
         name: the recipe's name (what `--recipe` takes when a family's set holds it).
@@ -75,11 +76,15 @@ class Recipe:
         group: layers per rematerialized group: the layer input is kept every `group` layers and each layer inside
             a group is rematerialized on its own.
         group_keep: tags each layer of a group keeps in HBM only while the group's backward pass runs.
+        subgroup: layers per checkpoint between a group's and each layer's (three levels): a group's backward keeps
+            its subgroups' inputs, and each subgroup's backward its layers' inputs, for one more forward pass of the
+            group. 1: two levels. It must divide `group` and be smaller.
 
     Raises:
         ValueError: a name or pattern that matches no tag (the message lists the vocabulary), a tag in two
             placements, one of the attention kernel's two residuals kept without the other, a non-positive or boolean
-            `seq_tiles` or `group`, `group_keep` without groups.
+            `seq_tiles`, `group` or `subgroup`, `group_keep` without groups, a `subgroup` that is not a proper divisor
+            of `group`.
 
     Examples:
         >>> from zoo import Recipe
@@ -99,6 +104,7 @@ class Recipe:
     # tags (or patterns) each layer of a group keeps in HBM while its group's backward pass runs, recomputed between
     # the passes: the group's recompute makes them once, each layer's own backward reads them (two-level checkpoints)
     group_keep: tuple[str, ...] = ()
+    subgroup: int = 1               # layers per checkpoint between a group's and each layer's (1: two levels)
 
     def __post_init__(self):
         """Checks only (the fields are never rewritten): tuples of strings, each matching a tag of the vocabulary,
@@ -117,11 +123,14 @@ class Recipe:
             raise ValueError(f"Recipe {self.name!r}: special must be None, 'none' or 'full', got {self.special!r}")
         if self.special is not None and (self.offload or self.device):
             raise ValueError(f"Recipe {self.name!r}: the special recipe {self.special!r} takes no tags")
-        for field in ("seq_tiles", "group"):
+        for field in ("seq_tiles", "group", "subgroup"):
             check_positive(f"Recipe {self.name!r}: {field}", getattr(self, field), optional=False)
         if self.group_keep and self.group == 1:
             raise ValueError(f"Recipe {self.name!r}: group_keep={self.group_keep!r} needs layer groups (group > 1): it "
                              f"says what a group's backward pass keeps while it runs")
+        if self.subgroup > 1 and (self.group % self.subgroup or self.subgroup == self.group):
+            raise ValueError(f"Recipe {self.name!r}: subgroup={self.subgroup} must divide group={self.group} and be "
+                             f"smaller: a group runs in whole subgroups of fewer layers")
         if self.special == "none" and (self.seq_tiles > 1 or self.group > 1):
             raise ValueError(f"Recipe {self.name!r} recomputes nothing: seq_tiles and group only change what is "
                              f"recomputed, and must be 1")
@@ -168,11 +177,12 @@ class Recipe:
         return cls(name, special="none", description="nothing recomputed: every residual saved on device")
 
     @classmethod
-    def full(cls, name: str = "full", *, seq_tiles: int = 1, group: int = 1, group_keep: tuple[str, ...] = ()
-             ) -> Recipe:
-        """Everything recomputed but the scan carry (kept every `group` layers), in `seq_tiles` sequence tiles."""
+    def full(cls, name: str = "full", *, seq_tiles: int = 1, group: int = 1, group_keep: tuple[str, ...] = (),
+             subgroup: int = 1) -> Recipe:
+        """Everything recomputed but the scan carry (kept every `group` layers, in subgroups of `subgroup`), in
+        `seq_tiles` sequence tiles."""
         return cls(name, special="full", description="everything recomputed but the scan carry", seq_tiles=seq_tiles,
-                   group=group, group_keep=group_keep)
+                   group=group, group_keep=group_keep, subgroup=subgroup)
 
     @property
     def structure(self) -> str:
@@ -180,6 +190,7 @@ class Recipe:
         keep = self.resolve().group_keep
         parts = [f"in {self.seq_tiles} sequence tiles" if self.seq_tiles > 1 else "",
                  f"the layer input kept every {self.group} layers" if self.group > 1 else "",
+                 f"in subgroups of {self.subgroup}" if self.subgroup > 1 else "",
                  f"{list(keep)} kept while a group's backward runs" if keep else ""]
         return ", ".join(p for p in parts if p)
 

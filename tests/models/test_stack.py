@@ -137,6 +137,64 @@ def test_a_groups_backward_holds_its_layer_inputs_and_what_they_keep_not_their_r
     assert sum(r.nbytes for r in plain) > 2 * sum(r.nbytes for r in two_level)
 
 
+SUBGROUPS = (zoo.Recipe.full("full_sub", group=4, subgroup=2, seq_tiles=2),
+             zoo.Recipe("carry_sub", offload=CARRY, group=4, subgroup=2, group_keep=CONTEXT))
+
+
+def test_subgroups_leave_the_gradients_unchanged_and_the_plan_is_what_jax_saves():
+    """Three-level checkpoints (4 layers in one group, in subgroups of 2): the loss and gradients of recipe `none`
+    (float32, relative 1e-5); the plan's saved bytes in HBM and on the host equal JAX's own residuals of the scanned
+    stack, with no warning; and the recompute the plan counts grows by the subgroups' forward pass."""
+    cfg = dataclasses.replace(tiny("llama3"), num_layers=8)   # two groups: the stack's scan runs
+    model = zoo.models.llama3(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (B, S), 0, cfg.vocab_size, dtype=jnp.int32)
+    loss0, grads0 = grads_under(model, zoo.Recipe.none(), tokens)
+    for r in SUBGROUPS:
+        loss, grads = grads_under(model, r, tokens)
+        assert abs(float(loss) - float(loss0)) < 1e-5 and max_rel_err(grads, grads0) < 1e-5, r.name
+        p = zoo.plan.plan(cfg, r, batch=B, seq=S, peak=None)
+        assert not p.warnings, (r.name, p.warnings)
+        device, host, hoisted = measure.stack_residuals(model, "layers", B, S, r.policy(), group=4,
+                                                        tiles=r.seq_tiles, layer_policy=r.layer_policy(), subgroup=2)
+        assert (p.host_bytes, p.activation_bytes) == (host, device + hoisted), r.name
+        two_levels = zoo.plan.plan(cfg, dataclasses.replace(r, subgroup=1), batch=B, seq=S, peak=None)
+        assert p.remat_flops > two_levels.remat_flops, r.name
+
+
+def test_a_group_in_subgroups_holds_its_subgroups_inputs_and_a_subgroup_its_layers_inputs():
+    """Differentiating one group of 4 layers in subgroups of 2 (as the group's backward recomputes it), JAX keeps the
+    group's input (named), its other subgroup's input and each layer's `group_keep` tensors: two layer inputs fewer
+    than two levels; one subgroup's backward keeps its other layer's input. The planner's working bytes of the group
+    are one layer input fewer than two levels'."""
+    model = nnx.eval_shape(lambda: zoo.models.llama3(tiny("llama3"), rngs=nnx.Rngs(0)))
+    stack, x = model.layers, model.layers.abstract_input(B, S)
+    recipe = SUBGROUPS[1]
+
+    def saved(group, subgroup=1):
+        fn, state = stack.layer_fn(group=group, layer_policy=recipe.layer_policy(), subgroup=subgroup)
+        res = measure.residuals(lambda s, x: measure.sum_outputs(fn(s, x)), state, x)
+        return [r for r in res if not r.source.startswith("from a constant") and "(module_at." not in r.source
+                and "(grouped." not in r.source]
+
+    two_levels, three_levels = saved(4), saved(4, 2)
+    context = sum(measure.nbytes(s) for t, s in model.tag_shapes(B, S)["layers"].tags.items() if t in CONTEXT)
+    assert sum(r.nbytes for r in three_levels) == measure.nbytes(x) * 2 + 4 * context
+    assert sum(r.nbytes for r in two_levels) - sum(r.nbytes for r in three_levels) == 2 * measure.nbytes(x)
+    assert [r.shape for r in saved(2) if r.tag is None] == [x.shape]
+    working = {sub: measure.working_bytes(model, "layers", B, S, dataclasses.replace(recipe, subgroup=sub), 4)
+               for sub in (1, 2)}
+    assert working[1] - working[2] == measure.nbytes(x)
+
+
+def test_subgroups_must_divide_the_group_and_be_smaller():
+    for group, subgroup in ((4, 3), (4, 4), (1, 2)):
+        with pytest.raises(ValueError, match=f"subgroup={subgroup} must divide group={group} and be smaller"):
+            zoo.Recipe.full(group=group, subgroup=subgroup)
+    with pytest.raises(ValueError, match="subgroup must be a positive int, got True"):
+        zoo.Recipe.full(group=4, subgroup=True)
+    assert "the layer input kept every 4 layers, in subgroups of 2" in str(SUBGROUPS[0])
+
+
 def test_group_keep_is_refused_without_groups_and_named_in_the_recipe():
     with pytest.raises(ValueError, match="group_keep=.* needs layer groups"):
         zoo.Recipe("k", group_keep=CONTEXT)

@@ -213,7 +213,7 @@ class CausalLM(nnx.Module):
         aux: dict[str, Any] = {}
         for stack_name in self.stack_names:
             x, aux[stack_name] = getattr(self, stack_name)(x, policy, group=r.group, tiles=r.seq_tiles,
-                                                              layer_policy=r.layer_policy())
+                                                              layer_policy=r.layer_policy(), subgroup=r.subgroup)
         return self.norm(x), embeddings, policy, aux
 
     def head(self, x: jax.Array) -> jax.Array:

@@ -33,17 +33,46 @@ def layer_body(layer: nnx.Module, x: jax.Array, tiles: int = 1) -> tuple[jax.Arr
     return _run(layer, x, tiles)
 
 
-def group_body(group: nnx.Module, x: jax.Array, tiles: int = 1, layer_policy=None) -> tuple[jax.Array, Any]:
+def group_body(group: nnx.Module, x: jax.Array, tiles: int = 1, layer_policy=None, subgroup: int = 1
+               ) -> tuple[jax.Array, Any]:
     """A group of layers (`group`'s variables [k, ...]) as the scan sees it: the group's input named, then each layer
     in order, each rematerialized on its own under `layer_policy` (two-level checkpoints; None: the layers run
-    plainly inside the group). Returns (x, aux stacked over the k layers).
+    plainly inside the group), runs of `subgroup` layers rematerialized together first (three levels). Returns (x,
+    aux stacked over the k layers).
 
     The group's backward pass recomputes the group's forward keeping each layer's input and what `layer_policy`
     saves, then each layer's backward recomputes that layer alone: it holds k inputs and one layer's residuals, not k
-    layers' residuals (JAX saves an inner checkpoint's inputs as residuals of the outer one). The layers' checkpoints
-    prevent CSE: the group's recompute and a layer's own are the same expressions within one loop iteration, and
-    XLA would merge them, keeping the group's intermediates alive until each layer's backward."""
+    layers' residuals (JAX saves an inner checkpoint's inputs as residuals of the outer one). With subgroups of s
+    layers the group's recompute keeps the k / s subgroups' inputs, and each subgroup's backward recomputes its s
+    layers keeping theirs: at most k / s + s - 1 inputs at once, for one more forward pass of the group. The inner
+    checkpoints prevent CSE: the group's recompute and a layer's own are the same expressions within one loop
+    iteration, and XLA would merge them, keeping the group's intermediates alive until each layer's backward.
+
+    Args:
+        group: the group's layers, their variables stacked [k, ...].
+        x: the group's input [batch, seq, dim].
+        tiles: sequence tiles of each layer's per-position parts.
+        layer_policy: the checkpoint policy of each layer (and subgroup) inside the group; None runs them plainly.
+        subgroup: layers per inner checkpoint between the group's and each layer's; 1: none (two levels). It must
+            divide k.
+
+    Returns:
+        (x, aux): the group's output and each layer's aux, stacked over the k layers.
+    """
     x = tags_lib.name(x, "decoder_layer_input", ("batch", "seq", "embed"))
+    if subgroup == 1 or layer_policy is None:
+        return _layers(group, x, tiles, layer_policy)
+    run = remat(lambda part, x: _layers(part, x, tiles, layer_policy), layer_policy, scanned=False)
+    parts = grouped(group, subgroup)
+    auxes = []
+    for i in range(_leading(parts)):
+        x, aux = run(module_at(parts, i), x)
+        auxes.append(aux)
+    return x, jax.tree.map(lambda *a: jnp.concatenate(a), *auxes)
+
+
+def _layers(group: nnx.Module, x: jax.Array, tiles: int, layer_policy) -> tuple[jax.Array, Any]:
+    """The layers of `group` in order, each under `layer_policy` (None: plainly). Returns (x, aux stacked)."""
     run = functools.partial(_run, tiles=tiles)
     if layer_policy is not None:
         run = remat(lambda layer, x: _run(layer, x, tiles), layer_policy, scanned=False)
@@ -54,13 +83,16 @@ def group_body(group: nnx.Module, x: jax.Array, tiles: int = 1, layer_policy=Non
     return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
 
 
-def body_of(group: int, tiles: int, layer_policy=None) -> Callable[[nnx.Module, jax.Array], tuple[jax.Array, Any]]:
+def body_of(group: int, tiles: int, layer_policy=None, subgroup: int = 1
+            ) -> Callable[[nnx.Module, jax.Array], tuple[jax.Array, Any]]:
     """The plain `(modules, x)` function the scan applies: `layer_body` (`group` 1) or `group_body` (its layers under
-    `layer_policy`), with `tiles`; the layer's (or group's) variables that live in host memory brought into HBM first
-    (`in_hbm`)."""
+    `layer_policy`, in subgroups of `subgroup`), with `tiles`; the layer's (or group's) variables that live in host
+    memory brought into HBM first (`in_hbm`)."""
     def body(modules: nnx.Module, x: jax.Array) -> tuple[jax.Array, Any]:
         modules = in_hbm(modules)
-        return layer_body(modules, x, tiles) if group == 1 else group_body(modules, x, tiles, layer_policy)
+        if group == 1:
+            return layer_body(modules, x, tiles)
+        return group_body(modules, x, tiles, layer_policy, subgroup)
     return body
 
 
@@ -180,7 +212,7 @@ class Stack(nnx.Module):
                              f"group must divide every stack's layer count")
 
     def __call__(self, x: jax.Array, policy, *, group: int = 1, tiles: int = 1,
-                 layer_policy=None) -> tuple[jax.Array, Any]:
+                 layer_policy=None, subgroup: int = 1) -> tuple[jax.Array, Any]:
         """Apply every layer in order.
 
         Args:
@@ -190,14 +222,17 @@ class Stack(nnx.Module):
             tiles: sequence tiles of each layer's per-position parts.
             layer_policy: the checkpoint policy of each layer inside a group (`Recipe.layer_policy()`; default
                 `policy`): two-level checkpoints.
+            subgroup: layers per inner checkpoint inside a group (`group_body`); it must divide `group`.
 
         Returns:
             (x, aux): the last layer's output and each layer's aux, stacked over the layers.
         """
         self.check_group(group)
+        if group % subgroup:
+            raise ValueError(f"subgroup={subgroup} does not divide group={group}: a group runs in whole subgroups")
         modules = self.layers if group == 1 else grouped(self.layers, group)
         layer_policy = policy if layer_policy is None else layer_policy
-        body, n = body_of(group, tiles, layer_policy), self.num_layers // group
+        body, n = body_of(group, tiles, layer_policy, subgroup), self.num_layers // group
         if n == 1:
             # XLA removes a while loop that runs once, and the host offloads inside it with it: measured on the
             # H200 (jax 0.11.2), a one-layer scan offloaded nothing. One layer (or group) is applied without a scan.
@@ -219,15 +254,16 @@ class Stack(nnx.Module):
         """The [batch, seq, dim] input of a layer, as a ShapeDtypeStruct of the layers' activation dtype."""
         return jax.ShapeDtypeStruct((batch, seq, self.layers.dim), self.layers.dtype)
 
-    def layer_fn(self, policy=None, *, group: int = 1, tiles: int = 1, layer_policy=None) -> tuple[Callable, Any]:
+    def layer_fn(self, policy=None, *, group: int = 1, tiles: int = 1, layer_policy=None, subgroup: int = 1
+                 ) -> tuple[Callable, Any]:
         """(f, abstract state): one layer (`group` > 1: one group of that many layers, its state [group, ...], each
-        layer under `layer_policy`, default `policy`) as a pure function f(state, x) -> (x, aux), rematerialized
-        under the checkpoint `policy` as the scan runs it (None: not rematerialized), its per-position parts in
-        `tiles` sequence tiles."""
+        layer under `layer_policy`, default `policy`, in subgroups of `subgroup`) as a pure function f(state, x) ->
+        (x, aux), rematerialized under the checkpoint `policy` as the scan runs it (None: not rematerialized), its
+        per-position parts in `tiles` sequence tiles."""
         graphdef, state = self.abstract_layer()
         if group > 1:
             state = jax.tree.map(lambda a: jax.ShapeDtypeStruct((group,) + a.shape, a.dtype), state)
-        fn = body_of(group, tiles, policy if layer_policy is None else layer_policy)
+        fn = body_of(group, tiles, policy if layer_policy is None else layer_policy, subgroup)
         body = fn if policy is None else remat(fn, policy)
         return (lambda s, x: body(nnx.merge(graphdef, s), x)), state
 

@@ -112,7 +112,8 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
             host_budget=host_budget, link=link_gbps * 1e9, rate=(step_tflops or hardware.tflops) * 1e12,
             overlap=overlap, reserve=lambda lay, r: loss_reserve(cfg, training, micro, seq, shard) + lay.working(r))
         recipe, host_full = choice.recipe, choice.host_full
-    lay = layout(cfg, micro, seq, amesh, shard, recipe.seq_tiles, recipe.group, recipe.resolve().group_keep)
+    lay = layout(cfg, micro, seq, amesh, shard, recipe.seq_tiles, recipe.group, recipe.resolve().group_keep,
+                 recipe.subgroup)
     state = state.in_groups(recipe.group)
     shapes = lay.shapes
     stacks, extra = [], []
@@ -205,7 +206,7 @@ class Layout:
     def working(self, recipe: Recipe) -> int:
         """Per device: the most one group's backward pass holds beyond the plan's saved bytes (`measure.working_bytes`,
         the largest over the stacks)."""
-        key = (recipe.offload, recipe.device, recipe.special, recipe.group_keep)
+        key = (recipe.offload, recipe.device, recipe.special, recipe.group_keep, recipe.subgroup)
         if key not in self.memo:
             self.memo[key] = max(ceil_div(working_bytes(self.model, s, self.micro, self.seq, recipe, self.groups[s]),
                                           self.shard) for s in self.shapes)
@@ -213,17 +214,18 @@ class Layout:
 
 
 @functools.lru_cache(maxsize=16)
-def layout(cfg, micro: int, seq: int, amesh, shard: int, tiles: int, group: int, keep: tuple[str, ...] = ()
-           ) -> Layout:
+def layout(cfg, micro: int, seq: int, amesh, shard: int, tiles: int, group: int, keep: tuple[str, ...] = (),
+           subgroup: int = 1) -> Layout:
     """The `Layout` of the model of `cfg` at [micro, seq] for `tiles` sequence tiles and `group` layers per group (a
-    main stack's; an extra head's layers run one at a time), each layer of a group keeping the tags `keep` while the
-    group's backward runs. Cached: auto and a run's fitting ask it again."""
+    main stack's; an extra head's layers run one at a time) in subgroups of `subgroup`, each layer of a group keeping
+    the tags `keep` while the group's backward runs. Cached: auto and a run's fitting ask it again."""
     check_tiles(tiles, seq)
     model = abstract_model(cfg)
     shapes = model.tag_shapes(micro, seq, tiles=tiles)
     groups = {s: model.stack_group(s, group) for s in shapes}
     # attention's FLOPs are counted from its shapes whatever kernel runs (zoo.plan.measure.LayerCost)
-    costs = {s: layer_cost(cfg, s, micro, seq, groups[s], tiles, frozenset(keep) if groups[s] > 1 else frozenset())
+    costs = {s: layer_cost(cfg, s, micro, seq, groups[s], tiles, frozenset(keep) if groups[s] > 1 else frozenset(),
+                           subgroup if groups[s] > 1 else 1)
              for s in shapes}
     needed = {s: costs[s].residual_tags(shapes[s].tags) for s in shapes}
     device_shapes, per_device = _per_device(model, shapes, micro, seq, amesh, shard)
@@ -314,7 +316,8 @@ def _stack_plan(model, s: str, st, recipe: Recipe, lay: Layout, notes: dict, *, 
                                  device, host, note, split))
     carry = "offload" if recipe.placement(CARRY) == "offload" else "device"   # any recipe saves the carry
     jax_device, jax_host, hoisted = stack_residuals(model, s, micro, seq, recipe.policy(), group=group,
-                                                    tiles=lay.tiles, layer_policy=recipe.layer_policy(), carry=carry)
+                                                    tiles=lay.tiles, layer_policy=recipe.layer_policy(), carry=carry,
+                                                    subgroup=recipe.subgroup if group > 1 else 1)
 
     def share(t):   # the bytes per layer of tag t as JAX saves it: the carry once per group
         return sds_nbytes(st.tags[t]) // (group if t == CARRY else 1)

@@ -195,17 +195,19 @@ def _view_of_parameters(r: Residual) -> bool:
 
 
 def stack_residuals(model, stack_name: str, batch: int, seq: int, policy, *, group: int = 1,
-                    tiles: int = 1, layer_policy=None, carry: str | None = None) -> tuple[int, int, int]:
-    """What JAX saves for the scanned stack `stack_name` under `policy` (`group` layers per rematerialized body,
-    `tiles` sequence tiles), for a [batch, seq] input: (device bytes stacked over the layers, host bytes stacked
-    over the layers, device bytes hoisted out of the scan). Constants and views of the parameters are left out.
-    `carry`: where the recipe keeps the layer input ("device": a stack run without a scan counts its input, the
-    body's argument, as saved on the device)."""
+                    tiles: int = 1, layer_policy=None, carry: str | None = None, subgroup: int = 1
+                    ) -> tuple[int, int, int]:
+    """What JAX saves for the scanned stack `stack_name` under `policy` (`group` layers per rematerialized body, in
+    subgroups of `subgroup`, `tiles` sequence tiles), for a [batch, seq] input: (device bytes stacked over the
+    layers, host bytes stacked over the layers, device bytes hoisted out of the scan). Constants and views of the
+    parameters are left out. `carry`: where the recipe keeps the layer input ("device": a stack run without a scan
+    counts its input, the body's argument, as saved on the device)."""
     stack = model.stacks()[stack_name]
     graphdef, state = nnx.split(stack)
     state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
     res = residuals(lambda s, x: sum_outputs(nnx.merge(graphdef, s)(x, policy, group=group, tiles=tiles,
-                                                                             layer_policy=layer_policy)), state,
+                                                                             layer_policy=layer_policy,
+                                                                             subgroup=subgroup)), state,
                     stack.abstract_input(batch, seq))
     res = [r for r in res if not r.source.startswith("from a constant") and not _view_of_parameters(r)]
     scans = stack.num_layers // group
@@ -273,14 +275,14 @@ class LayerCost:
     backward pass needs, and, for any set of saved tags, the FLOPs its backward pass re-runs (cached). With `group`
     k, one rematerialized group of k layers is traced and every figure is per layer (the group's over k): the
     recompute then includes the group's forward and each layer's own (two-level checkpoints), each layer keeping
-    the saved tags and `keep` (the recipe's `group_keep`) while the group's backward runs. `tiles`: the recipe's
-    sequence tiles. Differentiating the traced jaxpr rather than the module keeps each question to a fraction of a
-    second for a 671B layer."""
+    the saved tags and `keep` (the recipe's `group_keep`) while the group's backward runs, and with `subgroup` s > 1
+    each subgroup's forward once more (three levels). `tiles`: the recipe's sequence tiles. Differentiating the
+    traced jaxpr rather than the module keeps each question to a fraction of a second for a 671B layer."""
 
     def __init__(self, model, stack_name: str, batch: int, seq: int, group: int = 1, tiles: int = 1,
-                 keep: frozenset[str] = frozenset()):
+                 keep: frozenset[str] = frozenset(), subgroup: int = 1):
         stack = model.stacks()[stack_name]
-        self.group, self.keep = group, frozenset(keep)
+        self.group, self.keep, self.subgroup = group, frozenset(keep), subgroup
         self._stack, self._tiles = stack, tiles
         self._query_tiles = model.config.attention_tiles
         fn, state = stack.layer_fn(group=group, tiles=tiles)
@@ -309,7 +311,7 @@ class LayerCost:
         fn = self._fn
         if self.group > 1 and inner is not None:   # the group's layers, each under the checkpoint policy `inner`
             fn = self._as_fn(self._trace(self._stack.layer_fn(group=self.group, tiles=self._tiles,
-                                                              layer_policy=inner)[0]))
+                                                              layer_policy=inner, subgroup=self.subgroup)[0]))
         body = remat(fn, policy)
         return lambda *a: jnp.sum(body(*a).astype(jnp.float32))
 
@@ -336,10 +338,13 @@ class LayerCost:
     def _attention_again(self, saved) -> int:
         """Attention's forward FLOPs run again when the tags `saved` are kept: once unless both of the kernel's
         residuals are kept (zoo.recipe.TOGETHER); in a group, once more in each layer's own backward unless the
-        layers keep them (`keep`) while the group's backward runs; under query tiles (`attention_tiles`), once more
+        layers keep them (`keep`) while the group's backward runs, and likewise once more in each subgroup's
+        recompute (three levels); under query tiles (`attention_tiles`), once more
         in each tile's own backward."""
         again = 0 if ATTENTION_RESIDUALS <= saved else self.attention_flops
         if self.group > 1 and not ATTENTION_RESIDUALS <= saved | self.keep:
+            again += self.attention_flops
+        if self.subgroup > 1 and not ATTENTION_RESIDUALS <= saved | self.keep:   # each subgroup's recompute
             again += self.attention_flops
         return again + (self.attention_flops if self._query_tiles > 1 else 0)
 
@@ -366,8 +371,8 @@ def _matmul_part(saved: frozenset[str]) -> frozenset[str]:
 
 @functools.lru_cache(maxsize=32)
 def layer_cost(cfg, stack_name: str, batch: int, seq: int, group: int = 1, tiles: int = 1,
-               keep: frozenset[str] = frozenset()) -> LayerCost:
-    return LayerCost(abstract_model(cfg), stack_name, batch, seq, group, tiles, keep)
+               keep: frozenset[str] = frozenset(), subgroup: int = 1) -> LayerCost:
+    return LayerCost(abstract_model(cfg), stack_name, batch, seq, group, tiles, keep, subgroup)
 
 
 def _remade(fn, state, x, kept) -> tuple[list[Residual], int]:
@@ -382,10 +387,11 @@ def working_bytes(model, stack_name: str, batch: int, seq: int, recipe: Recipe, 
     once beyond what the recipe keeps: the residuals one layer's recompute remakes (read off JAX's list for the layer
     differentiated as it is recomputed: the recipe's sequence tiles rematerialized on their own) less the tags the
     recipe keeps and its input (the plan counts those); in a group (two-level checkpoints), also the inputs of its
-    other layers and what each keeps while the group's backward runs (`group_keep`); plus the cotangents of its
-    largest tensors: twice the largest residual and, for attention, its q, k, v, output and their gradients (one
-    query tile's q and output under `attention_tiles`), and one sequence tile's (and query tile's) tagged tensors and
-    their cotangents."""
+    other layers and what each keeps while the group's backward runs (`group_keep`), and in subgroups (three
+    levels) the inputs of its other subgroups and of one subgroup's other layers instead of its layers'; plus the
+    cotangents of its largest tensors: twice the largest residual and, for attention, its q, k, v, output and their
+    gradients (one query tile's q and output under `attention_tiles`), and one sequence tile's (and query tile's)
+    tagged tensors and their cotangents."""
     stack = model.stacks()[stack_name]
     x = stack.abstract_input(batch, seq)
     kept = {t for t in tags_lib.NAMES if recipe.placement(t) != "remat"}
@@ -394,6 +400,12 @@ def working_bytes(model, stack_name: str, batch: int, seq: int, recipe: Recipe, 
     if group > 1:
         fn, state = stack.layer_fn(group=group, tiles=recipe.seq_tiles, layer_policy=recipe.layer_policy())
         held, more = _remade(fn, state, x, kept)
+        if recipe.subgroup > 1:
+            # three levels: the group's recompute keeps its subgroups' inputs, not its layers' (JAX lists what the
+            # layers keep under the subgroups' checkpoints without their tags, so the two-level list is read),
+            # and one subgroup's backward its layers' inputs: k / s + s - 2 inputs beside the group's own, not k - 1
+            k, s = group, recipe.subgroup
+            more -= (k - 1 - (k // s - 1) - (s - 1)) * nbytes(x)
         res, remade = res + held, remade + more
     made = model.tag_shapes(batch, seq, recipe.seq_tiles)[stack_name]
     tags, in_query, query_tiles = made.tags, made.query_tiled, model.config.attention_tiles
