@@ -120,7 +120,7 @@ def test_auto_recomputes_the_tags_made_in_query_tiles_and_says_why():
         assert tags[name].placement == "remat" and "tile by tile" in tags[name].note, tags[name]
     assert tags["key_proj"].placement == "device"
     model = zoo.models.llama3(cfg, rngs=nnx.Rngs(0))
-    assert all(keep == () for _, _, keep in structures(model, 65536))
+    assert all(keep == () for _, _, keep, _ in structures(model, 65536))
 
 
 def test_a_users_functional_step_over_query_tiles_has_recipe_nones_gradients():

@@ -92,3 +92,32 @@ def test_the_compiled_walk_compiles_no_length_whose_estimate_is_far_over_the_bud
                                 cap=16384)
     assert found.seq == 4096 and calls == compiled
     assert {t.seq: t.fits for t in found.tried}[8192] is False
+
+
+def test_auto_compiled_over_the_budget_is_planned_again_for_a_lower_one(monkeypatch):
+    """"auto" at a length whose compiled step is over the HBM budget is planned again for the budget lowered by the
+    excess and half a GiB (as a run fits its step, `zoo.plan.fit`): here a step planned for the whole budget of 6 GiB
+    compiles 3 GiB over its estimate of 1 GiB per 1,024 positions, one planned for less only 1 GiB over. So 4,096
+    fits on its second plan (for 4.5 GiB), and 8,192 on none; a recipe given is compiled once per length."""
+    from types import SimpleNamespace
+
+    from zoo.plan import longest
+
+    compiled = []
+
+    def fake_plan(cfg, recipe, *, seq, peak, hardware, **_):
+        estimate = peak in ("estimate", None)
+        peak_gib = seq / 1024 + (0 if estimate else 3 if hardware.hbm_gib >= 6 else 1)
+        if not estimate:
+            compiled.append((seq, hardware.hbm_gib))
+        return SimpleNamespace(peak_bytes=int(peak_gib * GiB), host_total=0, recipe=str(recipe),
+                               peak_source="estimate" if estimate else "compiled for cpu",
+                               state=SimpleNamespace(total=0, host=0))
+
+    monkeypatch.setattr(longest, "plan", fake_plan)
+    found = longest.longest_seq(TINY, "auto", hardware=Hardware(hbm_gib=6.0), peak="compile", cap=16384)
+    assert found.seq == 4096
+    assert compiled[:2] == [(4096, 6.0), (4096, 4.5)] and [s for s, _ in compiled[2:]] == [8192, 8192]
+    compiled.clear()
+    given = longest.longest_seq(TINY, zoo.Recipe.full(), hardware=Hardware(hbm_gib=6.0), peak="compile", cap=16384)
+    assert given.seq == 2048 and compiled == [(4096, 6.0), (2048, 6.0)]

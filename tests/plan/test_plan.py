@@ -477,6 +477,58 @@ def test_render_sent_to_a_file_prints_tables_at_their_natural_width(tmp_path):
                     "warning: peak HBM ... is over the budget of 1.0 MiB")
 
 
+def test_auto_tries_subgroups_after_every_two_level_structure_and_only_where_none_fits(monkeypatch):
+    """`structures` lists each group in subgroups (`subgroup_of`: the fewest layer inputs held) after every structure of
+    two levels; `choose_structure` asks the placer for the structures of two levels first and for those in subgroups
+    only where none of the first fits, keeping the first's choice where none of either fits."""
+    from types import SimpleNamespace
+
+    from zoo.plan import auto
+    assert [(g, auto.subgroup_of(g)) for g in (1, 2, 4, 8, 16)] == [(1, 1), (2, 1), (4, 2), (8, 4), (16, 4)]
+    model = nnx.eval_shape(lambda: zoo.models.llama3(dataclasses.replace(LLAMA_TINY, num_layers=8), rngs=nnx.Rngs(0)))
+    found = auto.structures(model, 65536)
+    subgroups = [c[3] for c in found]
+    assert subgroups == sorted(subgroups) and {(g, s) for _, g, _, s in found if s > 1} == {(4, 2), (8, 4)}
+    asked = []
+
+    def fake_choose(layout_of, *, candidates, **_):
+        asked.append([c[3] for c in candidates])
+        return SimpleNamespace(fits=any(c[3] > 1 for c in candidates) and fits_in_subgroups, decisions=())
+
+    monkeypatch.setattr(auto, "choose", fake_choose)
+    for fits_in_subgroups in (True, False):
+        asked.clear()
+        best, _ = auto.choose_structure(None, candidates=found, state=None, shard=1, hbm_budget=0, host_budget=None,
+                                        link=1.0, rate=1.0, overlap=1.0, reserve=None)
+        assert best.fits == fits_in_subgroups
+        assert asked == [[1] * subgroups.count(1), [s for s in subgroups if s > 1]]
+
+
+@pytest.mark.slow   # four plans of auto at 65,536 positions
+def test_auto_takes_subgroups_only_where_no_two_level_structure_fits(monkeypatch):
+    """4 tiny layers at 65,536 positions, a host budget of 1.5 layer inputs: at 25 layer inputs of HBM no structure of
+    two levels fits (the best needs 25.5) and auto chooses groups of 4 in subgroups of 2, whose estimate fits; at 26,
+    groups of 2 fit and auto keeps to two levels."""
+    from zoo.plan import auto
+    cfg = dataclasses.replace(zoo.models.LlamaConfig.preset("tiny", num_layers=4), max_seq_len=65536)
+    x = 65536 * cfg.dim * 4
+
+    def chosen(inputs, subgroups=True):
+        if not subgroups:
+            monkeypatch.setattr(auto, "subgroup_of", lambda group: 1)
+        p = zoo.plan.plan(cfg, "auto", batch=1, seq=65536, peak="estimate", hardware=Hardware(
+            hbm_gib=inputs * x / GiB, host_gib=1.5 * x / GiB, link_gbps=10, tflops=100))
+        monkeypatch.undo()
+        return p.recipe, p.peak_bytes <= inputs * x
+
+    recipe, fits = chosen(25)
+    assert fits and (recipe.group, recipe.subgroup) == (4, 2)
+    assert not chosen(25, subgroups=False)[1]
+    recipe, fits = chosen(26)
+    assert fits and (recipe.group, recipe.subgroup) == (2, 1)
+    assert [(g, auto.subgroup_of(g)) for g in (2, 4, 8, 16)] == [(2, 1), (4, 2), (8, 4), (16, 4)]
+
+
 @pytest.mark.slow
 def test_where_no_structure_fits_auto_shows_the_first_one_tried(monkeypatch):
     """Over a budget no candidate structure (tiles, groups) fits, auto's plan is the first candidate tried (one tile,

@@ -18,17 +18,27 @@ TILES = (4, 8, 16, 32)
 GROUPS = (1, 2, 4, 8)
 
 
-def structures(model, seq: int) -> list[tuple[int, int, tuple[str, ...]]]:
-    """The (sequence tiles, layers per group, tags a group's layers keep while its backward runs) `choose_structure`
-    tries for `model` at `seq`: one tile, and the most of `TILES` that divides the sequence into tiles of at least
-    `MIN_TILE` positions; each of `GROUPS` that divides every main stack's layers, its layers keeping the attention
-    kernel's residuals (one attention forward fewer) or nothing (nothing when the model makes them one query tile
-    at a time, `attention_tiles`)."""
+def subgroup_of(group: int) -> int:
+    """The layers per subgroup that leave a group's backward the fewest layer inputs at once (group / s + s - 1, the
+    larger s on a tie); 1 (none) where that saves none over the group's own."""
+    best = min((s for s in range(2, group) if group % s == 0), key=lambda s: (group // s + s - 1, -s), default=1)
+    return best if best > 1 and group // best + best - 1 < group else 1
+
+
+def structures(model, seq: int) -> list[tuple[int, int, tuple[str, ...], int]]:
+    """The (sequence tiles, layers per group, tags a group's layers keep while its backward runs, layers per subgroup)
+    `choose_structure` tries for `model` at `seq`, simplest first: one tile, and the most of `TILES` that divides the
+    sequence into tiles of at least `MIN_TILE` positions; each of `GROUPS` that divides every main stack's layers, its
+    layers keeping the attention kernel's residuals (one attention forward fewer) or nothing (nothing when the model
+    makes them one query tile at a time, `attention_tiles`); then each of those groups in subgroups (`subgroup_of`:
+    three-level checkpoints, one more forward pass of the group for fewer layer inputs held), which
+    `choose_structure` tries only where no structure before them fits."""
     tiles = [1] + [t for t in TILES if seq % t == 0 and seq // t >= MIN_TILE][-1:]
     layers = [model.stacks()[n].num_layers for n in model.stack_names]
     groups = [g for g in GROUPS if all(n % g == 0 and n // g >= 1 for n in layers)]
     keeps = [()] if model.config.attention_tiles > 1 else [tuple(t for g in TOGETHER for t in g), ()]
-    return [(t, g, k) for g in groups for k in (keeps if g > 1 else [()]) for t in tiles]
+    two = [(t, g, k, 1) for g in groups for k in (keeps if g > 1 else [()]) for t in tiles]
+    return two + [(t, g, k, subgroup_of(g)) for t, g, k, _ in two if subgroup_of(g) > 1]
 
 
 def choose_structure(layout_of, *, candidates, state: ModelState, shard: int, hbm_budget: int,
@@ -37,11 +47,12 @@ def choose_structure(layout_of, *, candidates, state: ModelState, shard: int, hb
     """What the placer chooses (`zoo.plan.placer.choose`: the structure (tiles, group) of `candidates` that costs
     least, recompute and exposed copies in seconds per step, among those whose placement fits the budgets; the first
     candidate's (one tile, no groups) where none fits), as its `Choice` (`.recipe`), and why each tag landed where it
-    did (`notes`).
+    did (`notes`). Structures in subgroups are tried only where none of two levels fits: their one more forward pass
+    of each group is priced, how XLA keeps their layer inputs on a GPU is not yet measured.
 
     Args:
-        layout_of: `layout_of(tiles, group, keep)`: the planner's `Layout` of a structure.
-        candidates: the structures to try, (tiles, group, keep) each, simplest first (`structures`).
+        layout_of: `layout_of(tiles, group, keep, subgroup)`: the planner's `Layout` of a structure.
+        candidates: the structures to try, (tiles, group, keep, subgroup) each, simplest first (`structures`).
         state: the model state (in HBM whatever the placement).
         shard: devices the batch and the tags are split over.
         hbm_budget: the HBM budget per device, bytes.
@@ -55,8 +66,14 @@ def choose_structure(layout_of, *, candidates, state: ModelState, shard: int, hb
     Returns:
         (the placer's `Choice`, {tag: why it landed where it did}).
     """
-    best = choose(layout_of, candidates=candidates, state=state, shard=shard, hbm_budget=hbm_budget,
-                  host_budget=host_budget, link=link, rate=rate, overlap=overlap, reserve=reserve)
+    def best_of(structures):
+        return choose(layout_of, candidates=structures, state=state, shard=shard, hbm_budget=hbm_budget,
+                      host_budget=host_budget, link=link, rate=rate, overlap=overlap, reserve=reserve)
+    best = best_of([c for c in candidates if c[3] == 1])
+    three = [c for c in candidates if c[3] > 1]
+    if not best.fits and three:
+        deeper = best_of(three)
+        best = deeper if deeper.fits else best
     return best, notes(best)
 
 

@@ -107,7 +107,7 @@ def plan(cfg, recipe: Recipe | str, *, batch: int, seq: int, hardware: Hardware 
         # recompute is priced at the step's measured rate where one is known, else at the given FLOP rate
         host_budget = state_lib.host_budget(hardware.host_gib, pool, ram) - state.host
         choice, notes = auto.choose_structure(
-            lambda tiles, group, keep: layout(cfg, micro, seq, amesh, shard, tiles, group, keep),
+            lambda tiles, group, keep, subgroup: layout(cfg, micro, seq, amesh, shard, tiles, group, keep, subgroup),
             candidates=auto.structures(model, seq), state=state, shard=shard, hbm_budget=hbm_budget,
             host_budget=host_budget, link=link_gbps * 1e9, rate=(step_tflops or hardware.tflops) * 1e12,
             overlap=overlap, reserve=lambda lay, r: loss_reserve(cfg, training, micro, seq, shard) + lay.working(r))
@@ -213,7 +213,7 @@ class Layout:
         return self.memo[key]
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=32)
 def layout(cfg, micro: int, seq: int, amesh, shard: int, tiles: int, group: int, keep: tuple[str, ...] = (),
            subgroup: int = 1) -> Layout:
     """The `Layout` of the model of `cfg` at [micro, seq] for `tiles` sequence tiles and `group` layers per group (a

@@ -20,6 +20,15 @@ ATTEMPTS = 3
 MARGIN = GiB // 2   # taken off a lowered budget beyond the excess, for the allocator's slack
 
 
+def lowered(budget_gib: float | None, peak: int, limit: int) -> float | None:
+    """The HBM budget (GiB) to plan "auto" for again after a step planned for `budget_gib` compiled to `peak` bytes,
+    over `limit`: the budget less the excess and `MARGIN`; None where there is no budget or nothing would be left."""
+    if budget_gib is None:
+        return None
+    out = budget_gib - (peak - limit + MARGIN) / GiB
+    return out if out > 0 else None
+
+
 @dataclasses.dataclass(frozen=True)
 class Fitted:
     """What `fit` compiled: the recipe, the loss's chunk length (None: unchunked), what `compile` returned, and one
@@ -110,12 +119,11 @@ def fit(cfg, recipe: Recipe | str, *, batch: int, seq: int, compile: Callable[[R
         if limit is None or peak <= limit:
             return Fitted(r, chunk, out, tuple(notes))
         over = f"compiles to a peak of {fmt_bytes(peak)}, over {fmt_bytes(limit)}"
-        if auto_recipe and attempt < ATTEMPTS - 1 and budget is not None:
-            lowered = budget - (peak - limit + MARGIN) / GiB
-            if lowered > 0:
-                notes.append(f"auto: the step chosen for {budget:.1f} GiB {over}: planning again for "
-                             f"{lowered:.1f} GiB")
-                budget = lowered
+        if auto_recipe and attempt < ATTEMPTS - 1:
+            less = lowered(budget, peak, limit)
+            if less is not None:
+                notes.append(f"auto: the step chosen for {budget:.1f} GiB {over}: planning again for {less:.1f} GiB")
+                budget = less
                 continue
         if auto_loss:
             shorter = chunk_to_fit(cfg, peak=peak, limit=limit, chunk=chunk, rows=rows, seq=seq, shard=shard)

@@ -6,7 +6,8 @@
 
 Each length is one `zoo.plan.plan` (a recipe, or "auto" per length); a compiled walk starts at the estimates' answer,
 compiles no length whose estimate is over a budget by half again (`HOPELESS`), and stops at the config's
-`max_seq_len`.
+`max_seq_len`. Where "auto"'s step at a length compiles over the HBM budget, that length is planned again for the
+budget lowered by the excess, as a run fits its step (`zoo.plan.fit`).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from collections.abc import Callable
 
 from zoo.plan.build import NO_HARDWARE, plan
 from zoo.plan.capacity import budget
+from zoo.plan.fitting import ATTEMPTS, lowered
 from zoo.plan.inputs import Hardware, Training, check_positive
 from zoo.plan.state import host_budget, host_pool_bytes, machine_ram_bytes
 from zoo.plan.target import device_target
@@ -152,14 +154,24 @@ def longest_seq(cfg, recipe: Recipe | str, *, batch: int = 1, hardware: Hardware
                    and (t.peak_bytes > HOPELESS * hbm or t.host_bytes > HOPELESS * host) for t in tried)
 
     def fits(seq: int, mode: str) -> bool:
+        """Whether the step at `seq` fits; "auto" whose compiled step is over the HBM budget is planned again for
+        the budget lowered by the excess, as a run fits it (`zoo.plan.fit`), `ATTEMPTS` times at most."""
         if mode != "estimate" and hopeless(seq):
             return False
-        p = plan(cfg, recipe, batch=batch, seq=seq, hardware=hardware, training=training, peak=mode)
-        ok = p.peak_bytes <= hbm and p.host_total <= host
-        tried.append(TriedSeq(seq, int(p.peak_bytes), int(p.host_total), str(p.recipe), p.peak_source, ok))
-        if progress is not None:
-            progress(tried[-1])
-        return ok
+        chosen_for = hardware
+        for _ in range(ATTEMPTS):
+            p = plan(cfg, recipe, batch=batch, seq=seq, hardware=chosen_for, training=training, peak=mode)
+            ok = p.peak_bytes <= hbm and p.host_total <= host
+            tried.append(TriedSeq(seq, int(p.peak_bytes), int(p.host_total), str(p.recipe), p.peak_source, ok))
+            if progress is not None:
+                progress(tried[-1])
+            if ok or recipe != "auto" or "estimate" in p.peak_source or p.host_total > host:
+                return ok
+            less = lowered(chosen_for.hbm_gib, p.peak_bytes, hbm)
+            if less is None:
+                return False
+            chosen_for = dataclasses.replace(chosen_for, hbm_gib=less)
+        return False
 
     def walk(i: int, mode: str) -> int:
         """The longest that fits, walking up from lengths[i] while they fit, or down while they do not (-1: none)."""

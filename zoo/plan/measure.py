@@ -369,7 +369,7 @@ def _matmul_part(saved: frozenset[str]) -> frozenset[str]:
     return saved if ATTENTION_RESIDUALS <= saved else saved - ATTENTION_RESIDUALS
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=64)
 def layer_cost(cfg, stack_name: str, batch: int, seq: int, group: int = 1, tiles: int = 1,
                keep: frozenset[str] = frozenset(), subgroup: int = 1) -> LayerCost:
     return LayerCost(abstract_model(cfg), stack_name, batch, seq, group, tiles, keep, subgroup)

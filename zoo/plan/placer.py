@@ -94,8 +94,9 @@ def choose(layout_of, *, candidates, state: ModelState, shard: int, hbm_budget: 
     """The best placement over the candidate structures, by the rule in this module's docstring.
 
     Args:
-        layout_of: `layout_of(tiles, group, keep)`: the planner's `Layout` of a structure.
-        candidates: the structures, (tiles, group, keep) each, simplest first (`zoo.plan.auto.structures`).
+        layout_of: `layout_of(tiles, group, keep, subgroup)`: the planner's `Layout` of a structure.
+        candidates: the structures, (tiles, group, keep, subgroup) each, simplest first
+            (`zoo.plan.auto.structures`).
         state: the model state (its bytes are in HBM whatever the placement).
         shard: devices the batch and the tags are split over.
         hbm_budget: the HBM budget per device, bytes.
@@ -110,23 +111,23 @@ def choose(layout_of, *, candidates, state: ModelState, shard: int, hbm_budget: 
         The best `Choice`; where none fits, the first candidate's (one tile, no groups).
     """
     best, layouts = None, {}
-    for (tiles, group, keep), carry_out in itertools.product(candidates, (False, True)):
+    for (tiles, group, keep, subgroup), carry_out in itertools.product(candidates, (False, True)):
         if best is not None and best.fits and not best.pressed:
             break   # a simpler structure kept in HBM every tag that saves recompute: more tiles or layers only cost
-        if (tiles, group, keep) not in layouts:
-            layouts[(tiles, group, keep)] = layout_of(tiles, group, keep)
-        lay = layouts[(tiles, group, keep)]
+        if (tiles, group, keep, subgroup) not in layouts:
+            layouts[(tiles, group, keep, subgroup)] = layout_of(tiles, group, keep, subgroup)
+        lay = layouts[(tiles, group, keep, subgroup)]
         # the reserve depends on what is kept (a kept tensor is not remade): start from keeping the tags that pay
         # together, then from the choice itself
         probe = Recipe("probe", device=tuple(t for g in TOGETHER for t in g), seq_tiles=tiles, group=group,
-                       group_keep=keep)
+                       group_keep=keep, subgroup=subgroup)
         for _ in range(2):
             model = CostModel(lay.shapes, lay.needed, lay.costs, shard, link, rate, Overlap.of(overlap),
                               fixed_hbm=state.total + reserve(lay, probe), groups=lay.groups)
             placer = _Placer(model, hbm_budget, host_budget)
             placer.place_carry(offload_first=carry_out)
             placer.place_pairs(placer.place_singles())
-            recipe = placer.recipe(tiles, group, keep)
+            recipe = placer.recipe(tiles, group, keep, subgroup)
             if recipe == probe:
                 break
             probe = recipe
@@ -162,13 +163,13 @@ class _Placer:
                            if t != CARRY and any(t in needed[s] for s in shapes)]
         self.order = {t: i for i, t in enumerate(self.candidates)}
 
-    def recipe(self, tiles: int = 1, group: int = 1, keep: tuple[str, ...] = ()) -> Recipe:
+    def recipe(self, tiles: int = 1, group: int = 1, keep: tuple[str, ...] = (), subgroup: int = 1) -> Recipe:
         """The placement so far as a recipe (with the structure it was made for: `keep`, what a group's layers keep
         while its backward runs, less what the placement keeps anyway)."""
         device, offload = self.placement.device, self.placement.offloaded()
         keep = tuple(t for t in keep if t not in offload and t not in device)
         return Recipe("auto", offload=offload, device=device, seq_tiles=tiles, group=group, group_keep=keep,
-                      description="chosen by zoo.plan for an HBM budget, a link and a FLOP rate")
+                      subgroup=subgroup, description="chosen by zoo.plan for an HBM budget, a link and a FLOP rate")
 
     def _decide(self, decision: Decision) -> None:
         self.decisions.append(decision)
