@@ -480,6 +480,14 @@ SCENARIOS: dict[str, Scenario] = {
         "fits on one H200: the estimates' walk, then the answer compiled for the GPU (a length whose estimate is far "
         "over the budget is not compiled); nothing runs",
         (probe(("auto",), longest=1048576, est=300, timeout=560),)),
+    "max-seq-million": Scenario(
+        "the planner's answer for the longest length up to 1,048,576 that the 8B fits on one H200 with its bf16 "
+        "parameters streamed from the host (--params stream), the state on the host and attention over 16 query "
+        "tiles with cuDNN's kernel: where auto's compiled step at a length is over the budget, that length is planned "
+        "again for a lower one (in subgroups where no structure of two levels fits), up to 3 compiles a length",
+        (probe(("auto",), longest=1048576, est=360, timeout=580,
+               extra=("--params", "stream", "--attention-tiles", "16", "--attention-impl", "cudnn"),
+               env={**LONG_ENV, "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "120"}, name="plan-probe-max-seq-stream-qt16"),)),
     "offload-profile": Scenario(
         "where the offload time goes: the plain-JAX anchor under XLA's overlap options and profiles of the zoo's "
         "step (405B slice, 3 layers, batch 2), two single-GPU queues side by side",
