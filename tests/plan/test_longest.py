@@ -118,6 +118,7 @@ def test_auto_compiled_over_the_budget_is_planned_again_for_a_lower_one(monkeypa
     found = longest.longest_seq(TINY, "auto", hardware=Hardware(hbm_gib=6.0), peak="compile", cap=16384)
     assert found.seq == 4096
     assert compiled[:2] == [(4096, 6.0), (4096, 4.5)] and [s for s, _ in compiled[2:]] == [8192, 8192]
+    assert "    4096     5.0 GiB" in found.render()   # the length's row is the plan that fits
     compiled.clear()
     given = longest.longest_seq(TINY, zoo.Recipe.full(), hardware=Hardware(hbm_gib=6.0), peak="compile", cap=16384)
     assert given.seq == 2048 and compiled == [(4096, 6.0), (2048, 6.0)]

@@ -86,8 +86,9 @@ class Longest:
                 f"{fmt_bytes(self.hbm_budget)}: {self.hbm_source}; host budget {fmt_bytes(self.host_budget)})")
         rows = [f"  {'seq':>8}  {'peak':>10}  {'host':>10}  fits  recipe; source"]
         best = {}
-        for t in self.tried:   # a compiled figure replaces the estimate of the same length
-            if t.seq not in best or "estimate" in best[t.seq].peak_source:
+        for t in self.tried:   # a compiled figure replaces the estimate of the same length, one that fits the others
+            old = best.get(t.seq)
+            if old is None or "estimate" in old.peak_source or (t.fits and not old.fits):
                 best[t.seq] = t
         rows += [f"  {t.seq:>8}  {fmt_bytes(t.peak_bytes):>10}  {fmt_bytes(t.host_bytes):>10}  "
                  f"{'yes' if t.fits else 'no ':3}   {t.recipe}; {t.peak_source}" for _, t in sorted(best.items())]
