@@ -157,6 +157,7 @@ def test_subgroups_leave_the_gradients_unchanged_and_the_plan_is_what_jax_saves(
         device, host, hoisted = measure.stack_residuals(model, "layers", B, S, r.policy(), group=4,
                                                         tiles=r.seq_tiles, layer_policy=r.layer_policy(), subgroup=2)
         assert (p.host_bytes, p.activation_bytes) == (host, device + hoisted), r.name
+        assert (host > 0) == bool(r.offload), r.name   # the offloaded layer inputs are host residuals
         two_levels = zoo.plan.plan(cfg, dataclasses.replace(r, subgroup=1), batch=B, seq=S, peak=None)
         assert p.remat_flops > two_levels.remat_flops, r.name
 

@@ -63,11 +63,7 @@ def group_body(group: nnx.Module, x: jax.Array, tiles: int = 1, layer_policy=Non
     if subgroup == 1 or layer_policy is None:
         return _layers(group, x, tiles, layer_policy)
     run = remat(lambda part, x: _layers(part, x, tiles, layer_policy), layer_policy, scanned=False)
-    parts = grouped(group, subgroup)
-    auxes = []
-    for i in range(_leading(parts)):
-        x, aux = run(module_at(parts, i), x)
-        auxes.append(aux)
+    x, auxes = _in_order(run, grouped(group, subgroup), x)
     return x, jax.tree.map(lambda *a: jnp.concatenate(a), *auxes)
 
 
@@ -76,11 +72,18 @@ def _layers(group: nnx.Module, x: jax.Array, tiles: int, layer_policy) -> tuple[
     run = functools.partial(_run, tiles=tiles)
     if layer_policy is not None:
         run = remat(lambda layer, x: _run(layer, x, tiles), layer_policy, scanned=False)
-    auxes = []
-    for i in range(_leading(group)):
-        x, aux = run(module_at(group, i), x)
-        auxes.append(aux)
+    x, auxes = _in_order(run, group, x)
     return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
+
+
+def _in_order(run: Callable, modules: nnx.Module, x: jax.Array) -> tuple[jax.Array, list]:
+    """`run(module, x) -> (x, aux)` over the modules stacked in `modules` (a leading axis), one after another.
+    Returns (the last x, each one's aux)."""
+    auxes = []
+    for i in range(_leading(modules)):
+        x, aux = run(module_at(modules, i), x)
+        auxes.append(aux)
+    return x, auxes
 
 
 def body_of(group: int, tiles: int, layer_policy=None, subgroup: int = 1

@@ -337,15 +337,12 @@ class LayerCost:
 
     def _attention_again(self, saved) -> int:
         """Attention's forward FLOPs run again when the tags `saved` are kept: once unless both of the kernel's
-        residuals are kept (zoo.recipe.TOGETHER); in a group, once more in each layer's own backward unless the
-        layers keep them (`keep`) while the group's backward runs, and likewise once more in each subgroup's
-        recompute (three levels); under query tiles (`attention_tiles`), once more
-        in each tile's own backward."""
+        residuals are kept (zoo.recipe.TOGETHER); in a group, once more in each layer's own backward and, in
+        subgroups (three levels), once more in each subgroup's recompute, unless the layers keep them (`keep`) while
+        the group's backward runs; under query tiles (`attention_tiles`), once more in each tile's own backward."""
         again = 0 if ATTENTION_RESIDUALS <= saved else self.attention_flops
-        if self.group > 1 and not ATTENTION_RESIDUALS <= saved | self.keep:
-            again += self.attention_flops
-        if self.subgroup > 1 and not ATTENTION_RESIDUALS <= saved | self.keep:   # each subgroup's recompute
-            again += self.attention_flops
+        if not ATTENTION_RESIDUALS <= saved | self.keep:
+            again += self.attention_flops * ((self.group > 1) + (self.subgroup > 1))
         return again + (self.attention_flops if self._query_tiles > 1 else 0)
 
     @staticmethod
