@@ -20,7 +20,14 @@ GROUPS = (1, 2, 4, 8)
 
 def subgroup_of(group: int) -> int:
     """The layers per subgroup that leave a group's backward the fewest layer inputs at once (group / s + s - 1, the
-    larger s on a tie); 1 (none) where that saves none over the group's own."""
+    larger s on a tie).
+
+    Args:
+        group: layers per group.
+
+    Returns:
+        the layers per subgroup; 1 (none) where subgroups save no input over the group's own.
+    """
     best = min((s for s in range(2, group) if group % s == 0), key=lambda s: (group // s + s - 1, -s), default=1)
     return best if group // best + best - 1 < group else 1
 

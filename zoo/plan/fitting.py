@@ -21,8 +21,16 @@ MARGIN = GiB // 2   # taken off a lowered budget beyond the excess, for the allo
 
 
 def lowered(budget_gib: float | None, peak: int, limit: int) -> float | None:
-    """The HBM budget (GiB) to plan "auto" for again after a step planned for `budget_gib` compiled to `peak` bytes,
-    over `limit`: the budget less the excess and `MARGIN`; None where there is no budget or nothing would be left."""
+    """The HBM budget to plan "auto" for again after its step compiled over the device's limit.
+
+    Args:
+        budget_gib: the budget (GiB) the step was planned for; None: none given.
+        peak: the compiled step's peak, in bytes.
+        limit: the device memory the step must fit, in bytes.
+
+    Returns:
+        the budget less the excess and `MARGIN`, in GiB; None where there is no budget or nothing would be left.
+    """
     if budget_gib is None:
         return None
     out = budget_gib - (peak - limit + MARGIN) / GiB
