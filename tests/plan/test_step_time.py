@@ -7,6 +7,7 @@ import dataclasses
 import pathlib
 import re
 
+import jax
 import pytest
 from rich.console import Console
 
@@ -19,7 +20,7 @@ from tests.helpers import fake_gpu
 from zoo.layers import attention_kernel
 from zoo.layers.attention_kernel import causal_attention_flops
 from zoo.models.registry import family
-from zoo.plan import Hardware, Training, build, links
+from zoo.plan import Hardware, Training, build, links, measure
 
 RESULTS = pathlib.Path(__file__).parents[2] / "bench" / "results"
 RECORDS = tuple(RESULTS / f for f in ("offload-pays_2026-12-01.jsonl", "offload-chunks_2026-12-01.jsonl",
@@ -262,3 +263,31 @@ def test_the_planner_prices_attention_at_the_rate_of_the_kernel_auto_takes_on_it
     console = Console(record=True, width=400)
     zoo.plan.render(mine, console)
     assert "attention (mosaic_cudnn) at 463 TFLOP/s" in console.export_text()
+
+
+def _forward_matmuls(jaxpr) -> int:
+    """Matmuls of attention kernels' forward passes in `jaxpr` and the jaxprs inside it (a loop body once)."""
+    scope = f"{attention_kernel.SCOPE}/{attention_kernel.FORWARD}"
+    return sum((e.primitive.name == "dot_general" and scope in str(e.source_info.name_stack))
+               + sum(_forward_matmuls(s) for s in measure.sub_jaxprs(e.params)) for e in jaxpr.eqns)
+
+
+@pytest.mark.parametrize("group,subgroup,keep", [(2, 1, False), (4, 1, False), (4, 1, True), (4, 2, False),
+                                                 (4, 2, True), (8, 4, False)])
+def test_the_planner_counts_the_attention_forward_passes_a_groups_gradient_runs(group, subgroup, keep):
+    """Per layer of a group, the attention forwards the planner prices (`LayerCost`: the forward pass and what the
+    backward runs again) equal those in the traced gradient of the group, layer input saved: a group's recompute
+    runs the layers before its last subgroup and a subgroup's those before its last (the last ones make only the
+    checkpoint's output, which JAX drops), each layer's backward its own; a layer keeping the kernel's pair while
+    the group's backward runs, none again. Compiled for an H200, the 8B's steps run as many cuDNN forwards."""
+    pair = measure.ATTENTION_RESIDUALS if keep else frozenset()
+    cost = measure.LayerCost(measure.abstract_model(zoo.models.LlamaConfig.preset("tiny", num_layers=8)), "layers",
+                             1, 64, group=group, subgroup=subgroup, keep=pair)
+    saved = frozenset({"decoder_layer_input"})
+    policy = zoo.Recipe("saved", device=tuple(saved)).policy()
+    inner = zoo.Recipe("inner", device=tuple(sorted(saved | pair))).policy()
+    grad = jax.make_jaxpr(jax.grad(cost._loss(policy, inner), argnums=cost._wrt))(*cost.args).jaxpr
+    one_pass = _forward_matmuls(jax.make_jaxpr(cost._fn)(*cost.args).jaxpr) // group
+    assert one_pass > 0
+    passes = _forward_matmuls(grad) / one_pass
+    assert passes == group * (1 + cost._attention_again(saved) / cost.attention_flops)

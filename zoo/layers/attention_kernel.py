@@ -28,6 +28,7 @@ _CUDNN_DTYPES = ("bfloat16", "float16")
 # The name scope of the kernel's own computation (forward and backward): jaxpr FLOP counts skip it, and the planner
 # counts attention from its shapes instead (a cuDNN custom call has no matmul in the jaxpr to count).
 SCOPE = "zoo_attention_kernel"
+FORWARD = "forward"   # the scope of a kernel's forward within SCOPE: each pass of it, once (the planner's tests count)
 # The softmax statistics' logical axes (per query head and position), for a sharding constraint at the tag site.
 STATS_AXES = ("batch", "heads", "seq")
 
@@ -229,7 +230,7 @@ def _vjp_with_residuals(q, k, v, scale, attend=_cudnn_attend):
     head dim (exact) for the kernel."""
     dv, d = v.shape[-1], q.shape[-1]
     vp = _pad_last(v, d)
-    with jax.named_scope(SCOPE):
+    with jax.named_scope(SCOPE), jax.named_scope(FORWARD):
         out_p, vjp_fn = jax.vjp(lambda q, k, vp: attend(q, k, vp, scale), q, k, vp)
     leaves, tree = jax.tree.flatten(vjp_fn)
     out = name(out_p[..., :dv], "attention_out", BSH)
@@ -258,7 +259,7 @@ def _mosaic_cudnn_with_residuals(q, k, v, scale):
     and statistics in place of its own (`_cudnn_roles`)."""
     dv, d = v.shape[-1], q.shape[-1]
     vp = _pad_last(v, d)
-    with jax.named_scope(SCOPE):
+    with jax.named_scope(SCOPE), jax.named_scope(FORWARD):
         out_p, lse = _mosaic_forward(q, k, vp, scale, True)
     out = name(out_p[..., :dv], "attention_out", BSH)
     stats = name(lse, "context", STATS_AXES)
@@ -334,7 +335,7 @@ def attention_part_backward(impl: str, q, k, v, out, lse, g, scale: float, *, ca
 
 
 def _xla_with_residuals(q, k, v, scale):
-    with jax.named_scope(SCOPE):
+    with jax.named_scope(SCOPE), jax.named_scope(FORWARD):
         out, lse = xla_attention.forward(q, k, v, scale)
     out = name(out, "attention_out", BSH)
     lse = name(lse, "context", STATS_AXES)

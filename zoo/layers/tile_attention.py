@@ -15,7 +15,7 @@ import einops
 import jax
 import jax.numpy as jnp
 
-from zoo.layers.attention_kernel import SCOPE, STATS_AXES, attention_part, attention_part_backward
+from zoo.layers.attention_kernel import FORWARD, SCOPE, STATS_AXES, attention_part, attention_part_backward
 from zoo.sharding import BSH
 from zoo.tags import name
 
@@ -77,7 +77,7 @@ def prefix_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_all: jax.Array,
     start = jnp.asarray(start, jnp.int32)
 
     def forward(q, k, v, ka, va, start):
-        with jax.named_scope(SCOPE):
+        with jax.named_scope(SCOPE), jax.named_scope(FORWARD):
             out_d, lse_d = attention_part(impl, q, k, v, scale, causal=True)
             out_p, lse_p = attention_part(impl, q, ka, va, scale, causal=False, kv_len=start)
             seen = start > 0   # the first tile has no prefix: its part is not defined, and counts for nothing

@@ -336,13 +336,17 @@ class LayerCost:
         return self._cache[saved]
 
     def _attention_again(self, saved) -> int:
-        """Attention's forward FLOPs run again when the tags `saved` are kept: once unless both of the kernel's
-        residuals are kept (zoo.recipe.TOGETHER); in a group, once more in each layer's own backward and, in
-        subgroups (three levels), once more in each subgroup's recompute, unless the layers keep them (`keep`) while
-        the group's backward runs; under query tiles (`attention_tiles`), once more in each tile's own backward."""
+        """Attention's forward FLOPs run again, per layer, when the tags `saved` are kept: once, in each layer's own
+        backward, unless both of the kernel's residuals are kept (zoo.recipe.TOGETHER); under query tiles
+        (`attention_tiles`), once more in each tile's own backward. In a group of k layers whose layers do not keep
+        the pair (`keep`) while its backward runs, the group's recompute runs attention again for every layer
+        before its last subgroup (k - s of k, s = 1 for two levels) and each subgroup's for every layer before its
+        last (s - 1 of s): a checkpoint's last layers make only its output, which the backward pass does not read
+        (the compiled step's attention calls count this way: docs/internals.md)."""
         again = 0 if ATTENTION_RESIDUALS <= saved else self.attention_flops
         if not ATTENTION_RESIDUALS <= saved | self.keep:
-            again += self.attention_flops * ((self.group > 1) + (self.subgroup > 1))
+            k, s = self.group, self.subgroup
+            again += self.attention_flops * ((k - s) * s + (s - 1) * k) // (k * s)
         return again + (self.attention_flops if self._query_tiles > 1 else 0)
 
     @staticmethod
