@@ -1,0 +1,178 @@
+"""deviceless: the 8B's training step compiled for one H200 on a machine without a GPU, as `bench.plan_probe` compiles
+it on the GPU (the main job's step, batch 1, AdamW's state and the float32 master on the host), one record per recipe.
+
+JAX lowers the step for CUDA on the CPU's devices, whose pinned host memory keeps every placement of the state and
+the offloaded residuals, and XLA's GPU compiler compiles it for the H200's description through JAX's compile-only
+client (`jax.experimental.topologies`). It needs the CUDA plugin and its libraries (`pip install "jax[cuda12]"`), not a
+GPU or a driver:
+
+    python -m bench.deviceless --seq 1048576 --params stream --attention-tiles 16 --recipe carry:32:8:4
+
+Two things the GPU's compile has and this one lacks:
+- cuDNN sizes its attention calls' workspaces only on a GPU; here XLA gives them 0 bytes. `cudnn_workspace` prices
+  the largest from the compiled calls' shapes, and the record's peak adds it whole (`planned_peak_gib`, an upper
+  bound: XLA may place the workspace where nothing else lives while it runs).
+- autotuning: XLA takes its default kernels.
+Compiled this way, the step at 1,048,576 tokens of commit ef2a5cd gives 140.5 GiB without workspaces and 157.5 GiB with
+the largest (17.0 GiB), against 156.4 GiB compiled on the H200 (bench/results/million-compile_2026-12-04.jsonl).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import sys
+import time
+
+# The H200 as XLA's GPU compiler reads a device (a GpuTargetConfigProto): Hopper's 132 multiprocessors at 1.98 GHz
+# and their limits, the H200's 141 GB of HBM3e at 4.8 TB/s, cuDNN 9 and CUDA 12.
+H200 = """
+gpu_device_info {
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: 4800000000000
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  device_memory_size: 150754820096
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 }
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 8 }
+runtime_version { major: 12 minor: 8 }
+device_description_str: "NVIDIA H200"
+"""
+# The allocator's share of the H200 at XLA_PYTHON_CLIENT_MEM_FRACTION=.95 (the long-context runs' setting)
+LIMIT_GIB = 132.8
+_BACKWARD = re.compile(r'custom_call_target="__cudnn\$fmhaSoftmax\w*Backward"'
+                       r'.*?operand_layout_constraints=\{(.*?)\}, api')
+_SHAPE = re.compile(r"\w+\[([\d,]+)\]")
+
+
+def cudnn_workspace(hlo_text: str) -> int:
+    """The largest workspace of the cuDNN attention backward calls in an optimized HLO module, in bytes: for queries
+    [B, Sq, H, d] and keys [B, Sk, Hkv, d], 4 B H d (Sq + Sk) + 4 B H Sq + 256. Fitted to the two sizes XLA gave cuDNN's
+    calls on the H200 in the 1M step (bf16, 32 query and 8 key heads of 128): 18,261,999,872 bytes for 65,536 queries
+    over 1,048,576 keys and 2,155,872,512 for 65,536 over 65,536; 0 where no such call runs."""
+    largest = 0
+    for operands in _BACKWARD.findall(hlo_text):
+        (b, sq, h, d), (_, sk, _, _) = (tuple(int(n) for n in m.split(",")) for m in _SHAPE.findall(operands)[:2])
+        largest = max(largest, 4 * b * h * d * (sq + sk) + 4 * b * h * sq + 256)
+    return largest
+
+
+@contextlib.contextmanager
+def compiling_for_h200():
+    """Within: every `jax.jit(...).lower(...).compile()` lowers for CUDA and compiles for the H200 (`H200`); the zoo's
+    layers take cuDNN's attention and the step its GPU compile options, as on the H200. JAX's hooks are private:
+    written for jax 0.11.2."""
+    import jax
+    from jax._src import compiler
+    from jax._src.interpreters import pxla
+    from jax._src.lib import _jax
+    from jax.experimental import topologies
+
+    from zoo import compile_options
+    from zoo.layers import attention_kernel
+
+    topology = topologies.get_topology_desc(platform="cuda", target_config=H200, topology="1x1x1")
+    client, devices = topology.devices[0].client, tuple(topology.devices)
+    saved = (pxla.lower_sharding_computation, compiler.backend_compile_and_load, attention_kernel._cudnn_refusal,
+             compile_options.for_step)
+    lower, _, _, for_step = saved
+
+    def lower_for_cuda(*args, **kwargs):
+        kwargs["lowering_platforms"] = kwargs.get("lowering_platforms") or ("cuda",)
+        return lower(*args, **kwargs)
+
+    def compile_for_h200(backend, module, executable_devices, options, host_callbacks):
+        return client.compile(module, executable_devices=_jax.DeviceList(devices[:len(executable_devices)]),
+                              compile_options=options)
+
+    pxla.lower_sharding_computation, compiler.backend_compile_and_load = lower_for_cuda, compile_for_h200
+    attention_kernel._cudnn_refusal = lambda dtype, head_dim, device: (
+        None if jax.numpy.dtype(dtype).name in ("bfloat16", "float16") else "cuDNN takes bf16/fp16")
+    compile_options.for_step = lambda recipe, platform, xla_flags=None: for_step(recipe, "gpu", xla_flags)
+    try:
+        yield topology.devices[0]
+    finally:
+        (pxla.lower_sharding_computation, compiler.backend_compile_and_load, attention_kernel._cudnn_refusal,
+         compile_options.for_step) = saved
+
+
+def _args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seq", type=int, action="append", default=[], help="a length to compile (repeat)")
+    ap.add_argument("--recipe", action="append", default=[],
+                    help="a Llama recipe name or carry:TILES:GROUP[:SUBGROUP] (bench.plan_probe's) (repeat)")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--params", choices=("host", "stream"), default="host")
+    ap.add_argument("--attention-tiles", type=int, default=1, metavar="N")
+    ap.add_argument("--loss-chunk", type=int, default=None, help="positions per loss chunk (default: the planner's)")
+    return ap.parse_args()
+
+
+def main():
+    a = _args()
+    os.environ.setdefault("XLA_FLAGS", "--xla_gpu_enable_latency_hiding_scheduler=true")
+    import jax
+    jax.config.update("jax_platforms", "cpu")
+
+    import zoo
+    from bench.common import emit
+    from bench.plan_probe import _recipe
+    from recipes.llama3 import RECIPES
+    from zoo.models.registry import family_of
+    from zoo.train_step import compile_abstract
+    from zoo.two_programs import peak_bytes
+
+    seqs = a.seq or [1048576]
+    cfg = zoo.models.LlamaConfig.preset("llama3_1_8b", num_layers=a.layers, param_dtype="bfloat16",
+                                        max_seq_len=max(seqs), attention_tiles=a.attention_tiles,
+                                        attention_impl="cudnn")
+    hardware = zoo.plan.Hardware(hbm_gib=LIMIT_GIB, device_kind="NVIDIA H200")
+    for seq in seqs:
+        for name in a.recipe or ["carry:32:8"]:
+            recipe = _recipe(name, RECIPES)
+            training = zoo.plan.Training(opt_dtype="bfloat16", opt_state="host", params=a.params,
+                                         loss_chunk=a.loss_chunk or "auto")
+            est = zoo.plan.plan(cfg, recipe, batch=1, seq=seq, hardware=hardware, training=training,
+                                peak="estimate")
+            t0 = time.perf_counter()
+            with compiling_for_h200():
+                step = compile_abstract(family_of(cfg), cfg, est.recipe, batch=1, seq=seq, training=zoo.plan.Training(
+                    opt_dtype="bfloat16", opt_state="host", params=a.params, loss_chunk=est.loss_chunk))[0]
+            programs = (step.first, step.second) if hasattr(step, "first") else (step,)
+            ma = step.memory_analysis()
+            without = peak_bytes(ma)
+            workspace = max(cudnn_workspace(p.as_text()) for p in programs)
+            emit(dict(bench="plan-probe", impl="zoo", recipe=name, backend=None, gpus=1, B=1, S=seq, L=cfg.num_layers,
+                      step_s=None, tflops=None, peak_gib=None, dropped=0,
+                      planned_peak_gib=round((without + workspace) / 2**30, 2),
+                      host_temp_gib=round(ma.host_temp_size_in_bytes / 2**30, 2),
+                      planned_host_gib=round(est.host_total / 2**30, 2),
+                      compiled_on="the CPU for an NVIDIA H200 (bench.deviceless: jax's compile-only CUDA client)",
+                      peak_without_cudnn_workspace_gib=round(without / 2**30, 2),
+                      cudnn_workspace_gib=round(workspace / 2**30, 2),
+                      host_state_gib=round(ma.host_argument_size_in_bytes / 2**30, 2),
+                      optimizer="adamw", opt_state="host", params=a.params, opt_dtype="bfloat16",
+                      param_dtype="bfloat16", attention_tiles=a.attention_tiles, recipe_run=str(est.recipe),
+                      loss_chunk=est.loss_chunk, estimated_peak_gib=round(est.peak_bytes / 2**30, 2),
+                      planned_step_s=round(est.step_time()["total_s"], 1), limit_gib=LIMIT_GIB,
+                      fits=(without + workspace) / 2**30 <= LIMIT_GIB, compile_s=round(time.perf_counter() - t0, 1),
+                      command="python -m bench.deviceless " + " ".join(sys.argv[1:])))
+
+
+if __name__ == "__main__":
+    main()
