@@ -84,15 +84,16 @@ def test_where_no_chunk_fits_the_loss_takes_the_default_chunk_not_the_shortest()
 
 
 def test_an_automatic_recipe_over_the_limit_is_planned_again_with_a_lower_budget(monkeypatch):
-    """The first choice compiles over the limit (XLA's temporaries): `fit` plans again for the budget minus the
-    excess (and a margin), and the second choice, which fits, is the one that runs."""
+    """The first choice, estimated at 9 GiB, compiles to 12 over the limit of 10 (XLA's temporaries): `fit` plans again
+    for the limit less what the compile added to the estimate (3 GiB) and a margin, which is lower than the budget less
+    the excess (2 GiB), and the second choice, which fits, is the one that runs."""
     budgets, recipes = [], iter([zoo.Recipe("a", device=("query_proj",)), zoo.Recipe.full()])
     real_plan = fitting.plan
 
     def plan(cfg, recipe, **kw):
-        if kw.get("peak") is None and recipe == "auto":
+        if kw.get("peak") == "estimate" and recipe == "auto":
             budgets.append(kw["hardware"].hbm_gib)
-            return types.SimpleNamespace(recipe=next(recipes))
+            return types.SimpleNamespace(recipe=next(recipes), peak_bytes=9 * GiB)
         return real_plan(cfg, recipe, **kw)
 
     monkeypatch.setattr(fitting, "plan", plan)
@@ -100,6 +101,17 @@ def test_an_automatic_recipe_over_the_limit_is_planned_again_with_a_lower_budget
     fitted = zoo.plan.fit(LLAMA_8B, "auto", batch=1, seq=1024, compile=compiles, limit=10 * GiB,
                           hardware=zoo.plan.Hardware(hbm_gib=10.0, link_gbps=55, tflops=800),
                           training=zoo.plan.Training(loss_chunk=None))
-    assert budgets == [10.0, pytest.approx(10.0 - 2.0 - fitting.MARGIN / GiB)]
+    assert budgets == [10.0, pytest.approx(10.0 - 3.0 - fitting.MARGIN / GiB)]
     assert fitted.recipe == zoo.Recipe.full() and len(compiles.calls) == 2
     assert len(fitted.notes) == 1 and "compiles to a peak of 12.0 GiB, over 10.0 GiB" in fitted.notes[0]
+
+
+def test_the_lowered_budget_takes_the_larger_of_the_excess_and_the_estimates_error():
+    """Over a limit of 10 GiB by 2 (a budget of 10): 10 - 2 - margin, unless the compile added more than that to the
+    planner's estimate of the step (9 GiB: 3 added), then the limit less that; None where nothing is left."""
+    margin = fitting.MARGIN / GiB
+    assert fitting.lowered(10.0, 12 * GiB, 10 * GiB) == pytest.approx(8.0 - margin)
+    assert fitting.lowered(10.0, 12 * GiB, 10 * GiB, estimated=11 * GiB) == pytest.approx(8.0 - margin)
+    assert fitting.lowered(10.0, 12 * GiB, 10 * GiB, estimated=9 * GiB) == pytest.approx(7.0 - margin)
+    assert fitting.lowered(None, 12 * GiB, 10 * GiB) is None
+    assert fitting.lowered(10.0, 30 * GiB, 10 * GiB) is None

@@ -95,10 +95,12 @@ def test_the_compiled_walk_compiles_no_length_whose_estimate_is_far_over_the_bud
 
 
 def test_auto_compiled_over_the_budget_is_planned_again_for_a_lower_one(monkeypatch):
-    """"auto" at a length whose compiled step is over the HBM budget is planned again for the budget lowered by the
-    excess and half a GiB (as a run fits its step, `zoo.plan.fit`): here a step planned for the whole budget of 6 GiB
-    compiles 3 GiB over its estimate of 1 GiB per 1,024 positions, one planned for less only 1 GiB over. So 4,096
-    fits on its second plan (for 4.5 GiB), and 8,192 on none; a recipe given is compiled once per length."""
+    """"auto" at a length whose compiled step is over the HBM budget is planned again for a lower budget (as a run fits
+    its step, `zoo.plan.fit`): the limit less what the compile added to the planner's estimate and half a GiB, where
+    that is below the budget less the excess. Here a step planned for the whole budget of 6 GiB compiles 3 GiB over
+    its estimate of 1 GiB per 1,024 positions, one planned for less only 1 GiB over. So 4,096 fits on its second plan
+    (for 2.5 GiB: 6 - 3 - 0.5; the excess alone would give 4.5), and 8,192 on none; a recipe given is compiled once
+    per length."""
     from types import SimpleNamespace
 
     from zoo.plan import longest
@@ -117,7 +119,7 @@ def test_auto_compiled_over_the_budget_is_planned_again_for_a_lower_one(monkeypa
     monkeypatch.setattr(longest, "plan", fake_plan)
     found = longest.longest_seq(TINY, "auto", hardware=Hardware(hbm_gib=6.0), peak="compile", cap=16384)
     assert found.seq == 4096
-    assert compiled[:2] == [(4096, 6.0), (4096, 4.5)] and [s for s, _ in compiled[2:]] == [8192, 8192]
+    assert compiled[:2] == [(4096, 6.0), (4096, 2.5)] and [s for s, _ in compiled[2:]] == [8192, 8192]
     assert "    4096     5.0 GiB" in found.render()   # the length's row is the plan that fits
     compiled.clear()
     given = longest.longest_seq(TINY, zoo.Recipe.full(), hardware=Hardware(hbm_gib=6.0), peak="compile", cap=16384)

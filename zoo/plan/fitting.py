@@ -1,7 +1,8 @@
 """Fitting a step to its device (`fit`): the recipe and the loss's chunks a run compiles through its `compile(recipe,
-loss_chunk)`, decided from compiled peaks. Recipe "auto" is planned again with its budget lowered by the excess while
-its peak is over `limit` (`ATTEMPTS` at most); loss chunk "auto" is the whole sequence where the step fits so, else the
-longest divisor estimated to fit, compiled to confirm. A step that still does not fit is returned as it is.
+loss_chunk)`, decided from compiled peaks. Recipe "auto" is planned again with its budget lowered (`lowered`: by the
+excess, or by what the compile added to the planner's estimate) while its peak is over `limit` (`ATTEMPTS` at most);
+loss chunk "auto" is the whole sequence where the step fits so, else the longest divisor estimated to fit, compiled
+to confirm. A step that still does not fit is returned as it is.
 """
 from __future__ import annotations
 
@@ -20,20 +21,26 @@ ATTEMPTS = 3
 MARGIN = GiB // 2   # taken off a lowered budget beyond the excess, for the allocator's slack
 
 
-def lowered(budget_gib: float | None, peak: int, limit: int) -> float | None:
-    """The HBM budget to plan "auto" for again after its step compiled over the device's limit.
+def lowered(budget_gib: float | None, peak: int, limit: int, estimated: int | None = None) -> float | None:
+    """The HBM budget to plan "auto" for again after its step compiled over the device's limit: the budget less the
+    excess, or, where the planner's estimate of that step is known and lower, the limit less what the compile
+    added to the estimate (a structure estimated within that budget compiles within the limit if the estimate errs
+    as much), whichever is lower, less `MARGIN` either way.
 
     Args:
         budget_gib: the budget (GiB) the step was planned for; None: none given.
         peak: the compiled step's peak, in bytes.
         limit: the device memory the step must fit, in bytes.
+        estimated: the planner's estimate of the compiled step's peak, in bytes (None: not known).
 
     Returns:
-        the budget less the excess and `MARGIN`, in GiB; None where there is no budget or nothing would be left.
+        the lowered budget, in GiB; None where there is no budget or nothing would be left.
     """
     if budget_gib is None:
         return None
     out = budget_gib - (peak - limit + MARGIN) / GiB
+    if estimated is not None:
+        out = min(out, (limit - (peak - estimated) - MARGIN) / GiB)
     return out if out > 0 else None
 
 
@@ -118,17 +125,19 @@ def fit(cfg, recipe: Recipe | str, *, batch: int, seq: int, compile: Callable[[R
         if first.peak_bytes > limit:
             chunk = chunk_to_fit(cfg, peak=first.peak_bytes, limit=limit, chunk=None, rows=rows, seq=seq, shard=shard)
     for attempt in range(2 * ATTEMPTS):
-        r = recipe
+        r, estimated = recipe, None
         if auto_recipe:
-            r = plan(cfg, "auto", batch=batch, seq=seq, hardware=dataclasses.replace(hardware, hbm_gib=budget),
-                     parallel=parallel, training=dataclasses.replace(training, loss_chunk=chunk), peak=None).recipe
+            chosen = plan(cfg, "auto", batch=batch, seq=seq, hardware=dataclasses.replace(hardware, hbm_gib=budget),
+                          parallel=parallel, training=dataclasses.replace(training, loss_chunk=chunk),
+                          peak="estimate")
+            r, estimated = chosen.recipe, chosen.peak_bytes
         out = compile(r, chunk)
         peak = from_compiled(out[0]).bytes
         if limit is None or peak <= limit:
             return Fitted(r, chunk, out, tuple(notes))
         over = f"compiles to a peak of {fmt_bytes(peak)}, over {fmt_bytes(limit)}"
         if auto_recipe and attempt < ATTEMPTS - 1:
-            less = lowered(budget, peak, limit)
+            less = lowered(budget, peak, limit, estimated)
             if less is not None:
                 notes.append(f"auto: the step chosen for {budget:.1f} GiB {over}: planning again for {less:.1f} GiB")
                 budget = less

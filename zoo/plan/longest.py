@@ -6,8 +6,8 @@
 
 Each length is one `zoo.plan.plan` (a recipe, or "auto" per length); a compiled walk starts at the estimates' answer,
 compiles no length whose estimate is over a budget by half again (`HOPELESS`), and stops at the config's
-`max_seq_len`. Where "auto"'s step at a length compiles over the HBM budget, that length is planned again for the
-budget lowered by the excess, as a run fits its step (`zoo.plan.fit`).
+`max_seq_len`. Where "auto"'s step at a length compiles over the HBM budget, that length is planned again for a lower
+budget (`zoo.plan.fitting.lowered`), as a run fits its step (`zoo.plan.fit`).
 """
 from __future__ import annotations
 
@@ -156,7 +156,7 @@ def longest_seq(cfg, recipe: Recipe | str, *, batch: int = 1, hardware: Hardware
 
     def fits(seq: int, mode: str) -> bool:
         """Whether the step at `seq` fits; "auto" whose compiled step is over the HBM budget is planned again for
-        the budget lowered by the excess, as a run fits it (`zoo.plan.fit`), `ATTEMPTS` times at most."""
+        a lower budget (`zoo.plan.fitting.lowered`), as a run fits it (`zoo.plan.fit`), `ATTEMPTS` times at most."""
         if mode != "estimate" and hopeless(seq):
             return False
         chosen_for = hardware
@@ -168,7 +168,9 @@ def longest_seq(cfg, recipe: Recipe | str, *, batch: int = 1, hardware: Hardware
                 progress(tried[-1])
             if ok or recipe != "auto" or "estimate" in p.peak_source or p.host_total > host:
                 return ok
-            less = lowered(chosen_for.hbm_gib, p.peak_bytes, hbm)
+            estimated = plan(cfg, p.recipe, batch=batch, seq=seq, hardware=chosen_for, training=training,
+                             peak="estimate").peak_bytes
+            less = lowered(chosen_for.hbm_gib, p.peak_bytes, hbm, estimated)
             if less is None:
                 return False
             chosen_for = dataclasses.replace(chosen_for, hbm_gib=less)

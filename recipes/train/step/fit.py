@@ -170,7 +170,7 @@ def check_fits(job: Job, console: Console, plan: zoo.plan.Plan, temps: int | Non
 #
 # The planner fills the budget with saved activations and model state beside what it expects XLA's temporaries to
 # take; the main job compiles the choice and, while its peak is over the device's limit, plans again with the budget
-# lowered by the excess (`zoo.plan.fit`): the recipe that runs is one whose compiled peak fits.
+# lowered (`zoo.plan.fitting.lowered`, through `zoo.plan.fit`): the recipe that runs is one whose compiled peak fits.
 @dataclasses.dataclass(frozen=True)
 class Inputs:
     """What the planner's automatic recipe is chosen for on this device (`inputs`): the HBM budget, the host link and
