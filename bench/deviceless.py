@@ -120,6 +120,8 @@ def _args():
     ap.add_argument("--params", choices=("host", "stream"), default="host")
     ap.add_argument("--attention-tiles", type=int, default=1, metavar="N")
     ap.add_argument("--loss-chunk", type=int, default=None, help="positions per loss chunk (default: the planner's)")
+    ap.add_argument("--hbm", type=float, default=LIMIT_GIB, metavar="GiB",
+                    help="the HBM budget auto plans for (default: the allocator's share, which the record checks)")
     return ap.parse_args()
 
 
@@ -143,7 +145,7 @@ def main():
     cfg = zoo.models.LlamaConfig.preset("llama3_1_8b", num_layers=a.layers, param_dtype="bfloat16",
                                         max_seq_len=max(seqs), attention_tiles=a.attention_tiles,
                                         attention_impl="cudnn")
-    hardware = zoo.plan.Hardware(hbm_gib=LIMIT_GIB, tflops=989.0, device_kind="NVIDIA H200")   # bf16 dense peak
+    hardware = zoo.plan.Hardware(hbm_gib=a.hbm, tflops=989.0, device_kind="NVIDIA H200")   # bf16 dense peak
     for seq in seqs:
         for name in a.recipe or ["carry:32:8"]:
             recipe = _recipe(name, RECIPES)
@@ -171,7 +173,7 @@ def main():
                       optimizer="adamw", opt_state="host", params=a.params, opt_dtype="bfloat16",
                       param_dtype="bfloat16", attention_tiles=a.attention_tiles, recipe_run=str(est.recipe),
                       loss_chunk=est.loss_chunk, estimated_peak_gib=round(est.peak_bytes / 2**30, 2),
-                      planned_step_s=round(est.step_time()["total_s"], 1), limit_gib=LIMIT_GIB,
+                      planned_step_s=round(est.step_time()["total_s"], 1), limit_gib=LIMIT_GIB, budget_gib=a.hbm,
                       host_pool_gib=int(os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"]),
                       fits=(without + workspace) / 2**30 <= LIMIT_GIB, compile_s=round(time.perf_counter() - t0, 1),
                       command="python -m bench.deviceless " + " ".join(sys.argv[1:])))

@@ -1,7 +1,8 @@
 """A query tile's causal attention against the keys up to it (zoo.layers.tile_attention): tiles equal the rows of
 whole causal attention, forward and gradients (float32, 1e-5), with the XLA kernel here and cuDNN's and
 mosaic_cudnn's on a GPU; one program serves every tile (its start traced); two key blocks merge into the softmax over
-both; cuDNN's part with a traced key length traces (on the CPU, its checks stubbed)."""
+both; a part given a key length reads only those keys; a start within a block is refused; cuDNN's tile attention
+traces with a traced start (on the CPU, its checks stubbed)."""
 import jax
 import jax.numpy as jnp
 import pytest
@@ -64,6 +65,20 @@ def test_query_tiles_equal_whole_causal_attention_forward_and_gradients(tiles):
     check_against_whole("xla", jnp.float32, 1e-5, tiles=tiles)
 
 
+def test_a_part_over_the_first_keys_given_their_number_is_the_part_over_those_keys():
+    q, k, v, _ = qkv()
+    n = jnp.int32(5)
+    out, lse = jax.jit(lambda q, k, v, n: attention_part("xla", q, k, v, D ** -0.5, causal=False, kv_len=n))(q, k, v, n)
+    want, want_lse = attention_part("xla", q, k[:, :5], v[:, :5], D ** -0.5, causal=False)
+    assert rel(out, want) < 1e-6 and rel(lse, want_lse) < 1e-6
+
+
+def test_a_start_within_a_block_is_refused():
+    q, k, v, _ = qkv()
+    with pytest.raises(ValueError, match="start=2 must be a multiple of the tile's length 4"):
+        prefix_attention(q[:, 2:6], k[:, 2:6], v[:, 2:6], k, v, 2, impl="xla")
+
+
 def test_merge_of_two_key_blocks_is_the_softmax_over_both():
     q, k, v, _ = qkv()
     half = S // 2
@@ -74,10 +89,10 @@ def test_merge_of_two_key_blocks_is_the_softmax_over_both():
     assert rel(out, whole) < 1e-6 and rel(lse, whole_lse) < 1e-6
 
 
-def test_cudnns_prefix_part_traces_with_a_traced_key_length(monkeypatch):
+def test_cudnns_tile_attention_traces_with_a_traced_start(monkeypatch):
     """jax's cuDNN attention, traced on the CPU (its version and flash-attention checks stubbed; nothing runs): a
-    tile's gradient through both parts, the prefix's with a traced key length (cuDNN's padding mask), has the
-    inputs' shapes, and the kernel's residuals (the lengths among them) are read as cuDNN's."""
+    tile's gradient through its own keys' call and the loop over the blocks before it (as many as its traced start
+    has) has the inputs' shapes, and the kernel's residuals are read as cuDNN's."""
     fa = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
     if not all(hasattr(fa, f) for f in ("check_cudnn_version", "check_is_flash_attention")):
         pytest.skip("jax's cuDNN attention checks moved")

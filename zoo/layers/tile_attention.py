@@ -1,12 +1,14 @@
 """Causal attention of one query tile against the keys up to it (blockwise attention, Liu and Abbeel 2023; the merge
 of FlashAttention's split softmax): the tile's queries see its own keys causally and every key before the tile.
 
-The two parts are two kernel calls, the diagonal block (causal) and the prefix (the whole sequence's keys, the
-kernel told to read only the first `start`: one program for every tile), each returning its output and
-log-sum-exp; they merge by the log-sum-exps into the tile's output and statistics, named ``attention_out`` and
-``context`` as `zoo.layers.attention_kernel.causal_attention` names them. The backward hands each part's kernel the
-merged output and statistics (all FlashAttention's backward reads besides q, k, v), so the tile's gradient is the
-sum of the parts' and no [T, P] matrix is ever kept. A model runs its attention this way over query tiles
+The tile's own keys are one kernel call (causal); the keys before it are one call per block of the tile's length, in
+a loop that runs as many times as the tile has blocks before it (one program for every tile). Each call returns its
+output and log-sum-exp, and they merge by the log-sum-exps into the tile's output and statistics, named
+``attention_out`` and ``context`` as `zoo.layers.attention_kernel.causal_attention` names them. The backward hands
+each call's kernel the merged output and statistics (all FlashAttention's backward reads besides q, k, v), so the
+tile's gradient is the sum of the calls' and no [T, P] matrix is ever kept; every call reads and writes blocks of the
+tile's length, so no kernel's workspace grows with the sequence (cuDNN's backward holds float32 sums the size of its
+queries and its keys over the query heads). A model runs its attention this way over query tiles
 (`zoo.layers.query_tiles`) so that only one tile's queries, outputs and their gradients exist at a time.
 """
 from __future__ import annotations
@@ -52,9 +54,9 @@ def prefix_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_all: jax.Array,
         v: the tile's values [B, T, Hkv, d].
         k_all: the keys of the whole sequence [B, S, Hkv, d]; the first `start` are the tile's prefix.
         v_all: their values [B, S, Hkv, d].
-        start: the tile's first position (an int, or a traced int32 scalar: one loop body serves every tile).
-        impl: the kernel, "xla", "cudnn" or "mosaic_cudnn" (`zoo.layers.attention_kernel.choose_impl`; the prefix
-            part of mosaic_cudnn runs cuDNN's forward, which takes a key length).
+        start: the tile's first position, a multiple of T (an int, or a traced int32 scalar: one loop body serves
+            every tile).
+        impl: the kernel, "xla", "cudnn" or "mosaic_cudnn" (`zoo.layers.attention_kernel.choose_impl`).
         scale: the softmax scale (default d ** -0.5).
 
     Returns:
@@ -74,14 +76,24 @@ def prefix_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_all: jax.Array,
         True
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    t = q.shape[1]
+    if isinstance(start, int) and start % t:
+        raise ValueError(f"start={start} must be a multiple of the tile's length {t}: the keys before the tile are "
+                         f"read in blocks of its length")
     start = jnp.asarray(start, jnp.int32)
+
+    def block(x, j):   # block j of the whole sequence's keys or values, the tile's length
+        return jax.lax.dynamic_slice_in_dim(x, j * t, t, axis=1)
 
     def forward(q, k, v, ka, va, start):
         with jax.named_scope(SCOPE), jax.named_scope(FORWARD):
-            out_d, lse_d = attention_part(impl, q, k, v, scale, causal=True)
-            out_p, lse_p = attention_part(impl, q, ka, va, scale, causal=False, kv_len=start)
-            seen = start > 0   # the first tile has no prefix: its part is not defined, and counts for nothing
-            out, lse = merge(out_d, lse_d, jnp.where(seen, out_p, 0), jnp.where(seen, lse_p, -jnp.inf))
+            def before(j, acc):
+                return merge(*acc, *attention_part(impl, q, block(ka, j), block(va, j), scale, causal=False))
+
+            none = (jnp.zeros(q.shape, jnp.float32), jnp.full((q.shape[0], q.shape[2], t), -jnp.inf, jnp.float32))
+            # summed in float32; no block before the first tile
+            out_p, lse_p = jax.lax.fori_loop(0, start // t, before, none)
+            out, lse = merge(*attention_part(impl, q, k, v, scale, causal=True), out_p, lse_p)
         out = name(out, "attention_out", BSH)
         lse = name(lse, "context", STATS_AXES)
         return out, (q, k, v, ka, va, start, out, lse)
@@ -90,11 +102,18 @@ def prefix_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_all: jax.Array,
         q, k, v, ka, va, start, out, lse = res
         with jax.named_scope(SCOPE):
             dq, dk, dv = attention_part_backward(impl, q, k, v, out, lse, g, scale, causal=True)
-            dq_p, dka, dva = attention_part_backward(impl, q, ka, va, out, lse, g, scale, causal=False, kv_len=start)
-            before = (jnp.arange(ka.shape[1]) < start)[None, :, None, None]   # the prefix's keys: the rest is 0
-            dq = jnp.where(start > 0, dq.astype(jnp.float32) + dq_p.astype(jnp.float32), dq).astype(q.dtype)
-            dka, dva = jnp.where(before, dka, 0).astype(ka.dtype), jnp.where(before, dva, 0).astype(va.dtype)
-        return dq, dk, dv, dka, dva, None
+
+            def before(j, acc):
+                dq, dka, dva = acc
+                dq_j, dk_j, dv_j = attention_part_backward(impl, q, block(ka, j), block(va, j), out, lse, g, scale,
+                                                           causal=False)
+                return (dq + dq_j.astype(jnp.float32), jax.lax.dynamic_update_slice_in_dim(dka, dk_j, j * t, 1),
+                        jax.lax.dynamic_update_slice_in_dim(dva, dv_j, j * t, 1))
+
+            # the blocks from the tile on stay 0: the tile's own keys' gradients are dk and dv
+            dq, dka, dva = jax.lax.fori_loop(0, start // t, before,
+                                             (dq.astype(jnp.float32), jnp.zeros_like(ka), jnp.zeros_like(va)))
+        return dq.astype(q.dtype), dk, dv, dka, dva, None
 
     @jax.custom_vjp
     def attend(q, k, v, ka, va, start):
