@@ -53,6 +53,7 @@ dnn_version_info { major: 9 minor: 8 }
 runtime_version { major: 12 minor: 8 }
 device_description_str: "NVIDIA H200"
 """
+COMPILED_ON = "the CPU for an NVIDIA H200 (bench.deviceless: jax's compile-only CUDA client)"
 # The allocator's share of the H200 at XLA_PYTHON_CLIENT_MEM_FRACTION=.95 (the long-context runs' setting)
 LIMIT_GIB = 132.8
 _BACKWARD = re.compile(r'custom_call_target="__cudnn\$fmhaSoftmax\w*Backward"'
@@ -111,6 +112,46 @@ def compiling_for_h200():
          compile_options.for_step) = saved
 
 
+def _programs(compiled) -> tuple:
+    """The compiled programs of a step (two where the step runs as two: `zoo.two_programs`)."""
+    return (compiled.first, compiled.second) if hasattr(compiled, "first") else (compiled,)
+
+
+@contextlib.contextmanager
+def planning_for_h200(host_ram_gib: float = 128.0):
+    """Within `compiling_for_h200`, the planner plans for the H200 as if on it (`zoo.plan.plan`, `longest_seq`): its
+    compiled peaks are this compile's with the largest cuDNN workspace added, and the H200's host has `host_ram_gib`
+    of RAM."""
+    from zoo.plan import build, longest, state, target
+    from zoo.plan import peak as peak_lib
+    from zoo.two_programs import peak_bytes
+
+    with compiling_for_h200() as device:
+        saved = (target.device_target, build.device_target, longest.device_target, peak_lib.from_compiled,
+                 state.machine_ram_bytes, longest.machine_ram_bytes)
+
+        def on_the_h200(kind):
+            return "NVIDIA H200", kind in (None, "NVIDIA H200"), device
+
+        def from_compiled(compiled, device_=None, mesh=None):
+            workspace = max(cudnn_workspace(p.as_text()) for p in _programs(compiled))
+            peak = peak_bytes(compiled.memory_analysis()) + workspace
+            return peak_lib.Peak(bytes=peak, compiled=True, detail={"cudnn_workspace": workspace},
+                                 source="compiled for NVIDIA H200 on the CPU (bench.deviceless), cuDNN's largest "
+                                        "workspace added")
+
+        def ram():
+            return int(host_ram_gib * 2**30)
+
+        target.device_target = build.device_target = longest.device_target = on_the_h200
+        peak_lib.from_compiled, state.machine_ram_bytes, longest.machine_ram_bytes = from_compiled, ram, ram
+        try:
+            yield device
+        finally:
+            (target.device_target, build.device_target, longest.device_target, peak_lib.from_compiled,
+             state.machine_ram_bytes, longest.machine_ram_bytes) = saved
+
+
 def _args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq", type=int, action="append", default=[], help="a length to compile (repeat)")
@@ -120,6 +161,9 @@ def _args():
     ap.add_argument("--params", choices=("host", "stream"), default="host")
     ap.add_argument("--attention-tiles", type=int, default=1, metavar="N")
     ap.add_argument("--loss-chunk", type=int, default=None, help="positions per loss chunk (default: the planner's)")
+    ap.add_argument("--longest", type=int, default=None, metavar="CAP",
+                    help="instead: the planner's longest power-of-two length up to CAP that fits, auto's step compiled "
+                         "here (zoo.plan.longest_seq, as --max-seq on the H200)")
     ap.add_argument("--hbm", type=float, default=LIMIT_GIB, metavar="GiB",
                     help="the HBM budget auto plans for (default: the allocator's share, which the record checks)")
     return ap.parse_args()
@@ -143,9 +187,22 @@ def main():
 
     seqs = a.seq or [1048576]
     cfg = zoo.models.LlamaConfig.preset("llama3_1_8b", num_layers=a.layers, param_dtype="bfloat16",
-                                        max_seq_len=max(seqs), attention_tiles=a.attention_tiles,
+                                        max_seq_len=max(seqs + [a.longest or 0]), attention_tiles=a.attention_tiles,
                                         attention_impl="cudnn")
     hardware = zoo.plan.Hardware(hbm_gib=a.hbm, tflops=989.0, device_kind="NVIDIA H200")   # bf16 dense peak
+    if a.longest:
+        training = zoo.plan.Training(opt_dtype="bfloat16", opt_state="host", params=a.params, loss_chunk="auto")
+        t0 = time.perf_counter()
+        with planning_for_h200():
+            found = zoo.plan.longest_seq(cfg, "auto", hardware=hardware, training=training, cap=a.longest,
+                                         peak="compile")
+        print(found.render(), file=sys.stderr)
+        emit(dict(bench="plan-probe", impl="zoo", recipe="auto", backend=None, gpus=1, B=1, S=found.seq,
+                  L=cfg.num_layers, step_s=None, tflops=None, peak_gib=None, planned_peak_gib=None, dropped=0,
+                  host_temp_gib=None, planned_host_gib=None, longest=found.to_dict(), params=a.params,
+                  attention_tiles=a.attention_tiles, compiled_on=COMPILED_ON, wall_s=round(time.perf_counter() - t0, 1),
+                  command="python -m bench.deviceless " + " ".join(sys.argv[1:])))
+        return
     for seq in seqs:
         for name in a.recipe or ["carry:32:8"]:
             recipe = _recipe(name, RECIPES)
@@ -157,7 +214,7 @@ def main():
             with compiling_for_h200():
                 step = compile_abstract(family_of(cfg), cfg, est.recipe, batch=1, seq=seq, training=zoo.plan.Training(
                     opt_dtype="bfloat16", opt_state="host", params=a.params, loss_chunk=est.loss_chunk))[0]
-            programs = (step.first, step.second) if hasattr(step, "first") else (step,)
+            programs = _programs(step)
             ma = step.memory_analysis()
             without = peak_bytes(ma)
             workspace = max(cudnn_workspace(p.as_text()) for p in programs)
@@ -166,7 +223,7 @@ def main():
                       planned_peak_gib=round((without + workspace) / 2**30, 2),
                       host_temp_gib=round(ma.host_temp_size_in_bytes / 2**30, 2),
                       planned_host_gib=round(est.host_total / 2**30, 2),
-                      compiled_on="the CPU for an NVIDIA H200 (bench.deviceless: jax's compile-only CUDA client)",
+                      compiled_on=COMPILED_ON,
                       peak_without_cudnn_workspace_gib=round(without / 2**30, 2),
                       cudnn_workspace_gib=round(workspace / 2**30, 2),
                       host_state_gib=round(ma.host_argument_size_in_bytes / 2**30, 2),
