@@ -97,7 +97,7 @@ def compiling_for_h200():
         kwargs["lowering_platforms"] = kwargs.get("lowering_platforms") or ("cuda",)
         return lower(*args, **kwargs)
 
-    def compile_for_h200(backend, module, executable_devices, options, host_callbacks):
+    def compile_for_h200(backend, module, executable_devices, options, *_):   # no host callbacks
         return client.compile(module, executable_devices=_jax.DeviceList(devices[:len(executable_devices)]),
                               compile_options=options)
 
@@ -133,7 +133,7 @@ def planning_for_h200(host_ram_gib: float = 128.0):
         def on_the_h200(kind):
             return "NVIDIA H200", kind in (None, "NVIDIA H200"), device
 
-        def from_compiled(compiled, device_=None, mesh=None):
+        def from_compiled(compiled, *_, **__):
             workspace = max(cudnn_workspace(p.as_text()) for p in _programs(compiled))
             peak = peak_bytes(compiled.memory_analysis()) + workspace
             return peak_lib.Peak(bytes=peak, compiled=True, detail={"cudnn_workspace": workspace},
