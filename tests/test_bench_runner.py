@@ -103,7 +103,9 @@ def test_the_reporter_renders_every_committed_record():
 
 
 # bench modules no scenario runs: each says who uses it
-TOOLS = {"bench.plots": "draws the benchmark pages' plots from bench/results (docs/benchmarks/index.md)"}
+TOOLS = {"bench.plots": "draws the benchmark pages' plots from bench/results (docs/benchmarks/index.md)",
+         "bench.deviceless": "compiles the 8B's step for the H200 on the CPU, no GPU needed "
+                             "(docs/benchmarks/longest-context.md)"}
 
 
 def test_every_bench_module_is_reached_from_a_scenario():
