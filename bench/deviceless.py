@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import re
 import sys
@@ -112,9 +113,12 @@ def compiling_for_h200():
          compile_options.for_step) = saved
 
 
-def _programs(compiled) -> tuple:
-    """The compiled programs of a step (two where the step runs as two: `zoo.two_programs`)."""
-    return (compiled.first, compiled.second) if hasattr(compiled, "first") else (compiled,)
+def peak_and_workspace(compiled) -> tuple[int, int]:
+    """(XLA's peak of a step compiled here, the largest cuDNN workspace of its programs), in bytes: the step's peak on
+    the H200 is at most their sum. A step run as two programs (`zoo.two_programs`) has both read."""
+    from zoo.two_programs import peak_bytes
+    programs = (compiled.first, compiled.second) if hasattr(compiled, "first") else (compiled,)
+    return peak_bytes(compiled.memory_analysis()), max(cudnn_workspace(p.as_text()) for p in programs)
 
 
 @contextlib.contextmanager
@@ -124,7 +128,6 @@ def planning_for_h200(host_ram_gib: float = 128.0):
     of RAM."""
     from zoo.plan import build, longest, state, target
     from zoo.plan import peak as peak_lib
-    from zoo.two_programs import peak_bytes
 
     with compiling_for_h200() as device:
         saved = (target.device_target, build.device_target, longest.device_target, peak_lib.from_compiled,
@@ -134,9 +137,8 @@ def planning_for_h200(host_ram_gib: float = 128.0):
             return "NVIDIA H200", kind in (None, "NVIDIA H200"), device
 
         def from_compiled(compiled, *_, **__):
-            workspace = max(cudnn_workspace(p.as_text()) for p in _programs(compiled))
-            peak = peak_bytes(compiled.memory_analysis()) + workspace
-            return peak_lib.Peak(bytes=peak, compiled=True, detail={"cudnn_workspace": workspace},
+            without, workspace = peak_and_workspace(compiled)
+            return peak_lib.Peak(bytes=without + workspace, compiled=True, detail={"cudnn_workspace": workspace},
                                  source="compiled for NVIDIA H200 on the CPU (bench.deviceless), cuDNN's largest "
                                         "workspace added")
 
@@ -183,7 +185,6 @@ def main():
     from recipes.llama3 import RECIPES
     from zoo.models.registry import family_of
     from zoo.train_step import compile_abstract
-    from zoo.two_programs import peak_bytes
 
     seqs = a.seq or [1048576]
     cfg = zoo.models.LlamaConfig.preset("llama3_1_8b", num_layers=a.layers, param_dtype="bfloat16",
@@ -212,12 +213,10 @@ def main():
                                 peak="estimate")
             t0 = time.perf_counter()
             with compiling_for_h200():
-                step = compile_abstract(family_of(cfg), cfg, est.recipe, batch=1, seq=seq, training=zoo.plan.Training(
-                    opt_dtype="bfloat16", opt_state="host", params=a.params, loss_chunk=est.loss_chunk))[0]
-            programs = _programs(step)
+                step = compile_abstract(family_of(cfg), cfg, est.recipe, batch=1, seq=seq,
+                                        training=dataclasses.replace(training, loss_chunk=est.loss_chunk))[0]
             ma = step.memory_analysis()
-            without = peak_bytes(ma)
-            workspace = max(cudnn_workspace(p.as_text()) for p in programs)
+            without, workspace = peak_and_workspace(step)
             emit(dict(bench="plan-probe", impl="zoo", recipe=name, backend=None, gpus=1, B=1, S=seq, L=cfg.num_layers,
                       step_s=None, tflops=None, peak_gib=None, dropped=0,
                       planned_peak_gib=round((without + workspace) / 2**30, 2),
