@@ -66,7 +66,14 @@ def cudnn_workspace(hlo_text: str) -> int:
     """The largest workspace of the cuDNN attention backward calls in an optimized HLO module, in bytes: for queries
     [B, Sq, H, d] and keys [B, Sk, Hkv, d], 4 B H d (Sq + Sk) + 4 B H Sq + 256. Fitted to the two sizes XLA gave cuDNN's
     calls on the H200 in the 1M step (bf16, 32 query and 8 key heads of 128): 18,261,999,872 bytes for 65,536 queries
-    over 1,048,576 keys and 2,155,872,512 for 65,536 over 65,536; 0 where no such call runs."""
+    over 1,048,576 keys and 2,155,872,512 for 65,536 over 65,536.
+
+    Args:
+        hlo_text: the optimized HLO module's text (`compiled.as_text()`).
+
+    Returns:
+        the largest workspace in bytes; 0 where no such call runs.
+    """
     largest = 0
     for operands in _BACKWARD.findall(hlo_text):
         (b, sq, h, d), (_, sk, _, _) = (tuple(int(n) for n in m.split(",")) for m in _SHAPE.findall(operands)[:2])
@@ -124,8 +131,11 @@ def peak_and_workspace(compiled) -> tuple[int, int]:
 @contextlib.contextmanager
 def planning_for_h200(host_ram_gib: float = 128.0):
     """Within `compiling_for_h200`, the planner plans for the H200 as if on it (`zoo.plan.plan`, `longest_seq`): its
-    compiled peaks are this compile's with the largest cuDNN workspace added, and the H200's host has `host_ram_gib`
-    of RAM."""
+    compiled peaks are this compile's with the largest cuDNN workspace added (`peak_and_workspace`).
+
+    Args:
+        host_ram_gib: the RAM of the H200's host, which bounds the pinned pool the planner plans within.
+    """
     from zoo.plan import build, longest, state, target
     from zoo.plan import peak as peak_lib
 
