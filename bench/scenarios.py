@@ -339,6 +339,15 @@ SCENARIOS: dict[str, Scenario] = {
         "4, each group's input on the host, the kernel's pair kept while a group's backward runs), two steps, with "
         "the attention kernel auto takes (mosaic_cudnn where tokamax is installed on one Hopper device)",
         (long_job("longest_context", 524288, layers=8, steps=2, est=430, timeout=570),)),
+    "half-million-lead": Scenario(
+        "the first layer of each group keeping the kernel's pair at 524,288 tokens: all 32 layers of the 8B with the "
+        "bf16 parameters streamed (--params stream), compiled under auto (which keeps one layer's pair in four) and "
+        "lead_context, nothing run; then the 8B cut to 8 layers under lead_context (longest_context's structure, "
+        "each group's first layer keeping the pair in HBM), two steps, with the attention kernel auto takes, against "
+        "longest_context's 159.88 s (half-million-mosaic); a step takes minutes: run detached",
+        (probe(("auto", "lead_context"), seq=524288, est=240, timeout=500, extra=("--params", "stream"),
+               env={**LONG_ENV, "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "120"}, name="plan-probe-512K-lead-stream"),
+         long_job("lead_context", 524288, layers=8, steps=2, est=400, timeout=560))),
     "half-million-trace": Scenario(
         "where mosaic_cudnn's step at 524,288 tokens goes: the 8B cut to 8 layers under long_context with "
         "mosaic_cudnn, two steps, the second traced (recipes.train --profile) and timed, its trace summed per kernel "

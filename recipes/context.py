@@ -6,8 +6,9 @@ sequence while their bytes grow as the sequence (docs/long-context.md).
 Past 64K the limit is where every byte lives: the `_tiles` recipes run each layer's per-position parts in
 `TILES` sequence tiles (`zoo.layers.tiles`), and `long_context` also keeps the layer input once per two layers,
 in pinned host memory; `longest_context` once per four, each group's layers keeping the kernel's two residuals only
-while the group's backward pass runs (two-level checkpoints). A family whose stacks two does not divide leaves both
-out; a model whose layers four does not divide refuses `longest_context` by name.
+while the group's backward pass runs (two-level checkpoints), and `lead_context` as it, the first layer of each group
+keeping them between the passes too (one attention forward fewer per group). A family whose stacks two does not
+divide leaves them out; a model whose layers four does not divide refuses the last two by name.
 """
 from zoo import Recipe
 from zoo.recipe import ATTENTION_RESIDUALS as CONTEXT
@@ -19,7 +20,8 @@ TILES = 16
 def context_recipes(kernel: str = "the attention kernel's", *, grouped: bool = True, longest: bool = True
                     ) -> dict[str, Recipe]:
     """{"context_save", "context_offload", "context_tiles", "context_offload_tiles" and, with `grouped`,
-    "long_context" and (with `longest`) "longest_context"} for a family whose attention is described as `kernel`."""
+    "long_context" and (with `longest`) "longest_context" and "lead_context"} for a family whose attention is described
+    as `kernel`."""
     out = {
         "context_save": Recipe("context_save", device=CONTEXT,
                                description=f"{kernel} output and softmax statistics kept in HBM: no attention "
@@ -45,4 +47,10 @@ def context_recipes(kernel: str = "the attention kernel's", *, grouped: bool = T
                                                     f"each group's layers keeping {kernel} output and statistics "
                                                     f"while the group's backward runs (two-level checkpoints), "
                                                     f"{TILES} sequence tiles: 512K on one H200")
+        out["lead_context"] = Recipe("lead_context", offload=CARRY, seq_tiles=TILES, group=4, group_keep=CONTEXT,
+                                     lead_device=CONTEXT,
+                                     description=f"longest_context, the first layer of each group keeping {kernel} "
+                                                 f"output and statistics in HBM between the passes too (one "
+                                                 f"attention forward fewer per group): 512K on one H200 with "
+                                                 f"--params stream")
     return out

@@ -32,6 +32,42 @@ def test_bad_recipes_raise(kwargs, match):
         zoo.Recipe("bad", **kwargs)
 
 
+PAIR = ("attention_out", "context")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(lead_device=PAIR), r"need layer groups of two levels .*; got group=1, subgroup=1"),
+    (dict(lead_offload=PAIR, group=4, subgroup=2), r"got group=4, subgroup=2"),
+    (dict(lead_device=PAIR, group=2, special="full"), r"got special='full'"),
+    (dict(lead_device=("attention_out",), group=2), r"the lead layer keeps \['attention_out'\] but not \['context'\]"),
+    (dict(lead_device=PAIR, lead_offload=("context",), group=2), r"\['context'\] are placed both in HBM and offloaded"),
+    (dict(lead_offload=PAIR, device=PAIR, group=2), r"kept by every layer already"),
+    (dict(lead_device=("attn_*",), group=2), r"lead_device: 'attn_\*' matches no tag"),
+])
+def test_bad_lead_tags_raise(kwargs, match):
+    """What a group's first layer keeps between the passes (`lead_device`, `lead_offload`) needs two-level groups,
+    tags no layer keeps already, one placement each, and the attention kernel's pair whole."""
+    with pytest.raises(ValueError, match=match):
+        zoo.Recipe("bad", **kwargs)
+
+
+def test_a_groups_first_layer_names_its_tags_apart_and_the_policies_keep_them():
+    """Inside `zoo.tags.role(LEAD)` a tag is named `tag@lead`; the group's policy keeps the lead's tags where the
+    recipe says and every tag the recipe keeps, named either way; the first layer's own policy saves its names only."""
+    r = zoo.Recipe("lead", offload=("decoder_layer_input",), device=("key_proj",), group=4, group_keep=PAIR,
+                   lead_offload=PAIR)
+    assert r.resolve().lead == PAIR
+    assert "the first layer of each group offloading ['attention_out', 'context']" in str(r)
+    with tags.role(tags.LEAD):
+        assert tags.current_role() == "lead"
+        jaxpr = jax.make_jaxpr(lambda x: tags.name(x, "context"))(jnp.ones(3))
+    assert tags.current_role() == "" and "name=context@lead" in str(jaxpr)
+    assert tags.split_name("context@lead") == ("context", "lead") and tags.split_name("context") == ("context", "")
+    lead = r.lead_policy()
+    assert lead.saveable_names == {"key_proj@lead", "decoder_layer_input@lead", "attention_out@lead", "context@lead"}
+    assert zoo.Recipe("g", offload=("decoder_layer_input",), group=4).lead_policy() is None
+
+
 def _tagged(w, x):
     h = tags.name(jnp.sin(x @ w), "query_proj")
     return jnp.sum(jnp.sin(h) @ w)
@@ -81,7 +117,7 @@ def test_a_recipe_is_the_value_it_was_made_as():
     assert written.offload == ("*_proj",) and not hasattr(written, "patterns")
     assert {f.name: getattr(written, f.name) for f in dataclasses.fields(written)} == dict(
         name="x", offload=("*_proj",), device=(), special=None, description="every projection", seq_tiles=1, group=1,
-        group_keep=(), subgroup=1)
+        group_keep=(), subgroup=1, lead_device=(), lead_offload=())
     renamed = dataclasses.replace(written, name="y")
     assert renamed.offload == written.offload and renamed.resolve().offload == written.resolve().offload
     assert renamed != written and dataclasses.replace(renamed, name="x") == written

@@ -35,8 +35,8 @@ class StepOptions:
 
 
 def offloads(recipe: Recipe | None) -> bool:
-    """True iff `recipe` sends any tag to pinned host memory."""
-    return recipe is not None and bool(recipe.offload)
+    """True iff `recipe` sends any tag to pinned host memory (a group's first layer's included)."""
+    return recipe is not None and bool(recipe.offload or recipe.lead_offload)
 
 
 def _user_set(option: str, xla_flags: str) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 from collections.abc import Iterable
 from typing import Literal
 
@@ -44,6 +45,8 @@ class ResolvedRecipe:
         offload: the tag names it sends to pinned host memory.
         device: the tag names it keeps in HBM.
         group_keep: the tag names a group's layers keep while the group's backward runs.
+        lead_device: the tag names the first layer of each group keeps in HBM between the passes.
+        lead_offload: the tag names the first layer of each group sends to pinned host memory.
 
     Examples:
         >>> from zoo import Recipe
@@ -54,6 +57,13 @@ class ResolvedRecipe:
     offload: tuple[str, ...]
     device: tuple[str, ...]
     group_keep: tuple[str, ...] = ()
+    lead_device: tuple[str, ...] = ()
+    lead_offload: tuple[str, ...] = ()
+
+    @property
+    def lead(self) -> tuple[str, ...]:
+        """The tag names the first layer of each group keeps between the passes (in HBM or on the host)."""
+        return self.lead_device + self.lead_offload
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,12 +89,17 @@ class Recipe:
         subgroup: layers per checkpoint between a group's and each layer's (three levels): a group's backward keeps
             its subgroups' inputs, and each subgroup's backward its layers' inputs, for one more forward pass of the
             group. 1: two levels. It must divide `group` and be smaller.
+        lead_device: tags the first layer of each group (two levels) keeps in HBM between the passes, where the other
+            layers recompute them: the attention kernel's pair for one layer in `group`, one attention forward fewer
+            for that layer, where HBM cannot hold it for every layer.
+        lead_offload: the same, sent to pinned host memory.
 
     Raises:
         ValueError: a name or pattern that matches no tag (the message lists the vocabulary), a tag in two
             placements, one of the attention kernel's two residuals kept without the other, a non-positive or boolean
             `seq_tiles`, `group` or `subgroup`, `group_keep` without groups, a `subgroup` that is not a proper divisor
-            of `group`.
+            of `group`, lead tags on a recipe without groups, in subgroups, on a special recipe, or already kept by
+            every layer.
 
     Examples:
         >>> from zoo import Recipe
@@ -105,11 +120,15 @@ class Recipe:
     # the passes: the group's recompute makes them once, each layer's own backward reads them (two-level checkpoints)
     group_keep: tuple[str, ...] = ()
     subgroup: int = 1               # layers per checkpoint between a group's and each layer's (1: two levels)
+    # tags (or patterns) the first layer of each group keeps between the passes, in HBM or on the host: the layers
+    # after it recompute them (the kernel's pair for one layer in `group`, where there is no room for every layer's)
+    lead_device: tuple[str, ...] = ()
+    lead_offload: tuple[str, ...] = ()
 
     def __post_init__(self):
         """Checks only (the fields are never rewritten): tuples of strings, each matching a tag of the vocabulary,
         no tag placed twice, a special recipe without tags."""
-        for field in ("offload", "device", "group_keep"):
+        for field in ("offload", "device", "group_keep", "lead_device", "lead_offload"):
             value = getattr(self, field)
             if not isinstance(value, tuple):
                 raise ValueError(f"Recipe {self.name!r}: {field} takes a tuple of tags, got {value!r}")
@@ -139,6 +158,7 @@ class Recipe:
         if both:
             raise ValueError(f"Recipe {self.name!r}: {both} placed both on device and offloaded; a tag has one "
                              f"placement. The vocabulary is: {tags_lib.vocabulary()}")
+        self._check_lead(r)
         keep = r.group_keep
         for group in TOGETHER:
             kept = [t for t in group if t in r.offload or t in r.device]
@@ -153,6 +173,30 @@ class Recipe:
                 raise ValueError(f"Recipe {self.name!r}: group_keep keeps {inner} but not "
                                  f"{[t for t in group if t not in inner]}: {' and '.join(group)} only pay together")
 
+    def _check_lead(self, r: ResolvedRecipe) -> None:
+        """ValueError unless the lead tags (`lead_device`, `lead_offload`) have a group's first layer to serve: a
+        two-level group, tags no layer keeps already, the kernel's pair whole."""
+        lead = r.lead
+        if not (self.lead_device or self.lead_offload):
+            return
+        if self.special is not None or self.group == 1 or self.subgroup > 1:
+            got = f"special={self.special!r}" if self.special else f"group={self.group}, subgroup={self.subgroup}"
+            raise ValueError(f"Recipe {self.name!r}: lead_device / lead_offload say what the first layer of each group "
+                             f"keeps, so they need layer groups of two levels (group > 1, subgroup 1) on a recipe of "
+                             f"tags; got {got}")
+        both = sorted(set(r.lead_device) & set(r.lead_offload))
+        every = sorted(set(lead) & set(r.device + r.offload))
+        if both or every:
+            raise ValueError(f"Recipe {self.name!r}: lead tags {both or every} are "
+                             + ("placed both in HBM and offloaded; a tag has one placement" if both else
+                                "kept by every layer already (device or offload); lead tags are for the first "
+                                "layer of each group alone"))
+        for group in TOGETHER:
+            inner = [t for t in group if t in lead]
+            if 0 < len(inner) < len(group):
+                raise ValueError(f"Recipe {self.name!r}: the lead layer keeps {inner} but not "
+                                 f"{[t for t in group if t not in inner]}: {' and '.join(group)} only pay together")
+
     def resolve(self, emitted: Iterable[str] | None = None, where: str = "the model") -> ResolvedRecipe:
         """The tag names this recipe offloads and keeps on the device: over the whole vocabulary, or, given the
         tags a model emits, over those (ValueError if a name or pattern matches none of them: a recipe that names
@@ -162,14 +206,15 @@ class Recipe:
             names: Iterable[str] = tags_lib.NAMES
         else:
             names = [t for t in tags_lib.NAMES if t in set(emitted)]
-            for field in ("offload", "device", "group_keep"):
+            for field in ("offload", "device", "group_keep", "lead_device", "lead_offload"):
                 for pat in getattr(self, field):
                     if not _expand((pat,), names):
                         raise ValueError(
                             f"Recipe {self.name!r}: {field} entry {pat!r} matches no tag that {where} emits; "
                             f"{where} emits: {', '.join(sorted(names))}")
         return ResolvedRecipe(self, _expand(self.offload, names), _expand(self.device, names),
-                              _expand(self.group_keep, names))
+                              _expand(self.group_keep, names), _expand(self.lead_device, names),
+                              _expand(self.lead_offload, names))
 
     @classmethod
     def none(cls, name: str = "none") -> Recipe:
@@ -187,11 +232,14 @@ class Recipe:
     @property
     def structure(self) -> str:
         """How the stack recomputes beyond the tags, in words ("" for one tile and one layer per group)."""
-        keep = self.resolve().group_keep
+        r = self.resolve()
+        keep = r.group_keep
         parts = [f"in {self.seq_tiles} sequence tiles" if self.seq_tiles > 1 else "",
                  f"the layer input kept every {self.group} layers" if self.group > 1 else "",
                  f"in subgroups of {self.subgroup}" if self.subgroup > 1 else "",
-                 f"{list(keep)} kept while a group's backward runs" if keep else ""]
+                 f"{list(keep)} kept while a group's backward runs" if keep else "",
+                 f"the first layer of each group keeping {list(r.lead_device)} in HBM" if r.lead_device else "",
+                 f"the first layer of each group offloading {list(r.lead_offload)}" if r.lead_offload else ""]
         return ", ".join(p for p in parts if p)
 
     def placement(self, tag: str) -> Placement:
@@ -215,12 +263,17 @@ class Recipe:
         cp = jax.checkpoint_policies
         if self.special == "none":
             return cp.everything_saveable
-        if self.special == "full" or not (self.offload or self.device):
+        if self.special == "full" or not (self.offload or self.device or self.lead_device or self.lead_offload):
             return cp.nothing_saveable
         r = self.resolve()
+        lead = functools.partial(tags_lib.role_name, role=tags_lib.LEAD)
+        # a group's first layer names its tags apart (`lead_policy`): the same placements, and its lead tags
+        device, offload = (list(r.device), list(r.offload)) if not r.lead else (
+            list(r.device) + [lead(t) for t in r.device + r.lead_device],
+            list(r.offload) + [lead(t) for t in r.offload + r.lead_offload])
         return cp.save_and_offload_only_these_names(
-            names_which_can_be_saved=list(r.device),
-            names_which_can_be_offloaded=list(r.offload),
+            names_which_can_be_saved=device,
+            names_which_can_be_offloaded=offload,
             offload_src="device",
             offload_dst=OFFLOAD_DST,
         )
@@ -235,6 +288,16 @@ class Recipe:
         r = self.resolve()
         names = (() if self.special == "full" else r.device + r.offload) + r.group_keep
         return cp.save_only_these_names(*names) if names else cp.nothing_saveable
+
+    def lead_policy(self):
+        """The checkpoint policy of the first layer of each group, whose tags are named apart
+        (`zoo.tags.role_name(tag, zoo.tags.LEAD)`): what `layer_policy` saves, and the lead tags. None where the
+        recipe has no lead tags (the group's first layer runs as the others)."""
+        r = self.resolve()
+        if not r.lead:
+            return None
+        names = r.device + r.offload + r.group_keep + r.lead
+        return jax.checkpoint_policies.save_only_these_names(*(tags_lib.role_name(t, tags_lib.LEAD) for t in names))
 
     def __str__(self) -> str:
         extra = f"; {self.structure}" if self.structure else ""

@@ -6,6 +6,8 @@ each tag has a meaning and a symbolic shape for people, its real shape being rea
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 
 import jax
@@ -67,8 +69,41 @@ def vocabulary() -> str:
     return ", ".join(NAMES)
 
 
+# The first layer of each group names its tags apart ("attention_out@lead"), so a checkpoint policy can keep them
+# for that layer alone (`Recipe.lead_device`, `Recipe.lead_offload`; zoo.models.stack.group_body).
+LEAD = "lead"
+_ROLE: contextvars.ContextVar[str] = contextvars.ContextVar("zoo_tag_role", default="")
+
+
+def role_name(tag: str, role: str = "") -> str:
+    """The checkpoint name of `tag` in a layer of `role` ("" for every layer but a group's first: `LEAD`)."""
+    return f"{tag}@{role}" if role else tag
+
+
+def split_name(checkpoint: str) -> tuple[str, str]:
+    """(tag, role) of a checkpoint name `role_name` made."""
+    tag, _, role = checkpoint.partition("@")
+    return tag, role
+
+
+@contextlib.contextmanager
+def role(value: str):
+    """Within this block (while a layer is traced), `name` names each tag as `role_name(tag, value)`."""
+    token = _ROLE.set(value)
+    try:
+        yield
+    finally:
+        _ROLE.reset(token)
+
+
+def current_role() -> str:
+    """The role `name` names tags under now ("" outside `role`)."""
+    return _ROLE.get()
+
+
 def name(x: jax.Array, tag: str, axes: tuple[str | None, ...] | None = None) -> jax.Array:
-    """Tag `x` as the intermediate `tag`: `checkpoint_name` restricted to the vocabulary.
+    """Tag `x` as the intermediate `tag`: `checkpoint_name` restricted to the vocabulary (inside `role`, the
+    checkpoint name is `role_name(tag, role)`).
 
     `axes`: the logical axis names of `x`. Under an active mesh and rules (`zoo.sharding.use`) a sharding constraint
     by those names comes first, so an offloaded residual keeps its sharding in host memory; a no-op otherwise."""
@@ -76,7 +111,7 @@ def name(x: jax.Array, tag: str, axes: tuple[str | None, ...] | None = None) -> 
         raise ValueError(f"unknown tag {tag!r}; the vocabulary is: {vocabulary()}")
     if axes is not None:
         x = logical.constrain(x, axes)
-    return checkpoint_name(x, tag)
+    return checkpoint_name(x, role_name(tag, _ROLE.get()))
 
 
 __getattr__ = renames.attributes(__name__)   # names moved to zoo.emitted, zoo.jaxprs (docs/changes.md)

@@ -20,7 +20,7 @@ from zoo.models.registry import FAMILIES, family
 from zoo.plan import measure
 
 B, S = 2, 16
-LONG = ("context_tiles", "context_offload_tiles", "long_context", "longest_context")
+LONG = ("context_tiles", "context_offload_tiles", "long_context", "longest_context", "lead_context")
 CARRY = ("decoder_layer_input",)
 CONTEXT = ("attention_out", "context")
 
@@ -65,7 +65,8 @@ def test_the_plan_of_each_long_context_recipe_is_what_jax_saves(built):
         for sp in p.stacks:
             device, host, hoisted = measure.stack_residuals(model, sp.name, B, S, r.policy(),
                                                             group=model.stack_group(sp.name, r.group),
-                                                            tiles=r.seq_tiles, layer_policy=r.layer_policy())
+                                                            tiles=r.seq_tiles, layer_policy=r.layer_policy(),
+                                                            lead_policy=r.lead_policy())
             assert (sp.host_bytes, sp.device_bytes) == (host, device + hoisted), (r.name, sp.name)
             assert (host > 0) == bool(r.offload), (r.name, sp.name)
 
@@ -185,6 +186,56 @@ def test_a_group_in_subgroups_holds_its_subgroups_inputs_and_a_subgroup_its_laye
     working = {sub: measure.working_bytes(model, "layers", B, S, dataclasses.replace(recipe, subgroup=sub), 4)
                for sub in (1, 2)}
     assert working[1] - working[2] == measure.nbytes(x)
+
+
+def lead_recipe(where: str = "offload") -> zoo.Recipe:
+    """Groups of 2, the layer input offloaded, each layer keeping the kernel's pair while its group's backward runs
+    and the first layer of each group keeping it between the passes, `where` ("device" or "offload")."""
+    return zoo.Recipe(f"lead_{where}", offload=CARRY, seq_tiles=2, group=2, group_keep=CONTEXT,
+                      **{f"lead_{where}": CONTEXT})
+
+
+def test_a_groups_first_layer_keeping_the_pair_leaves_the_gradients_unchanged(case):
+    name, model, tokens, (loss0, grads0) = case
+    for r in (lead_recipe("device"), lead_recipe("offload")):
+        loss, grads = grads_under(model, r, tokens)
+        assert abs(float(loss) - float(loss0)) < 1e-5 and max_rel_err(grads, grads0) < 1e-5, r.name
+
+
+def test_the_plan_of_a_groups_first_layer_keeping_the_pair_is_what_jax_saves(built):
+    """Per stack, the plan's bytes in HBM and on the host equal JAX's residuals of the scanned stack with each group's
+    first layer keeping the kernel's pair (one layer in 2: its `@lead` rows hold half a layer's pair per layer,
+    where the recipe puts them), with no warning; and the plan prices one attention forward fewer per group."""
+    name, model = built
+    for where in ("device", "offload"):
+        r = lead_recipe(where)
+        model.set_recipe(r)
+        p = zoo.plan.plan(model.config, r, batch=B, seq=S, peak=None)
+        assert not p.warnings, (r.name, p.warnings)
+        without = zoo.plan.plan(model.config, dataclasses.replace(r, **{f"lead_{where}": ()}), batch=B, seq=S,
+                                peak=None)
+        for sp, sp0 in zip(p.stacks, without.stacks):
+            group = model.stack_group(sp.name, r.group)
+            device, host, hoisted = measure.stack_residuals(model, sp.name, B, S, r.policy(), group=group,
+                                                            tiles=r.seq_tiles, layer_policy=r.layer_policy(),
+                                                            lead_policy=r.lead_policy())
+            assert (sp.host_bytes, sp.device_bytes) == (host, device + hoisted), (r.name, sp.name)
+            lead = {t.tag: t for t in sp.tags if t.tag.endswith("@lead")}
+            if group == 1 or "attention_out" not in {t.tag for t in sp.tags}:
+                assert not lead, sp.name
+                continue
+            pair = {t.tag: t.nbytes for t in sp0.tags if t.tag in CONTEXT}
+            assert {t: (lp.placement, lp.nbytes) for t, lp in lead.items()} == {
+                f"{t}@lead": (where, pair[t] // group) for t in CONTEXT}
+            assert sp0.remat_attention_flops - sp.remat_attention_flops == sp.attention_flops // group, sp.name
+
+
+def test_a_groups_first_layer_under_query_tiles_is_refused_by_name():
+    cfg = dataclasses.replace(tiny("llama3"), attention_tiles=2)
+    model = nnx.eval_shape(lambda: zoo.models.llama3(cfg, rngs=nnx.Rngs(0)))
+    r = zoo.Recipe("lead", offload=CARRY, group=2, lead_device=CONTEXT)
+    with pytest.raises(ValueError, match=r"keeps or offloads \['attention_out', 'context'\], which attention_tiles=2"):
+        model.set_recipe(r)
 
 
 def test_subgroups_must_divide_the_group_and_be_smaller():

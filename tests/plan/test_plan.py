@@ -504,6 +504,36 @@ def test_auto_tries_subgroups_after_every_two_level_structure_and_only_where_non
         assert asked == [[1] * subgroups.count(1), [s for s in subgroups if s > 1]]
 
 
+def test_auto_keeps_the_pair_for_a_groups_first_layer_where_no_room_holds_every_layers():
+    """Groups of 2 of the tiny model at 512 positions, the placer's own figures: where HBM holds the layer inputs and
+    every layer's attention pair, every layer keeps it; where it holds half of that and the host nothing, the first
+    layer of each group keeps it in HBM (`lead_device`); where HBM holds a quarter and the host half, it offloads it
+    (`lead_offload`). Each saves one attention forward per group, as the plan prices it."""
+    from types import SimpleNamespace
+
+    from zoo.plan import costs, links, placer
+    cfg, seq, pair = dataclasses.replace(LLAMA_TINY, num_layers=4), 512, ("attention_out", "context")
+    structure = (1, 2, pair, 1)
+    lay = planner.layout(cfg, 1, seq, None, 1, *structure)
+    model = costs.CostModel(lay.shapes, lay.needed, lay.costs, 1, 1e12, 1e12, links.Overlap.of(1), groups=lay.groups)
+    carry, every = model.total([measure.CARRY]), model.total(pair)
+    lead = tuple(zoo.tags.role_name(t, zoo.tags.LEAD) for t in pair)
+    assert model.total(lead) == every // 2
+
+    def chosen(hbm, host):
+        return placer.choose(lambda *c: lay, candidates=[structure], state=SimpleNamespace(total=0), shard=1,
+                             hbm_budget=carry + hbm, host_budget=host, link=1e12, rate=1e12, overlap=1,
+                             reserve=lambda *_: 0).recipe
+
+    assert chosen(every, 1).device == (measure.CARRY,) + pair and not chosen(every, 1).resolve().lead
+    r = chosen(every // 2, 1)
+    assert (r.lead_device, r.lead_offload, r.group_keep) == (pair, (), pair)
+    assert chosen(every // 4, every // 2 + 1).lead_offload == pair
+    p, without = (zoo.plan.plan(cfg, x, batch=1, seq=seq, peak=None).stacks[0]
+                  for x in (r, dataclasses.replace(r, lead_device=())))
+    assert without.remat_attention_flops - p.remat_attention_flops == p.attention_flops // 2
+
+
 @pytest.mark.slow   # four plans of auto at 65,536 positions
 def test_auto_takes_subgroups_only_where_no_two_level_structure_fits(monkeypatch):
     """4 tiny layers at 65,536 positions, a host budget of 1.5 layer inputs: at 25 layer inputs of HBM no structure of

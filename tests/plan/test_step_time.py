@@ -272,21 +272,23 @@ def _forward_matmuls(jaxpr) -> int:
                + sum(_forward_matmuls(s) for s in measure.sub_jaxprs(e.params)) for e in jaxpr.eqns)
 
 
-@pytest.mark.parametrize("group,subgroup,keep", [(2, 1, False), (4, 1, False), (4, 1, True), (4, 2, False),
-                                                 (4, 2, True), (8, 4, False)])
-def test_the_planner_counts_the_attention_forward_passes_a_groups_gradient_runs(group, subgroup, keep):
+@pytest.mark.parametrize("group,subgroup,keep,lead", [(2, 1, False, False), (4, 1, False, False),
+                                                      (4, 1, True, False), (4, 2, False, False), (4, 2, True, False),
+                                                      (8, 4, False, False), (2, 1, True, True), (4, 1, True, True),
+                                                      (4, 1, False, True)])
+def test_the_planner_counts_the_attention_forward_passes_a_groups_gradient_runs(group, subgroup, keep, lead):
     """Per layer of a group, the attention forwards the planner prices (`LayerCost`: the forward pass and what the
     backward runs again) equal those in the traced gradient of the group, layer input saved: a group's recompute
     runs the layers before its last subgroup and a subgroup's those before its last (the last ones make only the
     checkpoint's output, which JAX drops), each layer's backward its own; a layer keeping the kernel's pair while
-    the group's backward runs, none again. Compiled for an H200, the 8B's steps run as many cuDNN forwards."""
+    the group's backward runs, none again; the group's first layer keeping it between the passes (`lead`), none at
+    all. Compiled for an H200, the 8B's steps run as many cuDNN forwards."""
     pair = measure.ATTENTION_RESIDUALS if keep else frozenset()
     cost = measure.LayerCost(measure.abstract_model(zoo.models.LlamaConfig.preset("tiny", num_layers=8)), "layers",
                              1, 64, group=group, subgroup=subgroup, keep=pair)
-    saved = frozenset({"decoder_layer_input"})
-    policy = zoo.Recipe("saved", device=tuple(saved)).policy()
-    inner = zoo.Recipe("inner", device=tuple(sorted(saved | pair))).policy()
-    grad = jax.make_jaxpr(jax.grad(cost._loss(policy, inner), argnums=cost._wrt))(*cost.args).jaxpr
+    saved = frozenset({"decoder_layer_input"} | ({zoo.tags.role_name(t, zoo.tags.LEAD)
+                                                  for t in measure.ATTENTION_RESIDUALS} if lead else set()))
+    grad = jax.make_jaxpr(jax.grad(cost._loss(*cost.policies(saved)), argnums=cost._wrt))(*cost.args).jaxpr
     one_pass = _forward_matmuls(jax.make_jaxpr(cost._fn)(*cost.args).jaxpr) // group
     assert one_pass > 0
     passes = _forward_matmuls(grad) / one_pass

@@ -16,6 +16,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from zoo import tags as tags_lib
 from zoo.layers import xla_attention
 from zoo.sharding import BSH
 from zoo.tags import name
@@ -385,9 +386,11 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str | No
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     kernel = _KERNELS[impl]
     backward_of = {}
+    role = tags_lib.current_role()   # JAX may trace the forward rule after the layer's trace has left its role
 
     def forward(q, k, v):
-        out, res, backward = kernel(q, k, v, scale)
+        with tags_lib.role(role):
+            out, res, backward = kernel(q, k, v, scale)
         backward_of["rule"] = backward   # static structure, traced with the forward rule
         return out, res
 

@@ -137,7 +137,7 @@ class CausalLM(nnx.Module):
                              f"recompute it, or set seq_tiles=1")
         if query_tiles > 1:
             made = {t for st in shapes.values() for t in st.query_tiled}
-            kept = sorted(made & set(resolved.offload + resolved.device + resolved.group_keep))
+            kept = sorted(made & set(resolved.offload + resolved.device + resolved.group_keep + resolved.lead))
             if kept:
                 raise ValueError(f"Recipe {recipe.name!r} keeps or offloads {kept}, which attention_tiles="
                                  f"{query_tiles} makes one query tile at a time and recomputes tile by tile "
@@ -213,7 +213,8 @@ class CausalLM(nnx.Module):
         aux: dict[str, Any] = {}
         for stack_name in self.stack_names:
             x, aux[stack_name] = getattr(self, stack_name)(x, policy, group=r.group, tiles=r.seq_tiles,
-                                                              layer_policy=r.layer_policy(), subgroup=r.subgroup)
+                                                              layer_policy=r.layer_policy(), subgroup=r.subgroup,
+                                                              lead_policy=r.lead_policy())
         return self.norm(x), embeddings, policy, aux
 
     def head(self, x: jax.Array) -> jax.Array:

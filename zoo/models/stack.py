@@ -33,8 +33,8 @@ def layer_body(layer: nnx.Module, x: jax.Array, tiles: int = 1) -> tuple[jax.Arr
     return _run(layer, x, tiles)
 
 
-def group_body(group: nnx.Module, x: jax.Array, tiles: int = 1, layer_policy=None, subgroup: int = 1
-               ) -> tuple[jax.Array, Any]:
+def group_body(group: nnx.Module, x: jax.Array, tiles: int = 1, layer_policy=None, subgroup: int = 1,
+               lead_policy=None) -> tuple[jax.Array, Any]:
     """A group of layers (`group`'s variables [k, ...]) as the scan sees it: the group's input named, then each layer
     in order, each rematerialized on its own under `layer_policy` (two-level checkpoints; None: the layers run
     plainly inside the group), runs of `subgroup` layers rematerialized together first (three levels). Returns (x,
@@ -48,6 +48,10 @@ def group_body(group: nnx.Module, x: jax.Array, tiles: int = 1, layer_policy=Non
     checkpoints prevent CSE: the group's recompute and a layer's own are the same expressions within one loop
     iteration, and XLA would merge them, keeping the group's intermediates alive until each layer's backward.
 
+    With `lead_policy` the group's first layer runs under it instead, its tags named apart (`zoo.tags.role_name(tag,
+    zoo.tags.LEAD)`), so the group's policy can keep what that layer alone keeps between the passes
+    (`Recipe.lead_device`, `Recipe.lead_offload`).
+
     Args:
         group: the group's layers, their variables stacked [k, ...].
         x: the group's input [batch, seq, dim].
@@ -55,47 +59,58 @@ def group_body(group: nnx.Module, x: jax.Array, tiles: int = 1, layer_policy=Non
         layer_policy: the checkpoint policy of each layer (and subgroup) inside the group; None runs them plainly.
         subgroup: layers per inner checkpoint between the group's and each layer's; 1: none (two levels). It must
             divide k.
+        lead_policy: the checkpoint policy of the group's first layer, its tags named apart (`Recipe.lead_policy()`);
+            None: the first layer runs as the others. Two levels only.
 
     Returns:
         (x, aux): the group's output and each layer's aux, stacked over the k layers.
     """
     x = tags_lib.name(x, "decoder_layer_input", ("batch", "seq", "embed"))
     if subgroup == 1 or layer_policy is None:
-        return _layers(group, x, tiles, layer_policy)
+        return _layers(group, x, tiles, layer_policy, lead_policy)
     run = remat(lambda part, x: _layers(part, x, tiles, layer_policy), layer_policy, scanned=False)
     x, auxes = _in_order(run, grouped(group, subgroup), x)
     return x, jax.tree.map(lambda *a: jnp.concatenate(a), *auxes)
 
 
-def _layers(group: nnx.Module, x: jax.Array, tiles: int, layer_policy) -> tuple[jax.Array, Any]:
-    """The layers of `group` in order, each under `layer_policy` (None: plainly). Returns (x, aux stacked)."""
+def _layers(group: nnx.Module, x: jax.Array, tiles: int, layer_policy, lead_policy=None) -> tuple[jax.Array, Any]:
+    """The layers of `group` in order, each under `layer_policy` (None: plainly), the first under `lead_policy` with
+    its tags named apart where one is given. Returns (x, aux stacked)."""
     run = functools.partial(_run, tiles=tiles)
     if layer_policy is not None:
         run = remat(lambda layer, x: _run(layer, x, tiles), layer_policy, scanned=False)
-    x, auxes = _in_order(run, group, x)
+    first = run
+    if lead_policy is not None:
+        lead = remat(lambda layer, x: _run(layer, x, tiles), lead_policy, scanned=False)
+
+        def first(layer, x):
+            with tags_lib.role(tags_lib.LEAD):   # traced here: its names are the lead's
+                return lead(layer, x)
+    x, auxes = _in_order(run, group, x, first)
     return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
 
 
-def _in_order(run: Callable, modules: nnx.Module, x: jax.Array) -> tuple[jax.Array, list]:
-    """`run(module, x) -> (x, aux)` over the modules stacked in `modules` (a leading axis), one after another.
-    Returns (the last x, each one's aux)."""
+def _in_order(run: Callable, modules: nnx.Module, x: jax.Array, first: Callable | None = None
+              ) -> tuple[jax.Array, list]:
+    """`run(module, x) -> (x, aux)` over the modules stacked in `modules` (a leading axis), one after another (the
+    first through `first`, where given). Returns (the last x, each one's aux)."""
     auxes = []
     for i in range(_leading(modules)):
-        x, aux = run(module_at(modules, i), x)
+        x, aux = (first if i == 0 and first is not None else run)(module_at(modules, i), x)
         auxes.append(aux)
     return x, auxes
 
 
-def body_of(group: int, tiles: int, layer_policy=None, subgroup: int = 1
+def body_of(group: int, tiles: int, layer_policy=None, subgroup: int = 1, lead_policy=None
             ) -> Callable[[nnx.Module, jax.Array], tuple[jax.Array, Any]]:
     """The plain `(modules, x)` function the scan applies: `layer_body` (`group` 1) or `group_body` (its layers under
-    `layer_policy`, in subgroups of `subgroup`), with `tiles`; the layer's (or group's) variables that live in host
-    memory brought into HBM first (`in_hbm`)."""
+    `layer_policy`, in subgroups of `subgroup`, the first under `lead_policy` where given), with `tiles`; the layer's
+    (or group's) variables that live in host memory brought into HBM first (`in_hbm`)."""
     def body(modules: nnx.Module, x: jax.Array) -> tuple[jax.Array, Any]:
         modules = in_hbm(modules)
         if group == 1:
             return layer_body(modules, x, tiles)
-        return group_body(modules, x, tiles, layer_policy, subgroup)
+        return group_body(modules, x, tiles, layer_policy, subgroup, lead_policy)
     return body
 
 
@@ -215,7 +230,7 @@ class Stack(nnx.Module):
                              f"group must divide every stack's layer count")
 
     def __call__(self, x: jax.Array, policy, *, group: int = 1, tiles: int = 1,
-                 layer_policy=None, subgroup: int = 1) -> tuple[jax.Array, Any]:
+                 layer_policy=None, subgroup: int = 1, lead_policy=None) -> tuple[jax.Array, Any]:
         """Apply every layer in order.
 
         Args:
@@ -226,6 +241,8 @@ class Stack(nnx.Module):
             layer_policy: the checkpoint policy of each layer inside a group (`Recipe.layer_policy()`; default
                 `policy`): two-level checkpoints.
             subgroup: layers per inner checkpoint inside a group (`group_body`); it must divide `group`.
+            lead_policy: the checkpoint policy of each group's first layer, its tags named apart
+                (`Recipe.lead_policy()`; None: as the others).
 
         Returns:
             (x, aux): the last layer's output and each layer's aux, stacked over the layers.
@@ -235,7 +252,7 @@ class Stack(nnx.Module):
             raise ValueError(f"subgroup={subgroup} does not divide group={group}: a group runs in whole subgroups")
         modules = self.layers if group == 1 else grouped(self.layers, group)
         layer_policy = policy if layer_policy is None else layer_policy
-        body, n = body_of(group, tiles, layer_policy, subgroup), self.num_layers // group
+        body, n = body_of(group, tiles, layer_policy, subgroup, lead_policy), self.num_layers // group
         if n == 1:
             # XLA removes a while loop that runs once, and the host offloads inside it with it: measured on the
             # H200 (jax 0.11.2), a one-layer scan offloaded nothing. One layer (or group) is applied without a scan.
@@ -257,16 +274,17 @@ class Stack(nnx.Module):
         """The [batch, seq, dim] input of a layer, as a ShapeDtypeStruct of the layers' activation dtype."""
         return jax.ShapeDtypeStruct((batch, seq, self.layers.dim), self.layers.dtype)
 
-    def layer_fn(self, policy=None, *, group: int = 1, tiles: int = 1, layer_policy=None, subgroup: int = 1
-                 ) -> tuple[Callable, Any]:
+    def layer_fn(self, policy=None, *, group: int = 1, tiles: int = 1, layer_policy=None, subgroup: int = 1,
+                 lead_policy=None) -> tuple[Callable, Any]:
         """(f, abstract state): one layer (`group` > 1: one group of that many layers, its state [group, ...], each
-        layer under `layer_policy`, default `policy`, in subgroups of `subgroup`) as a pure function f(state, x) ->
+        layer under `layer_policy`, default `policy`, in subgroups of `subgroup`, the first under `lead_policy` where
+        given) as a pure function f(state, x) ->
         (x, aux), rematerialized under the checkpoint `policy` as the scan runs it (None: not rematerialized), its
         per-position parts in `tiles` sequence tiles."""
         graphdef, state = self.abstract_layer()
         if group > 1:
             state = jax.tree.map(lambda a: jax.ShapeDtypeStruct((group,) + a.shape, a.dtype), state)
-        fn = body_of(group, tiles, policy if layer_policy is None else layer_policy, subgroup)
+        fn = body_of(group, tiles, policy if layer_policy is None else layer_policy, subgroup, lead_policy)
         body = fn if policy is None else remat(fn, policy)
         return (lambda s, x: body(nnx.merge(graphdef, s), x)), state
 

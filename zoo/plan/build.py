@@ -29,6 +29,7 @@ from zoo.plan.peak import chunk_to_fit, loss_bytes
 from zoo.plan.target import device_target, find_peak, link_of, peak_target, step_rate_of
 from zoo.plan.types import CARRY, GiB, ModelState, Plan, StackPlan, TagPlan, ceil_div, fmt_bytes
 from zoo.recipe import Recipe
+from zoo.tags import LEAD, role_name
 from zoo.training import STEP
 
 NO_HARDWARE, ONE_DEVICE = Hardware(), Parallelism()
@@ -206,7 +207,8 @@ class Layout:
     def working(self, recipe: Recipe) -> int:
         """Per device: the most one group's backward pass holds beyond the plan's saved bytes (`measure.working_bytes`,
         the largest over the stacks)."""
-        key = (recipe.offload, recipe.device, recipe.special, recipe.group_keep, recipe.subgroup)
+        key = (recipe.offload, recipe.device, recipe.special, recipe.group_keep, recipe.subgroup, recipe.lead_device,
+               recipe.lead_offload)
         if key not in self.memo:
             self.memo[key] = max(ceil_div(working_bytes(self.model, s, self.micro, self.seq, recipe, self.groups[s]),
                                           self.shard) for s in self.shapes)
@@ -314,16 +316,29 @@ def _stack_plan(model, s: str, st, recipe: Recipe, lay: Layout, notes: dict, *, 
         split = None if device_shapes is None else tuple(device_shapes.get(tag, sds.shape))
         tag_plans.append(TagPlan(tag, tuple(sds.shape), jnp.dtype(sds.dtype).name, place, residual, nbytes,
                                  device, host, note, split))
+    lead = _lead_places(recipe, group)
+    for tag, place in lead.items():   # the first layer of each group's: 1/k of its bytes per layer
+        sds = st.tags[tag]
+        nbytes = ceil_div(per_device[tag], group)
+        split = None if device_shapes is None else tuple(device_shapes.get(tag, sds.shape))
+        tag_plans.append(TagPlan(role_name(tag, LEAD), tuple(sds.shape), jnp.dtype(sds.dtype).name, place, True,
+                                 nbytes, nbytes if place == "device" else 0, nbytes if place == "offload" else 0,
+                                 notes.get(role_name(tag, LEAD)) or f"the first layer of each group's (1 in {group} "
+                                 f"layers), {'in HBM' if place == 'device' else 'offloaded'} between the passes",
+                                 split))
     carry = "offload" if recipe.placement(CARRY) == "offload" else "device"   # any recipe saves the carry
     jax_device, jax_host, hoisted = stack_residuals(model, s, micro, seq, recipe.policy(), group=group,
                                                     tiles=lay.tiles, layer_policy=recipe.layer_policy(), carry=carry,
-                                                    subgroup=recipe.subgroup if group > 1 else 1)
+                                                    subgroup=recipe.subgroup if group > 1 else 1,
+                                                    lead_policy=recipe.lead_policy() if group > 1 else None)
 
     def share(t):   # the bytes per layer of tag t as JAX saves it: the carry once per group
         return sds_nbytes(st.tags[t]) // (group if t == CARRY else 1)
     tag_device = sum(share(t) for t in st.tags if t in needed and (
         recipe.placement(t) == "device" or (t == CARRY and recipe.placement(t) != "offload")))
     tag_host = sum(share(t) for t in st.tags if t in needed and recipe.placement(t) == "offload")
+    tag_device += sum(sds_nbytes(st.tags[t]) // group for t, place in lead.items() if place == "device")
+    tag_host += sum(sds_nbytes(st.tags[t]) // group for t, place in lead.items() if place == "offload")
     untagged = jax_device - st.num_layers * tag_device
     warnings = []
     if untagged < 0 or jax_host != st.num_layers * tag_host:
@@ -339,6 +354,15 @@ def _stack_plan(model, s: str, st, recipe: Recipe, lay: Layout, notes: dict, *, 
                       remat_attention_flops=ceil_div(grad_accum * cost.recipe_attention_flops(recipe, st.tags),
                                                      shard))
     return stack, warnings
+
+
+def _lead_places(recipe: Recipe, group: int) -> dict[str, str]:
+    """{tag: "device" or "offload"}: what the first layer of each group of `group` layers keeps between the passes
+    ({} for a stack whose layers run one at a time)."""
+    if group == 1:
+        return {}
+    r = recipe.resolve()
+    return {**{t: "device" for t in r.lead_device}, **{t: "offload" for t in r.lead_offload}}
 
 
 def auto_recipe(cfg, *, batch: int, seq: int, hardware: Hardware, **kwargs) -> Recipe:

@@ -13,6 +13,7 @@ from zoo.plan.links import Overlap
 from zoo.plan.measure import LayerCost
 from zoo.plan.measure import nbytes as sds_nbytes
 from zoo.plan.types import CARRY, ceil_div
+from zoo.tags import split_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,18 +114,31 @@ class CostModel:
     def _group(self, s: str) -> int:
         return self.groups[s] if self.groups else 1
 
+    def _needed(self, name: str, s: str) -> str | None:
+        """The tag behind the checkpoint name `name` where stack `s`'s backward pass needs it (a group's first layer's
+        name, `zoo.tags.role_name(tag, LEAD)`, only where `s` runs in groups), else None."""
+        tag, role = split_name(name)
+        needed = tag in self.shapes[s].tags and tag in self.needed[s]
+        return tag if needed and (not role or self._group(s) > 1) else None
+
     def nbytes(self, tags, s: str) -> int:
-        """Bytes per layer of stack `s` that saving `tags` takes (those its backward pass needs).
+        """Bytes per layer of stack `s` that saving `tags` takes (those its backward pass needs): the scan carry and a
+        group's first layer's tags once per group.
 
         Args:
-            tags: tag names.
+            tags: tag names (a group's first layer's as `zoo.tags.role_name(tag, LEAD)`).
             s: a stack's name.
 
         Returns:
             Bytes per device, each tag rounded up to its share.
         """
-        return sum(ceil_div(sds_nbytes(self.shapes[s].tags[t]), self.shard * (self._group(s) if t == CARRY else 1))
-                   for t in tags if t in self.shapes[s].tags and t in self.needed[s])
+        out = 0
+        for name in tags:
+            tag = self._needed(name, s)
+            if tag is not None:
+                once = name == CARRY or name != tag   # the carry, or a group's first layer's
+                out += ceil_div(sds_nbytes(self.shapes[s].tags[tag]), self.shard * (self._group(s) if once else 1))
+        return out
 
     def total(self, tags) -> int:
         """Bytes per step that saving `tags` takes, over every stack's layers.
@@ -146,7 +160,7 @@ class CostModel:
         Returns:
             True if one is.
         """
-        return any(t in getattr(self.shapes[s], "tiled", ()) for s in self.shapes for t in tags)
+        return any(split_name(t)[0] in getattr(self.shapes[s], "tiled", ()) for s in self.shapes for t in tags)
 
     def forward(self, s: str) -> float:
         """Seconds of forward per layer of stack `s` (the window a transfer hides under).
@@ -213,7 +227,7 @@ class CostModel:
         """
         return sum(self.shapes[s].num_layers * ceil_div(self.costs[s].remat_flops(saved)
                                                         - self.costs[s].remat_flops(saved | set(tags)), self.shard)
-                   for s in self.shapes if any(t in self.needed[s] for t in tags))
+                   for s in self.shapes if any(self._needed(t, s) for t in tags))
 
     def transfer(self, tags, value: float, moved: dict[str, float]) -> Transfer:
         """What offloading `tags` adds, weighed against `value` FLOPs of recompute it saves.

@@ -29,6 +29,7 @@ from zoo.layers.attention_kernel import attention_flops
 from zoo.models.registry import family_of
 from zoo.models.stack import remat
 from zoo.recipe import Recipe
+from zoo.tags import LEAD
 
 _NAMED = re.compile(r"named '([^']+)'")
 CARRY = "decoder_layer_input"
@@ -195,10 +196,11 @@ def _view_of_parameters(r: Residual) -> bool:
 
 
 def stack_residuals(model, stack_name: str, batch: int, seq: int, policy, *, group: int = 1,
-                    tiles: int = 1, layer_policy=None, carry: str | None = None, subgroup: int = 1
-                    ) -> tuple[int, int, int]:
+                    tiles: int = 1, layer_policy=None, carry: str | None = None, subgroup: int = 1,
+                    lead_policy=None) -> tuple[int, int, int]:
     """What JAX saves for the scanned stack `stack_name` under `policy` (`group` layers per rematerialized body, in
-    subgroups of `subgroup`, `tiles` sequence tiles), for a [batch, seq] input: (device bytes stacked over the
+    subgroups of `subgroup`, `tiles` sequence tiles, each group's first layer under `lead_policy`), for a [batch, seq]
+    input: (device bytes stacked over the
     layers, host bytes stacked over the layers, device bytes hoisted out of the scan). Constants and views of the
     parameters are left out. `carry`: where the recipe keeps the layer input ("device": a stack run without a scan
     counts its input, the body's argument, as saved on the device)."""
@@ -207,7 +209,8 @@ def stack_residuals(model, stack_name: str, batch: int, seq: int, policy, *, gro
     state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
     res = residuals(lambda s, x: sum_outputs(nnx.merge(graphdef, s)(x, policy, group=group, tiles=tiles,
                                                                              layer_policy=layer_policy,
-                                                                             subgroup=subgroup)), state,
+                                                                             subgroup=subgroup,
+                                                                             lead_policy=lead_policy)), state,
                     stack.abstract_input(batch, seq))
     res = [r for r in res if not r.source.startswith("from a constant") and not _view_of_parameters(r)]
     scans = stack.num_layers // group
@@ -276,8 +279,10 @@ class LayerCost:
     k, one rematerialized group of k layers is traced and every figure is per layer (the group's over k): the
     recompute then includes the group's forward and each layer's own (two-level checkpoints), each layer keeping
     the saved tags and `keep` (the recipe's `group_keep`) while the group's backward runs, and with `subgroup` s > 1
-    each subgroup's forward once more (three levels). `tiles`: the recipe's sequence tiles. Differentiating the
-    traced jaxpr rather than the module keeps each question to a fraction of a second for a 671B layer."""
+    each subgroup's forward once more (three levels). A saved set may name tags as a group's first layer keeps them
+    between the passes (`zoo.tags.role_name(tag, zoo.tags.LEAD)`: `Recipe.lead_device`, `Recipe.lead_offload`).
+    `tiles`: the recipe's sequence tiles. Differentiating the traced jaxpr rather than the module keeps each question
+    to a fraction of a second for a 671B layer."""
 
     def __init__(self, model, stack_name: str, batch: int, seq: int, group: int = 1, tiles: int = 1,
                  keep: frozenset[str] = frozenset(), subgroup: int = 1):
@@ -307,16 +312,17 @@ class LayerCost:
         as_fun = jax.extend.core.jaxpr_as_fun(closed)
         return lambda *a: as_fun(*a)[0]
 
-    def _loss(self, policy, inner=None):
+    def _loss(self, policy, inner=None, lead=None):
         fn = self._fn
         if self.group > 1 and inner is not None:   # the group's layers, each under the checkpoint policy `inner`
             fn = self._as_fn(self._trace(self._stack.layer_fn(group=self.group, tiles=self._tiles,
-                                                              layer_policy=inner, subgroup=self.subgroup)[0]))
+                                                              layer_policy=inner, subgroup=self.subgroup,
+                                                              lead_policy=lead)[0]))
         body = remat(fn, policy)
         return lambda *a: jnp.sum(body(*a).astype(jnp.float32))
 
-    def _grad_flops(self, policy, inner=None) -> int:
-        grad = jax.grad(self._loss(policy, inner), argnums=self._wrt)
+    def _grad_flops(self, policy, inner=None, lead=None) -> int:
+        grad = jax.grad(self._loss(policy, inner, lead), argnums=self._wrt)
         return flops(jax.make_jaxpr(grad)(*self.args).jaxpr)
 
     def residual_tags(self, emitted) -> frozenset[str]:
@@ -326,14 +332,34 @@ class LayerCost:
         return frozenset(r.tag for r in residuals(loss, *self.args) if r.tag is not None)
 
     def remat_flops(self, saved: frozenset[str]) -> int:
-        """Forward FLOPs the backward pass re-runs when the tags `saved` are kept (in HBM or on the host)."""
-        saved = frozenset(saved) & self._tags
+        """Forward FLOPs the backward pass re-runs, per layer, when the tags `saved` are kept (in HBM or on the host;
+        a tag named as a group's first layer names it, `zoo.tags.role_name(tag, LEAD)`, for that layer alone)."""
+        saved = self._known(saved)
         if saved not in self._cache:
             attention = self._attention_again(saved)
-            policy = Recipe("saved", device=tuple(sorted(_matmul_part(saved)))).policy()
-            inner = Recipe("inner", device=tuple(sorted(_matmul_part(saved | self.keep)))).policy()
-            self._cache[saved] = (self._grad_flops(policy, inner) - self._grad_none) // self.group + attention
+            self._cache[saved] = (self._grad_flops(*self.policies(saved)) - self._grad_none) // self.group + attention
         return self._cache[saved]
+
+    def _known(self, saved) -> frozenset[str]:
+        """`saved` as it changes this layer: its own tags, and its lead tags where it runs in groups."""
+        lead = {tags_lib.role_name(t, LEAD) for t in self._tags} if self.group > 1 else set()
+        return frozenset(saved) & (self._tags | lead)
+
+    @staticmethod
+    def _lead(saved) -> frozenset[str]:
+        return frozenset(t for t, role in map(tags_lib.split_name, saved) if role == LEAD)
+
+    def policies(self, saved: frozenset[str]) -> tuple:
+        """(the group's policy, its layers', its first layer's or None) for the tags `saved` (in HBM), as a recipe
+        keeping them builds them, with this cost's `keep`, for the matmuls re-run (the kernel's pair counts only
+        whole: `_matmul_part`)."""
+        saved = self._known(saved)
+        lead, saved = self._lead(saved), frozenset(t for t in saved if t in self._tags)
+        kept = tuple(sorted(_matmul_part(saved)))
+        lead = tuple(sorted(_matmul_part(lead) - set(kept)))
+        keep = tuple(sorted(_matmul_part(saved | self.keep) - set(kept)))
+        r = Recipe("saved", device=kept, group=self.group if lead or keep else 1, group_keep=keep, lead_device=lead)
+        return r.policy(), r.layer_policy(), r.lead_policy()
 
     def _attention_again(self, saved) -> int:
         """Attention's forward FLOPs run again, per layer, when the tags `saved` are kept: once, in each layer's own
@@ -342,16 +368,24 @@ class LayerCost:
         the pair (`keep`) while its backward runs, the group's recompute runs attention again for every layer
         before its last subgroup (k - s of k, s = 1 for two levels) and each subgroup's for every layer before its
         last (s - 1 of s): a checkpoint's last layers make only its output, which the backward pass does not read
-        (the compiled step's attention calls count this way: docs/internals.md)."""
-        again = 0 if ATTENTION_RESIDUALS <= saved else self.attention_flops
+        (the compiled step's attention calls count this way: docs/internals.md). A group's first layer keeping the
+        pair between the passes (`lead`) runs it in neither, and the group's recompute then runs it for the layers
+        between the first and the last."""
+        a, k, s = self.attention_flops, self.group, self.subgroup
+        tiles = a if self._query_tiles > 1 else 0
+        if ATTENTION_RESIDUALS <= saved:
+            return tiles
+        if k > 1 and ATTENTION_RESIDUALS <= self._lead(saved):   # two levels: the other k - 1 layers
+            return a * ((k - 1) + (0 if ATTENTION_RESIDUALS <= self.keep else k - 2)) // k + tiles
+        again = a
         if not ATTENTION_RESIDUALS <= saved | self.keep:
-            k, s = self.group, self.subgroup
-            again += self.attention_flops * ((k - s) * s + (s - 1) * k) // (k * s)
-        return again + (self.attention_flops if self._query_tiles > 1 else 0)
+            again += a * ((k - s) * s + (s - 1) * k) // (k * s)
+        return again + tiles
 
     @staticmethod
     def _kept(recipe: Recipe, emitted) -> frozenset[str]:
-        return frozenset(t for t in emitted if recipe.placement(t) != "remat")
+        lead = {tags_lib.role_name(t, LEAD) for t in recipe.resolve().lead if t in emitted}
+        return frozenset(t for t in emitted if recipe.placement(t) != "remat") | lead
 
     def recipe_attention_flops(self, recipe: Recipe, emitted) -> int:
         """Of `recipe_flops`, attention's forward run again (0 where the recipe keeps the kernel's residuals)."""
@@ -399,8 +433,11 @@ def working_bytes(model, stack_name: str, batch: int, seq: int, recipe: Recipe, 
     fn, state = stack.layer_fn(tiles=recipe.seq_tiles)
     res, remade = _remade(fn, state, x, kept | set(recipe.resolve().group_keep))
     if group > 1:
-        fn, state = stack.layer_fn(group=group, tiles=recipe.seq_tiles, layer_policy=recipe.layer_policy())
-        held, more = _remade(fn, state, x, kept)
+        fn, state = stack.layer_fn(group=group, tiles=recipe.seq_tiles, layer_policy=recipe.layer_policy(),
+                                   lead_policy=recipe.lead_policy())
+        # the first layer's tags as it names them: what it keeps between the passes the plan counts
+        lead = {tags_lib.role_name(t, tags_lib.LEAD) for t in kept | set(recipe.resolve().lead)}
+        held, more = _remade(fn, state, x, kept | lead)
         if recipe.subgroup > 1:
             # three levels: the group's recompute keeps its subgroups' inputs, not its layers' (JAX lists what the
             # layers keep under the subgroups' checkpoints without their tags, so the two-level list is read),

@@ -21,6 +21,7 @@ from zoo.plan.costs import CostModel, Costs, Placement, Transfer
 from zoo.plan.links import Overlap
 from zoo.plan.types import CARRY, ModelState
 from zoo.recipe import TOGETHER, Recipe
+from zoo.tags import LEAD, role_name, split_name
 
 TIE = 0.005   # candidates are tried simplest first; a later one wins only if this much cheaper
 
@@ -124,7 +125,7 @@ def choose(layout_of, *, candidates, state: ModelState, shard: int, hbm_budget: 
         for _ in range(2):
             model = CostModel(lay.shapes, lay.needed, lay.costs, shard, link, rate, Overlap.of(overlap),
                               fixed_hbm=state.total + reserve(lay, probe), groups=lay.groups)
-            placer = _Placer(model, hbm_budget, host_budget)
+            placer = _Placer(model, hbm_budget, host_budget, lead=subgroup == 1)
             placer.place_carry(offload_first=carry_out)
             placer.place_pairs(placer.place_singles())
             recipe = placer.recipe(tiles, group, keep, subgroup)
@@ -149,8 +150,9 @@ class _Placer:
     """The placement of one structure's tags as it is built: what is placed, HBM and host memory left, and each
     decision. Each step (`place_carry`, `place_singles`, `place_pairs`) places tags through `place`."""
 
-    def __init__(self, model: CostModel, hbm_budget: int, host_budget: int | None):
+    def __init__(self, model: CostModel, hbm_budget: int, host_budget: int | None, lead: bool = True):
         self.model = model
+        self.lead = lead   # a group's first layer may keep what the others recompute (two levels)
         self.host_budget = host_budget
         self.hbm_left = hbm_budget - model.fixed_hbm
         self.host_used = 0
@@ -165,11 +167,16 @@ class _Placer:
 
     def recipe(self, tiles: int = 1, group: int = 1, keep: tuple[str, ...] = (), subgroup: int = 1) -> Recipe:
         """The placement so far as a recipe (with the structure it was made for: `keep`, what a group's layers keep
-        while its backward runs, less what the placement keeps anyway)."""
-        device, offload = self.placement.device, self.placement.offloaded()
+        while its backward runs, less what the placement keeps anyway; a group's first layer's tags as its lead
+        tags)."""
+        def split(names):   # (every layer's tags, the first layer's of each group)
+            return (tuple(t for t in names if not split_name(t)[1]),
+                    tuple(split_name(t)[0] for t in names if split_name(t)[1] == LEAD))
+        (device, lead_device), (offload, lead_offload) = split(self.placement.device), split(self.placement.offloaded())
         keep = tuple(t for t in keep if t not in offload and t not in device)
         return Recipe("auto", offload=offload, device=device, seq_tiles=tiles, group=group, group_keep=keep,
-                      subgroup=subgroup, description="chosen by zoo.plan for an HBM budget, a link and a FLOP rate")
+                      subgroup=subgroup, lead_device=lead_device, lead_offload=lead_offload,
+                      description="chosen by zoo.plan for an HBM budget, a link and a FLOP rate")
 
     def _decide(self, decision: Decision) -> None:
         self.decisions.append(decision)
@@ -232,10 +239,19 @@ class _Placer:
 
     def units(self) -> list[tuple[str, ...]]:
         """The candidates as units of placement: each tag alone, but the tags that only pay together
-        (`zoo.recipe.TOGETHER`: the attention kernel's output and statistics) as one unit."""
+        (`zoo.recipe.TOGETHER`: the attention kernel's output and statistics) as one unit; and, where layers run in
+        groups (two levels), those tags as the first layer of each group keeps them (`lead_units`), last."""
         together = [g for g in TOGETHER if all(t in self.order for t in g)]
         grouped = {t for g in together for t in g}
-        return [tuple(g) for g in together] + [(t,) for t in self.candidates if t not in grouped]
+        return ([tuple(g) for g in together] + [(t,) for t in self.candidates if t not in grouped]
+                + self.lead_units(together))
+
+    def lead_units(self, together) -> list[tuple[str, ...]]:
+        """The tags that only pay together, as the first layer of each group keeps them (`zoo.tags.role_name(tag,
+        LEAD)`: one layer's in k, where HBM and the host cannot hold every layer's); none where no stack runs in
+        groups of two levels."""
+        units = [tuple(role_name(t, LEAD) for t in g) for g in together] if self.lead else []
+        return [u for u in units if self.model.total(u) and not self.model.tiled(u)]
 
     def _saving(self, unit) -> int:
         return self.model.saving(unit, self.placement.saved())
@@ -245,7 +261,10 @@ class _Placer:
         saved per byte, a lazy greedy: values only fall as more is kept). Returns the tags whose saving alone is
         zero, in the order they came up."""
         total = self.model.total
-        heap = [(-self._saving(u) / total(u), min(self.order[t] for t in u), u) for u in self.units()]
+        units = self.units()
+        # ties: the unit that came up first (a group's first layer's after every tag)
+        heap = [(-self._saving(u) / total(u), min(self.order.get(t, len(self.order) + n) for t in u), u)
+                for n, u in enumerate(units)]
         heapq.heapify(heap)
         alone_useless: list[str] = []
         while heap:
@@ -253,6 +272,8 @@ class _Placer:
             value = self._saving(unit)
             if heap and -value / total(unit) > heap[0][0] + 1e-12:  # stale: its value fell below the next one's
                 heapq.heappush(heap, (-value / total(unit), i, unit))
+            elif value <= 0 and split_name(unit[0])[1]:
+                continue   # a group's first layer's, where every layer keeps the tags: nothing to decide
             elif value <= 0:
                 alone_useless.extend(unit)
                 self._decide(Decision(unit, "useless", value=value))

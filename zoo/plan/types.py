@@ -378,6 +378,8 @@ class Plan:
                     device=list(names.device), special=self.recipe.special, batch=self.batch, seq=self.seq,
                     shard=self.shard, mesh=self.mesh, grad_accum=self.grad_accum, loss_chunk=self.loss_chunk,
                     seq_tiles=self.recipe.seq_tiles, group=self.recipe.group, subgroup=self.recipe.subgroup,
+                    group_keep=list(names.group_keep), lead_device=list(names.lead_device),
+                    lead_offload=list(names.lead_offload),
                     stacks=[s.to_dict() for s in self.stacks],
                     model_state=self.state.to_dict(),
                     totals=dict(activation_bytes=self.activation_bytes, host_bytes=self.host_bytes,
