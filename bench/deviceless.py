@@ -120,6 +120,23 @@ def compiling_for_h200():
          compile_options.for_step) = saved
 
 
+_CALL = re.compile(r'custom_call_target="__cudnn\$fmhaSoftmax\w*"')
+
+
+def cudnn_calls(hlo_text: str) -> tuple[int, int]:
+    """(forward, backward) cuDNN attention calls in an optimized HLO module's text, a loop's body counted once.
+
+    Args:
+        hlo_text: the optimized HLO module's text (`compiled.as_text()`).
+
+    Returns:
+        the number of forward calls and of backward calls.
+    """
+    calls = _CALL.findall(hlo_text)
+    backward = sum(c.endswith('Backward"') for c in calls)
+    return len(calls) - backward, backward
+
+
 def peak_and_workspace(compiled) -> tuple[int, int]:
     """(XLA's peak of a step compiled here, the largest cuDNN workspace of its programs), in bytes: the step's peak on
     the H200 is at most their sum. A step run as two programs (`zoo.two_programs`) has both read."""
@@ -227,6 +244,7 @@ def main():
                                         training=dataclasses.replace(training, loss_chunk=est.loss_chunk))[0]
             ma = step.memory_analysis()
             without, workspace = peak_and_workspace(step)
+            forward, backward = cudnn_calls((step.first if hasattr(step, "first") else step).as_text())
             emit(dict(bench="plan-probe", impl="zoo", recipe=name, backend=None, gpus=1, B=1, S=seq, L=cfg.num_layers,
                       step_s=None, tflops=None, peak_gib=None, dropped=0,
                       planned_peak_gib=round((without + workspace) / 2**30, 2),
@@ -235,6 +253,7 @@ def main():
                       compiled_on=COMPILED_ON,
                       peak_without_cudnn_workspace_gib=round(without / 2**30, 2),
                       cudnn_workspace_gib=round(workspace / 2**30, 2),
+                      cudnn_forward_calls=forward, cudnn_backward_calls=backward,
                       host_state_gib=round(ma.host_argument_size_in_bytes / 2**30, 2),
                       optimizer="adamw", opt_state="host", params=a.params, opt_dtype="bfloat16",
                       param_dtype="bfloat16", attention_tiles=a.attention_tiles, recipe_run=str(est.recipe),

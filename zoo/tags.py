@@ -76,19 +76,43 @@ _ROLE: contextvars.ContextVar[str] = contextvars.ContextVar("zoo_tag_role", defa
 
 
 def role_name(tag: str, role: str = "") -> str:
-    """The checkpoint name of `tag` in a layer of `role` ("" for every layer but a group's first: `LEAD`)."""
+    """The checkpoint name of `tag` in a layer of `role`.
+
+    Args:
+        tag: a tag of the vocabulary.
+        role: "" for every layer but a group's first (`LEAD`).
+
+    Returns:
+        `tag`, or `tag@role`.
+
+    Examples:
+        >>> from zoo import tags
+        >>> tags.role_name("context", tags.LEAD)
+        'context@lead'
+    """
     return f"{tag}@{role}" if role else tag
 
 
 def split_name(checkpoint: str) -> tuple[str, str]:
-    """(tag, role) of a checkpoint name `role_name` made."""
+    """The tag and role of a checkpoint name `role_name` made.
+
+    Args:
+        checkpoint: a checkpoint name (`tag` or `tag@role`).
+
+    Returns:
+        (tag, role), the role "" for a plain tag.
+    """
     tag, _, role = checkpoint.partition("@")
     return tag, role
 
 
 @contextlib.contextmanager
 def role(value: str):
-    """Within this block (while a layer is traced), `name` names each tag as `role_name(tag, value)`."""
+    """Within this block (while a layer is traced), `name` names each tag as `role_name(tag, value)`.
+
+    Args:
+        value: the role (`LEAD` for a group's first layer).
+    """
     token = _ROLE.set(value)
     try:
         yield
