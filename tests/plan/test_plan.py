@@ -506,9 +506,10 @@ def test_auto_tries_subgroups_after_every_two_level_structure_and_only_where_non
 
 def test_auto_keeps_the_pair_for_a_groups_first_layer_where_no_room_holds_every_layers():
     """Groups of 2 of the tiny model at 512 positions, the placer's own figures: where HBM holds the layer inputs and
-    every layer's attention pair, every layer keeps it; where it holds half of that and the host nothing, the first
-    layer of each group keeps it in HBM (`lead_device`); where HBM holds a quarter and the host half, it offloads it
-    (`lead_offload`). Each saves one attention forward per group, as the plan prices it."""
+    every layer's attention pair, every layer keeps it (and the first layer of a group not a second copy); where it
+    holds half of that and the host nothing, the first layer of each group keeps it in HBM (`lead_device`); where HBM
+    holds a quarter and the host half, it offloads it (`lead_offload`). Each saves one attention forward per group, as
+    the plan prices it."""
     from types import SimpleNamespace
 
     from zoo.plan import costs, links, placer
@@ -520,12 +521,16 @@ def test_auto_keeps_the_pair_for_a_groups_first_layer_where_no_room_holds_every_
     lead = tuple(zoo.tags.role_name(t, zoo.tags.LEAD) for t in pair)
     assert model.total(lead) == every // 2
 
-    def chosen(hbm, host):
-        return placer.choose(lambda *c: lay, candidates=[structure], state=SimpleNamespace(total=0), shard=1,
-                             hbm_budget=carry + hbm, host_budget=host, link=1e12, rate=1e12, overlap=1,
-                             reserve=lambda *_: 0).recipe
+    def chosen(hbm, host, structure=structure):
+        return placer.choose(lambda *c: planner.layout(cfg, 1, seq, None, 1, *c), candidates=[structure],
+                             state=SimpleNamespace(total=0), shard=1, hbm_budget=carry + hbm, host_budget=host,
+                             link=1e12, rate=1e12, overlap=1, reserve=lambda *_: 0).recipe
 
     assert chosen(every, 1).device == (measure.CARRY,) + pair and not chosen(every, 1).resolve().lead
+    # without group_keep the first layer's pair saves more per byte than every layer's, and is placed first: every
+    # layer's, placed after it, takes its place
+    roomy = chosen(2 * every, 1, (1, 2, (), 1))
+    assert set(pair) <= set(roomy.device) and not roomy.resolve().lead
     r = chosen(every // 2, 1)
     assert (r.lead_device, r.lead_offload, r.group_keep) == (pair, (), pair)
     assert chosen(every // 4, every // 2 + 1).lead_offload == pair

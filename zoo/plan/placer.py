@@ -194,8 +194,28 @@ class _Placer:
 
     def place(self, unit, value: float, how: Literal["", "together", "pair"] = "") -> None:
         """Keep `unit` in HBM if it fits, else offload it if that pays and fits the host budget (never a tag made
-        inside sequence tiles), else recompute it."""
+        inside sequence tiles), else recompute it. Where every layer keeps a unit a group's first layer kept
+        already, the first layer's copy is given back first (and kept where the unit is recomputed)."""
         unit = tuple(unit)
+        before = (self.placement, self.hbm_left, self.host_used)
+        self._give_back(tuple(role_name(t, LEAD) for t in unit))
+        self._decide_on(unit, value, how)
+        if self.decisions[-1].why in ("recomputed", "tiled"):
+            self.placement, self.hbm_left, self.host_used = before
+
+    def _give_back(self, lead: tuple[str, ...]) -> None:
+        """Take the unit `lead` (a group's first layer's tags) out of the placement, its bytes back to the budgets."""
+        size = self.model.total(lead)
+        if lead in self.placement.offload:
+            self.placement = dataclasses.replace(self.placement,
+                                                 offload=tuple(u for u in self.placement.offload if u != lead))
+            self.host_used -= size
+        elif lead and all(t in self.placement.device for t in lead):
+            self.placement = dataclasses.replace(self.placement,
+                                                 device=tuple(t for t in self.placement.device if t not in lead))
+            self.hbm_left += size
+
+    def _decide_on(self, unit: tuple[str, ...], value: float, how) -> None:
         size = self.model.total(unit)
         fits = size <= self.hbm_left
         self.pressed |= not fits
