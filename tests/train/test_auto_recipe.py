@@ -38,6 +38,13 @@ def test_a_smaller_budget_keeps_less_in_hbm():
     assert isinstance(roomy, zoo.Recipe) and set(tight.device) < set(roomy.device)
 
 
+def test_the_chosen_recipe_in_words_names_what_a_groups_first_layer_keeps():
+    pair = ("attention_out", "context")
+    r = zoo.Recipe("auto", device=("decoder_layer_input",), group=4, group_keep=pair, lead_offload=pair)
+    assert fit.summary(r) == ("keeps [decoder_layer_input] in HBM, offloads [none], the first layer of each group "
+                              "offloads [attention_out, context], recomputes every other tag")
+
+
 def test_the_main_job_trains_with_recipe_auto(capsys):
     rc = train.main(["--recipe", "auto", "--steps", "2", "--batch", "2", "--seq", "16", "--set", "num_layers=1",
                      "--hbm-limit", "1", "--link", "10", "--peak-tflops", "1", "--log-every", "1",

@@ -235,8 +235,11 @@ def choose(model_cfg, ins: Inputs, *, batch: int, seq: int, training: zoo.plan.T
 
 
 def summary(recipe: zoo.Recipe) -> str:
-    """The chosen recipe in words: the tags kept in HBM, those offloaded, and that the rest are recomputed."""
+    """The chosen recipe in words: the tags kept in HBM, those offloaded (and what the first layer of each group keeps
+    or offloads beside), and that the rest are recomputed."""
     names = recipe.resolve()
     kept = ", ".join(names.device) or "none"
     sent = ", ".join(names.offload) or "none"
-    return f"keeps [{kept}] in HBM, offloads [{sent}], recomputes every other tag"
+    first = "".join(f", the first layer of each group {verb} [{', '.join(tags)}]"
+                    for verb, tags in (("keeps", names.lead_device), ("offloads", names.lead_offload)) if tags)
+    return f"keeps [{kept}] in HBM, offloads [{sent}]{first}, recomputes every other tag"
