@@ -63,8 +63,14 @@ def test_a_groups_first_layer_names_its_tags_apart_and_the_policies_keep_them():
         jaxpr = jax.make_jaxpr(lambda x: tags.name(x, "context"))(jnp.ones(3))
     assert tags.current_role() == "" and "name=context@lead" in str(jaxpr)
     assert tags.split_name("context@lead") == ("context", "lead") and tags.split_name("context") == ("context", "")
-    lead = r.lead_policy()
-    assert lead.saveable_names == {"key_proj@lead", "decoder_layer_input@lead", "attention_out@lead", "context@lead"}
+
+    def first_layer(x):
+        with tags.role(tags.LEAD):
+            k = tags.name(jnp.sin(x @ W), "key_proj")
+            return jnp.sum(jnp.sin(tags.name(jnp.sin(k), "query_proj")))
+
+    res = measure.residuals(jax.checkpoint(first_layer, policy=r.lead_policy()), X)
+    assert [(res.tag, res.host) for res in res if res.tag] == [("key_proj@lead", False)]
     assert zoo.Recipe("g", offload=("decoder_layer_input",), group=4).lead_policy() is None
 
 
