@@ -278,9 +278,8 @@ class Stack(nnx.Module):
                  lead_policy=None) -> tuple[Callable, Any]:
         """(f, abstract state): one layer (`group` > 1: one group of that many layers, its state [group, ...], each
         layer under `layer_policy`, default `policy`, in subgroups of `subgroup`, the first under `lead_policy` where
-        given) as a pure function f(state, x) ->
-        (x, aux), rematerialized under the checkpoint `policy` as the scan runs it (None: not rematerialized), its
-        per-position parts in `tiles` sequence tiles."""
+        given) as a pure function f(state, x) -> (x, aux), rematerialized under the checkpoint `policy` as the scan
+        runs it (None: not rematerialized), its per-position parts in `tiles` sequence tiles."""
         graphdef, state = self.abstract_layer()
         if group > 1:
             state = jax.tree.map(lambda a: jax.ShapeDtypeStruct((group,) + a.shape, a.dtype), state)

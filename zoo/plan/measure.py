@@ -200,10 +200,9 @@ def stack_residuals(model, stack_name: str, batch: int, seq: int, policy, *, gro
                     lead_policy=None) -> tuple[int, int, int]:
     """What JAX saves for the scanned stack `stack_name` under `policy` (`group` layers per rematerialized body, in
     subgroups of `subgroup`, `tiles` sequence tiles, each group's first layer under `lead_policy`), for a [batch, seq]
-    input: (device bytes stacked over the
-    layers, host bytes stacked over the layers, device bytes hoisted out of the scan). Constants and views of the
-    parameters are left out. `carry`: where the recipe keeps the layer input ("device": a stack run without a scan
-    counts its input, the body's argument, as saved on the device)."""
+    input: (device bytes stacked over the layers, host bytes stacked over the layers, device bytes hoisted out of the
+    scan). Constants and views of the parameters are left out. `carry`: where the recipe keeps the layer input
+    ("device": a stack run without a scan counts its input, the body's argument, as saved on the device)."""
     stack = model.stacks()[stack_name]
     graphdef, state = nnx.split(stack)
     state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
@@ -369,8 +368,8 @@ class LayerCost:
         before its last subgroup (k - s of k, s = 1 for two levels) and each subgroup's for every layer before its
         last (s - 1 of s): a checkpoint's last layers make only its output, which the backward pass does not read
         (the compiled step's attention calls count this way: docs/internals.md). A group's first layer keeping the
-        pair between the passes (`lead`) runs it in neither, and the group's recompute then runs it for the layers
-        between the first and the last."""
+        pair between the passes (a `lead` name in `saved`) runs it in neither, and the group's recompute runs it for
+        the layers after the first (but the last, where they do not keep the pair)."""
         a, k, s = self.attention_flops, self.group, self.subgroup
         tiles = a if self._query_tiles > 1 else 0
         if ATTENTION_RESIDUALS <= saved:
