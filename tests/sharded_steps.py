@@ -170,6 +170,15 @@ def llama():
                         {"tensor<8x16x4x16xf32>": "[fsdp,,tp,]", "tensor<8x16x2x16xf32>": "[fsdp,,tp,]"}),
                        ("dp=4,tp=2", {"tensor<8x16x4x16xf32>": "[dp,,tp,]", "tensor<8x16x2x16xf32>": "[dp,,tp,]"})]:
         compare(spec, sharded(zoo.models.llama3, cfg, recipe, spec, tokens, host), ref)
+    # each group's first layer offloading the kernel's pair: its output [8,16,4,16] and statistics [8,4,16] leave as
+    # batch/heads-sharded values, one layer in two
+    cfg = dataclass_replace(cfg, num_layers=4)
+    pair = ("attention_out", "context")
+    recipe = zoo.Recipe("lead", device=("decoder_layer_input",), group=2, group_keep=pair, lead_offload=pair)
+    ref = one_device(zoo.models.llama3(cfg, recipe=recipe, rngs=nnx.Rngs(0)), tokens)
+    compare("fsdp=4,tp=2 lead_offload", sharded(zoo.models.llama3, cfg, recipe, "fsdp=4,tp=2", tokens,
+                                                {"tensor<8x16x4x16xf32>": "[fsdp,,tp,]",
+                                                 "tensor<8x4x16xf32>": "[fsdp,tp,]"}), ref)
 
 
 def deepseek():

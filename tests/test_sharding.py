@@ -186,8 +186,9 @@ def run_8(case: str) -> str:
 @pytest.mark.slow   # the main job's mesh runs in tests/train/test_mesh_train.py compare the same
 @pytest.mark.multidevice
 def test_llama_sharded_training_step_equals_one_device():
-    """fsdp=8, fsdp=4 x tp=2, dp=4 x tp=2 under qkv_offload: loss and gradients as on one device, parameters on the
-    rules' shardings (never whole on one device), q/k/v offloaded as batch/heads-sharded values."""
+    """fsdp=8, fsdp=4 x tp=2, dp=4 x tp=2 under qkv_offload, and fsdp=4 x tp=2 with each group's first layer
+    offloading the attention kernel's pair: loss and gradients as on one device, parameters on the rules' shardings
+    (never whole on one device), the offloaded tensors as batch/heads-sharded values."""
     print(run_8("llama"))
 
 
