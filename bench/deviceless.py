@@ -137,12 +137,23 @@ def cudnn_calls(hlo_text: str) -> tuple[int, int]:
     return len(calls) - backward, backward
 
 
+def programs(compiled) -> tuple:
+    """The compiled programs of a step: the step's own, or both of a step run as two (`zoo.two_programs`).
+
+    Args:
+        compiled: a compiled training step (`zoo.train_step.compile_abstract`'s first value).
+
+    Returns:
+        the compiled programs, in the order they run.
+    """
+    return (compiled.first, compiled.second) if hasattr(compiled, "first") else (compiled,)
+
+
 def peak_and_workspace(compiled) -> tuple[int, int]:
     """(XLA's peak of a step compiled here, the largest cuDNN workspace of its programs), in bytes: the step's peak on
     the H200 is at most their sum. A step run as two programs (`zoo.two_programs`) has both read."""
     from zoo.two_programs import peak_bytes
-    programs = (compiled.first, compiled.second) if hasattr(compiled, "first") else (compiled,)
-    return peak_bytes(compiled.memory_analysis()), max(cudnn_workspace(p.as_text()) for p in programs)
+    return peak_bytes(compiled.memory_analysis()), max(cudnn_workspace(p.as_text()) for p in programs(compiled))
 
 
 @contextlib.contextmanager
@@ -244,7 +255,7 @@ def main():
                                         training=dataclasses.replace(training, loss_chunk=est.loss_chunk))[0]
             ma = step.memory_analysis()
             without, workspace = peak_and_workspace(step)
-            forward, backward = cudnn_calls((step.first if hasattr(step, "first") else step).as_text())
+            forward, backward = cudnn_calls("\n".join(p.as_text() for p in programs(step)))
             emit(dict(bench="plan-probe", impl="zoo", recipe=name, backend=None, gpus=1, B=1, S=seq, L=cfg.num_layers,
                       step_s=None, tflops=None, peak_gib=None, dropped=0,
                       planned_peak_gib=round((without + workspace) / 2**30, 2),
