@@ -159,7 +159,6 @@ class Recipe:
             raise ValueError(f"Recipe {self.name!r}: {both} placed both on device and offloaded; a tag has one "
                              f"placement. The vocabulary is: {tags_lib.vocabulary()}")
         self._check_lead(r)
-        keep = r.group_keep
         for group in TOGETHER:
             kept = [t for t in group if t in r.offload or t in r.device]
             if kept and len(kept) < len(group):
@@ -168,16 +167,22 @@ class Recipe:
                                  f"only pay together (the attention kernel's backward reads both, so keeping one "
                                  f"still runs the attention forward again); keep {missing} too (on device or "
                                  f"offloaded), or neither")
-            inner = [t for t in group if t in keep or t in kept]
+        self._whole("group_keep keeps", set(r.group_keep + r.offload + r.device))
+
+    def _whole(self, who: str, tags) -> None:
+        """ValueError where `tags` hold part of a group of tags that only pay together (`TOGETHER`), naming `who`
+        holds it."""
+        for group in TOGETHER:
+            inner = [t for t in group if t in tags]
             if 0 < len(inner) < len(group):
-                raise ValueError(f"Recipe {self.name!r}: group_keep keeps {inner} but not "
+                raise ValueError(f"Recipe {self.name!r}: {who} {inner} but not "
                                  f"{[t for t in group if t not in inner]}: {' and '.join(group)} only pay together")
 
     def _check_lead(self, r: ResolvedRecipe) -> None:
         """ValueError unless the lead tags (`lead_device`, `lead_offload`) have a group's first layer to serve: a
         two-level group, tags no layer keeps already, the kernel's pair whole."""
         lead = r.lead
-        if not (self.lead_device or self.lead_offload):
+        if not lead:
             return
         if self.special is not None or self.group == 1 or self.subgroup > 1:
             got = f"special={self.special!r}" if self.special else f"group={self.group}, subgroup={self.subgroup}"
@@ -191,11 +196,7 @@ class Recipe:
                              + ("placed both in HBM and offloaded; a tag has one placement" if both else
                                 "kept by every layer already (device or offload); lead tags are for the first "
                                 "layer of each group alone"))
-        for group in TOGETHER:
-            inner = [t for t in group if t in lead]
-            if 0 < len(inner) < len(group):
-                raise ValueError(f"Recipe {self.name!r}: the lead layer keeps {inner} but not "
-                                 f"{[t for t in group if t not in inner]}: {' and '.join(group)} only pay together")
+        self._whole("the lead layer keeps", lead)
 
     def resolve(self, emitted: Iterable[str] | None = None, where: str = "the model") -> ResolvedRecipe:
         """The tag names this recipe offloads and keeps on the device: over the whole vocabulary, or, given the

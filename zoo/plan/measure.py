@@ -435,7 +435,7 @@ def working_bytes(model, stack_name: str, batch: int, seq: int, recipe: Recipe, 
         fn, state = stack.layer_fn(group=group, tiles=recipe.seq_tiles, layer_policy=recipe.layer_policy(),
                                    lead_policy=recipe.lead_policy())
         # the first layer's tags as it names them: what it keeps between the passes the plan counts
-        lead = {tags_lib.role_name(t, tags_lib.LEAD) for t in kept | set(recipe.resolve().lead)}
+        lead = {tags_lib.role_name(t, LEAD) for t in kept | set(recipe.resolve().lead)}
         held, more = _remade(fn, state, x, kept | lead)
         if recipe.subgroup > 1:
             # three levels: the group's recompute keeps its subgroups' inputs, not its layers' (JAX lists what the
