@@ -101,6 +101,16 @@ def test_query_tiles_stream_to_the_same_numbers():
     _check_same_step("llama3", zoo.Recipe("carry", offload=("decoder_layer_input",), group=2), attention_tiles=4)
 
 
+@pytest.mark.slow
+def test_a_groups_first_layer_offloading_the_pair_streams_to_the_same_numbers():
+    """Llama's 4 layers in groups of 2 (a scan of two groups), the layer input in HBM, each group's first layer
+    offloading the kernel's pair (the structure `auto` chooses at 524,288 tokens with streamed parameters): the
+    streamed step is the step with the parameters in HBM."""
+    pair = ("attention_out", "context")
+    _check_same_step("llama3", zoo.Recipe("lead", device=("decoder_layer_input",), group=2, group_keep=pair,
+                                          lead_offload=pair), num_layers=4)
+
+
 @pytest.mark.slow   # the default set streams Llama's
 @pytest.mark.parametrize("name", FAMILIES)
 def test_every_family_streams_to_the_same_numbers(name):
