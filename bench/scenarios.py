@@ -305,14 +305,14 @@ SCENARIOS: dict[str, Scenario] = {
     "million-compile": Scenario(
         "1,048,576 tokens compiled for one H200, nothing run: all 32 layers of the 8B, batch 1, AdamW's state and the "
         "float32 master on the host, the bf16 parameters streamed a layer at a time (--params stream), attention "
-        "over 16 query tiles (attention_tiles) with cuDNN's kernel, under auto's structure at that length (groups of "
-        "8, each group's input on the host, 32 sequence tiles, every other tag recomputed), then the same in "
-        "subgroups of 4 (three-level checkpoints); the compiled peak HBM and host bytes beside the plan's, and the "
+        "over 16 query tiles (attention_tiles) with cuDNN's kernel, under auto (at that length groups of "
+        "8, each group's input on the host, 32 sequence tiles, every other tag recomputed), then the same structure "
+        "in subgroups of 4 (three-level checkpoints); the compiled peak HBM and host bytes beside the plan's, and the "
         "plan's step time",
-        (probe(("carry:32:8", "carry:32:8:4"), seq=1048576, est=180, timeout=500,
+        (probe(("auto", "carry:32:8:4"), seq=1048576, est=180, timeout=500,
                extra=("--params", "stream", "--attention-tiles", "16", "--attention-impl", "cudnn"),
                env={**LONG_ENV, "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "120"},
-               name="plan-probe-1024K-carry8-stream-qt16"),
+               name="plan-probe-1024K-auto-stream-qt16"),
          )),
     "longest-context-128k-2": Scenario(
         "all 32 layers of the 8B at 128K under auto, two steps (the record times the second): the shortest check of "
