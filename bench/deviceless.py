@@ -10,11 +10,12 @@ GPU or a driver:
 
 Two things the GPU's compile has and this one lacks:
 - cuDNN sizes its attention calls' workspaces only on a GPU; here XLA gives them 0 bytes. `cudnn_workspace` prices
-  the largest from the compiled calls' shapes, and the record's peak adds it whole (`planned_peak_gib`, an upper
-  bound: XLA may place the workspace where nothing else lives while it runs).
+  the largest from the compiled calls' shapes, and the record's peak adds it whole (`planned_peak_gib`).
 - autotuning: XLA takes its default kernels.
-Compiled this way, the step at 1,048,576 tokens of commit ef2a5cd gives 140.5 GiB without workspaces and 157.5 GiB with
-the largest (17.0 GiB), against 156.4 GiB compiled on the H200 (bench/results/million-compile_2026-12-04.jsonl).
+So the record's peak is not a bound on the GPU's own compile. The step at 1,048,576 tokens of commit ef2a5cd gives
+140.5 GiB without workspaces and 157.5 GiB with the largest (17.0 GiB), against 156.4 GiB compiled on the H200
+(bench/results/million-compile_2026-12-04.jsonl); `auto`'s step there at commit 0e7fb33 gives 119.1 GiB here and
+125.3 GiB on the H200 (bench/results/million-compile_2026-12-05.jsonl).
 """
 from __future__ import annotations
 
@@ -150,8 +151,8 @@ def programs(compiled) -> tuple:
 
 
 def peak_and_workspace(compiled) -> tuple[int, int]:
-    """(XLA's peak of a step compiled here, the largest cuDNN workspace of its programs), in bytes: the step's peak on
-    the H200 is at most their sum. A step run as two programs (`zoo.two_programs`) has both read."""
+    """(XLA's peak of a step compiled here, the largest cuDNN workspace of its programs), in bytes: their sum is this
+    tool's figure for the step's peak on the H200 (not a bound: see the module docstring). A step run as two programs (`zoo.two_programs`) has both read."""
     from zoo.two_programs import peak_bytes
     return peak_bytes(compiled.memory_analysis()), max(cudnn_workspace(p.as_text()) for p in programs(compiled))
 

@@ -100,26 +100,32 @@ def test_auto_compiled_over_the_budget_is_planned_again_for_a_lower_one(monkeypa
     that is below the budget less the excess. Here a step planned for the whole budget of 6 GiB compiles 3 GiB over
     its estimate of 1 GiB per 1,024 positions, one planned for less only 1 GiB over. So 4,096 fits on its second plan
     (for 2.5 GiB: 6 - 3 - 0.5; the excess alone would give 4.5), and 8,192 on none; a recipe given is compiled once
-    per length."""
+    per length. Each plan again keeps the loss chunk the first compile of its length chose (the planner's own choice
+    for the loss chunk "auto" here: seq / 8), as a run does: a shorter chunk would lower the estimate, not the
+    compiled peak."""
     from types import SimpleNamespace
 
     from zoo.plan import longest
 
-    compiled = []
+    compiled, chunks = [], []
 
-    def fake_plan(cfg, recipe, *, seq, peak, hardware, **_):
+    def fake_plan(cfg, recipe, *, seq, peak, hardware, training, **_):
         estimate = peak in ("estimate", None)
         peak_gib = seq / 1024 + (0 if estimate else 3 if hardware.hbm_gib >= 6 else 1)
+        chunk = seq // 8 if training.loss_chunk == "auto" else training.loss_chunk
         if not estimate:
             compiled.append((seq, hardware.hbm_gib))
+            chunks.append((seq, training.loss_chunk))
         return SimpleNamespace(peak_bytes=int(peak_gib * GiB), host_total=0, recipe=str(recipe),
-                               peak_source="estimate" if estimate else "compiled for cpu",
+                               peak_source="estimate" if estimate else "compiled for cpu", loss_chunk=chunk,
                                state=SimpleNamespace(total=0, host=0))
 
     monkeypatch.setattr(longest, "plan", fake_plan)
-    found = longest.longest_seq(TINY, "auto", hardware=Hardware(hbm_gib=6.0), peak="compile", cap=16384)
+    found = longest.longest_seq(TINY, "auto", hardware=Hardware(hbm_gib=6.0), peak="compile", cap=16384,
+                                training=zoo.plan.Training(loss_chunk="auto"))
     assert found.seq == 4096
     assert compiled[:2] == [(4096, 6.0), (4096, 2.5)] and [s for s, _ in compiled[2:]] == [8192, 8192]
+    assert chunks == [(4096, "auto"), (4096, 512), (8192, "auto"), (8192, 1024)]
     assert "    4096     5.0 GiB" in found.render()   # the length's row is the plan that fits
     compiled.clear()
     given = longest.longest_seq(TINY, zoo.Recipe.full(), hardware=Hardware(hbm_gib=6.0), peak="compile", cap=16384)

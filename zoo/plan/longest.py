@@ -156,19 +156,23 @@ def longest_seq(cfg, recipe: Recipe | str, *, batch: int = 1, hardware: Hardware
 
     def fits(seq: int, mode: str) -> bool:
         """Whether the step at `seq` fits; "auto" whose compiled step is over the HBM budget is planned again for
-        a lower budget (`zoo.plan.fitting.lowered`), as a run fits it (`zoo.plan.fit`), `ATTEMPTS` times at most."""
+        a lower budget (`zoo.plan.fitting.lowered`) with the loss chunk it compiled, as a run fits it
+        (`zoo.plan.fit`), `ATTEMPTS` times at most."""
         if mode != "estimate" and hopeless(seq):
             return False
-        chosen_for = hardware
+        chosen_for, held = hardware, training
         for _ in range(ATTEMPTS):
-            p = plan(cfg, recipe, batch=batch, seq=seq, hardware=chosen_for, training=training, peak=mode)
+            p = plan(cfg, recipe, batch=batch, seq=seq, hardware=chosen_for, training=held, peak=mode)
             ok = p.peak_bytes <= hbm and p.host_total <= host
             tried.append(TriedSeq(seq, int(p.peak_bytes), int(p.host_total), str(p.recipe), p.peak_source, ok))
             if progress is not None:
                 progress(tried[-1])
             if ok or recipe != "auto" or "estimate" in p.peak_source or p.host_total > host:
                 return ok
-            estimated = plan(cfg, p.recipe, batch=batch, seq=seq, hardware=chosen_for, training=training,
+            # a run keeps the loss chunk it compiled while it plans "auto" again (`zoo.plan.fit`): a shorter chunk
+            # lowers the estimate, not a compiled peak the loss is not part of, so the structure must change
+            held = dataclasses.replace(held, loss_chunk=p.loss_chunk)
+            estimated = plan(cfg, p.recipe, batch=batch, seq=seq, hardware=chosen_for, training=held,
                              peak="estimate").peak_bytes
             less = lowered(chosen_for.hbm_gib, p.peak_bytes, hbm, estimated)
             if less is None:
