@@ -281,3 +281,24 @@ def test_two_level_groups_compile_to_fewer_temporaries_than_one_level():
 
     for recipe in (zoo.Recipe("ctx", device=CONTEXT, group=4), zoo.Recipe.full(group=4)):
         assert temporaries(recipe, recipe.layer_policy()) < 0.6 * temporaries(recipe, None), recipe.name
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_the_forward_pass_leaves_the_stacks_parameters_the_ones_it_was_given(group):
+    """After the stack runs, its layers hold the very arrays they held before (the traced function returns its input
+    variables unchanged), not the stacked state `nnx.scan` returns: were they that output, everything after the
+    forward pass (the optimizer's update) would read a copy of every layer's parameters, held in HBM from the forward
+    pass to the update."""
+    from zoo.layers import MLP
+
+    stack = stack_lib.Stack(lambda rngs: MLP(dim=8, hidden=16, rngs=rngs), num_layers=4, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(stack)
+
+    def forward(state, x):
+        s = nnx.merge(graphdef, state)
+        s(x, jax.checkpoint_policies.nothing_saveable, group=group)
+        return nnx.state(s)
+
+    jaxpr = jax.make_jaxpr(forward)(state, jnp.ones((2, 4, 8))).jaxpr
+    n = len(jax.tree.leaves(state))
+    assert len(jaxpr.outvars) == n and all(o is i for o, i in zip(jaxpr.outvars, jaxpr.invars[:n]))
