@@ -152,7 +152,8 @@ def programs(compiled) -> tuple:
 
 def peak_and_workspace(compiled) -> tuple[int, int]:
     """(XLA's peak of a step compiled here, the largest cuDNN workspace of its programs), in bytes: their sum is this
-    tool's figure for the step's peak on the H200 (not a bound: see the module docstring). A step run as two programs (`zoo.two_programs`) has both read."""
+    tool's figure for the step's peak on the H200 (not a bound: see the module docstring). A step run as two
+    programs (`zoo.two_programs`) has both read."""
     from zoo.two_programs import peak_bytes
     return peak_bytes(compiled.memory_analysis()), max(cudnn_workspace(p.as_text()) for p in programs(compiled))
 
