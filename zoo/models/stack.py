@@ -184,7 +184,7 @@ def scannable(modules: nnx.Module) -> nnx.Module:
     `nnx.scan` returns the state of every module it scans over, stacked, and writes it back into that module. Were
     it the stack's own layers, everything after the forward pass (the optimizer's update among it) would read the
     layers' parameters from that output: a copy of every layer's parameters, written a layer at a time and held from
-    the forward pass to the update (for the 8B, 14 GiB of HBM at any length). Dropping it loses nothing: the layers'
+    the forward pass to the update (for the 8B, 13 GiB of HBM at any length). Dropping it loses nothing: the layers'
     forward pass reads its variables and never writes them (a router's bias is moved after the step,
     `zoo.layers.moe.update_routing_bias`). It is also how a variable of an enclosing trace, which cannot be written
     here, is scanned.
